@@ -1,0 +1,89 @@
+"""Errors that carry data and render themselves (style habit 4).
+
+Library code raises these; only `cli.py` turns them into a one-line message and an exit code.
+Anything else that escapes is a bug and shows a traceback only under `--debug`.
+"""
+from __future__ import annotations
+
+# Exit codes in one place (contract "Commands").
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_RUN_FAILED = 100
+EXIT_RUN_RUNNING = 101
+EXIT_NOT_FOUND = 102
+EXIT_RUN_STOPPED = 103
+
+
+class OpsError(Exception):
+    """Base of every expected failure. `str(err)` is the one line a user sees."""
+
+    exit_code = EXIT_FAILED
+
+    def render(self) -> str:
+        return str(self)
+
+
+class UsageError(OpsError):
+    """Bad input from the user: options, files, names."""
+
+    exit_code = EXIT_USAGE
+
+
+class InventoryError(UsageError):
+    def __init__(self, file: str, line: int | None, key: str | None, message: str):
+        self.file, self.line, self.key, self.message = file, line, key, message
+        where = file if line is None else f"{file}:{line}"
+        super().__init__(f"{where}: {key + ': ' if key else ''}{message}")
+
+
+class NotFound(OpsError):
+    exit_code = EXIT_NOT_FOUND
+
+
+class ConnectError(OpsError):
+    """Could not reach a host (DNS, refused, timeout, auth)."""
+
+    def __init__(self, host: str, reason: str):
+        self.host, self.reason = host, reason
+        super().__init__(f"{host}: cannot connect: {reason}")
+
+
+class HostKeyError(ConnectError):
+    """The host's key is unknown or changed: we never accept it silently."""
+
+    def __init__(self, host: str, reason: str):
+        ConnectError.__init__(self, host, reason)
+        self.args = (f"{host}: {reason}",)
+
+
+class ConnectionLost(OpsError):
+    def __init__(self, host: str, detail: str = "connection dropped"):
+        self.host = host
+        super().__init__(f"{host}: {detail}")
+
+
+class ContainerError(OpsError):
+    """pct refused: the container is stopped, unknown, or pct itself is missing."""
+
+    def __init__(self, target: str, vmid: int, message: str):
+        self.target, self.vmid, self.message = target, vmid, message
+        super().__init__(f"{target}: container {vmid}: {message}")
+
+
+class StepFailed(OpsError):
+    def __init__(self, target: str, command: str, exit_code: int, stderr_tail: str = ""):
+        self.target, self.command, self.exit_code_remote = target, command, exit_code
+        self.stderr_tail = stderr_tail
+        tail = stderr_tail.strip().splitlines()[-1:] if stderr_tail else []
+        detail = f": {tail[0]}" if tail else ""
+        super().__init__(f"{target}: {command} exited {exit_code}{detail}")
+
+
+class TargetsFailed(OpsError):
+    """A fan-out where some targets failed (style habit 5); results are still reported."""
+
+    def __init__(self, failures: dict[str, str]):
+        self.failures = failures
+        names = ", ".join(sorted(failures))
+        super().__init__(f"failed on {len(failures)} target(s): {names}")
