@@ -1,0 +1,27 @@
+# The two README commands. Each bootstraps the same venv.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# The CPU wheel that lies on disk here; on a machine that already has torch, nothing is replaced.
+TORCH  ?= torch==2.13.0
+
+.PHONY: test demo venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml trainer/requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[train,test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+demo: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/demo.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info

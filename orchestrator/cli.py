@@ -1,0 +1,194 @@
+"""Click only: parse options, call one library function, print its result (style habit 1).
+
+Error families map to exit codes in one place, `main()`; expected failures print one line,
+`--debug` shows the traceback.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from functools import wraps
+
+import click
+
+from . import inventory as inv_mod
+from .errors import EXIT_FAILED, EXIT_OK, OpsError, TargetsFailed
+from .ui import progress_bars, table
+
+CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
+
+
+class State:
+    def __init__(self, inventory: str | None, debug: bool):
+        self.inventory_path, self.debug = inventory, debug
+        self._inv = None
+
+    @property
+    def inv(self) -> inv_mod.Inventory:
+        if self._inv is None:
+            self._inv = inv_mod.load(self.inventory_path)
+        return self._inv
+
+
+def json_option(f):
+    """Every command takes --json: one JSON document on stdout, nothing else there."""
+    return click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")(f)
+
+
+def emit(as_json: bool, doc, text: str) -> None:
+    if as_json:
+        click.echo(json.dumps(doc, indent=2, default=str))
+    else:
+        click.echo(text)
+
+
+@click.group(context_settings=CONTEXT)
+@click.option("-i", "--inventory", metavar="PATH", help="hosts.yaml (default: $DFLASH_OPS_INVENTORY, ./hosts.yaml).")
+@click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+@click.version_option(package_name="dflash-ops")
+@click.pass_context
+def cli(ctx, inventory, debug):
+    """Deploy, probe, launch and follow DFlash drafter training on Proxmox GPU containers."""
+    ctx.obj = State(inventory, debug)
+
+
+# --- targets ---------------------------------------------------------------------------------
+
+@cli.command()
+@click.option("--check", is_flag=True, help="Connect to each target in parallel and report what is there.")
+@click.argument("names", nargs=-1)
+@json_option
+@click.pass_obj
+def targets(state: State, check, names, as_json):
+    """List targets; --check reaches each (container state, python, torch)."""
+    from . import targets as targets_mod
+
+    inv = state.inv
+    if not check:
+        rows = [{"target": t.name, "where": targets_mod.describe(inv, t), "python": t.python,
+                 "workdir": t.workdir, "gpus": t.gpus, "default": t.name == inv.default_target().name}
+                for t in (inv.select(names) if names else inv.targets.values())]
+        emit(as_json, {"targets": rows},
+             table(["TARGET", "WHERE", "GPUS", "WORKDIR", "PYTHON"],
+                   [[r["target"] + (" *" if r["default"] else ""), r["where"], r["gpus"], r["workdir"],
+                     r["python"]] for r in rows]))
+        return
+    checks = targets_mod.check(inv, list(names))
+    emit(as_json, {"targets": {c.target: c.as_json() for c in checks}},
+         table(["TARGET", "OK", "WHERE", "CONTAINER", "PYTHON", "TORCH", "RELEASE", "ERROR"],
+               [[c.target, "yes" if c.ok else "NO", c.where, c.container, c.python, c.torch,
+                 c.release, c.error] for c in checks]))
+    failed = {c.target: c.error or "failed" for c in checks if not c.ok}
+    if failed:
+        raise TargetsFailed(failed)
+
+
+# --- deploy ----------------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("names", nargs=-1, metavar="TARGET...")
+@click.option("--dry-run", is_flag=True, help="List what would change; send nothing.")
+@click.option("--source", metavar="DIR", help="Folder to ship (default: this checkout, else the bundled trainer).")
+@click.option("--install-deps", is_flag=True, help="pip-install the trainer's missing requirements (never torch).")
+@json_option
+@click.pass_obj
+def deploy(state: State, names, dry_run, source, install_deps, as_json):
+    """Sync code into WORKDIR/releases/ID on each target and flip WORKDIR/current atomically."""
+    from . import deploy as deploy_mod
+
+    results = deploy_mod.deploy(state.inv, list(names), source=source, dry_run=dry_run,
+                                install_deps=install_deps,
+                                progress=None if as_json else progress_bars())
+    doc = {"targets": {n: r.as_json() for n, r in results.items()}}
+    lines = []
+    for r in results.values():
+        if not r.ok:
+            lines.append(f"{r.target}: FAILED: {r.error}")
+            continue
+        if r.dry_run:
+            lines.append(f"{r.target}: would send {r.files_sent} file(s) ({_size(r.bytes_sent)}), "
+                         f"delete {r.files_deleted}")
+            lines += [f"  + {p}" for p in r.changed] + [f"  - {p}" for p in r.deleted]
+        elif r.unchanged:
+            lines.append(f"{r.target}: up to date at {r.release} ({r.seconds:.2f} s)")
+        else:
+            lines.append(f"{r.target}: release {r.release}: sent {r.files_sent} file(s) "
+                         f"({_size(r.bytes_sent)}), deleted {r.files_deleted} ({r.seconds:.2f} s)")
+        lines.append(f"  python {r.python}, torch {r.torch or 'not installed'}")
+    emit(as_json, doc, "\n".join(lines))
+    failed = {r.target: r.error for r in results.values() if not r.ok}
+    if failed:
+        raise TargetsFailed(failed)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+# --- scan ------------------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@json_option
+def scan(files, as_json):
+    """Scan saved log files for failure signatures, offline (exit 100 when one is fatal)."""
+    from .scan import scan_files
+    from .errors import EXIT_RUN_FAILED
+
+    doc = scan_files(list(files))
+    lines, fatal = [], False
+    for path, hits in doc["files"].items():
+        for h in hits:
+            fatal |= h["severity"] == "fatal"
+            lines.append(f"{path}:{h['line']}: {h['severity']}: {h['signature']}: {h.get('meaning', '')}")
+            if h.get("remedy"):
+                lines.append(f"    what to do: {h['remedy']}")
+    if not lines:
+        lines.append("no failure signatures found")
+    emit(as_json, doc, "\n".join(lines))
+    if fatal:
+        sys.exit(EXIT_RUN_FAILED)
+
+
+# --- entry point -----------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> None:
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        code = cli.main(args=argv, prog_name="dflash-ops", standalone_mode=False)
+        sys.exit(code or EXIT_OK)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except OpsError as e:
+        if debug:
+            raise
+        click.echo(f"dflash-ops: {e.render()}", err=True)
+        sys.exit(e.exit_code)
+    except BrokenPipeError:
+        # `dflash-ops logs | head`: the reader went away; that is not an error.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(EXIT_OK)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:
+        if debug:
+            raise
+        click.echo(f"dflash-ops: internal error: {type(e).__name__}: {e} (run with --debug for the traceback)",
+                   err=True)
+        sys.exit(EXIT_FAILED)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""`deploy`: incremental, atomic code sync into each target's WORKDIR.
+
+Per target, over one connection: `pct status` (pct targets), one round trip for the live
+release's manifest and the target's python/torch versions, then (only if something changed)
+one tar stream of the changed files into the release agent, which builds the new release from
+the live one plus the changes and flips `WORKDIR/current` atomically.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Callable
+
+from . import fileset
+from .errors import OpsError, StepFailed, UsageError
+from .inventory import Inventory, Target
+from .transport import Session, Transport
+
+Progress = Callable[[str, int], Callable[[int], None]]   # (target, total bytes) -> update(n)
+
+
+def agent_source(name: str = "release_agent.py") -> str:
+    return resources.files("orchestrator.remote").joinpath(name).read_text(encoding="utf-8")
+
+
+def run_agent(t: Transport, target: Target, args: list[str], *, agent: str = "release_agent.py",
+              stdin=None, what: str | None = None, timeout: float | None = None) -> dict:
+    """Run a remote agent with the target's python; its last stdout line is a JSON document."""
+    r = t.run([target.python, "-c", agent_source(agent), *args], stdin=stdin, timeout=timeout)
+    what = what or f"{Path(agent).stem} {args[0]}"
+    err = r.stderr.decode(errors="replace")
+    if r.exit_code in (126, 127) or (r.exit_code == 255 and "No such file" in err):
+        raise StepFailed(target.name, what, r.exit_code,
+                         f"python {target.python!r} not found on the target; set `python:` in hosts.yaml")
+    if r.exit_code != 0:
+        raise StepFailed(target.name, what, r.exit_code, err)
+    lines = r.stdout.decode(errors="replace").strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, ValueError):
+        raise StepFailed(target.name, what, r.exit_code, f"unreadable reply: {r.stdout[-200:]!r}") from None
+
+
+@dataclass(frozen=True)
+class Source:
+    root: Path
+    files: list[str]
+    manifest: dict[str, list]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(m[1] for m in self.manifest.values())
+
+
+def is_checkout(path: Path) -> bool:
+    try:
+        text = (path / "pyproject.toml").read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return 'name = "dflash-ops"' in text and (path / "trainer").is_dir()
+
+
+def load_source(explicit: str | None) -> Source:
+    """contract: --source DIR, else the current directory when it is a dflash-ops checkout,
+    else the installed package's own trainer/."""
+    if explicit:
+        root = Path(explicit).expanduser()
+        if not root.is_dir():
+            raise UsageError(f"--source {explicit}: not a folder")
+        files = fileset.collect(root)
+    elif is_checkout(Path.cwd()):
+        root = Path.cwd()
+        files = fileset.collect(root)
+    else:
+        trainer = Path(resources.files("trainer").joinpath("__init__.py")).parent
+        root = trainer.parent
+        files = [f"trainer/{f}" for f in fileset.collect(trainer)]
+    if not files:
+        raise UsageError(f"nothing to deploy in {root}")
+    return Source(root.resolve(), files, fileset.manifest(root, files))
+
+
+def plan(local: dict[str, list], remote: dict[str, list]) -> tuple[list[str], list[str]]:
+    """(files to send, files that disappear): pure, by content hash and executable bit."""
+    changed = [p for p, m in local.items() if remote.get(p) != m]
+    deleted = [p for p in remote if p not in local]
+    return sorted(changed), sorted(deleted)
+
+
+def release_id(manifest: dict[str, list], now: float | None = None) -> str:
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:8]
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime(now)) + "-" + digest
+
+
+def build_tar(source: Source, changed: list[str]):
+    """The changed files plus the full manifest as one uncompressed tar (spooled to disk past 64 MiB)."""
+    spool = tempfile.SpooledTemporaryFile(max_size=64 << 20)
+    with tarfile.open(fileobj=spool, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        for rel in changed:
+            info = tar.gettarinfo(str(source.root / rel), arcname=rel)
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            with open(source.root / rel, "rb") as f:
+                tar.addfile(info, f)
+        data = json.dumps(source.manifest).encode()
+        info = tarfile.TarInfo(fileset.MANIFEST_NAME)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    size = spool.tell()
+    spool.seek(0)
+    return spool, size
+
+
+class _Counting:
+    def __init__(self, f, update: Callable[[int], None] | None):
+        self.f, self.update = f, update
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        if data and self.update:
+            self.update(len(data))
+        return data
+
+
+@dataclass
+class TargetResult:
+    target: str
+    ok: bool = False
+    release: str | None = None
+    previous: str | None = None
+    files_sent: int = 0
+    bytes_sent: int = 0
+    files_deleted: int = 0
+    unchanged: bool = False
+    dry_run: bool = False
+    python: str | None = None
+    torch: str | None = None
+    changed: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    pruned: list[str] = field(default_factory=list)
+    deps: dict | None = None
+    seconds: float = 0.0
+    error: str | None = None
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+def deploy_target(session: Session, target: Target, source: Source, *, dry_run: bool = False,
+                  install_deps: bool = False, progress: Progress | None = None) -> TargetResult:
+    start = time.monotonic()
+    res = TargetResult(target.name, dry_run=dry_run)
+    t = session.transport(target)
+    live = run_agent(t, target, ["manifest", target.workdir], what="read the live release")
+    res.python, res.torch, res.previous = live["python"], live["torch"], live["release"]
+    changed, deleted = plan(source.manifest, live["manifest"] if live["release"] else {})
+    res.changed, res.deleted = changed, deleted
+    res.files_deleted = len(deleted)
+    res.bytes_sent = sum(source.manifest[p][1] for p in changed)
+    res.files_sent = len(changed)
+    if dry_run:
+        res.release, res.ok = live["release"], True
+    elif live["release"] and not changed and not deleted:
+        res.release, res.unchanged, res.ok = live["release"], True, True
+    else:
+        rid = release_id(source.manifest)
+        spool, size = build_tar(source, changed)
+        update = progress(target.name, size) if progress else None
+        with spool:
+            out = run_agent(t, target, ["apply", target.workdir, rid], stdin=_Counting(spool, update),
+                            what="build the release")
+        res.release, res.pruned, res.ok = out["release"], out["pruned"], True
+    if install_deps and not dry_run:
+        res.deps = run_agent(t, target, ["install-deps", target.workdir], what="install requirements")
+    res.seconds = round(time.monotonic() - start, 3)
+    return res
+
+
+def deploy(inventory: Inventory, names: list[str], *, source: str | None = None, dry_run: bool = False,
+           install_deps: bool = False, progress: Progress | None = None,
+           session: Session | None = None) -> dict[str, TargetResult]:
+    """Deploy to every named target in parallel; one result per target (style habit 5)."""
+    targets = inventory.select(names)
+    src = load_source(source)
+    own = session is None
+    session = session or Session(inventory)
+
+    def one(target: Target) -> TargetResult:
+        try:
+            return deploy_target(session, target, src, dry_run=dry_run, install_deps=install_deps,
+                                 progress=progress)
+        except OpsError as e:
+            return TargetResult(target.name, error=e.render())
+
+    try:
+        with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
+            results = list(pool.map(one, targets))
+    finally:
+        if own:
+            session.close()
+    return {r.target: r for r in results}

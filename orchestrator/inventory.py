@@ -1,0 +1,305 @@
+"""hosts.yaml -> frozen, typed objects, validated once at load (style habit 3).
+
+Every error names the file, the line and the key, and suggests a near-miss spelling.
+The built-in target `local` exists even without a file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import yaml
+
+from .errors import InventoryError, UsageError
+
+LOCAL = "local"
+ENV_VAR = "DFLASH_OPS_INVENTORY"
+
+
+@dataclass(frozen=True)
+class Host:
+    """A machine reached over SSH (a Proxmox node or a plain host)."""
+
+    name: str
+    address: str
+    user: str = "root"
+    port: int = 22
+    identity_file: str | None = None
+    known_hosts: str | None = None
+    jump: str | None = None
+    pct: str = "/usr/sbin/pct"
+    connect_timeout: float = 10.0
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where code is deployed and training runs."""
+
+    name: str
+    host: str | None = None          # None: this machine
+    vmid: int | None = None          # None: the host itself, no pct
+    python: str = "python3"
+    workdir: str = "/root/dflash"
+    gpus: int = 0
+    expect: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def is_local(self) -> bool:
+        return self.host is None and self.vmid is None
+
+
+@dataclass(frozen=True)
+class Inventory:
+    path: str | None
+    hosts: Mapping[str, Host]
+    targets: Mapping[str, Target]
+    default: str | None = None
+
+    def target(self, name: str) -> Target:
+        try:
+            return self.targets[name]
+        except KeyError:
+            raise UsageError(f"unknown target {name!r}{_did_you_mean(name, self.targets)}"
+                             f" (known: {', '.join(sorted(self.targets))})") from None
+
+    def default_target(self) -> Target:
+        """contract: `default:`, else the only target the file defines, else `local`."""
+        if self.default:
+            return self.target(self.default)
+        defined = [n for n in self.targets if n != LOCAL]
+        if len(defined) == 1:
+            return self.targets[defined[0]]
+        return self.targets[LOCAL]
+
+    def select(self, names: tuple[str, ...] | list[str]) -> list[Target]:
+        if not names:
+            return [self.default_target()]
+        seen: dict[str, Target] = {}
+        for n in names:
+            seen.setdefault(n, self.target(n))
+        return list(seen.values())
+
+    def host_chain(self, host: Host) -> list[Host]:
+        """The jump hosts to cross before `host`, outermost first."""
+        chain: list[Host] = []
+        h = host
+        while h.jump:
+            h = self.hosts[h.jump]
+            chain.insert(0, h)
+        return chain
+
+
+def local_target() -> Target:
+    """The built-in `local` target: this machine, the controller's own python."""
+    home = Path(os.environ.get("DFLASH_OPS_HOME", Path.home() / ".dflash-ops"))
+    return Target(name=LOCAL, python=sys.executable, workdir=str(home / "local"),
+                  gpus=_local_gpu_count())
+
+
+def _local_gpu_count() -> int:
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def find_path(explicit: str | None) -> Path | None:
+    """contract: --inventory/-i, else $DFLASH_OPS_INVENTORY, else ./hosts.yaml (if it exists)."""
+    if explicit:
+        return Path(explicit)
+    if os.environ.get(ENV_VAR):
+        return Path(os.environ[ENV_VAR])
+    p = Path("hosts.yaml")
+    return p if p.exists() else None
+
+
+def load(explicit: str | None = None) -> Inventory:
+    path = find_path(explicit)
+    if path is None:
+        return Inventory(path=None, hosts=MappingProxyType({}),
+                         targets=MappingProxyType({LOCAL: local_target()}))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise InventoryError(str(path), None, None, f"cannot read: {e.strerror}") from None
+    return parse(text, str(path))
+
+
+# --- parsing -------------------------------------------------------------------------------
+
+_TOP_KEYS = {"default": str, "hosts": dict, "targets": dict}
+
+
+def parse(text: str, file: str = "hosts.yaml") -> Inventory:
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark else None
+        raise InventoryError(file, line, None, f"not valid YAML: {getattr(e, 'problem', e)}") from None
+    if root is None:
+        top: dict[str, tuple[Any, int]] = {}
+    else:
+        top = _mapping(root, file, "(top level)")
+    for key, (_, line) in top.items():
+        if key not in _TOP_KEYS:
+            raise InventoryError(file, line, key, f"unknown key{_did_you_mean(key, _TOP_KEYS)}")
+
+    hosts: dict[str, Host] = {}
+    if "hosts" in top:
+        node, line = top["hosts"]
+        for name, (hnode, hline) in _mapping(node, file, "hosts").items():
+            hosts[name] = _build(Host, name, hnode, hline, file, f"hosts.{name}")
+
+    targets: dict[str, Target] = {LOCAL: local_target()}
+    if "targets" in top:
+        node, line = top["targets"]
+        for name, (tnode, tline) in _mapping(node, file, "targets").items():
+            t = _build(Target, name, tnode, tline, file, f"targets.{name}")
+            if t.host is not None and t.host not in hosts:
+                raise InventoryError(file, _line_of(tnode, "host", tline), f"targets.{name}.host",
+                                     f"names a missing host {t.host!r}{_did_you_mean(t.host, hosts)}")
+            targets[name] = t
+
+    for name, h in hosts.items():
+        _check_jump_chain(h, hosts, file, top["hosts"][0])
+
+    default = None
+    if "default" in top:
+        node, line = top["default"]
+        default = _scalar(node, str, file, "default")
+        if default not in targets:
+            raise InventoryError(file, line, "default",
+                                 f"names a missing target {default!r}{_did_you_mean(default, targets)}")
+    return Inventory(path=file, hosts=MappingProxyType(hosts), targets=MappingProxyType(targets),
+                     default=default)
+
+
+def _check_jump_chain(host: Host, hosts: dict[str, Host], file: str, hosts_node) -> None:
+    seen = [host.name]
+    h = host
+    while h.jump:
+        hnode = _child(hosts_node, h.name)
+        line = _line_of(hnode, "jump", None)
+        if h.jump not in hosts:
+            raise InventoryError(file, line, f"hosts.{h.name}.jump",
+                                 f"names a missing host {h.jump!r}{_did_you_mean(h.jump, hosts)}")
+        if h.jump in seen:
+            loop = " -> ".join(seen + [h.jump])
+            raise InventoryError(file, line, f"hosts.{h.name}.jump", f"jump-host loop: {loop}")
+        seen.append(h.jump)
+        h = hosts[h.jump]
+
+
+def _build(cls, name: str, node, line: int, file: str, where: str):
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "name"}
+    required = {f.name for f in fields.values()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    items = _mapping(node, file, where)
+    values: dict[str, Any] = {}
+    for key, (vnode, vline) in items.items():
+        if key not in fields:
+            raise InventoryError(file, vline, f"{where}.{key}", f"unknown key{_did_you_mean(key, fields)}")
+        values[key] = _convert(fields[key].type, vnode, file, f"{where}.{key}", vline)
+    for key in sorted(required - values.keys()):
+        raise InventoryError(file, line, f"{where}.{key}", "missing required key")
+    if "port" in values and not 0 < values["port"] < 65536:
+        raise InventoryError(file, _line_of(node, "port", line), f"{where}.port", "must be 1..65535")
+    if "gpus" in values and values["gpus"] < 0:
+        raise InventoryError(file, _line_of(node, "gpus", line), f"{where}.gpus", "must be >= 0")
+    if "vmid" in values and values["vmid"] < 100:
+        raise InventoryError(file, _line_of(node, "vmid", line), f"{where}.vmid",
+                             "Proxmox VMIDs start at 100")
+    for key in ("identity_file", "known_hosts"):
+        if values.get(key):
+            values[key] = os.path.expanduser(values[key])
+    return cls(name=name, **values)
+
+
+def _convert(type_str: str, node, file: str, where: str, line: int):
+    t = str(type_str)
+    if t.startswith("Mapping"):
+        items = _mapping(node, file, where)
+        return MappingProxyType({k: _scalar(v, str, file, f"{where}.{k}") for k, (v, _) in items.items()})
+    if "int" in t:
+        return _scalar(node, int, file, where)
+    if "float" in t:
+        return float(_scalar(node, (int, float), file, where))
+    return _scalar(node, str, file, where)
+
+
+def _scalar(node, want, file: str, where: str):
+    line = node.start_mark.line + 1
+    if not isinstance(node, yaml.ScalarNode):
+        raise InventoryError(file, line, where, f"expected {_type_name(want)}, got a {_node_kind(node)}")
+    value = _construct(node)
+    if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)  # `python: 3` is odd but unambiguous; addresses like 10.0.0.1 are str already
+    ok = isinstance(value, want) and not (isinstance(value, bool) and want is not bool)
+    if not ok:
+        raise InventoryError(file, line, where, f"expected {_type_name(want)}, got {node.value!r}")
+    return value
+
+
+def _construct(node):
+    loader = yaml.SafeLoader("")
+    try:
+        return loader.construct_object(node, deep=True)
+    finally:
+        loader.dispose()
+
+
+def _mapping(node, file: str, where: str) -> dict[str, tuple[Any, int]]:
+    if not isinstance(node, yaml.MappingNode):
+        raise InventoryError(file, node.start_mark.line + 1, where,
+                             f"expected a mapping, got a {_node_kind(node)}")
+    out: dict[str, tuple[Any, int]] = {}
+    for knode, vnode in node.value:
+        key = str(knode.value)
+        line = knode.start_mark.line + 1
+        if key in out:
+            raise InventoryError(file, line, f"{where}.{key}" if where != "(top level)" else key,
+                                 f"duplicate name (first on line {out[key][1]})")
+        out[key] = (vnode, line)
+    return out
+
+
+def _child(node, key: str):
+    for knode, vnode in node.value:
+        if knode.value == key:
+            return vnode
+    return None
+
+
+def _line_of(node, key: str, default):
+    if isinstance(node, yaml.MappingNode):
+        for knode, _ in node.value:
+            if knode.value == key:
+                return knode.start_mark.line + 1
+    return default
+
+
+def _node_kind(node) -> str:
+    return {yaml.MappingNode: "mapping", yaml.SequenceNode: "list"}.get(type(node), "scalar")
+
+
+def _type_name(want) -> str:
+    if isinstance(want, tuple):
+        return "a number"
+    return {str: "a string", int: "an integer"}.get(want, want.__name__)
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

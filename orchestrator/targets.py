@@ -1,0 +1,65 @@
+"""`targets --check`: reach every target in parallel and report what is there."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+from .deploy import run_agent
+from .errors import ConnectError, ContainerError, OpsError
+from .inventory import Inventory, Target
+from .transport import Session
+
+
+@dataclass
+class Check:
+    target: str
+    where: str
+    ok: bool = False
+    reachable: bool | None = None
+    container: str | None = None     # "running" | "stopped/unknown: ..." | None (no pct)
+    python: str | None = None
+    torch: str | None = None
+    release: str | None = None
+    seconds: float = 0.0
+    error: str | None = None
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+def describe(inv: Inventory, t: Target) -> str:
+    if t.host is None:
+        where = "this machine"
+    else:
+        h = inv.hosts[t.host]
+        where = f"{h.user}@{h.address}:{h.port}" + (f" via {h.jump}" if h.jump else "")
+    return where + (f" CT {t.vmid}" if t.vmid is not None else "")
+
+
+def check_one(session: Session, inv: Inventory, t: Target) -> Check:
+    c = Check(t.name, describe(inv, t))
+    start = time.monotonic()
+    try:
+        transport = session.transport(t, check=False)
+        c.reachable = True
+        if t.vmid is not None:
+            transport.check()
+            c.container = "running"
+        live = run_agent(transport, t, ["manifest", t.workdir], what="check python")
+        c.python, c.torch, c.release = live["python"], live["torch"], live["release"]
+        c.ok = True
+    except ContainerError as e:
+        c.container, c.error = e.message, e.render()
+    except ConnectError as e:
+        c.reachable, c.error = False, e.render()
+    except OpsError as e:
+        c.error = e.render()
+    c.seconds = round(time.monotonic() - start, 3)
+    return c
+
+
+def check(inv: Inventory, names: list[str] | None = None) -> list[Check]:
+    targets = inv.select(names) if names else list(inv.targets.values())
+    with Session(inv) as session, ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
+        return list(pool.map(lambda t: check_one(session, inv, t), targets))

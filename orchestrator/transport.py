@@ -1,0 +1,373 @@
+"""The one seam through which bytes reach a target (style habit 2).
+
+    LocalTransport          subprocess on this machine
+    SshTransport            one paramiko connection to a host (jump hosts, known_hosts, keepalive)
+    PctTransport(inner, v)  `pct exec V --keep-env 0 -- ARGV` run through another transport
+
+Every transport runs an argv (or a bash script, `bash -c SOURCE`) with stdin streamed in and
+stdout/stderr streamed out separately, and returns the exit status. `shell_join` is the only
+place where a string is quoted for a shell: ssh hands the remote user's shell one command line,
+pct and lxc-attach pass argv straight through (field notes 2), so one quoting layer is all there is.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from typing import IO, Callable, Iterable, Sequence, Union
+
+from .errors import ConnectError, ConnectionLost, ContainerError, HostKeyError, OpsError
+from .inventory import Host, Inventory, Target
+
+Stdin = Union[None, bytes, IO[bytes], Iterable[bytes]]
+Sink = Callable[[bytes], None]
+CHUNK = 1 << 16
+KEEPALIVE_S = 5          # as Ansible's proxmox_pct_remote does (field notes 2)
+CONNECT_TRIES = 3
+
+
+@dataclass(frozen=True)
+class Result:
+    exit_code: int
+    stdout: bytes = b""
+    stderr: bytes = b""
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+# --- pure functions (unit-tested) -----------------------------------------------------------
+
+def shell_join(argv: Sequence[str]) -> str:
+    """The one quoting function: argv -> a command line any POSIX shell splits back to argv."""
+    if not argv:
+        raise ValueError("empty command")
+    for a in argv:
+        if "\x00" in a:
+            raise ValueError("a command argument cannot contain a NUL byte")
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def bash_argv(script: str) -> list[str]:
+    return ["bash", "-c", script]
+
+
+def pct_exec_argv(pct: str, vmid: int, argv: Sequence[str], *, sudo: bool) -> list[str]:
+    """`pct exec VMID --keep-env 0 -- ARGV`: the `--` is mandatory (pct parses options over the
+    whole list), `--keep-env 0` keeps the node's SSH environment out (it still defaults to 1)."""
+    head = ["sudo", "-n"] if sudo else []
+    return [*head, pct, "exec", str(vmid), "--keep-env", "0", "--", *argv]
+
+
+def pct_status_argv(pct: str, vmid: int, *, sudo: bool) -> list[str]:
+    return [*(["sudo", "-n"] if sudo else []), pct, "status", str(vmid)]
+
+
+# --- the seam -------------------------------------------------------------------------------
+
+class Transport:
+    description = "transport"
+
+    def run(self, argv: Sequence[str], *, stdin: Stdin = None, stdout: Sink | None = None,
+            stderr: Sink | None = None, timeout: float | None = None) -> Result:
+        raise NotImplementedError
+
+    def script(self, source: str, **kw) -> Result:
+        return self.run(bash_argv(source), **kw)
+
+    def close(self) -> None:
+        pass
+
+
+def _chunks(stdin: Stdin) -> Iterable[bytes]:
+    if stdin is None:
+        return ()
+    if isinstance(stdin, (bytes, bytearray, memoryview)):
+        data = bytes(stdin)
+        return (data[i:i + CHUNK] for i in range(0, len(data), CHUNK))
+    if hasattr(stdin, "read"):
+        return iter(lambda: stdin.read(CHUNK), b"")
+    return stdin
+
+
+class _Collector:
+    """A sink that either forwards to the caller or keeps the bytes for the Result."""
+
+    def __init__(self, sink: Sink | None):
+        self.sink, self.parts = sink, []
+
+    def __call__(self, data: bytes) -> None:
+        if self.sink is None:
+            self.parts.append(data)
+        else:
+            self.sink(data)
+
+    def value(self) -> bytes:
+        return b"".join(self.parts)
+
+
+class LocalTransport(Transport):
+    description = "local"
+
+    def run(self, argv, *, stdin=None, stdout=None, stderr=None, timeout=None) -> Result:
+        out, err = _Collector(stdout), _Collector(stderr)
+        try:
+            proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, bufsize=0)
+        except FileNotFoundError:
+            return Result(127, b"", f"{argv[0]}: command not found\n".encode())
+
+        def pump(stream, sink):
+            for data in iter(lambda: stream.read1(CHUNK) if hasattr(stream, "read1")
+                             else stream.read(CHUNK), b""):
+                sink(data)
+
+        readers = [threading.Thread(target=pump, args=(proc.stdout, out), daemon=True),
+                   threading.Thread(target=pump, args=(proc.stderr, err), daemon=True)]
+        for t in readers:
+            t.start()
+        try:
+            for chunk in _chunks(stdin):
+                proc.stdin.write(chunk)
+        except BrokenPipeError:
+            pass  # the command stopped reading; its exit status says why
+        finally:
+            try:
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise OpsError(f"local: {argv[0]} timed out after {timeout:.0f} s") from None
+        for t in readers:
+            t.join()
+        if code < 0:          # match what a shell / lxc-attach reports: 128 + signal
+            code = 128 - code
+        return Result(code, out.value(), err.value())
+
+
+class SshTransport(Transport):
+    """One paramiko connection to one host, reused for every command of a dflash-ops command."""
+
+    def __init__(self, host: Host, *, sock=None):
+        import paramiko  # imported here so `dflash-ops --help` stays fast
+
+        self.host = host
+        self.description = f"{host.user}@{host.address}:{host.port}"
+        client = paramiko.SSHClient()
+        known = host.known_hosts or os.path.expanduser("~/.ssh/known_hosts")
+        if os.path.exists(known):
+            client.load_host_keys(known)
+        # Never accept an unknown key silently: RejectPolicy, with a message that says how to trust it.
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        last: Exception | None = None
+        for attempt in range(CONNECT_TRIES):
+            try:
+                client.connect(host.address, port=host.port, username=host.user,
+                               key_filename=host.identity_file, timeout=host.connect_timeout,
+                               banner_timeout=host.connect_timeout, auth_timeout=host.connect_timeout,
+                               sock=sock, allow_agent=host.identity_file is None,
+                               look_for_keys=host.identity_file is None)
+                last = None
+                break
+            except paramiko.BadHostKeyException as e:
+                client.close()
+                raise HostKeyError(host.name, (
+                    f"host key for {_known_hosts_name(host)} CHANGED (now {e.key.get_name()} "
+                    f"{e.key.get_fingerprint().hex()}); if that is expected, remove the old entry with "
+                    f"`ssh-keygen -R '{_known_hosts_name(host)}' -f {known}`")) from None
+            except paramiko.AuthenticationException as e:
+                client.close()
+                raise ConnectError(host.name, f"authentication failed for {host.user}: {e}") from None
+            except paramiko.SSHException as e:
+                if "not found in known_hosts" in str(e):
+                    client.close()
+                    raise HostKeyError(host.name, (
+                        f"unknown host key for {_known_hosts_name(host)} (not in {known}); check its "
+                        f"fingerprint, then trust it with `ssh-keyscan -p {host.port} {host.address} "
+                        f">> {known}`")) from None
+                last = e
+            except (OSError, EOFError) as e:
+                last = e
+            if sock is not None or attempt + 1 == CONNECT_TRIES:
+                break   # a jump channel cannot be redialled from here
+            time.sleep(0.5 * 2 ** attempt)   # backoff: 0.5 s, 1 s
+        if last is not None:
+            client.close()
+            raise ConnectError(host.name, _reason(last)) from None
+        self.client = client
+        self.transport = client.get_transport()
+        self.transport.set_keepalive(KEEPALIVE_S)
+
+    def open_tunnel(self, address: str, port: int):
+        """A direct-tcpip channel to address:port, used as the socket of the next hop."""
+        return self.transport.open_channel("direct-tcpip", (address, port), ("127.0.0.1", 0))
+
+    def run(self, argv, *, stdin=None, stdout=None, stderr=None, timeout=None) -> Result:
+        line = shell_join(argv)
+        out, err = _Collector(stdout), _Collector(stderr)
+        try:
+            chan = self.transport.open_session(timeout=self.host.connect_timeout)
+        except Exception as e:  # paramiko raises SSHException/EOFError/OSError here
+            raise ConnectionLost(self.host.name, f"cannot open a session: {_reason(e)}") from None
+        if timeout is not None:
+            chan.settimeout(timeout)
+        chan.exec_command(line)
+        failure: list[BaseException] = []
+
+        def pump(recv, sink):
+            try:
+                for data in iter(lambda: recv(CHUNK), b""):
+                    sink(data)
+            except BaseException as e:  # socket.timeout, or the caller's sink raising
+                failure.append(e)
+                chan.close()
+
+        readers = [threading.Thread(target=pump, args=(chan.recv, out), daemon=True),
+                   threading.Thread(target=pump, args=(chan.recv_stderr, err), daemon=True)]
+        for t in readers:
+            t.start()
+        try:
+            for chunk in _chunks(stdin):
+                chan.sendall(chunk)
+            chan.shutdown_write()
+        except (OSError, EOFError):
+            pass  # remote stopped reading, or the connection broke: the checks below say which
+        for t in readers:
+            t.join()
+        if failure:
+            e = failure[0]
+            if isinstance(e, socket.timeout):
+                raise OpsError(f"{self.host.name}: {argv[0]} timed out after {timeout:.0f} s") from None
+            raise e
+        if not chan.status_event.wait(timeout or 60) or not chan.exit_status_ready():
+            raise ConnectionLost(self.host.name)
+        code = chan.recv_exit_status()
+        chan.close()
+        if code == -1:
+            # No exit-status: the connection broke, or the remote was killed by a signal
+            # (sshd sends exit-signal instead of exit-status).
+            if not self.transport.is_active():
+                raise ConnectionLost(self.host.name)
+            code = 255
+        return Result(code, out.value(), err.value())
+
+    def alive(self) -> bool:
+        return self.transport is not None and self.transport.is_active()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class PctTransport(Transport):
+    """Wraps another transport (usually ssh to the node): `pct exec VMID --keep-env 0 -- ...`."""
+
+    def __init__(self, inner: Transport, vmid: int, *, pct: str = "/usr/sbin/pct", sudo: bool = False,
+                 target: str = ""):
+        self.inner, self.vmid, self.pct, self.sudo = inner, vmid, pct, sudo
+        self.target = target or str(vmid)
+        self.description = f"{inner.description} pct {vmid}"
+
+    def check(self) -> None:
+        """`pct status` before anything else, so a stopped or unknown container is a clear error."""
+        r = self.inner.run(pct_status_argv(self.pct, self.vmid, sudo=self.sudo))
+        text = (r.stdout + r.stderr).decode(errors="replace").strip()
+        if r.exit_code != 0:
+            if self.sudo and "password is required" in text:
+                text = f"`sudo -n {self.pct}` needs a password: allow it passwordless for this user"
+            raise ContainerError(self.target, self.vmid, text.splitlines()[-1] if text else
+                                 f"pct status exited {r.exit_code}")
+        if "status: running" not in text:
+            state = text.split(":", 1)[-1].strip() or "unknown"
+            raise ContainerError(self.target, self.vmid,
+                                 f"is {state}, not running; start it with `pct start {self.vmid}`")
+
+    def run(self, argv, **kw) -> Result:
+        return self.inner.run(pct_exec_argv(self.pct, self.vmid, argv, sudo=self.sudo), **kw)
+
+
+def _known_hosts_name(host: Host) -> str:
+    return host.address if host.port == 22 else f"[{host.address}]:{host.port}"
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, socket.timeout):
+        return "timed out"
+    if isinstance(e, socket.gaierror):
+        return f"cannot resolve address ({e.strerror})"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e) or type(e).__name__
+
+
+# --- one connection per host per command ------------------------------------------------------
+
+class Session:
+    """Opens each host at most once for the life of one dflash-ops command and reuses it for
+    every step and every target on that host. Thread-safe: targets fan out in parallel."""
+
+    def __init__(self, inventory: Inventory):
+        self.inventory = inventory
+        self._ssh: dict[str, SshTransport] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+        self.connections = 0   # how many SSH connections this command opened (benchmarks read it)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def ssh(self, host_name: str, *, fresh: bool = False) -> SshTransport:
+        with self._guard:
+            lock = self._locks.setdefault(host_name, threading.Lock())
+        with lock:
+            t = self._ssh.get(host_name)
+            if t is not None and (fresh or not t.alive()):
+                t.close()
+                t = None
+            if t is None:
+                host = self.inventory.hosts[host_name]
+                sock = None
+                if host.jump:
+                    jump = self.ssh(host.jump)
+                    try:
+                        sock = jump.open_tunnel(host.address, host.port)
+                    except Exception as e:
+                        raise ConnectError(host.name, f"via jump host {host.jump}: {_reason(e)}") from None
+                t = SshTransport(host, sock=sock)
+                self.connections += 1
+                self._ssh[host_name] = t
+            return t
+
+    def transport(self, target: Target, *, fresh: bool = False, check: bool = True) -> Transport:
+        """The transport that runs commands inside `target`; with `check`, a pct target's
+        container state is verified first (ContainerError when stopped or unknown)."""
+        if target.host is None:
+            inner: Transport = LocalTransport()
+            pct = "/usr/sbin/pct"
+            user = os.environ.get("USER", "root")
+        else:
+            host = self.inventory.hosts[target.host]
+            inner, pct, user = self.ssh(target.host, fresh=fresh), host.pct, host.user
+        if target.vmid is None:
+            return inner
+        # A non-root user needs passwordless `sudo -n pct` (field notes 2).
+        t = PctTransport(inner, target.vmid, pct=pct, sudo=user != "root", target=target.name)
+        if check:
+            t.check()
+        return t
+
+    def close(self) -> None:
+        for t in list(self._ssh.values()):
+            t.close()
+        self._ssh.clear()

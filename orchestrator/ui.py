@@ -1,0 +1,49 @@
+"""Rendering for people: tables, progress bars, colour. No library logic here."""
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Callable, Sequence
+
+LARGE_TRANSFER = 4 << 20   # show a progress bar past 4 MiB
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[("-" if c is None else str(c)) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
+              for i, h in enumerate(headers)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*headers).rstrip()]
+    lines += [fmt.format(*r).rstrip() for r in cells]
+    return "\n".join(lines)
+
+
+def colour(text: str, code: str, stream=None) -> str:
+    stream = stream or sys.stdout
+    if not getattr(stream, "isatty", lambda: False)():
+        return text
+    return f"\x1b[{code}m{text}\x1b[0m"
+
+
+def progress_bars() -> Callable[[str, int], Callable[[int], None] | None]:
+    """A factory the library calls per target transfer: a tqdm bar on stderr when it is large."""
+    lock = threading.Lock()
+    position = [0]
+
+    def make(target: str, total: int):
+        if total < LARGE_TRANSFER:
+            return None
+        from tqdm import tqdm
+        with lock:
+            pos = position[0]
+            position[0] += 1
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=target, position=pos,
+                   file=sys.stderr, leave=True, mininterval=0.2)
+
+        def update(n: int) -> None:
+            bar.update(n)
+            if bar.n >= total:
+                bar.close()
+        return update
+
+    return make
