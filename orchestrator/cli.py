@@ -130,6 +130,49 @@ def _size(n: int) -> str:
     return str(n)
 
 
+# --- probe -----------------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("names", nargs=-1, metavar="[TARGET...]")
+@click.option("--gpus", type=click.IntRange(min=1), help="Worker threads to test (default: the target's gpus, at least 2).")
+@click.option("--policies", metavar="A,B", help="Only these policies (default: all).")
+@click.option("--case-timeout", type=click.IntRange(min=10), default=300, show_default=True,
+              help="Seconds before one case counts as hung.")
+@json_option
+@click.pass_obj
+def probe(state: State, names, gpus, policies, case_timeout, as_json):
+    """Verify the PyTorch build and find, by experiment, the compile policy for threaded training."""
+    from . import probe as probe_mod
+
+    def live(target: str, line: str) -> None:
+        click.echo(f"[{target}] {line}", err=True)
+
+    doc = probe_mod.probe(state.inv, list(names), gpus=gpus,
+                          policies=policies.split(",") if policies else None,
+                          on_line=live, case_timeout=case_timeout)
+    blocks = []
+    for name, res in doc["targets"].items():
+        if not res.get("ok"):
+            blocks.append(f"{name}: could not probe: {res.get('error')}")
+            continue
+        tv = res.get("torch", {})
+        head = (f"{name}: torch {tv.get('version')} cuda {tv.get('cuda') or '-'} "
+                f"gpus {len(tv.get('gpus') or [])} {', '.join(sorted(set(tv.get('gpus') or [])))}")
+        mismatches = (res.get("expect") or {}).get("mismatches") or []
+        rows = [[c["policy"], c["topology"], c["threads"], c["outcome"],
+                 f"{c['step_ms']:.1f}" if c.get("step_ms") is not None else None,
+                 {True: "yes", False: "NO"}.get(c.get("agrees")), c.get("signature")]
+                for c in res.get("cases", [])]
+        blocks.append("\n".join([head, *(f"  MISMATCH: {m}" for m in mismatches),
+                                 table(["POLICY", "TOPOLOGY", "THREADS", "OUTCOME", "STEP_MS",
+                                        "AGREES", "SIGNATURE"], rows),
+                                 f"chosen policy: {res.get('policy')} ({res.get('reason', '')})"]))
+    emit(as_json, doc, "\n\n".join(blocks))
+    failed = {n: r.get("error") for n, r in doc["targets"].items() if not r.get("ok")}
+    if failed:
+        raise TargetsFailed(failed)
+
+
 # --- scan ------------------------------------------------------------------------------------
 
 @cli.command()

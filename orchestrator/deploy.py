@@ -97,7 +97,10 @@ def plan(local: dict[str, list], remote: dict[str, list]) -> tuple[list[str], li
 
 def release_id(manifest: dict[str, list], now: float | None = None) -> str:
     digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:8]
-    return time.strftime("%Y%m%d-%H%M%S", time.gmtime(now)) + "-" + digest
+    now = time.time() if now is None else now
+    # Microseconds keep ids in creation order, which is what pruning sorts by.
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}"
+    return f"{stamp}-{digest}"
 
 
 def build_tar(source: Source, changed: list[str]):

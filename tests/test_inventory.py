@@ -1,0 +1,112 @@
+"""Inventory: every bad file gives one line naming file, line and key (exit 2 via the CLI)."""
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator import inventory
+from orchestrator.errors import InventoryError, UsageError
+
+GOOD = """\
+default: ct200
+hosts:
+  bastion:
+    address: bastion.invalid
+  pve1:
+    address: pve1.invalid
+    user: ops
+    port: 2222
+    jump: bastion
+targets:
+  ct200:
+    host: pve1
+    vmid: 200
+    python: /root/venv/bin/python
+    workdir: /root/dflash
+    gpus: 8
+    expect: {torch: ">=2.5", cuda: "13.0"}
+  node:
+    host: pve1
+"""
+
+
+def test_good_file_loads_into_frozen_objects():
+    inv = inventory.parse(GOOD, "hosts.yaml")
+    t = inv.target("ct200")
+    assert (t.host, t.vmid, t.gpus, t.python) == ("pve1", 200, 8, "/root/venv/bin/python")
+    assert dict(t.expect) == {"torch": ">=2.5", "cuda": "13.0"}
+    h = inv.hosts["pve1"]
+    assert (h.user, h.port, h.jump, h.pct) == ("ops", 2222, "bastion", "/usr/sbin/pct")
+    assert [x.name for x in inv.host_chain(h)] == ["bastion"]
+    assert inv.default_target().name == "ct200"
+    assert "local" in inv.targets
+    with pytest.raises(Exception):
+        t.gpus = 1  # frozen
+
+
+@pytest.mark.parametrize("text, line, needle", [
+    ("hosts:\n  a:\n    adress: x\n", 3, "hosts.a.adress: unknown key (did you mean 'address'?)"),
+    ("hosts:\n  a: {}\n", 2, "hosts.a.address: missing required key"),
+    ("targets:\n  t:\n    gpus: many\n", 3, "targets.t.gpus: expected an integer"),
+    ("targets:\n  t:\n    gpus: true\n", 3, "targets.t.gpus: expected an integer"),
+    ("targets:\n  t:\n    host: pve\n", 3, "targets.t.host: names a missing host 'pve'"),
+    ("targets:\n  t: {}\n  t: {}\n", 3, "targets.t: duplicate name (first on line 2)"),
+    ("hosts:\n  a:\n    address: x\n    jump: b\n  b:\n    address: y\n    jump: a\n", 7,
+     "jump-host loop: a -> b -> a"),
+    ("hosts:\n  a:\n    address: x\n    jump: a\n", 4, "hosts.a.jump: jump-host loop: a -> a"),
+    ("hosts:\n  a:\n    address: x\n    jump: nowhere\n", 4, "names a missing host 'nowhere'"),
+    ("targts: {}\n", 1, "targts: unknown key (did you mean 'targets'?)"),
+    ("default: ct2\ntargets:\n  ct200: {}\n", 1, "default: names a missing target 'ct2' (did you mean 'ct200'?)"),
+    ("targets:\n  t:\n    vmid: 5\n", 3, "Proxmox VMIDs start at 100"),
+    ("hosts:\n  a:\n    address: x\n    port: 70000\n", 4, "must be 1..65535"),
+    ("hosts: [1, 2]\n", 1, "hosts: expected a mapping, got a list"),
+    ("targets:\n  t:\n    expect: 3\n", 3, "expected a mapping"),
+    ("targets: {t: {host: [\n", None, "not valid YAML"),
+])
+def test_bad_files_name_file_line_and_key(text, line, needle):
+    with pytest.raises(InventoryError) as e:
+        inventory.parse(text, "inv.yaml")
+    msg = str(e.value)
+    assert needle in msg
+    assert msg.startswith("inv.yaml:" if line is None else f"inv.yaml:{line}:")
+    assert "\n" not in msg
+
+
+def test_local_exists_without_a_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DFLASH_OPS_INVENTORY", raising=False)
+    inv = inventory.load(None)
+    assert list(inv.targets) == ["local"]
+    assert inv.default_target().name == "local"
+    assert inv.targets["local"].python == sys.executable
+
+
+def test_default_is_the_only_target_else_local():
+    assert inventory.parse("targets:\n  a: {}\n").default_target().name == "a"
+    assert inventory.parse("targets:\n  a: {}\n  b: {}\n").default_target().name == "local"
+
+
+def test_unknown_target_suggests():
+    inv = inventory.parse(GOOD)
+    with pytest.raises(UsageError, match="did you mean 'ct200'"):
+        inv.target("ct20")
+
+
+def test_cli_exit_2_one_line_no_traceback(tmp_path):
+    bad = tmp_path / "hosts.yaml"
+    bad.write_text("targets:\n  t:\n    gpu: 2\n")
+    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(bad), "targets"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0
+    assert f"{bad}:3: targets.t.gpu: unknown key (did you mean 'gpus'?)" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_example_inventory_names_only_invalid_hosts():
+    import pathlib
+    import yaml
+    doc = yaml.safe_load((pathlib.Path(__file__).parent.parent / "hosts.yaml").read_text())
+    inventory.parse((pathlib.Path(__file__).parent.parent / "hosts.yaml").read_text())
+    for h in doc["hosts"].values():
+        assert h["address"].endswith(".invalid")

@@ -1,0 +1,157 @@
+"""Transports against a real OpenSSH server on 127.0.0.1 and the pct stand-in."""
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from orchestrator import inventory
+from orchestrator.errors import ConnectError, ContainerError, HostKeyError
+from orchestrator.transport import LocalTransport, PctTransport, Session
+
+ARG = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+              max_size=30)
+PRINT_ARGS = 'for a in "$@"; do printf "%s\\0" "$a"; done'
+
+
+@pytest.fixture
+def ct(sshd, fakepct, make_inventory):
+    fakepct.create(200)
+    inv = inventory.load(str(make_inventory({"ct200": {
+        "host": "node", "vmid": 200, "python": sys.executable, "workdir": "/srv/ct/dflash"}})))
+    with Session(inv) as s:
+        yield s, inv.target("ct200")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(argv=st.lists(ARG, min_size=1, max_size=5))
+def test_argv_arrives_byte_exact_through_ssh_pct_bash(ct, argv):
+    session, target = ct
+    t = session.transport(target, check=False)
+    r = t.run(["bash", "-c", PRINT_ARGS, "bash", *argv])
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.split(b"\0")[:-1] == [a.encode() for a in argv]
+
+
+def test_awkward_argv_examples(ct):
+    session, target = ct
+    t = session.transport(target)
+    argv = ["-la", "--keep-env", "$HOME", "`id`", "a'b\"c", "line1\nline2", "ünï©ødé ✓", "", " ", "*", "--"]
+    r = t.run(["bash", "-c", PRINT_ARGS, "bash", *argv])
+    assert r.stdout.split(b"\0")[:-1] == [a.encode() for a in argv]
+
+
+def test_binary_stdin_and_separate_streams(ct):
+    session, target = ct
+    t = session.transport(target)
+    blob = bytes(range(256)) * 4096 + b"\r\n\x00\x1b[0m\x04"
+    r = t.run(["cat"], stdin=blob)
+    assert r.exit_code == 0 and r.stdout == blob
+    r = t.script("echo out; echo err >&2; exit 7")
+    assert (r.exit_code, r.stdout, r.stderr) == (7, b"out\n", b"err\n")
+
+
+def test_streaming_sinks_and_signal_exit(ct):
+    session, target = ct
+    t = session.transport(target)
+    got = []
+    r = t.script("for i in 1 2 3; do echo $i; done; kill -TERM $$", stdout=got.append)
+    assert b"".join(got) == b"1\n2\n3\n" and r.stdout == b""
+    assert r.exit_code == 128 + 15
+
+
+def test_keep_env_0_environment_only(ct, monkeypatch):
+    session, target = ct
+    r = session.transport(target).run(["env"])
+    env = dict(line.split("=", 1) for line in r.stdout.decode().splitlines())
+    assert env.get("container") == "lxc"
+    assert "HOME" not in env and "SSH_CONNECTION" not in env
+
+
+def test_one_connection_for_many_steps(ct):
+    session, target = ct
+    for _ in range(5):
+        session.transport(target).run(["true"])
+    assert session.connections == 1
+
+
+def test_stopped_and_unknown_containers_are_clear_errors(sshd, fakepct, make_inventory):
+    fakepct.create(200, running=False)
+    inv = inventory.load(str(make_inventory({
+        "stopped": {"host": "node", "vmid": 200}, "missing": {"host": "node", "vmid": 999}})))
+    with Session(inv) as s:
+        with pytest.raises(ContainerError, match="is stopped, not running; start it with `pct start 200`"):
+            s.transport(inv.target("stopped"))
+        with pytest.raises(ContainerError, match="999.conf' does not exist"):
+            s.transport(inv.target("missing"))
+        # Without the status check, pct's own exit status 255 and message come through.
+        t = s.transport(inv.target("stopped"), check=False)
+        r = t.run(["true"])
+        assert r.exit_code == 255 and b"not running" in r.stderr
+
+
+def test_unknown_host_key_is_refused_with_how_to_trust(sshd, fakepct, make_inventory):
+    before = sshd.known_hosts_empty.read_text()
+    inv = inventory.load(str(make_inventory({"t": {"host": "node"}},
+                                            hosts={"node": {"known_hosts": str(sshd.known_hosts_empty)}})))
+    with Session(inv) as s, pytest.raises(HostKeyError) as e:
+        s.transport(inv.target("t"))
+    assert "unknown host key" in str(e.value) and "ssh-keyscan -p" in str(e.value)
+    assert sshd.known_hosts_empty.read_text() == before   # nothing was auto-accepted
+
+
+def test_changed_host_key_is_refused(sshd, fakepct, make_inventory):
+    inv = inventory.load(str(make_inventory({"t": {"host": "node"}},
+                                            hosts={"node": {"known_hosts": str(sshd.wrong_known_hosts)}})))
+    with Session(inv) as s, pytest.raises(HostKeyError, match="CHANGED"):
+        s.transport(inv.target("t"))
+
+
+def test_refused_port_retries_then_one_line_error(sshd, fakepct, make_inventory):
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    inv = inventory.load(str(make_inventory({"t": {"host": "node"}}, hosts={"node": {"port": port}})))
+    with Session(inv) as s, pytest.raises(ConnectError, match="cannot connect"):
+        s.transport(inv.target("t"))
+
+
+def test_jump_host_gateway(sshd, fakepct, make_inventory):
+    fakepct.create(201)
+    (fakepct.private(201) / "marker").write_text("201")
+    inv = inventory.load(str(make_inventory(
+        {"t": {"host": "inner", "vmid": 201}},
+        hosts={"inner": {"address": "127.0.0.1", "port": sshd.port, "identity_file": str(sshd.identity_file),
+                         "known_hosts": str(sshd.known_hosts), "pct": str(fakepct.path), "jump": "node"}})))
+    with Session(inv) as s:
+        r = s.transport(inv.target("t")).run(["cat", "/srv/ct/marker"])
+        assert r.stdout == b"201"
+        assert s.connections == 2   # the jump host and the node behind it, once each
+
+
+def test_dropped_connection_is_redialled_by_the_session(ct, sshd):
+    session, target = ct
+    assert session.transport(target).run(["true"]).ok
+    sshd.kill_connections()
+    import time
+    deadline = time.time() + 10
+    while session.ssh("node").alive() and time.time() < deadline:
+        time.sleep(0.05)
+    assert session.transport(target).run(["true"]).ok
+    assert session.connections == 2
+
+
+def test_local_transport_same_contract(tmp_path):
+    t = LocalTransport()
+    blob = bytes(range(256)) * 10
+    assert t.run(["cat"], stdin=blob).stdout == blob
+    r = t.script("echo e >&2; exit 3")
+    assert (r.exit_code, r.stderr) == (3, b"e\n")
+    assert t.run(["definitely-not-a-command-xyz"]).exit_code == 127
+
+
+def test_pct_on_the_local_node(fakepct):
+    fakepct.create(300)
+    t = PctTransport(LocalTransport(), 300, pct=str(fakepct.path))
+    t.check()
+    assert t.run(["printenv", "container"]).stdout == b"lxc\n"
