@@ -1,0 +1,210 @@
+"""Shared fixtures: a real sshd on 127.0.0.1, the pct stand-in, and inventories pointing at both.
+
+    def test_something(sshd, fakepct, make_inventory):
+        fakepct.create(200)                      # running CT 200, files under fakepct.private(200)
+        inv = make_inventory({"ct200": {"host": "node", "vmid": 200,
+                                        "python": sys.executable, "workdir": "/srv/ct/dflash"}})
+
+Inside a container, /srv/ct (``fakepct.mount_point``) is that container's private folder; the rest
+of the filesystem is the host's, so ``sys.executable`` works as a target's python.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+FAKEPCT_SRC = TESTS / "fakepct" / "pct"
+
+
+def _load_sshd_module():
+    # Loaded by path: `tests` is not a package and `fixtures` is a common top-level name.
+    spec = importlib.util.spec_from_file_location("dflash_tests_sshd", TESTS / "fixtures" / "sshd.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+sshd_module = _load_sshd_module()
+
+
+# ---- sshd ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def sshd():
+    """A real OpenSSH server on 127.0.0.1 (see tests/fixtures/sshd.py for the attributes).
+
+    Session-scoped: tests that drop connections with ``sshd.kill_connections()`` leave the
+    listener running for the next test.
+    """
+    root = Path(tempfile.mkdtemp(prefix="dflash-sshd-"))
+    server, error = None, None
+    try:
+        server = sshd_module.SshServer.start(root)
+    except Exception as e:  # noqa: BLE001 - any failure here means "no sshd", said once, clearly
+        error = f"{type(e).__name__}: {e}"
+    if server is None:
+        shutil.rmtree(root, ignore_errors=True)
+        pytest.fail(f"could not start the test sshd on 127.0.0.1 ({error})", pytrace=False)
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- pct stand-in ----------------------------------------------------------------------------
+
+@dataclass
+class FakePct:
+    """Handle on one fresh pct stand-in. ``path`` is what an inventory's ``pct:`` names."""
+
+    path: Path          # the pct executable (a copy of tests/fakepct/pct)
+    root: Path          # its state folder: ROOT/<vmid>/{status,name,private/}
+    node: str           # node name used in "Configuration file 'nodes/<node>/lxc/...'" errors
+    mount_point: str = "/srv/ct"
+
+    def _ct(self, vmid: int) -> Path:
+        return self.root / str(int(vmid))
+
+    def create(self, vmid: int, running: bool = True, name: str | None = None) -> Path:
+        """Define container ``vmid``; return the host path of its private folder."""
+        ct = self._ct(vmid)
+        (ct / "private").mkdir(parents=True, exist_ok=True)
+        (ct / "name").write_text((name or f"ct{int(vmid)}") + "\n")
+        (ct / "status").write_text(("running" if running else "stopped") + "\n")
+        return ct / "private"
+
+    def private(self, vmid: int) -> Path:
+        """Host path of the folder the container sees as /srv/ct."""
+        return self._ct(vmid) / "private"
+
+    def status(self, vmid: int) -> str:
+        return (self._ct(vmid) / "status").read_text().strip()
+
+    def start(self, vmid: int) -> None:
+        self._run("start", vmid)
+
+    def stop(self, vmid: int) -> None:
+        """Stop the container: SIGKILLs every process running inside it."""
+        self._run("stop", vmid)
+
+    def destroy(self, vmid: int) -> None:
+        """Forget the container (as if its config were gone); kills its processes first."""
+        if self.status(vmid) == "running":
+            self.stop(vmid)
+        shutil.rmtree(self._ct(vmid))
+
+    def run(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
+        """Run the stand-in locally (no ssh), e.g. ``fakepct.run("exec", "200", "--", "ls")``."""
+        kwargs.setdefault("capture_output", True)
+        return subprocess.run([str(self.path), *map(str, args)], **kwargs)
+
+    def _run(self, *args) -> None:
+        done = self.run(*args)
+        if done.returncode != 0:
+            raise RuntimeError(f"pct {' '.join(map(str, args))} failed: {done.stderr.decode()}")
+
+    def vmids(self) -> list[int]:
+        return sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit())
+
+
+def install_fakepct(dest: Path, node: str = "pve1") -> FakePct:
+    """Copy the stand-in into ``dest`` with its pct.json and a shebang for this interpreter."""
+    dest.mkdir(parents=True, exist_ok=True)
+    state = dest / "state"
+    state.mkdir(exist_ok=True)
+    source = FAKEPCT_SRC.read_text()
+    first, _, rest = source.partition("\n")
+    assert first.startswith("#!"), "tests/fakepct/pct must start with a shebang"
+    # The stand-in is stdlib only; pinning the interpreter keeps it independent of PATH on "node".
+    exe = dest / "pct"
+    exe.write_text(f"#!{sys.executable}\n{rest}")
+    exe.chmod(0o755)
+    (dest / "pct.json").write_text(json.dumps({"root": str(state), "node": node}))
+    os.makedirs("/srv/ct", exist_ok=True)
+    return FakePct(path=exe, root=state, node=node)
+
+
+@pytest.fixture
+def fakepct(tmp_path_factory):
+    """A pct stand-in with no containers; torn down with every process its containers started."""
+    pct = install_fakepct(tmp_path_factory.mktemp("fakepct"))
+    try:
+        yield pct
+    finally:
+        for vmid in pct.vmids():
+            try:
+                if pct.status(vmid) == "running":
+                    pct.stop(vmid)
+            except Exception:  # noqa: BLE001 - teardown must try every container
+                pass
+
+
+# ---- inventories -----------------------------------------------------------------------------
+
+def _plain(value):
+    """Paths become strings so the inventory is plain YAML."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return value
+
+
+def _yaml_dump(data: dict) -> str:
+    data = _plain(data)
+    try:
+        import yaml
+    except ImportError:  # JSON is YAML too; only the line numbers in error messages differ
+        return json.dumps(data, indent=2) + "\n"
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+
+
+@pytest.fixture
+def make_inventory(tmp_path, sshd, fakepct):
+    """Factory: ``make_inventory(targets, hosts=None, default=None) -> Path`` of a hosts.yaml.
+
+    A host ``node`` is predefined (the test sshd + the stand-in pct). ``hosts`` adds entries or
+    overrides keys of ``node``; a key set to None is dropped (e.g. {"node": {"known_hosts": None}}).
+    """
+    counter = [0]
+
+    def make(targets: dict, hosts: dict | None = None, default: str | None = None) -> Path:
+        all_hosts = {
+            "node": {
+                "address": sshd.host,
+                "port": sshd.port,
+                "user": sshd.user,
+                "identity_file": str(sshd.identity_file),
+                "known_hosts": str(sshd.known_hosts),
+                "pct": str(fakepct.path),
+            }
+        }
+        for name, entry in (hosts or {}).items():
+            merged = {**all_hosts.get(name, {}), **entry}
+            all_hosts[name] = {k: v for k, v in merged.items() if v is not None}
+        doc = {}
+        if default is not None:
+            doc["default"] = default
+        doc["hosts"] = all_hosts
+        doc["targets"] = targets
+        counter[0] += 1
+        path = tmp_path / ("hosts.yaml" if counter[0] == 1 else f"hosts-{counter[0]}.yaml")
+        path.write_text(_yaml_dump(doc))
+        return path
+
+    return make
