@@ -204,6 +204,7 @@ class SshTransport(Transport):
             client.close()
             raise ConnectError(host.name, _reason(last)) from None
         self.client = client
+        self.runs = 0            # commands run over this connection (round trips)
         self.transport = client.get_transport()
         self.transport.set_keepalive(KEEPALIVE_S)
 
@@ -214,6 +215,7 @@ class SshTransport(Transport):
     def run(self, argv, *, stdin=None, stdout=None, stderr=None, timeout=None) -> Result:
         line = shell_join(argv)
         out, err = _Collector(stdout), _Collector(stderr)
+        self.runs += 1
         try:
             chan = self.transport.open_session(timeout=self.host.connect_timeout)
         except Exception as e:  # paramiko raises SSHException/EOFError/OSError here
@@ -267,31 +269,80 @@ class SshTransport(Transport):
         self.client.close()
 
 
+STATUS_MARK = "dflash-ops pct-status:"
+# Runs on the node: `pct status` first, and only when the container is running, the exec.
+# Saves a round trip per command against checking in a separate call.
+_CHECKED = (
+    's=$1 p=$2 v=$3; shift 3\n'
+    'if [ "$s" = 1 ]; then out=$(sudo -n "$p" status "$v" 2>&1); else out=$("$p" status "$v" 2>&1); fi\n'
+    'rc=$?\n'
+    'case "$rc:$out" in 0:*"status: running"*) exec "$@";; esac\n'
+    "printf '%s %s %s\\n' '" + STATUS_MARK + "' \"$rc\" \"$out\" >&2\n"
+    'exit 255\n'
+)
+
+
+def pct_checked_argv(pct: str, vmid: int, argv: Sequence[str], *, sudo: bool) -> list[str]:
+    """`pct status VMID` then, if running, `pct exec VMID --keep-env 0 -- ARGV`, in one command."""
+    return ["sh", "-c", _CHECKED, "sh", "1" if sudo else "0", pct, str(vmid),
+            *pct_exec_argv(pct, vmid, argv, sudo=sudo)]
+
+
 class PctTransport(Transport):
-    """Wraps another transport (usually ssh to the node): `pct exec VMID --keep-env 0 -- ...`."""
+    """Wraps another transport (usually ssh to the node): `pct exec VMID --keep-env 0 -- ...`.
+
+    With `verify=True` the first command also checks `pct status` (same round trip), so a
+    stopped or unknown container is a clear ContainerError rather than pct's bare 255."""
 
     def __init__(self, inner: Transport, vmid: int, *, pct: str = "/usr/sbin/pct", sudo: bool = False,
-                 target: str = ""):
+                 target: str = "", verify: bool = False):
         self.inner, self.vmid, self.pct, self.sudo = inner, vmid, pct, sudo
         self.target = target or str(vmid)
         self.description = f"{inner.description} pct {vmid}"
+        self._verify = verify
+
+    def _container_error(self, code: int, text: str) -> ContainerError:
+        text = text.strip()
+        if self.sudo and "password is required" in text:
+            return ContainerError(self.target, self.vmid,
+                                  f"`sudo -n {self.pct}` needs a password: allow it passwordless for this user")
+        if code != 0:
+            return ContainerError(self.target, self.vmid, text.splitlines()[-1] if text else
+                                  f"pct status exited {code}")
+        state = text.split(":", 1)[-1].strip() or "unknown"
+        return ContainerError(self.target, self.vmid,
+                              f"is {state}, not running; start it with `pct start {self.vmid}`")
 
     def check(self) -> None:
-        """`pct status` before anything else, so a stopped or unknown container is a clear error."""
+        """`pct status` on its own: a stopped or unknown container raises ContainerError."""
         r = self.inner.run(pct_status_argv(self.pct, self.vmid, sudo=self.sudo))
-        text = (r.stdout + r.stderr).decode(errors="replace").strip()
-        if r.exit_code != 0:
-            if self.sudo and "password is required" in text:
-                text = f"`sudo -n {self.pct}` needs a password: allow it passwordless for this user"
-            raise ContainerError(self.target, self.vmid, text.splitlines()[-1] if text else
-                                 f"pct status exited {r.exit_code}")
-        if "status: running" not in text:
-            state = text.split(":", 1)[-1].strip() or "unknown"
-            raise ContainerError(self.target, self.vmid,
-                                 f"is {state}, not running; start it with `pct start {self.vmid}`")
+        text = (r.stdout + r.stderr).decode(errors="replace")
+        if r.exit_code != 0 or "status: running" not in text:
+            raise self._container_error(r.exit_code, text)
+        self._verify = False
 
     def run(self, argv, **kw) -> Result:
-        return self.inner.run(pct_exec_argv(self.pct, self.vmid, argv, sudo=self.sudo), **kw)
+        if not self._verify:
+            return self.inner.run(pct_exec_argv(self.pct, self.vmid, argv, sudo=self.sudo), **kw)
+        head: list[bytes] = []
+        sink = kw.get("stderr")
+
+        def watch(data: bytes) -> None:
+            if len(head) < 4:
+                head.append(data)
+            if sink is not None and not b"".join(head).startswith(STATUS_MARK.encode()):
+                sink(data)
+
+        kw["stderr"] = watch
+        r = self.inner.run(pct_checked_argv(self.pct, self.vmid, argv, sudo=self.sudo), **kw)
+        err = b"".join(head).decode(errors="replace")
+        if r.exit_code == 255 and err.startswith(STATUS_MARK):
+            code, _, text = err[len(STATUS_MARK):].strip().partition(" ")
+            raise self._container_error(int(code) if code.isdigit() else 1, text)
+        self._verify = False
+        if sink is None:
+            r = Result(r.exit_code, r.stdout, err.encode() if len(head) < 4 else r.stderr)
+        return r
 
 
 def _known_hosts_name(host: Host) -> str:
@@ -320,6 +371,7 @@ class Session:
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         self.connections = 0   # how many SSH connections this command opened (benchmarks read it)
+        self._opened: list[SshTransport] = []
 
     def __enter__(self) -> "Session":
         return self
@@ -346,8 +398,13 @@ class Session:
                         raise ConnectError(host.name, f"via jump host {host.jump}: {_reason(e)}") from None
                 t = SshTransport(host, sock=sock)
                 self.connections += 1
+                self._opened.append(t)
                 self._ssh[host_name] = t
             return t
+
+    @property
+    def round_trips(self) -> int:
+        return sum(t.runs for t in self._opened)
 
     def transport(self, target: Target, *, fresh: bool = False, check: bool = True) -> Transport:
         """The transport that runs commands inside `target`; with `check`, a pct target's
@@ -362,10 +419,8 @@ class Session:
         if target.vmid is None:
             return inner
         # A non-root user needs passwordless `sudo -n pct` (field notes 2).
-        t = PctTransport(inner, target.vmid, pct=pct, sudo=user != "root", target=target.name)
-        if check:
-            t.check()
-        return t
+        return PctTransport(inner, target.vmid, pct=pct, sudo=user != "root", target=target.name,
+                            verify=check)
 
     def close(self) -> None:
         for t in list(self._ssh.values()):

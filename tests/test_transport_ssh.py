@@ -80,9 +80,11 @@ def test_stopped_and_unknown_containers_are_clear_errors(sshd, fakepct, make_inv
         "stopped": {"host": "node", "vmid": 200}, "missing": {"host": "node", "vmid": 999}})))
     with Session(inv) as s:
         with pytest.raises(ContainerError, match="is stopped, not running; start it with `pct start 200`"):
-            s.transport(inv.target("stopped"))
+            s.transport(inv.target("stopped")).run(["true"])
         with pytest.raises(ContainerError, match="999.conf' does not exist"):
-            s.transport(inv.target("missing"))
+            s.transport(inv.target("missing")).run(["true"])
+        with pytest.raises(ContainerError, match="is stopped"):
+            s.transport(inv.target("stopped"), check=False).check()
         # Without the status check, pct's own exit status 255 and message come through.
         t = s.transport(inv.target("stopped"), check=False)
         r = t.run(["true"])
