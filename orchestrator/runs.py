@@ -422,7 +422,7 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
             try:
                 calls += 1
                 t = session.transport(target, fresh=calls > 1)
-                conn["ssh"] = _ssh_of(session, target)
+                conn["ssh"] = state["ssh"] = _ssh_of(session, target)
                 args = ["follow", target.workdir, state["run"], str(state["offset"])]
                 if not follow:
                     args.append("--no-follow")
@@ -526,10 +526,10 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
         stopping.set()
         if own:
             session.close()
-        elif thread.is_alive() and target.host is not None:
-            # unblock the worker's read: closing the caller's connection is the only way
+        elif thread.is_alive() and state.get("ssh") is not None:
+            # unblock the worker's read: closing the stream's connection is the only way
             try:
-                session.ssh(target.host).close()
+                state["ssh"].close()
             except Exception:  # noqa: BLE001
                 pass
 
