@@ -172,3 +172,14 @@ def test_targets_check_table_and_json(env):
     assert doc["ct200"]["ok"] and doc["ct200"]["container"] == "running" and doc["ct200"]["python"]
     assert not doc["ct201"]["ok"] and "stopped" in doc["ct201"]["error"]
     assert doc["local"]["ok"]
+
+
+def test_install_deps_never_touches_torch(env, tmp_path):
+    inv, _, pct = env
+    src = tmp_path / "proj"
+    (src / "trainer").mkdir(parents=True)
+    (src / "trainer" / "requirements.txt").write_text("torch>=99  # must be skipped\nPyYAML>=5\n")
+    res = deploy.deploy(inv, ["ct200"], source=str(src), install_deps=True)["ct200"]
+    assert res.ok, res.error
+    assert res.deps["installed"] and res.deps["requirements"] == ["PyYAML>=5"]
+    assert res.deps["torch"] == res.torch   # still the target's own build
