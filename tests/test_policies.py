@@ -1,0 +1,209 @@
+"""Compile policies: names, auto resolution from probe.json, per-thread config, real compiles on CPU."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from trainer import policies
+from trainer.policies import POLICY_NAMES, PolicyError
+
+
+def in_thread(fn):
+    """Run fn in a fresh threading.Thread (as a trainer worker would); re-raise what it raised."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            box["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def test_names_and_cuda_needs():
+    assert POLICY_NAMES == ("eager", "inductor", "max-autotune-no-cudagraphs", "reduce-overhead",
+                            "cudagraphs-no-trees")
+    assert [p for p in POLICY_NAMES if policies.needs_cuda(p)] == ["reduce-overhead", "cudagraphs-no-trees"]
+    with pytest.raises(PolicyError, match="unknown compile policy 'fast'"):
+        policies.needs_cuda("fast")
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_describe_never_mode_and_options_together(name):
+    d = policies.describe(name)
+    assert d["name"] == name and d["needs_cuda"] == policies.needs_cuda(name) and d["notes"]
+    assert not (d["mode"] and d["options"]), "torch refuses mode= with options="
+    json.dumps(d)
+
+
+def test_describe_recipes():
+    assert policies.describe("cudagraphs-no-trees")["options"] == {"triton.cudagraphs": True,
+                                                                    "triton.cudagraph_trees": False}
+    assert policies.describe("reduce-overhead")["mode"] == "reduce-overhead"
+    assert policies.describe("max-autotune-no-cudagraphs")["mode"] == "max-autotune-no-cudagraphs"
+    assert policies.describe("eager")["mode"] is None
+
+
+def test_torch_version_parsing():
+    assert policies.torch_version("2.13.0+cpu") == (2, 13)
+    assert policies.torch_version("2.12.0a0+git1a2b3c") == (2, 12)
+    assert policies.torch_version("2.5.1") == (2, 5)
+    assert policies.torch_version() == policies.torch_version(torch.__version__)
+    with pytest.raises(ValueError):
+        policies.torch_version("nightly")
+
+
+# ---- resolve --------------------------------------------------------------------------------
+
+def test_resolve_named_policy_needs_no_workdir():
+    assert policies.resolve("inductor", None) == "inductor"
+    with pytest.raises(PolicyError, match="unknown compile policy"):
+        policies.resolve("turbo", None)
+
+
+def test_resolve_auto_without_probe_result(tmp_path):
+    with pytest.raises(PolicyError) as e:
+        policies.resolve("auto", str(tmp_path))
+    assert str(e.value) == f"no probe result in {tmp_path}: run `dflash-ops probe`"
+    with pytest.raises(PolicyError, match="run `dflash-ops probe`"):
+        policies.resolve("auto", None)
+
+
+def test_resolve_auto_reads_probe_json(tmp_path):
+    (tmp_path / "probe.json").write_text(json.dumps({"policy": "inductor", "torch": torch.__version__,
+                                                     "reason": "r", "result": {}, "history": []}))
+    assert policies.resolve("auto", str(tmp_path)) == "inductor"
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("{not json", "unreadable probe result"),
+    (json.dumps({"policy": "warp-speed"}), "not a known policy"),
+    (json.dumps({"policy": "inductor", "torch": "2.0.0"}), "probed with torch 2.0.0"),
+])
+def test_resolve_auto_refuses_a_bad_or_stale_result(tmp_path, content, needle):
+    (tmp_path / "probe.json").write_text(content)
+    with pytest.raises(PolicyError, match=needle):
+        policies.resolve("auto", str(tmp_path))
+
+
+# ---- configure_thread -----------------------------------------------------------------------
+
+def _limits():
+    import torch._dynamo.config as c
+    name = "recompile_limit" if hasattr(c, "recompile_limit") else "cache_size_limit"
+    acc = "accumulated_recompile_limit" if hasattr(c, "accumulated_recompile_limit") else "accumulated_cache_size_limit"
+    return getattr(c, name), getattr(c, acc)
+
+
+def test_configure_thread_raises_limits_in_the_calling_thread_idempotently():
+    def work():
+        policies.configure_thread(8)
+        first = _limits()
+        policies.configure_thread(8)
+        policies.configure_thread(2)          # never lowers
+        return first, _limits()
+
+    first, again = in_thread(work)
+    assert first == again
+    assert first[0] >= 64 and first[1] >= 8 * 256
+
+
+@pytest.mark.skipif(policies.torch_version() < (2, 12), reason="config is process-global before 2.12")
+def test_config_is_per_thread_from_2_12():
+    """pytorch#186537: what the main thread sets is not seen by a worker, hence configure_thread
+    in every worker."""
+    import torch._dynamo.config as c
+    with c.patch(recompile_limit=99):
+        assert in_thread(lambda: _limits()[0]) != 99
+    before = _limits()
+    in_thread(lambda: policies.configure_thread(8))
+    assert _limits() == before                 # and a worker's setting stays in the worker
+
+
+# ---- compile_module / step_begin ------------------------------------------------------------
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.silu(self.a(x))).pow(2).mean()
+
+
+def test_eager_returns_the_module_itself():
+    m = Tiny()
+    assert policies.compile_module(m, "eager") is m
+
+
+def test_inductor_compiles_and_trains_in_a_worker_thread():
+    torch.manual_seed(0)
+    ref, model = Tiny(), Tiny()
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 8)
+
+    def work():
+        policies.configure_thread(2)
+        fn = policies.compile_module(model, "inductor", n_devices=2)
+        assert fn is not model
+        policies.step_begin("inductor")
+        loss = fn(x)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss, grads = in_thread(work)
+    ref_loss = ref(x)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach())
+    for g, p in zip(grads, ref.parameters()):
+        torch.testing.assert_close(g, p.grad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
+@pytest.mark.parametrize("name", ["reduce-overhead", "cudagraphs-no-trees"])
+def test_cuda_policies_refuse_without_a_gpu(name):
+    with pytest.raises(PolicyError, match="needs a GPU"):
+        policies.compile_module(Tiny(), name)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("inductor", {}),
+    ("max-autotune-no-cudagraphs", {"mode": "max-autotune-no-cudagraphs"}),
+    ("reduce-overhead", {"mode": "reduce-overhead"}),
+    ("cudagraphs-no-trees", {"options": {"triton.cudagraphs": True, "triton.cudagraph_trees": False}}),
+])
+def test_compile_arguments(monkeypatch, name, expected):
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda module, **kw: calls.append(kw) or ("compiled", module))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    m = Tiny()
+    assert policies.compile_module(m, name) == ("compiled", m)
+    assert calls == [expected]
+
+
+def test_step_begin_marks_only_for_trees(monkeypatch):
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    for name in POLICY_NAMES:
+        policies.step_begin(name)
+    assert marks == [1]
+
+
+def test_importing_policies_needs_no_torch():
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = ("import sys, trainer.policies as p; p.describe('inductor'); p.resolve('eager', None); "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                   check=True, timeout=60)

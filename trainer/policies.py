@@ -1,0 +1,183 @@
+"""Named compile policies, shared by the probe and the trainer.
+
+A policy is a named, logged recipe for `torch.compile` (style habit 7): the probe measures each one
+on the target (`python -m trainer.probe`) and saves its choice in WORKDIR/probe.json; the trainer
+runs `--compile-policy NAME|auto`. In a one-thread-per-GPU trainer, inside EVERY worker thread:
+
+    policies.configure_thread(n_devices)        # per-thread config from torch 2.12 on
+    torch.cuda.set_device(i)
+    fn = policies.compile_module(model, policy, n_devices=n_devices)   # keep `model` for state_dict
+    for batch in batches:
+        policies.step_begin(policy)
+        loss = fn(**batch); loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+
+Importing this module does not import torch (the controller may describe policies).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from typing import Any
+
+POLICY_NAMES = ("eager", "inductor", "max-autotune-no-cudagraphs", "reduce-overhead",
+                "cudagraphs-no-trees")
+
+# What each policy hands torch.compile: never mode= and options= together, torch refuses that
+# ("Either mode or options can be specified", signature compile-mode-and-options).
+_RECIPES: dict[str, dict[str, Any]] = {
+    "eager": {"mode": None, "options": None, "cuda": False,
+              "notes": "no compilation; the fallback that always works"},
+    "inductor": {"mode": "default", "options": None, "cuda": False,
+                 "notes": "inductor default mode, no CUDA graphs; runs in worker threads on every "
+                          "torch version measured (field notes 3)"},
+    "max-autotune-no-cudagraphs": {
+        "mode": "max-autotune-no-cudagraphs", "options": None, "cuda": False,
+        "notes": "inductor with GEMM/kernel autotuning, no CUDA graphs; long first compile"},
+    "reduce-overhead": {
+        "mode": "reduce-overhead", "options": None, "cuda": True,
+        "notes": "CUDA Graph Trees; before torch 2.13 fails in any thread but the one that imported "
+                 "cudagraph_trees (pytorch#123177, fixed by PR #184357); needs "
+                 "cudagraph_mark_step_begin() per step"},
+    "cudagraphs-no-trees": {
+        "mode": None, "options": {"triton.cudagraphs": True, "triton.cudagraph_trees": False},
+        "cuda": True,
+        "notes": "inductor's older non-tree CUDA graphs; before 2.13 one compiled function is shared "
+                 "by all threads and asserts when another thread's parameters come in "
+                 "(cudagraph-static-input)"},
+}
+
+# Dynamo's defaults, per device: recompile_limit 8, accumulated_recompile_limit 256.
+_RECOMPILE_PER_DEVICE = 8
+_ACCUMULATED_PER_DEVICE = 256
+
+
+class PolicyError(ValueError):
+    """An unknown policy, a policy this machine cannot run, or `auto` without a probe result."""
+
+
+def _check_name(name: str) -> None:
+    if name not in POLICY_NAMES:
+        raise PolicyError(f"unknown compile policy {name!r}; choose one of "
+                          f"{', '.join(POLICY_NAMES)} or auto")
+
+
+def needs_cuda(name: str) -> bool:
+    """True for the policies that capture CUDA graphs (reduce-overhead, cudagraphs-no-trees)."""
+    _check_name(name)
+    return bool(_RECIPES[name]["cuda"])
+
+
+def describe(policy: str) -> dict:
+    """What a policy does, as data to log or print: name, mode, options, needs_cuda, notes."""
+    _check_name(policy)
+    r = _RECIPES[policy]
+    return {"name": policy, "mode": r["mode"], "options": dict(r["options"]) if r["options"] else None,
+            "needs_cuda": r["cuda"], "mark_step": policy == "reduce-overhead", "notes": r["notes"]}
+
+
+def torch_version(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of `version`, default torch.__version__: '2.12.0a0+git1' -> (2, 12)."""
+    if version is None:
+        import torch
+        version = torch.__version__
+    m = re.match(r"(\d+)\.(\d+)", str(version))
+    if not m:
+        raise ValueError(f"cannot parse torch version {version!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def resolve(policy: str, workdir: str | None) -> str:
+    """A policy name as given, or for 'auto' the probe's choice saved in WORKDIR/probe.json."""
+    if policy != "auto":
+        _check_name(policy)
+        return policy
+    path = os.path.join(workdir, "probe.json") if workdir else None
+    if not path or not os.path.isfile(path):
+        raise PolicyError(f"no probe result in {workdir or '(no workdir given)'}: "
+                          "run `dflash-ops probe`")
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise PolicyError(f"{path}: unreadable probe result ({e}): run `dflash-ops probe` again") from None
+    chosen = saved.get("policy") if isinstance(saved, dict) else None
+    if chosen not in POLICY_NAMES:
+        raise PolicyError(f"{path}: probe chose {chosen!r}, not a known policy: "
+                          "run `dflash-ops probe` again")
+    # A choice measured on another torch build proves nothing about this one (the answer changes
+    # between 2.11, 2.12 and 2.13). Only checked when torch is already loaded: resolve stays cheap.
+    probed = saved.get("torch")
+    torch_mod = sys.modules.get("torch")
+    if isinstance(probed, str) and torch_mod is not None and probed != torch_mod.__version__:
+        raise PolicyError(f"{path}: probed with torch {probed}, this is torch "
+                          f"{torch_mod.__version__}: run `dflash-ops probe` again")
+    return chosen
+
+
+def configure_thread(n_devices: int) -> None:
+    """Raise dynamo's recompile limits for `n_devices` devices, in the CALLING thread.
+
+    The device index is part of every tensor guard, so N GPUs compiling one function use N cache
+    entries: 8 GPUs exhaust the default recompile_limit of 8 by themselves. Idempotent (sets
+    max(current, needed)). From torch 2.12 dynamo/inductor config is thread-local (a ContextVar;
+    pytorch#186537): a value set in the main thread is not seen by worker threads, so call this in
+    every worker thread. Before 2.12 config is process-global and this is harmless to repeat.
+    (Work the autograd engine runs for a thread's backward sees that thread's overrides only once
+    contextvars propagate to autograd threads, pytorch PR #186583.)
+    """
+    import torch._dynamo.config as dconfig
+
+    n = max(1, int(n_devices))
+    # recompile_limit was called cache_size_limit up to torch 2.6 (the old name stays as an alias).
+    for new, old, per_device in (("recompile_limit", "cache_size_limit", _RECOMPILE_PER_DEVICE),
+                                 ("accumulated_recompile_limit", "accumulated_cache_size_limit",
+                                  _ACCUMULATED_PER_DEVICE)):
+        name = new if hasattr(dconfig, new) else old
+        if not hasattr(dconfig, name):
+            continue
+        want = per_device * n
+        if getattr(dconfig, name) < want:
+            setattr(dconfig, name, want)
+
+
+def compile_module(module, policy: str, *, n_devices: int = 1):
+    """Return a callable running `module` under `policy` (the module itself for eager).
+
+    Compilation is lazy: it happens on the first call, in the calling thread, so call
+    configure_thread() in each worker first (done here too, for the thread that calls this).
+    Keep `module` itself for state_dict/eval: the compiled wrapper prefixes keys with `_orig_mod.`.
+    """
+    _check_name(policy)
+    if policy == "eager":
+        return module
+    import torch
+
+    if _RECIPES[policy]["cuda"] and not torch.cuda.is_available():
+        raise PolicyError(f"compile policy {policy!r} captures CUDA graphs and needs a GPU; "
+                          "this machine has none (use inductor or eager)")
+    configure_thread(n_devices)
+    recipe = _RECIPES[policy]
+    if recipe["options"] is not None:
+        # Options, not global config: from 2.12 config set outside the compiling thread is not
+        # seen (pytorch#186537), and before 2.12 config.patch is not thread-safe.
+        return torch.compile(module, options=dict(recipe["options"]))
+    if recipe["mode"] == "default":
+        return torch.compile(module)
+    return torch.compile(module, mode=recipe["mode"])
+
+
+def step_begin(policy: str) -> None:
+    """Mark a training-step boundary where the policy needs one (CUDA Graph Trees only).
+
+    Without it trees cannot tell a new step from a re-run and outputs kept from the previous step
+    are overwritten (signature cudagraph-output-overwritten). Note the mark-step counter is
+    process-wide in every torch version: one thread's mark affects every thread's trees.
+    The non-tree path (cudagraphs-no-trees) has no step notion; nothing to do there.
+    """
+    _check_name(policy)
+    if policy == "reduce-overhead":
+        import torch
+
+        torch.compiler.cudagraph_mark_step_begin()
