@@ -47,6 +47,7 @@ SEED = 1234
 # Two policies within this fraction of each other's step time are a tie on a noisy machine:
 # the simpler one (earlier in POLICY_NAMES) wins.
 TIE_MARGIN = 0.03
+COST_ORDER = ("eager", "inductor", "reduce-overhead", "cudagraphs-no-trees", "max-autotune-no-cudagraphs")
 KNOWN_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "lite")
 
 
@@ -433,6 +434,14 @@ def mode_options() -> dict:
     return out
 
 
+class _Stopped(Exception):
+    """SIGTERM reached the probe: finish with the cases done so far."""
+
+
+def _stop_probe(signum, frame):
+    raise _Stopped()
+
+
 def _run_child(policy: str, topology: str, n: int, args) -> dict:
     """One case: `python -m trainer.probe --case POLICY:TOPOLOGY:N` in the release's root."""
     root = str(Path(__file__).resolve().parent.parent)
@@ -454,18 +463,22 @@ def run_isolated(cmd: list[str], timeout: float, *, cwd: str | None = None,
                             cwd=cwd, env=env, start_new_session=True)
     timed_out = False
     deadline = t0 + timeout
-    while True:
-        try:
-            out, _ = proc.communicate(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
-            break
-        except subprocess.TimeoutExpired:
-            # the case exited but leftovers (compile workers) still hold the pipe; or time is up
-            exited = proc.poll() is not None
-            if exited or time.monotonic() >= deadline:
-                timed_out = not exited
-                _killpg(proc.pid)
-                out, _ = proc.communicate()
+    try:
+        while True:
+            try:
+                out, _ = proc.communicate(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
                 break
+            except subprocess.TimeoutExpired:
+                # the case exited but leftovers (compile workers) still hold the pipe; or time is up
+                exited = proc.poll() is not None
+                if exited or time.monotonic() >= deadline:
+                    timed_out = not exited
+                    _killpg(proc.pid)
+                    out, _ = proc.communicate()
+                    break
+    except BaseException:
+        _killpg(proc.pid)      # the probe itself is being stopped: take the case down with it
+        raise
     _killpg(proc.pid)      # compile workers the case left behind
     text = out.decode("utf-8", "replace")
     result, lines = None, []
@@ -593,16 +606,30 @@ def run_probe(args) -> dict:
         catalog = load_catalog(args.signatures)
     except Exception as e:  # noqa: BLE001 - probe still runs; cases are just not named
         catalog_error = f"{type(e).__name__}: {e}"
+    # Cheapest compiles first: a probe stopped early (SIGTERM, a caller's time limit) still has
+    # the answers that matter; max-autotune benchmarks kernels for minutes on a cold cache.
+    names = sorted(names, key=COST_ORDER.index)
     plan = [(p, t, 1 if t == "main" else n_threads) for p in names for t in TOPOLOGIES]
     _progress(f"torch {build['torch']}, {args.device}, {len(build['gpus'])} GPU(s); "
               f"{len(plan)} cases, threads={n_threads}")
     cases = []
+    interrupted = False
+    previous = signal.signal(signal.SIGTERM, _stop_probe)
     for i, (policy, topology, n) in enumerate(plan, 1):
         label = f"[{i}/{len(plan)}] {policy} {topology}" + (f" x{n}" if topology == "threads" else "")
-        if policies.needs_cuda(policy) and not cuda:
-            case = _skipped(policy, topology, n, "needs CUDA; this machine has none")
-        else:
-            case = _case_record(policy, topology, n, _run_child(policy, topology, n, args), catalog)
+        if interrupted:
+            cases.append(_skipped(policy, topology, n, "not run: the probe was stopped"))
+            continue
+        try:
+            if policies.needs_cuda(policy) and not cuda:
+                case = _skipped(policy, topology, n, "needs CUDA; this machine has none")
+            else:
+                case = _case_record(policy, topology, n, _run_child(policy, topology, n, args), catalog)
+        except _Stopped:
+            # SIGTERM: report what is known rather than nothing (the cases so far cost minutes).
+            interrupted = True
+            case = dict(_skipped(policy, topology, n, "the probe was stopped during this case"),
+                        outcome="timeout")
         cases.append(case)
         if case["outcome"] == "ok":
             diff = "non-finite loss" if case["max_abs_diff"] is None else f"max diff {case['max_abs_diff']:.2g}"
@@ -611,7 +638,10 @@ def run_probe(args) -> dict:
         else:
             detail = case["signature"] or case["error"] or ""
         _progress(f"{label}: {case['outcome']} {detail} ({case['seconds']:.1f} s)")
+    signal.signal(signal.SIGTERM, previous)
     policy, reason = choose(cases)
+    if interrupted:
+        reason += " (probe stopped early: later cases not run)"
     _progress(f"chosen: {reason}")
     c = GPU_CONFIG if cuda else CPU_CONFIG
     doc = {
@@ -622,7 +652,7 @@ def run_probe(args) -> dict:
         "device": args.device, "threads": n_threads, "steps": args.steps, "warmup": args.warmup,
         "model": asdict(c), "dtype": "bfloat16" if cuda and build["bf16"] else "float32",
         "policies": {p: policies.describe(p) for p in names},
-        "cases": cases, "policy": policy, "reason": reason,
+        "cases": cases, "policy": policy, "reason": reason, "interrupted": interrupted,
         "catalog_error": catalog_error,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": round(time.monotonic() - t_start, 2),
