@@ -136,8 +136,8 @@ def _size(n: int) -> str:
 @click.argument("names", nargs=-1, metavar="[TARGET...]")
 @click.option("--gpus", type=click.IntRange(min=1), help="Worker threads to test (default: the target's gpus, at least 2).")
 @click.option("--policies", metavar="A,B", help="Only these policies (default: all).")
-@click.option("--case-timeout", type=click.IntRange(min=10), default=300, show_default=True,
-              help="Seconds before one case counts as hung.")
+@click.option("--case-timeout", type=click.IntRange(min=10),
+              help="Seconds before one case counts as hung (default: 600 on CUDA, 300 on CPU).")
 @json_option
 @click.pass_obj
 def probe(state: State, names, gpus, policies, case_timeout, as_json):
@@ -235,3 +235,5 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+from . import cli_runs  # noqa: E402,F401  (registers launch, logs, status, stop, report)
