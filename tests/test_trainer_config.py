@@ -1,0 +1,71 @@
+"""Trainer flags and YAML: defaults < --config FILE < flags; unknown keys and bad values are one-line errors."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.config import TrainConfig, parse
+from trainer.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_yaml_sets_any_flag_and_flags_win(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("steps: 7\ncompile_policy: inductor\nbatch-size: 4\nlr: 1\nresume: true\nout: from-yaml\n")
+    c = parse(["--config", str(cfg), "--steps", "9"])
+    assert (c.steps, c.compile_policy, c.batch_size, c.lr, c.resume, c.out) == (9, "inductor", 4, 1.0, True, "from-yaml")
+    assert parse([]) == TrainConfig(workdir=c.workdir)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("stepz: 3\n", "unknown key 'stepz'"),
+    ("steps: 2.5\n", "key 'steps': expected int"),
+    ("resume: yes please\n", "key 'resume': expected bool"),
+    ("- steps\n", "expected a mapping"),
+    ("steps: [1,\n", "not valid YAML"),
+    ("gpus: 2\nworkers: 3\n", "one worker per GPU"),
+    ("block_size: 16\nseq_len: 8\n", "shorter than one block"),
+    ("compile_policy: turbo\n", "--compile-policy 'turbo'"),
+    ("target: tiny:x\n", "expected tiny or tiny:SEED"),
+    ("keep_checkpoints: 1\n", "--keep-checkpoints must be >= 2"),
+])
+def test_bad_config_names_the_file_and_key(tmp_path, text, needle):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    with pytest.raises(UsageError) as e:
+        parse(["--config", str(cfg)])
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    if "key" in needle or "YAML" in needle or "mapping" in needle:
+        assert str(cfg) in str(e.value)
+
+
+def test_missing_config_file_and_bad_flags():
+    with pytest.raises(UsageError, match="no such file"):
+        parse(["--config", "/nonexistent/c.yaml"])
+    with pytest.raises(UsageError, match="invalid int value"):
+        parse(["--steps", "many"])
+    with pytest.raises(UsageError, match="does not split over 2 workers"):
+        parse(["--workers", "2", "--batch-size", "3"])
+
+
+def test_config_and_package_do_not_import_torch():
+    code = ("import sys, trainer, trainer.config, trainer.cli; "
+            "trainer.config.parse(['--steps', '3']); assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+def test_help_lists_the_contract_flags():
+    p = subprocess.run([sys.executable, "-m", "trainer", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0
+    for flag in ("--target", "--data", "--steps", "--seed", "--out", "--resume", "--gpus", "--workers",
+                 "--topology", "--compile-policy", "--config"):
+        assert flag in p.stdout
+
+
+def test_the_demo_config_parses():
+    c = parse(["--config", str(ROOT / "trainer" / "demo.yaml")])
+    assert c.target == "tiny" and c.steps == 200 and c.block_size == 8

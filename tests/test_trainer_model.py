@@ -1,0 +1,146 @@
+"""The drafter against the tiny target: training and decoding see the same thing; decoding is lossless."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trainer import masks  # noqa: E402
+from trainer.eval import acceptance_length, speculative_generate  # noqa: E402
+from trainer.model import Drafter, DrafterConfig, flops_per_sample  # noqa: E402
+from trainer.step import DraftLoss  # noqa: E402
+from trainer.target import default_layer_ids, load_target  # noqa: E402
+
+BLOCK = 6
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    target = load_target("tiny", device=torch.device("cpu"), dtype=torch.float32)
+    torch.manual_seed(3)
+    drafter = Drafter(target.drafter_config(num_layers=2, block_size=BLOCK, mask_token_id=None))
+    drafter.borrow_target_head(*target.head_weights())
+    with torch.no_grad():  # a drafter that is not all zeros-ish: larger random weights
+        for _, p in drafter.trainable_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return target, drafter
+
+
+def test_default_layers_follow_the_field_notes():
+    assert default_layer_ids(36) == (1, 9, 17, 25, 33)  # Qwen3-8B
+    assert default_layer_ids(8) == (1, 2, 3, 4, 5)
+    assert default_layer_ids(2) == (0, 1)  # too shallow for 1..L-3: every layer
+
+
+def test_tiny_target_is_deterministic():
+    a = load_target("tiny", device=torch.device("cpu"), dtype=torch.float32)
+    b = load_target("tiny", device=torch.device("cpu"), dtype=torch.float32)
+    c = load_target("tiny:1", device=torch.device("cpu"), dtype=torch.float32)
+    wa, wb, wc = (t.model.lm_head.weight for t in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+    assert a.fingerprint == b.fingerprint != c.fingerprint
+
+
+def test_training_forward_equals_one_block_at_a_time(tiny):
+    """Each block of a multi-anchor training pass must equal decoding it alone with context < anchor.
+
+    This is the train/eval coupling that, when wrong (`<=` or an off-by-one label), trains to high
+    accuracy and terrible acceptance.
+    """
+    target, drafter = tiny
+    g = torch.Generator().manual_seed(0)
+    S = 40
+    ids = torch.randint(0, 256, (2, S), generator=g)
+    anchors = torch.tensor([[0, 7, 20, 34], [3, 4, 15, 30]])
+    feats = target.features(ids)
+    mask = masks.attention_mask(anchors, S, BLOCK)
+    hidden = drafter(masks.block_inputs(ids, anchors, BLOCK, drafter.cfg.mask_token_id),
+                     masks.block_positions(anchors, BLOCK), feats, torch.arange(S).expand(2, S), mask)
+    for b in range(2):
+        for n, a in enumerate(anchors[b].tolist()):
+            block = torch.tensor([[int(ids[b, a])] + [drafter.cfg.mask_token_id] * (BLOCK - 1)])
+            one = drafter(block, torch.arange(a, a + BLOCK)[None], feats[b:b + 1, :a], torch.arange(a)[None],
+                          masks.attention_mask(torch.tensor([[a]]), a, BLOCK))
+            torch.testing.assert_close(hidden[b, n * BLOCK:(n + 1) * BLOCK], one[0], atol=1e-5, rtol=1e-5)
+
+
+def test_features_in_decoding_match_features_in_training(tiny):
+    target, _ = tiny
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(1))
+    full = target.features(ids)
+    _, hs, cache = target.decode(ids[:, :20], hidden=True)
+    _, hs2, _ = target.decode(ids[:, 20:], cache, hidden=True)
+    cat = torch.cat([torch.cat([h[i + 1] for i in target.layer_ids], -1) for h in (hs, hs2)], dim=1)
+    torch.testing.assert_close(cat, full, atol=1e-5, rtol=1e-5)
+
+
+def test_speculative_decoding_is_lossless(tiny):
+    target, drafter = tiny
+    prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    spec, accepted = speculative_generate(target, drafter, prompt, max_new_tokens=40)
+    # plain greedy decoding, one token at a time
+    logits, _, cache = target.decode(torch.tensor([prompt]))
+    greedy = [int(logits[0, -1].argmax())]
+    while len(greedy) < 40:
+        logits, _, cache = target.decode(torch.tensor([[greedy[-1]]]), cache)
+        greedy.append(int(logits[0, -1].argmax()))
+    assert spec == greedy
+    assert all(1 <= a <= BLOCK for a in accepted)
+
+
+def test_a_drafter_that_copies_the_target_is_accepted_fully(tiny, monkeypatch):
+    """Acceptance counts a round as drafts accepted + 1 and reaches the block size for a perfect drafter."""
+    target, drafter = tiny
+    prompt = list(range(40, 52))
+
+    def oracle(block, pos, feats, ctx_pos, mask):  # hidden states whose logits are the target's choices
+        p = int(pos[0, 0])
+        seq = prompt + oracle.truth[: p - len(prompt) + BLOCK]
+        out = torch.zeros(1, BLOCK, drafter.cfg.vocab_size)
+        for k in range(1, BLOCK):
+            out[0, k, seq[p + k]] = 1.0
+        return out
+
+    logits, _, cache = target.decode(torch.tensor([prompt]))
+    truth = [int(logits[0, -1].argmax())]
+    while len(truth) < 60:
+        logits, _, cache = target.decode(torch.tensor([[truth[-1]]]), cache)
+        truth.append(int(logits[0, -1].argmax()))
+    oracle.truth = truth
+    monkeypatch.setattr(drafter, "forward", oracle)
+    monkeypatch.setattr(drafter, "logits", lambda h: h)
+    res = acceptance_length(target, drafter, [prompt], max_new_tokens=40)
+    assert res["acceptance_length"] == pytest.approx(BLOCK)
+
+
+def test_target_head_is_borrowed_frozen_and_not_saved(tiny):
+    target, drafter = tiny
+    emb, norm, head = target.head_weights()
+    assert drafter.embed_tokens.weight.data_ptr() == emb.data_ptr()
+    assert drafter.lm_head.weight.data_ptr() == head.data_ptr()
+    assert not any(p.requires_grad for p in (drafter.embed_tokens.weight, drafter.norm.weight, drafter.lm_head.weight))
+    keys = drafter.trainable_state_dict().keys()
+    assert keys and not any(k.startswith(("embed_tokens", "lm_head", "norm.")) for k in keys)
+    assert "fc.weight" in keys and "hidden_norm.weight" in keys
+
+
+def test_loss_gradient_reaches_only_trainable_weights(tiny):
+    target, drafter = tiny
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(4))
+    lm = torch.ones(1, 24)
+    anchors, valid = masks.sample_anchors(lm[0], 24, BLOCK, 3, torch.Generator().manual_seed(0))
+    fn = DraftLoss(drafter, masks.position_weights(BLOCK, 4.0))
+    loss_sum, correct, count = fn(target.features(ids), ids, lm, anchors[None], valid[None])
+    loss_sum.backward()
+    assert all(p.grad is not None for _, p in drafter.trainable_parameters())
+    assert drafter.lm_head.weight.grad is None and drafter.embed_tokens.weight.grad is None
+    assert int(count[0]) == 0 and int(count[1:].sum()) == 3 * (BLOCK - 1)
+    drafter.zero_grad(set_to_none=True)
+
+
+def test_flop_count_matches_the_field_notes_yardstick():
+    cfg = DrafterConfig(hidden_size=4096, vocab_size=151936, mask_token_id=0, num_layers=5, num_heads=32,
+                        num_kv_heads=8, head_dim=128, intermediate_size=12288)
+    assert flops_per_sample(cfg, 768, 256 * 16) / 1e12 == pytest.approx(45, rel=0.05)

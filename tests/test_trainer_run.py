@@ -1,0 +1,283 @@
+"""The trainer as users run it: resume exactly, stop on SIGTERM, survive kill -9 mid-checkpoint, refuse bad input.
+
+Runs are tiny (the `tiny` target, a 1-layer drafter, block 4) and CPU-only with one torch thread, so
+they are deterministic: a resumed run must reproduce the uninterrupted run bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trainer import checkpoint  # noqa: E402
+from trainer.cli import run, train_entry  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["--target", "tiny", "--data", "synthetic", "--batch-size", "4", "--block-size", "4", "--anchors", "4",
+         "--synthetic-samples", "32", "--synthetic-prompt-len", "8", "--synthetic-new-tokens", "24",
+         "--draft-layers", "1", "--cpu-threads", "1", "--eval-prompts", "2", "--eval-new-tokens", "8",
+         "--checkpoint-every", "0", "--lr", "3e-3", "--seed", "5"]
+
+
+def train(out: Path, *extra: str) -> int:
+    return run(train_entry, [*QUICK, "--out", str(out), *extra])
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_losses(out: Path) -> dict[int, float]:
+    """step -> loss, the later line winning (a resumed run supersedes lines after its checkpoint)."""
+    return {m["step"]: m["loss"] for m in metrics(out) if "loss" in m and "event" not in m}
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return checkpoint.load(checkpoint.find_latest(out)).model
+
+
+def subprocess_env(**extra) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **extra)
+    env.pop("DFLASH_OPS_WORKDIR", None)
+    return env
+
+
+# ---- resume ----------------------------------------------------------------------------------------
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert train(straight, "--steps", "10") == 0
+
+    # The same run, stopped by SIGTERM after step 5 (raised in-process at the 6th batch's creation
+    # would be one step late, so raise it while building batch index 4: the loop stops after step 5).
+    import trainer.train as tt
+
+    real = tt.make_batch
+
+    def make_batch_then_sigterm(*a, **kw):
+        batch = real(*a, **kw)
+        if kw["step"] == 4:
+            signal.raise_signal(signal.SIGTERM)
+        return batch
+
+    monkeypatch.setattr(tt, "make_batch", make_batch_then_sigterm)
+    assert train(split, "--steps", "10") == 143
+    monkeypatch.setattr(tt, "make_batch", real)
+    assert checkpoint.find_latest(split).name == "step-00000005"
+    assert max(step_losses(split)) == 5
+    assert train(split, "--steps", "10", "--resume") == 0
+
+    a, b = step_losses(straight), step_losses(split)
+    assert sorted(a) == sorted(b) == list(range(1, 11))
+    assert [a[s] for s in a] == [b[s] for s in a]  # bit-identical on a deterministic CPU
+    wa, wb = final_weights(straight), final_weights(split)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert [m for m in metrics(split) if m.get("event") == "resume"] == [{"event": "resume", "step": 5}]
+    done = [m for m in metrics(split) if m.get("event") == "done"]
+    assert len(done) == 1 and done[0]["acceptance_length"] >= 1.0
+
+
+def test_extending_a_finished_run_continues_from_its_last_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    assert train(out, "--steps", "3", "--checkpoint-every", "2") == 0
+    assert train(out, "--steps", "5", "--resume") == 0
+    assert sorted(step_losses(out)) == [1, 2, 3, 4, 5]
+    names = sorted(p.name for p in checkpoint.root(out).glob("step-*"))
+    assert names == ["step-00000003", "step-00000005"]  # keep 2: the previous one survives
+
+
+def test_two_workers_compute_the_same_update_as_one(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert train(one, "--steps", "4") == 0
+    assert train(two, "--steps", "4", "--workers", "2") == 0
+    la, lb = step_losses(one), step_losses(two)
+    assert all(abs(la[s] - lb[s]) < 1e-5 for s in la)
+    wa, wb = final_weights(one), final_weights(two)
+    # Sharded sums differ from the single pass only by float reassociation.
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-5, rtol=1e-4) for k in wa)
+
+
+# ---- SIGTERM and kill -9 (real processes) ----------------------------------------------------------
+
+def test_sigterm_mid_run_checkpoints_and_exits_143_then_resumes(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer", *QUICK, "--out", str(out), "--steps", "100000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # wait until it is really training
+            if line.startswith("{") and json.loads(line).get("step", 0) >= 3:
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    stopped = [json.loads(x) for x in rest.splitlines() if x.startswith("{") and '"stopped"' in x]
+    assert len(stopped) == 1
+    k = stopped[0]["step"]
+    latest = checkpoint.find_latest(out)
+    assert latest is not None and latest.name == f"step-{k:08d}" and checkpoint.verify(latest)
+    assert checkpoint.load(latest).step == k
+    assert not list(checkpoint.root(out).glob(".tmp-*"))
+
+    # resumable: continues at k+1 (in-process, same settings, a few more steps)
+    assert train(out, "--steps", str(k + 2), "--resume") == 0
+    assert max(step_losses(out)) == k + 2
+
+
+def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path):
+    out, flag = tmp_path / "run", tmp_path / "paused"
+    cmd = [sys.executable, "-m", "trainer", *QUICK, "--out", str(out), "--steps", "50", "--checkpoint-every", "2"]
+    env = subprocess_env(**{checkpoint.PAUSE_ENV: f"4:{flag}"})
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 90
+        while not flag.exists():
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.time() < deadline, "the trainer never reached checkpoint 4"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)  # mid-write: model.safetensors of step 4 is on disk, the rest is not
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert list(checkpoint.root(out).glob(".tmp-step-00000004-*"))  # the torn write is there ...
+    latest = checkpoint.find_latest(out)
+    assert latest.name == "step-00000002"  # ... and `latest` still names the complete previous one
+    ck = checkpoint.load(latest)
+    assert ck.step == 2 and ck.model and ck.optimizer["state"]
+
+    assert train(out, "--steps", "5", "--resume", "--checkpoint-every", "2") == 0
+    assert not list(checkpoint.root(out).glob(".tmp-*"))  # the leftover is cleaned up
+    assert checkpoint.find_latest(out).name == "step-00000005"
+    assert [m["step"] for m in metrics(out) if m.get("event") == "resume"] == [2]
+
+
+# ---- bad input: exit 2, one line, no traceback ------------------------------------------------------
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err and err.startswith("trainer: error: "), err
+    return err
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("unknown-flag", "unrecognized arguments: --bogus"),
+    ("unknown-key", "unknown key 'stepz'"),
+    ("wrong-type", "key 'steps': expected int"),
+    ("missing-data", "no such file"),
+    ("wrong-keys", ":2: each row needs exactly one of 'input_ids' or 'messages'"),
+    ("short-sequence", ":1: sequence of 3 tokens is shorter than one block (4)"),
+    ("bad-id", "outside the target's vocabulary"),
+    ("not-a-model", "not a Hugging Face model folder"),
+    ("bad-model-config", "not a model"),
+    ("processes", "not implemented yet"),
+    ("auto-without-probe", "no probe result"),
+    ("split-batch", "does not split over 3 workers"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, case, needle):
+    out = tmp_path / "out"
+    good = {"input_ids": list(range(10, 30)), "loss_mask": [0] * 5 + [1] * 15}
+    data = {"wrong-keys": [good, {"ids": [1, 2, 3]}], "short-sequence": [{"input_ids": [1, 2, 3]}, good],
+            "bad-id": [{"input_ids": [1, 2, 3, 99999, 5]}]}
+    args = {
+        "unknown-flag": ["--bogus"],
+        "missing-data": ["--data", str(tmp_path / "nope.jsonl")],
+        "not-a-model": ["--target", str(tmp_path)],
+        "processes": ["--topology", "processes"],
+        "auto-without-probe": ["--compile-policy", "auto", "--workdir", str(tmp_path)],
+        "split-batch": ["--workers", "3"],
+    }.get(case, [])
+    if case in data:
+        args = ["--data", str(write_jsonl(tmp_path / "d.jsonl", data[case]))]
+    if case in ("unknown-key", "wrong-type"):
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text("steps: 3\nstepz: 4\n" if case == "unknown-key" else "steps: three\n")
+        args = ["--config", str(cfg)]
+    if case == "bad-model-config":
+        (tmp_path / "m").mkdir()
+        (tmp_path / "m" / "config.json").write_text('{"model_type": "no-such-architecture"}')
+        args = ["--target", str(tmp_path / "m")]
+    assert train(out, "--steps", "2", *args) == 2
+    assert needle in _one_line_error(capsys)
+
+
+def test_resume_refuses_changed_model_settings_and_fresh_runs_refuse_old_checkpoints(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(out, "--steps", "1") == 0
+    capsys.readouterr()
+    assert train(out, "--steps", "2") == 2
+    assert "already holds checkpoints" in _one_line_error(capsys)
+    assert train(out, "--steps", "2", "--resume", "--block-size", "6") == 2
+    assert "block_size was 4" in _one_line_error(capsys)
+
+
+def test_bad_input_in_a_real_process_prints_one_line(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "trainer", "--data", str(tmp_path / "missing.jsonl"), "--out",
+                        str(tmp_path / "o")], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip() == f"trainer: error: --data {tmp_path / 'missing.jsonl'}: no such file"
+
+
+# ---- data formats ----------------------------------------------------------------------------------
+
+def test_chat_and_token_jsonl_train(tmp_path):
+    chat = {"messages": [{"role": "user", "content": "count up"}, {"role": "assistant", "content": "1 2 3 4 5 6 7 8"}]}
+    ids = {"input_ids": list(range(40, 70))}
+    data = write_jsonl(tmp_path / "d.jsonl", [chat, ids] * 3)
+    out = tmp_path / "run"
+    assert train(out, "--data", str(data), "--steps", "2", "--eval-prompts", "1") == 0
+    assert sorted(step_losses(out)) == [1, 2]
+    assert json.loads((out / "eval_prompts.json").read_text())  # held out from the data
+
+
+def test_chat_loss_mask_covers_assistant_turns_only():
+    from trainer.data import encode_chat
+    from trainer.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo"}, {"role": "user", "content": "again"},
+            {"role": "assistant", "content": "ok!"}]
+    ids, mask = encode_chat(tok, msgs)
+    trained = [tok.decode([t]) if t < 256 else t for t, m in zip(ids, mask) if m]
+    assert "".join(x for x in trained if isinstance(x, str)) == "yo\nok!\n"
+    assert trained.count(tok.im_end_id) == 2  # the end-of-turn token is the model's to predict too
+    assert len(ids) == len(mask)
+
+
+def test_hugging_face_folder_target_with_a_chat_template(tmp_path):
+    """A local HF folder (model + fast tokenizer with a chat template) loads offline and trains on chat rows."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from trainer.target import build_tiny
+
+    model_dir = tmp_path / "model"
+    build_tiny(3).save_pretrained(model_dir)
+    words = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "\n", " "] + [f"w{i}" for i in range(100)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"<\|im_start\|>|<\|im_end\|>|\n| "), behavior="isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<|im_end|>",
+                                  chat_template="{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                                                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
+                                                "<|im_start|>assistant\n{% endif %}")
+    tok.save_pretrained(model_dir)
+    rows = [{"messages": [{"role": "user", "content": "w1 w2"},
+                          {"role": "assistant", "content": " ".join(f"w{i}" for i in range(10, 40))}]}] * 4
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    out = tmp_path / "run"
+    assert train(out, "--target", str(model_dir), "--data", str(data), "--steps", "2", "--eval-prompts", "1") == 0
+    assert sorted(step_losses(out)) == [1, 2]

@@ -1,0 +1,247 @@
+"""Trainer settings: one frozen dataclass, filled from defaults < YAML `--config FILE` < flags.
+
+YAML keys are spelled like the flags without the leading dashes (`compile_policy` or
+`compile-policy` for `--compile-policy`). Unknown keys, wrong types and impossible combinations are
+UsageErrors (exit 2, one line) that name the key and the file. No torch here: `--help` and every
+config error stay fast.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from trainer.errors import UsageError
+from trainer.policies import POLICY_NAMES  # torch-free at import
+
+
+# The run's resolved settings (flags + YAML) in OUT, for --resume checks and `python -m trainer.eval`.
+# Not config.json/config.yaml: `launch` puts the user's own config file in the same folder.
+RUN_CONFIG = "trainer-config.json"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # what to train on
+    target: str = "tiny"                 # local HF model folder, or tiny[:SEED]
+    data: str = "synthetic"              # JSONL file, or synthetic
+    target_layers: str = ""              # comma-separated target layer ids; "" = evenly spaced 1..L-3
+    # run
+    steps: int = 200
+    seed: int = 0
+    out: str = "out"
+    resume: bool = False
+    # devices and workers
+    gpus: int = 0                        # 0 = CPU
+    workers: int = 1                     # with --gpus 0: CPU worker threads
+    topology: str = "threads"            # threads | processes
+    compile_policy: str = "eager"        # a probe policy name, or auto (WORKDIR/probe.json)
+    workdir: str = ""                    # where probe.json lives for auto; default $DFLASH_OPS_WORKDIR
+    cpu_threads: int = 0                 # torch intra-op threads on CPU; 0 = torch's default
+    # drafter and objective
+    draft_layers: int = 5
+    block_size: int = 16
+    anchors: int = 64                    # anchors per sequence per step (at most)
+    gamma: float = 0.0                   # loss decay; 0 = from the block size (7 for 16, 5 for 10, 4 for 8)
+    mask_token_id: int = -1              # -1 = the target tokenizer's mask token or first unused row
+    # optimisation
+    batch_size: int = 8                  # sequences per step, over all workers
+    seq_len: int = 2048                  # longer rows are truncated
+    lr: float = 6e-4
+    min_lr: float = 0.0
+    warmup: float = 0.04                 # fraction of --steps
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    # synthetic data
+    synthetic_samples: int = 512
+    synthetic_prompt_len: int = 16
+    synthetic_new_tokens: int = 240
+    synthetic_temperature: float = 0.0   # 0 = greedy continuations
+    # logging, checkpoints, eval
+    log_every: int = 1
+    checkpoint_every: int = 100          # 0 = only at the end and on SIGTERM
+    keep_checkpoints: int = 2
+    eval_prompts: int = 8
+    eval_new_tokens: int = 64
+    eval_every: int = 0                  # 0 = only at the end
+    eval_at_start: bool = False          # also measure the untrained drafter (a baseline for tau)
+
+    @property
+    def n_devices(self) -> int:
+        return self.gpus if self.gpus > 0 else self.workers
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+HELP = {
+    "target": "frozen target: a local Hugging Face model folder, or tiny[:SEED] (built here, no download)",
+    "data": "JSONL (input_ids+loss_mask, or chat messages) or synthetic (the target's own continuations)",
+    "target_layers": "comma-separated target layer ids to condition on (default: 5 evenly spaced in 1..L-3)",
+    "steps": "optimizer steps in total",
+    "seed": "seed for the drafter init, data order and anchors",
+    "out": "output folder: checkpoints, metrics.jsonl, cached data",
+    "resume": "continue from the last complete checkpoint in --out",
+    "gpus": "GPUs to use (0 = CPU)",
+    "workers": "with --gpus 0: CPU worker threads",
+    "topology": "threads (one worker thread per device) or processes (torchrun; not yet)",
+    "compile_policy": f"{' | '.join(POLICY_NAMES)} | auto (the probe's choice from WORKDIR/probe.json)",
+    "workdir": "the dflash-ops WORKDIR holding probe.json (default: $DFLASH_OPS_WORKDIR)",
+    "cpu_threads": "torch intra-op threads on CPU (0 = torch's default)",
+    "draft_layers": "drafter layers",
+    "block_size": "tokens per block: the anchor plus block_size-1 predicted tokens",
+    "anchors": "anchors (blocks) per sequence per step, at most",
+    "gamma": "loss decay w_k = exp(-(k-1)/gamma); 0 = from the block size",
+    "mask_token_id": "token id of MASK (-1 = tokenizer's mask token, else the first unused embedding row)",
+    "batch_size": "sequences per step across all workers",
+    "seq_len": "maximum sequence length (longer rows are truncated)",
+    "lr": "peak learning rate (AdamW)",
+    "min_lr": "learning rate at the end of the cosine",
+    "warmup": "linear warmup as a fraction of --steps",
+    "weight_decay": "AdamW weight decay",
+    "grad_clip": "max global gradient norm",
+    "synthetic_samples": "rows of synthetic data",
+    "synthetic_prompt_len": "random prompt length for synthetic data",
+    "synthetic_new_tokens": "tokens the target continues each synthetic prompt by",
+    "synthetic_temperature": "sampling temperature for synthetic continuations (0 = greedy)",
+    "log_every": "print a metrics line every N steps",
+    "checkpoint_every": "checkpoint every N steps (0 = at the end and on SIGTERM only)",
+    "keep_checkpoints": "complete checkpoints kept (at least 2: the previous one survives a crash mid-write)",
+    "eval_prompts": "held-out prompts for the acceptance-length eval (0 = no eval)",
+    "eval_new_tokens": "tokens generated per eval prompt",
+    "eval_every": "measure acceptance length every N steps (0 = at the end only)",
+    "eval_at_start": "also measure the untrained drafter's acceptance length before training",
+}
+
+
+METAVAR = {"target": "PATH|tiny", "data": "PATH|synthetic", "out": "DIR", "workdir": "DIR", "target_layers": "I,J,..",
+           "topology": "threads|processes", "compile_policy": "NAME|auto"}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print usage and exit; we want one line, exit 2
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m trainer", description="Train a DFlash block-diffusion drafter for a frozen target.",
+                argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", metavar="FILE", help="YAML file; keys spelled like these flags")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, dest=f.name, action="store_true", help=HELP[f.name])
+        else:
+            conv = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            p.add_argument(flag, dest=f.name, type=conv, metavar=METAVAR.get(f.name, {int: "N", float: "X"}.get(conv, "S")),
+                           help=f"{HELP[f.name]} (default: {f.default!r})")
+    return p
+
+
+def parse(argv: list[str] | None = None) -> TrainConfig:
+    """Flags and optional YAML -> a validated TrainConfig; any problem is a one-line UsageError."""
+    ns = vars(build_parser().parse_args(argv))
+    values: dict = {}
+    if "config" in ns:
+        values.update(load_yaml(ns.pop("config")))
+    values.update(ns)
+    if not values.get("workdir"):
+        values["workdir"] = os.environ.get("DFLASH_OPS_WORKDIR", "")
+    cfg = TrainConfig(**values)
+    validate(cfg)
+    return cfg
+
+
+def load_yaml(path: str) -> dict:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--config {path}: no such file")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else path
+        raise UsageError(f"{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"{path}: expected a mapping of settings, got {type(raw).__name__}")
+    types = {f.name: f.type if isinstance(f.type, str) else f.type.__name__ for f in fields(TrainConfig)}
+    out = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in types:
+            raise UsageError(f"{path}: unknown key '{key}' (keys are the flags of python -m trainer without dashes)")
+        out[name] = _coerce(path, key, value, types[name])
+    return out
+
+
+def _coerce(path: str, key, value, typ: str):
+    ok = {
+        "bool": isinstance(value, bool),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "str": isinstance(value, (str, int)) and not isinstance(value, bool),
+    }[typ]
+    if not ok:
+        raise UsageError(f"{path}: key '{key}': expected {typ}, got {value!r}")
+    return {"float": float, "str": str}.get(typ, lambda v: v)(value)
+
+
+def validate(c: TrainConfig) -> None:
+    def need(cond: bool, msg: str):
+        if not cond:
+            raise UsageError(msg)
+
+    need(c.steps >= 0, f"--steps must be >= 0, got {c.steps}")
+    need(c.gpus >= 0, f"--gpus must be >= 0, got {c.gpus}")
+    need(c.workers >= 1, f"--workers must be >= 1, got {c.workers}")
+    need(c.gpus == 0 or c.workers in (1, c.gpus),
+         f"--workers {c.workers} with --gpus {c.gpus}: the trainer runs one worker per GPU; drop --workers")
+    need(c.topology in ("threads", "processes"), f"--topology must be threads or processes, got {c.topology!r}")
+    need(c.compile_policy in POLICY_NAMES + ("auto",),
+         f"--compile-policy {c.compile_policy!r}: expected one of {', '.join(POLICY_NAMES)}, auto")
+    need(c.block_size >= 2, f"--block-size must be >= 2, got {c.block_size}")
+    need(c.seq_len >= c.block_size, f"--seq-len {c.seq_len} is shorter than one block (--block-size {c.block_size})")
+    need(c.anchors >= 1, f"--anchors must be >= 1, got {c.anchors}")
+    need(c.draft_layers >= 1, f"--draft-layers must be >= 1, got {c.draft_layers}")
+    need(c.batch_size >= 1, f"--batch-size must be >= 1, got {c.batch_size}")
+    need(c.batch_size % c.n_devices == 0,
+         f"--batch-size {c.batch_size} does not split over {c.n_devices} workers; use a multiple of {c.n_devices}")
+    need(c.gamma >= 0, f"--gamma must be >= 0, got {c.gamma}")
+    need(c.lr > 0 and 0 <= c.min_lr <= c.lr, f"need 0 <= --min-lr <= --lr and --lr > 0 (got {c.min_lr}, {c.lr})")
+    need(0 <= c.warmup < 1, f"--warmup is a fraction of --steps in [0, 1), got {c.warmup}")
+    need(c.grad_clip > 0, f"--grad-clip must be > 0, got {c.grad_clip}")
+    need(c.keep_checkpoints >= 2, f"--keep-checkpoints must be >= 2 (the previous checkpoint must survive), got {c.keep_checkpoints}")
+    need(c.log_every >= 1 and c.checkpoint_every >= 0 and c.eval_every >= 0,
+         "--log-every must be >= 1; --checkpoint-every and --eval-every >= 0")
+    need(c.eval_prompts >= 0 and c.eval_new_tokens >= 1, "--eval-prompts must be >= 0 and --eval-new-tokens >= 1")
+    need(c.synthetic_samples >= 1 and c.synthetic_prompt_len >= 1 and c.synthetic_new_tokens >= c.block_size,
+         f"--synthetic-new-tokens must be >= --block-size ({c.block_size}); samples and prompt length >= 1")
+    need(c.synthetic_temperature >= 0, f"--synthetic-temperature must be >= 0, got {c.synthetic_temperature}")
+    need(c.cpu_threads >= 0, f"--cpu-threads must be >= 0, got {c.cpu_threads}")
+    if c.target_layers:
+        need(all(x.strip().isdigit() for x in c.target_layers.split(",")),
+             f"--target-layers {c.target_layers!r}: expected comma-separated layer ids, e.g. 1,9,17,25,33")
+    if c.data != "synthetic":
+        need(Path(c.data).is_file(), f"--data {c.data}: no such file")
+    check_target_spec(c.target)
+
+
+def check_target_spec(spec: str) -> None:
+    """Cheap checks before anything heavy is imported: `tiny[:SEED]` or a folder with config.json."""
+    if spec == "tiny" or spec.startswith("tiny:"):
+        if spec != "tiny" and not spec[5:].isdigit():
+            raise UsageError(f"--target {spec}: expected tiny or tiny:SEED (SEED an integer)")
+        return
+    p = Path(spec)
+    if not p.exists():
+        raise UsageError(f"--target {spec}: no such folder")
+    if not p.is_dir() or not (p / "config.json").is_file():
+        raise UsageError(f"--target {spec}: not a Hugging Face model folder (no config.json)")
+
+
+def layer_ids(c: TrainConfig) -> tuple[int, ...] | None:
+    return tuple(int(x) for x in c.target_layers.split(",")) if c.target_layers else None

@@ -1,0 +1,218 @@
+"""The DFlash drafter: pure model, no data, no devices, no Hugging Face (field notes 5).
+
+A few Qwen3-style layers (RMSNorm, q/k norm, RoPE, SwiGLU, GQA) that denoise blocks of
+[anchor, MASK x (B-1)] in one non-causal pass. Conditioning: hidden states of n target layers,
+concatenated, projected by one Linear(n*H -> H) + RMSNorm, and injected as extra keys/values in
+every layer (K = k_proj([context; block]), same weights); queries come from the block only.
+The token embedding, the final norm and the lm_head are the target's, borrowed and frozen: they are
+not trained and not saved in checkpoints (`trainable_state_dict`).
+
+Shapes: B batch, Tq query (block) tokens, Tc context tokens, H hidden, V vocab, n target layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Submodules that belong to the target (frozen, shared, never checkpointed).
+FROZEN_PREFIXES = ("embed_tokens.", "norm.", "lm_head.")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int                 # H: must equal the target's (embedding and lm_head are shared)
+    vocab_size: int                  # V: the target's
+    mask_token_id: int               # the token id whose embedding fills positions 1..B-1 of a block
+    num_target_layers: int = 5       # n: target features are (B, Tc, n*H)
+    num_layers: int = 5
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    intermediate_size: int = 12288
+    rms_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    block_size: int = 16
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+
+
+class RMSNorm(nn.Module):
+    """Same arithmetic as Qwen3/Llama RMSNorm (so the target's final norm weight drops in)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """positions (B, T) int -> cos, sin (B, 1, T, head_dim), HF's half-rotation layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # (B, T, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, hd)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        H = cfg.hidden_size
+        self.q_proj = nn.Linear(H, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, H, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_eps)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_eps)
+
+    def forward(self, x, ctx, rope_q, rope_k, mask):
+        # x (B, Tq, H) block stream; ctx (B, Tc, H) projected target features; mask (B, Tq, Tc+Tq) bool
+        B, Tq, _ = x.shape
+        kv_in = torch.cat([ctx, x], dim=1)  # (B, Tk, H), Tk = Tc + Tq
+        Tk = kv_in.shape[1]
+        q = self.q_norm(self.q_proj(x).view(B, Tq, self.nh, self.hd)).transpose(1, 2)  # (B, nh, Tq, hd)
+        k = self.k_norm(self.k_proj(kv_in).view(B, Tk, self.nkv, self.hd)).transpose(1, 2)  # (B, nkv, Tk, hd)
+        v = self.v_proj(kv_in).view(B, Tk, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, Tk, hd)
+        q = apply_rope(q, *rope_q)
+        k = apply_rope(k, *rope_k)
+        if self.nh != self.nkv:  # GQA: explicit repeat (SDPA's enable_gqa is not in every torch we run on)
+            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
+            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])  # (B, nh, Tq, hd)
+        return self.o_proj(o.transpose(1, 2).reshape(B, Tq, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, ctx, rope_q, rope_k, mask):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(cfg.num_target_layers * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        # Borrowed from the target by `borrow_target_head`; placeholders on the meta device until then
+        # (a real target's embedding and lm_head are GBs: never allocate them twice).
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+            self.norm = RMSNorm(H, cfg.rms_eps)
+            self.lm_head = nn.Linear(H, cfg.vocab_size, bias=False)
+        self._init_weights()
+
+    def _init_weights(self):
+        for name, p in self.named_parameters():
+            if name.startswith(FROZEN_PREFIXES):
+                continue
+            if p.dim() == 2:
+                nn.init.normal_(p, std=self.cfg.init_std)
+            else:
+                nn.init.ones_(p)
+
+    def borrow_target_head(self, embed: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor) -> None:
+        """Share the target's frozen embedding (V, H), final norm (H,) and lm_head (V, H) weights.
+
+        The tensors are shared, not copied: call with the target's weights on this replica's device.
+        """
+        V, H = self.cfg.vocab_size, self.cfg.hidden_size
+        for name, w, shape in (("embedding", embed, (V, H)), ("final norm", norm, (H,)), ("lm_head", lm_head, (V, H))):
+            if tuple(w.shape) != shape:
+                raise ValueError(f"target {name} has shape {tuple(w.shape)}, drafter expects {shape}")
+        self.embed_tokens.weight = nn.Parameter(embed.detach(), requires_grad=False)
+        self.norm.weight = nn.Parameter(norm.detach(), requires_grad=False)
+        self.lm_head.weight = nn.Parameter(lm_head.detach(), requires_grad=False)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(FROZEN_PREFIXES)}
+
+    def load_trainable_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load weights saved by `trainable_state_dict`; the key sets must match exactly."""
+        want, got = set(self.trainable_state_dict()), set(sd)
+        if want != got:
+            raise ValueError(f"weights do not fit this drafter: missing {sorted(want - got)[:3]}, "
+                             f"unexpected {sorted(got - want)[:3]}")
+        self.load_state_dict(sd, strict=False)
+
+    def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(k, p) for k, p in self.named_parameters() if not k.startswith(FROZEN_PREFIXES)]
+
+    def forward(self, block_ids, block_pos, ctx_feats, ctx_pos, mask) -> torch.Tensor:
+        # block_ids, block_pos (B, Tq) int; ctx_feats (B, Tc, n*H); ctx_pos (B, Tc) int;
+        # mask (B, Tq, Tc+Tq) bool, True = may attend. Returns hidden (B, Tq, H).
+        # The residual stream runs in the drafter's own dtype (fp32 master weights; matmuls follow autocast),
+        # even where the borrowed embedding is bf16.
+        x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)  # (B, Tq, H)
+        ctx = self.hidden_norm(self.fc(ctx_feats.to(self.fc.weight.dtype)))  # (B, Tc, H)
+        hd, theta = self.cfg.head_dim, self.cfg.rope_theta
+        rope_q = rope_cos_sin(block_pos, hd, theta, x.dtype)
+        rope_k = rope_cos_sin(torch.cat([ctx_pos, block_pos], dim=1), hd, theta, x.dtype)
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_k, mask)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (B, T, H) -> logits (B, T, V) through the target's frozen final norm and lm_head."""
+        return self.lm_head(self.norm(hidden))
+
+
+def flops_per_sample(cfg: DrafterConfig, seq_len: int, query_tokens: int) -> float:
+    """Training FLOPs of one sample (forward + backward = 3x forward), SpecForge-style dense count.
+
+    seq_len S context tokens, query_tokens Tq = anchors * block. Counts every matmul of the drafter,
+    dense attention over all S + Tq keys, and the lm_head over the Tq block tokens; not the target's
+    forward. For the field notes' Qwen3-8B shape (S 768, Tq 4096) this gives ~45 TFLOP.
+    """
+    H, S, Tq = cfg.hidden_size, seq_len, query_tokens
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = (2 * H * q_dim * Tq * 2            # q_proj, o_proj
+                 + 2 * 2 * H * kv_dim * (S + Tq)   # k_proj, v_proj over context + block
+                 + 3 * 2 * H * cfg.intermediate_size * Tq   # SwiGLU
+                 + 2 * 2 * q_dim * Tq * (S + Tq))  # scores and weighted sum
+    forward = cfg.num_layers * per_layer + 2 * cfg.num_target_layers * H * H * S + 2 * H * cfg.vocab_size * Tq
+    return 3.0 * forward

@@ -1,0 +1,250 @@
+"""The frozen target: a Hugging Face causal LM from a local folder, or `tiny` built here.
+
+The drafter is conditioned on the target's hidden states at a few layers and borrows its
+embedding, final norm and lm_head (field notes 5). Nothing here ever reaches the network:
+`HF_HUB_OFFLINE` is set before transformers is imported and every load is `local_files_only`.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Progress bars go to stderr: they would bury the one-line errors users and `logs` rely on.
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import torch  # noqa: E402
+
+from trainer.config import check_target_spec  # noqa: E402
+from trainer.errors import UsageError  # noqa: E402
+from trainer.model import DrafterConfig  # noqa: E402
+from trainer.tokenizer import VOCAB_SIZE, ByteTokenizer  # noqa: E402
+
+# `tiny`: small enough to train a drafter on 2 CPU cores in seconds, deep enough (8 layers) for
+# the default layer choice to pick 5 distinct layers (1..L-3).
+TINY = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+            rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.02)
+# A random model with HF's init (std 0.02) has near-uniform next-token distributions: its greedy choices
+# hang on tiny logit gaps, unlike a trained LM's. A wider lm_head makes `tiny` confident like a real
+# target, and gives the drafter (which borrows this lm_head) a usable logit range, so a short CPU run
+# learns something measurable.
+TINY_LM_HEAD_STD = 0.5
+
+
+def default_layer_ids(num_layers: int, n: int = 5) -> tuple[int, ...]:
+    """n layers evenly spaced from 1 to L-3 (Qwen3-8B, L=36: 1, 9, 17, 25, 33), fewer if L is small."""
+    lo, hi = (1, num_layers - 3) if num_layers >= 4 else (0, num_layers - 1)
+    n = max(1, min(n, hi - lo + 1))
+    if n == 1:
+        return (hi,)
+    return tuple(round(lo + i * (hi - lo) / (n - 1)) for i in range(n))
+
+
+@dataclass
+class Target:
+    model: torch.nn.Module        # the HF CausalLM, eval mode, requires_grad False everywhere
+    tokenizer: object | None      # HF tokenizer, ByteTokenizer for tiny, None if the folder has none
+    layer_ids: tuple[int, ...]    # decoder layers whose outputs feed the drafter
+    name: str                     # "tiny", "tiny:7" or the folder path
+    fingerprint: str              # changes when the model would produce different data
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def to(self, device: torch.device) -> "Target":
+        """A replica on another device (the original stays where it is).
+
+        The copy is made where the original lives, then moved: for a large target on several GPUs,
+        issue 5 should load each replica from disk (or from a CPU copy) instead.
+        """
+        if torch.device(device) == self.device:
+            return self
+        return Target(copy.deepcopy(self.model).to(device), self.tokenizer, self.layer_ids, self.name, self.fingerprint)
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids (B, S) -> concatenated hidden states (B, S, n*H) at `layer_ids`.
+
+        Right padding needs no attention mask: with causal attention, real tokens never see pads.
+        HF `hidden_states[i + 1]` is the output of layer i (index 0 is the embedding).
+        """
+        out = self.model.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+        return torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+
+    @torch.no_grad()
+    def decode(self, input_ids: torch.Tensor, cache=None, *, hidden: bool = False):
+        """One cached forward: input_ids (B, T) -> (logits (B, T, V), hidden_states or None, cache).
+
+        Pass cache=None to start (prefill). transformers 5 renamed `past_key_values` to `cache`;
+        both spellings are handled here so callers and logs see no deprecation noise.
+        """
+        kw = _cache_kwarg(self.model)
+        args = {"input_ids": input_ids, "use_cache": True, "output_hidden_states": hidden}
+        if cache is not None:
+            args[kw] = cache
+        out = self.model(**args)
+        new_cache = out["cache"] if kw == "cache" else out["past_key_values"]
+        return out.logits, (out.hidden_states if hidden else None), new_cache
+
+    def head_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The frozen parts the drafter borrows: embedding (V, H), final norm (H,), lm_head (V, H)."""
+        norm = getattr(self.model.base_model, "norm", None)
+        if norm is None or not hasattr(norm, "weight"):
+            raise UsageError(f"--target {self.name}: {type(self.model).__name__} has no final RMSNorm "
+                             "(base_model.norm); supported: Llama/Qwen2/Qwen3/Mistral-style models")
+        return (self.model.get_input_embeddings().weight, norm.weight, self.model.get_output_embeddings().weight)
+
+    def mask_token_id(self) -> int:
+        """The id whose (frozen) embedding marks a position to predict.
+
+        The tokenizer's mask token if it has one; else the first embedding row past the tokenizer's
+        vocabulary (Qwen3 pads its 151669 tokens to 151936 rows, so such rows exist); else pad/eos.
+        """
+        tok = self.tokenizer
+        if tok is not None and getattr(tok, "mask_token_id", None) is not None:
+            return int(tok.mask_token_id)
+        rows = self.model.get_input_embeddings().weight.shape[0]
+        if tok is not None and len(tok) < rows:
+            return len(tok)
+        for attr in ("pad_token_id", "eos_token_id"):
+            v = getattr(tok, attr, None) if tok is not None else getattr(self.config, attr, None)
+            if isinstance(v, list):
+                v = v[0] if v else None
+            if v is not None:
+                return int(v)
+        return rows - 1
+
+    def eos_ids(self) -> set[int]:
+        ids = set()
+        for src in (self.tokenizer, getattr(self.model, "generation_config", None), self.config):
+            v = getattr(src, "eos_token_id", None) if src is not None else None
+            ids.update(v if isinstance(v, (list, tuple)) else [] if v is None else [v])
+        return {int(i) for i in ids}
+
+    def drafter_config(self, *, num_layers: int, block_size: int, mask_token_id: int | None) -> DrafterConfig:
+        """A drafter shaped like one target layer (the DFlash releases do this), n = len(layer_ids)."""
+        c = self.config
+        heads = c.num_attention_heads
+        rope = getattr(c, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
+        return DrafterConfig(
+            hidden_size=c.hidden_size,
+            vocab_size=self.model.get_input_embeddings().weight.shape[0],
+            mask_token_id=self.mask_token_id() if mask_token_id is None else mask_token_id,
+            num_target_layers=len(self.layer_ids),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            intermediate_size=c.intermediate_size,
+            rms_eps=getattr(c, "rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            block_size=block_size,
+        )
+
+
+def _cache_kwarg(model) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _freeze(model: torch.nn.Module) -> torch.nn.Module:
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def build_tiny(seed: int = 0) -> torch.nn.Module:
+    """A small random Qwen3 model; the same seed gives the same weights on every machine."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = ByteTokenizer()
+    cfg = Qwen3Config(**TINY, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = Qwen3ForCausalLM(cfg)
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0.0, TINY_LM_HEAD_STD)
+        return model
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def load_target(spec: str, *, device: torch.device, dtype: torch.dtype, layers: tuple[int, ...] | None = None) -> Target:
+    """Load and freeze the target on `device`; `layers` overrides the default layer choice."""
+    check_target_spec(spec)
+    _quiet_transformers()
+    if spec.startswith("tiny"):
+        seed = int(spec[5:]) if ":" in spec else 0
+        model, tokenizer = build_tiny(seed), ByteTokenizer()
+        fingerprint = hashlib.sha256(json.dumps([TINY, TINY_LM_HEAD_STD, seed]).encode()).hexdigest()[:16]
+    else:
+        model, tokenizer = _load_folder(spec, dtype)
+        cfg_text = (Path(spec) / "config.json").read_bytes()
+        fingerprint = hashlib.sha256(cfg_text + str(Path(spec).resolve()).encode()).hexdigest()[:16]
+    model = _freeze(model.to(device=device, dtype=dtype))
+    L = model.config.num_hidden_layers
+    layer_ids = tuple(layers) if layers else default_layer_ids(L)
+    bad = [i for i in layer_ids if not 0 <= i < L]
+    if bad:
+        raise UsageError(f"--target-layers {','.join(map(str, layer_ids))}: the target has layers 0..{L - 1}")
+    return Target(model, tokenizer, layer_ids, spec, fingerprint)
+
+
+def _load_folder(path: str, dtype: torch.dtype):
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"--target {path}: not a model: {_first_line(e)}") from None
+    # transformers < 4.56 spells `dtype` torch_dtype
+    dtype_kw = "dtype" if _version(transformers.__version__) >= (4, 56) else "torch_dtype"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **{dtype_kw: dtype})
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"--target {path}: cannot load the model: {_first_line(e)}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        tokenizer = None  # JSONL with input_ids still works; chat data and eval text do not need it
+    return model, tokenizer
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
