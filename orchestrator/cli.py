@@ -234,6 +234,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # `python -m orchestrator.cli` runs this file as __main__, a second copy of the module: hand
+    # over to the real one, whose group has every command registered (cli_runs, below).
+    from orchestrator.cli import main as _main
+    _main()
 
 from . import cli_runs  # noqa: E402,F401  (registers launch, logs, status, stop, report)

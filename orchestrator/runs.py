@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import socket
 import threading
 import time
@@ -26,18 +27,19 @@ from typing import Iterator, Sequence, Union
 from .deploy import agent_source, run_agent
 from .errors import (EXIT_OK, EXIT_RUN_FAILED, EXIT_RUN_RUNNING, EXIT_RUN_STOPPED, ConnectError,
                      ConnectionLost, ContainerError, HostKeyError, NotFound, OpsError, StepFailed,
-                     TargetsFailed, UsageError)
+                     UsageError)
 from .inventory import Inventory, Target
-from .transport import Session, SshTransport, Transport
+from .transport import Session, SshTransport
 
 AGENT = "runs_agent.py"
 TOPOLOGIES = ("threads", "processes")
 STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_RUN_FAILED, "running": EXIT_RUN_RUNNING,
               "stopped": EXIT_RUN_STOPPED}
-BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 4.0, 5.0)   # then 5 s between attempts
+BACKOFF_S = (0.1, 0.5, 1.0, 2.0, 4.0, 5.0)   # then 5 s between attempts
 GIVE_UP_S = 600.0     # reconnect attempts stop after this long without a connection
 DEAD_S = 15.0         # no byte (log or heartbeat) for this long: the connection is dead
 STOP_TIMEOUT_S = 120.0
+RUN_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]+$")
 
 
 class LaunchRefused(OpsError):
@@ -63,17 +65,17 @@ def resolve_target(inv: Inventory, name: str | None) -> Target:
 
 
 def split_target_run(inv: Inventory, args: Sequence[str]) -> tuple[Target, str]:
-    """`[TARGET] [RUN]`: one word is a target when the inventory knows it, else a run of the
-    default target."""
+    """`[TARGET] [RUN]`: one word is a run of the default target when it looks like a run id
+    (or is `latest`), else a target (an unknown one is an error that suggests a near name)."""
     args = list(args)
     if len(args) > 2:
         raise UsageError(f"expected [TARGET] [RUN], got {' '.join(args)}")
     if len(args) == 2:
         return inv.target(args[0]), args[1]
     if len(args) == 1:
-        if args[0] in inv.targets:
-            return inv.targets[args[0]], "latest"
-        return inv.default_target(), args[0]
+        if args[0] not in inv.targets and (args[0] == "latest" or RUN_ID_RE.match(args[0])):
+            return inv.default_target(), args[0]
+        return inv.target(args[0]), "latest"
     return inv.default_target(), "latest"
 
 
@@ -113,6 +115,7 @@ class LaunchResult:
     commit: str | None = None
     policy: str | None = None
     compile_policy: str | None = None
+    probe_policy: str | None = None
     gpus: int = 0
     gpu_ids: list[int] = field(default_factory=list)
     slots: list[str] = field(default_factory=list)
@@ -162,8 +165,8 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
     return LaunchResult(
         target=target.name, run=doc["run"], pid=doc["pid"], supervisor_pid=doc.get("supervisor_pid"),
         release=doc.get("release"), commit=doc.get("commit"), policy=spec["policy"],
-        compile_policy=doc.get("compile_policy"), gpus=gpus, gpu_ids=doc.get("gpu_ids") or [],
-        slots=doc.get("slots") or [], log=doc.get("log"), command_line=doc.get("command_line"),
+        compile_policy=doc.get("compile_policy"), probe_policy=doc.get("probe_policy"), gpus=gpus,
+        gpu_ids=doc.get("gpu_ids") or [], slots=doc.get("slots") or [], log=doc.get("log"), command_line=doc.get("command_line"),
         cleared=doc.get("cleared") or [], seconds=round(time.monotonic() - start, 3))
 
 
@@ -224,16 +227,6 @@ def status(inv: Inventory, names: Sequence[str] = (), *, all_targets: bool = Fal
         for r in doc.get("missing") or []:
             errors[name] = f"{name}: no run {r!r}"
     return rows, errors
-
-
-def run_status(inv: Inventory, target: Target, run: str = "latest", *,
-               session: Session | None = None) -> dict:
-    with _session(inv, session) as s:
-        doc = run_agent(s.transport(target), target, ["status", target.workdir, run], agent=AGENT,
-                        what="read the run", timeout=60)
-    if not doc["runs"]:
-        raise _not_found(target, run)
-    return {"target": target.name, **doc["runs"][0]}
 
 
 def _not_found(target: Target, run: str) -> NotFound:
@@ -345,7 +338,6 @@ class _Stream:
         self.end: dict | None = None
         self.stderr_text: list[str] = []
         self.last_rx = time.monotonic()
-        self.first_data_at: float | None = None
 
     def on_stdout(self, data: bytes) -> None:
         self.last_rx = time.monotonic()
@@ -359,8 +351,6 @@ class _Stream:
                 self.offset = self.header["offset"]
             self.out.put(("header", self.header))
         if data:
-            if self.first_data_at is None:
-                self.first_data_at = time.monotonic()
             self.offset += len(data)
             self.out.put(("data", data))
 
@@ -415,7 +405,7 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
     state = {"run": run, "offset": -1 if tail is not None else 0, "reconnects": 0}
 
     def worker() -> None:
-        attempt, down_since, calls = 0, None, 0
+        attempt, down_since, calls, streamed = 0, None, 0, False
         while not stopping.is_set():
             stream = _Stream(events, state["offset"])
             conn: dict = {}
@@ -432,7 +422,8 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
                 threading.Thread(target=_watch, args=(stream, conn, dead_s, stopping),
                                  daemon=True).start()
                 try:
-                    r = t.run([target.python, "-c", agent_source(AGENT), *args])
+                    r = t.run([target.python, "-c", agent_source(AGENT), *args],
+                              stdout=stream.on_stdout, stderr=stream.on_stderr)
                 finally:
                     conn["running"] = False
                 _sync(stream)
@@ -440,17 +431,22 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
                     events.put(("error", _not_found(target, run)))
                     return
                 if stream.end is None:
-                    if r.exit_code in (0, 255) and not "".join(stream.stderr_text).strip():
+                    if stream.header is not None and r.exit_code in (0, 255) and \
+                            not "".join(stream.stderr_text).strip():
+                        # the agent was cut off mid-stream (sshd sends exit-signal, not status)
                         raise ConnectionLost(target.name, "the log stream ended early")
                     raise StepFailed(target.name, "follow the log", r.exit_code,
-                                     "\n".join(stream.stderr_text))
+                                     "\n".join(stream.stderr_text) or "no log stream")
                 events.put(("end", stream.end))
                 return
             except BaseException as e:  # noqa: BLE001 - sorted here; the main thread re-raises
                 _sync(stream)
+                streamed = streamed or stream.header is not None
                 if stopping.is_set():
                     return
-                if not _retryable(e):
+                # Before any stream ran, a failure is the answer (SshTransport has already
+                # retried its connect); reconnecting is for streams that were cut.
+                if not streamed or not _retryable(e):
                     events.put(("error", e))
                     return
                 if stream.header is not None:      # that connection worked: a new outage
@@ -567,6 +563,6 @@ def _summary(target: Target, end: dict, counts: dict[str, int], hits: list[dict]
                    classified=classified, exit=ex or None, elapsed_s=end.get("elapsed_s"))
 
 
-__all__ = ["launch", "status", "run_status", "stop", "metrics", "follow", "LaunchResult",
+__all__ = ["launch", "status", "stop", "metrics", "follow", "LaunchResult",
            "LaunchRefused", "Line", "Reconnecting", "Resumed", "End", "Summary", "new_run_id",
-           "split_target_run", "resolve_target", "exit_code_for", "refusal_message", "Transport"]
+           "split_target_run", "resolve_target", "exit_code_for", "refusal_message"]

@@ -2,6 +2,8 @@
 
 Standard library only, Python >= 3.8. Every command prints one JSON document as its last stdout
 line, except `follow`, whose stdout is a JSON header line followed by the raw log bytes.
+One file, longer than our modules usually are, on purpose: it travels as one `python -c` source
+and cannot import its parts on the target.
 
     launch WORKDIR            stdin: the launch spec (JSON). Checks the release, the probe result
                               and the slot locks, then starts a detached supervisor (double fork,
@@ -28,7 +30,6 @@ its supervisor's and trainer's pids (with their start times, so a recycled pid i
 for the holder). It is free when the file is missing, or when its run has ended (exit.json) or
 none of its processes is alive any more (killed -9, container restarted): a stale lock, cleared.
 """
-import errno
 import fcntl
 import json
 import os
@@ -182,13 +183,15 @@ def _last_metrics(log_path):
                 doc = _metric(raw)
                 if doc is None:
                     continue
-                if "step" in doc and "step" not in found:
-                    found["step"], found["loss"] = doc.get("step"), doc.get("loss")
-                if "acceptance_length" in doc and "tau" not in found:
-                    found["tau"] = doc.get("acceptance_length")
-                if "step" in found and "tau" in found:
+                if doc.get("step") is not None and "step" not in found:
+                    found["step"] = doc["step"]
+                if doc.get("loss") is not None and "loss" not in found:
+                    found["loss"] = doc["loss"]
+                if doc.get("acceptance_length") is not None and "tau" not in found:
+                    found["tau"] = doc["acceptance_length"]
+                if len(found) == 3:
                     return found
-            if "step" in found or start == 0 or span >= 1 << 24:
+            if ("step" in found and "loss" in found) or start == 0 or span >= 1 << 24:
                 return found
             span *= 8
 
@@ -218,7 +221,8 @@ def _status(workdir, run):
            "ended": (ex or {}).get("ended"),
            "elapsed_s": round((ended or time.time()) - started, 1) if started else None,
            "pid": rec.get("pid"), "gpus": rec.get("gpus"), "slots": rec.get("slots"),
-           "policy": rec.get("compile_policy"), "release": rec.get("release"),
+           "policy": rec.get("probe_policy") or rec.get("compile_policy"),
+           "release": rec.get("release"),
            "log": os.path.join(rundir, LOG), "exit": ex}
     try:
         doc["log_bytes"] = os.path.getsize(os.path.join(rundir, LOG))
@@ -352,16 +356,15 @@ def cmd_launch(workdir):
     if release is None:
         _refuse("no_release", "no release deployed in %s" % workdir)
     policy = spec.get("policy") or "auto"
-    compile_policy = policy
+    probe_choice = None
     if policy == "auto":
-        found, chosen = _probe_policy(workdir)
+        found, probe_choice = _probe_policy(workdir)
         if not found:
             _refuse("no_probe", "--policy auto needs a probe result and %s/probe.json does not exist"
                     % workdir)
-        # The probe's choice is resolved here, so the run record names the policy that ran;
-        # a probe.json without a plain choice is left to the trainer's own `auto`.
-        compile_policy = chosen or "auto"
-
+    # `auto` goes to the trainer as is: it resolves it from DFLASH_OPS_WORKDIR/probe.json and
+    # refuses a choice probed under another torch build. The record keeps the probe's choice.
+    compile_policy = policy
     gpus, total = int(spec.get("gpus", 0)), int(spec.get("target_gpus", 0))
     if gpus > total:
         _refuse("too_many_gpus", "--gpus %d is more than the target's %d GPU(s)" % (gpus, total))
@@ -406,19 +409,21 @@ def cmd_launch(workdir):
         env = dict(os.environ)
         env.update({"HOME": _home(), "PYTHONUNBUFFERED": "1",
                     "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in ids),
-                    "DFLASH_WORKDIR": workdir, "DFLASH_RUN": run})
+                    "DFLASH_OPS_WORKDIR": workdir, "DFLASH_OPS_RUN": run})
         env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
         env.setdefault("LANG", "C.UTF-8")
         rec = {
             "run": run, "target": spec.get("target"), "workdir": workdir, "rundir": rundir,
             "release": release, "release_path": release_path, "commit": commit,
             "command": argv, "cwd": release_path,
-            "command_line": "cd %s && exec %s" % (shlex.quote(os.path.join(workdir, "current")),
+            # the release `current` pointed at, so a deploy during the run changes nothing here
+            "command_line": "cd %s && exec %s" % (shlex.quote(release_path),
                                                  " ".join(shlex.quote(a) for a in argv)),
             "env": {k: env[k] for k in ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "HOME")},
             "config": {"file": config, "source": spec.get("config_source"),
                        "text": spec.get("config_text")} if config else None,
-            "policy": policy, "compile_policy": compile_policy, "gpus": gpus, "gpu_ids": ids,
+            "policy": policy, "compile_policy": compile_policy, "probe_policy": probe_choice,
+            "gpus": gpus, "gpu_ids": ids,
             "slots": chosen_slots, "topology": spec.get("topology") or "threads",
             "workers": spec.get("workers"), "extra_args": list(spec.get("extra") or []),
             "started": _now_iso(), "started_ts": time.time(), "python": python,
@@ -436,7 +441,8 @@ def cmd_launch(workdir):
                 "supervisor_pid": started["supervisor_pid"],
                 "supervisor_start": started["supervisor_start"], "since": rec["started"]})
     _out({"ok": True, "run": run, "pid": started["pid"], "supervisor_pid": started["supervisor_pid"],
-          "release": release, "commit": commit, "compile_policy": compile_policy, "gpus": gpus,
+          "release": release, "commit": commit, "compile_policy": compile_policy,
+          "probe_policy": probe_choice, "gpus": gpus,
           "gpu_ids": ids, "slots": chosen_slots, "rundir": rundir, "log": os.path.join(rundir, LOG),
           "cleared": cleared, "command_line": rec["command_line"]})
 
@@ -762,20 +768,24 @@ def cmd_stop(workdir, run, force, timeout):
 # --- metrics ------------------------------------------------------------------------------------
 
 def cmd_metrics(workdir, run):
+    """The trainer's OUT/metrics.jsonl when it wrote one, else the log's JSON lines."""
     rid = _resolve(workdir, run)
     if rid is None:
         _out({"found": False, "run": run})
         return
     rundir = os.path.join(_runs_dir(workdir), rid)
     metrics = []
-    try:
-        with open(os.path.join(rundir, LOG), "rb") as f:
-            for raw in f:
-                doc = _metric(raw)
-                if doc is not None:
-                    metrics.append(doc)
-    except OSError:
-        pass
+    for name in ("metrics.jsonl", LOG):
+        try:
+            with open(os.path.join(rundir, name), "rb") as f:
+                for raw in f:
+                    doc = _metric(raw)
+                    if doc is not None:
+                        metrics.append(doc)
+        except OSError:
+            continue
+        if metrics:
+            break
     _out({"found": True, "run": rid, "status": _status(workdir, rid), "metrics": metrics})
 
 

@@ -1,0 +1,307 @@
+"""Click commands of the run lifecycle: launch, logs, status, stop, report.
+
+Thin (style habit 1): parse options, call one function of `runs.py` / `report.py`, print.
+`logs` keeps stdout byte-for-byte the log, so `| grep`, `| head` and `> file` work; notes about
+signatures, reconnects and the closing summary go to stderr.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import click
+
+from .cli import State, cli, emit, json_option
+from .errors import OpsError, TargetsFailed, UsageError
+from .ui import table
+
+SEVERITY_COLOUR = {"fatal": b"1;31", "warning": b"33"}
+
+
+def _isatty(stream) -> bool:
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def _note(text: str) -> None:
+    click.echo(f"dflash-ops: {text}", err=True)
+
+
+def _fmt_num(v, digits: int = 4) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def _fmt_tau(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _fmt_elapsed(seconds) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{seconds:.0f}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def _split_launch_args(state: State, args: tuple[str, ...]) -> tuple[str | None, list[str]]:
+    """`[TARGET] [-- TRAINER_ARGS...]`: the first word names a target unless it is a flag."""
+    if args and not args[0].startswith("-"):
+        state.inv.target(args[0])        # unknown target: a clear error with a suggestion
+        return args[0], list(args[1:])
+    return None, list(args)
+
+
+# --- launch --------------------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[TARGET] [-- TRAINER_ARGS...]")
+@click.option("--gpus", type=click.IntRange(min=0), metavar="N",
+              help="GPUs to use (default: all of the target's; 0 = CPU).")
+@click.option("--config", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Trainer YAML config; copied into the run's folder.")
+@click.option("--topology", type=click.Choice(["threads", "processes"]), default="threads",
+              show_default=True, help="One thread per device, or one process per device.")
+@click.option("--policy", default="auto", show_default=True, metavar="NAME|auto",
+              help="Compile policy; auto = the probe's choice (run `dflash-ops probe` first).")
+@click.option("--workers", type=click.IntRange(min=1), metavar="K",
+              help="With --gpus 0: CPU worker threads.")
+@click.option("--follow", is_flag=True, help="Then follow the log, as `logs --follow` does.")
+@json_option
+@click.pass_obj
+def launch(state: State, args, gpus, config, topology, policy, workers, follow, as_json):
+    """Start the trainer detached from this session; print the run id.
+
+    Trainer flags go after `--`, e.g. `dflash-ops launch ct200 --gpus 2 -- --steps 500`.
+    The run holds its GPUs (a CPU run, --gpus 0, holds the target's one CPU slot) until it ends.
+    """
+    from . import runs
+
+    target_name, extra = _split_launch_args(state, args)
+    from .transport import Session
+
+    with Session(state.inv) as session:
+        res = runs.launch(state.inv, target_name, gpus=gpus, config=config, topology=topology,
+                          policy=policy, workers=workers, extra=extra, session=session)
+        where = f"GPU {', '.join(map(str, res.gpu_ids))}" if res.gpu_ids else "CPU"
+        policy_text = res.compile_policy + (f" (probe chose {res.probe_policy})"
+                                            if res.probe_policy else "")
+        info = (f"{res.target}: launched run {res.run} (pid {res.pid}, {where}, release "
+                f"{res.release}, policy {policy_text})")
+        for c in res.cleared:
+            _note(f"{res.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
+        if not follow:
+            if as_json:
+                emit(True, res.as_json(), "")
+            else:
+                click.echo(res.run)
+                _note(info + f"; follow it with `dflash-ops logs {res.target} {res.run}`")
+            return
+        if not as_json:
+            _note(info)
+        target = state.inv.target(res.target)
+        summary = _print_log(runs.follow(state.inv, target, res.run, session=session), as_json)
+    if as_json:
+        emit(True, {**res.as_json(), "logs": summary.as_json()}, "")
+    sys.exit(summary.exit_code)
+
+
+# --- logs ----------------------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("args", nargs=-1, metavar="[TARGET] [RUN]")
+@click.option("--follow/--no-follow", default=True, show_default=True,
+              help="Stream the log until the run ends, or print what is there now.")
+@click.option("--tail", type=click.IntRange(min=0), metavar="N", help="Start with the last N lines.")
+@json_option
+@click.pass_obj
+def logs(state: State, args, follow, tail, as_json):
+    """Print a run's log (default: the latest run) and name the failures in it.
+
+    Exit status: 0 succeeded, 100 failed, 101 still running (--no-follow), 102 not found,
+    103 stopped. stdout is the log itself; notes and the summary go to stderr.
+    """
+    from . import runs
+
+    target, run = runs.split_target_run(state.inv, args)
+    summary = _print_log(runs.follow(state.inv, target, run, follow=follow, tail=tail), as_json)
+    if as_json:
+        emit(True, summary.as_json(), "")
+    sys.exit(summary.exit_code)
+
+
+def _print_log(events, as_json: bool):
+    """Write each line to stdout as it arrives; explain each signature once on stderr; print the
+    summary last. Returns the Summary."""
+    from .runs import End, Line, Reconnecting, Resumed
+
+    out = sys.stdout.buffer
+    tty = _isatty(sys.stdout)
+    explained: set[str] = set()
+    with contextlib.closing(events):
+        for ev in events:
+            if isinstance(ev, Line):
+                if not as_json:
+                    data = ev.data
+                    if tty and ev.hits:
+                        body = data.rstrip(b"\r\n")
+                        code = SEVERITY_COLOUR.get(ev.hits[0].severity, b"1")
+                        data = b"\x1b[" + code + b"m" + body + b"\x1b[0m" + data[len(body):]
+                    try:
+                        out.write(data)
+                        out.flush()
+                    except BrokenPipeError:
+                        _reader_gone()
+                for sig in ev.hits:
+                    if sig.id in explained or as_json:
+                        continue
+                    explained.add(sig.id)
+                    _note(f"line {ev.number}: `{sig.id}` ({sig.severity}): {sig.meaning}")
+                    click.echo(f"            what to do: {sig.remedy}", err=True)
+            elif isinstance(ev, Reconnecting):
+                if not as_json:
+                    _note(f"connection lost ({ev.reason}); reconnecting in {ev.delay:g} s "
+                          f"(attempt {ev.attempt}, resuming at byte {max(ev.offset, 0)})")
+            elif isinstance(ev, Resumed):
+                if not as_json:
+                    _note(f"reconnected after {ev.down_s:.2f} s; resuming at byte {ev.offset}")
+            elif isinstance(ev, End):
+                if not as_json:
+                    _note(_summary_line(ev.summary))
+                return ev.summary
+    raise OpsError("the log stream ended without a summary")
+
+
+def _reader_gone() -> None:
+    """`logs | head`: the reader went away, which is not an error. Handled here because Click
+    turns EPIPE into exit 1 before cli.main could map it; stdout goes to /dev/null so the
+    interpreter's last flush stays quiet."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(0)
+
+
+def _summary_line(s) -> str:
+    ex = s.exit or {}
+    how = ""
+    if s.state == "running":
+        how = "still running"
+    elif ex.get("signal_name"):
+        how = f"{s.state} ({ex['signal_name']})"
+    elif ex.get("exit_code") is not None:
+        how = f"{s.state} (exit {ex['exit_code']})"
+    elif ex.get("lost"):
+        how = f"{s.state} (lost: {ex.get('reason')})"
+    else:
+        how = s.state
+    sigs = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in s.signatures.items()) or "none"
+    parts = [f"{s.target}: run {s.run}: {how}", f"steps {_fmt_num(s.step)}",
+             f"last loss {_fmt_num(s.loss)}", f"tau {_fmt_tau(s.tau)}",
+             f"elapsed {_fmt_elapsed(s.elapsed_s)}", f"signatures: {sigs}"]
+    if s.classified and s.state == "failed":
+        parts.append(f"cause: {s.classified}")
+    if s.reconnects:
+        parts.append(f"reconnects {s.reconnects}")
+    return "; ".join(parts)
+
+
+# --- status --------------------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("names", nargs=-1, metavar="[TARGET...]")
+@click.option("--all", "all_targets", is_flag=True, help="Every target of the inventory.")
+@json_option
+@click.pass_obj
+def status(state: State, names, all_targets, as_json):
+    """Table of runs on the targets (default: the default target)."""
+    from . import runs
+
+    rows, errors = runs.status(state.inv, list(names), all_targets=all_targets)
+    text = table(["RUN", "TARGET", "STATE", "STEP", "LOSS", "TAU", "STARTED", "ELAPSED"],
+                 [[r["run"], r["target"], _state_text(r), r.get("step"), _fmt_num(r.get("loss")),
+                   _fmt_tau(r.get("tau")), r.get("started"), _fmt_elapsed(r.get("elapsed_s"))]
+                  for r in rows]) if rows else ("" if errors else "no runs")
+    if rows or not errors or as_json:
+        emit(as_json, {"runs": rows, "errors": errors}, text)
+    if errors:
+        if not as_json:
+            for name, err in errors.items():
+                _note(err if err.startswith(f"{name}:") else f"{name}: {err}")
+        raise TargetsFailed(errors)
+
+
+def _state_text(r: dict) -> str:
+    ex = r.get("exit") or {}
+    if r["state"] == "failed" and ex.get("signal_name"):
+        return f"failed ({ex['signal_name']})"
+    if r["state"] == "failed" and ex.get("exit_code") is not None:
+        return f"failed (exit {ex['exit_code']})"
+    if r["state"] == "failed" and ex.get("lost"):
+        return "failed (lost)"
+    return r["state"]
+
+
+# --- stop ----------------------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("args", nargs=-1, metavar="TARGET [RUN]")
+@click.option("--force", is_flag=True, help="SIGKILL the run's process group (no checkpoint).")
+@click.option("--timeout", type=click.FloatRange(min=1), default=120, show_default=True,
+              help="Seconds to wait for the trainer to checkpoint and exit.")
+@json_option
+@click.pass_obj
+def stop(state: State, args, force, timeout, as_json):
+    """SIGTERM the run (default: the latest): the trainer checkpoints and exits."""
+    from . import runs
+
+    target, run = runs.split_target_run(state.inv, args)
+    doc = runs.stop(state.inv, target, run, force=force, timeout=timeout)
+    if doc.get("already"):
+        emit(as_json, doc, f"{target.name}: run {doc['run']} already ended ({doc['state']}); "
+                           "nothing to stop")
+        return
+    if doc.get("timed_out"):
+        emit(as_json, doc, f"{target.name}: run {doc['run']}: {doc['signal']} sent")
+        raise OpsError(f"{target.name}: run {doc['run']} still running {timeout:g} s after "
+                       f"{doc['signal']}; kill it with `dflash-ops stop {target.name} {doc['run']} "
+                       f"--force`")
+    ex = doc.get("exit") or {}
+    how = (f"exit {ex['exit_code']}" if ex.get("exit_code") is not None
+           else ex.get("signal_name") or "ended")
+    emit(as_json, doc, f"{target.name}: run {doc['run']} {doc['state']} ({doc['signal']} -> {how}, "
+                       f"{doc.get('waited_s', 0):.1f} s)")
+
+
+# --- report --------------------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("args", nargs=-1, metavar="[TARGET] [RUN]")
+@click.option("-o", "--out", type=click.Path(dir_okay=False), metavar="PATH",
+              help="Where to write the PNG (default: ./dflash-report-RUN.png).")
+@json_option
+@click.pass_obj
+def report(state: State, args, out, as_json):
+    """Fetch the run's metrics and write a PNG of loss, acceptance length and throughput."""
+    from . import report as report_mod
+    from . import runs
+
+    target, run = runs.split_target_run(state.inv, args)
+    doc = runs.metrics(state.inv, target, run)
+    path = out or f"dflash-report-{doc['run']}.png"
+    st = doc.get("status") or {}
+    title = (f"{target.name} run {doc['run']}: {st.get('state')}\n"
+             f"policy {st.get('policy')}, release {st.get('release')}")
+    try:
+        written = report_mod.render(doc["metrics"], path, title=title)
+    except ValueError:
+        raise OpsError(f"{target.name}: run {doc['run']} has logged no metrics yet") from None
+    except OSError as e:
+        raise UsageError(f"--out {path}: cannot write: {e.strerror or e}") from None
+    emit(as_json, {"target": target.name, "run": doc["run"], "path": str(written),
+                   "points": len(doc["metrics"]), "state": st.get("state")}, str(written))

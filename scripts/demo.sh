@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# `make demo`: the whole daily loop on the built-in `local` target (this machine; CPU when it has
+# no GPU): deploy -> probe -> launch -> logs --follow -> report. Ends with the run's exit status
+# (0 succeeded, 100 failed, 103 stopped). The Makefile puts the venv's bin first on PATH.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+T=local                      # named everywhere: a ./hosts.yaml must not redirect the demo
+# The trainer's own demo settings (a CPU run that visibly learns in about a minute), else a small
+# inline equivalent.
+config=trainer/demo.yaml
+if [ ! -f "$config" ]; then
+    config=$(mktemp "${TMPDIR:-/tmp}/dflash-demo.XXXXXX")
+    trap 'rm -f "$config"' EXIT
+    cat > "$config" <<'YAML'
+target: tiny
+data: synthetic
+synthetic_samples: 32
+synthetic_prompt_len: 8
+synthetic_new_tokens: 64
+batch_size: 4
+seq_len: 128
+anchors: 8
+draft_layers: 2
+eval_prompts: 2
+eval_new_tokens: 32
+log_every: 5
+steps: 300
+YAML
+fi
+
+step() { printf '\n\033[1m== %s\033[0m\n' "$*" >&2; }
+
+step "dflash-ops deploy $T"
+dflash-ops deploy "$T"
+
+policy=eager
+if dflash-ops probe --help >/dev/null 2>&1; then
+    step "dflash-ops probe $T"
+    if dflash-ops probe "$T"; then
+        policy=auto
+    else
+        echo "demo: the probe could not run; launching with --policy eager" >&2
+    fi
+fi
+
+# One GPU when this machine has any (the config's batch splits over it), else the CPU.
+gpus=$(dflash-ops targets "$T" --json | python3 -c \
+    'import json, sys; print(min(1, json.load(sys.stdin)["targets"][0]["gpus"]))')
+
+step "dflash-ops launch $T --gpus $gpus --policy $policy --config $config"
+run=$(dflash-ops launch "$T" --gpus "$gpus" --policy "$policy" --config "$config")
+
+step "dflash-ops logs $T $run --follow"
+set +e
+dflash-ops logs "$T" "$run" --follow
+rc=$?
+set -e
+
+# out/ is git-ignored, so the PNG is never shipped by a later `deploy` of this checkout.
+step "dflash-ops report $T $run -o out/dflash-report-$run.png"
+dflash-ops report "$T" "$run" -o "out/dflash-report-$run.png" || true
+
+step "dflash-ops status $T"
+dflash-ops status "$T"
+exit "$rc"

@@ -1,0 +1,236 @@
+"""The runs agent on this machine, with a stub trainer: slots and locks, run records, exit
+statuses, the follow protocol. Fast and deterministic; the real trainer over sshd + pct is in
+test_runs_lifecycle.py."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+AGENT = Path(__file__).resolve().parent.parent / "orchestrator" / "remote" / "runs_agent.py"
+
+STUB = r'''
+import argparse, json, os, signal, sys, time
+p = argparse.ArgumentParser()
+p.add_argument("--out"); p.add_argument("--gpus", type=int); p.add_argument("--topology")
+p.add_argument("--compile-policy"); p.add_argument("--workers"); p.add_argument("--config")
+p.add_argument("--steps", type=int, default=5); p.add_argument("--sleep", type=float, default=0.01)
+a = p.parse_args()
+print("[stub] CUDA_VISIBLE_DEVICES=%r HOME=%s unbuffered=%s cwd=%s config=%s" % (
+    os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("HOME"),
+    os.environ.get("PYTHONUNBUFFERED"), os.getcwd(), a.config), flush=True)
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+for i in range(1, a.steps + 1):
+    if stop:
+        open(os.path.join(a.out, "checkpoint"), "w").write(str(i))
+        print(json.dumps({"event": "stopped", "step": i - 1}), flush=True)
+        sys.exit(143)
+    print(json.dumps({"step": i, "loss": 1.0 / i, "tokens_per_s": 100.0 + i}), flush=True)
+    time.sleep(a.sleep)
+print(json.dumps({"event": "done", "step": a.steps, "loss": 1.0 / a.steps, "acceptance_length": 2.5}))
+'''
+
+
+@pytest.fixture
+def wd(tmp_path):
+    rel = tmp_path / "wd" / "releases" / "r1"
+    (rel / "trainer").mkdir(parents=True)
+    (rel / "trainer" / "__main__.py").write_text(STUB)
+    (rel / ".git-commit").write_text("abc1234\n")
+    os.symlink("releases/r1", tmp_path / "wd" / "current")
+    yield tmp_path / "wd"
+    # stop whatever a failed test left running
+    for run in (tmp_path / "wd" / "runs").glob("*"):
+        rec = _json(run / "run.json")
+        for pid in (rec.get("pid"), rec.get("supervisor_pid")):
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+
+def _json(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def agent(cmd, wd, *args, stdin=None, timeout=60):
+    r = subprocess.run([sys.executable, str(AGENT), cmd, str(wd), *map(str, args)],
+                       input=stdin, capture_output=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr.decode()
+    return r
+
+
+def launch(wd, run, *, gpus=0, total=0, policy="eager", extra=(), **spec):
+    doc = {"run": run, "gpus": gpus, "target_gpus": total, "policy": policy, "extra": list(extra),
+           **spec}
+    r = agent("launch", wd, stdin=json.dumps(doc).encode())
+    return json.loads(r.stdout.decode().splitlines()[-1])
+
+
+def wait_for(pred, timeout=30, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def state(wd, run):
+    doc = json.loads(agent("status", wd, run).stdout)
+    return doc["runs"][0]
+
+
+def ended(wd, run, timeout=30):
+    return wait_for(lambda: (wd / "runs" / run / "exit.json").exists(), timeout, f"{run} to end")
+
+
+def test_launch_returns_at_once_and_records_the_run(wd, tmp_path):
+    cfg = tmp_path / "my.yaml"
+    start = time.monotonic()
+    # capture_output: if the detached supervisor kept the pipes, this would hang (field notes 2)
+    doc = launch(wd, "r-a", extra=["--steps", "400", "--sleep", "0.02"], config_text="steps: 3\n",
+                 config_name=cfg.name, target="ct200")
+    assert time.monotonic() - start < 10
+    assert doc["ok"] and doc["pid"] > 0 and doc["slots"] == ["cpu"] and doc["commit"] == "abc1234"
+    run = wd / "runs" / "r-a"
+    rec = _json(run / "run.json")
+    assert rec["pid"] == doc["pid"] == int((run / "pid").read_text())
+    assert rec["release"] == "r1" and rec["commit"] == "abc1234" and rec["policy"] == "eager"
+    assert rec["command"][1:3] == ["-m", "trainer"] and "--steps" in rec["command"]
+    assert rec["config"]["file"] == str(run / "my.yaml") and (run / "my.yaml").read_text() == "steps: 3\n"
+    assert rec["started"].endswith("Z") and rec["gpus"] == 0
+    assert state(wd, "r-a")["state"] == "running"
+    # its own session and process group: the launching session can go away
+    assert os.getsid(doc["pid"]) == doc["pid"] and os.getpgid(doc["pid"]) == doc["pid"]
+    # the supervisor: double-forked into a session of its own, and not its leader (no tty ever)
+    assert os.getsid(doc["supervisor_pid"]) not in (os.getsid(0), doc["supervisor_pid"])
+    wait_for(lambda: b'"step": 3' in (run / "train.log").read_bytes(), what="steps")
+    log = (run / "train.log").read_text()
+    assert "CUDA_VISIBLE_DEVICES=''" in log and "unbuffered=1" in log and "config=" + str(run / "my.yaml") in log
+    assert f"cwd={wd / 'releases' / 'r1'}" in log
+
+
+def test_gpu_slots_choose_free_gpus_and_refuse_when_busy(wd):
+    a = launch(wd, "g-a", gpus=1, total=2, extra=["--steps", "2000"])
+    b = launch(wd, "g-b", gpus=1, total=2, extra=["--steps", "2000"])
+    assert (a["gpu_ids"], b["gpu_ids"]) == ([0], [1])
+    refused = launch(wd, "g-c", gpus=1, total=2)
+    assert not refused["ok"] and refused["reason"] == "busy"
+    assert {h["run"] for h in refused["holders"]} == {"g-a", "g-b"}
+    assert not (wd / "runs" / "g-c").exists()
+    # a CPU run takes its own slot, not a GPU's
+    assert launch(wd, "cpu-1", extra=["--steps", "1"])["ok"]
+    too_many = launch(wd, "g-d", gpus=3, total=2)
+    assert too_many["reason"] == "too_many_gpus"
+
+    wait_for(lambda: b"CUDA_VISIBLE_DEVICES='1'" in (wd / "runs" / "g-b" / "train.log").read_bytes())
+    stop = json.loads(agent("stop", wd, "g-a").stdout)
+    assert stop["state"] == "stopped" and stop["signal"] == "SIGTERM"
+    assert not (wd / "locks" / "gpu0.json").exists() and (wd / "locks" / "gpu1.json").exists()
+    assert launch(wd, "g-e", gpus=2, total=2)["reason"] == "busy"
+    assert launch(wd, "g-f", gpus=1, total=2, extra=["--steps", "1"])["gpu_ids"] == [0]
+    agent("stop", wd, "g-b", "--force")
+
+
+def test_a_stale_lock_of_a_killed_run_is_cleared(wd):
+    a = launch(wd, "s-a", extra=["--steps", "5000"])
+    assert launch(wd, "s-b")["reason"] == "busy"
+    os.kill(a["supervisor_pid"], signal.SIGKILL)     # the whole run, supervisor included:
+    os.killpg(a["pid"], signal.SIGKILL)              # nobody is left to release the lock
+    wait_for(lambda: state(wd, "s-a")["state"] != "running", what="s-a to die")
+    st = state(wd, "s-a")
+    assert st["state"] == "failed" and st["exit"]["lost"]
+    assert (wd / "locks" / "cpu.json").exists()      # still there: stale
+    c = launch(wd, "s-c", extra=["--steps", "1"])
+    assert c["ok"] and c["cleared"] == [{"slot": "cpu", "run": "s-a"}]
+
+
+def test_exit_status_is_recorded_whatever_the_end(wd):
+    from trainer.signatures import load_catalog
+
+    launch(wd, "e-ok", extra=["--steps", "3"])
+    ended(wd, "e-ok")
+    assert _json(wd / "runs" / "e-ok" / "exit.json")["state"] == "succeeded"
+
+    seg = launch(wd, "e-seg", extra=["--steps", "5000"])
+    wait_for(lambda: b'"step": 2' in (wd / "runs" / "e-seg" / "train.log").read_bytes())
+    os.kill(seg["pid"], signal.SIGSEGV)
+    ended(wd, "e-seg")
+    ex = _json(wd / "runs" / "e-seg" / "exit.json")
+    assert (ex["state"], ex["signal"], ex["signal_name"], ex["returncode"]) == ("failed", 11, "SIGSEGV", 139)
+    text = (wd / "runs" / "e-seg" / "train.log").read_text()
+    assert [s.id for _, s in load_catalog().scan_text(text)] == ["segfault"]
+
+    launch(wd, "e-bad", extra=["--no-such-flag"])
+    ended(wd, "e-bad")
+    assert _json(wd / "runs" / "e-bad" / "exit.json")["exit_code"] == 2
+    assert state(wd, "e-bad")["state"] == "failed"
+    assert not (wd / "locks" / "cpu.json").exists()
+
+
+def test_stop_waits_for_the_checkpoint_and_force_kills(wd):
+    launch(wd, "t-a", extra=["--steps", "5000"])
+    wait_for(lambda: b'"step": 2' in (wd / "runs" / "t-a" / "train.log").read_bytes())
+    doc = json.loads(agent("stop", wd, "t-a").stdout)
+    assert (doc["state"], doc["exit"]["exit_code"], doc["timed_out"]) == ("stopped", 143, False)
+    assert (wd / "runs" / "t-a" / "checkpoint").exists()
+    again = json.loads(agent("stop", wd, "t-a").stdout)
+    assert again["already"] and again["state"] == "stopped"
+    launch(wd, "t-b", extra=["--steps", "5000"])
+    doc = json.loads(agent("stop", wd, "latest", "--force").stdout)
+    assert (doc["run"], doc["state"], doc["exit"]["signal_name"]) == ("t-b", "stopped", "SIGKILL")
+    assert json.loads(agent("stop", wd, "nope").stdout)["found"] is False
+
+
+def _follow(wd, run, offset, *flags):
+    r = agent("follow", wd, run, offset, *flags)
+    head, _, body = r.stdout.partition(b"\n")
+    controls = [json.loads(x) for x in r.stderr.decode().splitlines()]
+    return json.loads(head), body, controls
+
+
+def test_follow_protocol_offsets_tail_and_end(wd):
+    launch(wd, "f-a", extra=["--steps", "30", "--sleep", "0.03"])
+    header, body, controls = _follow(wd, "latest", 0)         # follows until the run ends
+    log = (wd / "runs" / "f-a" / "train.log").read_bytes()
+    assert header["run"] == "f-a" and header["offset"] == 0 and body == log
+    end = controls[-1]["end"]
+    assert (end["state"], end["step"], end["tau"], end["offset"]) == ("succeeded", 30, 2.5, len(log))
+
+    header, body, _ = _follow(wd, "f-a", 100)                 # resume mid-line: byte exact
+    assert header["offset"] == 100 and body == log[100:]
+    header, body, _ = _follow(wd, "f-a", -1, "--tail", "3")
+    assert body == b"".join(log.splitlines(keepends=True)[-3:])
+    header, body, _ = _follow(wd, "f-a", -1, "--tail", "0")
+    assert body == b"" and header["offset"] == len(log)
+
+    launch(wd, "f-b", extra=["--steps", "5000"])
+    header, body, controls = _follow(wd, "f-b", 0, "--no-follow")
+    assert controls[-1]["end"]["state"] == "running"
+    header, _, _ = _follow(wd, "missing", 0)
+    assert header["error"] == "not_found"
+    agent("stop", wd, "f-b", "--force")
+
+
+def test_launch_refusals(wd, tmp_path):
+    assert launch(wd, "p-a", policy="auto")["reason"] == "no_probe"
+    (wd / "probe.json").write_text(json.dumps({"policy": "inductor", "torch": "0"}))
+    doc = launch(wd, "p-b", policy="auto", extra=["--steps", "1"])
+    assert doc["ok"] and doc["compile_policy"] == "auto" and doc["probe_policy"] == "inductor"
+    rec = _json(wd / "runs" / "p-b" / "run.json")
+    assert rec["command"][rec["command"].index("--compile-policy") + 1] == "auto"
+    ended(wd, "p-b")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert launch(empty, "n-a")["reason"] == "no_release"

@@ -1,0 +1,249 @@
+"""The run lifecycle for real: the real trainer (tiny settings, CPU) in a pct stand-in container
+reached through a real sshd on 127.0.0.1, driven by the `dflash-ops` CLI as a user would."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator import deploy, inventory, runs
+
+REPO = Path(__file__).resolve().parent.parent
+WORKDIR = "/srv/ct/dflash"
+MAIN = "from orchestrator.cli import main; main()"
+TINY = """\
+target: tiny
+data: synthetic
+synthetic_samples: 8
+synthetic_prompt_len: 4
+synthetic_new_tokens: 32
+batch_size: 2
+seq_len: 64
+anchors: 4
+draft_layers: 1
+eval_prompts: 1
+eval_new_tokens: 16
+cpu_threads: 1
+checkpoint_every: 0
+"""
+LONG = ["--", "--steps", "1000000"]     # runs until the test stops or kills it
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """Only the trainer package: what a run needs, quick to deploy."""
+    root = tmp_path_factory.mktemp("src")
+    shutil.copytree(REPO / "trainer", root / "trainer",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return root
+
+
+@pytest.fixture
+def ct(sshd, fakepct, make_inventory, source, tmp_path):
+    """A running CT 200 (2 GPUs in the inventory, CPU in fact) with the trainer deployed."""
+    fakepct.create(200)
+    path = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable,
+                                     "workdir": WORKDIR, "gpus": 2}})
+    inv = inventory.load(str(path))
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY)
+    env = Env(inv, path, fakepct, sshd, cfg, source)
+    return env
+
+
+class Env:
+    def __init__(self, inv, path, pct, sshd, cfg, source):
+        self.inv, self.path, self.pct, self.sshd, self.cfg, self.source = inv, path, pct, sshd, cfg, source
+        self.target = inv.target("ct200")
+
+    def deploy(self):
+        res = deploy.deploy(self.inv, ["ct200"], source=str(self.source))["ct200"]
+        assert res.ok, res.error
+
+    def cli(self, *args, timeout=180):
+        return subprocess.run([sys.executable, "-c", MAIN, "-i", str(self.path), *map(str, args)],
+                              capture_output=True, timeout=timeout)
+
+    def launch(self, *args) -> str:
+        r = self.cli("launch", "ct200", "--gpus", "0", "--workers", "1", "--policy", "eager",
+                     "--config", self.cfg, *args)
+        assert r.returncode == 0, r.stderr.decode()
+        return r.stdout.decode().strip()
+
+    def rundir(self, run) -> Path:
+        return self.pct.private(200) / "dflash" / "runs" / run
+
+    def record(self, run) -> dict:
+        return json.loads((self.rundir(run) / "run.json").read_text())
+
+    def log(self, run) -> bytes:
+        return (self.rundir(run) / "train.log").read_bytes()
+
+    def steps_logged(self, run) -> int:
+        return self.log(run).count(b'{"step": ')
+
+    def status(self, run) -> dict:
+        r = self.cli("status", "ct200", "--json")
+        assert r.returncode == 0, r.stderr.decode()
+        return next(x for x in json.loads(r.stdout)["runs"] if x["run"] == run)
+
+
+def wait_for(pred, timeout=120, what="condition", every=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_launch_refusals_say_what_to_do(ct):
+    r = ct.cli("launch", "ct200", "--gpus", "0", "--policy", "eager")
+    assert r.returncode == 1 and b"run `dflash-ops deploy ct200`" in r.stderr
+    ct.deploy()
+    r = ct.cli("launch", "ct200", "--gpus", "0")          # --policy auto is the default
+    assert r.returncode == 1 and b"run `dflash-ops probe ct200`" in r.stderr
+    r = ct.cli("launch", "ct200", "--gpus", "3", "--policy", "eager")
+    assert r.returncode == 1 and b"more than the target's 2 GPU(s)" in r.stderr
+    for err in (r.stderr,):
+        assert b"Traceback" not in err and len(err.decode().strip().splitlines()) == 1
+    r = ct.cli("logs", "ct200")
+    assert r.returncode == 102 and b"no runs yet" in r.stderr
+
+
+def test_launch_detaches_then_logs_follow_to_success(ct, tmp_path):
+    ct.deploy()
+    start = time.monotonic()
+    run = ct.launch("--", "--steps", "20")
+    launched_in = time.monotonic() - start
+    # The SSH session that launched has ended (the CLI returned) while the run goes on.
+    assert launched_in < 60 and ct.status(run)["state"] == "running"
+    rec = ct.record(run)
+    assert rec["release"] and rec["command"][1:3] == ["-m", "trainer"] and rec["gpus"] == 0
+    assert rec["config"]["file"].endswith("/tiny.yaml")
+
+    r = ct.cli("logs", "ct200", "--follow")
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert r.stdout == ct.log(run)                   # stdout is the log, byte for byte
+    assert f"run {run}: succeeded" in err and "steps 20" in err and "tau " in err
+    st = ct.status(run)
+    assert (st["state"], st["step"]) == ("succeeded", 20) and st["tau"] is not None
+
+    r = ct.cli("logs", "ct200", run, "--no-follow", "--tail", "2")
+    assert r.returncode == 0 and r.stdout == b"".join(ct.log(run).splitlines(keepends=True)[-2:])
+    r = ct.cli("logs", "ct200", run, "--json")
+    doc = json.loads(r.stdout)
+    assert r.returncode == 0 and doc["state"] == "succeeded" and doc["step"] == 20
+
+    png = tmp_path / "report.png"
+    r = ct.cli("report", "ct200", "-o", png)
+    assert r.returncode == 0 and r.stdout.decode().strip() == str(png)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    r = ct.cli("stop", "ct200", run)
+    assert r.returncode == 0 and b"already ended (succeeded); nothing to stop" in r.stdout
+    r = ct.cli("report", "ct200", "20200101-000000-abcdef")
+    assert r.returncode == 102
+
+
+def test_follow_survives_dropped_connections_byte_for_byte(ct, tmp_path):
+    ct.deploy()
+    run = ct.launch(*LONG)
+    out = tmp_path / "follow.out"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-c", MAIN, "-i", str(ct.path), "logs", "ct200", run],
+                                stdout=f, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: ct.steps_logged(run) >= 3 and out.stat().st_size > 0, what="the stream")
+        drops = 0
+        for _ in range(3):
+            seen = out.stat().st_size
+            wait_for(lambda: out.stat().st_size > seen + 200, what="new bytes after a drop")
+            if ct.sshd.kill_connections():
+                drops += 1
+        seen = out.stat().st_size
+        wait_for(lambda: out.stat().st_size > seen + 200, what="the stream to resume")
+        assert drops >= 3
+        doc = runs.stop(ct.inv, ct.target, run)
+        assert doc["state"] == "stopped"
+        code = proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        stderr = proc.stderr.read().decode()
+        proc.stderr.close()
+    assert code == 103, stderr
+    assert out.read_bytes() == ct.log(run), stderr       # nothing lost, nothing repeated
+    assert stderr.count("reconnected after") >= 3, stderr
+    assert f"run {run}: stopped" in stderr
+
+
+def test_second_launch_on_busy_slot_is_refused_until_the_first_is_killed(ct):
+    ct.deploy()
+    first = ct.launch(*LONG)
+    r = ct.cli("launch", "ct200", "--gpus", "0", "--policy", "eager", "--config", ct.cfg)
+    assert r.returncode == 1 and f"in use by run {first}".encode() in r.stderr, r.stderr
+    rec = wait_for(lambda: ct.record(first).get("pid") and ct.record(first), what="pids")
+    os.kill(rec["supervisor_pid"], signal.SIGKILL)   # kill -9 the whole run: nobody releases
+    os.killpg(rec["pid"], signal.SIGKILL)            # the slot, its lock goes stale
+    wait_for(lambda: ct.status(first)["state"] == "failed", what="the run to be seen dead")
+    r = ct.cli("launch", "ct200", "--gpus", "0", "--policy", "eager", "--config", ct.cfg, *LONG)
+    assert r.returncode == 0, r.stderr
+    assert f"cleared a stale lock on cpu left by run {first}".encode() in r.stderr
+    again = r.stdout.decode().strip()
+    r = ct.cli("stop", "ct200", again, "--force")
+    assert r.returncode == 0 and b"stopped" in r.stdout
+
+
+def test_stop_mid_run_checkpoints_and_logs_exits_103(ct):
+    ct.deploy()
+    run = ct.launch(*LONG)
+    wait_for(lambda: ct.steps_logged(run) >= 3, what="training steps")
+    r = ct.cli("stop", "ct200")
+    assert r.returncode == 0, r.stderr
+    assert f"run {run} stopped (SIGTERM -> exit 143".encode() in r.stdout
+    assert list((ct.rundir(run) / "checkpoints").glob("step-*")), "no checkpoint written"
+    assert json.loads((ct.rundir(run) / "exit.json").read_text())["exit_code"] == 143
+    assert ct.status(run)["state"] == "stopped"
+    r = ct.cli("logs", "ct200", run)
+    assert r.returncode == 103 and f"run {run}: stopped".encode() in r.stderr
+
+
+def test_sigsegv_is_a_failure_named_segfault(ct):
+    ct.deploy()
+    follow = subprocess.Popen([sys.executable, "-c", MAIN, "-i", str(ct.path), "launch", "ct200",
+                               "--gpus", "0", "--policy", "eager", "--config", str(ct.cfg),
+                               "--follow", *LONG], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        run = wait_for(lambda: [p.name for p in (ct.pct.private(200) / "dflash" / "runs").glob("*")],
+                       what="the run folder")[0]
+        wait_for(lambda: ct.steps_logged(run) >= 2, what="training steps")
+        os.kill(ct.record(run)["pid"], signal.SIGSEGV)
+        out, err = follow.communicate(timeout=180)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+    err = err.decode()
+    assert follow.returncode == 100, err                # launch --follow = launch + logs --follow
+    assert out == ct.log(run)
+    assert "`segfault` (fatal)" in err and "cause: segfault" in err and "what to do:" in err
+    st = ct.status(run)
+    assert st["state"] == "failed" and st["exit"]["signal_name"] == "SIGSEGV"
+    r = ct.cli("logs", "ct200", run, "--no-follow")
+    assert r.returncode == 100 and b"`segfault`" in r.stderr
+
+
+def test_a_stopped_container_is_a_clear_error_not_a_retry_loop(ct):
+    ct.deploy()
+    ct.pct.stop(200)
+    for args in (("logs", "ct200"), ("status", "ct200"), ("stop", "ct200")):
+        start = time.monotonic()
+        r = ct.cli(*args)
+        assert r.returncode == 1 and b"container 200" in r.stderr, (args, r.stderr)
+        assert time.monotonic() - start < 30 and b"Traceback" not in r.stderr

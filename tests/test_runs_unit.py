@@ -1,0 +1,126 @@
+"""Pure parts of the run lifecycle: run ids, argument resolution, refusal messages, the log
+stream parser, summaries and the report's PNG."""
+import json
+import queue
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator import inventory, report, runs
+from orchestrator.errors import UsageError
+from trainer.signatures import load_catalog
+
+INV = inventory.parse("""
+default: ct200
+hosts: {pve1: {address: pve1.invalid}}
+targets:
+  ct200: {host: pve1, vmid: 200, gpus: 8, workdir: /root/dflash}
+  ct201: {host: pve1, vmid: 201, gpus: 0}
+""")
+
+
+def test_run_ids_sort_by_time_and_never_collide():
+    a = runs.new_run_id("ct200", now=1_700_000_000.0)
+    b = runs.new_run_id("ct200", now=1_700_000_000.0)
+    c = runs.new_run_id("ct200", now=1_700_000_061.0)
+    assert re.fullmatch(r"20231114-221320-[0-9a-f]{6}", a)
+    assert a != b and sorted([c, a]) == [a, c]
+
+
+def test_target_and_run_arguments():
+    assert runs.split_target_run(INV, []) == (INV.targets["ct200"], "latest")
+    assert runs.split_target_run(INV, ["ct201"]) == (INV.targets["ct201"], "latest")
+    assert runs.split_target_run(INV, ["20250101-000000-abcdef"]) == (INV.targets["ct200"],
+                                                                        "20250101-000000-abcdef")
+    assert runs.split_target_run(INV, ["ct201", "R"]) == (INV.targets["ct201"], "R")
+    assert runs.split_target_run(INV, ["latest"]) == (INV.targets["ct200"], "latest")
+    with pytest.raises(UsageError, match="unknown target 'ct20'"):
+        runs.split_target_run(INV, ["ct20", "R"])
+    with pytest.raises(UsageError, match="unknown target 'ct2001'"):
+        runs.split_target_run(INV, ["ct2001"])
+
+
+def test_exit_codes_of_the_contract():
+    assert [runs.exit_code_for(s) for s in ("succeeded", "failed", "running", "stopped")] == \
+        [0, 100, 101, 103]
+
+
+def test_refusal_messages_say_what_to_do():
+    t = INV.targets["ct200"]
+    assert "run `dflash-ops deploy ct200`" in runs.refusal_message(t, {"reason": "no_release"})
+    assert "run `dflash-ops probe ct200`" in runs.refusal_message(t, {"reason": "no_probe"})
+    busy = {"reason": "busy", "busy": {"gpu0": {}, "gpu1": {}},
+            "holders": [{"run": "R1", "pid": 42}]}
+    msg = runs.refusal_message(t, busy)
+    assert "GPU(s) 0, 1 are in use by run R1 (pid 42)" in msg and "dflash-ops stop ct200 R1" in msg
+    cpu = runs.refusal_message(t, {"reason": "busy", "busy": {"cpu": {}},
+                                   "holders": [{"run": "R2", "pid": 7}]})
+    assert "the CPU slot is in use by run R2" in cpu
+    assert "\n" not in msg
+
+
+def test_launch_refuses_more_gpus_than_the_target_has_before_connecting():
+    with pytest.raises(runs.LaunchRefused, match="--gpus 9 is more than the target's 8 GPU"):
+        runs.launch(INV, "ct200", gpus=9, policy="eager")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=400), st.lists(st.integers(min_value=1, max_value=50), max_size=20))
+def test_stream_parser_counts_bytes_exactly_however_they_are_split(body, cuts):
+    header = json.dumps({"run": "R", "offset": 7}).encode() + b"\n"
+    data = header + body
+    q: queue.Queue = queue.Queue()
+    s = runs._Stream(q, 0)
+    i = 0
+    for n in cuts:
+        s.on_stdout(data[i:i + n])
+        i += n
+    s.on_stdout(data[i:])
+    got = _drain(q)
+    assert got == body and s.offset == 7 + len(body) and s.header["run"] == "R"
+
+
+def _drain(q):
+    out = []
+    while not q.empty():
+        kind, item = q.get_nowait()
+        if kind == "data":
+            out.append(item)
+    return b"".join(out)
+
+
+def test_stream_control_lines():
+    s = runs._Stream(queue.Queue(), 0)
+    s.on_stderr(b'{"hb": 1.0}\n{"end": {"state": "fa')
+    assert s.end is None
+    s.on_stderr(b'iled"}}\nTraceback (most recent call last):\n')
+    assert s.end == {"state": "failed"} and s.stderr_text == ["Traceback (most recent call last):"]
+
+
+def test_summary_names_the_cause_from_lines_or_exit_status():
+    cat = load_catalog()
+    t = INV.targets["ct200"]
+    end = {"run": "R", "state": "failed", "step": 4, "loss": 1.5, "exit": {"returncode": 139}}
+    s = runs._summary(t, end, {}, [], 10, 100, 0, cat)
+    assert (s.exit_code, s.classified) == (100, "segfault")
+    hits = [{"line": 3, "signature": "segfault", "severity": "fatal"},
+            {"line": 2, "signature": "cudagraph-trees-tls", "severity": "fatal"}]
+    s = runs._summary(t, end, {"segfault": 1, "cudagraph-trees-tls": 1}, hits, 10, 100, 0, cat)
+    assert s.classified == "cudagraph-trees-tls"      # the specific cause over the generic crash
+    ok = runs._summary(t, {"run": "R", "state": "succeeded"}, {}, [], 1, 1, 0, cat)
+    assert (ok.exit_code, ok.classified) == (0, None)
+
+
+def test_report_series_and_png(tmp_path):
+    metrics = [{"step": i, "loss": 5.0 - i / 10, "tokens_per_s": 100.0 + i} for i in range(1, 11)]
+    metrics += [{"event": "checkpoint", "step": 10}, {"event": "eval", "step": 5, "acceptance_length": 1.5},
+                {"event": "done", "step": 10, "loss": 4.0, "acceptance_length": 2.0}]
+    data = report.series(metrics)
+    assert len(data["loss"]) == 10 and data["tau"] == [(5, 1.5), (10, 2.0)]
+    assert data["throughput_label"] == "tokens/s" and data["throughput"][0] == (1, 101.0)
+    out = report.render(metrics, tmp_path / "sub" / "r.png", title="t")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError):
+        report.render([{"event": "checkpoint"}], tmp_path / "x.png")
