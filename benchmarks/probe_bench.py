@@ -1,0 +1,79 @@
+"""Probe wall time: one target vs four targets at once, through the loopback sshd + pct stand-in.
+
+    .venv/bin/python benchmarks/probe_bench.py [--policies eager] [--targets 4]
+
+Every target is its own container (private filesystem) of the pct stand-in on this machine,
+so the four probes share this machine's cores: the figure separates what the controller adds
+(connections, fan-out) from what the probe programs themselves cost when they compete for CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--policies", default="eager")
+    ap.add_argument("--targets", type=int, default=4)
+    args = ap.parse_args()
+    sshd_mod = load("bench_sshd", REPO / "tests" / "fixtures" / "sshd.py")
+    conftest = load("bench_conftest", REPO / "tests" / "conftest.py")
+    from orchestrator import deploy, inventory, probe
+
+    scratch = Path(tempfile.mkdtemp(prefix="dflash-probe-bench-"))
+    server = sshd_mod.SshServer.start(scratch / "sshd")
+    try:
+        pct = conftest.install_fakepct(scratch / "pct")
+        names = [f"ct{200 + i}" for i in range(args.targets)]
+        lines = [f"hosts:\n  node: {{address: 127.0.0.1, port: {server.port}, identity_file: {server.identity_file}, "
+                 f"known_hosts: {server.known_hosts}, pct: {pct.path}}}\ntargets:"]
+        for i, n in enumerate(names):
+            pct.create(200 + i)
+            lines.append(f"  {n}: {{host: node, vmid: {200 + i}, python: {sys.executable}, workdir: /srv/ct/dflash}}")
+        (scratch / "hosts.yaml").write_text("\n".join(lines) + "\n")
+        inv = inventory.load(str(scratch / "hosts.yaml"))
+        res = deploy.deploy(inv, names, source=str(REPO))
+        assert all(r.ok for r in res.values()), {n: r.error for n, r in res.items()}
+        pols = args.policies.split(",")
+        probe.probe(inv, names[:1], policies=pols)          # warm caches (inductor, page cache)
+
+        t0 = time.perf_counter()
+        one = probe.probe(inv, names[:1], policies=pols)
+        t_one = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        many = probe.probe(inv, names, policies=pols)
+        t_many = time.perf_counter() - t0
+        assert one["targets"][names[0]]["ok"] and all(d["ok"] for d in many["targets"].values())
+        inner_one = one["targets"][names[0]]["seconds"]
+        inner_many = max(d["seconds"] for d in many["targets"].values())
+        print(f"policies {args.policies}; machine: {len(__import__('os').sched_getaffinity(0))} cores\n")
+        print("| case | wall s | slowest target's probe program s |")
+        print("| --- | --- | --- |")
+        print(f"| 1 target | {t_one:.1f} | {inner_one:.1f} |")
+        print(f"| {args.targets} targets at once | {t_many:.1f} | {inner_many:.1f} |")
+        print(f"\nratio {t_many / t_one:.2f}x; controller overhead (wall - program) "
+              f"{t_one - inner_one:.2f} s for 1, {t_many - inner_many:.2f} s for {args.targets}")
+    finally:
+        server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
