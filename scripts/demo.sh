@@ -6,42 +6,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 T=local                      # named everywhere: a ./hosts.yaml must not redirect the demo
-# The trainer's own demo settings (a CPU run that visibly learns in about a minute), else a small
-# inline equivalent.
-config=trainer/demo.yaml
-if [ ! -f "$config" ]; then
-    config=$(mktemp "${TMPDIR:-/tmp}/dflash-demo.XXXXXX")
-    trap 'rm -f "$config"' EXIT
-    cat > "$config" <<'YAML'
-target: tiny
-data: synthetic
-synthetic_samples: 32
-synthetic_prompt_len: 8
-synthetic_new_tokens: 64
-batch_size: 4
-seq_len: 128
-anchors: 8
-draft_layers: 2
-eval_prompts: 2
-eval_new_tokens: 32
-log_every: 5
-steps: 300
-YAML
-fi
+config=trainer/demo.yaml       # a CPU run that visibly learns in about a minute
 
 step() { printf '\n\033[1m== %s\033[0m\n' "$*" >&2; }
 
 step "dflash-ops deploy $T"
 dflash-ops deploy "$T"
 
-policy=eager
-if dflash-ops probe --help >/dev/null 2>&1; then
-    step "dflash-ops probe $T"
-    if dflash-ops probe "$T"; then
-        policy=auto
-    else
-        echo "demo: the probe could not run; launching with --policy eager" >&2
-    fi
+step "dflash-ops probe $T"
+policy=auto                  # the probe's choice, saved on the target
+if ! dflash-ops probe "$T"; then
+    echo "demo: the probe could not run; launching with --policy eager" >&2
+    policy=eager
 fi
 
 # One GPU when this machine has any (the config's batch splits over it), else the CPU.
