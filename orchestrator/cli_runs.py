@@ -1,6 +1,7 @@
 """Click commands of the run lifecycle: launch, logs, status, stop, report.
 
-Thin (style habit 1): parse options, call one function of `runs.py` / `report.py`, print.
+Thin (style habit 1): parse options, call one function of `runs.py` / `follow.py` /
+`report.py`, print.
 `logs` keeps stdout byte-for-byte the log, so `| grep`, `| head` and `> file` work; notes about
 signatures, reconnects and the closing summary go to stderr.
 """
@@ -105,8 +106,10 @@ def launch(state: State, args, gpus, config, topology, policy, workers, follow, 
             return
         if not as_json:
             _note(info)
+        from .follow import follow as follow_log
+
         target = state.inv.target(res.target)
-        summary = _print_log(runs.follow(state.inv, target, res.run, session=session), as_json)
+        summary = _print_log(follow_log(state.inv, target, res.run, session=session), as_json)
     if as_json:
         emit(True, {**res.as_json(), "logs": summary.as_json()}, "")
     sys.exit(summary.exit_code)
@@ -128,9 +131,10 @@ def logs(state: State, args, follow, tail, as_json):
     103 stopped. stdout is the log itself; notes and the summary go to stderr.
     """
     from . import runs
+    from .follow import follow as follow_log
 
     target, run = runs.split_target_run(state.inv, args)
-    summary = _print_log(runs.follow(state.inv, target, run, follow=follow, tail=tail), as_json)
+    summary = _print_log(follow_log(state.inv, target, run, follow=follow, tail=tail), as_json)
     if as_json:
         emit(True, summary.as_json(), "")
     sys.exit(summary.exit_code)
@@ -139,7 +143,7 @@ def logs(state: State, args, follow, tail, as_json):
 def _print_log(events, as_json: bool):
     """Write each line to stdout as it arrives; explain each signature once on stderr; print the
     summary last. Returns the Summary."""
-    from .runs import End, Line, Reconnecting, Resumed
+    from .follow import End, Line, Reconnecting, Resumed
 
     out = sys.stdout.buffer
     tty = _isatty(sys.stdout)

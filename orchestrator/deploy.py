@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from . import fileset
 from .errors import OpsError, StepFailed, UsageError
@@ -27,15 +27,26 @@ from .transport import Session, Transport
 Progress = Callable[[str, int], Callable[[int], None]]   # (target, total bytes) -> update(n)
 
 
-def agent_source(name: str = "release_agent.py") -> str:
-    return resources.files("orchestrator.remote").joinpath(name).read_text(encoding="utf-8")
+def agent_source(*names: str) -> str:
+    """The source of a remote agent (default: the release agent) for `python -c`. Several names
+    are the parts of one agent, joined in the order given into one program: `python -c` cannot
+    import its parts on the target, so they share one namespace, a part using only what the
+    parts before it define. Parts must have no `from __future__` line (it is only legal first)."""
+    root = resources.files("orchestrator.remote")
+    texts = [root.joinpath(name).read_text(encoding="utf-8") for name in names or ("release_agent.py",)]
+    if len(texts) == 1:
+        return texts[0]
+    return "\n\n".join(f"# ---- {name} ----\n{text}" for name, text in zip(names, texts))
 
 
-def run_agent(t: Transport, target: Target, args: list[str], *, agent: str = "release_agent.py",
-              stdin=None, what: str | None = None, timeout: float | None = None) -> dict:
-    """Run a remote agent with the target's python; its last stdout line is a JSON document."""
-    r = t.run([target.python, "-c", agent_source(agent), *args], stdin=stdin, timeout=timeout)
-    what = what or f"{Path(agent).stem} {args[0]}"
+def run_agent(t: Transport, target: Target, args: list[str], *,
+              agent: str | Sequence[str] = "release_agent.py", stdin=None, what: str | None = None,
+              timeout: float | None = None) -> dict:
+    """Run a remote agent (one file, or the names of its parts) with the target's python; its
+    last stdout line is a JSON document."""
+    parts = (agent,) if isinstance(agent, str) else tuple(agent)
+    r = t.run([target.python, "-c", agent_source(*parts), *args], stdin=stdin, timeout=timeout)
+    what = what or f"{Path(parts[-1]).stem} {args[0]}"
     err = r.stderr.decode(errors="replace")
     if r.exit_code in (126, 127) or (r.exit_code == 255 and "No such file" in err):
         raise StepFailed(target.name, what, r.exit_code,

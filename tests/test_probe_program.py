@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer import policies, probe
+from trainer import policies, probe, probe_block, probe_build, probe_case
 from trainer.signatures import load_catalog
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,7 +90,7 @@ def test_a_failing_thread_fails_the_case_and_releases_the_others(monkeypatch, ca
         return real(module, policy, n_devices=n_devices)
 
     monkeypatch.setattr(policies, "compile_module", flaky)
-    out = probe.run_case("eager", "threads", 2, steps=1, warmup=1, device_kind="cpu")
+    out = probe_case.run_case("eager", "threads", 2, steps=1, warmup=1, device_kind="cpu")
     assert out == {"ok": False, "error": "thread 1: AssertionError"}
     err = capsys.readouterr().err
     assert "[thread 1] failed:" in err and "AssertionError" in err
@@ -109,16 +109,16 @@ def test_run_isolated_reports_signals_and_kills_hangs():
 def test_check_expect():
     build = {"torch": "2.11.0+cu130", "cuda": "13.0", "python": "3.12.3", "triton": None,
              "gpus": [{"name": "NVIDIA H200"}] * 2, "bf16": True}
-    assert probe.check_expect(build, {"torch": ">=2.5", "cuda": "13.0", "gpus": 2,
+    assert probe_build.check_expect(build, {"torch": ">=2.5", "cuda": "13.0", "gpus": 2,
                                       "gpu_name": "h200", "bf16": True})["mismatches"] == []
-    out = probe.check_expect(build, {"torch": ">=2.13", "cuda": "12.8", "gpus": 8, "triton": ">=3",
+    out = probe_build.check_expect(build, {"torch": ">=2.13", "cuda": "12.8", "gpus": 8, "triton": ">=3",
                                      "colour": "red"})
     assert out["torch"] == ">=2.13" and len(out["mismatches"]) == 5
     assert "torch: have 2.11.0+cu130, expected >=2.13" in out["mismatches"]
 
 
 def test_mode_options_lists_every_mode():
-    modes = probe.mode_options()
+    modes = probe_build.mode_options()
     assert {"default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"} <= set(modes)
     assert modes["default"] == {} and modes["reduce-overhead"] == {"triton.cudagraphs": True}
     json.dumps(modes)
@@ -137,8 +137,8 @@ def test_save_result_keeps_history(tmp_path):
 
 
 def test_batches_follow_the_dflash_mask():
-    c = probe.CPU_CONFIG
-    ctx, ids, mask, cos_q, sin_q, cos_k, sin_k, labels, w = probe.make_batches(c, 1)[0]
+    c = probe_block.CPU_CONFIG
+    ctx, ids, mask, cos_q, sin_q, cos_k, sin_k, labels, w = probe_block.make_batches(c, 1)[0]
     Q, C = c.blocks * c.block_size, c.context
     assert mask.shape == (c.batch, 1, Q, C + Q) and ids.shape == labels.shape == w.shape == (c.batch, Q)
     for b in range(c.batch):

@@ -1,6 +1,8 @@
 """The runs agent on this machine, with a stub trainer: slots and locks, run records, exit
-statuses, the follow protocol. Fast and deterministic; the real trainer over sshd + pct is in
-test_runs_lifecycle.py."""
+statuses, the follow protocol; and the joining of its parts into one program. Fast and
+deterministic; the real trainer over sshd + pct is in test_runs_lifecycle.py."""
+import ast
+import builtins
 import json
 import os
 import signal
@@ -11,7 +13,83 @@ from pathlib import Path
 
 import pytest
 
-AGENT = Path(__file__).resolve().parent.parent / "orchestrator" / "remote" / "runs_agent.py"
+from orchestrator.deploy import agent_source
+from orchestrator.runs import AGENT as PARTS
+
+REMOTE = Path(__file__).resolve().parent.parent / "orchestrator" / "remote"
+SOURCE = agent_source(*PARTS)     # what the controller sends: `python -c SOURCE CMD ...`
+
+
+# ---- the parts, joined ------------------------------------------------------------------------
+
+def _top_level_names(tree):
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+def _bound_anywhere(tree):
+    """Every name the part binds somewhere (locals, arguments, loop and except targets)."""
+    names = _top_level_names(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            names.add(node.id)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def test_the_parts_are_stdlib_only_and_use_only_what_earlier_parts_define():
+    defined = set(dir(builtins)) | {"__name__", "__file__"}
+    for name in PARTS:
+        text = (REMOTE / name).read_text()
+        tree = ast.parse(text, feature_version=(3, 8))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                assert node.module != "__future__", f"{name}: `from __future__` is only legal first"
+                assert node.level == 0 and node.module.split(".")[0] in sys.stdlib_module_names, \
+                    f"{name}: imports {node.module}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    assert a.name.split(".")[0] in sys.stdlib_module_names, f"{name}: imports {a.name}"
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        missing = used - defined - _bound_anywhere(tree)
+        assert not missing, f"{name} uses {sorted(missing)}, which no part before it defines"
+        defined |= _top_level_names(tree)
+
+
+def test_the_joined_source_compiles_for_python_38_and_defines_every_command():
+    ast.parse(SOURCE, feature_version=(3, 8))
+    space = {"__name__": "not_main"}
+    exec(compile(SOURCE, "runs_agent", "exec"), space)   # module-level order: no NameError
+    for cmd in ("cmd_launch", "cmd_status", "cmd_follow", "cmd_stop", "cmd_metrics", "main",
+                "_supervise", "_claim", "_release_slots"):
+        assert callable(space[cmd]), cmd
+    assert SOURCE.count("# ---- runs_") == len(PARTS)
+
+
+def test_the_joined_program_answers_usage_and_unknown_commands(tmp_path):
+    usage = subprocess.run([sys.executable, "-c", SOURCE], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "usage: runs_agent launch|status|follow|stop|metrics" in usage.stderr
+    bad = subprocess.run([sys.executable, "-c", SOURCE, "frobnicate", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
+    empty = subprocess.run([sys.executable, "-c", SOURCE, "status", str(tmp_path)],
+                           capture_output=True, text=True, timeout=60)
+    assert empty.returncode == 0 and json.loads(empty.stdout) == {"runs": [], "missing": []}
 
 STUB = r'''
 import argparse, json, os, signal, sys, time
@@ -63,7 +141,7 @@ def _json(path):
 
 
 def agent(cmd, wd, *args, stdin=None, timeout=60):
-    r = subprocess.run([sys.executable, str(AGENT), cmd, str(wd), *map(str, args)],
+    r = subprocess.run([sys.executable, "-c", SOURCE, cmd, str(wd), *map(str, args)],
                        input=stdin, capture_output=True, timeout=timeout)
     assert r.returncode == 0, r.stderr.decode()
     return r

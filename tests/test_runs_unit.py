@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator import inventory, report, runs
+from orchestrator import follow, inventory, report, runs
 from orchestrator.errors import UsageError
 from trainer.signatures import load_catalog
 
@@ -72,7 +72,7 @@ def test_stream_parser_counts_bytes_exactly_however_they_are_split(body, cuts):
     header = json.dumps({"run": "R", "offset": 7}).encode() + b"\n"
     data = header + body
     q: queue.Queue = queue.Queue()
-    s = runs._Stream(q, 0)
+    s = follow._Stream(q, 0)
     i = 0
     for n in cuts:
         s.on_stdout(data[i:i + n])
@@ -92,7 +92,7 @@ def _drain(q):
 
 
 def test_stream_control_lines():
-    s = runs._Stream(queue.Queue(), 0)
+    s = follow._Stream(queue.Queue(), 0)
     s.on_stderr(b'{"hb": 1.0}\n{"end": {"state": "fa')
     assert s.end is None
     s.on_stderr(b'iled"}}\nTraceback (most recent call last):\n')
@@ -103,13 +103,13 @@ def test_summary_names_the_cause_from_lines_or_exit_status():
     cat = load_catalog()
     t = INV.targets["ct200"]
     end = {"run": "R", "state": "failed", "step": 4, "loss": 1.5, "exit": {"returncode": 139}}
-    s = runs._summary(t, end, {}, [], 10, 100, 0, cat)
+    s = follow._summary(t, end, {}, [], 10, 100, 0, cat)
     assert (s.exit_code, s.classified) == (100, "segfault")
     hits = [{"line": 3, "signature": "segfault", "severity": "fatal"},
             {"line": 2, "signature": "cudagraph-trees-tls", "severity": "fatal"}]
-    s = runs._summary(t, end, {"segfault": 1, "cudagraph-trees-tls": 1}, hits, 10, 100, 0, cat)
+    s = follow._summary(t, end, {"segfault": 1, "cudagraph-trees-tls": 1}, hits, 10, 100, 0, cat)
     assert s.classified == "cudagraph-trees-tls"      # the specific cause over the generic crash
-    ok = runs._summary(t, {"run": "R", "state": "succeeded"}, {}, [], 1, 1, 0, cat)
+    ok = follow._summary(t, {"run": "R", "state": "succeeded"}, {}, [], 1, 1, 0, cat)
     assert (ok.exit_code, ok.classified) == (0, None)
 
 

@@ -14,424 +14,38 @@ seed, configured inside the thread, compiling and warming up concurrently as the
 Each case is checked against an eager run of the same seed. The choice: the fastest policy that
 passed in `threads` and agreed with eager (eager is the fallback); with --workdir it is saved
 atomically in WORKDIR/probe.json, which `--compile-policy auto` reads (policies.resolve).
+
+This module is the parent: the matrix, each case's isolation, the choice, the saved result.
+One case (`--case`) is probe_case.py; the block it trains, probe_block.py; the build report,
+probe_build.py.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from trainer import policies
+from trainer.probe_block import CPU_CONFIG, GPU_CONFIG
+from trainer.probe_build import build_report, check_expect, guard, mode_options
+from trainer.probe_case import CASE_MARK, case_main
 
 TOPOLOGIES = ("main", "threads")
-CASE_MARK = "@@dflash-probe-case@@ "
 TAIL_LINES = 20
 HISTORY_KEEP = 20
-SEED = 1234
 # Two policies within this fraction of each other's step time are a tie on a noisy machine:
 # the simpler one (earlier in POLICY_NAMES) wins.
 TIE_MARGIN = 0.03
 COST_ORDER = ("eager", "inductor", "reduce-overhead", "cudagraphs-no-trees", "max-autotune-no-cudagraphs")
-KNOWN_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "lite")
-
-
-# ---- the drafter-shaped block (field notes 5; self-contained, the trainer's model may change) ----
-
-@dataclass(frozen=True)
-class BlockConfig:
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    layers: int
-    taps: int          # target layers whose hidden states condition the drafter
-    batch: int
-    context: int       # Tc: target tokens
-    blocks: int        # anchors per sequence
-    block_size: int
-    gamma: float       # loss decay over block positions
-
-
-CPU_CONFIG = BlockConfig(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256,
-                         layers=2, taps=3, batch=2, context=32, blocks=2, block_size=8, gamma=4.0)
-GPU_CONFIG = BlockConfig(hidden=1024, heads=16, kv_heads=4, head_dim=64, intermediate=2816,
-                         vocab=32768, layers=2, taps=5, batch=4, context=512, blocks=16,
-                         block_size=16, gamma=7.0)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.to(x.dtype) * self.weight.to(x.dtype)
-
-
-def _rope(x, cos, sin):  # x (B, h, T, d), cos/sin (B, 1, T, d)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-class Layer(nn.Module):
-    """Qwen3-style: q/k norm, RoPE, GQA; keys/values over [context; block], queries from the block."""
-
-    def __init__(self, c: BlockConfig):
-        super().__init__()
-        self.c = c
-        self.attn_norm, self.mlp_norm = RMSNorm(c.hidden), RMSNorm(c.hidden)
-        self.q_proj = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
-        self.q_norm, self.k_norm = RMSNorm(c.head_dim), RMSNorm(c.head_dim)
-        self.gate = nn.Linear(c.hidden, c.intermediate, bias=False)
-        self.up = nn.Linear(c.hidden, c.intermediate, bias=False)
-        self.down = nn.Linear(c.intermediate, c.hidden, bias=False)
-
-    def forward(self, x, ctx, mask, cos_q, sin_q, cos_k, sin_k):
-        c = self.c
-        B, Q, _ = x.shape
-        h = self.attn_norm(x)
-        kv = torch.cat([ctx, h], dim=1)                                          # (B, Tc+Q, H)
-        T = kv.shape[1]
-        q = self.q_norm(self.q_proj(h).view(B, Q, c.heads, c.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(kv).view(B, T, c.kv_heads, c.head_dim)).transpose(1, 2)
-        v = self.v_proj(kv).view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)
-        q, k = _rope(q, cos_q, sin_q), _rope(k, cos_k, sin_k)
-        rep = c.heads // c.kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, heads, T, d)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)             # (B, heads, Q, d)
-        x = x + self.o_proj(o.transpose(1, 2).reshape(B, Q, c.heads * c.head_dim))
-        h = self.mlp_norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
-
-
-class ProbeDrafter(nn.Module):
-    """Frozen target embedding/norm/lm_head; trainable context projection and layers; weighted CE."""
-
-    def __init__(self, c: BlockConfig, amp_dtype: torch.dtype | None):
-        super().__init__()
-        self.amp_dtype = amp_dtype
-        self.embed = nn.Embedding(c.vocab, c.hidden)
-        self.fc = nn.Linear(c.taps * c.hidden, c.hidden, bias=False)
-        self.ctx_norm = RMSNorm(c.hidden)
-        self.layers = nn.ModuleList(Layer(c) for _ in range(c.layers))
-        self.norm = RMSNorm(c.hidden)
-        self.lm_head = nn.Linear(c.hidden, c.vocab, bias=False)
-        for m in (self.embed, self.norm, self.lm_head):
-            m.requires_grad_(False)
-
-    def forward(self, ctx_hidden, block_ids, mask, cos_q, sin_q, cos_k, sin_k, labels, weights):
-        if self.amp_dtype is None:
-            logits = self._logits(ctx_hidden, block_ids, mask, cos_q, sin_q, cos_k, sin_k)
-        else:
-            with torch.autocast(device_type="cuda", dtype=self.amp_dtype):   # bf16 only on GPU
-                logits = self._logits(ctx_hidden, block_ids, mask, cos_q, sin_q, cos_k, sin_k)
-        ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
-        w = weights.flatten()
-        return (ce * w).sum() / w.sum()
-
-    def _logits(self, ctx_hidden, block_ids, mask, cos_q, sin_q, cos_k, sin_k):
-        ctx = self.ctx_norm(self.fc(ctx_hidden))                                 # (B, Tc, H)
-        x = self.embed(block_ids)                                                # (B, Q, H)
-        for layer in self.layers:
-            x = layer(x, ctx, mask, cos_q, sin_q, cos_k, sin_k)
-        return self.lm_head(self.norm(x))                                        # (B, Q, V)
-
-
-def make_batches(c: BlockConfig, n: int, seed: int = SEED) -> list[tuple[torch.Tensor, ...]]:
-    """n CPU batches: random target features/tokens, anchors, the DFlash mask (a block sees context
-    strictly before its anchor and itself), labels token[anchor+k], weights exp(-(k-1)/gamma)."""
-    g = torch.Generator().manual_seed(seed)
-    B, C, nb, bs, d = c.batch, c.context, c.blocks, c.block_size, c.head_dim
-    Q = nb * bs
-    k = torch.arange(bs)
-    w_block = torch.where(k > 0, torch.exp(-(k - 1).clamp(min=0) / c.gamma), torch.zeros(bs))
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    out = []
-    for _ in range(n):
-        tokens = torch.randint(1, c.vocab, (B, C), generator=g)                 # 0 is MASK
-        ctx_hidden = torch.randn(B, C, c.taps * c.hidden, generator=g)
-        anchors = torch.stack([torch.randperm(C - bs, generator=g)[:nb].sort().values + 1
-                               for _ in range(B)])                              # (B, nb) in [1, C-bs]
-        pos_q = (anchors[:, :, None] + k).reshape(B, Q)                         # (B, Q)
-        labels = torch.gather(tokens, 1, pos_q.clamp(max=C - 1))
-        block_ids = torch.zeros(B, nb, bs, dtype=torch.long)
-        block_ids[:, :, 0] = torch.gather(tokens, 1, anchors)
-        block_of_q = torch.arange(Q) // bs
-        sees_ctx = torch.arange(C)[None, None, :] < anchors.repeat_interleave(bs, 1)[:, :, None]
-        sees_blk = (block_of_q[:, None] == block_of_q[None, :]).expand(B, Q, Q)
-        mask = torch.cat([sees_ctx, sees_blk], dim=2)[:, None]                  # (B, 1, Q, C+Q)
-        pos_k = torch.cat([torch.arange(C).expand(B, C), pos_q], dim=1)         # (B, C+Q)
-
-        def rope(pos):
-            f = pos[:, None, :, None].float() * inv_freq                        # (B, 1, T, d/2)
-            f = torch.cat([f, f], dim=-1)
-            return f.cos(), f.sin()
-
-        cos_q, sin_q = rope(pos_q)
-        cos_k, sin_k = rope(pos_k)
-        out.append((ctx_hidden, block_ids.reshape(B, Q), mask, cos_q, sin_q, cos_k, sin_k,
-                    labels, w_block.repeat(B, nb)))
-    return out
-
-
-# ---- one case, in its own process (`--case POLICY:TOPOLOGY:N`) ------------------------------
-
-_init_lock = threading.Lock()   # replicas draw their initial weights from the process-wide RNG
-_print_lock = threading.Lock()
-
-
-def _replica(policy: str, device: str, n_devices: int, c: BlockConfig, amp, batches,
-             warmup: int, barrier: threading.Barrier | None) -> dict:
-    """Build, compile and train one replica; in `threads` this runs inside its worker thread."""
-    policies.configure_thread(n_devices)          # thread-local config from 2.12 (pytorch#186537)
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))  # no device guard in non-tree cudagraphs
-    with _init_lock:
-        torch.manual_seed(SEED)
-        model = ProbeDrafter(c, amp).to(device)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=1e-3, **({"fused": True} if device.startswith("cuda") else {}))
-    fn = policies.compile_module(model, policy, n_devices=n_devices)
-    data = [tuple(t.to(device) for t in b) for b in batches]
-    losses, times = [], []
-    if barrier is not None:
-        barrier.wait()                            # compile and warm up concurrently, as a trainer does
-    for i, batch in enumerate(data):
-        if i == warmup and barrier is not None:
-            barrier.wait()                        # time the steady state of all threads together
-        t0 = time.perf_counter()
-        policies.step_begin(policy)
-        loss = fn(*batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())                # .item() waits for the device
-        times.append((time.perf_counter() - t0) * 1000.0)
-    checksum = sum(float(p.detach().double().sum()) for p in trainable)
-    return {"losses": losses, "times_ms": times,
-            "checksum": checksum if math.isfinite(checksum) else None}
-
-
-def run_case(policy: str, topology: str, n_threads: int, steps: int, warmup: int,
-             device_kind: str) -> dict:
-    cuda = device_kind == "cuda"
-    n_gpus = torch.cuda.device_count() if cuda else 0
-    c = GPU_CONFIG if cuda else CPU_CONFIG
-    amp = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else None
-    batches = make_batches(c, warmup + steps)
-    dev = (lambda i: f"cuda:{i % n_gpus}") if cuda else (lambda i: "cpu")
-    # one cache entry per replica at worst (device index and module identity are guarded)
-    n_devices = n_threads if topology == "threads" else 1
-
-    ref = _replica("eager", dev(0), 1, c, amp, batches, warmup, None)     # the numerics yardstick
-    results: list[dict | None] = []
-    errors: list[str] = []
-    if topology == "main":
-        results.append(_replica(policy, dev(0), 1, c, amp, batches, warmup, None))
-    else:
-        barrier = threading.Barrier(n_threads)
-        results = [None] * n_threads
-
-        def worker(i: int) -> None:
-            try:
-                results[i] = _replica(policy, dev(i), n_devices, c, amp, batches, warmup, barrier)
-            except threading.BrokenBarrierError:
-                errors.append(f"thread {i}: stopped, another thread failed")
-            except BaseException as e:  # noqa: BLE001 - reported, with its traceback, to the parent
-                barrier.abort()
-                errors.append(f"thread {i}: {_one_line(e)}")
-                with _print_lock:
-                    sys.stderr.write(f"[thread {i}] failed:\n{traceback.format_exc()}")
-                    sys.stderr.flush()
-
-        threads = [threading.Thread(target=worker, args=(i,), name=f"probe-{i}") for i in range(n_threads)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    if errors or any(r is None for r in results):
-        first = next((e for e in errors if "another thread failed" not in e), errors[0] if errors else "failed")
-        return {"ok": False, "error": first}
-
-    # fp32 on CPU: compiled and eager agree to ~1e-6; bf16 autocast on GPU: to ~1e-2
-    tol_abs, tol_rel = (0.05, 0.02) if amp is not None else (1e-3, 1e-3)
-    pairs = [(a, b) for r in results for a, b in zip(r["losses"], ref["losses"])]
-    finite = all(math.isfinite(a) and math.isfinite(b) for a, b in pairs)
-    diff = max(abs(a - b) for a, b in pairs) if finite else None      # NaN is not JSON
-    agrees = finite and all(abs(a - b) <= tol_abs + tol_rel * abs(b) for a, b in pairs)
-    timed = [t for r in results for t in r["times_ms"][warmup:]]
-    return {
-        "ok": True, "error": None,
-        "step_ms": round(statistics.median(timed), 3),
-        "step_ms_threads": [round(statistics.median(r["times_ms"][warmup:]), 3) for r in results],
-        "first_step_s": round(max(r["times_ms"][0] for r in results) / 1000.0, 3),
-        "eager_step_ms": round(statistics.median(ref["times_ms"][warmup:]), 3),
-        "max_abs_diff": diff, "agrees": agrees,
-        "tolerance": f"|loss - eager| <= {tol_abs} + {tol_rel} * |eager| per step",
-        "losses": [[x if math.isfinite(x) else None for x in r["losses"]] for r in results],
-        "eager_losses": [x if math.isfinite(x) else None for x in ref["losses"]],
-        "checksums": [r["checksum"] for r in results], "eager_checksum": ref["checksum"],
-    }
-
-
-def _one_line(e: BaseException) -> str:
-    first = str(e).strip().splitlines()[:1]
-    return f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
-
-
-def _case_main(args) -> int:
-    policy, topology, n = args.case.split(":")
-    try:
-        out = run_case(policy, topology, int(n), args.steps, args.warmup, args.device)
-    except BaseException as e:  # noqa: BLE001 - the main-thread failure is the case's result
-        traceback.print_exc()
-        out = {"ok": False, "error": _one_line(e)}
-    sys.stderr.flush()
-    sys.stdout.write(CASE_MARK + json.dumps(out) + "\n")
-    sys.stdout.flush()
-    # Skip interpreter teardown: the result is out, and a crash while freeing CUDA graphs or
-    # compile workers after it would only blur what the case measured.
-    os._exit(0 if out["ok"] else 1)
-
-
-# ---- the parent: build report, modes, the matrix, the choice ----------------------------------
-
-def _guard(fn, default=None):
-    try:
-        return fn()
-    except Exception:  # noqa: BLE001 - a build report field we cannot read is reported as null
-        return default
-
-
-def _cudnn_str(v: int | None) -> str | None:
-    if not v:
-        return None
-    major, rest = (v // 10000, v % 10000) if v >= 90000 else (v // 1000, v % 1000)
-    return f"{major}.{rest // 100}.{rest % 100}"
-
-
-def _dist_version(*names: str) -> str | None:
-    from importlib import metadata
-    for name in names:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def _nvidia_driver() -> str | None:
-    try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    line = r.stdout.strip().splitlines()[:1]
-    return line[0].strip() if r.returncode == 0 and line else None
-
-
-def build_report() -> dict:
-    cuda = torch.cuda.is_available()
-    gpus = []
-    for i in range(torch.cuda.device_count() if cuda else 0):
-        p = torch.cuda.get_device_properties(i)
-        gpus.append({"name": p.name, "capability": f"{p.major}.{p.minor}",
-                     "memory_gb": round(p.total_memory / 2**30, 1)})
-    nccl = _guard(lambda: torch.cuda.nccl.version()) if cuda else None
-    return {
-        "python": platform.python_version(), "executable": sys.executable,
-        "platform": platform.platform(), "cpus": os.cpu_count(),
-        "torch": torch.__version__, "torch_git": getattr(torch.version, "git_version", None),
-        "cuda": torch.version.cuda, "cuda_available": cuda,
-        "cudnn": _cudnn_str(_guard(torch.backends.cudnn.version)),
-        "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else (str(nccl) if nccl else None),
-        "triton": _dist_version("triton", "pytorch-triton", "pytorch-triton-rocm"),
-        "driver": _nvidia_driver() if cuda else None,
-        "gpus": gpus,
-        "bf16": bool(_guard(torch.cuda.is_bf16_supported, False)) if cuda else None,
-    }
-
-
-def check_expect(build: dict, expect: dict) -> dict:
-    """Compare the build with an expectation like {"torch": ">=2.5", "cuda": "13.0", "gpus": 8}.
-    Version keys take specs (trainer.signatures.version_in); gpus a count; gpu_name a substring;
-    bf16 a bool. Unknown keys are mismatches too, so a typo is not silently ignored."""
-    from trainer.signatures import version_in
-    mismatches = []
-    for key, want in expect.items():
-        if key in ("torch", "cuda", "python", "triton", "cudnn", "nccl", "driver"):
-            have = build.get(key)
-            try:
-                ok = have is not None and version_in(str(have), str(want))
-            except ValueError as e:
-                mismatches.append(f"{key}: bad expectation {want!r}: {e}")
-                continue
-            if not ok:
-                mismatches.append(f"{key}: have {have}, expected {want}")
-        elif key == "gpus":
-            if len(build["gpus"]) != int(want):
-                mismatches.append(f"gpus: have {len(build['gpus'])}, expected {want}")
-        elif key == "gpu_name":
-            bad = [g["name"] for g in build["gpus"] if str(want).lower() not in g["name"].lower()]
-            if bad or not build["gpus"]:
-                mismatches.append(f"gpu_name: have {bad or 'no GPU'}, expected {want!r}")
-        elif key == "bf16":
-            if bool(build.get("bf16")) != bool(want):
-                mismatches.append(f"bf16: have {build.get('bf16')}, expected {want}")
-        else:
-            mismatches.append(f"{key}: unknown expectation key (known: torch, cuda, python, triton, "
-                              "cudnn, nccl, driver, gpus, gpu_name, bf16)")
-    return {**expect, "mismatches": mismatches}
-
-
-def _jsonable(v):
-    if isinstance(v, (bool, int, float, str)) or v is None:
-        return v
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    return repr(v)
-
-
-def mode_options() -> dict:
-    """list_mode_options(mode) for every mode this torch knows (its no-argument form lists them)."""
-    import torch._inductor as inductor
-    listed = _guard(inductor.list_mode_options)
-    names = list(listed) if isinstance(listed, dict) and listed else list(KNOWN_MODES)
-    out = {}
-    for mode in names:
-        try:
-            out[mode] = _jsonable(inductor.list_mode_options(mode))
-        except Exception as e:  # noqa: BLE001 - a mode the fallback list names but this torch lacks
-            if isinstance(listed, dict):
-                out[mode] = {"error": f"{type(e).__name__}: {e}"}
-    return out
 
 
 class _Stopped(Exception):
@@ -484,7 +98,7 @@ def run_isolated(cmd: list[str], timeout: float, *, cwd: str | None = None,
     result, lines = None, []
     for line in text.splitlines():
         if line.startswith(CASE_MARK):
-            result = _guard(lambda: json.loads(line[len(CASE_MARK):]))
+            result = guard(lambda: json.loads(line[len(CASE_MARK):]))
         else:
             lines.append(line)
     return {"result": result, "exit_code": None if timed_out else proc.returncode,
@@ -570,7 +184,7 @@ def save_result(workdir: str, doc: dict) -> str:
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "probe.json")
     history = []
-    prev = _guard(lambda: json.loads(Path(path).read_text(encoding="utf-8")))
+    prev = guard(lambda: json.loads(Path(path).read_text(encoding="utf-8")))
     if isinstance(prev, dict):
         history = list(prev.get("history") or [])
         history.append({k: prev.get(k) for k in ("policy", "reason", "time", "torch")})
@@ -584,7 +198,7 @@ def save_result(workdir: str, doc: dict) -> str:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        _guard(lambda: os.unlink(tmp))
+        guard(lambda: os.unlink(tmp))
         raise
     return path
 
@@ -709,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         # a GPU case compiles Triton kernels (max-autotune benchmarks them) in N threads at once
         args.timeout = 600.0 if args.device == "cuda" else 300.0
     if args.case:
-        return _case_main(args)
+        return case_main(args)
     doc = run_probe(args)
     sys.stdout.write(json.dumps(doc, indent=1) + "\n")
     sys.stdout.flush()

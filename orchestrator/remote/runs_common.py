@@ -1,0 +1,198 @@
+"""Runs agent, part 1 of 5 (runs_common.py): constants, JSON records, processes, run records.
+
+The runs agent runs on the TARGET under its own python as ONE program, `python -c SOURCE CMD ...`:
+the controller joins the parts in the order of orchestrator/runs.py's AGENT
+(runs_common, runs_locks, runs_supervisor, runs_follow, runs_agent) into SOURCE, because
+`python -c` cannot import its parts on the target. So every part is standard library only,
+Python >= 3.8, has no `from __future__` line, never imports another part, and uses only what
+the parts before it define. What the agent does and its commands: runs_agent.py.
+"""
+import json
+import os
+import sys
+import time
+
+LOG = "train.log"
+TAIL_SCAN = 1 << 16      # bytes read from a log's end at a time
+
+
+def _out(doc):
+    sys.stdout.write(json.dumps(doc) + "\n")
+    sys.stdout.flush()
+
+
+def _fail(msg, code=3):
+    sys.stderr.write("agent: " + msg + "\n")
+    sys.exit(code)
+
+
+def _now_iso(ts=None):
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path, doc):
+    """Atomic: readers see the old document or the new one, never half of one."""
+    tmp = "%s.tmp.%d" % (path, os.getpid())
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --- processes ----------------------------------------------------------------------------------
+
+def _proc_start(pid):
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), or None when
+    it is gone or a zombie. Together with the pid it names one process, even after pid reuse."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            stat = f.read()
+    except (OSError, TypeError):
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def _alive(pid, start=None):
+    if not pid:
+        return False
+    if os.path.isdir("/proc/self"):
+        now = _proc_start(pid)
+        return now is not None and (start is None or now == start)
+    try:   # no /proc: the best we can do
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+# --- runs ---------------------------------------------------------------------------------------
+
+def _runs_dir(workdir):
+    return os.path.join(workdir, "runs")
+
+
+def _run_ids(workdir):
+    try:
+        names = os.listdir(_runs_dir(workdir))
+    except OSError:
+        return []
+    ids = []
+    for name in names:
+        rec = _read_json(os.path.join(_runs_dir(workdir), name, "run.json"))
+        if rec is not None:
+            ids.append((rec.get("started_ts") or 0, name))
+    return [name for _, name in sorted(ids)]
+
+
+def _resolve(workdir, run):
+    """RUN, or the newest run for "latest"/""; None when there is no such run."""
+    if run in ("", "latest", None):
+        ids = _run_ids(workdir)
+        return ids[-1] if ids else None
+    if "/" in run or run.startswith("."):
+        return None
+    return run if os.path.isfile(os.path.join(_runs_dir(workdir), run, "run.json")) else None
+
+
+def _state(rundir, rec=None):
+    """(state, exit document). The supervisor's exit.json is the truth once it exists; before,
+    the run is running while its trainer (or its supervisor) lives; with neither alive and no
+    exit.json the run was lost (killed -9 as a whole, container stopped): failed."""
+    ex = _read_json(os.path.join(rundir, "exit.json"))
+    if ex is not None:
+        return ex.get("state", "failed"), ex
+    rec = rec or _read_json(os.path.join(rundir, "run.json")) or {}
+    if _alive(rec.get("pid"), rec.get("pid_start")) or \
+            _alive(rec.get("supervisor_pid"), rec.get("supervisor_start")):
+        return "running", None
+    if rec.get("pid") is None and time.time() - rec.get("started_ts", 0) < 30 and \
+            not os.path.exists(os.path.join(rundir, "supervisor.failed")):
+        return "running", None   # the supervisor is still starting the trainer
+    stopped = os.path.exists(os.path.join(rundir, "stop.json"))
+    return ("stopped" if stopped else "failed"), {
+        "lost": True, "exit_code": None, "signal": None,
+        "reason": "the run's processes are gone and left no exit status "
+                  "(killed with SIGKILL, or the container stopped)"}
+
+
+def _last_metrics(log_path):
+    """Last step and loss, last acceptance length, from the log's JSON lines (read from the end)."""
+    found = {}
+    try:
+        size = os.path.getsize(log_path)
+    except OSError:
+        return found
+    span = TAIL_SCAN
+    with open(log_path, "rb") as f:
+        while True:
+            start = max(0, size - span)
+            f.seek(start)
+            data = f.read(size - start)
+            lines = data.split(b"\n")
+            if start > 0:
+                lines = lines[1:]          # the first one is cut
+            for raw in reversed(lines):
+                doc = _metric(raw)
+                if doc is None:
+                    continue
+                if doc.get("step") is not None and "step" not in found:
+                    found["step"] = doc["step"]
+                if doc.get("loss") is not None and "loss" not in found:
+                    found["loss"] = doc["loss"]
+                if doc.get("acceptance_length") is not None and "tau" not in found:
+                    found["tau"] = doc["acceptance_length"]
+                if len(found) == 3:
+                    return found
+            if ("step" in found and "loss" in found) or start == 0 or span >= 1 << 24:
+                return found
+            span *= 8
+
+
+def _metric(raw):
+    raw = raw.strip()
+    if not raw.startswith(b"{") or not raw.endswith(b"}"):
+        return None
+    try:
+        doc = json.loads(raw.decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    if isinstance(doc, dict) and ("step" in doc or "acceptance_length" in doc):
+        return doc
+    return None
+
+
+def _status(workdir, run):
+    rundir = os.path.join(_runs_dir(workdir), run)
+    rec = _read_json(os.path.join(rundir, "run.json")) or {}
+    state, ex = _state(rundir, rec)
+    m = _last_metrics(os.path.join(rundir, LOG))
+    ended = (ex or {}).get("ended_ts")
+    started = rec.get("started_ts")
+    doc = {"run": run, "state": state, "step": m.get("step"), "loss": m.get("loss"),
+           "tau": m.get("tau"), "started": rec.get("started"), "started_ts": started,
+           "ended": (ex or {}).get("ended"),
+           "elapsed_s": round((ended or time.time()) - started, 1) if started else None,
+           "pid": rec.get("pid"), "gpus": rec.get("gpus"), "slots": rec.get("slots"),
+           "policy": rec.get("probe_policy") or rec.get("compile_policy"),
+           "release": rec.get("release"),
+           "log": os.path.join(rundir, LOG), "exit": ex}
+    try:
+        doc["log_bytes"] = os.path.getsize(os.path.join(rundir, LOG))
+    except OSError:
+        doc["log_bytes"] = 0
+    return doc
