@@ -7,10 +7,11 @@ WORKDIR/probe.json) lives in trainer/probe.py: it needs only torch and runs on t
 from __future__ import annotations
 
 import json
-import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
+
+import playbooks
 
 from .errors import OpsError, StepFailed, UsageError
 from .inventory import Inventory, Target
@@ -20,22 +21,17 @@ from .transport import Session
 TOTAL_TIMEOUT_S = 4 * 3600   # the program's own per-case timeouts end hung cases long before
 
 
-def probe_script(target: Target, threads: int, *, policies: list[str] | None = None,
-                 case_timeout: float | None = None) -> str:
-    """The bash script run on the target: pure, so tests can assert on it."""
-    q = shlex.quote
-    args = ["-m", "trainer.probe", "--threads", str(threads), "--workdir", target.workdir]
+def probe_argv(target: Target, threads: int, *, policies: list[str] | None = None,
+               case_timeout: float | None = None) -> list[str]:
+    """The command run on the target (playbooks/probe.sh): pure, so tests can assert on it."""
+    args = ["--threads", str(threads)]
     if case_timeout:   # else the program's default: 600 s a case on CUDA, 300 s on CPU
         args += ["--timeout", str(int(case_timeout))]
     if target.expect:
         args += ["--expect", json.dumps(dict(target.expect))]
     if policies:
         args += ["--policies", ",".join(policies)]
-    # --keep-env 0 leaves no HOME; torch's caches want one.
-    return (f'export HOME="${{HOME:-/root}}" PYTHONUNBUFFERED=1\n'
-            f'cd {q(target.workdir)}/current 2>/dev/null || {{ echo "no release deployed in '
-            f'{target.workdir}" >&2; exit 86; }}\n'
-            f'exec {q(target.python)} ' + " ".join(q(a) for a in args) + "\n")
+    return playbooks.argv("probe.sh", target.workdir, target.python, *args)
 
 
 def probe_target(session: Session, target: Target, threads: int, *, policies=None,
@@ -52,8 +48,8 @@ def probe_target(session: Session, target: Target, threads: int, *, policies=Non
             lines(data)
 
     start = time.monotonic()
-    r = t.script(probe_script(target, threads, policies=policies, case_timeout=case_timeout),
-                 stderr=keep, timeout=TOTAL_TIMEOUT_S)
+    r = t.run(probe_argv(target, threads, policies=policies, case_timeout=case_timeout),
+              stderr=keep, timeout=TOTAL_TIMEOUT_S)
     if lines:
         lines.flush()
     err = "".join(tail)

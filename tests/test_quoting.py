@@ -43,3 +43,13 @@ def test_non_root_gets_sudo_n():
 
 def test_scripts_run_under_bash_c():
     assert bash_argv("echo $HOME") == ["bash", "-c", "echo $HOME"]
+
+
+def test_probe_playbook_takes_parameters_as_arguments():
+    from orchestrator.inventory import Target
+    from orchestrator.probe import probe_argv
+    t = Target(name="t", python="/opt/py thon", workdir="/root/it's here", expect={"torch": ">=2.5"})
+    argv = probe_argv(t, 4, policies=["eager", "inductor"])
+    assert argv[:2] == ["bash", "-c"] and argv[3:6] == ["probe.sh", "/root/it's here", "/opt/py thon"]
+    assert argv[6:] == ["--threads", "4", "--expect", '{"torch": ">=2.5"}', "--policies", "eager,inductor"]
+    assert "it's here" not in argv[2]     # the script text never carries a parameter
