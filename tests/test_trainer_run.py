@@ -183,7 +183,7 @@ def write_jsonl(path: Path, rows) -> Path:
     ("bad-id", "outside the target's vocabulary"),
     ("not-a-model", "not a Hugging Face model folder"),
     ("bad-model-config", "not a model"),
-    ("processes", "not implemented yet"),
+    ("processes", "captures CUDA graphs and needs --gpus >= 1"),
     ("auto-without-probe", "no probe result"),
     ("split-batch", "does not split over 3 workers"),
 ])
@@ -196,7 +196,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, case, needle):
         "unknown-flag": ["--bogus"],
         "missing-data": ["--data", str(tmp_path / "nope.jsonl")],
         "not-a-model": ["--target", str(tmp_path)],
-        "processes": ["--topology", "processes"],
+        "processes": ["--topology", "processes", "--compile-policy", "reduce-overhead"],
         "auto-without-probe": ["--compile-policy", "auto", "--workdir", str(tmp_path)],
         "split-batch": ["--workers", "3"],
     }.get(case, [])

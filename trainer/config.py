@@ -35,8 +35,10 @@ class TrainConfig:
     resume: bool = False
     # devices and workers
     gpus: int = 0                        # 0 = CPU
-    workers: int = 1                     # with --gpus 0: CPU worker threads
+    workers: int = 1                     # with --gpus 0: CPU workers (threads, or processes)
     topology: str = "threads"            # threads | processes
+    warmup_timeout: float = 900.0        # seconds each worker may take to build + compile + first step
+    checksum_every: int = 50             # compare the replicas' weights every N steps (and at the end)
     compile_policy: str = "eager"        # a probe policy name, or auto (WORKDIR/probe.json)
     workdir: str = ""                    # where probe.json lives for auto; default $DFLASH_OPS_WORKDIR
     cpu_threads: int = 0                 # torch intra-op threads on CPU; 0 = torch's default
@@ -70,7 +72,8 @@ class TrainConfig:
 
     @property
     def n_devices(self) -> int:
-        return self.gpus if self.gpus > 0 else self.workers
+        """Workers (replicas): one per GPU, or --workers of them (on the CPU, or sharing the GPUs)."""
+        return max(self.gpus, self.workers)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -85,8 +88,12 @@ HELP = {
     "out": "output folder: checkpoints, metrics.jsonl, cached data",
     "resume": "continue from the last complete checkpoint in --out",
     "gpus": "GPUs to use (0 = CPU)",
-    "workers": "with --gpus 0: CPU worker threads",
-    "topology": "threads (one worker thread per device) or processes (torchrun; not yet)",
+    "workers": "with --gpus 0: CPU workers (threads, or processes under --topology processes); with "
+               "--gpus N and --topology threads: a multiple of N worker threads sharing the GPUs",
+    "topology": "threads (one worker thread per device) or processes (one process per device: torchrun + DDP)",
+    "warmup_timeout": "seconds each worker may take to build, compile and run its first step (one worker "
+                      "at a time); past it the run fails naming the worker",
+    "checksum_every": "compare the replicas' weights (bit for bit) every N steps and at the end; 0 = only at the end",
     "compile_policy": f"{' | '.join(POLICY_NAMES)} | auto (the probe's choice from WORKDIR/probe.json)",
     "workdir": "the dflash-ops WORKDIR holding probe.json (default: $DFLASH_OPS_WORKDIR)",
     "cpu_threads": "torch intra-op threads on CPU (0 = torch's default)",
@@ -198,8 +205,11 @@ def validate(c: TrainConfig) -> None:
     need(c.steps >= 0, f"--steps must be >= 0, got {c.steps}")
     need(c.gpus >= 0, f"--gpus must be >= 0, got {c.gpus}")
     need(c.workers >= 1, f"--workers must be >= 1, got {c.workers}")
-    need(c.gpus == 0 or c.workers in (1, c.gpus),
-         f"--workers {c.workers} with --gpus {c.gpus}: the trainer runs one worker per GPU; drop --workers")
+    need(c.gpus == 0 or c.workers == 1 or c.workers % c.gpus == 0,
+         f"--workers {c.workers} with --gpus {c.gpus}: the trainer runs one worker per GPU (drop --workers), "
+         f"or with --topology threads a multiple of {c.gpus} workers sharing the GPUs")
+    need(c.topology == "threads" or c.gpus == 0 or c.workers in (1, c.gpus),
+         f"--topology processes runs one process per GPU: drop --workers {c.workers} (or use --topology threads)")
     need(c.topology in ("threads", "processes"), f"--topology must be threads or processes, got {c.topology!r}")
     need(c.compile_policy in POLICY_NAMES + ("auto",),
          f"--compile-policy {c.compile_policy!r}: expected one of {', '.join(POLICY_NAMES)}, auto")
@@ -222,6 +232,8 @@ def validate(c: TrainConfig) -> None:
          f"--synthetic-new-tokens must be >= --block-size ({c.block_size}); samples and prompt length >= 1")
     need(c.synthetic_temperature >= 0, f"--synthetic-temperature must be >= 0, got {c.synthetic_temperature}")
     need(c.cpu_threads >= 0, f"--cpu-threads must be >= 0, got {c.cpu_threads}")
+    need(c.warmup_timeout > 0, f"--warmup-timeout must be > 0 seconds, got {c.warmup_timeout}")
+    need(c.checksum_every >= 0, f"--checksum-every must be >= 0, got {c.checksum_every}")
     if c.target_layers:
         need(all(x.strip().isdigit() for x in c.target_layers.split(",")),
              f"--target-layers {c.target_layers!r}: expected comma-separated layer ids, e.g. 1,9,17,25,33")

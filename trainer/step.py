@@ -1,33 +1,85 @@
 """One replica per worker, and the training step as functions of (replica, batch).
 
-The coordinator (train.py, main thread) drives every step in three phases so that N replicas stay
-identical (issue 5 adds more workers, the checksum and the compile handshake on top of this):
+Both topologies run the same step on each replica's shard of one global batch:
 
-    stats = [worker_i.submit(compute_grads, replica_i, batch.shard(i, N))]   # in each worker thread
-    reduce_grads(replicas)                                                   # sum grads over replicas
-    norms = [worker_i.submit(apply_update, replica_i, lr, clip)]             # same update everywhere
+    threads (trainer/workers.py), the coordinator drives three phases over N worker threads:
+        compute_grads(replica_i, batch.shard(i, N))       # forward + backward, in worker i
+        reduce_own_chunk(replicas, i); gather_chunks(replicas, i)   # sum grads, in every worker
+        apply_update(replica_i, lr, clip)                  # the same update everywhere
+    processes (trainer/distributed.py), one replica per rank, DDP sums grads during backward:
+        compute_grads(replica, batch.shard(rank, N)); apply_update(replica, lr, clip)
 
 Every shard divides its loss by the weight of the WHOLE batch (`Batch.weight_total`), so summed
 shard gradients are exactly the gradient of the global loss: N workers and one worker with the
-same global batch compute the same update.
+same global batch compute the same update (up to float reassociation of the sum).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import math
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from trainer import masks, policies
+from trainer import policies
 from trainer.data import Batch
 from trainer.draft_loss import DraftLoss
 from trainer.errors import TrainerError
 from trainer.model import Drafter
 from trainer.target import Target
+
+# Test-only hooks (never set in production), read when used:
+#   DFLASH_TRAINER_TEST_FAIL_WORKER=I       worker/rank I raises in its first step (the warm-up)
+#   DFLASH_TRAINER_TEST_FAIL_WORKER=I:hang  worker/rank I hangs in its first step
+#   DFLASH_TRAINER_TEST_DIVERGE=I:STEP      worker/rank I nudges one weight after update STEP
+FAIL_WORKER_ENV = "DFLASH_TRAINER_TEST_FAIL_WORKER"
+DIVERGE_ENV = "DFLASH_TRAINER_TEST_DIVERGE"
+
+
+class FlatGrads:
+    """A replica's gradients in one flat buffer per dtype; every `param.grad` is a view into it.
+
+    Backward accumulates into an existing `.grad` in place, so after `zero()` + backward the
+    gradients already sit in the flat buffers: the cross-replica sum is a few large copies and adds
+    (O(params) bytes, a handful of kernels) instead of one small op per parameter.
+    """
+
+    def __init__(self, params: list[nn.Parameter]):
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        self.buffers: list[torch.Tensor] = []
+        self.views: list[tuple[nn.Parameter, torch.Tensor]] = []
+        for dtype, group in by_dtype.items():
+            buf = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=group[0].device)
+            offset = 0
+            for p in group:
+                self.views.append((p, buf[offset: offset + p.numel()].view_as(p)))
+                offset += p.numel()
+            self.buffers.append(buf)
+        self.attach()
+
+    def attach(self) -> None:
+        for p, v in self.views:
+            p.grad = v
+
+    def zero(self) -> None:
+        for b in self.buffers:
+            b.zero_()
+        self.attach()  # cheap; undoes anything that replaced a .grad (e.g. zero_grad(set_to_none))
+
+    def collect(self) -> None:
+        """After backward: copy back any gradient autograd stored elsewhere (not expected)."""
+        for p, v in self.views:
+            if p.grad is None:
+                v.zero_()
+            elif p.grad.data_ptr() != v.data_ptr():
+                v.copy_(p.grad)
+            p.grad = v
 
 
 @dataclass
@@ -36,10 +88,13 @@ class Replica:
     device: torch.device
     target: Target                 # frozen, on `device`
     drafter: Drafter               # the uncompiled handle: state_dict, eval
-    loss_fn: Callable              # DraftLoss under the compile policy
+    loss_fn: Callable              # DraftLoss under the compile policy (inside DDP for processes)
     optimizer: torch.optim.Optimizer
     params: list[nn.Parameter]     # trainable, in name order: the same order on every replica
+    names: list[str]
     policy: str
+    grads: FlatGrads | None = None  # threads: flat gradient buffers; processes: DDP owns grads
+    scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # receive buffers for the reduce
 
     @property
     def autocast(self):
@@ -59,10 +114,12 @@ class ShardStats:
 
 def build_replica(index: int, device: torch.device, drafter: Drafter, target: Target, *, policy: str,
                   n_devices: int, lr: float, weight_decay: float, pos_weights: torch.Tensor,
-                  optimizer_state: dict | None = None) -> Replica:
-    """Run IN the worker thread: per-thread compile config, device, target head, optimizer, compile.
+                  optimizer_state: dict | None = None, wrap: Callable[[nn.Module], nn.Module] | None = None,
+                  flat_grads: bool = True) -> Replica:
+    """Run IN the worker thread (or rank): per-thread compile config, device, target head, optimizer, compile.
 
     `drafter` holds the initial (or resumed) trainable weights on the CPU; it is moved, not copied.
+    `wrap` wraps the loss module before compilation (DDP for --topology processes).
     """
     policies.configure_thread(n_devices)  # thread-local from torch 2.12 (pytorch#186537)
     if device.type == "cuda":
@@ -72,42 +129,74 @@ def build_replica(index: int, device: torch.device, drafter: Drafter, target: Ta
     drafter.to(device)
     named = drafter.trainable_parameters()
     params = [p for _, p in named]
+    grads = FlatGrads(params) if flat_grads else None
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
                             **({"fused": True} if device.type == "cuda" else {}))
     if optimizer_state is not None:
         # A private copy: load_state_dict keeps same-device tensors as they are, and replicas must
         # never share moment buffers.
         opt.load_state_dict(copy.deepcopy(optimizer_state))
-    loss_fn = policies.compile_module(DraftLoss(drafter, pos_weights).to(device), policy, n_devices=n_devices)
-    return Replica(index, device, target, drafter, loss_fn, opt, params, policy)
+    module: nn.Module = DraftLoss(drafter, pos_weights).to(device)
+    if wrap is not None:
+        module = wrap(module)
+    loss_fn = policies.compile_module(module, policy, n_devices=n_devices)
+    return Replica(index, device, target, drafter, loss_fn, opt, params, [n for n, _ in named], policy, grads)
 
 
 def compute_grads(r: Replica, shard: Batch) -> ShardStats:
     """Forward + backward of one shard; leaves grads of the global-batch loss in r.params."""
     policies.step_begin(r.policy)
-    r.optimizer.zero_grad(set_to_none=True)
+    if r.grads is not None:
+        r.grads.zero()
+    else:
+        r.optimizer.zero_grad(set_to_none=True)
     b = shard.to(r.device)
     feats = r.target.features(b.input_ids)  # (B, S, n*H), no grad
     with r.autocast:
         loss_sum, correct, count = r.loss_fn(feats, b.input_ids, b.loss_mask, b.anchors, b.valid)
     (loss_sum / max(shard.weight_total, 1e-12)).backward()
+    if r.grads is not None:
+        r.grads.collect()
     return ShardStats(float(loss_sum.detach()), correct.detach().cpu(), count.detach().cpu(),
                       len(shard), shard.tokens)
 
 
-def reduce_grads(replicas: list[Replica]) -> None:
-    """Sum the gradients of all replicas into every replica (called by the coordinator)."""
-    if len(replicas) == 1:
-        return
-    first = replicas[0]
-    for i, p0 in enumerate(first.params):
-        total = torch.zeros_like(p0)
-        for r in replicas:
-            g = r.params[i].grad
-            if g is not None:
-                total += g.to(p0.device)
-        for r in replicas:
-            r.params[i].grad = total.to(r.params[i].device, copy=r is not first)
+# ---- the threaded all-reduce: reduce-scatter then all-gather over the flat buffers ----------------
+# Worker i owns chunk i of every flat buffer. Phase 1 (reduce_own_chunk, in every worker at once):
+# worker i adds chunk i of every other replica into its own, receiving through a scratch buffer of
+# one chunk when the replicas sit on different devices. Phase 2 (gather_chunks): worker i copies
+# every other worker's finished chunk into its buffer. Each replica moves ~2 (N-1)/N of the
+# gradient bytes, every device works at once, and all replicas end with bit-identical sums.
+# Cross-device `copy_` orders itself against both devices' current streams, so nothing here
+# synchronises the host.
+
+def _chunk(buf: torch.Tensor, n: int, i: int) -> torch.Tensor:
+    return torch.tensor_split(buf, n)[i]
+
+
+def reduce_own_chunk(replicas: list[Replica], i: int) -> None:
+    n, own = len(replicas), replicas[i]
+    for b, buf in enumerate(own.grads.buffers):
+        mine = _chunk(buf, n, i)
+        for k in range(1, n):  # ring order: in round k every device reads from a different peer
+            theirs = _chunk(replicas[(i + k) % n].grads.buffers[b], n, i)
+            if theirs.device == mine.device:
+                mine.add_(theirs)
+                continue
+            scratch = own.scratch.get(b)
+            if scratch is None or scratch.numel() < mine.numel():
+                scratch = own.scratch[b] = torch.empty(mine.numel(), dtype=mine.dtype, device=mine.device)
+            recv = scratch[: mine.numel()]
+            recv.copy_(theirs, non_blocking=True)
+            mine.add_(recv)
+
+
+def gather_chunks(replicas: list[Replica], i: int) -> None:
+    n, own = len(replicas), replicas[i]
+    for b, buf in enumerate(own.grads.buffers):
+        for k in range(1, n):
+            j = (i + k) % n
+            _chunk(buf, n, j).copy_(_chunk(replicas[j].grads.buffers[b], n, j), non_blocking=True)
 
 
 def apply_update(r: Replica, lr: float, grad_clip: float, step: int) -> float:
@@ -115,10 +204,24 @@ def apply_update(r: Replica, lr: float, grad_clip: float, step: int) -> float:
     for g in r.optimizer.param_groups:
         g["lr"] = lr
     norm = float(torch.nn.utils.clip_grad_norm_(r.params, grad_clip))
-    if not torch.isfinite(torch.tensor(norm)):
+    if not math.isfinite(norm):
         raise TrainerError(f"gradient norm is {norm} at step {step}: the loss diverged (try a lower --lr)")
     r.optimizer.step()
+    _test_diverge(r.index, step + 1, r)
     return norm
+
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@torch.no_grad()
+def weight_checksum(r: Replica) -> torch.Tensor:
+    """(n_params,) int64 on the CPU: per parameter, the sum of its raw bit patterns.
+
+    Replicas that applied the same updates hold bit-identical weights, so any flipped bit shows.
+    """
+    sums = [p.detach().view(_INT_VIEW[p.element_size()]).sum(dtype=torch.int64) for p in r.params]
+    return torch.stack(sums).cpu()
 
 
 def lr_at(step: int, *, steps: int, lr: float, min_lr: float, warmup: float) -> float:
@@ -129,3 +232,24 @@ def lr_at(step: int, *, steps: int, lr: float, min_lr: float, warmup: float) -> 
     span = max(1, steps - n_warm)
     t = min(1.0, (step - n_warm) / span)
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * t))
+
+
+# ---- test hooks -----------------------------------------------------------------------------------
+
+def warmup_test_hook(index: int) -> None:
+    """DFLASH_TRAINER_TEST_FAIL_WORKER (test only): make worker/rank `index` fail or hang in its warm-up."""
+    who, _, how = os.environ.get(FAIL_WORKER_ENV, "").partition(":")
+    if who != str(index):
+        return
+    if how == "hang":
+        import time
+
+        time.sleep(3600)
+    raise RuntimeError(f"test hook {FAIL_WORKER_ENV}: worker {index} fails during warm-up")
+
+
+def _test_diverge(index: int, step: int, r: Replica) -> None:
+    who, _, at = os.environ.get(DIVERGE_ENV, "").partition(":")
+    if who == str(index) and at == str(step):
+        with torch.no_grad():
+            r.params[0].view(-1)[0] += 1e-3

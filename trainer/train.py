@@ -1,16 +1,23 @@
 """Train a DFlash drafter: config -> devices -> target and data -> model -> workers (compile) -> loop -> cleanup.
 
-Read top to bottom (style habit 6). The main thread coordinates; each worker thread owns one replica
-on one device and does all the tensor work for it (trainer/step.py, trainer/workers.py).
+Read top to bottom (style habit 6). Two topologies share everything but the engine that runs a step:
+  threads (default, here): one worker thread per device (trainer/workers.py: ThreadEngine);
+  processes: one process per device under torchrun + DDP (trainer/distributed.py: RankEngine),
+  which reuses open_run / prepare / run_loop from this module.
 Exit: 0 finished, 143 after SIGTERM (with a complete checkpoint), errors via trainer/cli.py.
 """
 from __future__ import annotations
 
 import copy
+import faulthandler
 import json
+import os
 import signal
+import sys
 import threading
 import time
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,10 +29,10 @@ from trainer.data import (Loader, check_samples, encode_rows, make_batch, random
 from trainer.errors import EXIT_OK, EXIT_SIGTERM, UsageError
 from trainer.eval import acceptance_length
 from trainer.log import RunLog, step_line
-from trainer.model import Drafter, flops_per_sample
-from trainer.step import apply_update, build_replica, compute_grads, lr_at, reduce_grads
-from trainer.target import load_target
-from trainer.workers import Worker, run_all
+from trainer.model import Drafter, DrafterConfig, flops_per_sample
+from trainer.step import build_replica, lr_at
+from trainer.target import Target, load_target
+from trainer.workers import ThreadEngine, WorkerFailed, WorkerHung
 
 # Settings that must not change across --resume (they change the model or the data it sees).
 RESUME_FIXED = ("target", "target_layers", "data", "draft_layers", "block_size", "mask_token_id", "seq_len",
@@ -37,51 +44,132 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A
 
 
 def main(cfg: TrainConfig) -> int:
-    stop, restore_signal = _on_sigterm()
+    if cfg.topology == "processes":
+        from trainer import distributed
+
+        return distributed.main(cfg)
+    stop, restore_signal = on_sigterm()
+    # A native crash in a worker (field notes 3: SIGSEGV after a CUDA-graph assertion) then prints
+    # every thread's Python stack to the log instead of dying silently.
+    fault_was_on = faulthandler.is_enabled()
+    if not fault_was_on:
+        try:
+            faulthandler.enable(all_threads=True)
+        except (OSError, ValueError, AttributeError):  # stderr without a file descriptor (captured)
+            fault_was_on = True
     try:
         return _main(cfg, stop)
+    except (WorkerFailed, WorkerHung) as e:
+        if (isinstance(e, WorkerHung) or e.phase == "warmup") and _owns_process():
+            _exit_now(e)  # a hung thread cannot be stopped, and a failed compile may leave native state behind
+        raise
     finally:
+        if not fault_was_on:
+            faulthandler.disable()
         restore_signal()
 
 
 def _main(cfg: TrainConfig, stop: threading.Event) -> int:
     # ---- config and run folder ----------------------------------------------------------------
-    if cfg.topology == "processes":
-        raise UsageError("--topology processes is not implemented yet (issue 5); use --topology threads")
+    out, resume_from = open_run(cfg, writer=True)
+    log = RunLog(out / "metrics.jsonl")
+
+    # ---- devices and compile policy -----------------------------------------------------------
+    devices = devices_for(cfg)
+    if cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
+    policy = resolve_policy(cfg, devices[0])
+    log.info(f"torch {torch.__version__} | devices {', '.join(map(str, devices))} | topology threads | "
+             f"compile policy {policy}" + (" (auto: from probe.json)" if cfg.compile_policy == "auto" else ""))
+    if policy == "reduce-overhead" and len(devices) > 1 and policies.torch_version() < (2, 13):
+        # Not refused: the probe decides empirically; the warm-up handshake makes it fail fast and named.
+        log.info("warning: CUDA Graph Trees fail in every worker thread but one before torch 2.13 "
+                 "(cudagraph-trees-tls, pytorch#123177); expect worker 1 to fail its warm-up. "
+                 "--topology processes runs reduce-overhead")
+
+    # ---- target, data, model ------------------------------------------------------------------
+    prep = prepare(cfg, devices[0], log, out, resume_from, stop)
+
+    # ---- workers: each builds its replica in its own thread, one after the other ---------------
+    copies = [prep.drafter] + [copy.deepcopy(prep.drafter) for _ in devices[1:]]
+    opt_state = prep.ck.optimizer if prep.ck else None
+
+    def build(i: int, device: torch.device):
+        return build_replica(i, device, copies[i], prep.target, policy=policy, n_devices=len(devices), lr=cfg.lr,
+                             weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights, optimizer_state=opt_state)
+
+    t0 = time.time()
+    engine = ThreadEngine.start(devices, build, log, cfg.warmup_timeout)
+    try:
+        log.info(f"{engine.size} replica(s) built in {time.time() - t0:.1f}s; "
+                 + ("the first step runs one worker at a time" if policy == "eager" else
+                    "compilation happens in the first step, one worker at a time"))
+        if prep.ck is not None:
+            checkpoint.restore_rng(prep.ck.rng)
+        return run_loop(cfg, engine, prep, log, stop)
+    finally:
+        # ---- cleanup --------------------------------------------------------------------------
+        engine.close()
+
+
+# ---- shared with --topology processes (trainer/distributed.py) ------------------------------------
+
+@dataclass
+class Prepared:
+    """Everything a replica is built from: the same on every worker and every rank."""
+    out: Path
+    ck: checkpoint.Checkpoint | None
+    target: Target
+    samples: list
+    eval_prompts: list
+    pad_len: int
+    pos_weights: torch.Tensor
+    dcfg: DrafterConfig
+    drafter: Drafter             # initial (or resumed) trainable weights, on the CPU
+    flops: float                 # training FLOPs per sample, for MFU
+
+
+def open_run(cfg: TrainConfig, *, writer: bool) -> tuple[Path, Path | None]:
+    """Check the run folder (fresh vs --resume); the writer creates it and records the settings."""
     out = Path(cfg.out)
     resume_from = checkpoint.find_latest(out) if cfg.resume else None
     if not cfg.resume and checkpoint.any_checkpoint(out):
         raise UsageError(f"--out {cfg.out} already holds checkpoints: pass --resume to continue, or use a new --out")
     _check_resume_config(cfg, out, resume_from)
-    out.mkdir(parents=True, exist_ok=True)
-    if resume_from is None:
-        (out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run's metrics start empty
-    log = RunLog(out / "metrics.jsonl")
-    (out / RUN_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=1))
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+        if resume_from is None:
+            (out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run's metrics start empty
+        (out / RUN_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=1))
+    return out, resume_from
 
-    # ---- devices and compile policy -----------------------------------------------------------
-    devices = _devices(cfg)
-    if cfg.cpu_threads:
-        torch.set_num_threads(cfg.cpu_threads)
+
+def resolve_policy(cfg: TrainConfig, device: torch.device) -> str:
     policy = policies.resolve(cfg.compile_policy, cfg.workdir or None)
-    log.info(f"torch {torch.__version__} | devices {', '.join(map(str, devices))} | topology threads | "
-             f"compile policy {policy}" + (" (auto: from probe.json)" if cfg.compile_policy == "auto" else ""))
-    if policies.needs_cuda(policy) and devices[0].type != "cuda":
+    if policies.needs_cuda(policy) and device.type != "cuda":
         raise UsageError(f"--compile-policy {policy} captures CUDA graphs and needs --gpus >= 1")
+    return policy
 
-    # ---- target and data ----------------------------------------------------------------------
-    dtype = torch.bfloat16 if devices[0].type == "cuda" else torch.float32
-    target = load_target(cfg.target, device=devices[0], dtype=dtype, layers=layer_ids(cfg))
+
+def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from, stop: threading.Event, *,
+            writer: bool = True, barrier=lambda: None) -> Prepared:
+    """Target on `device`, data, eval prompts, the initial drafter. Ranks other than the writer wait
+    (barrier) for the writer to make the synthetic data and eval prompts, then read them."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = load_target(cfg.target, device=device, dtype=dtype, layers=layer_ids(cfg))
     log.info(f"target {cfg.target}: {target.num_layers} layers, hidden {target.config.hidden_size}, "
              f"features from layers {list(target.layer_ids)}")
+    if not writer:
+        barrier()
     samples, eval_prompts = _load_data(cfg, target, out, log, stop)
-    if resume_from is None:
-        (out / "eval_prompts.json").write_text(json.dumps(eval_prompts))
+    if writer:
+        if resume_from is None:
+            (out / "eval_prompts.json").write_text(json.dumps(eval_prompts))
+        barrier()
     pad_len = min(cfg.seq_len, max(len(s.input_ids) for s in samples))
     gamma = cfg.gamma or masks.default_gamma(cfg.block_size)
     pos_weights = masks.position_weights(cfg.block_size, gamma)
 
-    # ---- model --------------------------------------------------------------------------------
     dcfg = target.drafter_config(num_layers=cfg.draft_layers, block_size=cfg.block_size,
                                  mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id)
     torch.manual_seed(cfg.seed)
@@ -92,29 +180,18 @@ def _main(cfg: TrainConfig, stop: threading.Event) -> int:
         drafter.load_trainable_state_dict(ck.model)
     log.info(f"drafter: {dcfg.num_layers} layers, {n_params / 1e6:.2f}M trainable params, block {dcfg.block_size}, "
              f"mask token {dcfg.mask_token_id}, gamma {gamma:g}")
-
-    # ---- workers: each builds and compiles its replica in its own thread ----------------------
-    workers = [Worker(i, d) for i, d in enumerate(devices)]
-    copies = [drafter] + [copy.deepcopy(drafter) for _ in devices[1:]]
-    t0 = time.time()
-    try:
-        replicas = run_all(workers, _build, [
-            (i, d, copies[i], target, policy, len(devices), cfg, pos_weights, ck.optimizer if ck else None)
-            for i, d in enumerate(devices)])
-        log.info(f"{len(replicas)} worker(s) ready in {time.time() - t0:.1f}s"
-                 + ("" if policy == "eager" else "; compilation happens in the first step"))
-        if ck is not None:
-            checkpoint.restore_rng(ck.rng)
-        return _loop(cfg, log, out, workers, replicas, samples, eval_prompts, pad_len, pos_weights,
-                     ck, stop, flops_per_sample(dcfg, pad_len, cfg.anchors * cfg.block_size))
-    finally:
-        # ---- cleanup --------------------------------------------------------------------------
-        for w in workers:
-            w.close()
+    return Prepared(out, ck, target, samples, eval_prompts, pad_len, pos_weights, dcfg, drafter,
+                    flops_per_sample(dcfg, pad_len, cfg.anchors * cfg.block_size))
 
 
-def _loop(cfg, log, out, workers, replicas, samples, eval_prompts, pad_len, pos_weights, ck, stop, flops) -> int:
-    loader = Loader(len(samples), cfg.seed)
+def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Event) -> int:
+    """The training loop over an engine (ThreadEngine or RankEngine): the same steps, logs, checkpoints.
+
+    Under processes every rank runs this loop; engine.agree/check_replicas/barrier are collectives,
+    called at the same points on every rank; only the writer (rank 0) saves and evaluates.
+    """
+    out, ck = prep.out, prep.ck
+    loader = Loader(len(prep.samples), cfg.seed)
     step = 0
     if cfg.resume and ck is None:
         log.info(f"--resume: no checkpoint in {out}, starting from step 0")
@@ -124,55 +201,80 @@ def _loop(cfg, log, out, workers, replicas, samples, eval_prompts, pad_len, pos_
         log.info(f"resumed from {ck.path} at step {step}")
         # Lines logged after this checkpoint by the interrupted run are superseded from here on.
         log.metrics({"event": "resume", "step": step})
-    r0, K = replicas[0], len(replicas)
+    r0 = engine.primary
     peak = _peak_flops(r0.device) if r0.device.type == "cuda" else None
-    peak = peak * K if peak else None
-    if cfg.eval_at_start and step == 0 and eval_prompts:
-        _eval(cfg, log, workers, r0, eval_prompts, step)
+    peak = peak * max(1, cfg.gpus) if peak else None  # workers may share a GPU: count GPUs
+    if cfg.eval_at_start and step == 0 and prep.eval_prompts:
+        _eval(cfg, log, engine, prep.eval_prompts, step)
 
     last_loss = None
     while step < cfg.steps:
-        if stop.is_set():
-            return _stopped(cfg, log, out, replicas, loader, step)
+        if engine.agree(stop.is_set()):
+            return _stopped(cfg, log, out, engine, loader, step)
         t = time.perf_counter()
-        batch = make_batch([samples[i] for i in loader.next(cfg.batch_size)], pad_len=pad_len,
+        batch = make_batch([prep.samples[i] for i in loader.next(cfg.batch_size)], pad_len=prep.pad_len,
                            pad_id=0, step=step, seed=cfg.seed, block_size=cfg.block_size,
-                           anchors=cfg.anchors, pos_weights=pos_weights)
-        stats = run_all(workers, compute_grads, [(r, batch.shard(i, K)) for i, r in enumerate(replicas)])
-        reduce_grads(replicas)
+                           anchors=cfg.anchors, pos_weights=prep.pos_weights)
         lr = lr_at(step, steps=cfg.steps, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup)
-        norms = run_all(workers, apply_update, [(r, lr, cfg.grad_clip, step) for r in replicas])
+        res = engine.step(batch, step, lr, cfg.grad_clip)
         step += 1
         dt = time.perf_counter() - t
 
-        last_loss = sum(s.loss_sum for s in stats) / max(batch.weight_total, 1e-12)
+        last_loss = res.loss_sum / max(batch.weight_total, 1e-12)
         if step % cfg.log_every == 0 or step == cfg.steps:
-            correct = sum(s.correct for s in stats).float()
-            count = sum(s.count for s in stats).float()
+            correct, count = res.correct.float(), res.count.float()
             per_pos = (correct / count.clamp(min=1))[1:].tolist()  # block positions 1..B-1
             m = {"step": step, "loss": last_loss, "accuracy": float(correct.sum() / count.sum().clamp(min=1)),
-                 "acc_per_position": per_pos, "lr": lr, "grad_norm": norms[0],
+                 "acc_per_position": per_pos, "lr": lr, "grad_norm": res.grad_norm,
                  "tokens_per_s": batch.tokens / dt, "samples_per_s": len(batch) / dt, "step_s": dt}
             if peak:
-                m["mfu"] = flops * len(batch) / dt / peak
+                m["mfu"] = prep.flops * len(batch) / dt / peak
             log.info(step_line(m, cfg.steps))
             log.metrics(m)
+        if cfg.checksum_every and step % cfg.checksum_every == 0 and step < cfg.steps:
+            engine.check_replicas(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
-            _save(cfg, log, out, replicas, loader, step)
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and eval_prompts:
-            _eval(cfg, log, workers, r0, eval_prompts, step)
+            _save(cfg, log, out, engine, loader, step)
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and prep.eval_prompts:
+            _eval(cfg, log, engine, prep.eval_prompts, step)
 
-    _save(cfg, log, out, replicas, loader, step)
-    if stop.is_set():
+    engine.check_replicas(step)
+    _save(cfg, log, out, engine, loader, step)
+    if engine.agree(stop.is_set()):
         log.metrics({"event": "stopped", "step": step})
         return EXIT_SIGTERM
-    tau = _eval(cfg, log, workers, r0, eval_prompts, step, final=True, stop=stop) if eval_prompts else None
+    if not engine.writer:
+        return EXIT_OK
+    tau = _eval(cfg, log, engine, prep.eval_prompts, step, final=True, stop=stop) if prep.eval_prompts else None
     if stop.is_set():  # SIGTERM during the final eval: the checkpoint above is complete
         log.metrics({"event": "stopped", "step": step})
         return EXIT_SIGTERM
     log.metrics({"event": "done", "step": step, "loss": last_loss, "acceptance_length": tau})
     log.info(f"done: {step} steps" + (f", acceptance length {tau:.3f}" if tau is not None else ""))
     return EXIT_OK
+
+
+def on_sigterm():
+    """SIGTERM sets a flag; the loop checkpoints at the next step boundary and exits 143.
+
+    Returns (flag, restore): restore puts the previous handler back (main() may run in-process).
+    """
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        return stop, lambda: None
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    return stop, lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def devices_for(cfg: TrainConfig) -> list[torch.device]:
+    """One device per worker: cuda:0..N-1, or with --workers K > N, worker i on cuda:(i mod N)."""
+    if cfg.gpus == 0:
+        return [torch.device("cpu")] * cfg.workers
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < cfg.gpus:
+        raise UsageError(f"--gpus {cfg.gpus}: this machine has {have} CUDA device(s)")
+    return [torch.device(f"cuda:{i % cfg.gpus}") for i in range(cfg.n_devices)]
+
 
 
 # ---- helpers, in the order main uses them ---------------------------------------------------------
@@ -189,27 +291,6 @@ def _check_resume_config(cfg: TrainConfig, out: Path, resume_from) -> None:
         k = changed[0]
         raise UsageError(f"--resume: {k} was {old[k]!r} in {out / RUN_CONFIG}, now {getattr(cfg, k)!r}; "
                          "a resumed run must keep the model and data settings")
-
-
-def _on_sigterm():
-    """SIGTERM sets a flag; the loop checkpoints at the next step boundary and exits 143.
-
-    Returns (flag, restore): restore puts the previous handler back (main() may run in-process).
-    """
-    stop = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        return stop, lambda: None
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    return stop, lambda: signal.signal(signal.SIGTERM, previous)
-
-
-def _devices(cfg: TrainConfig) -> list[torch.device]:
-    if cfg.gpus == 0:
-        return [torch.device("cpu")] * cfg.workers
-    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if have < cfg.gpus:
-        raise UsageError(f"--gpus {cfg.gpus}: this machine has {have} CUDA device(s)")
-    return [torch.device(f"cuda:{i}") for i in range(cfg.gpus)]
 
 
 def _load_data(cfg, target, out, log, stop):
@@ -239,31 +320,32 @@ def _read_samples(path: str, cfg, target):
     return check_samples(rows, path=path, block_size=cfg.block_size, seq_len=cfg.seq_len, vocab_size=vocab)
 
 
-def _build(i, device, drafter, target, policy, n_devices, cfg, pos_weights, optimizer_state):
-    return build_replica(i, device, drafter, target, policy=policy, n_devices=n_devices, lr=cfg.lr,
-                         weight_decay=cfg.weight_decay, pos_weights=pos_weights, optimizer_state=optimizer_state)
-
-
-def _save(cfg, log, out, replicas, loader, step) -> None:
+def _save(cfg, log, out, engine, loader, step) -> None:
+    if not engine.writer:
+        return
     t = time.time()
-    r0 = replicas[0]
+    r0 = engine.primary
     path = checkpoint.save(out, step, model=r0.drafter.trainable_state_dict(), optimizer=r0.optimizer.state_dict(),
                            meta={"data": loader.state(), "config": cfg.to_dict()}, keep=cfg.keep_checkpoints)
     log.metrics({"event": "checkpoint", "step": step, "path": str(path), "seconds": time.time() - t})
 
 
-def _stopped(cfg, log, out, replicas, loader, step) -> int:
+def _stopped(cfg, log, out, engine, loader, step) -> int:
     log.info(f"SIGTERM: writing a checkpoint at step {step}, then exiting")
-    _save(cfg, log, out, replicas, loader, step)
+    _save(cfg, log, out, engine, loader, step)
+    engine.barrier()  # ranks leave together, after rank 0's checkpoint is complete
     log.metrics({"event": "stopped", "step": step})
     return EXIT_SIGTERM
 
 
-def _eval(cfg, log, workers, r0, prompts, step, final=False, stop=None):
-    """Acceptance length, measured in worker 0's thread (it owns the device and the drafter)."""
+def _eval(cfg, log, engine, prompts, step, final=False, stop=None):
+    """Acceptance length, measured by the primary replica (worker 0's thread, or rank 0)."""
+    if not engine.writer:
+        return None
     t = time.time()
-    res = workers[0].submit(acceptance_length, r0.target, r0.drafter, prompts, max_new_tokens=cfg.eval_new_tokens,
-                            should_stop=stop.is_set if stop else (lambda: False)).result()
+    r0 = engine.primary
+    res = engine.on_primary(acceptance_length, r0.target, r0.drafter, prompts, max_new_tokens=cfg.eval_new_tokens,
+                            should_stop=stop.is_set if stop else (lambda: False))
     log.info(f"eval at step {step}: acceptance length {res['acceptance_length']:.3f} over {res['rounds']} rounds, "
              f"{len(prompts)} prompts ({time.time() - t:.1f}s)")
     if not final:
@@ -275,3 +357,26 @@ def _peak_flops(device: torch.device) -> float | None:
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
+
+def _owns_process() -> bool:
+    """True when this process is `python -m trainer` (not a test or a library calling main())."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return getattr(spec, "name", None) in ("trainer", "trainer.__main__")
+
+
+def _exit_now(e: WorkerFailed | WorkerHung) -> None:
+    """Report a warm-up failure the way trainer.cli would, then leave without running finalizers.
+
+    A worker thread stuck in a compile cannot be stopped or joined, and a failed CUDA-graph warm-up
+    has crashed the interpreter on the way out (field notes 3: AssertionError, then SIGSEGV):
+    os._exit makes the exit status the one reported here.
+    """
+    try:
+        if e.__cause__ is not None:
+            traceback.print_exception(e.__cause__, file=sys.stderr)
+        if getattr(e, "stack", ""):
+            print(f"worker {e.index} was here when the run gave up on it:\n{e.stack}", file=sys.stderr)
+        print(f"trainer: error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+    finally:
+        os._exit(e.exit_code)

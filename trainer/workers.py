@@ -1,49 +1,247 @@
-"""Worker threads: each owns one device and runs what the coordinating main thread submits.
+"""Worker threads: one per device, each owning one replica; the main thread only coordinates.
 
-A worker is a single long-lived thread (a one-thread executor), so everything submitted to it
-(building and compiling its replica, every step, eval) runs in the same thread: compile state,
-thread-local dynamo config and the current CUDA device stay with the replica (field notes 3).
-The main thread only coordinates: it never touches a replica's tensors while a worker runs.
+A worker is a single long-lived thread, so everything submitted to it (building and compiling its
+replica, every step, eval) runs in the same thread: compile state, thread-local dynamo config and
+the current CUDA device stay with the replica (field notes 3). The main thread never touches a
+replica's tensors; it submits phases and waits for them.
+
+`ThreadEngine` is the threads topology (`--topology threads`):
+  - start-up is serialized with a readiness handshake: worker 0 builds its replica, then worker 1,
+    ...; then worker 0 compiles and runs its share of the first step, then worker 1, ... Later
+    workers find the first one's compile work in the in-process and on-disk Inductor caches instead
+    of paying it N times, and a worker that fails or hangs is named alone. Each wait is bounded by
+    --warmup-timeout; each worker's ready time is logged as {"event": "worker_ready", ...}.
+    The warm-up IS the first step (its real shard, nothing thrown away), so step 1 computes
+    exactly what it would without the handshake.
+  - every step: compute (all workers at once) -> sum grads (reduce-scatter + all-gather over the
+    flat gradient buffers, in the workers) -> the same optimizer update in every worker.
+  - every --checksum-every steps and at the end: the replicas' weights must be bit-identical.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import queue
+import sys
+import threading
+import time
+import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from trainer.errors import TrainerError
+from trainer.step import (Replica, apply_update, compute_grads, gather_chunks, reduce_own_chunk, warmup_test_hook,
+                          weight_checksum)
 
 
 class WorkerFailed(TrainerError):
-    def __init__(self, index: int, error: BaseException):
-        self.index, self.error = index, error
-        super().__init__(f"worker {index} failed: {type(error).__name__}: {error}")
+    """A worker raised; chained to its exception so the traceback shows where it broke."""
+
+    def __init__(self, index: int, device, error: BaseException, phase: str = "step"):
+        self.index, self.device, self.error, self.phase = index, device, error, phase
+        self.signature = name_failure(error)
+        where = " during warm-up" if phase == "warmup" else ""
+        first = (str(error).strip().splitlines() or [""])[0]
+        self.what = what = type(error).__name__ + (f": {first}" if first else "")
+        super().__init__(f"worker {index} ({device}) failed{where}: {what}"
+                         + (f" [signature {self.signature}]" if self.signature else ""))
+
+
+class WorkerHung(TrainerError):
+    def __init__(self, index: int, device, seconds: float, phase: str = "warmup"):
+        self.index, self.device, self.seconds, self.phase = index, device, seconds, phase
+        self.stack = ""  # the hung thread's stack when the run gave up on it
+        super().__init__(f"worker {index} ({device}) did not become ready within {seconds:g} s "
+                         "(--warmup-timeout); its thread cannot be stopped, so the run ends here")
+
+
+class ReplicasDiverged(TrainerError):
+    pass
+
+
+def name_failure(error: BaseException) -> str | None:
+    """The failure-catalog id that the error's traceback matches (e.g. cudagraph-trees-tls), if any."""
+    try:
+        from trainer.signatures import classify
+
+        return classify("".join(traceback.format_exception(error)), None)
+    except Exception:  # noqa: BLE001 - naming is a courtesy; never hide the real error behind it
+        return None
 
 
 class Worker:
+    """One daemon thread running submitted calls in order (a daemon, so that a worker stuck in a
+    hung compile can never keep the process alive after the run has given up on it)."""
+
     def __init__(self, index: int, device: torch.device):
         self.index, self.device = index, device
-        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dflash-worker{index}")
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=f"dflash-worker{index}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args, kwargs = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - handed to the coordinator
+                fut.set_exception(e)
 
     def submit(self, fn: Callable, *args, **kwargs) -> cf.Future:
-        return self._pool.submit(fn, *args, **kwargs)
+        fut: cf.Future = cf.Future()
+        self._queue.put((fut, fn, args, kwargs))
+        return fut
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def stack(self) -> str:
+        """Where the thread is right now (to show where a hung worker is stuck)."""
+        frame = sys._current_frames().get(self._thread.ident)
+        return "".join(traceback.format_stack(frame)) if frame is not None else ""
+
+    def close(self, wait: bool = True) -> None:
+        self._queue.put(None)
+        if wait:
+            self._thread.join()
 
 
-def run_all(workers: list[Worker], fn: Callable, per_worker_args: list[tuple], timeout: float | None = None) -> list:
+def run_all(workers: list[Worker], fn: Callable, per_worker_args: list[tuple]) -> list:
     """Run fn(*args_i) on worker i for every worker; results in worker order.
 
-    The first failure raises WorkerFailed (chained to the worker's exception, so the traceback in
-    the log shows where it broke) as soon as it happens, without waiting for the others.
+    The first failure raises WorkerFailed as soon as it happens, without waiting for the others.
     """
     futures = [w.submit(fn, *args) for w, args in zip(workers, per_worker_args)]
-    done, pending = cf.wait(futures, timeout=timeout, return_when=cf.FIRST_EXCEPTION)
-    for i, f in enumerate(futures):
+    done, _ = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
+    for w, f in zip(workers, futures):
         if f in done and f.exception() is not None:
-            raise WorkerFailed(i, f.exception()) from f.exception()
-    if pending:
-        raise TrainerError(f"{len(pending)} worker(s) did not finish within {timeout:.0f}s")
+            raise WorkerFailed(w.index, w.device, f.exception()) from f.exception()
     return [f.result() for f in futures]
+
+
+@dataclass
+class StepOut:
+    """One step summed over all shards (the whole global batch)."""
+    loss_sum: float
+    correct: torch.Tensor   # (Bs,)
+    count: torch.Tensor     # (Bs,)
+    grad_norm: float
+
+
+class ThreadEngine:
+    """N replicas, one per worker thread, driven step by step from the main thread."""
+
+    writer = True  # one process: it logs, checkpoints and evaluates
+
+    def __init__(self, workers: list[Worker], log, warmup_timeout: float):
+        self.workers, self.log, self.timeout = workers, log, warmup_timeout
+        self.replicas: list[Replica] = []
+        self._built: list[float] = []
+        self._warm = False
+        self._hung: set[int] = set()
+
+    @classmethod
+    def start(cls, devices: list[torch.device], build: Callable[[int, torch.device], Replica], log,
+              warmup_timeout: float) -> "ThreadEngine":
+        """Build the replicas one worker at a time (build(i, device) runs in worker i).
+
+        Serialized also because each replica's target copy is made on device 0 before it moves
+        (Target.to): N copies at once would need N+1 targets' memory there.
+        """
+        eng = cls([Worker(i, d) for i, d in enumerate(devices)], log, warmup_timeout)
+        try:
+            for w in eng.workers:
+                t = time.perf_counter()
+                eng.replicas.append(eng._await(w, w.submit(build, w.index, w.device)))
+                eng._built.append(time.perf_counter() - t)
+        except BaseException:
+            eng.close()
+            raise
+        return eng
+
+    @property
+    def primary(self) -> Replica:
+        return self.replicas[0]
+
+    @property
+    def size(self) -> int:
+        return len(self.replicas)
+
+    def step(self, batch, step: int, lr: float, grad_clip: float) -> StepOut:
+        rs, K = self.replicas, len(self.replicas)
+        shards = [batch.shard(i, K) for i in range(K)]
+        if self._warm:
+            stats = run_all(self.workers, compute_grads, [(r, s) for r, s in zip(rs, shards)])
+        else:
+            stats = [self._warm_up(w, shards[w.index]) for w in self.workers]
+            self._warm = True
+        if K > 1:
+            run_all(self.workers, reduce_own_chunk, [(rs, i) for i in range(K)])
+            run_all(self.workers, gather_chunks, [(rs, i) for i in range(K)])
+        norms = run_all(self.workers, apply_update, [(r, lr, grad_clip, step) for r in rs])
+        return StepOut(sum(s.loss_sum for s in stats), sum(s.correct for s in stats),
+                       sum(s.count for s in stats), norms[0])
+
+    def _warm_up(self, w: Worker, shard):
+        t = time.perf_counter()
+        stats = self._await(w, w.submit(_first_step, self.replicas[w.index], shard))
+        first, built = time.perf_counter() - t, self._built[w.index]
+        self.log.metrics({"event": "worker_ready", "worker": w.index, "device": str(w.device),
+                          "seconds": built + first, "build_s": built, "first_step_s": first})
+        self.log.info(f"worker {w.index} ({w.device}) ready in {built + first:.1f}s "
+                      f"(build {built:.1f}s, compile + first step {first:.1f}s)")
+        return stats
+
+    def _await(self, w: Worker, fut: cf.Future):
+        """A warm-up wait: the worker's result, WorkerFailed if it raised, WorkerHung past the timeout."""
+        done, _ = cf.wait([fut], timeout=self.timeout)
+        if not done:
+            self._hung.add(w.index)
+            err = WorkerHung(w.index, w.device, self.timeout)
+            err.stack = w.stack()
+            self.log.metrics({"event": "worker_hung", "worker": w.index, "device": str(w.device),
+                              "seconds": self.timeout})
+            raise err
+        if fut.exception() is not None:
+            err = WorkerFailed(w.index, w.device, fut.exception(), phase="warmup")
+            self.log.metrics({"event": "worker_failed", "worker": w.index, "device": str(w.device),
+                              "phase": "warmup", "error": err.what, "signature": err.signature})
+            raise err from err.error
+        return fut.result()
+
+    def check_replicas(self, step: int) -> None:
+        """Every replica's weights must equal replica 0's, bit for bit; a divergence ends the run."""
+        if len(self.replicas) == 1:
+            return
+        sums = run_all(self.workers, weight_checksum, [(r,) for r in self.replicas])
+        for i in range(1, len(sums)):
+            bad = (sums[i] != sums[0]).nonzero().flatten().tolist()
+            if bad:
+                r0, ri = self.replicas[0], self.replicas[i]
+                self.log.metrics({"event": "diverged", "step": step, "worker": i, "tensors": len(bad)})
+                raise ReplicasDiverged(
+                    f"replica weights diverged at step {step}: worker {i} ({ri.device}) differs from worker 0 "
+                    f"({r0.device}) in {r0.names[bad[0]]}" + (f" and {len(bad) - 1} more tensor(s)" if len(bad) > 1 else ""))
+        self.log.metrics({"event": "checksum", "step": step, "replicas": len(sums)})
+
+    def on_primary(self, fn: Callable, *args, **kwargs):
+        """Run fn in worker 0's thread (it owns device 0 and the replica eval and saving use)."""
+        return self.workers[0].submit(fn, *args, **kwargs).result()
+
+    def agree(self, flag: bool) -> bool:
+        return flag  # one process: every worker sees the same flag
+
+    def barrier(self) -> None:
+        pass
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close(wait=w.index not in self._hung)
+
+
+def _first_step(r: Replica, shard):
+    warmup_test_hook(r.index)
+    return compute_grads(r, shard)

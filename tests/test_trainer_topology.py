@@ -1,0 +1,257 @@
+"""Topologies of the trainer: worker threads and torchrun processes train the same drafter.
+
+Tiny runs on the CPU with one torch thread each (deterministic). Tolerances:
+- 2 worker threads vs 1 worker, same global batch: the sharded gradient is the same sum in another
+  order (float reassociation), so weights agree to atol 1e-5 / rtol 1e-4 after 4 AdamW steps.
+- torchrun (2 gloo processes, DDP with a SUM hook) vs 2 worker threads: the same shards, the same
+  two-term sum (a + b == b + a), the same optimizer: bit-identical on the CPU; asserted to 1e-6.
+The failure paths use the trainer's test-only hooks (trainer/step.py: DFLASH_TRAINER_TEST_*).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trainer import checkpoint  # noqa: E402
+from trainer.cli import run, train_entry  # noqa: E402
+from trainer.step import DIVERGE_ENV, FAIL_WORKER_ENV, FlatGrads, gather_chunks, reduce_own_chunk  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["--target", "tiny", "--data", "synthetic", "--batch-size", "4", "--block-size", "4", "--anchors", "4",
+         "--synthetic-samples", "32", "--synthetic-prompt-len", "8", "--synthetic-new-tokens", "24",
+         "--draft-layers", "1", "--cpu-threads", "1", "--eval-prompts", "2", "--eval-new-tokens", "8",
+         "--checkpoint-every", "0", "--lr", "3e-3", "--seed", "5"]
+STEPS = ["--steps", "4", "--checksum-every", "2"]
+
+
+def train(out: Path, *extra: str) -> int:
+    return run(train_entry, [*QUICK, "--out", str(out), *extra])
+
+
+def python_m_trainer(out: Path, *extra: str, env: dict | None = None, timeout: float = 180):
+    cmd = [sys.executable, "-m", "trainer", *QUICK, "--out", str(out), *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(**(env or {})), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def subprocess_env(**extra) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **extra)
+    env.pop("DFLASH_OPS_WORKDIR", None)
+    return env
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_losses(out: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in metrics(out) if "loss" in m and "event" not in m}
+
+
+def events(out: Path, name: str) -> list[dict]:
+    return [m for m in metrics(out) if m.get("event") == name]
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return checkpoint.load(checkpoint.find_latest(out)).model
+
+
+@pytest.fixture(scope="module")
+def threaded_runs(tmp_path_factory):
+    """The same 4 steps with 1 worker and with 2 worker threads (global batch 4 both times)."""
+    base = tmp_path_factory.mktemp("threads")
+    one, two = base / "one", base / "two"
+    assert train(one, *STEPS) == 0
+    assert train(two, *STEPS, "--workers", "2") == 0
+    return one, two
+
+
+# ---- threads -----------------------------------------------------------------------------------------
+
+def test_two_worker_threads_train_the_same_weights_as_one(threaded_runs):
+    one, two = threaded_runs
+    la, lb = step_losses(one), step_losses(two)
+    assert sorted(la) == sorted(lb) == [1, 2, 3, 4]
+    assert all(abs(la[s] - lb[s]) < 1e-5 for s in la)
+    wa, wb = final_weights(one), final_weights(two)
+    assert wa.keys() == wb.keys()
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-5, rtol=1e-4) for k in wa)
+
+    # the handshake: worker 0 became ready first, then worker 1, each with its ready time
+    ready = events(two, "worker_ready")
+    assert [(e["worker"], e["device"]) for e in ready] == [(0, "cpu"), (1, "cpu")]
+    assert all(e["seconds"] >= e["first_step_s"] > 0 for e in ready)
+    # the replicas were compared at step 2 and at the end
+    assert [e["step"] for e in events(two, "checksum")] == [2, 4]
+
+
+def test_flat_gradients_stay_in_place_and_the_reduce_sums_bit_identically():
+    torch.manual_seed(0)
+    nets = [torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3)) for _ in range(3)]
+    for n in nets[1:]:
+        n.load_state_dict(nets[0].state_dict())
+    xs = [torch.randn(4, 5) for _ in nets]
+    expected = [torch.zeros_like(p) for p in nets[0].parameters()]
+    replicas = []
+    for net, x in zip(nets, xs):
+        params = list(net.parameters())
+        flat = FlatGrads(params)
+        for _ in range(2):  # a second step: zero() then backward must land in the same buffer again
+            flat.zero()
+            net(x).square().sum().backward()
+            flat.collect()
+        assert all(p.grad.data_ptr() == v.data_ptr() for p, v in flat.views)
+        for e, p in zip(expected, params):
+            e += p.grad
+        replicas.append(SimpleNamespace(grads=flat, scratch={}))
+    for i in range(3):
+        reduce_own_chunk(replicas, i)
+    for i in range(3):
+        gather_chunks(replicas, i)
+    buffers = [r.grads.buffers[0] for r in replicas]
+    assert all(torch.equal(b, buffers[0]) for b in buffers)  # every replica: the same bits
+    for e, p in zip(expected, nets[2].parameters()):
+        assert torch.allclose(p.grad, e, atol=1e-6)
+
+
+def test_a_worker_that_fails_in_warm_up_ends_the_run_with_its_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(FAIL_WORKER_ENV, "1")
+    out = tmp_path / "run"
+    t = time.monotonic()
+    assert train(out, *STEPS, "--workers", "2") == 1
+    assert time.monotonic() - t < 60
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: test hook" in err  # the worker's own traceback, in the log
+    assert err.strip().splitlines()[-1].startswith("trainer: error: worker 1 (cpu) failed during warm-up: RuntimeError")
+    assert [e["worker"] for e in events(out, "worker_ready")] == [0]
+    failed = events(out, "worker_failed")
+    assert len(failed) == 1 and failed[0]["worker"] == 1 and failed[0]["phase"] == "warmup"
+    assert not step_losses(out)  # nothing was trained
+
+
+def test_a_worker_that_hangs_in_warm_up_ends_the_run_at_the_timeout(tmp_path):
+    t = time.monotonic()
+    p = python_m_trainer(tmp_path / "run", *STEPS, "--workers", "2", "--warmup-timeout", "2",
+                         env={FAIL_WORKER_ENV: "1:hang"}, timeout=120)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert time.monotonic() - t < 90
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("trainer: error: worker 1 (cpu) did not become ready within 2 s"), p.stderr[-2000:]
+    assert "time.sleep(3600)" in p.stderr  # where the hung worker was
+
+
+def test_replicas_that_diverge_stop_the_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(DIVERGE_ENV, "1:2")
+    out = tmp_path / "run"
+    assert train(out, "--steps", "4", "--workers", "2", "--checksum-every", "1") == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("trainer: error: replica weights diverged at step 2: worker 1 (cpu) differs from "
+                   "worker 0 (cpu) in fc.weight")
+    assert max(step_losses(out)) == 2
+    assert events(out, "diverged") == [{"event": "diverged", "step": 2, "worker": 1, "tensors": 1}]
+
+
+# ---- processes (torchrun, gloo) ----------------------------------------------------------------------
+
+def test_torchrun_processes_train_the_same_weights_as_threads(tmp_path, threaded_runs):
+    _, two = threaded_runs
+    out = tmp_path / "run"
+    p = python_m_trainer(out, *STEPS, "--workers", "2", "--topology", "processes")
+    assert p.returncode == 0, p.stderr[-3000:]
+    la, lb = step_losses(two), step_losses(out)
+    assert sorted(lb) == [1, 2, 3, 4]  # rank 0 alone writes metrics: each step once
+    assert all(abs(la[s] - lb[s]) <= 1e-6 for s in la)
+    wa, wb = final_weights(two), final_weights(out)
+    assert wa.keys() == wb.keys()
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 1e-6
+    assert [e["worker"] for e in events(out, "worker_ready")] == [0, 1]
+    assert [e["step"] for e in events(out, "checksum")] == [2, 4]
+    done = events(out, "done")
+    assert len(done) == 1 and done[0]["acceptance_length"] >= 1.0
+    # the log reads as in threads: [trainer] lines and JSON lines (rank 0), nothing else on stdout
+    assert all(line.startswith(("[trainer] ", "{")) for line in p.stdout.splitlines()), p.stdout
+
+
+def test_a_failing_rank_fails_the_run_with_its_error_and_root_cause(tmp_path):
+    out = tmp_path / "run"
+    p = python_m_trainer(out, *STEPS, "--workers", "2", "--topology", "processes", env={FAIL_WORKER_ENV: "1"})
+    assert p.returncode == 1
+    assert "[rank1]: RuntimeError: test hook" in p.stderr  # the rank's traceback, rank-prefixed
+    assert "Root Cause (first observed failure)" in p.stderr and "rank      : 1" in p.stderr
+    assert list((out / "torchelastic").rglob("error.json"))  # @record wrote the rank's error file
+
+
+def test_sigterm_to_the_launcher_checkpoints_on_rank_0_and_exits_143(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer", *QUICK, "--out", str(out), "--steps", "100000", "--workers", "2",
+           "--topology", "processes"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        for line in proc.stdout:  # wait until it is really training
+            if line.startswith("{") and json.loads(line).get("step", 0) >= 3:
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    stopped = events(out, "stopped")
+    assert len(stopped) == 1
+    latest = checkpoint.find_latest(out)
+    assert latest is not None and latest.name == f"step-{stopped[0]['step']:08d}"
+
+
+# ---- settings --------------------------------------------------------------------------------------
+
+def test_workers_may_share_gpus_under_threads_only():
+    from trainer.config import parse
+    from trainer.errors import UsageError
+
+    assert parse(["--gpus", "1", "--workers", "4", "--batch-size", "8"]).n_devices == 4  # 4 threads on one GPU
+    assert parse(["--gpus", "2", "--topology", "processes"]).n_devices == 2
+    with pytest.raises(UsageError, match="one process per GPU"):
+        parse(["--gpus", "1", "--workers", "2", "--topology", "processes"])
+    with pytest.raises(UsageError, match="a multiple of 2 workers"):
+        parse(["--gpus", "2", "--workers", "3", "--batch-size", "6"])
+
+
+def test_the_launcher_hands_the_ranks_the_same_settings(tmp_path):
+    from trainer.config import parse
+    from trainer.distributed import child_exit_code, config_argv
+
+    cfg = parse([*QUICK, "--out", str(tmp_path), "--workers", "2", "--topology", "processes", "--eval-at-start",
+                 "--warmup-timeout", "12.5", "--mask-token-id", "-1", "--target-layers", "1,2"])
+    assert parse(config_argv(cfg)) == cfg
+    assert child_exit_code([143, 143], 143) == 143 and child_exit_code([-15, 143], -15) == 143
+    assert child_exit_code([1, -15], 1) == 1 and child_exit_code([-11], -11) == 139 and child_exit_code([2], 2) == 2
+
+
+def test_a_warm_up_failure_is_named_by_the_failure_catalog(tmp_path):
+    """What a worker thread hits with reduce-overhead on torch < 2.13 (field notes 3), reproduced in shape."""
+    import importlib.util
+
+    from trainer.workers import WorkerFailed
+
+    src = tmp_path / "cudagraph_trees.py"
+    src.write_text("def _is_key_in_tls(key):\n    return False\n\n\ndef get_obj(local, attr_name):\n"
+                   "    assert _is_key_in_tls(attr_name)\n")
+    spec = importlib.util.spec_from_file_location("fake_cudagraph_trees", src)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    try:
+        mod.get_obj(None, "tree_manager_containers")
+    except AssertionError as e:
+        err = WorkerFailed(1, "cuda:1", e, phase="warmup")
+    assert err.signature == "cudagraph-trees-tls"
+    assert str(err) == "worker 1 (cuda:1) failed during warm-up: AssertionError [signature cudagraph-trees-tls]"

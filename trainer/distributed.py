@@ -1,0 +1,338 @@
+"""`--topology processes`: one process per device under torchrun, the drafter in DDP.
+
+    python -m trainer --topology processes --gpus N ...      (or --gpus 0 --workers K on CPU)
+
+That command is the launcher: it checks the flags, then runs torchrun's own launcher in-process
+(`torch.distributed.run`, --standalone, nproc = N or K) on `python -m trainer` with the same
+settings, so users and `dflash-ops launch` need not know torchrun. Each child sees torchrun's
+environment (LOCAL_RANK, WORLD_SIZE, ...) and runs one rank (`rank_main`).
+
+A rank runs the same model, loss, data and loop as the threaded trainer (trainer/train.py): every
+rank builds the same global batch and takes its shard; DDP (gloo on CPU, NCCL on GPU) SUMS the
+gradients (a comm hook: each shard's loss is already divided by the global batch weight, as in
+threads), so the two topologies compute the same update. CUDA-graph policies are allowed here:
+each process has its own CUDA Graph Trees state. Compilation is not serialized across ranks (they
+are separate processes; they share only the on-disk Inductor caches).
+
+Logs: rank 0's stdout is the run's log exactly as in threads ([trainer] lines and JSON metrics);
+every other line a rank writes (rank 0's stderr, everything from ranks 1..N-1) is prefixed
+`[rankN]: `. Only rank 0 writes metrics, checkpoints and evaluates.
+Failures: the rank entry is wrapped in torch's @record, so a rank's exception lands in its error
+file and torchrun names it as the root cause; the launcher prints torchrun's summary and exits with
+the failing rank's status (1 failure, 2 bad input, 128+N for a signal).
+SIGTERM to the launcher: torchrun forwards it to every rank; the ranks agree at the next step
+boundary (one tiny all-reduce per step), rank 0 writes a checkpoint, all exit 143, and so does the
+launcher. If the launcher dies, the ranks get SIGTERM too (PR_SET_PDEATHSIG).
+"""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+import time
+from dataclasses import fields
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from trainer import checkpoint, train
+from trainer.config import TrainConfig
+from trainer.errors import UsageError
+from trainer.log import RunLog
+from trainer.step import Replica, apply_update, build_replica, compute_grads, warmup_test_hook, weight_checksum
+from trainer.workers import ReplicasDiverged, StepOut
+
+# torchrun waits this long for the ranks to checkpoint and exit after forwarding SIGTERM, then
+# SIGKILLs them (its default is 30 s: too short to save a 1B-parameter drafter's optimizer state).
+# Read by torch >= 2.10 (TORCH_ELASTIC_SHUTDOWN_TIMEOUT); older torchrun keeps its 30 s.
+SHUTDOWN_TIMEOUT_S = "300"
+
+
+def main(cfg: TrainConfig) -> int:
+    return rank_main(cfg) if in_rank() else launch(cfg)
+
+
+def in_rank() -> bool:
+    """True in a process torchrun started (it sets LOCAL_RANK and WORLD_SIZE)."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+# ---- the launcher ---------------------------------------------------------------------------------
+
+def launch(cfg: TrainConfig) -> int:
+    """Run torchrun on `python -m trainer` with cfg's settings; returns the run's exit status."""
+    # Cheap checks here, so bad input is one line before any process starts.
+    device = train.devices_for(cfg)[0]
+    train.resolve_policy(cfg, device)
+    train.open_run(cfg, writer=False)
+    nproc = cfg.n_devices
+    logs = Path(cfg.out) / "torchelastic"  # torchrun's per-rank error files (@record) land here
+    logs.mkdir(parents=True, exist_ok=True)
+    args = ["--standalone", "--nnodes=1", f"--nproc_per_node={nproc}", f"--log_dir={logs}",
+            "--module", "trainer", *config_argv(cfg)]
+    # The ranks must import this same trainer, wherever the launcher was started from.
+    root = str(Path(__file__).resolve().parents[1])
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.cpu_threads or 1))  # else torchrun sets 1 and warns
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S)
+    print(f"[trainer] topology processes: torchrun --standalone --nproc-per-node {nproc} -m trainer "
+          f"(ranks' errors in {logs})", flush=True)
+
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    # torchrun installs its own handlers (SIGTERM -> forward to the ranks); put ours back after.
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        torchrun.run(torchrun.parse_args(args))
+        return 0
+    except SignalException as e:
+        print(f"[trainer] {e.sigval.name}: the ranks were told to checkpoint and stop", flush=True)
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        print(str(e), file=sys.stderr, flush=True)
+        return child_exit_code([f.exitcode for f in e.failures.values()], e.get_first_failure()[1].exitcode)
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def config_argv(cfg: TrainConfig) -> list[str]:
+    """Flags that reproduce cfg (every non-default value, as --name=value)."""
+    argv = []
+    for f in fields(TrainConfig):
+        v = getattr(cfg, f.name)
+        if v == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(v, bool):
+            argv.append(flag)  # store_true flags: a non-default bool is True
+        else:
+            argv.append(f"{flag}={v}")
+    return argv
+
+
+def child_exit_code(codes: list[int], first: int) -> int:
+    """The run's status from the ranks': all SIGTERM'd -> 143; else the first failure's (a signal as 128+N)."""
+    if codes and all(c in (143, -signal.SIGTERM) for c in codes):
+        return 143
+    return first if first > 0 else 128 - first if first < 0 else 1
+
+
+# ---- a rank ---------------------------------------------------------------------------------------
+
+@record
+def rank_main(cfg: TrainConfig) -> int:
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    _prefix_output(rank)
+    _die_with_parent()
+    if world != cfg.n_devices:
+        raise UsageError(f"torchrun started {world} processes but the settings ask for {cfg.n_devices} "
+                         f"({'--gpus' if cfg.gpus else '--workers'}); use --nproc-per-node {cfg.n_devices}")
+    stop, restore_signal = train.on_sigterm()
+    device = torch.device(f"cuda:{local}") if cfg.gpus else torch.device("cpu")
+    if device.type == "cuda":
+        if local >= torch.cuda.device_count():
+            raise UsageError(f"rank {rank}: cuda:{local} does not exist ({torch.cuda.device_count()} visible)")
+        torch.cuda.set_device(device)
+    if cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
+    # One timeout for every collective: long enough for a rank to compile while the others wait in
+    # the first step's all-reduce (and for rank 0 to make synthetic data or run an eval).
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=timedelta(seconds=max(60.0, cfg.warmup_timeout)))
+    try:
+        return _rank(cfg, rank, world, device, stop)
+    finally:
+        dist.destroy_process_group()
+        restore_signal()
+
+
+def _rank(cfg: TrainConfig, rank: int, world: int, device: torch.device, stop) -> int:
+    writer = rank == 0
+    out, resume_from = train.open_run(cfg, writer=writer)
+    log = RunLog(out / "metrics.jsonl") if writer else _Quiet()
+    policy = train.resolve_policy(cfg, device)
+    log.info(f"torch {torch.__version__} | {world} ranks on {device.type} | topology processes "
+             f"({dist.get_backend()}) | compile policy {policy}"
+             + (" (auto: from probe.json)" if cfg.compile_policy == "auto" else ""))
+    prep = train.prepare(cfg, device, log, out, resume_from, stop, writer=writer,
+                         barrier=lambda: _barrier(device))
+    engine = RankEngine(cfg, prep, policy, rank, world, device, log)
+    if prep.ck is not None:
+        checkpoint.restore_rng(prep.ck.rng)
+    return train.run_loop(cfg, engine, prep, log, stop)
+
+
+class RankEngine:
+    """This rank's replica in DDP; the same interface as workers.ThreadEngine for train.run_loop."""
+
+    def __init__(self, cfg, prep, policy: str, rank: int, world: int, device: torch.device, log):
+        self.rank, self.size, self.device, self.log = rank, world, device, log
+        self.writer = rank == 0
+        t = time.perf_counter()
+        self.replica: Replica = build_replica(
+            rank, device, prep.drafter, prep.target, policy=policy, n_devices=1, lr=cfg.lr,
+            weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights,
+            optimizer_state=prep.ck.optimizer if prep.ck else None,
+            wrap=lambda m: _ddp(m, device), flat_grads=False)
+        self._built = time.perf_counter() - t
+        self._warm = False
+
+    @property
+    def primary(self) -> Replica:
+        return self.replica
+
+    def step(self, batch, step: int, lr: float, grad_clip: float) -> StepOut:
+        t = time.perf_counter()
+        if not self._warm:
+            warmup_test_hook(self.rank)
+        st = compute_grads(self.replica, batch.shard(self.rank, self.size))  # DDP sums grads in backward
+        norm = apply_update(self.replica, lr, grad_clip, step)
+        n = len(st.correct)
+        packed = torch.cat([torch.tensor([st.loss_sum], dtype=torch.float64),
+                            st.correct.double(), st.count.double()]).to(self.device)
+        dist.all_reduce(packed)
+        packed = packed.cpu()
+        if not self._warm:
+            self._warm = True
+            self._report_ready(time.perf_counter() - t)
+        return StepOut(float(packed[0]), packed[1: 1 + n].to(st.correct.dtype),
+                       packed[1 + n:].to(st.count.dtype), norm)
+
+    def _report_ready(self, first: float) -> None:
+        got: list = [None] * self.size
+        dist.all_gather_object(got, (self._built, first, str(self.device)))
+        for i, (built, first_i, dev) in enumerate(got):
+            self.log.metrics({"event": "worker_ready", "worker": i, "device": dev,
+                              "seconds": built + first_i, "build_s": built, "first_step_s": first_i})
+            self.log.info(f"rank {i} ({dev}) ready in {built + first_i:.1f}s "
+                          f"(build {built:.1f}s, compile + first step {first_i:.1f}s)")
+
+    def agree(self, flag: bool) -> bool:
+        """Any rank's flag, on every rank (SIGTERM may reach the ranks at different steps)."""
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(t)
+        return bool(t.item() > 0)
+
+    def check_replicas(self, step: int) -> None:
+        mine = weight_checksum(self.replica).to(self.device)
+        every = [torch.zeros_like(mine) for _ in range(self.size)]
+        dist.all_gather(every, mine)
+        for i in range(1, self.size):
+            bad = (every[i] != every[0]).nonzero().flatten().tolist()
+            if bad:
+                self.log.metrics({"event": "diverged", "step": step, "worker": i, "tensors": len(bad)})
+                raise ReplicasDiverged(
+                    f"replica weights diverged at step {step}: rank {i} differs from rank 0 in "
+                    f"{self.replica.names[bad[0]]}" + (f" and {len(bad) - 1} more tensor(s)" if len(bad) > 1 else ""))
+        if self.size > 1:
+            self.log.metrics({"event": "checksum", "step": step, "replicas": self.size})
+
+    def on_primary(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    def barrier(self) -> None:
+        _barrier(self.device)
+
+    def close(self) -> None:
+        pass
+
+
+def _ddp(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # The borrowed target head (embedding, final norm, lm_head) is frozen and the buffers are
+    # constants, identical everywhere: keep DDP from broadcasting them (GBs for a real target's
+    # head) at construction and from syncing buffers before every forward.
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+    DDP._set_params_and_buffers_to_ignore_for_model(module, frozen + [n for n, _ in module.named_buffers()])
+    ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp.register_comm_hook(None, _sum_hook)
+    return ddp
+
+
+def _sum_hook(state, bucket):
+    """All-reduce SUM (DDP's default divides by the world size): each shard's loss is already divided
+    by the global batch weight, so the global gradient is the plain sum, exactly as in threads."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def _barrier(device: torch.device) -> None:
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
+class _Quiet(RunLog):
+    """Ranks other than 0 log nothing of their own (errors still reach stderr, prefixed)."""
+
+    def info(self, text: str) -> None:
+        pass
+
+    def metrics(self, record: dict) -> None:
+        pass
+
+
+class _LinePrefixer(io.TextIOBase):
+    """Writes whole lines only, each prefixed: one write per batch of lines, so lines of ranks
+    sharing one log file never interleave mid-line."""
+
+    def __init__(self, stream, prefix: str):
+        self._stream, self._prefix, self._partial = stream, prefix, ""
+
+    def write(self, text: str) -> int:
+        self._partial += text
+        if "\n" in self._partial:
+            done, _, self._partial = self._partial.rpartition("\n")
+            self._stream.write("".join(self._prefixed(line) + "\n" for line in done.split("\n")))
+            self._stream.flush()
+        return len(text)
+
+    def _prefixed(self, line: str) -> str:
+        # torch's own excepthook (init_process_group) already prefixes uncaught tracebacks
+        return line if line.startswith(self._prefix) else self._prefix + line
+
+    def flush(self) -> None:
+        if self._partial:
+            self._stream.write(self._prefixed(self._partial))
+            self._partial = ""
+        self._stream.flush()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def encoding(self):
+        return getattr(self._stream, "encoding", "utf-8")
+
+    def writable(self) -> bool:
+        return True
+
+
+def _prefix_output(rank: int) -> None:
+    """Rank 0's stdout stays the run's log (unprefixed, as in threads); every other stream is `[rankN]: `."""
+    sys.stdout = _LinePrefixer(sys.stdout, "" if rank == 0 else f"[rank{rank}]: ")
+    sys.stderr = _LinePrefixer(sys.stderr, f"[rank{rank}]: ")
+
+
+def _die_with_parent() -> None:
+    """SIGTERM this rank when its launcher dies (e.g. SIGKILLed): torchrun starts ranks in their own
+    sessions, so a signal to the launcher's process group does not reach them."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
