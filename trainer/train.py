@@ -84,7 +84,7 @@ def _main(cfg: TrainConfig, stop: threading.Event) -> int:
     if policy == "reduce-overhead" and len(devices) > 1 and policies.torch_version() < (2, 13):
         # Not refused: the probe decides empirically; the warm-up handshake makes it fail fast and named.
         log.info("warning: CUDA Graph Trees fail in every worker thread but one before torch 2.13 "
-                 "(cudagraph-trees-tls, pytorch#123177); expect worker 1 to fail its warm-up. "
+                 "(cudagraph-trees-tls / cudagraph-trees-threads, pytorch#123177); expect a worker to fail. "
                  "--topology processes runs reduce-overhead")
 
     # ---- target, data, model ------------------------------------------------------------------
