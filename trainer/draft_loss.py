@@ -2,32 +2,77 @@
 
 Kept apart from step.py (which owns replicas and the update) so the fast paths of the forward
 (block-sparse attention, fused linear + cross-entropy) change here and nowhere else.
+
+Backends (both give the same loss; tests/test_trainer_kernels.py checks it):
+- attention: "sdpa" (dense bool mask, F.scaled_dot_product_attention) or "flex" (block-sparse
+  FlexAttention, trainer/attention.py).
+- loss: "dense" (full logits, masks.block_loss) or "chunked" (trainer/fused_ce.py: norm + lm_head +
+  CE chunk by chunk, never all the logits; needs the target's head frozen, which it always is).
+- "auto" (the default) picks what was measured to work on the H200 (torch 2.11, docs/benchmarks.md,
+  issue 5): on CUDA in an uncompiled forward (eager policy), flex + chunked (85.5 vs 106.2 ms/sample,
+  same loss); inside a forward compiled by a policy, sdpa + dense, because the whole-graph compile
+  with flex did not finish its first step within 69 s there and is unmeasured. Pass
+  attention="flex", loss="chunked" to use them under a compile policy.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from trainer import masks
+from trainer import attention, fused_ce, masks
 from trainer.model import Drafter
+
+ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
+LOSS_BACKENDS = ("auto", "chunked", "dense")
 
 
 class DraftLoss(nn.Module):
     """The unit that gets compiled: blocks + mask + drafter + logits + loss for one shard."""
 
-    def __init__(self, drafter: Drafter, pos_weights: torch.Tensor):
+    def __init__(self, drafter: Drafter, pos_weights: torch.Tensor, *, attention: str = "auto",
+                 loss: str = "auto"):
         super().__init__()
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention backend {attention!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+        if loss not in LOSS_BACKENDS:
+            raise ValueError(f"loss backend {loss!r}: choose one of {', '.join(LOSS_BACKENDS)}")
         self.drafter = drafter
+        self.attention = attention
+        self.loss = loss
         self.register_buffer("pos_weights", pos_weights, persistent=False)
+
+    def backends(self, device: torch.device, compiled: bool | None = None) -> tuple[str, str]:
+        """(attention, loss) that forward uses on `device`, "auto" resolved; log it once per replica.
+
+        compiled: whether forward runs under a compile policy (default: whether dynamo is tracing now).
+        """
+        if compiled is None:
+            compiled = torch.compiler.is_compiling()
+        fast = torch.device(device).type == "cuda" and not compiled
+        att = self.attention
+        if att == "auto":
+            att = "flex" if fast and attention.FLEX else "sdpa"
+        loss = self.loss
+        if loss == "auto":
+            frozen = not (self.drafter.norm.weight.requires_grad or self.drafter.lm_head.weight.requires_grad)
+            loss = "chunked" if fast and frozen else "dense"
+        return att, loss
 
     def forward(self, feats, input_ids, loss_mask, anchors, valid):
         # feats (B, S, n*H) target features; input_ids, loss_mask (B, S); anchors, valid (B, N)
         cfg = self.drafter.cfg
         B, S = input_ids.shape
+        att, loss = self.backends(input_ids.device)
         block_ids = masks.block_inputs(input_ids, anchors, cfg.block_size, cfg.mask_token_id)  # (B, Tq)
         block_pos = masks.block_positions(anchors, cfg.block_size)  # (B, Tq)
         labels, weights = masks.block_labels(input_ids, loss_mask, anchors, valid, self.pos_weights)  # (B, Tq)
-        mask = masks.attention_mask(anchors, S, cfg.block_size)  # (B, Tq, S + Tq)
+        if att == "flex":
+            mask = attention.sparse_mask(anchors, S, cfg.block_size)
+        else:
+            mask = masks.attention_mask(anchors, S, cfg.block_size)  # (B, Tq, S + Tq)
         ctx_pos = torch.arange(S, device=input_ids.device).expand(B, S)
         hidden = self.drafter(block_ids, block_pos, feats, ctx_pos, mask)  # (B, Tq, H)
+        if loss == "chunked":
+            return fused_ce.block_loss(hidden, self.drafter.norm, self.drafter.lm_head.weight,
+                                       labels, weights, cfg.block_size)
         return masks.block_loss(self.drafter.logits(hidden), labels, weights, cfg.block_size)

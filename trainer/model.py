@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer import attention
+
 # Submodules that belong to the target (frozen, shared, never checkpointed).
 FROZEN_PREFIXES = ("embed_tokens.", "norm.", "lm_head.")
 
@@ -89,7 +91,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.hd, cfg.rms_eps)
 
     def forward(self, x, ctx, rope_q, rope_k, mask):
-        # x (B, Tq, H) block stream; ctx (B, Tc, H) projected target features; mask (B, Tq, Tc+Tq) bool
+        # x (B, Tq, H) block stream; ctx (B, Tc, H) projected target features;
+        # mask (B, Tq, Tc+Tq) bool, or the same rule as an attention.SparseMask
         B, Tq, _ = x.shape
         kv_in = torch.cat([ctx, x], dim=1)  # (B, Tk, H), Tk = Tc + Tq
         Tk = kv_in.shape[1]
@@ -98,10 +101,7 @@ class Attention(nn.Module):
         v = self.v_proj(kv_in).view(B, Tk, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, Tk, hd)
         q = apply_rope(q, *rope_q)
         k = apply_rope(k, *rope_k)
-        if self.nh != self.nkv:  # GQA: explicit repeat (SDPA's enable_gqa is not in every torch we run on)
-            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
-            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])  # (B, nh, Tq, hd)
+        o = attention.attend(q, k, v, mask)  # (B, nh, Tq, hd): dense SDPA or block-sparse flex
         return self.o_proj(o.transpose(1, 2).reshape(B, Tq, self.nh * self.hd))
 
 
@@ -184,7 +184,7 @@ class Drafter(nn.Module):
 
     def forward(self, block_ids, block_pos, ctx_feats, ctx_pos, mask) -> torch.Tensor:
         # block_ids, block_pos (B, Tq) int; ctx_feats (B, Tc, n*H); ctx_pos (B, Tc) int;
-        # mask (B, Tq, Tc+Tq) bool, True = may attend. Returns hidden (B, Tq, H).
+        # mask (B, Tq, Tc+Tq) bool, True = may attend (or an attention.SparseMask). Returns hidden (B, Tq, H).
         # The residual stream runs in the drafter's own dtype (fp32 master weights; matmuls follow autocast),
         # even where the borrowed embedding is bf16.
         x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)  # (B, Tq, H)
@@ -216,3 +216,22 @@ def flops_per_sample(cfg: DrafterConfig, seq_len: int, query_tokens: int) -> flo
                  + 2 * 2 * q_dim * Tq * (S + Tq))  # scores and weighted sum
     forward = cfg.num_layers * per_layer + 2 * cfg.num_target_layers * H * H * S + 2 * H * cfg.vocab_size * Tq
     return 3.0 * forward
+
+
+def flops_needed(cfg: DrafterConfig, seq_len: int, query_tokens: int, attended_pairs: float | None = None) -> float:
+    """Training FLOPs of one sample that the work actually requires (compare flops_per_sample).
+
+    Two differences from the dense count: the lm_head is frozen, so its backward is the input
+    gradient only (2x its forward, not 3x); and attention counts only the (query, key) pairs the
+    mask allows, `attended_pairs` per sample (attention.attended_pairs / batch), dense if None.
+    For the 8B shape (S 768, 256 anchors x 16, ~392 keys per query) this gives ~34.9 TFLOP.
+    """
+    H, S, Tq = cfg.hidden_size, seq_len, query_tokens
+    q_dim = cfg.num_heads * cfg.head_dim
+    dense_pairs = Tq * (S + Tq)
+    pairs = dense_pairs if attended_pairs is None else attended_pairs
+    head = 2 * H * cfg.vocab_size * Tq
+    attn_dense = cfg.num_layers * 2 * 2 * q_dim * dense_pairs
+    attn = cfg.num_layers * 2 * 2 * q_dim * pairs
+    rest = flops_per_sample(cfg, seq_len, query_tokens) / 3.0 - head - attn_dense
+    return 3.0 * (rest + attn) + 2.0 * head

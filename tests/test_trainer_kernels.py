@@ -1,0 +1,272 @@
+"""The fast paths of the training forward compute what the dense paths compute (CPU, small shapes).
+
+- Block-sparse attention (trainer/attention.py): the tile lists cover exactly the pairs the dense
+  mask allows, the mask_mod is the same rule, and FlexAttention (eager: mask_mod only; compiled:
+  tiles honoured too) gives SDPA's output. FlexAttention has no backward on CPU: its gradients are
+  checked on the GPU by benchmarks/drafter_bench.py (step-0 loss and gradient norm per variant).
+- Chunked linear + cross-entropy (trainer/fused_ce.py): same loss, same hidden gradient, same counts.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+from trainer import attention, fused_ce, masks  # noqa: E402
+from trainer.draft_loss import DraftLoss  # noqa: E402
+from trainer.model import Drafter, DrafterConfig, RMSNorm, flops_needed, flops_per_sample  # noqa: E402
+from trainer.target import load_target  # noqa: E402
+
+needs_flex = pytest.mark.skipif(not attention.FLEX, reason="this torch has no FlexAttention")
+
+
+def _anchors(B, S, block, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    lm = (torch.rand(B, S, generator=g) < 0.8).float()
+    picked = [masks.sample_anchors(lm[b], S, block, n, g) for b in range(B)]
+    return torch.stack([a for a, _ in picked]), torch.stack([v for _, v in picked])
+
+
+def _tiles_dense(num, idx, nk):
+    """FlexAttention tile lists (B, 1, nq), (B, 1, nq, nk) -> (B, nq, nk) bool."""
+    B, _, nq = num.shape
+    out = torch.zeros(B, nq, nk, dtype=torch.bool)
+    for b in range(B):
+        for i in range(nq):
+            out[b, i, idx[b, 0, i, : num[b, 0, i]].long()] = True
+    return out
+
+
+# (S, block, anchors): a tiny one, one with ragged tiles on both axes, one with fully visible tiles.
+SHAPES = [(40, 6, 4), (300, 8, 40), (700, 16, 24)]
+
+
+@needs_flex
+@pytest.mark.parametrize("S,block,n", SHAPES)
+def test_sparse_tiles_cover_exactly_the_visible_pairs(S, block, n):
+    anchors, _ = _anchors(2, S, block, n, seed=S)
+    dense = masks.attention_mask(anchors, S, block)  # (B, Tq, Tk)
+    sm = attention.sparse_mask(anchors, S, block)
+    B, Tq, Tk = dense.shape
+    T = attention.TILE
+    nq, nk = math.ceil(Tq / T), math.ceil(Tk / T)
+    partial = _tiles_dense(sm.kv_num, sm.kv_idx, nk)
+    full = _tiles_dense(sm.full_num, sm.full_idx, nk)
+    assert not (partial & full).any()
+    for b in range(B):
+        for i in range(nq):
+            for j in range(nk):
+                tile = dense[b, i * T:(i + 1) * T, j * T:(j + 1) * T]
+                whole = tile.shape == (T, T) and bool(tile.all())
+                assert bool(full[b, i, j]) == whole, (b, i, j)
+                assert bool(partial[b, i, j]) == (bool(tile.any()) and not whole), (b, i, j)
+    assert 0 < sm.density() <= 1
+
+
+@needs_flex
+@pytest.mark.parametrize("S,block,n", SHAPES)
+def test_mask_mod_is_the_dense_rule(S, block, n):
+    from torch.nn.attention.flex_attention import create_mask
+
+    anchors, _ = _anchors(2, S, block, n, seed=S + 1)
+    dense = masks.attention_mask(anchors, S, block)
+    Tq, Tk = dense.shape[1:]
+    got = create_mask(attention.mask_mod(anchors, Tq, S, block), 2, 1, Tq, Tk, device="cpu")
+    assert torch.equal(got[:, 0], dense)
+
+
+def _qkv(B, Tq, Tk, nh=4, nkv=2, hd=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, nh, Tq, hd, generator=g), torch.randn(B, nkv, Tk, hd, generator=g),
+            torch.randn(B, nkv, Tk, hd, generator=g))
+
+
+@needs_flex
+@pytest.mark.parametrize("S,block,n", SHAPES[:2])
+def test_flex_equals_dense_sdpa_eager(S, block, n):
+    anchors, _ = _anchors(2, S, block, n, seed=S + 2)
+    q, k, v = _qkv(2, n * block, S + n * block)
+    ref = attention.attend(q, k, v, masks.attention_mask(anchors, S, block))
+    got = attention.attend(q, k, v, attention.sparse_mask(anchors, S, block))
+    torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
+
+
+@needs_flex
+def test_compiled_flex_honours_the_tiles_and_equals_sdpa():
+    """Compiled, FlexAttention skips unlisted tiles (eager evaluates mask_mod everywhere): a wrong
+    tile list shows up here and nowhere else on CPU."""
+    S, block, n = 700, 16, 24  # fully visible tiles, ragged last tiles
+    anchors, _ = _anchors(2, S, block, n, seed=5)
+    q, k, v = _qkv(2, n * block, S + n * block, seed=1)
+    ref = attention.attend(q, k, v, masks.attention_mask(anchors, S, block))
+    sm = attention.sparse_mask(anchors, S, block)
+    assert int(sm.full_num.sum()) > 0
+    fn = torch.compile(attention._flex_sparse, dynamic=False)
+    args = (q, k, v, sm.anchors, sm.kv_num, sm.kv_idx, sm.full_num, sm.full_idx, S, block)
+    torch.testing.assert_close(fn(*args), ref, atol=2e-6, rtol=1e-5)
+    sm.full_num[0, 0, -1] -= 1  # drop one fully visible tile: the output must notice
+    args = (q, k, v, sm.anchors, sm.kv_num, sm.kv_idx, sm.full_num, sm.full_idx, S, block)
+    assert not torch.allclose(fn(*args), ref, atol=1e-3)
+
+
+@needs_flex
+def test_a_failing_flex_compile_falls_back_to_dense_sdpa(monkeypatch):
+    """The eager policy must keep working where torch.compile does not."""
+    def broken(*a, **k):
+        raise RuntimeError("BackendCompilerFailed: simulated")
+
+    monkeypatch.setattr(attention, "_compile_here", lambda q: True)
+    monkeypatch.setattr(attention, "_compiled_flex", lambda: broken)
+    monkeypatch.setattr(attention, "fallback_reason", None)
+    anchors, _ = _anchors(2, 40, 6, 4, seed=7)
+    q, k, v = _qkv(2, 24, 64)
+    ref = attention.attend(q, k, v, masks.attention_mask(anchors, 40, 6))
+    with pytest.warns(RuntimeWarning, match="simulated"):
+        got = attention.attend(q, k, v, attention.sparse_mask(anchors, 40, 6))
+    assert torch.equal(got, ref) and "simulated" in attention.fallback_reason
+
+
+def test_a_failing_ce_core_compile_runs_the_core_eagerly(monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("InductorError: simulated")
+
+    monkeypatch.setattr(fused_ce, "_compiled_core", broken)
+    monkeypatch.setattr(fused_ce, "fallback_reason", None)
+    logits, labels, w = torch.randn(4, 10), torch.tensor([1, 2, 3, 4]), torch.ones(4)
+    with pytest.warns(RuntimeWarning, match="simulated"):
+        got = fused_ce._compiled(logits, labels, w)
+    ref = fused_ce._ce_core(logits, labels, w)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def _head(H=32, V=100, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(H, 1e-6)
+    norm.weight = torch.nn.Parameter(torch.rand(H, generator=g) + 0.5, requires_grad=False)
+    return norm, torch.randn(V, H, generator=g) * 0.3
+
+
+@pytest.mark.parametrize("rows", [None, 16, 7])
+def test_chunked_ce_equals_unfused_in_value_gradient_and_counts(rows):
+    B, Tq, H, V, block = 2, 24, 32, 100, 6
+    norm, W = _head(H, V)
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(B, Tq, H, generator=g, requires_grad=True)
+    labels = torch.randint(0, V, (B, Tq), generator=g)
+    w = torch.rand(B, Tq, generator=g)
+    w[:, ::block] = 0
+    w[1, 6:12] = 0  # an invalid block
+    ref = masks.block_loss(F.linear(norm(h), W), labels, w, block)
+    (ref[0] / 7).backward()
+    g_ref, h.grad = h.grad, None
+    got = fused_ce.block_loss(h, norm, W, labels, w, block, rows=rows)
+    (got[0] / 7).backward()
+    torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-6)
+    torch.testing.assert_close(h.grad, g_ref, atol=1e-6, rtol=1e-5)
+    assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])
+
+
+def test_chunked_ce_under_bf16_autocast_matches_unfused():
+    B, Tq, H, V, block = 2, 32, 64, 300, 8
+    norm, W = _head(H, V, seed=2)
+    W = W.bfloat16()
+    norm.weight = torch.nn.Parameter(norm.weight.bfloat16(), requires_grad=False)
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(B, Tq, H, generator=g, requires_grad=True)
+    labels = torch.randint(0, V, (B, Tq), generator=g)
+    w = torch.rand(B, Tq, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = masks.block_loss(F.linear(norm(h), W), labels, w, block)
+    ref[0].backward()
+    g_ref, h.grad = h.grad, None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fused_ce.block_loss(h, norm, W, labels, w, block, rows=16)
+    got[0].backward()
+    torch.testing.assert_close(got[0], ref[0], atol=1e-3, rtol=1e-5)
+    assert ((h.grad - g_ref).norm() / g_ref.norm()) < 1e-2
+
+
+def test_chunked_ce_refuses_a_trainable_head():
+    norm, W = _head()
+    with pytest.raises(ValueError, match="freeze"):
+        fused_ce.block_loss(torch.randn(1, 6, 32), norm, W.requires_grad_(), torch.zeros(1, 6, dtype=torch.long),
+                            torch.ones(1, 6), 6)
+
+
+def test_chunk_rows_keep_a_chunk_of_fp32_logits_under_a_gib():
+    assert fused_ce.chunk_rows(8192, 151936) == 1024
+    assert fused_ce.chunk_rows(24, 100) == 16
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    target = load_target("tiny", device=torch.device("cpu"), dtype=torch.float32)
+    torch.manual_seed(3)
+    drafter = Drafter(target.drafter_config(num_layers=2, block_size=8, mask_token_id=None))
+    drafter.borrow_target_head(*target.head_weights())
+    with torch.no_grad():
+        for _, p in drafter.trainable_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    S = 200
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (2, S), generator=g)
+    lm = torch.ones(2, S)
+    anchors, valid = _anchors(2, S, 8, 20, seed=9)
+    valid[1, -3:] = False
+    return drafter, (target.features(ids), ids, lm, anchors, valid)
+
+
+def _grads(drafter):
+    out = [p.grad.clone() for _, p in drafter.trainable_parameters()]
+    drafter.zero_grad(set_to_none=True)
+    return out
+
+
+def test_auto_backends_are_the_ones_measured_to_work(tiny):
+    drafter, _ = tiny
+    fn = DraftLoss(drafter, masks.position_weights(8, 4.0))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert fn.backends(cpu) == ("sdpa", "dense")
+    # compiled by a policy: the dense paths (the whole-graph compile with flex is unmeasured)
+    assert fn.backends(cuda, compiled=True) == ("sdpa", "dense")
+    # eager policy on CUDA: flex (its call compiled alone) + chunked CE
+    assert fn.backends(cuda, compiled=False) == ("flex" if attention.FLEX else "sdpa", "chunked")
+    explicit = DraftLoss(drafter, masks.position_weights(8, 4.0), attention="flex", loss="chunked")
+    assert explicit.backends(cuda, compiled=True) == ("flex", "chunked")
+    with pytest.raises(ValueError, match="attention backend"):
+        DraftLoss(drafter, masks.position_weights(8, 4.0), attention="fast")
+
+
+@needs_flex
+def test_draft_loss_fast_paths_equal_the_dense_paths(tiny):
+    drafter, batch = tiny
+    pw = masks.position_weights(8, 4.0)
+    ref = DraftLoss(drafter, pw, attention="sdpa", loss="dense")(*batch)
+    ref[0].backward()
+    g_ref = _grads(drafter)
+    with torch.no_grad():  # FlexAttention has no backward on CPU
+        flex = DraftLoss(drafter, pw, attention="flex", loss="chunked")(*batch)
+    torch.testing.assert_close(flex[0], ref[0], atol=1e-3, rtol=1e-5)
+    assert torch.equal(flex[1], ref[1]) and torch.equal(flex[2], ref[2])
+    # chunked CE, traced by dynamo + AOTAutograd (what a compile policy does, minus inductor)
+    fn = torch.compile(DraftLoss(drafter, pw, attention="sdpa", loss="chunked"), backend="aot_eager")
+    got = fn(*batch)
+    got[0].backward()
+    torch.testing.assert_close(got[0], ref[0], atol=1e-3, rtol=1e-5)
+    for a, b in zip(_grads(drafter), g_ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_flop_counts_for_the_8b_shape():
+    cfg = DrafterConfig(hidden_size=4096, vocab_size=151936, mask_token_id=0)
+    dense = flops_per_sample(cfg, 768, 4096)
+    assert dense / 1e12 == pytest.approx(44.5, abs=0.1)
+    # frozen lm_head (no weight gradient): the field notes' "~39 TFLOP by a dense count"
+    assert flops_needed(cfg, 768, 4096) / 1e12 == pytest.approx(39.4, abs=0.1)
+    # ~392 keys per query: 256 anchors uniform over 753 positions, plus the block's own 16
+    assert flops_needed(cfg, 768, 4096, attended_pairs=4096 * 392) / 1e12 == pytest.approx(34.9, abs=0.1)

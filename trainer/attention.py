@@ -1,0 +1,178 @@
+"""Attention backends for the drafter's training pass: dense-mask SDPA, or block-sparse FlexAttention.
+
+The training mask (masks.attention_mask) lets each 16-token block see its context prefix
+(kv < anchor) and itself: with 256 anchors over 768 context tokens a query needs ~390 of the
+4864 keys, so a dense mask wastes ~90% of the attention work. FlexAttention skips whole
+128 x 128 tiles that the mask rules out; the rule itself is evaluated only in tiles that are
+partly visible.
+
+    mask = sparse_mask(anchors, S, block_size)   # or masks.attention_mask(...) for dense SDPA
+    o = attend(q, k, v, mask)                    # what Attention.forward calls
+
+`attend` takes either a bool tensor (the dense path, unchanged: what eval and decoding pass) or a
+`SparseMask` (the flex path). Both compute the same function; tests/test_trainer_kernels.py checks it.
+FlexAttention is only fast when torch.compile'd: inside a compiled DraftLoss dynamo traces it; in
+an uncompiled (eager-policy) forward on CUDA the flex call alone is compiled here, and if that
+compile fails the call falls back to dense SDPA (same function) for the rest of the process.
+On the H200 (torch 2.11, docs/benchmarks.md) attention went from 19.7 to 4.5 ms per sample.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from trainer import masks
+
+# Tile size of the block-sparse mask; FlexAttention's kernels tile by divisors of it.
+TILE = 128
+
+
+def flex_available() -> bool:
+    """True when this torch has FlexAttention with BlockMask.from_kv_blocks(seq_lengths=...) (2.6+)."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return "seq_lengths" in inspect.signature(BlockMask.from_kv_blocks).parameters
+
+
+# Read once at import: forward() consults it under dynamo, which should see a constant.
+FLEX = flex_available()
+
+
+@dataclass
+class SparseMask:
+    """The training mask in block-sparse form, built once per forward and shared by every layer.
+
+    anchors (B, N) long: the anchor of each block (block n holds queries n*Bs .. n*Bs+Bs-1).
+    The tile lists are FlexAttention's (kv_num (B, 1, nq) int32, kv_idx (B, 1, nq, nk) int32) for
+    partly visible tiles, and the same for fully visible ones. ctx_len S: keys 0..S-1 are context,
+    S.. are block tokens.
+    """
+    anchors: torch.Tensor
+    kv_num: torch.Tensor
+    kv_idx: torch.Tensor
+    full_num: torch.Tensor
+    full_idx: torch.Tensor
+    ctx_len: int
+    block_size: int
+
+    def density(self) -> float:
+        """Fraction of the (nq x nk) tiles that are computed at all (partial + full)."""
+        return float(self.kv_num.sum() + self.full_num.sum()) / self.kv_idx.numel()
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """tiles (B, 1, nq, nk) bool -> (count (B, 1, nq) int32, indices (B, 1, nq, nk) int32, hits first)."""
+    t = tiles.to(torch.int32)
+    return t.sum(-1).to(torch.int32), torch.argsort(t, dim=-1, descending=True, stable=True).to(torch.int32)
+
+
+def sparse_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> SparseMask:
+    """anchors (B, N) -> the training mask of masks.attention_mask as FlexAttention tiles.
+
+    Which tiles are visible is read off the dense mask itself (40 MB of bools at the 8B shape, a
+    negligible pass), so the block structure cannot drift from the rule the dense path uses.
+    """
+    dense = masks.attention_mask(anchors, ctx_len, block_size)  # (B, Tq, Tk)
+    B, Tq, Tk = dense.shape
+    nq, nk = math.ceil(Tq / TILE), math.ceil(Tk / TILE)
+    padded = dense.new_zeros(B, nq * TILE, nk * TILE)
+    padded[:, :Tq, :Tk] = dense
+    seen = padded.view(B, nq, TILE, nk, TILE).sum(dim=(2, 4))  # (B, nq, nk) visible pairs per tile
+    full = seen == TILE * TILE
+    partial = (seen > 0) & ~full
+    kv_num, kv_idx = _ordered(partial[:, None])
+    full_num, full_idx = _ordered(full[:, None])
+    return SparseMask(anchors, kv_num, kv_idx, full_num, full_idx, ctx_len, block_size)
+
+
+def mask_mod(anchors: torch.Tensor, n_queries: int, ctx_len: int, block_size: int):
+    """FlexAttention's mask_mod for the rule of masks.attention_mask (what partial tiles evaluate).
+
+    Query qi sees context kv < its block's anchor, and the keys of its own block.
+    `anchors` is captured as given (a graph input when DraftLoss is compiled): inductor's CPU flex
+    template rejects buffers computed inside the graph.
+    """
+    def rule(b, h, qi, kv):
+        # qi is clamped: the kernel may evaluate padded rows of the last tile (it discards them).
+        anchor = anchors[b, torch.clamp(qi, max=n_queries - 1) // block_size]
+        start = ctx_len + qi - qi % block_size
+        return (kv < anchor) | ((kv >= start) & (kv < start + block_size))
+
+    return rule
+
+
+def _flex_sparse(q, k, v, anchors, kv_num, kv_idx, full_num, full_idx, ctx_len: int, block_size: int):
+    """FlexAttention over the DFlash mask. Plain tensors and ints in, so that it compiles on its own."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    bm = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE,
+                                  mask_mod=mask_mod(anchors, Tq, ctx_len, block_size), seq_lengths=(Tq, Tk))
+    return flex_attention(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])
+
+
+_compiled = None
+_compiled_lock = threading.Lock()
+# Why the standalone compiled flex call is not used, once it failed (process-wide): the eager
+# policy is the fallback that must keep working where torch.compile does not.
+fallback_reason: str | None = None
+
+
+def _compiled_flex():
+    """One torch.compile'd flex call per process (dynamo caches per code object anyway)."""
+    global _compiled
+    with _compiled_lock:
+        if _compiled is None:
+            _compiled = torch.compile(_flex_sparse, dynamic=False)
+        return _compiled
+
+
+def _compile_here(q: torch.Tensor) -> bool:
+    """Compile the flex call on its own: on CUDA, where no policy compiles the forward around it."""
+    return q.device.type == "cuda" and not torch.compiler.is_compiling()
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+    """q (B, nh, Tq, hd); k, v (B, nkv, Tk, hd); mask: bool (B, Tq, Tk) or SparseMask -> (B, nh, Tq, hd)."""
+    if isinstance(mask, SparseMask):
+        # flex takes one dtype: q and k leave the fp32 norm/RoPE, v comes straight from its Linear
+        # (bf16 under autocast). Casting to v's dtype is what SDPA's autocast rule does too.
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        args = (q, k, v, mask.anchors, mask.kv_num, mask.kv_idx, mask.full_num, mask.full_idx,
+                mask.ctx_len, mask.block_size)
+        if _compile_here(q):
+            if fallback_reason is None:  # uncompiled flex materializes every score: never fast
+                try:
+                    return _compiled_flex()(*args)
+                except torch.cuda.OutOfMemoryError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a compile failure: same function, dense
+                    _give_up_flex(e)
+            return attend(q, k, v, masks.attention_mask(mask.anchors, mask.ctx_len, mask.block_size))
+        return _flex_sparse(*args)
+    nh, nkv = q.shape[1], k.shape[1]
+    if nh != nkv:  # GQA: explicit repeat (SDPA's enable_gqa is not in every torch we run on)
+        k = k.repeat_interleave(nh // nkv, dim=1)
+        v = v.repeat_interleave(nh // nkv, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+
+
+def _give_up_flex(e: Exception) -> None:
+    global fallback_reason
+    fallback_reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    warnings.warn(f"compiled FlexAttention failed ({fallback_reason}); using dense SDPA from now on",
+                  RuntimeWarning, stacklevel=3)
+
+
+def attended_pairs(anchors: torch.Tensor, ctx_len: int, block_size: int) -> int:
+    """(query, key) pairs the mask allows, per batch: what attention must compute at the least."""
+    q_anchor = anchors.repeat_interleave(block_size, dim=1)  # (B, Tq)
+    return int(q_anchor.sum()) + q_anchor.numel() * block_size

@@ -1,0 +1,130 @@
+"""Final norm -> lm_head -> weighted cross-entropy, chunk by chunk, never holding all the logits.
+
+At the 8B shape one sample's logits are 4096 x 151936: 1.2 GB in bf16, 2.5 GB once upcast for the
+loss, and autograd keeps them for the backward. The target's norm and lm_head are frozen, so the
+only gradient wanted is d loss / d hidden, and the loss is a sum: it can be computed during the
+forward, chunk by chunk (Liger-Kernel's fused linear cross-entropy does the same). Per chunk of
+rows: logits = lm_head(norm(h)); CE, argmax and d CE / d logits = (softmax - onehot) * w in one
+pass; d h = backprop of that through lm_head and the norm. The backward only scales d h by the
+incoming gradient. Peak memory drops from the full logits to one chunk of them; the matmuls are the
+same two per chunk (forward and d input) that autograd would run.
+
+    loss_sum, correct, count = block_loss(hidden, drafter.norm, drafter.lm_head.weight,
+                                          labels, weights, block_size)
+
+Same contract, arithmetic and dtypes as masks.block_loss(drafter.logits(hidden), ...):
+tests/test_trainer_kernels.py checks value and gradient against it.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+# Rows per chunk: the largest power of two whose fp32 logits stay under this many bytes.
+CHUNK_BYTES = 1 << 30
+
+
+def chunk_rows(n_rows: int, vocab: int) -> int:
+    rows = 1
+    while rows * 2 * vocab * 4 <= CHUNK_BYTES and rows * 2 <= n_rows:
+        rows *= 2
+    return rows
+
+
+def _ce_core(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
+    """logits (C, V), labels (C,), weights (C,) -> (sum w*CE fp32, argmax (C,), d sum / d logits (C, V))."""
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)  # (C,)
+    target = lf.gather(1, labels[:, None])[:, 0]
+    loss = ((lse - target) * weights).sum()
+    p = torch.exp(lf - lse[:, None])
+    hit = torch.arange(lf.shape[-1], device=lf.device)[None, :] == labels[:, None]
+    grad = (torch.where(hit, p - 1.0, p) * weights[:, None]).to(logits.dtype)
+    return loss, logits.argmax(-1), grad
+
+
+_compiled_core = None
+_core_lock = threading.Lock()
+# Why the compiled core is not used, once it failed (process-wide; the eager core is the same function).
+fallback_reason: str | None = None
+
+
+def _compiled(logits, labels, weights):
+    """_ce_core compiled on its own where nothing around it is (eager policy on CUDA): one fused
+    reduction and one fused pointwise pass over each chunk instead of ~8 separate eager passes."""
+    global _compiled_core, fallback_reason
+    if fallback_reason is None:
+        with _core_lock:
+            if _compiled_core is None:
+                _compiled_core = torch.compile(_ce_core, dynamic=False)
+        try:
+            return _compiled_core(logits, labels, weights)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a compile failure: the eager policy must keep working
+            fallback_reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            warnings.warn(f"compiled cross-entropy core failed ({fallback_reason}); running it eagerly",
+                          RuntimeWarning, stacklevel=2)
+    return _ce_core(logits, labels, weights)
+
+
+class _LinearCE(torch.autograd.Function):
+    """loss_sum and argmax of rms_norm(h) @ lm_w.T; grads only for h (norm and lm_head are frozen)."""
+
+    @staticmethod
+    def forward(ctx, h, norm_w, lm_w, labels, weights, eps: float, rows: int):
+        # h (T, H) in the residual dtype; norm_w (H,); lm_w (V, H); labels, weights (T,)
+        want_grad = ctx.needs_input_grad[0]
+        core = _compiled if h.device.type == "cuda" and not torch.compiler.is_compiling() else _ce_core
+        loss = h.new_zeros((), dtype=torch.float32)
+        preds, grads = [], []
+        for s in range(0, h.shape[0], rows):
+            hc = h[s:s + rows]
+            # RMSNorm exactly as model.RMSNorm computes it (so that the dense path's numbers come out)
+            x = hc.float()
+            r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            xn = x * r
+            y = norm_w * xn.to(hc.dtype)
+            logits = F.linear(y, lm_w)  # (C, V): bf16 under autocast, as lm_head() would give
+            chunk_loss, pred, dlogits = core(logits, labels[s:s + rows], weights[s:s + rows])
+            loss = loss + chunk_loss
+            preds.append(pred)
+            if want_grad:
+                dy = (dlogits @ lm_w).float()  # (C, H): autocast's bf16 matmul, like linear's backward
+                dxn = dy * norm_w.float()
+                dx = r * (dxn - xn * (dxn * xn).mean(-1, keepdim=True))  # RMSNorm backward
+                grads.append(dx.to(h.dtype))
+        pred = torch.cat(preds)
+        ctx.mark_non_differentiable(pred)
+        if want_grad:
+            ctx.save_for_backward(torch.cat(grads))
+        return loss, pred
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_pred):
+        (dh,) = ctx.saved_tensors
+        return dh * grad_loss.to(dh.dtype), None, None, None, None, None, None
+
+
+def block_loss(hidden: torch.Tensor, norm, lm_weight: torch.Tensor, labels: torch.Tensor,
+               weights: torch.Tensor, block_size: int, rows: int | None = None):
+    """masks.block_loss(lm_head(norm(hidden)), labels, weights, block_size) without the full logits.
+
+    hidden (B, Tq, H); norm an RMSNorm (weight, eps); lm_weight (V, H); labels, weights (B, Tq).
+    Returns loss_sum (scalar), correct (Bs,), count (Bs,). Needs the norm and lm_head frozen
+    (requires_grad False): their gradients are not computed.
+    """
+    if norm.weight.requires_grad or lm_weight.requires_grad:
+        raise ValueError("fused_ce.block_loss computes no gradient for the final norm or lm_head: "
+                         "freeze them (the target's) or use masks.block_loss")
+    h = hidden.flatten(0, 1)  # (T, H)
+    T, V = h.shape[0], lm_weight.shape[0]
+    rows = rows or chunk_rows(T, V)
+    loss_sum, pred = _LinearCE.apply(h, norm.weight, lm_weight, labels.flatten(), weights.flatten(),
+                                     norm.eps, rows)
+    live = (weights > 0).view(weights.shape[0], -1, block_size)  # (B, N, Bs)
+    hit = (pred.view_as(labels) == labels).view_as(live) & live
+    return loss_sum, hit.sum(dim=(0, 1)), live.sum(dim=(0, 1))
