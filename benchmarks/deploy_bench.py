@@ -11,7 +11,6 @@ connections and round trips each makes.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import shutil
 import statistics
 import subprocess
@@ -20,16 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-
-def load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from _harness import REPO, fixtures, node_inventory
 
 
 def make_tree(root: Path, n: int) -> None:
@@ -51,8 +41,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
 
-    sshd_mod = load("bench_sshd", REPO / "tests" / "fixtures" / "sshd.py")
-    conftest = load("bench_conftest", REPO / "tests" / "conftest.py")
+    sshd_mod, conftest = fixtures()
     scratch = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
     server = sshd_mod.SshServer.start(scratch / "sshd")
     try:
@@ -61,12 +50,7 @@ def main() -> None:
         src = scratch / "src"
         make_tree(src, args.files)
         inv = scratch / "hosts.yaml"
-        inv.write_text(f"""hosts:
-  node: {{address: 127.0.0.1, port: {server.port}, identity_file: {server.identity_file},
-          known_hosts: {server.known_hosts}, pct: {pct.path}}}
-targets:
-  ct200: {{host: node, vmid: 200, python: {sys.executable}, workdir: /srv/ct/dflash}}
-""")
+        inv.write_text(node_inventory(server, pct, {"ct200": 200}))
         ours = [sys.executable, "-m", "orchestrator.cli", "-i", str(inv), "deploy", "ct200", "--source", str(src)]
         ssh = (f"ssh -i {server.identity_file} -p {server.port} -o UserKnownHostsFile={server.known_hosts} "
                f"-o StrictHostKeyChecking=yes -o BatchMode=yes")

@@ -19,7 +19,6 @@ the log byte for byte. `--local` measures the same on the built-in `local` targe
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -31,17 +30,9 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from _harness import REPO, fixtures  # noqa: E402
+
 MAIN = "from orchestrator.cli import main; main()"
-
-
-def load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def proc_start(pid: int) -> int:
@@ -179,8 +170,7 @@ def main() -> None:
     ap.add_argument("--local", action="store_true", help="also measure the built-in local target")
     args = ap.parse_args()
 
-    sshd_mod = load("bench_sshd", REPO / "tests" / "fixtures" / "sshd.py")
-    conftest = load("bench_conftest", REPO / "tests" / "conftest.py")
+    sshd_mod, conftest = fixtures()
     scratch = Path(tempfile.mkdtemp(prefix="dflash-logs-bench-"))
     server = sshd_mod.SshServer.start(scratch / "sshd")
     results = []

@@ -9,23 +9,13 @@ so the four probes share this machine's cores: the figure separates what the con
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-
-def load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from _harness import REPO, fixtures, node_inventory
 
 
 def main() -> None:
@@ -33,8 +23,7 @@ def main() -> None:
     ap.add_argument("--policies", default="eager")
     ap.add_argument("--targets", type=int, default=4)
     args = ap.parse_args()
-    sshd_mod = load("bench_sshd", REPO / "tests" / "fixtures" / "sshd.py")
-    conftest = load("bench_conftest", REPO / "tests" / "conftest.py")
+    sshd_mod, conftest = fixtures()
     from orchestrator import deploy, inventory, probe
 
     scratch = Path(tempfile.mkdtemp(prefix="dflash-probe-bench-"))
@@ -42,12 +31,9 @@ def main() -> None:
     try:
         pct = conftest.install_fakepct(scratch / "pct")
         names = [f"ct{200 + i}" for i in range(args.targets)]
-        lines = [f"hosts:\n  node: {{address: 127.0.0.1, port: {server.port}, identity_file: {server.identity_file}, "
-                 f"known_hosts: {server.known_hosts}, pct: {pct.path}}}\ntargets:"]
-        for i, n in enumerate(names):
+        for i in range(args.targets):
             pct.create(200 + i)
-            lines.append(f"  {n}: {{host: node, vmid: {200 + i}, python: {sys.executable}, workdir: /srv/ct/dflash}}")
-        (scratch / "hosts.yaml").write_text("\n".join(lines) + "\n")
+        (scratch / "hosts.yaml").write_text(node_inventory(server, pct, {n: 200 + i for i, n in enumerate(names)}))
         inv = inventory.load(str(scratch / "hosts.yaml"))
         res = deploy.deploy(inv, names, source=str(REPO))
         assert all(r.ok for r in res.values()), {n: r.error for n, r in res.items()}

@@ -50,15 +50,22 @@ def _live(workdir):
     return os.path.basename(path), path
 
 
+def _read_manifest(release_path):
+    """The manifest of a release folder, or None when it is missing or damaged."""
+    if not release_path:
+        return None
+    try:
+        with open(os.path.join(release_path, MANIFEST)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def cmd_manifest(workdir):
     release, path = _live(workdir)
-    manifest = {}
-    if path:
-        try:
-            with open(os.path.join(path, MANIFEST)) as f:
-                manifest = json.load(f)
-        except (OSError, ValueError):
-            release, manifest = None, {}   # a damaged live release: the next deploy sends everything
+    manifest = _read_manifest(path)
+    if manifest is None:
+        release, manifest = None, {}   # none, or a damaged live release: the next deploy sends everything
     _out({"python": platform.python_version(), "executable": sys.executable,
           "torch": _dist_version("torch"), "release": release, "manifest": manifest,
           "workdir": workdir})
@@ -117,13 +124,7 @@ def cmd_apply(workdir, release):
         _fail("stream ended without a manifest (interrupted transfer?)")
 
     _, live_path = _live(workdir)
-    old = {}
-    if live_path:
-        try:
-            with open(os.path.join(live_path, MANIFEST)) as f:
-                old = json.load(f)
-        except (OSError, ValueError):
-            old = {}
+    old = _read_manifest(live_path) or {}
     linked = 0
     for rel, (sha, size, exe) in new_manifest.items():
         rel = _safe_rel(rel)

@@ -1,0 +1,35 @@
+"""What the benchmarks share: the test suite's own loopback sshd and pct stand-in, outside pytest."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def load(name: str, path: Path):
+    """Import a file by path (tests/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def fixtures():
+    """(tests/fixtures/sshd.py, tests/conftest.py) as modules: SshServer, install_fakepct."""
+    return (load("bench_sshd", REPO / "tests" / "fixtures" / "sshd.py"),
+            load("bench_conftest", REPO / "tests" / "conftest.py"))
+
+
+def node_inventory(server, pct, targets: dict[str, int], python: str = sys.executable,
+                   workdir: str = "/srv/ct/dflash") -> str:
+    """hosts.yaml text: host `node` = the loopback sshd + stand-in pct, one target per container."""
+    lines = [f"hosts:\n  node: {{address: 127.0.0.1, port: {server.port}, identity_file: {server.identity_file}, "
+             f"known_hosts: {server.known_hosts}, pct: {pct.path}}}\ntargets:"]
+    for name, vmid in targets.items():
+        lines.append(f"  {name}: {{host: node, vmid: {vmid}, python: {python}, workdir: {workdir}}}")
+    return "\n".join(lines) + "\n"
