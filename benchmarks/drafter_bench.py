@@ -165,7 +165,7 @@ def run_one(args) -> dict:
             norm = torch.ones(cfg.hidden_size)
         drafter.borrow_target_head(embed.to(head_dtype), norm.to(head_dtype), lm_head.to(head_dtype))
         module = DraftLoss(drafter, pw, attention=att, loss=loss).to(dev)
-        res["backends"] = module.backends(dev, compiled=policy != "eager")
+        res["backends"] = module.backends(dev)
         fn = policies.compile_module(module, policy, n_devices=1)
         params = [p for _, p in drafter.trainable_parameters()]
         res["trainable_params"] = sum(p.numel() for p in params)

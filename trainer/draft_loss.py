@@ -8,11 +8,9 @@ Backends (both give the same loss; tests/test_trainer_kernels.py checks it):
   FlexAttention, trainer/attention.py).
 - loss: "dense" (full logits, masks.block_loss) or "chunked" (trainer/fused_ce.py: norm + lm_head +
   CE chunk by chunk, never all the logits; needs the target's head frozen, which it always is).
-- "auto" (the default) picks what was measured to work on the H200 (torch 2.11, docs/benchmarks.md,
-  issue 5): on CUDA in an uncompiled forward (eager policy), flex + chunked (85.5 vs 106.2 ms/sample,
-  same loss); inside a forward compiled by a policy, sdpa + dense, because the whole-graph compile
-  with flex did not finish its first step within 69 s there and is unmeasured. Pass
-  attention="flex", loss="chunked" to use them under a compile policy.
+- "auto" (the default) picks what was measured fastest on the H200 (torch 2.11, docs/benchmarks.md,
+  issue 5), same loss: on CUDA flex + chunked (eager 85.5 vs 106.2 ms/sample; inductor 66.8 vs 81.7,
+  first compiled step 76 s); elsewhere sdpa + dense (FlexAttention has no CPU backward).
 """
 from __future__ import annotations
 
@@ -41,14 +39,9 @@ class DraftLoss(nn.Module):
         self.loss = loss
         self.register_buffer("pos_weights", pos_weights, persistent=False)
 
-    def backends(self, device: torch.device, compiled: bool | None = None) -> tuple[str, str]:
-        """(attention, loss) that forward uses on `device`, "auto" resolved; log it once per replica.
-
-        compiled: whether forward runs under a compile policy (default: whether dynamo is tracing now).
-        """
-        if compiled is None:
-            compiled = torch.compiler.is_compiling()
-        fast = torch.device(device).type == "cuda" and not compiled
+    def backends(self, device: torch.device) -> tuple[str, str]:
+        """(attention, loss) that forward uses on `device`, "auto" resolved; log it once per replica."""
+        fast = torch.device(device).type == "cuda"
         att = self.attention
         if att == "auto":
             att = "flex" if fast and attention.FLEX else "sdpa"
