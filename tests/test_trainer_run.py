@@ -6,7 +6,6 @@ they are deterministic: a resumed run must reproduce the uninterrupted run bit f
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,36 +17,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trainer import checkpoint  # noqa: E402
-from trainer.cli import run, train_entry  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-QUICK = ["--target", "tiny", "--data", "synthetic", "--batch-size", "4", "--block-size", "4", "--anchors", "4",
-         "--synthetic-samples", "32", "--synthetic-prompt-len", "8", "--synthetic-new-tokens", "24",
-         "--draft-layers", "1", "--cpu-threads", "1", "--eval-prompts", "2", "--eval-new-tokens", "8",
-         "--checkpoint-every", "0", "--lr", "3e-3", "--seed", "5"]
-
-
-def train(out: Path, *extra: str) -> int:
-    return run(train_entry, [*QUICK, "--out", str(out), *extra])
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def step_losses(out: Path) -> dict[int, float]:
-    """step -> loss, the later line winning (a resumed run supersedes lines after its checkpoint)."""
-    return {m["step"]: m["loss"] for m in metrics(out) if "loss" in m and "event" not in m}
+from trainer_quick import QUICK, ROOT, metrics, step_losses, subprocess_env, train  # noqa: E402
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
     return checkpoint.load(checkpoint.find_latest(out)).model
-
-
-def subprocess_env(**extra) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **extra)
-    env.pop("DFLASH_OPS_WORKDIR", None)
-    return env
 
 
 # ---- resume ----------------------------------------------------------------------------------------

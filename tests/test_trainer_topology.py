@@ -10,7 +10,6 @@ The failure paths use the trainer's test-only hooks (trainer/step.py: DFLASH_TRA
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,39 +22,16 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trainer import checkpoint  # noqa: E402
-from trainer.cli import run, train_entry  # noqa: E402
+from trainer_quick import QUICK, ROOT, metrics, step_losses, subprocess_env, train  # noqa: E402
 from trainer.step import DIVERGE_ENV, FAIL_WORKER_ENV, FlatGrads, gather_chunks, reduce_own_chunk  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-QUICK = ["--target", "tiny", "--data", "synthetic", "--batch-size", "4", "--block-size", "4", "--anchors", "4",
-         "--synthetic-samples", "32", "--synthetic-prompt-len", "8", "--synthetic-new-tokens", "24",
-         "--draft-layers", "1", "--cpu-threads", "1", "--eval-prompts", "2", "--eval-new-tokens", "8",
-         "--checkpoint-every", "0", "--lr", "3e-3", "--seed", "5"]
 STEPS = ["--steps", "4", "--checksum-every", "2"]
-
-
-def train(out: Path, *extra: str) -> int:
-    return run(train_entry, [*QUICK, "--out", str(out), *extra])
 
 
 def python_m_trainer(out: Path, *extra: str, env: dict | None = None, timeout: float = 180):
     cmd = [sys.executable, "-m", "trainer", *QUICK, "--out", str(out), *extra]
     return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(**(env or {})), capture_output=True, text=True,
                           timeout=timeout)
-
-
-def subprocess_env(**extra) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **extra)
-    env.pop("DFLASH_OPS_WORKDIR", None)
-    return env
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def step_losses(out: Path) -> dict[int, float]:
-    return {m["step"]: m["loss"] for m in metrics(out) if "loss" in m and "event" not in m}
 
 
 def events(out: Path, name: str) -> list[dict]:
