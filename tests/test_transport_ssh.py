@@ -157,3 +157,20 @@ def test_pct_on_the_local_node(fakepct):
     t = PctTransport(LocalTransport(), 300, pct=str(fakepct.path))
     t.check()
     assert t.run(["printenv", "container"]).stdout == b"lxc\n"
+
+
+def test_a_commands_own_255_is_not_mistaken_for_pct_refusing(ct):
+    session, target = ct
+    # The first command on a fresh transport carries the container check; the command exiting 255
+    # on a running container must come back as its own status, with its own stderr.
+    r = session.transport(target).script("echo mine >&2; exit 255")
+    assert (r.exit_code, r.stderr) == (255, b"mine\n")
+
+
+def test_stopped_container_while_streaming_stderr(sshd, fakepct, make_inventory):
+    fakepct.create(202, running=False)
+    inv = inventory.load(str(make_inventory({"t": {"host": "node", "vmid": 202}})))
+    seen = []
+    with Session(inv) as s, pytest.raises(ContainerError, match="is stopped"):
+        s.transport(inv.target("t")).run(["true"], stderr=seen.append)
+    assert b"dflash-ops pct-status" not in b"".join(seen)
