@@ -95,6 +95,26 @@ def _chunks(stdin: Stdin) -> Iterable[bytes]:
     return stdin
 
 
+def _pump_both(sources, on_failure: Callable[[], None]):
+    """One daemon thread per (recv, sink) pair, moving chunks until EOF. The first exception (a
+    timeout, or a caller's sink raising) is kept and `on_failure()` stops the command, so the
+    other stream ends too. Returns (threads, failures)."""
+    failures: list[BaseException] = []
+
+    def pump(recv, sink):
+        try:
+            for data in iter(lambda: recv(CHUNK), b""):
+                sink(data)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the caller after the join
+            failures.append(e)
+            on_failure()
+
+    threads = [threading.Thread(target=pump, args=pair, daemon=True) for pair in sources]
+    for t in threads:
+        t.start()
+    return threads, failures
+
+
 class _Collector:
     """A sink that either forwards to the caller or keeps the bytes for the Result."""
 
@@ -122,15 +142,8 @@ class LocalTransport(Transport):
         except FileNotFoundError:
             return Result(127, b"", f"{argv[0]}: command not found\n".encode())
 
-        def pump(stream, sink):
-            for data in iter(lambda: stream.read1(CHUNK) if hasattr(stream, "read1")
-                             else stream.read(CHUNK), b""):
-                sink(data)
-
-        readers = [threading.Thread(target=pump, args=(proc.stdout, out), daemon=True),
-                   threading.Thread(target=pump, args=(proc.stderr, err), daemon=True)]
-        for t in readers:
-            t.start()
+        # bufsize=0: raw pipes, whose read(n) returns what is there without waiting for n bytes.
+        readers, failures = _pump_both([(proc.stdout.read, out), (proc.stderr.read, err)], proc.kill)
         try:
             for chunk in _chunks(stdin):
                 proc.stdin.write(chunk)
@@ -149,6 +162,8 @@ class LocalTransport(Transport):
             raise OpsError(f"local: {argv[0]} timed out after {timeout:.0f} s") from None
         for t in readers:
             t.join()
+        if failures:
+            raise failures[0]   # the caller's sink raised (e.g. its reader went away)
         if code < 0:          # match what a shell / lxc-attach reports: 128 + signal
             code = 128 - code
         return Result(code, out.value(), err.value())
@@ -223,20 +238,7 @@ class SshTransport(Transport):
         if timeout is not None:
             chan.settimeout(timeout)
         chan.exec_command(line)
-        failure: list[BaseException] = []
-
-        def pump(recv, sink):
-            try:
-                for data in iter(lambda: recv(CHUNK), b""):
-                    sink(data)
-            except BaseException as e:  # socket.timeout, or the caller's sink raising
-                failure.append(e)
-                chan.close()
-
-        readers = [threading.Thread(target=pump, args=(chan.recv, out), daemon=True),
-                   threading.Thread(target=pump, args=(chan.recv_stderr, err), daemon=True)]
-        for t in readers:
-            t.start()
+        readers, failure = _pump_both([(chan.recv, out), (chan.recv_stderr, err)], chan.close)
         try:
             for chunk in _chunks(stdin):
                 chan.sendall(chunk)

@@ -174,3 +174,15 @@ def test_stopped_container_while_streaming_stderr(sshd, fakepct, make_inventory)
     with Session(inv) as s, pytest.raises(ContainerError, match="is stopped"):
         s.transport(inv.target("t")).run(["true"], stderr=seen.append)
     assert b"dflash-ops pct-status" not in b"".join(seen)
+
+
+@pytest.mark.parametrize("where", ["local", "ssh"])
+def test_a_sink_that_raises_stops_the_command_and_reaches_the_caller(where, ct):
+    session, target = ct
+    t = LocalTransport() if where == "local" else session.transport(target)
+
+    def closed_reader(data):
+        raise BrokenPipeError("reader went away")
+
+    with pytest.raises(BrokenPipeError):
+        t.run(["sh", "-c", "while :; do echo y; done"], stdout=closed_reader, timeout=30)
