@@ -1,9 +1,13 @@
 """What the benchmarks share: the test suite's own loopback sshd and pct stand-in, outside pytest."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import shutil
 import sys
+import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -33,3 +37,23 @@ def node_inventory(server, pct, targets: dict[str, int], python: str = sys.execu
     for name, vmid in targets.items():
         lines.append(f"  {name}: {{host: node, vmid: {vmid}, python: {python}, workdir: {workdir}}}")
     return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def loopback_node(targets: dict[str, int], prefix: str = "dflash-bench-"):
+    """A scratch folder with a running loopback sshd, the pct stand-in with one running container
+    per target, and hosts.yaml naming them; everything is stopped and removed on exit.
+    Yields .scratch, .server, .pct, .inventory (path of hosts.yaml)."""
+    sshd_mod, conftest = fixtures()
+    scratch = Path(tempfile.mkdtemp(prefix=prefix))
+    server = sshd_mod.SshServer.start(scratch / "sshd")
+    try:
+        pct = conftest.install_fakepct(scratch / "pct")
+        for vmid in targets.values():
+            pct.create(vmid)
+        inv = scratch / "hosts.yaml"
+        inv.write_text(node_inventory(server, pct, targets))
+        yield SimpleNamespace(scratch=scratch, server=server, pct=pct, inventory=inv)
+    finally:
+        server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -11,15 +11,13 @@ connections and round trips each makes.
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from _harness import REPO, fixtures, node_inventory
+from _harness import loopback_node
 
 
 def make_tree(root: Path, n: int) -> None:
@@ -41,16 +39,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
 
-    sshd_mod, conftest = fixtures()
-    scratch = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
-    server = sshd_mod.SshServer.start(scratch / "sshd")
-    try:
-        pct = conftest.install_fakepct(scratch / "pct")
-        pct.create(200)
-        src = scratch / "src"
+    with loopback_node({"ct200": 200}) as node:
+        server, pct, inv = node.server, node.pct, node.inventory
+        src = node.scratch / "src"
         make_tree(src, args.files)
-        inv = scratch / "hosts.yaml"
-        inv.write_text(node_inventory(server, pct, {"ct200": 200}))
         ours = [sys.executable, "-m", "orchestrator.cli", "-i", str(inv), "deploy", "ct200", "--source", str(src)]
         ssh = (f"ssh -i {server.identity_file} -p {server.port} -o UserKnownHostsFile={server.known_hosts} "
                f"-o StrictHostKeyChecking=yes -o BatchMode=yes")
@@ -95,9 +87,6 @@ def main() -> None:
         print(f"dflash-ops: {conn_change[0]} SSH connection, {conn_change[1]} round trips for a change "
               f"(manifest with the pct status check, apply); {conn_noop[0]} connection, {conn_noop[1]} round trips "
               f"for no change. rsync: 1 SSH connection, 1 session (its protocol is pipelined).")
-    finally:
-        server.stop()
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

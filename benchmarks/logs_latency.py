@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from _harness import REPO, fixtures  # noqa: E402
+from _harness import fixtures  # noqa: E402
 
 MAIN = "from orchestrator.cli import main; main()"
 

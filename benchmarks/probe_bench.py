@@ -9,13 +9,9 @@ so the four probes share this machine's cores: the figure separates what the con
 from __future__ import annotations
 
 import argparse
-import shutil
-import sys
-import tempfile
 import time
-from pathlib import Path
 
-from _harness import REPO, fixtures, node_inventory
+from _harness import REPO, loopback_node
 
 
 def main() -> None:
@@ -23,18 +19,11 @@ def main() -> None:
     ap.add_argument("--policies", default="eager")
     ap.add_argument("--targets", type=int, default=4)
     args = ap.parse_args()
-    sshd_mod, conftest = fixtures()
     from orchestrator import deploy, inventory, probe
 
-    scratch = Path(tempfile.mkdtemp(prefix="dflash-probe-bench-"))
-    server = sshd_mod.SshServer.start(scratch / "sshd")
-    try:
-        pct = conftest.install_fakepct(scratch / "pct")
-        names = [f"ct{200 + i}" for i in range(args.targets)]
-        for i in range(args.targets):
-            pct.create(200 + i)
-        (scratch / "hosts.yaml").write_text(node_inventory(server, pct, {n: 200 + i for i, n in enumerate(names)}))
-        inv = inventory.load(str(scratch / "hosts.yaml"))
+    names = [f"ct{200 + i}" for i in range(args.targets)]
+    with loopback_node({n: 200 + i for i, n in enumerate(names)}, prefix="dflash-probe-bench-") as node:
+        inv = inventory.load(str(node.inventory))
         res = deploy.deploy(inv, names, source=str(REPO))
         assert all(r.ok for r in res.values()), {n: r.error for n, r in res.items()}
         pols = args.policies.split(",")
@@ -56,9 +45,7 @@ def main() -> None:
         print(f"| {args.targets} targets at once | {t_many:.1f} | {inner_many:.1f} |")
         print(f"\nratio {t_many / t_one:.2f}x; controller overhead (wall - program) "
               f"{t_one - inner_one:.2f} s for 1, {t_many - inner_many:.2f} s for {args.targets}")
-    finally:
-        server.stop()
-        shutil.rmtree(scratch, ignore_errors=True)
+
 
 
 if __name__ == "__main__":
