@@ -17,7 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trainer import checkpoint  # noqa: E402
-from trainer_quick import QUICK, ROOT, metrics, step_losses, subprocess_env, train  # noqa: E402
+from trainer_quick import (QUICK, ROOT, metrics, sigterm_once_training, step_losses,  # noqa: E402
+                           subprocess_env, train)
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
@@ -83,17 +84,9 @@ def test_two_workers_compute_the_same_update_as_one(tmp_path):
 
 def test_sigterm_mid_run_checkpoints_and_exits_143_then_resumes(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "trainer", *QUICK, "--out", str(out), "--steps", "100000"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        for line in proc.stdout:  # wait until it is really training
-            if line.startswith("{") and json.loads(line).get("step", 0) >= 3:
-                break
-        proc.send_signal(signal.SIGTERM)
-        rest, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 143, err
+    code, rest, err = sigterm_once_training(
+        [sys.executable, "-m", "trainer", *QUICK, "--out", str(out), "--steps", "100000"])
+    assert code == 143, err
     stopped = [json.loads(x) for x in rest.splitlines() if x.startswith("{") and '"stopped"' in x]
     assert len(stopped) == 1
     k = stopped[0]["step"]

@@ -9,8 +9,6 @@ The failure paths use the trainer's test-only hooks (trainer/step.py: DFLASH_TRA
 """
 from __future__ import annotations
 
-import json
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +20,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trainer import checkpoint  # noqa: E402
-from trainer_quick import QUICK, ROOT, metrics, step_losses, subprocess_env, train  # noqa: E402
+from trainer_quick import (QUICK, ROOT, metrics, sigterm_once_training, step_losses,  # noqa: E402
+                           subprocess_env, train)
 from trainer.step import DIVERGE_ENV, FAIL_WORKER_ENV, FlatGrads, gather_chunks, reduce_own_chunk  # noqa: E402
 
 STEPS = ["--steps", "4", "--checksum-every", "2"]
@@ -169,19 +168,10 @@ def test_a_failing_rank_fails_the_run_with_its_error_and_root_cause(tmp_path):
 
 def test_sigterm_to_the_launcher_checkpoints_on_rank_0_and_exits_143(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "trainer", *QUICK, "--out", str(out), "--steps", "100000", "--workers", "2",
-           "--topology", "processes"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        for line in proc.stdout:  # wait until it is really training
-            if line.startswith("{") and json.loads(line).get("step", 0) >= 3:
-                break
-        proc.send_signal(signal.SIGTERM)
-        rest, err = proc.communicate(timeout=90)
-    finally:
-        proc.kill()
-    assert proc.returncode == 143, err[-3000:]
+    code, _, err = sigterm_once_training(
+        [sys.executable, "-m", "trainer", *QUICK, "--out", str(out), "--steps", "100000", "--workers", "2",
+         "--topology", "processes"], timeout=90)
+    assert code == 143, err[-3000:]
     stopped = events(out, "stopped")
     assert len(stopped) == 1
     latest = checkpoint.find_latest(out)

@@ -59,7 +59,7 @@ def test_streaming_sinks_and_signal_exit(ct):
     assert r.exit_code == 128 + 15
 
 
-def test_keep_env_0_environment_only(ct, monkeypatch):
+def test_keep_env_0_environment_only(ct):
     session, target = ct
     r = session.transport(target).run(["env"])
     env = dict(line.split("=", 1) for line in r.stdout.decode().splitlines())

@@ -32,3 +32,22 @@ def subprocess_env(**extra) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **extra)
     env.pop("DFLASH_OPS_WORKDIR", None)
     return env
+
+
+def sigterm_once_training(cmd: list[str], *, after_step: int = 3, timeout: float = 60):
+    """Start `cmd` (a trainer), SIGTERM it once a step >= after_step is logged; returns
+    (exit status, the rest of stdout, stderr). The process is killed if it outlives `timeout`."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # wait until it is really training
+            if line.startswith("{") and json.loads(line).get("step", 0) >= after_step:
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return proc.returncode, rest, err
