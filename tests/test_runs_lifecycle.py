@@ -82,7 +82,9 @@ class Env:
         return json.loads((self.rundir(run) / "run.json").read_text())
 
     def log(self, run) -> bytes:
-        return (self.rundir(run) / "train.log").read_bytes()
+        # the run folder is made a moment before its log: polling may see one without the other
+        path = self.rundir(run) / "train.log"
+        return path.read_bytes() if path.exists() else b""
 
     def steps_logged(self, run) -> int:
         return self.log(run).count(b'{"step": ')

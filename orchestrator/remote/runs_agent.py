@@ -134,6 +134,8 @@ def cmd_launch(workdir):
             os.mkdir(rundir)
         except FileExistsError:
             _fail("run %s already exists" % run)
+        # the log exists as soon as the run does, so `logs` right after launch reads an empty log
+        open(os.path.join(rundir, LOG), "ab").close()
 
         config = None
         if spec.get("config_text") is not None:
