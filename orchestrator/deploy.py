@@ -13,7 +13,7 @@ import json
 import tarfile
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -79,24 +79,32 @@ def is_checkout(path: Path) -> bool:
     return 'name = "dflash-ops"' in text and (path / "trainer").is_dir()
 
 
-def load_source(explicit: str | None) -> Source:
-    """contract: --source DIR, else the current directory when it is a dflash-ops checkout,
-    else the installed package's own trainer/."""
+def source_root(explicit: str | None) -> tuple[Path, Path]:
+    """(root, folder whose files ship): contract: --source DIR, else the current directory when it
+    is a dflash-ops checkout, else the installed package's own trainer/ (shipped as trainer/...).
+    Cheap: deploy calls it before connecting, so a bad --source fails at once."""
     if explicit:
         root = Path(explicit).expanduser()
         if not root.is_dir():
             raise UsageError(f"--source {explicit}: not a folder")
-        files = fileset.collect(root)
-    elif is_checkout(Path.cwd()):
-        root = Path.cwd()
-        files = fileset.collect(root)
-    else:
-        trainer = Path(resources.files("trainer").joinpath("__init__.py")).parent
-        root = trainer.parent
-        files = [f"trainer/{f}" for f in fileset.collect(trainer)]
+        return root, root
+    if is_checkout(Path.cwd()):
+        return Path.cwd(), Path.cwd()
+    trainer = Path(resources.files("trainer").joinpath("__init__.py")).parent
+    return trainer.parent, trainer
+
+
+def scan_source(root: Path, folder: Path) -> Source:
+    """The file set under folder and its content-hash manifest (paths relative to root)."""
+    prefix = folder.relative_to(root).as_posix() if folder != root else ""
+    files = [f"{prefix}/{f}" if prefix else f for f in fileset.collect(folder)]
     if not files:
         raise UsageError(f"nothing to deploy in {root}")
     return Source(root.resolve(), files, fileset.manifest(root, files))
+
+
+def load_source(explicit: str | None) -> Source:
+    return scan_source(*source_root(explicit))
 
 
 def plan(local: dict[str, list], remote: dict[str, list]) -> tuple[list[str], list[str]]:
@@ -168,12 +176,16 @@ class TargetResult:
         return asdict(self)
 
 
-def deploy_target(session: Session, target: Target, source: Source, *, dry_run: bool = False,
-                  install_deps: bool = False, progress: Progress | None = None) -> TargetResult:
+def deploy_target(session: Session, target: Target, source: Source | Callable[[], Source], *,
+                  dry_run: bool = False, install_deps: bool = False,
+                  progress: Progress | None = None) -> TargetResult:
+    """One target: read its live manifest, send what changed, flip `current`. source may be a
+    callable that waits for it, so hashing the local files overlaps the remote read."""
     start = time.monotonic()
     res = TargetResult(target.name, dry_run=dry_run)
     t = session.transport(target)
     live = run_agent(t, target, ["manifest", target.workdir], what="read the live release")
+    source = source() if callable(source) else source
     res.python, res.torch, res.previous = live["python"], live["torch"], live["release"]
     changed, deleted = plan(source.manifest, live["manifest"] if live["release"] else {})
     res.changed, res.deleted = changed, deleted
@@ -203,21 +215,31 @@ def deploy(inventory: Inventory, names: list[str], *, source: str | None = None,
            session: Session | None = None) -> dict[str, TargetResult]:
     """Deploy to every named target in parallel; one result per target (style habit 5)."""
     targets = inventory.select(names)
-    src = load_source(source)
+    where = source_root(source)
     own = session is None
     session = session or Session(inventory)
 
-    def one(target: Target) -> TargetResult:
+    # The local files are hashed while the targets connect and read their live manifests (the
+    # remote side is mostly waiting); a worker waits for the hashes only when it needs them.
+    failed: list[UsageError] = []
+
+    def one(target: Target, src: Future) -> TargetResult:
         try:
-            return deploy_target(session, target, src, dry_run=dry_run, install_deps=install_deps,
-                                 progress=progress)
+            return deploy_target(session, target, src.result, dry_run=dry_run,
+                                 install_deps=install_deps, progress=progress)
+        except UsageError as e:          # the source itself is bad: the whole command fails
+            failed.append(e)
+            return TargetResult(target.name, error=e.render())
         except OpsError as e:
             return TargetResult(target.name, error=e.render())
 
     try:
-        with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
-            results = list(pool.map(one, targets))
+        with ThreadPoolExecutor(max_workers=1 + min(16, len(targets))) as pool:
+            src = pool.submit(scan_source, *where)
+            results = list(pool.map(lambda t: one(t, src), targets))
     finally:
         if own:
             session.close()
+    if failed:
+        raise failed[0]
     return {r.target: r for r in results}

@@ -169,12 +169,35 @@ class LocalTransport(Transport):
         return Result(code, out.value(), err.value())
 
 
+def _paramiko():
+    """paramiko, imported on first use so `dflash-ops --help` stays fast, and without `invoke`.
+
+    paramiko.config imports invoke inside a try/except, only to run `Match exec` lines of an
+    ssh_config; dflash-ops reads no ssh_config, and invoke's import (it pulls in asyncio and
+    unittest.mock) is ~85 ms of every command, about a fifth of a no-change deploy. So invoke
+    is hidden for the length of that one import and the entry removed again: nothing else in
+    the process is affected, and paramiko.config raises its ImportError only if asked to run
+    `Match exec`."""
+    import sys
+
+    if "paramiko" in sys.modules:
+        return sys.modules["paramiko"]
+    hide = "invoke" not in sys.modules
+    if hide:
+        sys.modules["invoke"] = None       # makes `import invoke` raise ImportError
+    try:
+        import paramiko
+    finally:
+        if hide and sys.modules.get("invoke", 0) is None:
+            del sys.modules["invoke"]
+    return paramiko
+
+
 class SshTransport(Transport):
     """One paramiko connection to one host, reused for every command of a dflash-ops command."""
 
     def __init__(self, host: Host, *, sock=None):
-        import paramiko  # imported here so `dflash-ops --help` stays fast
-
+        paramiko = _paramiko()
         self.host = host
         self.description = f"{host.user}@{host.address}:{host.port}"
         client = paramiko.SSHClient()

@@ -162,6 +162,30 @@ def test_cli_errors_and_exit_codes(env, tree, sshd, make_inventory):
     r = cli("-i", missing_python, "deploy", "t", "--source", tree)
     assert r.returncode == 1 and "python '/nope/python' not found" in r.stdout
 
+    r = cli("-i", path, "deploy", "ct200", "--source", tree / "no such folder")
+    assert r.returncode == 2 and "not a folder" in r.stderr and "Traceback" not in r.stderr
+    empty = tree.parent / "empty"
+    empty.mkdir()
+    r = cli("-i", path, "deploy", "ct200", "--source", empty)   # found while the target is read
+    assert r.returncode == 2 and "nothing to deploy" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_agent_reads_installed_versions_as_importlib_metadata_does():
+    from importlib import metadata
+    ns: dict = {}
+    source = deploy.agent_source()
+    exec(compile(source[:source.index("def main(")], "release_agent", "exec"), ns)
+    for name in ("torch", "PyYAML", "pyyaml", "typing-extensions", "paramiko"):
+        assert ns["_dist_version"](name) == metadata.version(name), name
+    assert ns["_dist_version"]("no-such-distribution") is None
+
+
+def test_paramiko_is_imported_without_invoke_and_invoke_still_imports_after():
+    code = ("import sys; from orchestrator import transport; p = transport._paramiko(); "
+            "assert 'invoke' not in sys.modules and p.SSHClient; import invoke; print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
 
 def test_targets_check_table_and_json(env):
     inv, path, pct = env
