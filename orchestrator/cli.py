@@ -165,7 +165,10 @@ def probe(state: State, names, gpus, policies, case_timeout, as_json):
         blocks.append("\n".join([head, *(f"  MISMATCH: {m}" for m in mismatches),
                                  table(["POLICY", "TOPOLOGY", "THREADS", "OUTCOME", "STEP_MS",
                                         "AGREES", "SIGNATURE"], rows),
-                                 f"chosen policy: {res.get('policy')} ({res.get('reason', '')})"]))
+                                 f"chosen policy: {res.get('policy')} ({res.get('reason', '')})",
+                                 *([f"for --topology processes: {res['processes_policy']} "
+                                    f"({res.get('processes_reason', '')})"]
+                                   if res.get("processes_policy") else [])]))
     emit(as_json, doc, "\n\n".join(blocks))
     failed = {n: r.get("error") for n, r in doc["targets"].items() if not r.get("ok")}
     if failed:

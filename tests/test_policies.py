@@ -82,6 +82,14 @@ def test_resolve_auto_reads_probe_json(tmp_path):
     (tmp_path / "probe.json").write_text(json.dumps({"policy": "inductor", "torch": torch.__version__,
                                                      "reason": "r", "result": {}, "history": []}))
     assert policies.resolve("auto", str(tmp_path)) == "inductor"
+    assert policies.resolve("auto", str(tmp_path), "processes") == "inductor"   # an older probe.json
+
+
+def test_resolve_auto_for_processes_takes_the_main_thread_choice(tmp_path):
+    (tmp_path / "probe.json").write_text(json.dumps({"policy": "inductor", "processes_policy": "reduce-overhead",
+                                                     "torch": torch.__version__}))
+    assert policies.resolve("auto", str(tmp_path)) == "inductor"
+    assert policies.resolve("auto", str(tmp_path), "processes") == "reduce-overhead"
 
 
 @pytest.mark.parametrize("content, needle", [

@@ -51,6 +51,22 @@ def test_choose_falls_back_to_eager():
     assert policy == "eager" and "fallback" in reason and "inductor (timeout)" in reason
 
 
+def test_processes_choice_comes_from_the_main_thread_where_cuda_graphs_are_allowed():
+    # as measured on the H200 (torch 2.11): trees fail in threads, pass in the main thread
+    cases = [case("eager", step_ms=30), case("inductor", step_ms=20),
+             case("reduce-overhead", outcome="failed", signature="cudagraph-trees-tls"),
+             case("eager", topology="main", step_ms=28, threads=1),
+             case("inductor", topology="main", step_ms=19, threads=1),
+             case("reduce-overhead", topology="main", step_ms=12, threads=1),
+             case("cudagraphs-no-trees", topology="main", step_ms=12.1, threads=1, agrees=False)]
+    assert probe.choose(cases)[0] == "inductor"
+    policy, reason = probe.choose_processes(cases)
+    assert policy == "reduce-overhead"
+    assert "CUDA-graph policies allowed with one process per GPU: reduce-overhead" in reason
+    policy, reason = probe.choose_processes([case("inductor", topology="main", outcome="timeout")])
+    assert policy == "eager" and "fallback" in reason
+
+
 # ---- classification of a case's process -----------------------------------------------------
 
 def run_record(output, exit_code, result=None, timed_out=False):
@@ -209,6 +225,9 @@ def test_probe_progress_and_saved_choice(probe_run):
     saved = json.loads((probe_run.workdir / "probe.json").read_text())
     assert saved["policy"] == probe_run.doc["policy"] and saved["result"]["cases"] == probe_run.doc["cases"]
     assert policies.resolve("auto", str(probe_run.workdir)) == probe_run.doc["policy"]
+    assert saved["processes_policy"] == probe_run.doc["processes_policy"] in ("eager", "inductor")
+    assert probe_run.doc["processes_reason"] and "for --topology processes: " in probe_run.stderr
+    assert policies.resolve("auto", str(probe_run.workdir), "processes") == probe_run.doc["processes_policy"]
 
 
 def test_probe_refuses_bad_arguments():

@@ -301,6 +301,17 @@ def test_follow_protocol_offsets_tail_and_end(wd):
     agent("stop", wd, "f-b", "--force")
 
 
+def test_auto_records_the_probe_choice_for_the_topology(tmp_path):
+    space = {"__name__": "not_main"}
+    exec(compile(SOURCE, "runs_agent", "exec"), space)
+    assert space["_probe_policy"](str(tmp_path)) == (False, None)
+    (tmp_path / "probe.json").write_text(json.dumps({"policy": "inductor", "processes_policy": "reduce-overhead"}))
+    assert space["_probe_policy"](str(tmp_path)) == (True, "inductor")
+    assert space["_probe_policy"](str(tmp_path), "processes") == (True, "reduce-overhead")
+    (tmp_path / "probe.json").write_text(json.dumps({"policy": "inductor"}))   # a probe from before
+    assert space["_probe_policy"](str(tmp_path), "processes") == (True, "inductor")
+
+
 def test_launch_refusals(wd, tmp_path):
     assert launch(wd, "p-a", policy="auto")["reason"] == "no_probe"
     (wd / "probe.json").write_text(json.dumps({"policy": "inductor", "torch": "0"}))

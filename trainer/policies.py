@@ -88,8 +88,10 @@ def torch_version(version: str | None = None) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def resolve(policy: str, workdir: str | None) -> str:
-    """A policy name as given, or for 'auto' the probe's choice saved in WORKDIR/probe.json."""
+def resolve(policy: str, workdir: str | None, topology: str = "threads") -> str:
+    """A policy name as given, or for 'auto' the probe's choice saved in WORKDIR/probe.json: its
+    `policy` for worker threads, its `processes_policy` (from the main-thread cases, CUDA graphs
+    allowed) for `--topology processes`, falling back to `policy` for a probe.json without it."""
     if policy != "auto":
         _check_name(policy)
         return policy
@@ -103,6 +105,8 @@ def resolve(policy: str, workdir: str | None) -> str:
     except (OSError, ValueError) as e:
         raise PolicyError(f"{path}: unreadable probe result ({e}): run `dflash-ops probe` again") from None
     chosen = saved.get("policy") if isinstance(saved, dict) else None
+    if topology == "processes" and isinstance(saved, dict) and saved.get("processes_policy"):
+        chosen = saved["processes_policy"]
     if chosen not in POLICY_NAMES:
         raise PolicyError(f"{path}: probe chose {chosen!r}, not a known policy: "
                           "run `dflash-ops probe` again")

@@ -13,7 +13,9 @@ N worker threads (one per GPU, or sharing GPU 0 / the CPU), each with its own re
 seed, configured inside the thread, compiling and warming up concurrently as the trainer does.
 Each case is checked against an eager run of the same seed. The choice: the fastest policy that
 passed in `threads` and agreed with eager (eager is the fallback); with --workdir it is saved
-atomically in WORKDIR/probe.json, which `--compile-policy auto` reads (policies.resolve).
+atomically in WORKDIR/probe.json, which `--compile-policy auto` reads (policies.resolve). A second
+choice, `processes_policy`, answers `--topology processes` (one process per GPU under torchrun):
+the fastest policy that passed in `main`, where CUDA-graph policies are allowed.
 
 This module is the parent: the matrix, each case's isolation, the choice, the saved result.
 One case (`--case`) is probe_case.py; the block it trains, probe_block.py; the build report,
@@ -179,6 +181,26 @@ def choose(cases: list[dict]) -> tuple[str, str]:
     return best["policy"], reason + notes
 
 
+def choose_processes(cases: list[dict]) -> tuple[str, str]:
+    """The policy for `--topology processes`: each torchrun rank trains in its process's main
+    thread, so the `main` cases answer it, CUDA-graph policies included (the thread-local
+    cudagraph-tree state that breaks them in worker threads is not shared across processes)."""
+    passed = [c for c in cases if c["topology"] == "main" and c["outcome"] == "ok"
+              and c["agrees"] and c["step_ms"] is not None]
+    if not passed:
+        return "eager", "no policy passed in the main thread and agreed with eager: eager is the fallback"
+    order = {name: i for i, name in enumerate(policies.POLICY_NAMES)}
+    fastest = min(passed, key=lambda c: c["step_ms"])
+    best = min((c for c in passed if c["step_ms"] <= fastest["step_ms"] * (1 + TIE_MARGIN)),
+               key=lambda c: order.get(c["policy"], 99))
+    graphs = [c["policy"] for c in passed if policies.needs_cuda(c["policy"])]
+    reason = (f"{best['policy']}: fastest of {len(passed)} that ran in one process's main thread "
+              f"and agreed with eager ({best['step_ms']:.2f} ms/step)")
+    if graphs:
+        reason += f"; CUDA-graph policies allowed with one process per GPU: {', '.join(graphs)}"
+    return best["policy"], reason
+
+
 def save_result(workdir: str, doc: dict) -> str:
     """Write WORKDIR/probe.json atomically (temp file + rename), keeping the last runs' summaries."""
     os.makedirs(workdir, exist_ok=True)
@@ -189,6 +211,7 @@ def save_result(workdir: str, doc: dict) -> str:
         history = list(prev.get("history") or [])
         history.append({k: prev.get(k) for k in ("policy", "reason", "time", "torch")})
     record = {"policy": doc["policy"], "reason": doc["reason"], "time": doc["time"],
+              "processes_policy": doc.get("processes_policy"),
               "torch": doc["torch"]["version"], "result": doc, "history": history[-HISTORY_KEEP:]}
     fd, tmp = tempfile.mkstemp(prefix=".probe.", suffix=".json", dir=workdir)
     try:
@@ -257,6 +280,8 @@ def run_probe(args) -> dict:
     if interrupted:
         reason += " (probe stopped early: later cases not run)"
     _progress(f"chosen: {reason}")
+    processes_policy, processes_reason = choose_processes(cases)
+    _progress(f"for --topology processes: {processes_reason}")
     c = GPU_CONFIG if cuda else CPU_CONFIG
     doc = {
         "ok": True, "build": build,
@@ -267,6 +292,7 @@ def run_probe(args) -> dict:
         "model": asdict(c), "dtype": "bfloat16" if cuda and build["bf16"] else "float32",
         "policies": {p: policies.describe(p) for p in names},
         "cases": cases, "policy": policy, "reason": reason, "interrupted": interrupted,
+        "processes_policy": processes_policy, "processes_reason": processes_reason,
         "catalog_error": catalog_error,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": round(time.monotonic() - t_start, 2),

@@ -145,7 +145,7 @@ def open_run(cfg: TrainConfig, *, writer: bool) -> tuple[Path, Path | None]:
 
 
 def resolve_policy(cfg: TrainConfig, device: torch.device) -> str:
-    policy = policies.resolve(cfg.compile_policy, cfg.workdir or None)
+    policy = policies.resolve(cfg.compile_policy, cfg.workdir or None, cfg.topology)
     if policies.needs_cuda(policy) and device.type != "cuda":
         raise UsageError(f"--compile-policy {policy} captures CUDA graphs and needs --gpus >= 1")
     return policy

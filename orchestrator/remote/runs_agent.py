@@ -80,12 +80,14 @@ def _release_info(workdir):
     return os.path.basename(path), path, commit
 
 
-def _probe_policy(workdir):
-    """(probe.json found, the policy it chose or None)."""
+def _probe_policy(workdir, topology="threads"):
+    """(probe.json found, the policy it chose for that topology or None)."""
     doc = _read_json(os.path.join(workdir, "probe.json"))
     if doc is None:
         return os.path.exists(os.path.join(workdir, "probe.json")), None
     policy = doc.get("policy") if isinstance(doc, dict) else None
+    if topology == "processes" and isinstance(doc, dict) and doc.get("processes_policy"):
+        policy = doc["processes_policy"]
     if isinstance(policy, dict):
         policy = policy.get("name")
     return True, policy if isinstance(policy, str) and policy else None
@@ -111,7 +113,7 @@ def cmd_launch(workdir):
     policy = spec.get("policy") or "auto"
     probe_choice = None
     if policy == "auto":
-        found, probe_choice = _probe_policy(workdir)
+        found, probe_choice = _probe_policy(workdir, spec.get("topology") or "threads")
         if not found:
             _refuse("no_probe", "--policy auto needs a probe result and %s/probe.json does not exist"
                     % workdir)
