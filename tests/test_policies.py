@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import pytest
@@ -215,3 +216,18 @@ def test_importing_policies_needs_no_torch():
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
                    check=True, timeout=60)
+
+
+def test_share_cpu_gives_each_worker_its_share_of_the_cores(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        cores = len(os.sched_getaffinity(0))
+        assert policies.share_cpu(2) == max(1, cores // 2) == torch.get_num_threads()
+        assert policies.share_cpu(64) == 1 == torch.get_num_threads()
+        assert policies.share_cpu(1) == cores
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")        # the user's word wins
+        torch.set_num_threads(1)
+        assert policies.share_cpu(1) == 1
+    finally:
+        torch.set_num_threads(before)

@@ -70,6 +70,8 @@ def run_case(policy: str, topology: str, n_threads: int, steps: int, warmup: int
     dev = (lambda i: f"cuda:{i % n_gpus}") if cuda else (lambda i: "cpu")
     # one cache entry per replica at worst (device index and module identity are guarded)
     n_devices = n_threads if topology == "threads" else 1
+    if not cuda:
+        policies.share_cpu(n_devices)
 
     ref = _replica("eager", dev(0), 1, c, amp, batches, warmup, None)     # the numerics yardstick
     results: list[dict | None] = []

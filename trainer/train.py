@@ -78,6 +78,8 @@ def _main(cfg: TrainConfig, stop: threading.Event) -> int:
     devices = devices_for(cfg)
     if cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
+    elif devices[0].type == "cpu" and len(devices) > 1:
+        policies.share_cpu(len(devices))      # K CPU workers: cores / K intra-op threads each
     policy = resolve_policy(cfg, devices[0])
     log.info(f"torch {torch.__version__} | devices {', '.join(map(str, devices))} | topology threads | "
              f"compile policy {policy}" + (" (auto: from probe.json)" if cfg.compile_policy == "auto" else ""))
