@@ -131,10 +131,25 @@ def _size(n: int) -> str:
 
 # --- probe -----------------------------------------------------------------------------------
 
+def _policy_list(value: str | None) -> str | None:
+    """--policies A,B: known names only, refused before anything connects."""
+    from trainer.policies import POLICY_NAMES   # names only: importing it does not import torch
+
+    if value is None:
+        return None
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    bad = [n for n in names if n not in POLICY_NAMES]
+    if bad or not names:
+        raise click.BadParameter(f"{', '.join(bad) or repr(value)}: not a policy "
+                                 f"(choose from {', '.join(POLICY_NAMES)})")
+    return ",".join(names)
+
+
 @cli.command()
 @click.argument("names", nargs=-1, metavar="[TARGET...]")
 @click.option("--gpus", type=click.IntRange(min=1), help="Worker threads to test (default: the target's gpus, at least 2).")
-@click.option("--policies", metavar="A,B", help="Only these policies (default: all).")
+@click.option("--policies", metavar="A,B", callback=lambda ctx, param, value: _policy_list(value),
+              help="Only these policies (default: all).")
 @click.option("--case-timeout", type=click.IntRange(min=10),
               help="Seconds before one case counts as hung (default: 600 on CUDA, 300 on CPU).")
 @json_option

@@ -13,6 +13,8 @@ import sys
 
 import click
 
+from trainer.policies import POLICY_NAMES   # names only: importing it does not import torch
+
 from .cli import State, cli, emit, json_option
 from .errors import OpsError, TargetsFailed, UsageError
 from .ui import table
@@ -70,6 +72,7 @@ def _split_launch_args(state: State, args: tuple[str, ...]) -> tuple[str | None,
 @click.option("--topology", type=click.Choice(["threads", "processes"]), default="threads",
               show_default=True, help="One thread per device, or one process per device.")
 @click.option("--policy", default="auto", show_default=True, metavar="NAME|auto",
+              type=click.Choice(("auto", *POLICY_NAMES)),
               help="Compile policy; auto = the probe's choice (run `dflash-ops probe` first).")
 @click.option("--workers", type=click.IntRange(min=1), metavar="K",
               help="With --gpus 0: CPU worker threads.")

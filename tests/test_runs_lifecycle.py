@@ -117,6 +117,11 @@ def test_launch_refusals_say_what_to_do(ct):
         assert b"Traceback" not in err and len(err.decode().strip().splitlines()) == 1
     r = ct.cli("logs", "ct200")
     assert r.returncode == 102 and b"no runs yet" in r.stderr
+    # unknown policy names are usage errors, refused before anything connects
+    r = ct.cli("launch", "ct200", "--policy", "turbo")
+    assert r.returncode == 2 and b"'turbo' is not one of 'auto', 'eager'" in r.stderr
+    r = ct.cli("probe", "ct200", "--policies", "eager,turbo")
+    assert r.returncode == 2 and b"turbo: not a policy" in r.stderr and b"Traceback" not in r.stderr
 
 
 def test_launch_detaches_then_logs_follow_to_success(ct, tmp_path):
