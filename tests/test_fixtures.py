@@ -212,7 +212,7 @@ def test_detached_command_returns_and_stop_kills_it(run, ct200):
     started = time.monotonic()
     done = run(pct(ct200, "exec", 200, "--keep-env", 0, "--", "bash", "-c", script))
     assert done.returncode == 0, done.stderr
-    assert time.monotonic() - started < 5, "a fully redirected background job must not hold exec"
+    assert time.monotonic() - started < 30, "a fully redirected background job must not hold exec (60 s)"
 
     def running():
         pids = []

@@ -177,9 +177,10 @@ def test_launch_returns_at_once_and_records_the_run(wd, tmp_path):
     cfg = tmp_path / "my.yaml"
     start = time.monotonic()
     # capture_output: if the detached supervisor kept the pipes, this would hang (field notes 2)
-    doc = launch(wd, "r-a", extra=["--steps", "400", "--sleep", "0.02"], config_text="steps: 3\n",
+    # (a launch held by the run's pipes would return when the run ends, after 40 s or more)
+    doc = launch(wd, "r-a", extra=["--steps", "2000", "--sleep", "0.02"], config_text="steps: 3\n",
                  config_name=cfg.name, target="ct200")
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30
     assert doc["ok"] and doc["pid"] > 0 and doc["slots"] == ["cpu"] and doc["commit"] == "abc1234"
     run = wd / "runs" / "r-a"
     rec = _json(run / "run.json")
@@ -197,6 +198,7 @@ def test_launch_returns_at_once_and_records_the_run(wd, tmp_path):
     log = (run / "train.log").read_text()
     assert "CUDA_VISIBLE_DEVICES=''" in log and "unbuffered=1" in log and "config=" + str(run / "my.yaml") in log
     assert f"cwd={wd / 'releases' / 'r1'}" in log
+    agent("stop", wd, "r-a", "--force")
 
 
 def test_gpu_slots_choose_free_gpus_and_refuse_when_busy(wd):
