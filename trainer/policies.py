@@ -124,8 +124,8 @@ def share_cpu(workers: int) -> int:
     """Give each of `workers` threads training on the CPU its own share of the cores, as torch's
     intra-op thread count (process-wide), and return it. By default every thread that calls into
     ATen leads an OpenMP team as wide as the machine, and idle OpenMP threads spin: K workers on
-    C cores run K x C spinning threads. Measured on 2 cores, four probes at once took 89.8 s
-    against 9.8 s for one (docs/benchmarks.md). An explicit OMP_NUM_THREADS is left alone."""
+    C cores run K x C spinning threads (docs/benchmarks.md, the probe section). An explicit
+    OMP_NUM_THREADS is left alone."""
     import torch
 
     if os.environ.get("OMP_NUM_THREADS"):

@@ -64,11 +64,6 @@ def _run_child(policy: str, topology: str, n: int, args) -> dict:
     # faulthandler prints "Fatal Python error: Segmentation fault" and every thread's stack
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    if args.device == "cpu":
-        # Idle OpenMP threads sleep instead of spinning: containers of one node probing at once
-        # share its cores, and spinning teams starve each other (4 probes on 2 cores: 89.8 s ->
-        # 21 s; one probe 9.8 -> 10.2 s). On a GPU the cases barely use OpenMP.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     cmd = [sys.executable, "-m", "trainer.probe", "--case", f"{policy}:{topology}:{n}",
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
     return run_isolated(cmd, args.timeout, cwd=root, env=env)
