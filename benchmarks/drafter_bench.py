@@ -369,6 +369,14 @@ def main(argv=None) -> int:
             print(f"\nprofile of {r['variant']} (CUDA kernel ms over {r['profile']['steps']} steps): "
                   f"{json.dumps(r['profile']['by_category_ms'])}, total {r['profile']['total_ms']}")
     print("\n" + table)
+    try:
+        from plot_drafter import plot
+
+        print(f"plot: {plot(results, out / 'results.png')}")
+    except ImportError:
+        print("plot: skipped (no matplotlib here; run benchmarks/plot_drafter.py on results.json)")
+    except ValueError as e:
+        print(f"plot: skipped ({e})")
     return 0
 
 

@@ -1,0 +1,37 @@
+"""benchmarks/plot_drafter.py: pure rendering of drafter_bench records."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "plot_drafter.py"
+spec = importlib.util.spec_from_file_location("plot_drafter", SCRIPT)
+plot_drafter = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(plot_drafter)
+
+RECORDS = [
+    {"variant": "eager/sdpa/dense", "ok": True, "batch": 2, "ms_per_sample": 106.2},
+    {"variant": "inductor/flex/chunked", "ok": True, "batch": 2, "ms_per_sample": 58.0,
+     "profile": {"steps": 2, "by_category_ms": {"matmul": 183.2, "optimizer": 24.0}}},
+    {"variant": "inductor/sdpa/dense", "ok": True, "batch": 2, "ms_per_sample": 81.7,
+     "profile": {"per_sample_ms": {"matmul": 43.9}}},
+    {"variant": "reduce-overhead/flex/chunked", "ok": False, "error": "PolicyError"},
+]
+
+
+def test_breakdown_is_per_sample():
+    assert plot_drafter.per_sample_breakdown(RECORDS[1]) == {"matmul": 45.8, "optimizer": 6.0}
+    assert plot_drafter.per_sample_breakdown(RECORDS[2]) == {"matmul": 43.9}
+    assert plot_drafter.per_sample_breakdown(RECORDS[0]) == {}
+
+
+def test_writes_a_png_of_what_ran(tmp_path):
+    out = plot_drafter.plot(RECORDS, tmp_path / "r" / "bench.png", "title")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no variant"):
+        plot_drafter.plot(RECORDS[3:], tmp_path / "none.png")
+
+
+def test_cli_refuses_a_bad_file_in_one_line(tmp_path, capsys):
+    assert plot_drafter.main([str(tmp_path / "missing.json"), "-o", str(tmp_path / "x.png")]) == 2
+    assert "missing.json" in capsys.readouterr().err
