@@ -34,6 +34,8 @@ class DraftLoss(nn.Module):
             raise ValueError(f"attention backend {attention!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
         if loss not in LOSS_BACKENDS:
             raise ValueError(f"loss backend {loss!r}: choose one of {', '.join(LOSS_BACKENDS)}")
+        if float(pos_weights[0]) != 0.0:
+            raise ValueError("block position 0 is the anchor and must carry no loss (pos_weights[0] == 0)")
         self.drafter = drafter
         self.attention = attention
         self.loss = loss
@@ -65,7 +67,16 @@ class DraftLoss(nn.Module):
             mask = masks.attention_mask(anchors, S, cfg.block_size)  # (B, Tq, S + Tq)
         ctx_pos = torch.arange(S, device=input_ids.device).expand(B, S)
         hidden = self.drafter(block_ids, block_pos, feats, ctx_pos, mask)  # (B, Tq, H)
+        # Block position 0 is the anchor, given as input: weight 0, nothing to predict. The head
+        # (a 4096 x 151936 matmul per token at the 8B shape) sees positions 1..Bs-1 only.
+        bs, n = cfg.block_size, block_ids.shape[1] // cfg.block_size
+        hidden = hidden.view(B, n, bs, -1)[:, :, 1:].reshape(B, n * (bs - 1), -1)
+        labels = labels.view(B, n, bs)[:, :, 1:].reshape(B, -1)
+        weights = weights.view(B, n, bs)[:, :, 1:].reshape(B, -1)
         if loss == "chunked":
-            return fused_ce.block_loss(hidden, self.drafter.norm, self.drafter.lm_head.weight,
-                                       labels, weights, cfg.block_size)
-        return masks.block_loss(self.drafter.logits(hidden), labels, weights, cfg.block_size)
+            loss_sum, correct, count = fused_ce.block_loss(hidden, self.drafter.norm, self.drafter.lm_head.weight,
+                                                           labels, weights, bs - 1)
+        else:
+            loss_sum, correct, count = masks.block_loss(self.drafter.logits(hidden), labels, weights, bs - 1)
+        zero = correct.new_zeros(1)   # per-position counts keep position 0 (always 0 of 0)
+        return loss_sum, torch.cat([zero, correct]), torch.cat([zero, count])

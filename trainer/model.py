@@ -221,10 +221,12 @@ def flops_per_sample(cfg: DrafterConfig, seq_len: int, query_tokens: int) -> flo
 def flops_needed(cfg: DrafterConfig, seq_len: int, query_tokens: int, attended_pairs: float | None = None) -> float:
     """Training FLOPs of one sample that the work actually requires (compare flops_per_sample).
 
-    Two differences from the dense count: the lm_head is frozen, so its backward is the input
-    gradient only (2x its forward, not 3x); and attention counts only the (query, key) pairs the
-    mask allows, `attended_pairs` per sample (attention.attended_pairs / batch), dense if None.
-    For the 8B shape (S 768, 256 anchors x 16, ~392 keys per query) this gives ~34.9 TFLOP.
+    Three differences from the dense count: the lm_head is frozen, so its backward is the input
+    gradient only (2x its forward, not 3x); it runs on block positions 1..Bs-1 only (position 0 is
+    the anchor, with no loss: trainer/draft_loss.py); and attention counts only the (query, key)
+    pairs the mask allows, `attended_pairs` per sample (attention.attended_pairs / batch), dense if
+    None. For the 8B shape (S 768, 256 anchors x 16, ~390 keys per query) this gives ~34.2 TFLOP
+    (~34.9 before the anchor rows were skipped).
     """
     H, S, Tq = cfg.hidden_size, seq_len, query_tokens
     q_dim = cfg.num_heads * cfg.head_dim
@@ -234,4 +236,4 @@ def flops_needed(cfg: DrafterConfig, seq_len: int, query_tokens: int, attended_p
     attn_dense = cfg.num_layers * 2 * 2 * q_dim * dense_pairs
     attn = cfg.num_layers * 2 * 2 * q_dim * pairs
     rest = flops_per_sample(cfg, seq_len, query_tokens) / 3.0 - head - attn_dense
-    return 3.0 * (rest + attn) + 2.0 * head
+    return 3.0 * (rest + attn) + 2.0 * head * (cfg.block_size - 1) / cfg.block_size
