@@ -169,6 +169,9 @@ class LocalTransport(Transport):
         return Result(code, out.value(), err.value())
 
 
+_PARAMIKO_IMPORT = threading.Lock()
+
+
 def _paramiko():
     """paramiko, imported on first use so `dflash-ops --help` stays fast, and without `invoke`.
 
@@ -180,17 +183,20 @@ def _paramiko():
     `Match exec`."""
     import sys
 
-    if "paramiko" in sys.modules:
-        return sys.modules["paramiko"]
-    hide = "invoke" not in sys.modules
-    if hide:
-        sys.modules["invoke"] = None       # makes `import invoke` raise ImportError
-    try:
-        import paramiko
-    finally:
-        if hide and sys.modules.get("invoke", 0) is None:
-            del sys.modules["invoke"]
-    return paramiko
+    # Under a lock: targets connect from parallel threads, and a second thread must neither see
+    # a half-imported paramiko in sys.modules nor restore `invoke` while the first imports.
+    with _PARAMIKO_IMPORT:
+        if "paramiko" in sys.modules:
+            return sys.modules["paramiko"]
+        hide = "invoke" not in sys.modules
+        if hide:
+            sys.modules["invoke"] = None       # makes `import invoke` raise ImportError
+        try:
+            import paramiko
+        finally:
+            if hide and sys.modules.get("invoke", 0) is None:
+                del sys.modules["invoke"]
+        return paramiko
 
 
 class SshTransport(Transport):

@@ -181,8 +181,11 @@ def test_agent_reads_installed_versions_as_importlib_metadata_does():
 
 
 def test_paramiko_is_imported_without_invoke_and_invoke_still_imports_after():
-    code = ("import sys; from orchestrator import transport; p = transport._paramiko(); "
-            "assert 'invoke' not in sys.modules and p.SSHClient; import invoke; print('ok')")
+    # from 8 threads at once, as parallel targets connect: each gets the whole module
+    code = ("import sys, threading; from orchestrator import transport; got = []\n"
+            "ts = [threading.Thread(target=lambda: got.append(transport._paramiko().SSHClient)) for _ in range(8)]\n"
+            "[t.start() for t in ts]; [t.join() for t in ts]\n"
+            "assert len(got) == 8 and 'invoke' not in sys.modules; import invoke; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
