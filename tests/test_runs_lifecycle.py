@@ -171,7 +171,10 @@ def test_follow_survives_dropped_connections_byte_for_byte(ct, tmp_path):
         drops = 0
         for _ in range(3):
             seen = out.stat().st_size
-            wait_for(lambda: out.stat().st_size > seen + 200, what="new bytes after a drop")
+            # New bytes alone may be ones received before the last drop and written after it:
+            # wait for a live connection too (the follower has reconnected), then drop it.
+            wait_for(lambda: out.stat().st_size > seen + 200 and ct.sshd.children(),
+                     what="new bytes over a live connection")
             if ct.sshd.kill_connections():
                 drops += 1
         seen = out.stat().st_size
