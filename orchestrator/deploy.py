@@ -103,10 +103,6 @@ def scan_source(root: Path, folder: Path) -> Source:
     return Source(root.resolve(), files, fileset.manifest(root, files))
 
 
-def load_source(explicit: str | None) -> Source:
-    return scan_source(*source_root(explicit))
-
-
 def plan(local: dict[str, list], remote: dict[str, list]) -> tuple[list[str], list[str]]:
     """(files to send, files that disappear): pure, by content hash and executable bit."""
     changed = [p for p, m in local.items() if remote.get(p) != m]
@@ -176,16 +172,16 @@ class TargetResult:
         return asdict(self)
 
 
-def deploy_target(session: Session, target: Target, source: Source | Callable[[], Source], *,
+def deploy_target(session: Session, target: Target, get_source: Callable[[], Source], *,
                   dry_run: bool = False, install_deps: bool = False,
                   progress: Progress | None = None) -> TargetResult:
-    """One target: read its live manifest, send what changed, flip `current`. source may be a
-    callable that waits for it, so hashing the local files overlaps the remote read."""
+    """One target: read its live manifest, send what changed, flip `current`. get_source waits
+    for the local file set, so hashing it overlaps the remote read."""
     start = time.monotonic()
     res = TargetResult(target.name, dry_run=dry_run)
     t = session.transport(target)
     live = run_agent(t, target, ["manifest", target.workdir], what="read the live release")
-    source = source() if callable(source) else source
+    source = get_source()
     res.python, res.torch, res.previous = live["python"], live["torch"], live["release"]
     changed, deleted = plan(source.manifest, live["manifest"] if live["release"] else {})
     res.changed, res.deleted = changed, deleted
@@ -219,27 +215,22 @@ def deploy(inventory: Inventory, names: list[str], *, source: str | None = None,
     own = session is None
     session = session or Session(inventory)
 
-    # The local files are hashed while the targets connect and read their live manifests (the
-    # remote side is mostly waiting); a worker waits for the hashes only when it needs them.
-    failed: list[UsageError] = []
-
     def one(target: Target, src: Future) -> TargetResult:
         try:
             return deploy_target(session, target, src.result, dry_run=dry_run,
                                  install_deps=install_deps, progress=progress)
-        except UsageError as e:          # the source itself is bad: the whole command fails
-            failed.append(e)
-            return TargetResult(target.name, error=e.render())
         except OpsError as e:
             return TargetResult(target.name, error=e.render())
 
     try:
         with ThreadPoolExecutor(max_workers=1 + min(16, len(targets))) as pool:
+            # The local files are hashed while the targets connect and read their live manifests
+            # (the remote side is mostly waiting); a worker waits for the hashes when it needs them.
             src = pool.submit(scan_source, *where)
-            results = list(pool.map(lambda t: one(t, src), targets))
+            results = list(pool.map(one, targets, [src] * len(targets)))
     finally:
         if own:
             session.close()
-    if failed:
-        raise failed[0]
+    if src.exception() is not None:     # the source itself is bad: the whole command fails
+        raise src.exception()
     return {r.target: r for r in results}
