@@ -164,14 +164,8 @@ def choose(cases: list[dict]) -> tuple[str, str]:
         notes += f"; ran but disagreed with eager: {', '.join(disagreed)}"
     if not passed:
         return "eager", "no policy passed in threads and agreed with eager: eager is the fallback" + notes
-    order = {name: i for i, name in enumerate(policies.POLICY_NAMES)}
     passed.sort(key=lambda c: c["step_ms"])
-    best = passed[0]
-    # a simpler policy within the noise margin of the fastest wins
-    for c in sorted(passed, key=lambda c: order.get(c["policy"], 99)):
-        if c["step_ms"] <= best["step_ms"] * (1 + TIE_MARGIN):
-            best = c
-            break
+    best = _fastest_or_simpler(passed)
     others = ", ".join(f"{c['policy']} {c['step_ms']:.2f}" for c in passed if c is not best)
     reason = (f"{best['policy']}: fastest of {len(passed)} polic{'y' if len(passed) == 1 else 'ies'} "
               f"that ran in {best['threads']} threads and agreed with eager "
@@ -179,6 +173,14 @@ def choose(cases: list[dict]) -> tuple[str, str]:
     if best is not passed[0]:
         reason += f" (within {TIE_MARGIN:.0%} of {passed[0]['policy']}: the simpler policy wins)"
     return best["policy"], reason + notes
+
+
+def _fastest_or_simpler(passed: list[dict]) -> dict:
+    """The fastest case, unless a simpler policy (earlier in POLICY_NAMES) is within the noise margin."""
+    order = {name: i for i, name in enumerate(policies.POLICY_NAMES)}
+    fastest = min(passed, key=lambda c: c["step_ms"])
+    return min((c for c in passed if c["step_ms"] <= fastest["step_ms"] * (1 + TIE_MARGIN)),
+               key=lambda c: order.get(c["policy"], 99))
 
 
 def choose_processes(cases: list[dict]) -> tuple[str, str]:
@@ -189,10 +191,7 @@ def choose_processes(cases: list[dict]) -> tuple[str, str]:
               and c["agrees"] and c["step_ms"] is not None]
     if not passed:
         return "eager", "no policy passed in the main thread and agreed with eager: eager is the fallback"
-    order = {name: i for i, name in enumerate(policies.POLICY_NAMES)}
-    fastest = min(passed, key=lambda c: c["step_ms"])
-    best = min((c for c in passed if c["step_ms"] <= fastest["step_ms"] * (1 + TIE_MARGIN)),
-               key=lambda c: order.get(c["policy"], 99))
+    best = _fastest_or_simpler(passed)
     graphs = [c["policy"] for c in passed if policies.needs_cuda(c["policy"])]
     reason = (f"{best['policy']}: fastest of {len(passed)} that ran in one process's main thread "
               f"and agreed with eager ({best['step_ms']:.2f} ms/step)")
