@@ -11,6 +11,8 @@ import sys
 
 import click
 
+from trainer.policies import POLICY_NAMES   # names only: importing it does not import torch
+
 from . import inventory as inv_mod
 from .errors import EXIT_FAILED, EXIT_OK, OpsError, TargetsFailed
 from .ui import progress_bars, table
@@ -131,10 +133,8 @@ def _size(n: int) -> str:
 
 # --- probe -----------------------------------------------------------------------------------
 
-def _policy_list(value: str | None) -> str | None:
+def _policy_list(ctx, param, value: str | None) -> str | None:
     """--policies A,B: known names only, refused before anything connects."""
-    from trainer.policies import POLICY_NAMES   # names only: importing it does not import torch
-
     if value is None:
         return None
     names = [n.strip() for n in value.split(",") if n.strip()]
@@ -148,7 +148,7 @@ def _policy_list(value: str | None) -> str | None:
 @cli.command()
 @click.argument("names", nargs=-1, metavar="[TARGET...]")
 @click.option("--gpus", type=click.IntRange(min=1), help="Worker threads to test (default: the target's gpus, at least 2).")
-@click.option("--policies", metavar="A,B", callback=lambda ctx, param, value: _policy_list(value),
+@click.option("--policies", metavar="A,B", callback=_policy_list,
               help="Only these policies (default: all).")
 @click.option("--case-timeout", type=click.IntRange(min=10),
               help="Seconds before one case counts as hung (default: 600 on CUDA, 300 on CPU).")

@@ -13,9 +13,7 @@ import sys
 
 import click
 
-from trainer.policies import POLICY_NAMES   # names only: importing it does not import torch
-
-from .cli import State, cli, emit, json_option
+from .cli import POLICY_NAMES, State, cli, emit, json_option
 from .errors import OpsError, TargetsFailed, UsageError
 from .ui import table
 

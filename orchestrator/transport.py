@@ -15,6 +15,7 @@ import os
 import shlex
 import socket
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -181,8 +182,6 @@ def _paramiko():
     is hidden for the length of that one import and the entry removed again: nothing else in
     the process is affected, and paramiko.config raises its ImportError only if asked to run
     `Match exec`."""
-    import sys
-
     # Under a lock: targets connect from parallel threads, and a second thread must neither see
     # a half-imported paramiko in sys.modules nor restore `invoke` while the first imports.
     with _PARAMIKO_IMPORT:
