@@ -171,13 +171,21 @@ def test_cli_errors_and_exit_codes(env, tree, sshd, make_inventory):
 
 
 def test_agent_reads_installed_versions_as_importlib_metadata_does():
+    # In a fresh python, as on the target: the .dist-info path must answer by itself, without
+    # importing importlib.metadata (that import is the cost it exists to avoid; were it reached
+    # as the fallback, the versions would match whatever the fast path does).
     from importlib import metadata
-    ns: dict = {}
+    names = ["torch", "PyYAML", "pyyaml", "typing-extensions", "paramiko"]
     source = deploy.agent_source()
-    exec(compile(source[:source.index("def main(")], "release_agent", "exec"), ns)
-    for name in ("torch", "PyYAML", "pyyaml", "typing-extensions", "paramiko"):
-        assert ns["_dist_version"](name) == metadata.version(name), name
-    assert ns["_dist_version"]("no-such-distribution") is None
+    code = (source[:source.index("def main(")]
+            + f"\nprint(json.dumps([[_dist_version(n) for n in {names!r}], 'importlib.metadata' in sys.modules]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    versions, metadata_imported = json.loads(r.stdout)
+    assert versions == [metadata.version(n) for n in names] and not metadata_imported
+    r = subprocess.run([sys.executable, "-c", code.replace(repr(names), "['no-such-distribution']")],
+                       capture_output=True, text=True, timeout=60)
+    assert json.loads(r.stdout)[0] == [None]        # unknown: the fallback answers None
 
 
 def test_paramiko_is_imported_without_invoke_and_invoke_still_imports_after():
