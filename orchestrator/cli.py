@@ -175,11 +175,13 @@ def probe(state: State, names, gpus, policies, case_timeout, as_json):
         mismatches = (res.get("expect") or {}).get("mismatches") or []
         rows = [[c["policy"], c["topology"], c["threads"], c["outcome"],
                  f"{c['step_ms']:.1f}" if c.get("step_ms") is not None else None,
-                 {True: "yes", False: "NO"}.get(c.get("agrees")), c.get("signature")]
+                 _grad_cell(c), c.get("signature")]
                 for c in res.get("cases", [])]
+        wrong = [f"  WRONG: {c['policy']} {c['topology']}: {c.get('error')}"
+                 for c in res.get("cases", []) if c.get("outcome") == "wrong"]
         blocks.append("\n".join([head, *(f"  MISMATCH: {m}" for m in mismatches),
-                                 table(["POLICY", "TOPOLOGY", "THREADS", "OUTCOME", "STEP_MS",
-                                        "AGREES", "SIGNATURE"], rows),
+                                 table(["POLICY", "TOPOLOGY", "N", "OUTCOME", "STEP_MS",
+                                        "GRAD_ERR/TOL", "SIGNATURE"], rows), *wrong,
                                  f"chosen policy: {res.get('policy')} ({res.get('reason', '')})",
                                  *([f"for --topology processes: {res['processes_policy']} "
                                     f"({res.get('processes_reason', '')})"]
@@ -188,6 +190,14 @@ def probe(state: State, names, gpus, policies, case_timeout, as_json):
     failed = {n: r.get("error") for n, r in doc["targets"].items() if not r.get("ok")}
     if failed:
         raise TargetsFailed(failed)
+
+
+def _grad_cell(case: dict) -> str | None:
+    """The gradient error against eager and the case's noise-derived tolerance, e.g. `3.1e-07/3e-06`."""
+    err, tol = case.get("grad_err"), case.get("grad_tol")
+    if err is None and tol is None:
+        return None
+    return f"{'-' if err is None else f'{err:.2g}'}/{'-' if tol is None else f'{tol:.2g}'}"
 
 
 # --- scan ------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -11,33 +12,34 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer import policies, probe, probe_block, probe_build, probe_case
+from trainer import policies, probe, probe_build, probe_case
 from trainer.signatures import load_catalog
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = Path(__file__).resolve().parent / "data" / "signatures"
 
 
-def case(policy, topology="threads", outcome="ok", step_ms=10.0, agrees=True, signature=None, threads=2):
+def case(policy, topology="threads", outcome="ok", step_ms=10.0, signature=None, threads=2):
+    ran = outcome in ("ok", "wrong")
     return {"policy": policy, "topology": topology, "threads": threads, "outcome": outcome,
-            "signature": signature, "step_ms": step_ms if outcome == "ok" else None,
-            "agrees": agrees if outcome == "ok" else None}
+            "signature": "compiled-wrong" if outcome == "wrong" else signature,
+            "step_ms": step_ms if ran else None, "agrees": outcome == "ok" if ran else None}
 
 
 # ---- the choice -----------------------------------------------------------------------------
 
-def test_choose_fastest_that_passed_in_threads_and_agreed():
+def test_choose_fastest_that_passed_in_threads_and_matched_eager():
     cases = [case("eager", step_ms=30), case("inductor", step_ms=20),
-             case("max-autotune-no-cudagraphs", step_ms=15, agrees=False),
+             case("cudagraphs-no-trees", step_ms=4.5, outcome="wrong"),     # fastest, but wrong
              case("reduce-overhead", outcome="failed", signature="cudagraph-trees-tls"),
-             case("cudagraphs-no-trees", outcome="crashed", signature="cudagraph-static-input"),
-             case("reduce-overhead", topology="main", step_ms=1, threads=1)]   # main does not count
+             case("max-autotune-no-cudagraphs", outcome="crashed", signature="segfault"),
+             case("reduce-overhead", topology="processes", step_ms=1, threads=2)]   # processes do not count
     policy, reason = probe.choose(cases)
     assert policy == "inductor"
-    assert "inductor: fastest of 2 policies that ran in 2 threads" in reason
+    assert "inductor: fastest of 2 policies that ran in 2 threads and matched eager's gradients" in reason
     assert "reduce-overhead (cudagraph-trees-tls)" in reason
-    assert "cudagraphs-no-trees (cudagraph-static-input)" in reason
-    assert "disagreed with eager: max-autotune-no-cudagraphs" in reason
+    assert "max-autotune-no-cudagraphs (segfault)" in reason
+    assert "computed a different gradient than eager (compiled-wrong): cudagraphs-no-trees" in reason
 
 
 def test_choose_prefers_the_simpler_policy_within_noise():
@@ -51,19 +53,21 @@ def test_choose_falls_back_to_eager():
     assert policy == "eager" and "fallback" in reason and "inductor (timeout)" in reason
 
 
-def test_processes_choice_comes_from_the_main_thread_where_cuda_graphs_are_allowed():
-    # as measured on the H200 (torch 2.11): trees fail in threads, pass in the main thread
+def test_processes_choice_comes_from_the_ddp_cases_where_cuda_graphs_are_allowed():
+    # as measured on the H200 (torch 2.11): trees fail in threads, run with one process per GPU
     cases = [case("eager", step_ms=30), case("inductor", step_ms=20),
              case("reduce-overhead", outcome="failed", signature="cudagraph-trees-tls"),
-             case("eager", topology="main", step_ms=28, threads=1),
-             case("inductor", topology="main", step_ms=19, threads=1),
-             case("reduce-overhead", topology="main", step_ms=12, threads=1),
-             case("cudagraphs-no-trees", topology="main", step_ms=12.1, threads=1, agrees=False)]
+             case("eager", topology="processes", step_ms=28),
+             case("inductor", topology="processes", step_ms=19),
+             case("reduce-overhead", topology="processes", step_ms=12),
+             case("cudagraphs-no-trees", topology="processes", step_ms=6, outcome="wrong")]
     assert probe.choose(cases)[0] == "inductor"
     policy, reason = probe.choose_processes(cases)
     assert policy == "reduce-overhead"
+    assert "ran as 2 DDP rank(s)" in reason
     assert "CUDA-graph policies allowed with one process per GPU: reduce-overhead" in reason
-    policy, reason = probe.choose_processes([case("inductor", topology="main", outcome="timeout")])
+    assert "(compiled-wrong): cudagraphs-no-trees" in reason
+    policy, reason = probe.choose_processes([case("inductor", topology="processes", outcome="timeout")])
     assert policy == "eager" and "fallback" in reason
 
 
@@ -91,25 +95,32 @@ def test_case_record_failed_timeout_ok():
     assert (failed["outcome"], failed["signature"]) == ("failed", "cudagraph-static-input")
     hung = probe._case_record("inductor", "threads", 2, run_record("compiling...", None, timed_out=True), cat)
     assert (hung["outcome"], hung["exit_code"]) == ("timeout", None)
-    ok = probe._case_record("eager", "main", 1, run_record("", 0, {"ok": True, "step_ms": 3.0,
-                                                                   "max_abs_diff": 0.0, "agrees": True}), cat)
+    num = {"grad_err": 3e-7, "grad_tol": 3e-6, "grad_noise": 4e-7, "loss_err": 1e-6}
+    ok = probe._case_record("eager", "processes", 2, run_record("", 0, {"ok": True, "step_ms": 3.0,
+                                                                        "numerics": num}), cat)
     assert (ok["outcome"], ok["signature"], ok["step_ms"], ok["agrees"]) == ("ok", None, 3.0, True)
+    assert (ok["grad_err"], ok["grad_tol"]) == (3e-7, 3e-6)
+    why = "gradient differs from eager at step 1: relative L2 1 (tolerance 3e-06 = 8 x noise 3.8e-07)"
+    wrong = probe._case_record("cudagraphs-no-trees", "threads", 2, run_record(
+        "", 0, {"ok": True, "wrong": True, "why": why, "step_ms": 4.5, "numerics": dict(num, grad_err=1.0)}), cat)
+    assert (wrong["outcome"], wrong["signature"], wrong["agrees"]) == ("wrong", "compiled-wrong", False)
+    assert wrong["error"] == why and wrong["step_ms"] == 4.5 and wrong["grad_err"] == 1.0
 
 
-def test_a_failing_thread_fails_the_case_and_releases_the_others(monkeypatch, capsys):
-    """One worker dies while compiling; the other is waiting at the start barrier and must not hang."""
+def test_a_failing_worker_fails_the_case_without_hanging(monkeypatch):
+    """A worker dies while its replica compiles; the case ends with its error instead of waiting."""
+    from trainer.workers import WorkerFailed
+
     real = policies.compile_module
 
     def flaky(module, policy, *, n_devices=1):
-        if threading.current_thread().name == "probe-1":
-            raise AssertionError
+        if threading.current_thread().name == "dflash-worker1":
+            raise AssertionError("worker 1 cannot compile")
         return real(module, policy, n_devices=n_devices)
 
     monkeypatch.setattr(policies, "compile_module", flaky)
-    out = probe_case.run_case("eager", "threads", 2, steps=1, warmup=1, device_kind="cpu")
-    assert out == {"ok": False, "error": "thread 1: AssertionError"}
-    err = capsys.readouterr().err
-    assert "[thread 1] failed:" in err and "AssertionError" in err
+    with pytest.raises(WorkerFailed, match="worker 1 .* AssertionError: worker 1 cannot compile"):
+        probe_case.run_case("eager", "threads", 2, steps=1, device_kind="cpu")
 
 
 def test_run_isolated_reports_signals_and_kills_hangs():
@@ -152,34 +163,16 @@ def test_save_result_keeps_history(tmp_path):
     assert policies.resolve("auto", str(tmp_path)) == "inductor"
 
 
-def test_batches_follow_the_dflash_mask():
-    c = probe_block.CPU_CONFIG
-    ctx, ids, mask, cos_q, sin_q, cos_k, sin_k, labels, w = probe_block.make_batches(c, 1)[0]
-    Q, C = c.blocks * c.block_size, c.context
-    assert mask.shape == (c.batch, 1, Q, C + Q) and ids.shape == labels.shape == w.shape == (c.batch, Q)
-    for b in range(c.batch):
-        for j in range(c.blocks):
-            q = j * c.block_size
-            anchor_token = ids[b, q]
-            seen_ctx = mask[b, 0, q, :C]
-            a = int(seen_ctx.sum())                      # sees context strictly before its anchor
-            assert seen_ctx[:a].all() and not seen_ctx[a:].any() and a >= 1
-            blk = mask[b, 0, q, C:].view(c.blocks, c.block_size)
-            assert blk[j].all() and blk.sum() == c.block_size   # its own block only
-            assert (ids[b, q + 1:q + c.block_size] == 0).all() and anchor_token != 0
-    assert (w[:, 0] == 0).all() and torch.isclose(w[0, 1], torch.tensor(1.0))
-
-
 # ---- the real program, on this machine ------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def probe_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("probe-workdir")
     cmd = [sys.executable, "-m", "trainer.probe", "--threads", "2",
-           "--policies", "eager,inductor,reduce-overhead,cudagraphs-no-trees",
-           "--steps", "3", "--warmup", "2", "--workdir", str(workdir),
-           "--expect", json.dumps({"torch": ">=2.5"})]
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+           "--policies", "eager,inductor,test-drop-first-grad,reduce-overhead",
+           "--steps", "3", "--workdir", str(workdir), "--expect", json.dumps({"torch": ">=2.5"})]
+    env = dict(os.environ, **{policies.TEST_POLICIES_ENV: "1"})
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     return SimpleNamespace(doc=json.loads(p.stdout), stderr=p.stderr, workdir=workdir)
 
@@ -191,37 +184,48 @@ def test_probe_json_matches_the_contract(probe_run):
     assert all(isinstance(v, dict) for v in doc["modes"].values()) and "default" in doc["modes"]
     assert doc["policy"] in policies.POLICY_NAMES and doc["reason"]
     for c in doc["cases"]:
-        assert c["topology"] in ("main", "threads")
-        assert c["outcome"] in ("ok", "failed", "crashed", "timeout", "skipped")
+        assert c["topology"] in ("threads", "processes")
+        assert c["outcome"] in ("ok", "wrong", "failed", "crashed", "timeout", "skipped")
         assert isinstance(c["threads"], int) and isinstance(c["policy"], str)
         assert c["signature"] is None or isinstance(c["signature"], str)
         assert c["step_ms"] is None or isinstance(c["step_ms"], float)
-        assert {"max_abs_diff", "agrees", "exit_code", "tail", "seconds"} <= set(c)
+        assert {"grad_err", "grad_tol", "max_abs_diff", "agrees", "exit_code", "tail", "seconds"} <= set(c)
     b = doc["build"]
     assert {"python", "torch", "torch_git", "cuda", "cudnn", "nccl", "triton", "driver", "gpus", "bf16"} <= set(b)
     assert doc["expect"] == {"torch": ">=2.5", "mismatches": []}
 
 
 def test_probe_runs_the_matrix_for_real(probe_run):
+    """The trainer's own replica in 2 worker threads and in 2 gloo DDP ranks; a deliberately wrong
+    policy (right loss, its first gradient dropped) is `wrong` in both and never chosen."""
     doc = probe_run.doc
     got = {(c["policy"], c["topology"]): c for c in doc["cases"]}
-    assert len(got) == 8
+    assert len(got) == 8 and doc["ranks"] == 2
     for policy in ("eager", "inductor"):
-        for topology, n in (("main", 1), ("threads", 2)):
+        for topology in ("threads", "processes"):
             c = got[(policy, topology)]
-            assert (c["outcome"], c["threads"]) == ("ok", n), c
-            assert c["agrees"] is True and c["max_abs_diff"] < 1e-3 and c["step_ms"] > 0
+            assert (c["outcome"], c["threads"]) == ("ok", 2), c
+            assert c["agrees"] is True and c["grad_err"] <= c["grad_tol"] and c["step_ms"] > 0
+            assert c["numerics"]["learn"]["compiled_drop"] > 0 and c["backends"] == ["sdpa", "dense"]
+    assert got[("eager", "threads")]["grad_err"] < 1e-5   # eager shards vs eager whole batch: reassociation only
+    for topology in ("threads", "processes"):
+        c = got[("test-drop-first-grad", topology)]
+        assert (c["outcome"], c["signature"], c["agrees"]) == ("wrong", "compiled-wrong", False), c
+        assert c["grad_err"] == pytest.approx(1.0) and "at step 1" in c["error"]
+        # a loss tolerance could not have told: the loss was right on every step
+        assert all(abs(s["loss"] - s["eager_loss"]) < 1e-4 for s in c["numerics"]["per_step"])
     if not torch.cuda.is_available():
-        for policy in ("reduce-overhead", "cudagraphs-no-trees"):
-            for topology in ("main", "threads"):
-                c = got[(policy, topology)]
-                assert c["outcome"] == "skipped" and c["signature"] is None
-    assert doc["policy"] in ("eager", "inductor")
+        for topology in ("threads", "processes"):
+            c = got[("reduce-overhead", topology)]
+            assert c["outcome"] == "skipped" and c["signature"] is None
+    assert doc["policy"] in ("eager", "inductor") and doc["processes_policy"] in ("eager", "inductor")
+    assert "(compiled-wrong): test-drop-first-grad" in doc["reason"]
 
 
 def test_probe_progress_and_saved_choice(probe_run):
     lines = [ln for ln in probe_run.stderr.splitlines() if ln.startswith("probe: [")]
-    assert len(lines) == 8 and lines[0].startswith("probe: [1/8] eager main: ok")
+    assert len(lines) == 8 and lines[0].startswith("probe: [1/8] eager threads x2: ok")
+    assert any("test-drop-first-grad threads x2: wrong" in ln and "[compiled-wrong]" in ln for ln in lines)
     saved = json.loads((probe_run.workdir / "probe.json").read_text())
     assert saved["policy"] == probe_run.doc["policy"] and saved["result"]["cases"] == probe_run.doc["cases"]
     assert policies.resolve("auto", str(probe_run.workdir)) == probe_run.doc["policy"]

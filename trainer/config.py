@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from trainer.errors import UsageError
-from trainer.policies import POLICY_NAMES  # torch-free at import
+from trainer.policies import POLICY_NAMES, known as known_policies  # torch-free at import
 
 
 # The run's resolved settings (flags + YAML) in OUT, for --resume checks and `python -m trainer.eval`.
@@ -42,6 +42,7 @@ class TrainConfig:
     compile_policy: str = "eager"        # a probe policy name, or auto (WORKDIR/probe.json)
     workdir: str = ""                    # where probe.json lives for auto; default $DFLASH_OPS_WORKDIR
     cpu_threads: int = 0                 # torch intra-op threads on CPU; 0 = torch's default
+    skip_compile_guard: bool = False     # skip the first compiled step's check against eager
     # drafter and objective
     draft_layers: int = 5
     block_size: int = 16
@@ -97,6 +98,8 @@ HELP = {
     "compile_policy": f"{' | '.join(POLICY_NAMES)} | auto (the probe's choice from WORKDIR/probe.json)",
     "workdir": "the dflash-ops WORKDIR holding probe.json (default: $DFLASH_OPS_WORKDIR)",
     "cpu_threads": "torch intra-op threads on CPU (0 = torch's default)",
+    "skip_compile_guard": "skip the guard that checks each worker's first compiled step against an eager "
+                          "forward/backward on the same weights and batch (on by default for every policy but eager)",
     "draft_layers": "drafter layers",
     "block_size": "tokens per block: the anchor plus block_size-1 predicted tokens",
     "anchors": "anchors (blocks) per sequence per step, at most",
@@ -211,7 +214,7 @@ def validate(c: TrainConfig) -> None:
     need(c.topology == "threads" or c.gpus == 0 or c.workers in (1, c.gpus),
          f"--topology processes runs one process per GPU: drop --workers {c.workers} (or use --topology threads)")
     need(c.topology in ("threads", "processes"), f"--topology must be threads or processes, got {c.topology!r}")
-    need(c.compile_policy in POLICY_NAMES + ("auto",),
+    need(c.compile_policy in known_policies() + ("auto",),
          f"--compile-policy {c.compile_policy!r}: expected one of {', '.join(POLICY_NAMES)}, auto")
     need(c.block_size >= 2, f"--block-size must be >= 2, got {c.block_size}")
     need(c.seq_len >= c.block_size, f"--seq-len {c.seq_len} is shorter than one block (--block-size {c.block_size})")

@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import fields
 from datetime import timedelta
 from pathlib import Path
@@ -43,8 +44,10 @@ from trainer import checkpoint, train
 from trainer.config import TrainConfig
 from trainer.errors import UsageError
 from trainer.log import RunLog
-from trainer.step import Replica, apply_update, build_replica, compute_grads, warmup_test_hook, weight_checksum
-from trainer.workers import ReplicasDiverged, StepOut
+from trainer.numerics import guard_first_step
+from trainer.step import (Replica, ShardStats, apply_update, build_replica, compute_grads, warmup_test_hook,
+                          weight_checksum)
+from trainer.workers import ReplicasDiverged, StepOut, log_guard
 
 # torchrun waits this long for the ranks to checkpoint and exit after forwarding SIGTERM, then
 # SIGKILLs them (its default is 30 s: too short to save a 1B-parameter drafter's optimizer state).
@@ -163,7 +166,14 @@ def _rank(cfg: TrainConfig, rank: int, world: int, device: torch.device, stop) -
              + (" (auto: from probe.json)" if cfg.compile_policy == "auto" else ""))
     prep = train.prepare(cfg, device, log, out, resume_from, stop, writer=writer,
                          barrier=lambda: _barrier(device))
-    engine = RankEngine(cfg, prep, policy, rank, world, device, log)
+
+    def build() -> Replica:
+        return build_replica(rank, device, prep.drafter, prep.target, policy=policy, n_devices=1, lr=cfg.lr,
+                             weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights,
+                             optimizer_state=prep.ck.optimizer if prep.ck else None,
+                             wrap=lambda m: _ddp(m, device), flat_grads=False)
+
+    engine = RankEngine(build, rank, world, device, log, guard=not cfg.skip_compile_guard)
     if prep.ck is not None:
         checkpoint.restore_rng(prep.ck.rng)
     return train.run_loop(cfg, engine, prep, log, stop)
@@ -172,15 +182,14 @@ def _rank(cfg: TrainConfig, rank: int, world: int, device: torch.device, stop) -
 class RankEngine:
     """This rank's replica in DDP; the same interface as workers.ThreadEngine for train.run_loop."""
 
-    def __init__(self, cfg, prep, policy: str, rank: int, world: int, device: torch.device, log):
-        self.rank, self.size, self.device, self.log = rank, world, device, log
+    def __init__(self, build: Callable[[], Replica], rank: int, world: int, device: torch.device, log,
+                 guard: bool = True):
+        """`build()` makes this rank's replica (its DraftLoss inside DDP). With `guard`, the first
+        compiled step is checked against eager (numerics.guard_first_step), on every rank."""
+        self.rank, self.size, self.device, self.log, self.guard = rank, world, device, log, guard
         self.writer = rank == 0
         t = time.perf_counter()
-        self.replica: Replica = build_replica(
-            rank, device, prep.drafter, prep.target, policy=policy, n_devices=1, lr=cfg.lr,
-            weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights,
-            optimizer_state=prep.ck.optimizer if prep.ck else None,
-            wrap=lambda m: _ddp(m, device), flat_grads=False)
+        self.replica: Replica = build()
         self._built = time.perf_counter() - t
         self._warm = False
 
@@ -188,22 +197,45 @@ class RankEngine:
     def primary(self) -> Replica:
         return self.replica
 
+    @property
+    def replicas(self) -> list[Replica]:
+        return [self.replica]
+
     def step(self, batch, step: int, lr: float, grad_clip: float) -> StepOut:
         t = time.perf_counter()
-        if not self._warm:
-            warmup_test_hook(self.rank)
-        st = compute_grads(self.replica, batch.shard(self.rank, self.size))  # DDP sums grads in backward
-        norm = apply_update(self.replica, lr, grad_clip, step)
+        warm = self._warm
+        st = self.compute(batch)[0]
+        norm = self.update(lr, grad_clip, step)
         n = len(st.correct)
         packed = torch.cat([torch.tensor([st.loss_sum], dtype=torch.float64),
                             st.correct.double(), st.count.double()]).to(self.device)
         dist.all_reduce(packed)
         packed = packed.cpu()
-        if not self._warm:
-            self._warm = True
+        if not warm:
             self._report_ready(time.perf_counter() - t)
         return StepOut(float(packed[0]), packed[1: 1 + n].to(st.correct.dtype),
                        packed[1 + n:].to(st.count.dtype), norm)
+
+    def compute(self, batch) -> list[ShardStats]:
+        """This rank's shard, forward + backward; DDP sums the gradients over the ranks in backward.
+        The first call is the warm-up, checked against eager when the guard is on."""
+        shard = batch.shard(self.rank, self.size)
+        first = not self._warm
+        if first:
+            warmup_test_hook(self.rank)
+        st = compute_grads(self.replica, shard)
+        if first:
+            self._warm = True
+            if self.guard and self.replica.policy != "eager":
+                check = guard_first_step(self.replica, shard, st.loss_sum, reduce=dist.all_reduce)
+                log_guard(self.log, f"rank {self.rank}", self.rank, check)
+        return [st]
+
+    def update(self, lr: float, grad_clip: float, step: int) -> float:
+        return apply_update(self.replica, lr, grad_clip, step)
+
+    def run_each(self, fn, per_worker_args: list[tuple]) -> list:
+        return [fn(self.replica, *per_worker_args[0])]
 
     def _report_ready(self, first: float) -> None:
         got: list = [None] * self.size

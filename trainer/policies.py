@@ -48,6 +48,20 @@ _RECIPES: dict[str, dict[str, Any]] = {
                  "(cudagraph-static-input)"},
 }
 
+# Test-only policies, known only when DFLASH_TRAINER_TEST_POLICIES=1 (never in production):
+# deliberately WRONG compiled paths, so that tests can show the probe's numerics verdict and the
+# trainer's first-step guard reject a policy that runs but computes something else, as inductor's
+# non-tree CUDA graphs did on the H200 (right loss, wrong first gradient; docs/probe-h200.md).
+#   test-drop-first-grad  inductor, but the first call's loss carries no gradient
+#   test-frozen           inductor, but no call's loss carries a gradient (weights never train)
+TEST_POLICIES_ENV = "DFLASH_TRAINER_TEST_POLICIES"
+_TEST_RECIPES: dict[str, dict[str, Any]] = {
+    "test-drop-first-grad": {"mode": "default", "options": None, "cuda": False, "drop": "first",
+                             "notes": "test only: inductor whose first gradient is dropped"},
+    "test-frozen": {"mode": "default", "options": None, "cuda": False, "drop": "all",
+                    "notes": "test only: inductor whose gradients are all dropped"},
+}
+
 # Dynamo's defaults, per device: recompile_limit 8, accumulated_recompile_limit 256.
 _RECOMPILE_PER_DEVICE = 8
 _ACCUMULATED_PER_DEVICE = 256
@@ -57,22 +71,30 @@ class PolicyError(ValueError):
     """An unknown policy, a policy this machine cannot run, or `auto` without a probe result."""
 
 
+def known() -> tuple[str, ...]:
+    """POLICY_NAMES, plus the test-only policies where the test hook is set."""
+    return POLICY_NAMES + (tuple(_TEST_RECIPES) if os.environ.get(TEST_POLICIES_ENV) == "1" else ())
+
+
+def _recipe(name: str) -> dict[str, Any]:
+    _check_name(name)
+    return _RECIPES.get(name) or _TEST_RECIPES[name]
+
+
 def _check_name(name: str) -> None:
-    if name not in POLICY_NAMES:
+    if name not in known():
         raise PolicyError(f"unknown compile policy {name!r}; choose one of "
                           f"{', '.join(POLICY_NAMES)} or auto")
 
 
 def needs_cuda(name: str) -> bool:
     """True for the policies that capture CUDA graphs (reduce-overhead, cudagraphs-no-trees)."""
-    _check_name(name)
-    return bool(_RECIPES[name]["cuda"])
+    return bool(_recipe(name)["cuda"])
 
 
 def describe(policy: str) -> dict:
     """What a policy does, as data to log or print: name, mode, options, needs_cuda, notes."""
-    _check_name(policy)
-    r = _RECIPES[policy]
+    r = _recipe(policy)
     return {"name": policy, "mode": r["mode"], "options": dict(r["options"]) if r["options"] else None,
             "needs_cuda": r["cuda"], "mark_step": policy == "reduce-overhead", "notes": r["notes"]}
 
@@ -107,7 +129,7 @@ def resolve(policy: str, workdir: str | None, topology: str = "threads") -> str:
     chosen = saved.get("policy") if isinstance(saved, dict) else None
     if topology == "processes" and isinstance(saved, dict) and saved.get("processes_policy"):
         chosen = saved["processes_policy"]
-    if chosen not in POLICY_NAMES:
+    if chosen not in known():
         raise PolicyError(f"{path}: probe chose {chosen!r}, not a known policy: "
                           "run `dflash-ops probe` again")
     # A choice measured on another torch build proves nothing about this one (the answer changes
@@ -172,23 +194,37 @@ def compile_module(module, policy: str, *, n_devices: int = 1):
     configure_thread() in each worker first (done here too, for the thread that calls this).
     Keep `module` itself for state_dict/eval: the compiled wrapper prefixes keys with `_orig_mod.`.
     """
-    _check_name(policy)
+    recipe = _recipe(policy)
     if policy == "eager":
         return module
     import torch
 
-    if _RECIPES[policy]["cuda"] and not torch.cuda.is_available():
+    if recipe["cuda"] and not torch.cuda.is_available():
         raise PolicyError(f"compile policy {policy!r} captures CUDA graphs and needs a GPU; "
                           "this machine has none (use inductor or eager)")
     configure_thread(n_devices)
-    recipe = _RECIPES[policy]
     if recipe["options"] is not None:
         # Options, not global config: from 2.12 config set outside the compiling thread is not
         # seen (pytorch#186537), and before 2.12 config.patch is not thread-safe.
         return torch.compile(module, options=dict(recipe["options"]))
-    if recipe["mode"] == "default":
-        return torch.compile(module)
-    return torch.compile(module, mode=recipe["mode"])
+    fn = torch.compile(module) if recipe["mode"] == "default" else torch.compile(module, mode=recipe["mode"])
+    return _DropGrad(fn, recipe["drop"]) if recipe.get("drop") else fn
+
+
+class _DropGrad:
+    """Test-only (see _TEST_RECIPES): the first element of the output (the loss) keeps its value
+    but loses its gradient, on the first call or on every call."""
+
+    def __init__(self, fn, when: str):
+        self.fn, self.when, self.calls = fn, when, 0
+
+    def __call__(self, *args, **kwargs):
+        out = self.fn(*args, **kwargs)
+        self.calls += 1
+        if self.when == "all" or self.calls == 1:
+            loss = out[0]
+            out = (loss.detach() + 0.0 * loss, *out[1:])
+        return out
 
 
 def step_begin(policy: str) -> None:

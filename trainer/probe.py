@@ -6,20 +6,20 @@
 Runs on the target with only torch (+ PyYAML for the signature catalog). Prints ONE JSON document
 on stdout; one progress line per case on stderr. It reports the build (python, torch, CUDA, cuDNN,
 NCCL, Triton, driver, GPUs, bf16) against an optional expectation, the options of every compile
-mode this torch knows, and the policy x topology matrix: each case trains a small drafter-shaped
-block for a few real steps (forward, backward, AdamW) in its OWN subprocess with a timeout, so a
-segfault or a hang loses only that case. Topology `main` runs in the main thread; `threads` runs
-N worker threads (one per GPU, or sharing GPU 0 / the CPU), each with its own replica from the same
-seed, configured inside the thread, compiling and warming up concurrently as the trainer does.
-Each case is checked against an eager run of the same seed. The choice: the fastest policy that
-passed in `threads` and agreed with eager (eager is the fallback); with --workdir it is saved
-atomically in WORKDIR/probe.json, which `--compile-policy auto` reads (policies.resolve). A second
-choice, `processes_policy`, answers `--topology processes` (one process per GPU under torchrun):
-the fastest policy that passed in `main`, where CUDA-graph policies are allowed.
+mode this torch knows, and the policy x topology matrix. Each case (probe_case.py) runs the
+trainer's own replica and engine at a small shape, in its OWN subprocess with a timeout, so a
+segfault or a hang loses only that case:
+  threads    N worker threads as the trainer's ThreadEngine runs them (N = GPUs, at least 2);
+  processes  a real DDP run under torchrun: 2 ranks on the CPU (gloo), one per GPU up to 2 (NCCL).
+A case that runs is then judged against eager on identical weights and batches (gradients, not
+only losses: numerics.py): `ok`, or `wrong` (signature compiled-wrong), which is never chosen.
+The choice: the fastest `ok` policy in `threads` (eager is the fallback); with --workdir it is
+saved atomically in WORKDIR/probe.json, which `--compile-policy auto` reads (policies.resolve).
+A second choice, `processes_policy`, answers `--topology processes` from the `processes` cases,
+where CUDA-graph policies are allowed.
 
 This module is the parent: the matrix, each case's isolation, the choice, the saved result.
-One case (`--case`) is probe_case.py; the block it trains, probe_block.py; the build report,
-probe_build.py.
+One case (`--case`) is probe_case.py; the build report, probe_build.py.
 """
 from __future__ import annotations
 
@@ -37,17 +37,18 @@ from pathlib import Path
 import torch
 
 from trainer import policies
-from trainer.probe_block import CPU_CONFIG, GPU_CONFIG
 from trainer.probe_build import build_report, check_expect, guard, mode_options
-from trainer.probe_case import CASE_MARK, case_main
+from trainer.probe_case import CASE_MARK, CPU_SHAPE, GPU_SHAPE, case_main
 
-TOPOLOGIES = ("main", "threads")
+TOPOLOGIES = ("threads", "processes")
+WRONG = "compiled-wrong"   # the signature of a case that ran but computes something else
 TAIL_LINES = 20
 HISTORY_KEEP = 20
 # Two policies within this fraction of each other's step time are a tie on a noisy machine:
 # the simpler one (earlier in POLICY_NAMES) wins.
 TIE_MARGIN = 0.03
-COST_ORDER = ("eager", "inductor", "reduce-overhead", "cudagraphs-no-trees", "max-autotune-no-cudagraphs")
+COST_ORDER = ("eager", "inductor", "reduce-overhead", "cudagraphs-no-trees", "max-autotune-no-cudagraphs",
+              "test-drop-first-grad", "test-frozen")
 
 
 class _Stopped(Exception):
@@ -59,14 +60,34 @@ def _stop_probe(signum, frame):
 
 
 def _run_child(policy: str, topology: str, n: int, args) -> dict:
-    """One case: `python -m trainer.probe --case POLICY:TOPOLOGY:N` in the release's root."""
+    """One case: `python -m trainer.probe --case POLICY:TOPOLOGY:N` in the release's root; under
+    `processes`, N ranks of it started by torchrun (`python -m torch.distributed.run`)."""
     root = str(Path(__file__).resolve().parent.parent)
     # faulthandler prints "Fatal Python error: Segmentation fault" and every thread's stack
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "trainer.probe", "--case", f"{policy}:{topology}:{n}",
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
+    case = ["-m", "trainer.probe", "--case", f"{policy}:{topology}:{n}", "--steps", str(args.steps),
+            "--device", args.device, "--timeout", str(args.timeout)]
+    if topology == "processes":
+        if args.device != "cuda" and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(max(1, _cores() // n))   # the ranks share the cores
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+               f"--nproc-per-node={n}", *case]
+    else:
+        cmd = [sys.executable, *case]
     return run_isolated(cmd, args.timeout, cwd=root, env=env)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def processes_ranks(device: str, n_gpus: int) -> int:
+    """Ranks of the `processes` cases: 2 on the CPU (gloo); on GPUs one per GPU, at most 2 (NCCL)."""
+    return 2 if device != "cuda" else max(1, min(2, n_gpus))
 
 
 def run_isolated(cmd: list[str], timeout: float, *, cwd: str | None = None,
@@ -122,53 +143,62 @@ def _case_record(policy, topology, n, run, catalog) -> dict:
     elif code is not None and (code < 0 or code > 128):
         outcome = "crashed"            # even after reporting: dying by a signal is the news
     elif res and res.get("ok"):
-        outcome = "ok"
+        outcome = "wrong" if res.get("wrong") else "ok"
     else:
         outcome = "failed"
     sig = None
-    if outcome != "ok" and catalog is not None:
+    if outcome == "wrong":
+        sig = WRONG
+    elif outcome != "ok" and catalog is not None:
         sig = catalog.classify(run["output"], code)
-    ok = outcome == "ok"
+    ran = outcome in ("ok", "wrong")
+    num = (res or {}).get("numerics") or {}
     return {
         "policy": policy, "topology": topology, "threads": n, "outcome": outcome, "signature": sig,
-        "step_ms": res.get("step_ms") if ok else None,
-        "max_abs_diff": res.get("max_abs_diff") if ok else None,
-        "agrees": res.get("agrees") if ok else None,
+        "step_ms": res.get("step_ms") if ran else None,
+        "agrees": (outcome == "ok") if ran else None,
+        "grad_err": num.get("grad_err"), "grad_tol": num.get("grad_tol"), "grad_noise": num.get("grad_noise"),
+        "max_abs_diff": num.get("loss_err"), "numerics": num or None,
         "exit_code": code, "seconds": run["seconds"],
-        "error": None if ok else ((res or {}).get("error") or (run["tail"][-1] if run["tail"] else None)),
-        "first_step_s": res.get("first_step_s") if ok else None,
-        "eager_step_ms": res.get("eager_step_ms") if ok else None,
-        "step_ms_threads": res.get("step_ms_threads") if ok else None,
+        "error": None if outcome == "ok" else ((res or {}).get("why") or (res or {}).get("error")
+                                               or (run["tail"][-1] if run["tail"] else None)),
+        "first_step_s": res.get("first_step_s") if ran else None,
+        "eager_step_ms": res.get("eager_step_ms") if ran else None,
+        "backends": res.get("backends") if ran else None,
         "tail": run["tail"],
     }
 
 
 def _skipped(policy, topology, n, why) -> dict:
     return {"policy": policy, "topology": topology, "threads": n, "outcome": "skipped",
-            "signature": None, "step_ms": None, "max_abs_diff": None, "agrees": None,
+            "signature": None, "step_ms": None, "agrees": None, "grad_err": None, "grad_tol": None,
+            "grad_noise": None, "max_abs_diff": None, "numerics": None,
             "exit_code": None, "seconds": 0.0, "error": why, "tail": []}
 
 
+def _passed(cases: list[dict], topology: str) -> list[dict]:
+    """Cases that ran and computed what eager computes (`wrong` is never chosen)."""
+    return [c for c in cases if c["topology"] == topology and c["outcome"] == "ok" and c["step_ms"] is not None]
+
+
 def choose(cases: list[dict]) -> tuple[str, str]:
-    """The fastest policy that passed in `threads` and agreed with eager; eager as the fallback."""
-    passed = [c for c in cases if c["topology"] == "threads" and c["outcome"] == "ok"
-              and c["agrees"] and c["step_ms"] is not None]
+    """The fastest policy that ran in `threads` and computes what eager computes; eager as the fallback."""
+    passed = _passed(cases, "threads")
     failed = [f"{c['policy']} ({c['signature'] or c['outcome']})" for c in cases
               if c["topology"] == "threads" and c["outcome"] in ("failed", "crashed", "timeout")]
-    disagreed = [c["policy"] for c in cases if c["topology"] == "threads"
-                 and c["outcome"] == "ok" and c["agrees"] is False]
+    wrong = [c["policy"] for c in cases if c["topology"] == "threads" and c["outcome"] == "wrong"]
     notes = ""
     if failed:
         notes += f"; failed in threads: {', '.join(failed)}"
-    if disagreed:
-        notes += f"; ran but disagreed with eager: {', '.join(disagreed)}"
+    if wrong:
+        notes += f"; ran but computed a different gradient than eager ({WRONG}): {', '.join(wrong)}"
     if not passed:
-        return "eager", "no policy passed in threads and agreed with eager: eager is the fallback" + notes
+        return "eager", "no policy passed in threads and matched eager: eager is the fallback" + notes
     passed.sort(key=lambda c: c["step_ms"])
     best = _fastest_or_simpler(passed)
     others = ", ".join(f"{c['policy']} {c['step_ms']:.2f}" for c in passed if c is not best)
     reason = (f"{best['policy']}: fastest of {len(passed)} polic{'y' if len(passed) == 1 else 'ies'} "
-              f"that ran in {best['threads']} threads and agreed with eager "
+              f"that ran in {best['threads']} threads and matched eager's gradients "
               f"({best['step_ms']:.2f} ms/step" + (f"; {others} ms/step" if others else "") + ")")
     if best is not passed[0]:
         reason += f" (within {TIE_MARGIN:.0%} of {passed[0]['policy']}: the simpler policy wins)"
@@ -177,27 +207,28 @@ def choose(cases: list[dict]) -> tuple[str, str]:
 
 def _fastest_or_simpler(passed: list[dict]) -> dict:
     """The fastest case, unless a simpler policy (earlier in POLICY_NAMES) is within the noise margin."""
-    order = {name: i for i, name in enumerate(policies.POLICY_NAMES)}
+    order = {name: i for i, name in enumerate(policies.known())}
     fastest = min(passed, key=lambda c: c["step_ms"])
     return min((c for c in passed if c["step_ms"] <= fastest["step_ms"] * (1 + TIE_MARGIN)),
                key=lambda c: order.get(c["policy"], 99))
 
 
 def choose_processes(cases: list[dict]) -> tuple[str, str]:
-    """The policy for `--topology processes`: each torchrun rank trains in its process's main
-    thread, so the `main` cases answer it, CUDA-graph policies included (the thread-local
-    cudagraph-tree state that breaks them in worker threads is not shared across processes)."""
-    passed = [c for c in cases if c["topology"] == "main" and c["outcome"] == "ok"
-              and c["agrees"] and c["step_ms"] is not None]
+    """The policy for `--topology processes`, from the `processes` cases (a real DDP run), CUDA-graph
+    policies included (the thread-local cudagraph-tree state that breaks them in worker threads is
+    not shared across processes)."""
+    passed = _passed(cases, "processes")
+    wrong = [c["policy"] for c in cases if c["topology"] == "processes" and c["outcome"] == "wrong"]
+    note = f"; ran but computed a different gradient than eager ({WRONG}): {', '.join(wrong)}" if wrong else ""
     if not passed:
-        return "eager", "no policy passed in the main thread and agreed with eager: eager is the fallback"
+        return "eager", "no policy passed in processes and matched eager: eager is the fallback" + note
     best = _fastest_or_simpler(passed)
     graphs = [c["policy"] for c in passed if policies.needs_cuda(c["policy"])]
-    reason = (f"{best['policy']}: fastest of {len(passed)} that ran in one process's main thread "
-              f"and agreed with eager ({best['step_ms']:.2f} ms/step)")
+    reason = (f"{best['policy']}: fastest of {len(passed)} that ran as {best['threads']} DDP rank(s) "
+              f"and matched eager's gradients ({best['step_ms']:.2f} ms/step)")
     if graphs:
         reason += f"; CUDA-graph policies allowed with one process per GPU: {', '.join(graphs)}"
-    return best["policy"], reason
+    return best["policy"], reason + note
 
 
 def save_result(workdir: str, doc: dict) -> str:
@@ -225,6 +256,10 @@ def save_result(workdir: str, doc: dict) -> str:
     return path
 
 
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.2g}"
+
+
 def _progress(msg: str) -> None:
     sys.stderr.write(f"probe: {msg}\n")
     sys.stderr.flush()
@@ -245,14 +280,15 @@ def run_probe(args) -> dict:
     # Cheapest compiles first: a probe stopped early (SIGTERM, a caller's time limit) still has
     # the answers that matter; max-autotune benchmarks kernels for minutes on a cold cache.
     names = sorted(names, key=COST_ORDER.index)
-    plan = [(p, t, 1 if t == "main" else n_threads) for p in names for t in TOPOLOGIES]
+    ranks = processes_ranks(args.device, len(build["gpus"]))
+    plan = [(p, t, ranks if t == "processes" else n_threads) for p in names for t in TOPOLOGIES]
     _progress(f"torch {build['torch']}, {args.device}, {len(build['gpus'])} GPU(s); "
               f"{len(plan)} cases, threads={n_threads}")
     cases = []
     interrupted = False
     previous = signal.signal(signal.SIGTERM, _stop_probe)
     for i, (policy, topology, n) in enumerate(plan, 1):
-        label = f"[{i}/{len(plan)}] {policy} {topology}" + (f" x{n}" if topology == "threads" else "")
+        label = f"[{i}/{len(plan)}] {policy} {topology} x{n}"
         if interrupted:
             cases.append(_skipped(policy, topology, n, "not run: the probe was stopped"))
             continue
@@ -267,10 +303,10 @@ def run_probe(args) -> dict:
             case = dict(_skipped(policy, topology, n, "the probe was stopped during this case"),
                         outcome="timeout")
         cases.append(case)
-        if case["outcome"] == "ok":
-            diff = "non-finite loss" if case["max_abs_diff"] is None else f"max diff {case['max_abs_diff']:.2g}"
-            detail = (f"{case['step_ms']:.2f} ms/step, "
-                      f"{'agrees with' if case['agrees'] else 'DISAGREES with'} eager ({diff})")
+        if case["outcome"] in ("ok", "wrong"):
+            detail = f"{case['step_ms']:.2f} ms/step, gradient vs eager {_fmt(case['grad_err'])} (tolerance {_fmt(case['grad_tol'])})"
+            if case["outcome"] == "wrong":
+                detail += f" [{WRONG}] {case['error']}"
         else:
             detail = case["signature"] or case["error"] or ""
         _progress(f"{label}: {case['outcome']} {detail} ({case['seconds']:.1f} s)")
@@ -281,14 +317,14 @@ def run_probe(args) -> dict:
     _progress(f"chosen: {reason}")
     processes_policy, processes_reason = choose_processes(cases)
     _progress(f"for --topology processes: {processes_reason}")
-    c = GPU_CONFIG if cuda else CPU_CONFIG
+    shape = GPU_SHAPE if cuda else CPU_SHAPE
     doc = {
         "ok": True, "build": build,
         "torch": {"version": build["torch"], "cuda": build["cuda"], "gpus": [g["name"] for g in build["gpus"]]},
         "expect": check_expect(build, args.expect or {}),
         "modes": mode_options(),
-        "device": args.device, "threads": n_threads, "steps": args.steps, "warmup": args.warmup,
-        "model": asdict(c), "dtype": "bfloat16" if cuda and build["bf16"] else "float32",
+        "device": args.device, "threads": n_threads, "steps": args.steps,
+        "ranks": ranks, "model": asdict(shape), "dtype": "bfloat16" if cuda and build["bf16"] else "float32",
         "policies": {p: policies.describe(p) for p in names},
         "cases": cases, "policy": policy, "reason": reason, "interrupted": interrupted,
         "processes_policy": processes_policy, "processes_reason": processes_reason,
@@ -317,9 +353,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m trainer.probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=0,
                     help="worker threads for the `threads` topology (default: number of GPUs, at least 2)")
-    ap.add_argument("--steps", type=int, default=10, help="timed training steps per replica (default 10)")
-    ap.add_argument("--warmup", type=int, default=3,
-                    help="untimed steps first: compile, CUDA graph warm-up and record (default 3)")
+    ap.add_argument("--steps", type=int, default=10, help="timed training steps per case, after its numerics checks (default 10)")
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds per case (default 600 on CUDA, 300 on CPU)")
     ap.add_argument("--workdir", help="save the choice in WORKDIR/probe.json (read by --compile-policy auto)")
@@ -337,10 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.steps < 1 or args.warmup < 1 or args.threads < 0:
-        _parser().error("--steps and --warmup must be >= 1, --threads >= 0")
+    if args.steps < 1 or args.threads < 0:
+        _parser().error("--steps must be >= 1, --threads >= 0")
     names = [p.strip() for p in (args.policies or "").split(",") if p.strip()]
-    unknown = [p for p in names if p not in policies.POLICY_NAMES]
+    unknown = [p for p in names if p not in policies.known()]
     if unknown:
         _parser().error(f"--policies: unknown {', '.join(unknown)}; known: {', '.join(policies.POLICY_NAMES)}")
     args.policies = names or list(policies.POLICY_NAMES)

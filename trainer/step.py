@@ -89,6 +89,7 @@ class Replica:
     target: Target                 # frozen, on `device`
     drafter: Drafter               # the uncompiled handle: state_dict, eval
     loss_fn: Callable              # DraftLoss under the compile policy (inside DDP for processes)
+    loss_module: nn.Module         # the same DraftLoss, uncompiled and unwrapped: eager checks
     optimizer: torch.optim.Optimizer
     params: list[nn.Parameter]     # trainable, in name order: the same order on every replica
     names: list[str]
@@ -136,16 +137,25 @@ def build_replica(index: int, device: torch.device, drafter: Drafter, target: Ta
         # A private copy: load_state_dict keeps same-device tensors as they are, and replicas must
         # never share moment buffers.
         opt.load_state_dict(copy.deepcopy(optimizer_state))
-    module: nn.Module = DraftLoss(drafter, pos_weights).to(device)
-    if wrap is not None:
-        module = wrap(module)
+    unit = DraftLoss(drafter, pos_weights).to(device)
+    module = wrap(unit) if wrap is not None else unit
     loss_fn = policies.compile_module(module, policy, n_devices=n_devices)
-    return Replica(index, device, target, drafter, loss_fn, opt, params, [n for n, _ in named], policy, grads)
+    return Replica(index, device, target, drafter, loss_fn, unit, opt, params, [n for n, _ in named], policy, grads)
 
 
 def compute_grads(r: Replica, shard: Batch) -> ShardStats:
     """Forward + backward of one shard; leaves grads of the global-batch loss in r.params."""
     policies.step_begin(r.policy)
+    return _forward_backward(r, r.loss_fn, shard)
+
+
+def eager_grads(r: Replica, shard: Batch) -> float:
+    """The same step through the uncompiled, unwrapped DraftLoss (no DDP sync): this shard's own
+    gradient of the global-batch loss in r.params; returns the shard's loss sum. For checks."""
+    return _forward_backward(r, r.loss_module, shard).loss_sum
+
+
+def _forward_backward(r: Replica, fn: Callable, shard: Batch) -> ShardStats:
     if r.grads is not None:
         r.grads.zero()
     else:
@@ -153,12 +163,20 @@ def compute_grads(r: Replica, shard: Batch) -> ShardStats:
     b = shard.to(r.device)
     feats = r.target.features(b.input_ids)  # (B, S, n*H), no grad
     with r.autocast:
-        loss_sum, correct, count = r.loss_fn(feats, b.input_ids, b.loss_mask, b.anchors, b.valid)
+        loss_sum, correct, count = fn(feats, b.input_ids, b.loss_mask, b.anchors, b.valid)
     (loss_sum / max(shard.weight_total, 1e-12)).backward()
     if r.grads is not None:
         r.grads.collect()
     return ShardStats(float(loss_sum.detach()), correct.detach().cpu(), count.detach().cpu(),
                       len(shard), shard.tokens)
+
+
+@torch.no_grad()
+def load_weights(r: Replica, weights: list[torch.Tensor]) -> None:
+    """Copy `weights` (in r.params order) into the replica's trainable parameters IN PLACE, as an
+    optimizer step does: CUDA graphs keep reading the same addresses."""
+    for p, w in zip(r.params, weights):
+        p.copy_(w, non_blocking=True)
 
 
 # ---- the threaded all-reduce: reduce-scatter then all-gather over the flat buffers ----------------

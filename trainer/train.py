@@ -101,7 +101,7 @@ def _main(cfg: TrainConfig, stop: threading.Event) -> int:
                              weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights, optimizer_state=opt_state)
 
     t0 = time.time()
-    engine = ThreadEngine.start(devices, build, log, cfg.warmup_timeout)
+    engine = ThreadEngine.start(devices, build, log, cfg.warmup_timeout, guard=not cfg.skip_compile_guard)
     try:
         log.info(f"{engine.size} replica(s) built in {time.time() - t0:.1f}s; "
                  + ("the first step runs one worker at a time" if policy == "eager" else

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from trainer.errors import TrainerError
-from trainer.step import (Replica, apply_update, compute_grads, gather_chunks, reduce_own_chunk, warmup_test_hook,
-                          weight_checksum)
+from trainer.numerics import guard_first_step
+from trainer.step import (Replica, ShardStats, apply_update, compute_grads, gather_chunks, reduce_own_chunk,
+                          warmup_test_hook, weight_checksum)
 
 
 class WorkerFailed(TrainerError):
@@ -136,8 +137,8 @@ class ThreadEngine:
 
     writer = True  # one process: it logs, checkpoints and evaluates
 
-    def __init__(self, workers: list[Worker], log, warmup_timeout: float):
-        self.workers, self.log, self.timeout = workers, log, warmup_timeout
+    def __init__(self, workers: list[Worker], log, warmup_timeout: float, guard: bool = True):
+        self.workers, self.log, self.timeout, self.guard = workers, log, warmup_timeout, guard
         self.replicas: list[Replica] = []
         self._built: list[float] = []
         self._warm = False
@@ -145,13 +146,14 @@ class ThreadEngine:
 
     @classmethod
     def start(cls, devices: list[torch.device], build: Callable[[int, torch.device], Replica], log,
-              warmup_timeout: float) -> "ThreadEngine":
+              warmup_timeout: float, guard: bool = True) -> "ThreadEngine":
         """Build the replicas one worker at a time (build(i, device) runs in worker i).
 
         Serialized also because each replica's target copy is made on device 0 before it moves
-        (Target.to): N copies at once would need N+1 targets' memory there.
+        (Target.to): N copies at once would need N+1 targets' memory there. With `guard`, each
+        worker's first compiled step is checked against eager (numerics.guard_first_step).
         """
-        eng = cls([Worker(i, d) for i, d in enumerate(devices)], log, warmup_timeout)
+        eng = cls([Worker(i, d) for i, d in enumerate(devices)], log, warmup_timeout, guard)
         try:
             for w in eng.workers:
                 t = time.perf_counter()
@@ -171,6 +173,14 @@ class ThreadEngine:
         return len(self.replicas)
 
     def step(self, batch, step: int, lr: float, grad_clip: float) -> StepOut:
+        stats = self.compute(batch)
+        norm = self.update(lr, grad_clip, step)
+        return StepOut(sum(s.loss_sum for s in stats), sum(s.correct for s in stats),
+                       sum(s.count for s in stats), norm)
+
+    def compute(self, batch) -> list[ShardStats]:
+        """Forward + backward of every worker's shard, then the cross-replica sum: afterwards every
+        replica holds the gradient of the global-batch loss (the first call is the warm-up)."""
         rs, K = self.replicas, len(self.replicas)
         shards = [batch.shard(i, K) for i in range(K)]
         if self._warm:
@@ -181,18 +191,27 @@ class ThreadEngine:
         if K > 1:
             run_all(self.workers, reduce_own_chunk, [(rs, i) for i in range(K)])
             run_all(self.workers, gather_chunks, [(rs, i) for i in range(K)])
-        norms = run_all(self.workers, apply_update, [(r, lr, grad_clip, step) for r in rs])
-        return StepOut(sum(s.loss_sum for s in stats), sum(s.correct for s in stats),
-                       sum(s.count for s in stats), norms[0])
+        return stats
+
+    def update(self, lr: float, grad_clip: float, step: int) -> float:
+        """The same optimizer update in every worker; returns the pre-clip gradient norm."""
+        return run_all(self.workers, apply_update, [(r, lr, grad_clip, step) for r in self.replicas])[0]
+
+    def run_each(self, fn: Callable, per_worker_args: list[tuple]) -> list:
+        """fn(replica_i, *args_i) in worker i's thread, for every worker."""
+        return run_all(self.workers, fn, [(r, *a) for r, a in zip(self.replicas, per_worker_args)])
 
     def _warm_up(self, w: Worker, shard):
         t = time.perf_counter()
-        stats = self._await(w, w.submit(_first_step, self.replicas[w.index], shard))
+        guard = self.guard and self.replicas[w.index].policy != "eager"
+        stats, check = self._await(w, w.submit(_first_step, self.replicas[w.index], shard, guard))
         first, built = time.perf_counter() - t, self._built[w.index]
         self.log.metrics({"event": "worker_ready", "worker": w.index, "device": str(w.device),
                           "seconds": built + first, "build_s": built, "first_step_s": first})
         self.log.info(f"worker {w.index} ({w.device}) ready in {built + first:.1f}s "
                       f"(build {built:.1f}s, compile + first step {first:.1f}s)")
+        if check is not None:
+            log_guard(self.log, f"worker {w.index}", w.index, check)
         return stats
 
     def _await(self, w: Worker, fut: cf.Future):
@@ -242,6 +261,14 @@ class ThreadEngine:
             w.close(wait=w.index not in self._hung)
 
 
-def _first_step(r: Replica, shard):
+def _first_step(r: Replica, shard, guard: bool):
     warmup_test_hook(r.index)
-    return compute_grads(r, shard)
+    stats = compute_grads(r, shard)
+    return stats, (guard_first_step(r, shard, stats.loss_sum) if guard else None)
+
+
+def log_guard(log, who: str, index: int, check) -> None:
+    log.metrics({"event": "compile_guard", "worker": index, "grad_err": check.err, "tolerance": check.tol,
+                 "loss": check.loss_c, "eager_loss": check.loss_e, "seconds": check.seconds})
+    log.info(f"{who}: first compiled step matches eager (gradient relative L2 {check.err:.2g} <= {check.tol:g}); "
+             f"the check cost {check.seconds:.1f}s (one eager forward/backward; --skip-compile-guard skips it)")
