@@ -29,7 +29,8 @@ is exact. Peak memory: max_memory_allocated per GPU over the timed steps.
 --target-mode: `truncated` (the trainer's default: the target stops after its last tapped layer),
 `full` (the whole base model with every hidden state, as before issue 14), `inference` (truncated,
 under torch.inference_mode, then cloned so the drafter's autograd may save it: a lever measured
-here, not used by the trainer).
+here, not used by the trainer). A comma-separated list alternates the modes step by step in one
+process (one compile, interleaved steps: a fair A/B); each mode gets its own medians.
 
 Writes DIR/results.json (rewritten after every step, so a run cut short keeps what it measured);
 prints progress lines while it runs and a summary at the end.
@@ -95,7 +96,6 @@ def build_target(args, device):
         for p in model.parameters():
             p.requires_grad_(False)
         t = Target(model, None, SHAPES["8b"]["layers"], "qwen3-8b-random", "random")
-    t.truncate = args.target_mode != "full"
     return t
 
 
@@ -103,8 +103,9 @@ class FeatureClock:
     """Times Target.features in whichever worker thread calls it: CUDA events on a GPU (read after
     the step's synchronize), the host clock on the CPU."""
 
-    def __init__(self, cuda: bool, inference: bool):
-        self.cuda, self.inference = cuda, inference
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.inference = False  # set between steps, while the workers are idle
         self._lock = threading.Lock()
         self._marks: dict[str, list] = {}
 
@@ -180,7 +181,7 @@ def run(args, emit, res: dict) -> None:
                else [torch.device("cpu")] * args.workers)
     if not cuda and args.workers > 1:
         policies.share_cpu(args.workers)  # as train.py does for CPU workers
-    res.update({"ok": False, "shape": args.shape, "policy": args.policy, "target_mode": args.target_mode,
+    res.update({"ok": False, "shape": args.shape, "policy": args.policy, "target_modes": args.modes,
            "workers": args.workers, "gpus": args.gpus if cuda else 0, "devices": [str(d) for d in devices],
            "batch_per_worker": sh["batch"], "global_batch": sh["batch"] * args.workers, "seq": sh["seq"],
            "anchors": sh["anchors"], "block": sh["block"], "torch": torch.__version__,
@@ -195,7 +196,7 @@ def run(args, emit, res: dict) -> None:
 
     # ---- targets: one per device, shared by the workers on it (as Target.to does) --------------
     t0 = time.perf_counter()
-    clock = FeatureClock(cuda, inference=args.target_mode == "inference")
+    clock = FeatureClock(cuda)
     targets = {}
     for d in dict.fromkeys(devices):
         emit(f"building the target on {d} ...")
@@ -237,6 +238,10 @@ def run(args, emit, res: dict) -> None:
         start = time.perf_counter()
         for i in range(args.warmup + args.steps):
             batch = batches[i % len(batches)]
+            mode = args.modes[i % len(args.modes)]  # warm-up steps cycle too: each mode runs once untimed
+            for t in targets.values():
+                t.truncate = mode != "full"
+            clock.inference = mode == "inference"
             sync()
             if cuda:
                 for d in dict.fromkeys(devices):
@@ -249,7 +254,7 @@ def run(args, emit, res: dict) -> None:
             t2 = time.perf_counter()
             feats = clock.take()
             B = len(batch)
-            rec = {"step": i, "timed": i >= args.warmup, "total_ms": (t2 - t0) * 1e3, "compute_ms": (t1 - t0) * 1e3,
+            rec = {"step": i, "mode": mode, "timed": i >= args.warmup, "total_ms": (t2 - t0) * 1e3, "compute_ms": (t1 - t0) * 1e3,
                    "update_ms": (t2 - t1) * 1e3, "features_ms": feats,
                    "features_mean_ms": statistics.mean(feats.values()) if feats else 0.0,
                    "loss": sum(s.loss_sum for s in stats) / batch.weight_total, "grad_norm": norm}
@@ -259,7 +264,7 @@ def run(args, emit, res: dict) -> None:
             res["steps"].append(rec)
             if i == 0:
                 res["first_step_s"] = round(rec["total_ms"] / 1e3, 1)
-            emit(f"step {i + 1}/{args.warmup + args.steps}{'' if rec['timed'] else ' (warm-up)'}: "
+            emit(f"step {i + 1}/{args.warmup + args.steps} [{mode}]{'' if rec['timed'] else ' (warm-up)'}: "
                  f"{rec['total_ms'] / B:.1f} ms/sample (target {rec['features_mean_ms'] / B:.1f}, "
                  f"drafter {rec['drafter_ms'] / B:.1f}), loss {rec['loss']:.4f}, grad norm {norm:.3f}"
                  + (f", peak {max(rec['peak_gb'].values()):.1f} GB" if cuda else ""))
@@ -275,15 +280,20 @@ def run(args, emit, res: dict) -> None:
 
 
 def _summarise(res: dict) -> None:
+    """res["modes"][mode]: medians over that mode's timed steps, ms/sample (each column its own median)."""
     timed = [s for s in res["steps"] if s["timed"]]
     res["timed_steps"] = len(timed)
-    if not timed:
-        return
     B = res["global_batch"]
-    for key in ("total", "features_mean", "drafter", "compute", "update"):
-        res[f"{key.replace('_mean', '')}_ms_per_sample"] = round(statistics.median(s[f"{key}_ms"] for s in timed) / B, 2)
-    if "peak_gb" in timed[0]:
-        res["peak_gb"] = {d: round(max(s["peak_gb"][d] for s in timed), 2) for d in timed[0]["peak_gb"]}
+    res["modes"] = {}
+    for mode in res["target_modes"]:
+        mine = [s for s in timed if s["mode"] == mode]
+        if not mine:
+            continue
+        m = res["modes"][mode] = {"timed_steps": len(mine)}
+        for key in ("total", "features_mean", "drafter", "compute", "update"):
+            m[f"{key.replace('_mean', '')}_ms_per_sample"] = round(statistics.median(s[f"{key}_ms"] for s in mine) / B, 2)
+        if "peak_gb" in mine[0]:
+            m["peak_gb"] = {d: round(max(s["peak_gb"][d] for s in mine), 2) for d in mine[0]["peak_gb"]}
 
 
 def _write(out: str, res: dict) -> None:
@@ -298,20 +308,21 @@ def summary(res: dict) -> str:
     if not res.get("timed_steps"):
         return f"no timed step ({res.get('error', 'see the log')})"
     lines = [
-        f"train step, {res['shape']} shape, policy {res['policy']}, target {res['target_mode']}, "
+        f"train step, {res['shape']} shape, policy {res['policy']}, "
         f"{res['workers']} worker(s) on {', '.join(dict.fromkeys(res['devices']))} ({res['device_name']}), "
         f"global batch {res['global_batch']} x {res['seq']}, {res['anchors']} anchors x block {res['block']}; "
         f"torch {res['torch']}, transformers {res.get('transformers', '?')}",
-        f"median of {res['timed_steps']} steps after {len(res['steps']) - res['timed_steps']} warm-up "
-        f"(the first, with compile: {res.get('first_step_s')} s)",
+        f"medians of {res['timed_steps']} timed steps after {len(res['steps']) - res['timed_steps']} warm-up "
+        f"(the first, with compile: {res.get('first_step_s')} s); ms/sample, drafter = total - target forward",
         "",
-        "| target forward | drafter step | total | peak GB |",
-        "| --- | --- | --- | --- |",
-        f"| {res['features_ms_per_sample']:.1f} | {res['drafter_ms_per_sample']:.1f} | **{res['total_ms_per_sample']:.1f}** | "
-        + (", ".join(f"{v:.1f}" for v in res["peak_gb"].values()) if res.get("peak_gb") else "-") + " |",
-        "(ms/sample; drafter = total - target forward; compute "
-        f"{res['compute_ms_per_sample']:.1f} + update {res['update_ms_per_sample']:.1f} = total)",
+        "| target mode | steps | target forward | drafter step | total | compute / update | peak GB |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
+    for mode, m in res["modes"].items():
+        peak = ", ".join(f"{v:.1f}" for v in m["peak_gb"].values()) if m.get("peak_gb") else "-"
+        lines.append(f"| {mode} | {m['timed_steps']} | {m['features_ms_per_sample']:.1f} | {m['drafter_ms_per_sample']:.1f} | "
+                     f"**{m['total_ms_per_sample']:.1f}** | {m['compute_ms_per_sample']:.1f} / "
+                     f"{m['update_ms_per_sample']:.1f} | {peak} |")
     if res["shape"] == "8b":
         lines.append("reference, ms/sample on one H200: " + "; ".join(f"{k}: {v}" for k, v in REFERENCE_MS_PER_SAMPLE.items()))
     return "\n".join(lines)
@@ -321,7 +332,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="the trainer's tiny target on the CPU, end to end")
     ap.add_argument("--policy", default="inductor", help="compile policy (trainer/policies.py); default inductor")
-    ap.add_argument("--target-mode", choices=MODES, default="truncated")
+    ap.add_argument("--target-mode", default="truncated",
+                    help=f"one of {', '.join(MODES)}, or several comma-separated, alternated step by step")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs (ignored with --tiny)")
     ap.add_argument("--workers", type=int, default=0, help="worker threads, worker i on GPU i mod --gpus; default --gpus")
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
@@ -332,13 +344,17 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)  # tests: the 8B code path on the CPU
     args = ap.parse_args(argv)
     args.shape = "tiny" if args.tiny else "8b"
+    args.modes = list(dict.fromkeys(args.target_mode.split(",")))
+    bad = [m for m in args.modes if m not in MODES]
+    if bad:
+        ap.error(f"--target-mode {bad[0]!r}: choose from {', '.join(MODES)}")
     args.workers = args.workers or (1 if args.tiny else args.gpus)
-    args.warmup = max(1, args.warmup)  # the first step compiles: never timed
+    args.warmup = max(len(args.modes), args.warmup)  # the first step compiles; each mode runs once untimed
 
     def emit(text: str) -> None:
         print(f"[train_step_bench {time.strftime('%H:%M:%S')}] {text}", flush=True)
 
-    emit(f"{args.shape} shape, policy {args.policy}, target {args.target_mode}, {args.workers} worker(s)"
+    emit(f"{args.shape} shape, policy {args.policy}, target mode(s) {', '.join(args.modes)}, {args.workers} worker(s)"
          + ("" if args.tiny else f" on {args.gpus} GPU(s)") + f"; results in {args.out}/results.json")
     res: dict = {"ok": False}
     try:

@@ -32,8 +32,9 @@ def _load():
 def _check(res: dict, steps: int) -> None:
     assert res["ok"], res.get("error")
     assert res["timed_steps"] == steps
-    for key in ("features_ms_per_sample", "drafter_ms_per_sample", "total_ms_per_sample"):
-        assert res[key] > 0
+    for m in res["modes"].values():
+        for key in ("features_ms_per_sample", "drafter_ms_per_sample", "total_ms_per_sample"):
+            assert m[key] > 0
     for s in res["steps"]:
         assert len(s["features_ms"]) == res["workers"]  # every worker ran the target once per step
         assert s["total_ms"] >= s["compute_ms"] > 0 and torch.isfinite(torch.tensor(s["loss"]))
@@ -45,25 +46,28 @@ def test_tiny_runs_end_to_end_from_the_command_line(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.loads((tmp_path / "results.json").read_text())
     _check(res, 2)
-    assert res["target_mode"] == "truncated" and res["layer_ids"] == [1, 2, 3, 4, 5]
-    assert "step 3/3" in p.stdout and "| target forward | drafter step | total | peak GB |" in p.stdout
+    assert res["target_modes"] == ["truncated"] and res["layer_ids"] == [1, 2, 3, 4, 5]
+    assert "step 3/3 [truncated]" in p.stdout and "| truncated | 2 |" in p.stdout
 
 
-@pytest.mark.parametrize("mode", ["full", "inference"])
-def test_the_8b_code_path_with_two_workers(tmp_path, monkeypatch, mode):
+def test_the_8b_code_path_with_two_workers_and_every_target_mode(tmp_path, monkeypatch):
     bench = _load()
     small = dict(bench.QWEN3_8B, vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     monkeypatch.setattr(bench, "QWEN3_8B", small)
     monkeypatch.setitem(bench.SHAPES, "8b", dict(bench.SHAPES["8b"], layers=(0, 2), draft_layers=1, seq=64,
                                                   anchors=4))
-    assert bench.main(["--cpu", "--workers", "2", "--policy", "eager", "--target-mode", mode, "--steps", "2",
-                       "--warmup", "1", "--out", str(tmp_path)]) == 0
+    assert bench.main(["--cpu", "--workers", "2", "--policy", "eager", "--target-mode", "truncated,full,inference",
+                       "--steps", "3", "--warmup", "1", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "results.json").read_text())
-    _check(res, 2)
+    _check(res, 3)
     assert res["shape"] == "8b" and res["global_batch"] == 4 and res["target_layers"] == 4
     assert res["layer_ids"] == [0, 2] and res["attn_implementation"] == "sdpa"
-    assert res["target_mode"] == mode
+    # the modes alternate, each warmed up once untimed, then one timed step each
+    assert [s["mode"] for s in res["steps"]] == ["truncated", "full", "inference"] * 2
+    assert [s["timed"] for s in res["steps"]] == [False] * 3 + [True] * 3
+    assert set(res["modes"]) == {"truncated", "full", "inference"}
+    assert all(m["timed_steps"] == 1 and m["total_ms_per_sample"] > 0 for m in res["modes"].values())
 
 
 def test_an_error_is_recorded_in_the_results(tmp_path, monkeypatch):
