@@ -182,11 +182,11 @@ def run(args, emit, res: dict) -> None:
     if not cuda and args.workers > 1:
         policies.share_cpu(args.workers)  # as train.py does for CPU workers
     res.update({"ok": False, "shape": args.shape, "policy": args.policy, "target_modes": args.modes,
-           "workers": args.workers, "gpus": args.gpus if cuda else 0, "devices": [str(d) for d in devices],
-           "batch_per_worker": sh["batch"], "global_batch": sh["batch"] * args.workers, "seq": sh["seq"],
-           "anchors": sh["anchors"], "block": sh["block"], "torch": torch.__version__,
-           "device_name": torch.cuda.get_device_name(0) if cuda else "cpu",
-           "reference_ms_per_sample": REFERENCE_MS_PER_SAMPLE, "steps": []})
+                "workers": args.workers, "gpus": args.gpus if cuda else 0, "devices": [str(d) for d in devices],
+                "batch_per_worker": sh["batch"], "global_batch": sh["batch"] * args.workers, "seq": sh["seq"],
+                "anchors": sh["anchors"], "block": sh["block"], "torch": torch.__version__,
+                "device_name": torch.cuda.get_device_name(0) if cuda else "cpu",
+                "reference_ms_per_sample": REFERENCE_MS_PER_SAMPLE, "steps": []})
     try:
         import transformers
 
@@ -254,8 +254,8 @@ def run(args, emit, res: dict) -> None:
             t2 = time.perf_counter()
             feats = clock.take()
             B = len(batch)
-            rec = {"step": i, "mode": mode, "timed": i >= args.warmup, "total_ms": (t2 - t0) * 1e3, "compute_ms": (t1 - t0) * 1e3,
-                   "update_ms": (t2 - t1) * 1e3, "features_ms": feats,
+            rec = {"step": i, "mode": mode, "timed": i >= args.warmup, "total_ms": (t2 - t0) * 1e3,
+                   "compute_ms": (t1 - t0) * 1e3, "update_ms": (t2 - t1) * 1e3, "features_ms": feats,
                    "features_mean_ms": statistics.mean(feats.values()) if feats else 0.0,
                    "loss": sum(s.loss_sum for s in stats) / batch.weight_total, "grad_norm": norm}
             rec["drafter_ms"] = rec["total_ms"] - rec["features_mean_ms"]
