@@ -32,6 +32,9 @@ under torch.inference_mode, then cloned so the drafter's autograd may save it: a
 here, not used by the trainer). A comma-separated list alternates the modes step by step in one
 process (one compile, interleaved steps: a fair A/B); each mode gets its own medians.
 
+Before timing, one batch's truncated features are compared with the whole forward's (torch.equal,
+on this machine's transformers): `truncated_equals_full` in the results.
+
 Writes DIR/results.json (rewritten after every step, so a run cut short keeps what it measured);
 prints progress lines while it runs and a summary at the end.
 """
@@ -201,7 +204,6 @@ def run(args, emit, res: dict) -> None:
     for d in dict.fromkeys(devices):
         emit(f"building the target on {d} ...")
         targets[d] = build_target(args, d)
-        clock.wrap(targets[d])
     first = targets[devices[0]]
     res["target_build_s"] = round(time.perf_counter() - t0, 1)
     res["layer_ids"] = list(first.layer_ids)
@@ -225,6 +227,16 @@ def run(args, emit, res: dict) -> None:
                              lr=1e-5, weight_decay=0.0, pos_weights=pw)
 
     batches = make_batches(args, dcfg.vocab_size, pw)
+    # This machine's transformers, this shape: the truncated forward must give the whole forward's features.
+    ids = batches[0].input_ids[: sh["batch"]].to(devices[0])
+    first.truncate = False
+    want = first.features(ids)
+    first.truncate = True
+    res["truncated_equals_full"] = bool(torch.equal(first.features(ids), want))
+    emit(f"truncated target features equal the whole forward's: {res['truncated_equals_full']}")
+    del want
+    for t in targets.values():
+        clock.wrap(t)
     sync = (lambda: [torch.cuda.synchronize(d) for d in dict.fromkeys(devices)]) if cuda else (lambda: None)
     log = RunLog(None, stream=sys.stdout)  # the engine's own progress lines (worker ready, ...)
 
@@ -313,7 +325,8 @@ def summary(res: dict) -> str:
         f"global batch {res['global_batch']} x {res['seq']}, {res['anchors']} anchors x block {res['block']}; "
         f"torch {res['torch']}, transformers {res.get('transformers', '?')}",
         f"medians of {res['timed_steps']} timed steps after {len(res['steps']) - res['timed_steps']} warm-up "
-        f"(the first, with compile: {res.get('first_step_s')} s); ms/sample, drafter = total - target forward",
+        f"(the first, with compile: {res.get('first_step_s')} s); ms/sample, drafter = total - target forward; "
+        f"truncated features == the whole forward's: {res.get('truncated_equals_full')}",
         "",
         "| target mode | steps | target forward | drafter step | total | compute / update | peak GB |",
         "| --- | --- | --- | --- | --- | --- | --- |",

@@ -31,6 +31,7 @@ def _load():
 
 def _check(res: dict, steps: int) -> None:
     assert res["ok"], res.get("error")
+    assert res["truncated_equals_full"] is True
     assert res["timed_steps"] == steps
     for m in res["modes"].values():
         for key in ("features_ms_per_sample", "drafter_ms_per_sample", "total_ms_per_sample"):
