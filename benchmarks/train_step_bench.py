@@ -232,9 +232,12 @@ def run(args, emit, res: dict) -> None:
     first.truncate = False
     want = first.features(ids)
     first.truncate = True
-    res["truncated_equals_full"] = bool(torch.equal(first.features(ids), want))
-    emit(f"truncated target features equal the whole forward's: {res['truncated_equals_full']}")
-    del want
+    got = first.features(ids)
+    res["truncated_equals_full"] = bool(torch.equal(got, want))
+    res["truncated_max_abs_diff"] = float((got.float() - want.float()).abs().max())
+    emit(f"truncated target features equal the whole forward's: {res['truncated_equals_full']} "
+         f"(max abs diff {res['truncated_max_abs_diff']:g})")
+    del want, got
     for t in targets.values():
         clock.wrap(t)
     sync = (lambda: [torch.cuda.synchronize(d) for d in dict.fromkeys(devices)]) if cuda else (lambda: None)

@@ -189,8 +189,9 @@ class Target:
 # what another worker's forward (or an eval's decode) runs. Calling the layers directly instead
 # would copy the model's mask and rotary set-up, which changes between transformers versions.
 
-class _StopForward(Exception):
-    """Raised by the hook of the last tapped layer: nothing above it is needed."""
+class _StopForward(BaseException):
+    """Raised by the hook of the last tapped layer: nothing above it is needed. A BaseException, so
+    that no `except Exception` inside a model's forward can swallow it and run on."""
 
 
 _TAP = threading.local()
