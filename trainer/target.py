@@ -7,9 +7,11 @@ embedding, final norm and lm_head (field notes 5). Nothing here ever reaches the
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +55,9 @@ class Target:
     layer_ids: tuple[int, ...]    # decoder layers whose outputs feed the drafter
     name: str                     # "tiny", "tiny:7" or the folder path
     fingerprint: str              # changes when the model would produce different data
+    # features() stops after the last tapped layer; False runs the whole base model as it used to
+    # (the same tensor, more work: kept for benchmarks/train_step_bench.py --target-mode full).
+    truncate: bool = True
 
     @property
     def config(self):
@@ -74,17 +79,37 @@ class Target:
         """
         if torch.device(device) == self.device:
             return self
-        return Target(copy.deepcopy(self.model).to(device), self.tokenizer, self.layer_ids, self.name, self.fingerprint)
+        return dataclasses.replace(self, model=copy.deepcopy(self.model).to(device))
 
+    # no_grad, not inference_mode: the drafter's first matmul saves these features for its
+    # backward, and autograd refuses to save inference tensors.
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids (B, S) -> concatenated hidden states (B, S, n*H) at `layer_ids`.
 
         Right padding needs no attention mask: with causal attention, real tokens never see pads.
-        HF `hidden_states[i + 1]` is the output of layer i (index 0 is the embedding).
+        HF `hidden_states[i + 1]` is the output of layer i (index 0 is the embedding), except that
+        the last layer's entry is after the final norm (`last_hidden_state`).
+        With `truncate`, the layers above the last tapped one never run (Qwen3-8B with layers
+        1..33: 34 of 36 layers); the result is the same tensor.
         """
-        out = self.model.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
-        return torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+        if not self.truncate:
+            out = self.model.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+            return torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+        base = self.model.base_model
+        layers = _tap_layers(base)
+        last = max(self.layer_ids)
+        through = last == len(layers) - 1  # the final layer's entry is the normed model output
+        taps = {layers[i]: None for i in self.layer_ids if i != len(layers) - 1}
+        _TAP.taps, _TAP.stop_at = taps, None if through else layers[last]
+        try:
+            out = base(input_ids=input_ids, use_cache=False)
+        except _StopForward:
+            out = None
+        finally:
+            _TAP.taps = _TAP.stop_at = None
+        return torch.cat([out.last_hidden_state if i == len(layers) - 1 else taps[layers[i]]
+                          for i in self.layer_ids], dim=-1)
 
     @torch.no_grad()
     def decode(self, input_ids: torch.Tensor, cache=None, *, hidden: bool = False):
@@ -156,6 +181,44 @@ class Target:
             rope_theta=float(theta),
             block_size=block_size,
         )
+
+
+# ---- features(): record the tapped layers' outputs and stop after the last one ----------------------
+# The hooks stay on the layers for good and act only while THIS thread is inside features():
+# replicas on one device share one Target, so per-call hooks or a sliced layer list would change
+# what another worker's forward (or an eval's decode) runs. Calling the layers directly instead
+# would copy the model's mask and rotary set-up, which changes between transformers versions.
+
+class _StopForward(BaseException):
+    """Raised by the hook of the last tapped layer: nothing above it is needed. A BaseException, so
+    that no `except Exception` inside a model's forward can swallow it and run on."""
+
+
+_TAP = threading.local()
+_HOOK_LOCK = threading.Lock()
+
+
+def _tap_hook(module, args, output):
+    taps = getattr(_TAP, "taps", None)
+    if taps is None or module not in taps:
+        return
+    taps[module] = output[0] if isinstance(output, tuple) else output  # transformers 4 returns a tuple
+    if module is _TAP.stop_at:
+        raise _StopForward
+
+
+def _tap_layers(base: torch.nn.Module) -> torch.nn.ModuleList:
+    """base.layers with the tap hook on every layer (installed once per model, copied by deepcopy)."""
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise UsageError(f"{type(base).__name__} has no decoder layer list (base_model.layers); "
+                         "supported: Llama/Qwen2/Qwen3/Mistral-style models")
+    with _HOOK_LOCK:
+        for layer in layers:
+            if not getattr(layer, "_dflash_tap", False):
+                layer.register_forward_hook(_tap_hook)
+                layer._dflash_tap = True
+    return layers
 
 
 def _cache_kwarg(model) -> str:

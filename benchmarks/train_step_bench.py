@@ -1,0 +1,389 @@
+"""Train-step benchmark (issue 14): the trainer's own step, frozen target forward included.
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/train_step_bench.py --out DIR                      # 1 GPU, 8B shape
+    PYTHONUNBUFFERED=1 python3 benchmarks/train_step_bench.py --out DIR --target-mode full   # the old forward
+    PYTHONUNBUFFERED=1 python3 benchmarks/train_step_bench.py --out DIR --gpus 2            # 2 workers, 2 GPUs
+    .venv/bin/python benchmarks/train_step_bench.py --tiny --policy eager --out /tmp/tsb     # CPU, end to end
+
+What a user waits for per step: the target forward that makes the drafter's features (hidden states
+of 5 tapped layers), then the drafter's forward + backward, the cross-replica gradient sum and
+the optimizer update. The target is a Qwen3-8B-shaped Qwen3ForCausalLM (hidden 4096, intermediate
+12288, 36 layers, 32 q / 8 kv heads, head dim 128, vocab 151936, untied lm_head) with random bf16
+weights built directly on each GPU (nothing downloaded, nothing initialised on the CPU), SDPA
+attention, tapped at layers 1, 9, 17, 25, 33, wrapped in `trainer.target.Target`. The drafter is
+`target.drafter_config(num_layers=5, block_size=16)`. Batch 2 per worker, context 768, 256 anchors
+x block 16 (4 batches of different tokens and anchors, rotated).
+
+The step is the trainer's: replicas built by `trainer.step.build_replica` in the worker threads of
+`trainer.workers.ThreadEngine` (one worker per device by default, started as train.py starts them,
+without the first-step eager guard), each step `engine.compute(batch)` then `engine.update(...)`,
+which is what `ThreadEngine.step` runs. Timing: the host clock around the whole step with every
+device synchronised before and after (the step's wall time); the target forward with CUDA events
+around `Target.features` in each worker (the host clock on the CPU). Per step and worker:
+features = that forward, drafter = step wall time - features (the drafter's forward + backward,
+the gradient sum when there are several workers, clip + AdamW). ms/sample = median over the
+timed steps / the global batch (workers run at once, so a worker's forward counts once). With
+several workers on ONE GPU the split is approximate (their kernels share the device); the total
+is exact. Peak memory: max_memory_allocated per GPU over the timed steps.
+
+--target-mode: `truncated` (the trainer's default: the target stops after its last tapped layer),
+`full` (the whole base model with every hidden state, as before issue 14), `inference` (truncated,
+under torch.inference_mode, then cloned so the drafter's autograd may save it: a lever measured
+here, not used by the trainer). A comma-separated list alternates the modes step by step in one
+process (one compile, interleaved steps: a fair A/B); each mode gets its own medians.
+
+Before timing, one batch's truncated features are compared with the whole forward's (torch.equal,
+on this machine's transformers): `truncated_equals_full` in the results.
+
+Writes DIR/results.json (rewritten after every step, so a run cut short keeps what it measured);
+prints progress lines while it runs and a summary at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# Measured on one H200, torch 2.11, batch 2 x 768 (docs/benchmarks.md): what this benchmark's
+# figures are compared with.
+REFERENCE_MS_PER_SAMPLE = {
+    "plain Qwen3-8B forward, hidden states of 5 layers (transformers + sdpa, inference mode)": 25.9,
+    "the same, stopping after layer 33": 24.9,
+    "drafter step alone (benchmarks/drafter_bench.py, inductor/flex/chunked)": 67.1,
+    "SpecForge 0.2.0, whole step": 112.8,
+}
+
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+SHAPES = {
+    "8b": dict(layers=(1, 9, 17, 25, 33), draft_layers=5, batch=2, seq=768, anchors=256, block=16),
+    # the trainer's `tiny` target (8 layers, hidden 64) with its default layers
+    "tiny": dict(layers=None, draft_layers=2, batch=2, seq=128, anchors=8, block=16),
+}
+MODES = ("truncated", "full", "inference")
+
+
+def build_target(args, device):
+    """The frozen target on `device`, wrapped in trainer.target.Target."""
+    import torch
+
+    from trainer.target import Target, load_target
+
+    if args.tiny:
+        t = load_target("tiny", device=device, dtype=torch.float32)
+    else:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        # bf16 on a GPU, as the trainer loads a target; fp32 on the CPU (--cpu, tests), as it would there
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        cfg = Qwen3Config(**QWEN3_8B, attn_implementation="sdpa")
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # allocate bf16 from the start: 16 GB, not 33
+        try:
+            torch.manual_seed(0)
+            with torch.device(device):
+                model = Qwen3ForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(before)
+        model = model.to(dtype=dtype).eval()  # as load_target does (casts the rotary buffer too)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        t = Target(model, None, SHAPES["8b"]["layers"], "qwen3-8b-random", "random")
+    return t
+
+
+class FeatureClock:
+    """Times Target.features in whichever worker thread calls it: CUDA events on a GPU (read after
+    the step's synchronize), the host clock on the CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.inference = False  # set between steps, while the workers are idle
+        self._lock = threading.Lock()
+        self._marks: dict[str, list] = {}
+
+    def wrap(self, target) -> None:
+        import torch
+
+        inner = target.features  # the bound method; replicas on this device share this Target
+
+        def features(input_ids):
+            who = threading.current_thread().name
+            if self.cuda:
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+            else:
+                t0 = time.perf_counter()
+            if self.inference:
+                with torch.inference_mode():
+                    out = inner(input_ids)
+                out = out.clone()  # outside inference mode: a tensor autograd may save
+            else:
+                out = inner(input_ids)
+            if self.cuda:
+                e1.record()
+                mark = (e0, e1)
+            else:
+                mark = (time.perf_counter() - t0) * 1e3
+            with self._lock:
+                self._marks.setdefault(who, []).append(mark)
+            return out
+
+        target.features = features
+
+    def take(self) -> dict[str, float]:
+        """ms of each worker's target forward(s) since the last call (call after synchronizing)."""
+        with self._lock:
+            marks, self._marks = self._marks, {}
+        return {who: sum(m if isinstance(m, float) else m[0].elapsed_time(m[1]) for m in ms)
+                for who, ms in sorted(marks.items())}
+
+
+def make_batches(args, vocab: int, pos_weights, n: int = 4):
+    """n global batches of random tokens (every position carries loss), anchors drawn per step."""
+    import torch
+
+    from trainer.data import Sample, make_batch
+
+    sh = SHAPES[args.shape]
+    B = sh["batch"] * args.workers
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for k in range(n):
+        ids = torch.randint(0, vocab - 1, (B, sh["seq"]), generator=g).tolist()
+        samples = [Sample(tuple(row), (1,) * sh["seq"]) for row in ids]
+        out.append(make_batch(samples, pad_len=sh["seq"], pad_id=0, step=k, seed=0, block_size=sh["block"],
+                              anchors=sh["anchors"], pos_weights=pos_weights))
+    return out
+
+
+def run(args, emit, res: dict) -> None:
+    import torch
+
+    from trainer import masks, policies
+    from trainer.log import RunLog
+    from trainer.model import Drafter
+    from trainer.step import build_replica
+    from trainer.workers import ThreadEngine
+
+    sh = SHAPES[args.shape]
+    cuda = not (args.tiny or args.cpu)
+    if cuda and torch.cuda.device_count() < args.gpus:
+        raise SystemExit(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    devices = ([torch.device("cuda", i % args.gpus) for i in range(args.workers)] if cuda
+               else [torch.device("cpu")] * args.workers)
+    if not cuda and args.workers > 1:
+        policies.share_cpu(args.workers)  # as train.py does for CPU workers
+    res.update({"ok": False, "shape": args.shape, "policy": args.policy, "target_modes": args.modes,
+                "workers": args.workers, "gpus": args.gpus if cuda else 0, "devices": [str(d) for d in devices],
+                "batch_per_worker": sh["batch"], "global_batch": sh["batch"] * args.workers, "seq": sh["seq"],
+                "anchors": sh["anchors"], "block": sh["block"], "torch": torch.__version__,
+                "device_name": torch.cuda.get_device_name(0) if cuda else "cpu",
+                "reference_ms_per_sample": REFERENCE_MS_PER_SAMPLE, "steps": []})
+    try:
+        import transformers
+
+        res["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+
+    # ---- targets: one per device, shared by the workers on it (as Target.to does) --------------
+    t0 = time.perf_counter()
+    clock = FeatureClock(cuda)
+    targets = {}
+    for d in dict.fromkeys(devices):
+        emit(f"building the target on {d} ...")
+        targets[d] = build_target(args, d)
+    first = targets[devices[0]]
+    res["target_build_s"] = round(time.perf_counter() - t0, 1)
+    res["layer_ids"] = list(first.layer_ids)
+    res["target_layers"] = first.num_layers
+    res["attn_implementation"] = getattr(first.config, "_attn_implementation", None)
+    res["target_params"] = sum(p.numel() for p in first.model.parameters())
+    emit(f"target: {res['target_params'] / 1e9:.2f} B params, {first.num_layers} layers, taps {res['layer_ids']}, "
+         f"attention {res['attn_implementation']}, {res['target_build_s']} s")
+
+    # ---- drafters: one initial copy per worker, built on the first device -------------------------
+    dcfg = first.drafter_config(num_layers=sh["draft_layers"], block_size=sh["block"], mask_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(devices[0]):
+        drafter = Drafter(dcfg)
+    copies = [drafter] + [copy.deepcopy(drafter) for _ in devices[1:]]
+    pw = masks.position_weights(sh["block"], masks.default_gamma(sh["block"]))
+    res["trainable_params"] = sum(p.numel() for _, p in drafter.trainable_parameters())
+
+    def build(i, device):
+        return build_replica(i, device, copies[i], targets[device], policy=args.policy, n_devices=len(devices),
+                             lr=1e-5, weight_decay=0.0, pos_weights=pw)
+
+    batches = make_batches(args, dcfg.vocab_size, pw)
+    # This machine's transformers, this shape: the truncated forward must give the whole forward's features.
+    ids = batches[0].input_ids[: sh["batch"]].to(devices[0])
+    first.truncate = False
+    want = first.features(ids)
+    first.truncate = True
+    got = first.features(ids)
+    res["truncated_equals_full"] = bool(torch.equal(got, want))
+    res["truncated_max_abs_diff"] = float((got.float() - want.float()).abs().max())
+    emit(f"truncated target features equal the whole forward's: {res['truncated_equals_full']} "
+         f"(max abs diff {res['truncated_max_abs_diff']:g})")
+    del want, got
+    for t in targets.values():
+        clock.wrap(t)
+    sync = (lambda: [torch.cuda.synchronize(d) for d in dict.fromkeys(devices)]) if cuda else (lambda: None)
+    log = RunLog(None, stream=sys.stdout)  # the engine's own progress lines (worker ready, ...)
+
+    t0 = time.perf_counter()
+    engine = ThreadEngine.start(devices, build, log, args.warmup_timeout, guard=False)
+    try:
+        res["build_s"] = round(time.perf_counter() - t0, 1)
+        res["backends"] = engine.primary.loss_module.backends(devices[0])
+        emit(f"{engine.size} replica(s) built in {res['build_s']} s ({res['trainable_params'] / 1e9:.2f} B trainable "
+             f"each, backends {res['backends']}); step 1 compiles under {args.policy}, one worker at a time ...")
+        start = time.perf_counter()
+        for i in range(args.warmup + args.steps):
+            batch = batches[i % len(batches)]
+            mode = args.modes[i % len(args.modes)]  # warm-up steps cycle too: each mode runs once untimed
+            for t in targets.values():
+                t.truncate = mode != "full"
+            clock.inference = mode == "inference"
+            sync()
+            if cuda:
+                for d in dict.fromkeys(devices):
+                    torch.cuda.reset_peak_memory_stats(d)
+            t0 = time.perf_counter()
+            stats = engine.compute(batch)
+            t1 = time.perf_counter()
+            norm = engine.update(1e-5, 1.0, i)
+            sync()
+            t2 = time.perf_counter()
+            feats = clock.take()
+            B = len(batch)
+            rec = {"step": i, "mode": mode, "timed": i >= args.warmup, "total_ms": (t2 - t0) * 1e3,
+                   "compute_ms": (t1 - t0) * 1e3, "update_ms": (t2 - t1) * 1e3, "features_ms": feats,
+                   "features_mean_ms": statistics.mean(feats.values()) if feats else 0.0,
+                   "loss": sum(s.loss_sum for s in stats) / batch.weight_total, "grad_norm": norm}
+            rec["drafter_ms"] = rec["total_ms"] - rec["features_mean_ms"]
+            if cuda:
+                rec["peak_gb"] = {str(d): torch.cuda.max_memory_allocated(d) / 1e9 for d in dict.fromkeys(devices)}
+            res["steps"].append(rec)
+            if i == 0:
+                res["first_step_s"] = round(rec["total_ms"] / 1e3, 1)
+            emit(f"step {i + 1}/{args.warmup + args.steps} [{mode}]{'' if rec['timed'] else ' (warm-up)'}: "
+                 f"{rec['total_ms'] / B:.1f} ms/sample (target {rec['features_mean_ms'] / B:.1f}, "
+                 f"drafter {rec['drafter_ms'] / B:.1f}), loss {rec['loss']:.4f}, grad norm {norm:.3f}"
+                 + (f", peak {max(rec['peak_gb'].values()):.1f} GB" if cuda else ""))
+            _summarise(res)
+            _write(args.out, res)
+            if time.perf_counter() - start > args.deadline and i + 1 < args.warmup + args.steps:
+                res["stopped_early"] = f"--deadline {args.deadline:g} s reached after step {i + 1}"
+                emit(res["stopped_early"])
+                break
+    finally:
+        engine.close()
+    res["ok"] = bool(res.get("timed_steps"))
+
+
+def _summarise(res: dict) -> None:
+    """res["modes"][mode]: medians over that mode's timed steps, ms/sample (each column its own median)."""
+    timed = [s for s in res["steps"] if s["timed"]]
+    res["timed_steps"] = len(timed)
+    B = res["global_batch"]
+    res["modes"] = {}
+    for mode in res["target_modes"]:
+        mine = [s for s in timed if s["mode"] == mode]
+        if not mine:
+            continue
+        m = res["modes"][mode] = {"timed_steps": len(mine)}
+        for key in ("total", "features_mean", "drafter", "compute", "update"):
+            m[f"{key.replace('_mean', '')}_ms_per_sample"] = round(statistics.median(s[f"{key}_ms"] for s in mine) / B, 2)
+        if "peak_gb" in mine[0]:
+            m["peak_gb"] = {d: round(max(s["peak_gb"][d] for s in mine), 2) for d in mine[0]["peak_gb"]}
+
+
+def _write(out: str, res: dict) -> None:
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / "results.json.tmp"
+    tmp.write_text(json.dumps(res, indent=1))
+    os.replace(tmp, path / "results.json")
+
+
+def summary(res: dict) -> str:
+    if not res.get("timed_steps"):
+        return f"no timed step ({res.get('error', 'see the log')})"
+    lines = [
+        f"train step, {res['shape']} shape, policy {res['policy']}, "
+        f"{res['workers']} worker(s) on {', '.join(dict.fromkeys(res['devices']))} ({res['device_name']}), "
+        f"global batch {res['global_batch']} x {res['seq']}, {res['anchors']} anchors x block {res['block']}; "
+        f"torch {res['torch']}, transformers {res.get('transformers', '?')}",
+        f"medians of {res['timed_steps']} timed steps after {len(res['steps']) - res['timed_steps']} warm-up "
+        f"(the first, with compile: {res.get('first_step_s')} s); ms/sample, drafter = total - target forward; "
+        f"truncated features == the whole forward's: {res.get('truncated_equals_full')}",
+        "",
+        "| target mode | steps | target forward | drafter step | total | compute / update | peak GB |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, m in res["modes"].items():
+        peak = ", ".join(f"{v:.1f}" for v in m["peak_gb"].values()) if m.get("peak_gb") else "-"
+        lines.append(f"| {mode} | {m['timed_steps']} | {m['features_ms_per_sample']:.1f} | {m['drafter_ms_per_sample']:.1f} | "
+                     f"**{m['total_ms_per_sample']:.1f}** | {m['compute_ms_per_sample']:.1f} / "
+                     f"{m['update_ms_per_sample']:.1f} | {peak} |")
+    if res["shape"] == "8b":
+        lines.append("reference, ms/sample on one H200: " + "; ".join(f"{k}: {v}" for k, v in REFERENCE_MS_PER_SAMPLE.items()))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="the trainer's tiny target on the CPU, end to end")
+    ap.add_argument("--policy", default="inductor", help="compile policy (trainer/policies.py); default inductor")
+    ap.add_argument("--target-mode", default="truncated",
+                    help=f"one of {', '.join(MODES)}, or several comma-separated, alternated step by step")
+    ap.add_argument("--gpus", type=int, default=1, help="GPUs (ignored with --tiny)")
+    ap.add_argument("--workers", type=int, default=0, help="worker threads, worker i on GPU i mod --gpus; default --gpus")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first compiles)")
+    ap.add_argument("--deadline", type=float, default=1e9, help="stop timing after this many seconds of steps")
+    ap.add_argument("--warmup-timeout", type=float, default=900.0, help="seconds a worker may take to build + compile")
+    ap.add_argument("--out", default="out/train_step_bench")
+    ap.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)  # tests: the 8B code path on the CPU
+    args = ap.parse_args(argv)
+    args.shape = "tiny" if args.tiny else "8b"
+    args.modes = list(dict.fromkeys(args.target_mode.split(",")))
+    bad = [m for m in args.modes if m not in MODES]
+    if bad:
+        ap.error(f"--target-mode {bad[0]!r}: choose from {', '.join(MODES)}")
+    args.workers = args.workers or (1 if args.tiny else args.gpus)
+    args.warmup = max(len(args.modes), args.warmup)  # the first step compiles; each mode runs once untimed
+
+    def emit(text: str) -> None:
+        print(f"[train_step_bench {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+    emit(f"{args.shape} shape, policy {args.policy}, target mode(s) {', '.join(args.modes)}, {args.workers} worker(s)"
+         + ("" if args.tiny else f" on {args.gpus} GPU(s)") + f"; results in {args.out}/results.json")
+    res: dict = {"ok": False}
+    try:
+        run(args, emit, res)
+    except BaseException as e:  # recorded in results.json, then raised: the traceback is the log's
+        res["ok"] = False
+        res["error"] = f"{type(e).__name__}: {e}"[-2000:]
+        raise
+    finally:
+        _write(args.out, res)
+    print("\n" + summary(res), flush=True)
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""benchmarks/train_step_bench.py end to end on the CPU: the same code the H200 runs, tiny shapes.
+
+The GPU run cannot be tried before the lead runs it, so everything but CUDA is exercised here:
+the trainer's tiny target through the command line, and the 8B code path (a Qwen3Config built in
+place, wrapped in Target, 2 worker threads summing gradients) with the dimensions shrunk.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "benchmarks" / "train_step_bench.py"
+
+
+def _load():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import train_step_bench
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return train_step_bench
+
+
+def _check(res: dict, steps: int) -> None:
+    assert res["ok"], res.get("error")
+    assert res["truncated_equals_full"] is True
+    assert res["timed_steps"] == steps
+    for m in res["modes"].values():
+        for key in ("features_ms_per_sample", "drafter_ms_per_sample", "total_ms_per_sample"):
+            assert m[key] > 0
+    for s in res["steps"]:
+        assert len(s["features_ms"]) == res["workers"]  # every worker ran the target once per step
+        assert s["total_ms"] >= s["compute_ms"] > 0 and torch.isfinite(torch.tensor(s["loss"]))
+
+
+def test_tiny_runs_end_to_end_from_the_command_line(tmp_path):
+    p = subprocess.run([sys.executable, str(BENCH), "--tiny", "--policy", "eager", "--steps", "2", "--warmup", "1",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    _check(res, 2)
+    assert res["target_modes"] == ["truncated"] and res["layer_ids"] == [1, 2, 3, 4, 5]
+    assert "step 3/3 [truncated]" in p.stdout and "| truncated | 2 |" in p.stdout
+
+
+def test_the_8b_code_path_with_two_workers_and_every_target_mode(tmp_path, monkeypatch):
+    bench = _load()
+    small = dict(bench.QWEN3_8B, vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    monkeypatch.setattr(bench, "QWEN3_8B", small)
+    monkeypatch.setitem(bench.SHAPES, "8b", dict(bench.SHAPES["8b"], layers=(0, 2), draft_layers=1, seq=64,
+                                                  anchors=4))
+    assert bench.main(["--cpu", "--workers", "2", "--policy", "eager", "--target-mode", "truncated,full,inference",
+                       "--steps", "3", "--warmup", "1", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    _check(res, 3)
+    assert res["shape"] == "8b" and res["global_batch"] == 4 and res["target_layers"] == 4
+    assert res["layer_ids"] == [0, 2] and res["attn_implementation"] == "sdpa"
+    # the modes alternate, each warmed up once untimed, then one timed step each
+    assert [s["mode"] for s in res["steps"]] == ["truncated", "full", "inference"] * 2
+    assert [s["timed"] for s in res["steps"]] == [False] * 3 + [True] * 3
+    assert set(res["modes"]) == {"truncated", "full", "inference"}
+    assert all(m["timed_steps"] == 1 and m["total_ms_per_sample"] > 0 for m in res["modes"].values())
+
+
+def test_an_error_is_recorded_in_the_results(tmp_path, monkeypatch):
+    bench = _load()
+    monkeypatch.setattr(bench, "build_target", lambda args, device: (_ for _ in ()).throw(RuntimeError("no target")))
+    with pytest.raises(RuntimeError):
+        bench.main(["--tiny", "--policy", "eager", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert not res["ok"] and "no target" in res["error"]

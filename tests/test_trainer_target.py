@@ -1,0 +1,96 @@
+"""Target.features stops after the last tapped layer and returns exactly what the whole forward did."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trainer.target import load_target  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    return load_target("tiny", device=torch.device("cpu"), dtype=torch.float32)
+
+
+def _ids(seed: int = 0, B: int = 2, S: int = 24) -> torch.Tensor:
+    return torch.randint(0, 256, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def _full(target, ids):
+    """The old features: the whole base model, hidden_states[i + 1] per tapped layer."""
+    out = target.model.base_model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    return torch.cat([out.hidden_states[i + 1] for i in target.layer_ids], dim=-1)
+
+
+@pytest.mark.parametrize("layers", [(1, 2, 3, 4, 5), (0,), (3,), (0, 7), (7,), (2, 6, 7), (5, 1)])
+def test_truncated_features_equal_the_whole_forward(tiny, layers):
+    """Bit for bit, including the last layer (whose hidden state HF returns after the final norm)."""
+    t = dataclasses.replace(tiny, layer_ids=layers)
+    ids = _ids()
+    with torch.no_grad():
+        want = _full(t, ids)
+    got = t.features(ids)
+    assert torch.equal(got, want)
+    assert torch.equal(dataclasses.replace(t, truncate=False).features(ids), want)
+
+
+def test_truncated_features_skip_the_layers_above_the_last_tap(tiny):
+    ran = []
+    hooks = [layer.register_forward_pre_hook(lambda m, a, i=i: ran.append(i))
+             for i, layer in enumerate(tiny.model.base_model.layers)]
+    norm = tiny.model.base_model.norm.register_forward_pre_hook(lambda *a: ran.append("norm"))
+    try:
+        dataclasses.replace(tiny, layer_ids=(1, 3)).features(_ids())
+        assert ran == [0, 1, 2, 3]
+        ran.clear()
+        tiny.model.base_model(input_ids=_ids(), use_cache=False)  # outside features(): untouched
+        assert ran == list(range(8)) + ["norm"]
+    finally:
+        for h in hooks + [norm]:
+            h.remove()
+
+
+def test_features_can_be_saved_for_the_drafters_backward(tiny):
+    feats = tiny.features(_ids())
+    assert not feats.requires_grad and not feats.is_inference()
+    w = torch.randn(feats.shape[-1], 3, requires_grad=True)
+    (feats @ w).sum().backward()  # saves feats: an inference-mode tensor would be refused here
+    assert w.grad is not None
+
+
+def test_threads_sharing_one_target_each_get_their_own_features(tiny):
+    """Replicas on one device share a Target: one thread's truncated forward must not cut another's
+    full forward short, nor see its hidden states."""
+    ids = [_ids(seed) for seed in range(4)]
+    with torch.no_grad():
+        want = [_full(tiny, x) for x in ids]
+    full = dataclasses.replace(tiny, truncate=False)  # the same model object
+    got, errors = {}, []
+
+    def work(k):
+        try:
+            for _ in range(5):
+                got[k] = (full if k % 2 else tiny).features(ids[k])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    for k in range(4):
+        assert torch.equal(got[k], want[k])
+
+
+def test_a_copy_on_another_device_keeps_the_setting_and_the_taps(tiny):
+    t = dataclasses.replace(tiny, truncate=False)
+    tiny.features(_ids())  # hooks installed before the copy
+    c = t.to(torch.device("meta"))
+    assert c.truncate is False and c.layer_ids == t.layer_ids and c.model is not t.model
