@@ -52,7 +52,7 @@ SHAPES = {
 
 GPU_VARIANTS = [
     "inductor/flex/chunked",          # the goal
-    "inductor/sdpa/dense",            # the floor (field notes: ~75 ms/sample)
+    "inductor/sdpa/dense",            # the floor (docs/benchmarks.md: 81.7 ms/sample)
     "eager/sdpa/dense",
     "eager/flex/chunked",             # flex call and CE core compiled on their own
     "inductor/sdpa/chunked",          # ablations: one lever at a time

@@ -288,7 +288,7 @@ def test_flop_counts_for_the_8b_shape():
     cfg = DrafterConfig(hidden_size=4096, vocab_size=151936, mask_token_id=0)
     dense = flops_per_sample(cfg, 768, 4096)
     assert dense / 1e12 == pytest.approx(44.5, abs=0.1)
-    # frozen lm_head (no weight gradient): the field notes' "~39 TFLOP by a dense count" (39.4),
+    # frozen lm_head (no weight gradient): the "~39 TFLOP by a dense count" of docs/benchmarks.md (39.4),
     # less the head on block position 0 (the anchor, no loss), which is not computed
     head_on_anchors = 2 * 2 * 4096 * 151936 * 4096 / 16
     assert (flops_needed(cfg, 768, 4096) + head_on_anchors) / 1e12 == pytest.approx(39.4, abs=0.1)

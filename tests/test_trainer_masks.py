@@ -1,4 +1,4 @@
-"""Property tests for the DFlash block rules (field notes 5): mask, labels, anchors, weights."""
+"""Property tests for the DFlash block rules (docs/background.md#dflash): mask, labels, anchors, weights."""
 from __future__ import annotations
 
 import math

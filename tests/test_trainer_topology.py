@@ -204,7 +204,7 @@ def test_the_launcher_hands_the_ranks_the_same_settings(tmp_path):
 
 
 def test_a_warm_up_failure_is_named_by_the_failure_catalog(tmp_path):
-    """What a worker thread hits with reduce-overhead on torch < 2.13 (field notes 3), reproduced in shape."""
+    """What a worker thread hits with reduce-overhead on torch < 2.13 (docs/background.md), reproduced in shape."""
     import importlib.util
 
     from trainer.workers import WorkerFailed

@@ -31,7 +31,7 @@ _RECIPES: dict[str, dict[str, Any]] = {
               "notes": "no compilation; the fallback that always works"},
     "inductor": {"mode": "default", "options": None, "cuda": False,
                  "notes": "inductor default mode, no CUDA graphs; runs in worker threads on every "
-                          "torch version measured (field notes 3)"},
+                          "torch version measured (docs/background.md#torchcompile-in-worker-threads)"},
     "max-autotune-no-cudagraphs": {
         "mode": "max-autotune-no-cudagraphs", "options": None, "cuda": False,
         "notes": "inductor with GEMM/kernel autotuning, no CUDA graphs; long first compile"},

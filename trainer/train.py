@@ -49,7 +49,7 @@ def main(cfg: TrainConfig) -> int:
 
         return distributed.main(cfg)
     stop, restore_signal = on_sigterm()
-    # A native crash in a worker (field notes 3: SIGSEGV after a CUDA-graph assertion) then prints
+    # A native crash in a worker (docs/probe-h200.md: SIGSEGV after a CUDA-graph assertion) then prints
     # every thread's Python stack to the log instead of dying silently.
     fault_was_on = faulthandler.is_enabled()
     if not fault_was_on:
@@ -370,7 +370,7 @@ def _exit_now(e: WorkerFailed | WorkerHung) -> None:
     """Report a warm-up failure the way trainer.cli would, then leave without running finalizers.
 
     A worker thread stuck in a compile cannot be stopped or joined, and a failed CUDA-graph warm-up
-    has crashed the interpreter on the way out (field notes 3: AssertionError, then SIGSEGV):
+    has crashed the interpreter on the way out (docs/probe-h200.md: AssertionError, then SIGSEGV):
     os._exit makes the exit status the one reported here.
     """
     try:

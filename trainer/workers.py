@@ -2,7 +2,7 @@
 
 A worker is a single long-lived thread, so everything submitted to it (building and compiling its
 replica, every step, eval) runs in the same thread: compile state, thread-local dynamo config and
-the current CUDA device stay with the replica (field notes 3). The main thread never touches a
+the current CUDA device stay with the replica (docs/background.md#torchcompile-in-worker-threads). The main thread never touches a
 replica's tensors; it submits phases and waits for them.
 
 `ThreadEngine` is the threads topology (`--topology threads`):
