@@ -102,7 +102,9 @@ class Target:
         return out.logits, (out.hidden_states if hidden else None), new_cache
 
     def head_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The frozen parts the drafter borrows: embedding (V, H), final norm (H,), lm_head (V, H)."""
+        """The frozen parts the drafter borrows: embedding (V, H), final norm (H,), lm_head (V, H).
+
+        The drafter's own final norm starts as a copy of this norm (Drafter.init_norm)."""
         norm = getattr(self.model.base_model, "norm", None)
         if norm is None or not hasattr(norm, "weight"):
             raise UsageError(f"--target {self.name}: {type(self.model).__name__} has no final RMSNorm "
@@ -136,7 +138,8 @@ class Target:
             ids.update(v if isinstance(v, (list, tuple)) else [] if v is None else [v])
         return {int(i) for i in ids}
 
-    def drafter_config(self, *, num_layers: int, block_size: int, mask_token_id: int | None) -> DrafterConfig:
+    def drafter_config(self, *, num_layers: int, block_size: int, mask_token_id: int | None,
+                       own_norm: bool = True) -> DrafterConfig:
         """A drafter shaped like one target layer (the DFlash releases do this), n = len(layer_ids)."""
         c = self.config
         heads = c.num_attention_heads
@@ -155,6 +158,7 @@ class Target:
             rms_eps=getattr(c, "rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             block_size=block_size,
+            own_norm=own_norm,
         )
 
 
