@@ -76,10 +76,11 @@ def _features(target: Target, hidden_states) -> torch.Tensor:
 
 def acceptance_length(target: Target, drafter: Drafter, prompts: list[list[int]], *, max_new_tokens: int,
                       should_stop=lambda: False) -> dict:
-    """tau over all rounds of all prompts, plus the per-prompt means (stops early if should_stop())."""
+    """tau over all rounds of all prompts, the per-prompt means and each prompt's rounds
+    ("acceptance_lengths", as dflash_generate reports them); stops early if should_stop()."""
     was_training = drafter.training
     drafter.eval()
-    rounds, per_prompt = [], []
+    rounds, per_prompt, per_round = [], [], []
     eos = target.eos_ids()
     try:
         for prompt in prompts:
@@ -88,10 +89,11 @@ def acceptance_length(target: Target, drafter: Drafter, prompts: list[list[int]]
             _, acc = speculative_generate(target, drafter, prompt, max_new_tokens=max_new_tokens, eos=eos)
             rounds += acc
             per_prompt.append(sum(acc) / max(1, len(acc)))
+            per_round.append(acc)
     finally:
         drafter.train(was_training)
     return {"acceptance_length": sum(rounds) / max(1, len(rounds)), "rounds": len(rounds),
-            "prompts": len(prompts), "per_prompt": per_prompt}
+            "prompts": len(prompts), "per_prompt": per_prompt, "acceptance_lengths": per_round}
 
 
 # --------------------------------------------------------------------------- python -m trainer.eval
