@@ -73,7 +73,10 @@ class _Receiver:
                 return
             line, data = self.buf.split(b"\n", 1)
             self.buf = b""
-            self.header = json.loads(line.decode("utf-8", "replace"))
+            try:
+                self.header = json.loads(line.decode("utf-8", "replace"))
+            except ValueError:
+                raise TransferError(f"unreadable header from the export agent: {line[:200]!r}") from None
             if not self.header.get("ok"):
                 return
             self.files = list(self.header["files"])
