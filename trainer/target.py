@@ -1,7 +1,8 @@
 """The frozen target: a Hugging Face causal LM from a local folder, or `tiny` built here.
 
-The drafter is conditioned on the target's hidden states at a few layers and borrows its
-embedding, final norm and lm_head (field notes 5). Nothing here ever reaches the network:
+The drafter is conditioned on the target's hidden states at a few layers, borrows its embedding
+and lm_head, and starts its own final norm from the target's (docs/export.md). Nothing here ever
+reaches the network:
 `HF_HUB_OFFLINE` is set before transformers is imported and every load is `local_files_only`.
 """
 from __future__ import annotations
