@@ -2,8 +2,8 @@
 
 The drafter is conditioned on the target's hidden states at a few layers, borrows its embedding
 and lm_head, and starts its own final norm from the target's (docs/export.md). Nothing here ever
-reaches the network:
-`HF_HUB_OFFLINE` is set before transformers is imported and every load is `local_files_only`.
+reaches the network: `HF_HUB_OFFLINE` is set before transformers is imported and every load is
+`local_files_only`.
 """
 from __future__ import annotations
 
