@@ -5,16 +5,20 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # The CPU wheel that lies on disk here; on a machine that already has torch, nothing is replaced.
 TORCH  ?= torch==2.13.0
+DFLASH_REF ?= dflash==0.1.0
 
 .PHONY: test demo venv clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml trainer/requirements.txt
+$(STAMP): pyproject.toml trainer/requirements.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[train,test]'
+	# The DFlash reference implementation, for the export parity test. --no-deps: its model code
+	# needs only torch and transformers (here already); its own pins would pull datasets & co.
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps "$(DFLASH_REF)"
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -266,4 +266,4 @@ if __name__ == "__main__":
     from orchestrator.cli import main as _main
     _main()
 
-from . import cli_runs  # noqa: E402,F401  (registers launch, logs, status, stop, report)
+from . import cli_runs  # noqa: E402,F401  (registers launch, logs, status, stop, report, export)

@@ -1,4 +1,4 @@
-"""Click commands of the run lifecycle: launch, logs, status, stop, report.
+"""Click commands of the run lifecycle: launch, logs, status, stop, report, export.
 
 Thin (style habit 1): parse options, call one function of `runs.py` / `follow.py` /
 `report.py`, print.
@@ -310,3 +310,37 @@ def report(state: State, args, out, as_json):
         raise UsageError(f"--out {path}: cannot write: {e.strerror or e}") from None
     emit(as_json, {"target": target.name, "run": doc["run"], "path": str(written),
                    "points": len(doc["metrics"]), "state": st.get("state")}, str(written))
+
+
+# --- export --------------------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("args", nargs=-1, metavar="[TARGET] [RUN]")
+@click.option("-o", "--out", "output", type=click.Path(file_okay=False), metavar="DIR",
+              help="Where to write the folder (default: ./dflash-RUN-stepN).")
+@click.option("--step", type=click.IntRange(min=0), metavar="N",
+              help="The checkpoint of step N (default: the run's last).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
+              show_default=True, help="Weight dtype of the exported folder.")
+@click.option("--force", is_flag=True, help="Replace DIR if it exists.")
+@json_option
+@click.pass_obj
+def export(state: State, args, output, step, dtype, force, as_json):
+    """Bring a trained drafter home as a DFlash draft-model folder (SGLang, vLLM, z-lab's dflash).
+
+    RUN defaults to the target's newest succeeded run. The export runs on the target; the folder
+    comes back over the same connection, checked against sizes and sha256 hashes, and appears
+    at DIR only when complete.
+    """
+    from . import export as export_mod
+    from . import runs
+    from .ui import progress_bars
+
+    target, run = runs.split_target_run(state.inv, args)
+    res = export_mod.export(state.inv, target, run, output=output, step=step, dtype=dtype, force=force,
+                            progress=None if as_json else progress_bars())
+    size = f"{res.bytes / 2**20:.1f} MiB" if res.bytes >= 2**20 else f"{res.bytes} bytes"
+    emit(as_json, res.as_json(), f"{res.output}")
+    if not as_json:
+        _note(f"{target.name}: run {res.run} step {res.step} exported ({res.dtype}, {len(res.files)} files, "
+              f"{size}, {res.seconds:.1f} s); serve it with `--speculative-draft-model-path {res.output}`")

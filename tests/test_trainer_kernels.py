@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 import math
 
 import pytest
@@ -167,6 +169,30 @@ def test_chunked_ce_equals_unfused_in_value_gradient_and_counts(rows):
     torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-6)
     torch.testing.assert_close(h.grad, g_ref, atol=1e-6, rtol=1e-5)
     assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])
+
+
+def test_chunked_ce_gives_the_trainable_final_norm_its_gradient():
+    """The drafter's own final norm is trained: its weight gradient equals autograd's through the
+    unfused path (fp32, and bf16 autocast within the noise)."""
+    B, Tq, H, V, block = 2, 24, 32, 100, 6
+    for dtype, tol in ((None, 1e-5), (torch.bfloat16, 2e-2)):
+        norm, W = _head(H, V, seed=5)
+        norm.weight.requires_grad_(True)
+        g = torch.Generator().manual_seed(6)
+        h = torch.randn(B, Tq, H, generator=g, requires_grad=True)
+        labels = torch.randint(0, V, (B, Tq), generator=g)
+        w = torch.rand(B, Tq, generator=g)
+        amp = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+        with amp:
+            ref = masks.block_loss(F.linear(norm(h), W.to(dtype or W.dtype)), labels, w, block)
+        (ref[0] / 3).backward()
+        gn_ref, gh_ref = norm.weight.grad, h.grad
+        norm.weight.grad = h.grad = None
+        with amp:
+            got = fused_ce.block_loss(h, norm, W.to(dtype or W.dtype), labels, w, block, rows=16)
+        (got[0] / 3).backward()
+        assert ((norm.weight.grad - gn_ref).norm() / gn_ref.norm()) < tol
+        assert ((h.grad - gh_ref).norm() / gh_ref.norm()) < tol
 
 
 def test_chunked_ce_under_bf16_autocast_matches_unfused():

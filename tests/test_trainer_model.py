@@ -111,8 +111,16 @@ def test_a_drafter_that_copies_the_target_is_accepted_fully(tiny, monkeypatch):
     oracle.truth = truth
     monkeypatch.setattr(drafter, "forward", oracle)
     monkeypatch.setattr(drafter, "logits", lambda h: h)
-    res = acceptance_length(target, drafter, [prompt], max_new_tokens=40)
-    assert res["acceptance_length"] == pytest.approx(BLOCK)
+    res = acceptance_length(target, drafter, [prompt], max_new_tokens=1 + 6 * BLOCK)
+    assert res["acceptance_length"] == pytest.approx(BLOCK) and res["rounds"] == 6
+    # As the reference's dflash_generate counts: the last round is cut to the tokens still wanted
+    # (the first new token comes from the prompt's own forward, so 40 = 1 + 6 x 6 + 3).
+    new, rounds = speculative_generate(target, drafter, prompt, max_new_tokens=40)
+    assert rounds == [BLOCK] * 6 + [3] and new == truth[:40]
+    # ... and it ends at the first EOS: the round that produces one counts the tokens up to it
+    i = next(i for i in range(BLOCK + 2, 40) if truth[i] not in truth[:i])  # a token first seen in round 2+
+    new, rounds = speculative_generate(target, drafter, prompt, max_new_tokens=40, eos={truth[i]})
+    assert new == truth[: i + 1] and sum(rounds) == i and rounds[-1] == (i - 1) % BLOCK + 1
 
 
 def test_target_head_is_borrowed_frozen_and_not_saved(tiny):
@@ -120,10 +128,35 @@ def test_target_head_is_borrowed_frozen_and_not_saved(tiny):
     emb, norm, head = target.head_weights()
     assert drafter.embed_tokens.weight.data_ptr() == emb.data_ptr()
     assert drafter.lm_head.weight.data_ptr() == head.data_ptr()
-    assert not any(p.requires_grad for p in (drafter.embed_tokens.weight, drafter.norm.weight, drafter.lm_head.weight))
+    assert not any(p.requires_grad for p in (drafter.embed_tokens.weight, drafter.lm_head.weight))
     keys = drafter.trainable_state_dict().keys()
-    assert keys and not any(k.startswith(("embed_tokens", "lm_head", "norm.")) for k in keys)
+    assert keys and not any(k.startswith(("embed_tokens", "lm_head")) for k in keys)
     assert "fc.weight" in keys and "hidden_norm.weight" in keys
+
+
+def test_final_norm_is_the_drafters_own_starting_from_the_targets():
+    """The reference (and SpecForge) train the draft's own final norm; own_norm=False keeps the old
+    frozen, borrowed one; a checkpoint from before the own norm still loads."""
+    target = load_target("tiny", device=torch.device("cpu"), dtype=torch.float32)
+    norm = target.head_weights()[1]
+    drafter = Drafter(target.drafter_config(num_layers=1, block_size=BLOCK, mask_token_id=None))
+    drafter.init_norm(norm)
+    drafter.borrow_target_head(*target.head_weights())
+    assert torch.equal(drafter.norm.weight, norm) and drafter.norm.weight.data_ptr() != norm.data_ptr()
+    assert drafter.norm.weight.requires_grad and "norm.weight" in drafter.trainable_state_dict()
+    assert drafter.trainable_parameters()[-1][0] == "norm.weight"  # last: old optimizer states widen
+
+    old = Drafter(target.drafter_config(num_layers=1, block_size=BLOCK, mask_token_id=None, own_norm=False))
+    old.borrow_target_head(*target.head_weights())
+    assert old.norm.weight.data_ptr() == norm.data_ptr() and not old.norm.weight.requires_grad
+    sd = old.trainable_state_dict()
+    assert "norm.weight" not in sd
+    fresh = Drafter(target.drafter_config(num_layers=1, block_size=BLOCK, mask_token_id=None))
+    fresh.init_norm(norm)
+    assert fresh.load_trainable_state_dict(sd) == ["norm.weight"]
+    assert torch.equal(fresh.norm.weight, norm) and torch.equal(fresh.fc.weight, old.fc.weight)
+    with pytest.raises(ValueError, match="missing"):
+        fresh.load_trainable_state_dict({k: v for k, v in sd.items() if k != "fc.weight"})
 
 
 def test_loss_gradient_reaches_only_trainable_weights(tiny):

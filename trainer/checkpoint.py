@@ -198,6 +198,19 @@ def any_checkpoint(out_dir: str | Path) -> bool:
     return ck.is_dir() and any(ck.glob("step-*"))
 
 
+def add_optimizer_params(optimizer: dict, total: int) -> None:
+    """Widen a loaded optimizer state_dict (one param group) to `total` parameters, in place.
+
+    For a checkpoint written before the drafter gained parameters at the END of its trainable list
+    (its own final norm): the new ones get no saved state, so the optimizer starts theirs fresh.
+    """
+    groups = optimizer["param_groups"]
+    have = sum(len(g["params"]) for g in groups)
+    if len(groups) != 1 or have > total:
+        raise ValueError(f"cannot widen an optimizer state of {have} params in {len(groups)} groups to {total}")
+    groups[0]["params"] = list(groups[0]["params"]) + list(range(have, total))
+
+
 def load(path: Path, map_location: str | torch.device = "cpu") -> Checkpoint:
     meta = json.loads((path / "meta.json").read_text())
     model = load_file(str(path / "model.safetensors"), device=str(map_location))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -49,6 +50,10 @@ class TrainConfig:
     anchors: int = 64                    # anchors per sequence per step (at most)
     gamma: float = 0.0                   # loss decay; 0 = from the block size (7 for 16, 5 for 10, 4 for 8)
     mask_token_id: int = -1              # -1 = the target tokenizer's mask token or first unused row
+    freeze_draft_norm: bool = False      # use the target's final norm, frozen (the pre-export behaviour)
+    # chat data
+    chat_template_kwargs: str = '{"enable_thinking": false}'  # JSON object passed to apply_chat_template
+    train_thinking: bool = False         # also train on the <think>...</think> block a template injects
     # optimisation
     batch_size: int = 8                  # sequences per step, over all workers
     seq_len: int = 2048                  # longer rows are truncated
@@ -105,6 +110,12 @@ HELP = {
     "anchors": "anchors (blocks) per sequence per step, at most",
     "gamma": "loss decay w_k = exp(-(k-1)/gamma); 0 = from the block size",
     "mask_token_id": "token id of MASK (-1 = tokenizer's mask token, else the first unused embedding row)",
+    "freeze_draft_norm": "use the target's final norm, frozen, instead of training the drafter's own "
+                         "(initialised from the target's)",
+    "chat_template_kwargs": "JSON object of template options for chat rows and their eval prompts, passed "
+                            "to apply_chat_template (a mapping in YAML)",
+    "train_thinking": "also train on the <think>...</think> block the chat template injects into "
+                      "assistant turns (default: loss mask 0 there)",
     "batch_size": "sequences per step across all workers",
     "seq_len": "maximum sequence length (longer rows are truncated)",
     "lr": "peak learning rate (AdamW)",
@@ -126,7 +137,7 @@ HELP = {
 }
 
 
-METAVAR = {"target": "PATH|tiny", "data": "PATH|synthetic", "out": "DIR", "workdir": "DIR", "target_layers": "I,J,..",
+METAVAR = {"chat_template_kwargs": "JSON", "target": "PATH|tiny", "data": "PATH|synthetic", "out": "DIR", "workdir": "DIR", "target_layers": "I,J,..",
            "topology": "threads|processes", "compile_policy": "NAME|auto"}
 
 
@@ -184,6 +195,8 @@ def load_yaml(path: str) -> dict:
         name = str(key).replace("-", "_")
         if name not in types:
             raise UsageError(f"{path}: unknown key '{key}' (keys are the flags of python -m trainer without dashes)")
+        if name == "chat_template_kwargs" and isinstance(value, dict):
+            value = json.dumps(value)  # a YAML mapping, kept as the flag's JSON text
         out[name] = _coerce(path, key, value, types[name])
     return out
 
@@ -240,6 +253,7 @@ def validate(c: TrainConfig) -> None:
     if c.target_layers:
         need(all(x.strip().isdigit() for x in c.target_layers.split(",")),
              f"--target-layers {c.target_layers!r}: expected comma-separated layer ids, e.g. 1,9,17,25,33")
+    chat_template_options(c)
     if c.data != "synthetic":
         need(Path(c.data).is_file(), f"--data {c.data}: no such file")
     check_target_spec(c.target)
@@ -256,6 +270,18 @@ def check_target_spec(spec: str) -> None:
         raise UsageError(f"--target {spec}: no such folder")
     if not p.is_dir() or not (p / "config.json").is_file():
         raise UsageError(f"--target {spec}: not a Hugging Face model folder (no config.json)")
+
+
+def chat_template_options(c: TrainConfig) -> dict:
+    """--chat-template-kwargs as a dict (a UsageError when it is not a JSON object)."""
+    try:
+        opts = json.loads(c.chat_template_kwargs) if c.chat_template_kwargs.strip() else {}
+    except ValueError as e:
+        raise UsageError(f"--chat-template-kwargs {c.chat_template_kwargs!r}: not JSON ({e})") from None
+    if not isinstance(opts, dict):
+        raise UsageError(f"--chat-template-kwargs {c.chat_template_kwargs!r}: expected a JSON object, "
+                         'e.g. {"enable_thinking": false}')
+    return opts
 
 
 def layer_ids(c: TrainConfig) -> tuple[int, ...] | None:

@@ -55,7 +55,8 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
     return rows
 
 
-def encode_rows(rows: list[tuple[int, dict]], tokenizer, path: str) -> list[tuple[int, Sample]]:
+def encode_rows(rows: list[tuple[int, dict]], tokenizer, path: str, *, template_kwargs: Mapping | None = None,
+                train_thinking: bool = False) -> list[tuple[int, Sample]]:
     out = []
     for n, row in rows:
         where = f"{path}:{n}"
@@ -71,7 +72,8 @@ def encode_rows(rows: list[tuple[int, dict]], tokenizer, path: str) -> list[tupl
         else:
             if tokenizer is None:
                 raise UsageError(f"{where}: chat rows need the target's tokenizer, and the target folder has none")
-            ids, mask = encode_chat(tokenizer, row["messages"], where)
+            ids, mask = encode_chat(tokenizer, row["messages"], where, template_kwargs=template_kwargs,
+                                    train_thinking=train_thinking)
         out.append((n, Sample(tuple(ids), tuple(mask))))
     return out
 
@@ -80,13 +82,20 @@ def _int_list(v) -> bool:
     return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
 
 
-def encode_chat(tokenizer, messages, where: str = "messages") -> tuple[list[int], list[int]]:
+def encode_chat(tokenizer, messages, where: str = "messages", *, template_kwargs: Mapping | None = None,
+                train_thinking: bool = False) -> tuple[list[int], list[int]]:
     """Render a chat with the tokenizer's template; loss mask 1 on the tokens of assistant turns.
 
     An assistant turn's tokens are those the template adds after the generation prompt of the
     conversation before it: render(msgs[:i], add_generation_prompt=True) is a prefix of
     render(msgs[:i+1]). Templates that rewrite earlier turns (Qwen3 drops old <think> blocks) can
     break the prefix property for earlier turns; then the common prefix decides where loss starts.
+
+    template_kwargs go to every apply_chat_template call (Qwen3-style templates read
+    `enable_thinking`; with it false the generation prompt ends in an empty think block, which is
+    then part of the prompt). A `<think>...</think>` block (and the whitespace after it) that opens
+    an assistant turn gets loss mask 0 unless train_thinking: a drafter trained the DFlash way
+    learns the answers, not the template's scaffolding.
     """
     if not isinstance(messages, list) or not all(
             isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -94,22 +103,56 @@ def encode_chat(tokenizer, messages, where: str = "messages") -> tuple[list[int]
         raise UsageError(f"{where}: 'messages' must be a list of {{'role': str, 'content': str}}")
     if not any(m["role"] == "assistant" for m in messages):
         raise UsageError(f"{where}: no assistant message, so nothing to train on")
-    full = _render(tokenizer, messages, False)
+    kw = dict(template_kwargs or {})
+    full = _render(tokenizer, messages, False, kw)
     mask = [0] * len(full)
+    think = None if train_thinking else think_ids(tokenizer)
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = _common_prefix(_render(tokenizer, messages[:i], True), full)
-        end = _common_prefix(_render(tokenizer, messages[: i + 1], False), full)
+        start = _common_prefix(_render(tokenizer, messages[:i], True, kw), full)
+        end = _common_prefix(_render(tokenizer, messages[: i + 1], False, kw), full)
+        if think is not None:
+            start = _skip_think_block(tokenizer, full, start, end, *think)
         for j in range(start, end):
             mask[j] = 1
     return full, mask
 
 
-def _render(tokenizer, messages, generation_prompt: bool) -> list[int]:
+def think_ids(tokenizer) -> tuple[int, int] | None:
+    """The ids of `<think>` and `</think>` when the tokenizer has each as one token, else None."""
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    if convert is None:
+        return None
+    ids = [convert(t) for t in ("<think>", "</think>")]
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if any(not isinstance(i, int) or i == unk or i < 0 for i in ids):
+        return None
+    return ids[0], ids[1]
+
+
+def _skip_think_block(tokenizer, ids: list[int], start: int, end: int, open_id: int, close_id: int) -> int:
+    """Where loss starts in ids[start:end]: past a leading <think>...</think> block and the
+    whitespace after it, if the turn opens with one (else start)."""
+    j = start
+    while j < end and not tokenizer.decode([ids[j]]).strip():  # whitespace before <think>
+        j += 1
+    if j >= end or ids[j] != open_id:
+        return start
+    try:
+        j = ids.index(close_id, j, end) + 1
+    except ValueError:
+        return start  # an unclosed think block: the answer never starts; leave the turn as it is
+    while j < end and not tokenizer.decode([ids[j]]).strip():
+        j += 1
+    return j
+
+
+def _render(tokenizer, messages, generation_prompt: bool, template_kwargs: Mapping | None = None) -> list[int]:
     if not messages:
         return []
-    r = tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=generation_prompt)
+    r = tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=generation_prompt,
+                                      **dict(template_kwargs or {}))
     if isinstance(r, Mapping) or hasattr(r, "input_ids"):  # transformers 5 returns a BatchEncoding
         r = r["input_ids"]
     if r and isinstance(r[0], list):

@@ -279,7 +279,7 @@ class RankEngine:
 def _ddp(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    # The borrowed target head (embedding, final norm, lm_head) is frozen and the buffers are
+    # The borrowed target head (embedding, lm_head; the final norm too with --freeze-draft-norm) is frozen and the buffers are
     # constants, identical everywhere: keep DDP from broadcasting them (GBs for a real target's
     # head) at construction and from syncing buffers before every forward.
     frozen = [n for n, p in module.named_parameters() if not p.requires_grad]

@@ -7,7 +7,7 @@ Backends (both give the same loss; tests/test_trainer_kernels.py checks it):
 - attention: "sdpa" (dense bool mask, F.scaled_dot_product_attention) or "flex" (block-sparse
   FlexAttention, trainer/attention.py).
 - loss: "dense" (full logits, masks.block_loss) or "chunked" (trainer/fused_ce.py: norm + lm_head +
-  CE chunk by chunk, never all the logits; needs the target's head frozen, which it always is).
+  CE chunk by chunk, never all the logits; needs the target's lm_head frozen, which it always is).
 - "auto" (the default) picks what was measured fastest on the H200 (torch 2.11, docs/benchmarks.md,
   issue 5), same loss: on CUDA flex + chunked (eager 85.5 vs 106.2 ms/sample; inductor 66.8 vs 81.7,
   first compiled step 76 s); elsewhere sdpa + dense (FlexAttention has no CPU backward).
@@ -49,7 +49,7 @@ class DraftLoss(nn.Module):
             att = "flex" if fast and attention.FLEX else "sdpa"
         loss = self.loss
         if loss == "auto":
-            frozen = not (self.drafter.norm.weight.requires_grad or self.drafter.lm_head.weight.requires_grad)
+            frozen = not self.drafter.lm_head.weight.requires_grad
             loss = "chunked" if fast and frozen else "dense"
         return att, loss
 

@@ -1,11 +1,12 @@
 """Final norm -> lm_head -> weighted cross-entropy, chunk by chunk, never holding all the logits.
 
 At the 8B shape one sample's logits are 4096 x 151936: 1.2 GB in bf16, 2.5 GB once upcast for the
-loss, and autograd keeps them for the backward. The target's norm and lm_head are frozen, so the
-only gradient wanted is d loss / d hidden, and the loss is a sum: it can be computed during the
-forward, chunk by chunk (Liger-Kernel's fused linear cross-entropy does the same). Per chunk of
-rows: logits = lm_head(norm(h)); CE, argmax and d CE / d logits = (softmax - onehot) * w in one
-pass; d h = backprop of that through lm_head and the norm. The backward only scales d h by the
+loss, and autograd keeps them for the backward. The target's lm_head is frozen, so the gradients
+wanted are d loss / d hidden and d loss / d norm weight (the drafter's own final norm; none when it
+is the target's, frozen), and the loss is a sum: they can be computed during the forward, chunk by
+chunk (Liger-Kernel's fused linear cross-entropy does the same). Per chunk of rows: logits =
+lm_head(norm(h)); CE, argmax and d CE / d logits = (softmax - onehot) * w in one pass; d h and
+d norm weight = backprop of that through lm_head and the norm. The backward only scales them by the
 incoming gradient. Peak memory drops from the full logits to one chunk of them; the matmuls are the
 same two per chunk (forward and d input) that autograd would run.
 
@@ -72,12 +73,14 @@ def _compiled(logits, labels, weights):
 
 
 class _LinearCE(torch.autograd.Function):
-    """loss_sum and argmax of rms_norm(h) @ lm_w.T; grads only for h (norm and lm_head are frozen)."""
+    """loss_sum and argmax of rms_norm(h) @ lm_w.T; grads for h and norm_w (lm_head is frozen)."""
 
     @staticmethod
     def forward(ctx, h, norm_w, lm_w, labels, weights, eps: float, rows: int):
         # h (T, H) in the residual dtype; norm_w (H,); lm_w (V, H); labels, weights (T,)
         want_grad = ctx.needs_input_grad[0]
+        want_norm = ctx.needs_input_grad[1]
+        dnorm = torch.zeros(norm_w.shape, dtype=torch.float32, device=h.device) if want_norm else None
         core = _compiled if h.device.type == "cuda" and not torch.compiler.is_compiling() else _ce_core
         loss = h.new_zeros((), dtype=torch.float32)
         preds, grads = [], []
@@ -92,21 +95,26 @@ class _LinearCE(torch.autograd.Function):
             chunk_loss, pred, dlogits = core(logits, labels[s:s + rows], weights[s:s + rows])
             loss = loss + chunk_loss
             preds.append(pred)
-            if want_grad:
+            if want_grad or want_norm:
                 dy = (dlogits @ lm_w).float()  # (C, H): autocast's bf16 matmul, like linear's backward
+            if want_norm:
+                dnorm += (dy * xn.to(hc.dtype).float()).sum(0)  # y = norm_w * xn (in h's dtype)
+            if want_grad:
                 dxn = dy * norm_w.float()
                 dx = r * (dxn - xn * (dxn * xn).mean(-1, keepdim=True))  # RMSNorm backward
                 grads.append(dx.to(h.dtype))
         pred = torch.cat(preds)
         ctx.mark_non_differentiable(pred)
-        if want_grad:
-            ctx.save_for_backward(torch.cat(grads))
+        ctx.norm_dtype = norm_w.dtype
+        ctx.save_for_backward(torch.cat(grads) if want_grad else None, dnorm)
         return loss, pred
 
     @staticmethod
     def backward(ctx, grad_loss, grad_pred):
-        (dh,) = ctx.saved_tensors
-        return dh * grad_loss.to(dh.dtype), None, None, None, None, None, None
+        dh, dnorm = ctx.saved_tensors
+        dh = dh * grad_loss.to(dh.dtype) if dh is not None else None
+        dnorm = (dnorm * grad_loss).to(ctx.norm_dtype) if dnorm is not None else None
+        return dh, dnorm, None, None, None, None, None
 
 
 def block_loss(hidden: torch.Tensor, norm, lm_weight: torch.Tensor, labels: torch.Tensor,
@@ -114,12 +122,12 @@ def block_loss(hidden: torch.Tensor, norm, lm_weight: torch.Tensor, labels: torc
     """masks.block_loss(lm_head(norm(hidden)), labels, weights, block_size) without the full logits.
 
     hidden (B, Tq, H); norm an RMSNorm (weight, eps); lm_weight (V, H); labels, weights (B, Tq).
-    Returns loss_sum (scalar), correct (Bs,), count (Bs,). Needs the norm and lm_head frozen
-    (requires_grad False): their gradients are not computed.
+    Returns loss_sum (scalar), correct (Bs,), count (Bs,). Needs the lm_head frozen (requires_grad
+    False): its gradient is not computed. The norm's is, when its weight requires grad.
     """
-    if norm.weight.requires_grad or lm_weight.requires_grad:
-        raise ValueError("fused_ce.block_loss computes no gradient for the final norm or lm_head: "
-                         "freeze them (the target's) or use masks.block_loss")
+    if lm_weight.requires_grad:
+        raise ValueError("fused_ce.block_loss computes no gradient for the lm_head: "
+                         "freeze it (the target's) or use masks.block_loss")
     h = hidden.flatten(0, 1)  # (T, H)
     T, V = h.shape[0], lm_weight.shape[0]
     rows = rows or chunk_rows(T, V)

@@ -4,8 +4,11 @@ A few Qwen3-style layers (RMSNorm, q/k norm, RoPE, SwiGLU, GQA) that denoise blo
 [anchor, MASK x (B-1)] in one non-causal pass. Conditioning: hidden states of n target layers,
 concatenated, projected by one Linear(n*H -> H) + RMSNorm, and injected as extra keys/values in
 every layer (K = k_proj([context; block]), same weights); queries come from the block only.
-The token embedding, the final norm and the lm_head are the target's, borrowed and frozen: they are
-not trained and not saved in checkpoints (`trainable_state_dict`).
+The token embedding and the lm_head are the target's, borrowed and frozen: they are not trained and
+not saved in checkpoints (`trainable_state_dict`). The final norm is the drafter's own, trained and
+initialised from the target's (`init_norm`), as in the reference implementation (z-lab's `dflash`,
+docs/export.md); `DrafterConfig.own_norm=False` keeps the older behaviour, the target's norm
+borrowed and frozen.
 
 Shapes: B batch, Tq query (block) tokens, Tc context tokens, H hidden, V vocab, n target layers.
 """
@@ -20,7 +23,9 @@ from torch import nn
 from trainer import attention
 
 # Submodules that belong to the target (frozen, shared, never checkpointed).
-FROZEN_PREFIXES = ("embed_tokens.", "norm.", "lm_head.")
+FROZEN_PREFIXES = ("embed_tokens.", "lm_head.")
+# The final norm, the drafter's own unless DrafterConfig.own_norm is False (then borrowed too).
+NORM_PREFIX = "norm."
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,7 @@ class DrafterConfig:
     rope_theta: float = 1_000_000.0
     block_size: int = 16
     init_std: float = 0.02
+    own_norm: bool = True            # train the final norm (init: the target's); False = borrow it frozen
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -142,21 +148,43 @@ class Drafter(nn.Module):
         # (a real target's embedding and lm_head are GBs: never allocate them twice).
         with torch.device("meta"):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
-            self.norm = RMSNorm(H, cfg.rms_eps)
             self.lm_head = nn.Linear(H, cfg.vocab_size, bias=False)
+        if cfg.own_norm:
+            self.norm = RMSNorm(H, cfg.rms_eps)  # ones until init_norm copies the target's
+        else:
+            with torch.device("meta"):
+                self.norm = RMSNorm(H, cfg.rms_eps)
         self._init_weights()
+
+    @property
+    def frozen_prefixes(self) -> tuple[str, ...]:
+        return FROZEN_PREFIXES if self.cfg.own_norm else FROZEN_PREFIXES + (NORM_PREFIX,)
 
     def _init_weights(self):
         for name, p in self.named_parameters():
-            if name.startswith(FROZEN_PREFIXES):
+            if name.startswith(self.frozen_prefixes):
                 continue
             if p.dim() == 2:
                 nn.init.normal_(p, std=self.cfg.init_std)
             else:
                 nn.init.ones_(p)
 
+    def init_norm(self, norm: torch.Tensor) -> None:
+        """Start the drafter's own final norm from the target's (H,) weight (a copy, trained after).
+
+        Call before loading a checkpoint: one that predates the own norm leaves this value in place.
+        """
+        if not self.cfg.own_norm:
+            return
+        if tuple(norm.shape) != (self.cfg.hidden_size,):
+            raise ValueError(f"target final norm has shape {tuple(norm.shape)}, drafter expects "
+                             f"({self.cfg.hidden_size},)")
+        with torch.no_grad():
+            self.norm.weight.copy_(norm.detach().to(self.norm.weight.device, self.norm.weight.dtype))
+
     def borrow_target_head(self, embed: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor) -> None:
-        """Share the target's frozen embedding (V, H), final norm (H,) and lm_head (V, H) weights.
+        """Share the target's frozen embedding (V, H) and lm_head (V, H) weights, and its final norm
+        (H,) when the drafter has no own norm (`own_norm=False`).
 
         The tensors are shared, not copied: call with the target's weights on this replica's device.
         """
@@ -165,22 +193,27 @@ class Drafter(nn.Module):
             if tuple(w.shape) != shape:
                 raise ValueError(f"target {name} has shape {tuple(w.shape)}, drafter expects {shape}")
         self.embed_tokens.weight = nn.Parameter(embed.detach(), requires_grad=False)
-        self.norm.weight = nn.Parameter(norm.detach(), requires_grad=False)
+        if not self.cfg.own_norm:
+            self.norm.weight = nn.Parameter(norm.detach(), requires_grad=False)
         self.lm_head.weight = nn.Parameter(lm_head.detach(), requires_grad=False)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items() if not k.startswith(FROZEN_PREFIXES)}
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(self.frozen_prefixes)}
 
-    def load_trainable_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load weights saved by `trainable_state_dict`; the key sets must match exactly."""
+    def load_trainable_state_dict(self, sd: dict[str, torch.Tensor]) -> list[str]:
+        """Load weights saved by `trainable_state_dict`; the key sets must match exactly, except that
+        a checkpoint from before the drafter had its own final norm may lack `norm.weight` (the norm
+        then keeps its value, the target's after `init_norm`). Returns the keys it kept that way."""
         want, got = set(self.trainable_state_dict()), set(sd)
-        if want != got:
-            raise ValueError(f"weights do not fit this drafter: missing {sorted(want - got)[:3]}, "
+        kept = sorted(k for k in want - got if k.startswith(NORM_PREFIX))
+        if want - set(kept) != got:
+            raise ValueError(f"weights do not fit this drafter: missing {sorted(want - got - set(kept))[:3]}, "
                              f"unexpected {sorted(got - want)[:3]}")
         self.load_state_dict(sd, strict=False)
+        return kept
 
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return [(k, p) for k, p in self.named_parameters() if not k.startswith(FROZEN_PREFIXES)]
+        return [(k, p) for k, p in self.named_parameters() if not k.startswith(self.frozen_prefixes)]
 
     def forward(self, block_ids, block_pos, ctx_feats, ctx_pos, mask) -> torch.Tensor:
         # block_ids, block_pos (B, Tq) int; ctx_feats (B, Tc, n*H); ctx_pos (B, Tc) int;
@@ -197,7 +230,7 @@ class Drafter(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (B, T, H) -> logits (B, T, V) through the target's frozen final norm and lm_head."""
+        """hidden (B, T, H) -> logits (B, T, V) through the final norm and the target's frozen lm_head."""
         return self.lm_head(self.norm(hidden))
 
 

@@ -1,8 +1,9 @@
 """The frozen target: a Hugging Face causal LM from a local folder, or `tiny` built here.
 
-The drafter is conditioned on the target's hidden states at a few layers and borrows its
-embedding, final norm and lm_head (field notes 5). Nothing here ever reaches the network:
-`HF_HUB_OFFLINE` is set before transformers is imported and every load is `local_files_only`.
+The drafter is conditioned on the target's hidden states at a few layers, borrows its embedding
+and lm_head, and starts its own final norm from the target's (docs/export.md). Nothing here ever
+reaches the network: `HF_HUB_OFFLINE` is set before transformers is imported and every load is
+`local_files_only`.
 """
 from __future__ import annotations
 
@@ -127,7 +128,9 @@ class Target:
         return out.logits, (out.hidden_states if hidden else None), new_cache
 
     def head_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The frozen parts the drafter borrows: embedding (V, H), final norm (H,), lm_head (V, H)."""
+        """The frozen parts the drafter borrows: embedding (V, H), final norm (H,), lm_head (V, H).
+
+        The drafter's own final norm starts as a copy of this norm (Drafter.init_norm)."""
         norm = getattr(self.model.base_model, "norm", None)
         if norm is None or not hasattr(norm, "weight"):
             raise UsageError(f"--target {self.name}: {type(self.model).__name__} has no final RMSNorm "
@@ -161,7 +164,8 @@ class Target:
             ids.update(v if isinstance(v, (list, tuple)) else [] if v is None else [v])
         return {int(i) for i in ids}
 
-    def drafter_config(self, *, num_layers: int, block_size: int, mask_token_id: int | None) -> DrafterConfig:
+    def drafter_config(self, *, num_layers: int, block_size: int, mask_token_id: int | None,
+                       own_norm: bool = True) -> DrafterConfig:
         """A drafter shaped like one target layer (the DFlash releases do this), n = len(layer_ids)."""
         c = self.config
         heads = c.num_attention_heads
@@ -180,6 +184,7 @@ class Target:
             rms_eps=getattr(c, "rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             block_size=block_size,
+            own_norm=own_norm,
         )
 
 

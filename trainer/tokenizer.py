@@ -18,6 +18,7 @@ class ByteTokenizer:
     im_start_id = 258
     im_end_id = 259
     mask_token_id = 260
+    mask_token = "<|mask|>"
     vocab_size = VOCAB_SIZE
 
     def __len__(self) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from trainer import checkpoint, masks, policies
-from trainer.config import RUN_CONFIG, TrainConfig, layer_ids
+from trainer.config import RUN_CONFIG, TrainConfig, chat_template_options, layer_ids
 from trainer.data import (Loader, check_samples, encode_rows, make_batch, random_prompts, prompt_vocab, read_rows,
                           split_eval, synthetic)
 from trainer.errors import EXIT_OK, EXIT_SIGTERM, UsageError
@@ -37,7 +37,8 @@ from trainer.workers import ThreadEngine, WorkerFailed, WorkerHung
 # Settings that must not change across --resume (they change the model or the data it sees).
 RESUME_FIXED = ("target", "target_layers", "data", "draft_layers", "block_size", "mask_token_id", "seq_len",
                 "seed", "synthetic_samples", "synthetic_prompt_len", "synthetic_new_tokens",
-                "synthetic_temperature", "eval_prompts")
+                "synthetic_temperature", "eval_prompts", "freeze_draft_norm", "chat_template_kwargs",
+                "train_thinking")
 # Dense bf16 peak FLOP/s by GPU name, for MFU; unknown GPUs report no MFU.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
               "L40S": 362e12, "L4": 121e12, "4090": 165e12}
@@ -173,13 +174,19 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
     pos_weights = masks.position_weights(cfg.block_size, gamma)
 
     dcfg = target.drafter_config(num_layers=cfg.draft_layers, block_size=cfg.block_size,
-                                 mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id)
+                                 mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id,
+                                 own_norm=not cfg.freeze_draft_norm)
     torch.manual_seed(cfg.seed)
     drafter = Drafter(dcfg)
+    drafter.init_norm(target.head_weights()[1].cpu())
     n_params = sum(p.numel() for _, p in drafter.trainable_parameters())
     ck = checkpoint.load(resume_from) if resume_from else None
-    if ck is not None:
-        drafter.load_trainable_state_dict(ck.model)
+    if ck is not None and drafter.load_trainable_state_dict(ck.model):
+        # A checkpoint from before the drafter trained its own final norm: the norm starts from the
+        # target's, and the optimizer gets a fresh state for it (the last trainable parameter).
+        checkpoint.add_optimizer_params(ck.optimizer, len(drafter.trainable_parameters()))
+        log.info("the checkpoint has no final norm of the drafter's own (an older trainer wrote it): "
+                 "it starts from the target's norm")
     log.info(f"drafter: {dcfg.num_layers} layers, {n_params / 1e6:.2f}M trainable params, block {dcfg.block_size}, "
              f"mask token {dcfg.mask_token_id}, gamma {gamma:g}")
     return Prepared(out, ck, target, samples, eval_prompts, pad_len, pos_weights, dcfg, drafter,
@@ -317,7 +324,8 @@ def _load_data(cfg, target, out, log, stop):
 
 
 def _read_samples(path: str, cfg, target):
-    rows = encode_rows(read_rows(path), target.tokenizer, path)
+    rows = encode_rows(read_rows(path), target.tokenizer, path, template_kwargs=chat_template_options(cfg),
+                       train_thinking=cfg.train_thinking)
     vocab = target.model.get_input_embeddings().weight.shape[0]
     return check_samples(rows, path=path, block_size=cfg.block_size, seq_len=cfg.seq_len, vocab_size=vocab)
 

@@ -1,0 +1,147 @@
+"""`dflash-ops export` for real: a tiny CPU run launched through the tool in a pct stand-in container
+behind a real sshd on 127.0.0.1, exported and streamed back, then loaded by the reference package."""
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator import deploy, export, inventory
+
+REPO = Path(__file__).resolve().parent.parent
+WORKDIR = "/srv/ct/dflash"
+MAIN = "from orchestrator.cli import main; main()"
+TINY = """\
+target: tiny
+data: synthetic
+synthetic_samples: 8
+synthetic_prompt_len: 4
+synthetic_new_tokens: 32
+batch_size: 2
+seq_len: 64
+block_size: 4
+anchors: 4
+draft_layers: 1
+eval_prompts: 1
+eval_new_tokens: 8
+cpu_threads: 1
+checkpoint_every: 2
+"""
+
+
+@pytest.fixture
+def ct(sshd, fakepct, make_inventory, tmp_path):
+    """CT 200 with the trainer deployed and one succeeded 4-step run (launched with dflash-ops)."""
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "trainer", src / "trainer", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    fakepct.create(200)
+    path = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable,
+                                     "workdir": WORKDIR, "gpus": 0}})
+    inv = inventory.load(str(path))
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY)
+
+    def cli(*args, timeout=180):
+        return subprocess.run([sys.executable, "-c", MAIN, "-i", str(path), *map(str, args)],
+                              capture_output=True, timeout=timeout, cwd=tmp_path)
+
+    r = cli("export", "ct200")
+    assert r.returncode == 102 and b"no runs yet" in r.stderr, r.stderr
+    assert deploy.deploy(inv, ["ct200"], source=str(src))["ct200"].ok
+    r = cli("launch", "ct200", "--gpus", "0", "--policy", "eager", "--config", cfg, "--", "--steps", "4")
+    assert r.returncode == 0, r.stderr.decode()
+    run = r.stdout.decode().strip()
+    r = cli("logs", "ct200", run, "--follow")
+    assert r.returncode == 0, r.stderr.decode()
+    return type("CT", (), dict(inv=inv, cli=staticmethod(cli), run=run, pct=fakepct, tmp=tmp_path,
+                               exports=fakepct.private(200) / "dflash" / "exports"))
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_export_streams_the_latest_succeeded_run_home_and_refuses_bad_input(ct):
+    dest = ct.tmp / "drafter"
+    r = ct.cli("export", "ct200", "-o", dest, "--json")
+    assert r.returncode == 0, r.stderr.decode()
+    doc = json.loads(r.stdout)
+    assert doc["run"] == ct.run and doc["step"] == 4 and doc["dtype"] == "bfloat16"
+    assert doc["output"] == str(dest) and doc["target_layer_ids"] == [1, 2, 3, 4, 5]
+    names = sorted(f["name"] for f in doc["files"])
+    assert names == ["config.json", "dflash_ops.json", "model.safetensors"]
+    assert sorted(p.name for p in dest.iterdir()) == names
+    for f in doc["files"]:   # what arrived is what the target hashed
+        assert (dest / f["name"]).stat().st_size == f["size"] and sha256(dest / f["name"]) == f["sha256"]
+    # nothing left behind: not on the target, not beside the destination
+    assert ct.exports.is_dir() and list(ct.exports.iterdir()) == []
+    assert sorted(p.name for p in ct.tmp.iterdir() if p.name.startswith(".")) == []
+
+    import torch
+    from dflash.model import DFlashDraftModel
+
+    draft, info = DFlashDraftModel.from_pretrained(str(dest), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert draft.block_size == 4 and draft.mask_token_id == 260 and draft.config.num_hidden_layers == 1
+    assert next(draft.parameters()).dtype == torch.bfloat16
+
+    # an existing folder is kept unless --force; an earlier checkpoint by --step; the default name
+    r = ct.cli("export", "ct200", ct.run, "-o", dest)
+    assert r.returncode == 2 and b"already exists (pass --force" in r.stderr and b"Traceback" not in r.stderr
+    r = ct.cli("export", "ct200", ct.run, "-o", dest, "--force", "--step", "2", "--dtype", "float32", "--json")
+    assert r.returncode == 0, r.stderr.decode()
+    assert json.loads(r.stdout)["step"] == 2
+    assert json.loads((dest / "dflash_ops.json").read_text())["step"] == 2
+    r = ct.cli("export", "--step", "4")   # default target (the only one), default run
+    assert r.returncode == 0, r.stderr.decode()
+    assert (ct.tmp / f"dflash-{ct.run}-step4" / "model.safetensors").is_file()
+    assert r.stdout.decode().strip() == str(ct.tmp / f"dflash-{ct.run}-step4")
+    assert list(ct.exports.iterdir()) == []
+
+    # bad input: one line (Click's own option errors: its usage block), documented exit codes
+    for args, code, needle in [
+            (("ct200", ct.run, "--step", "3"), 2, b"--step 3: no complete checkpoint of that step"),
+            (("ct200", "20200101-000000-abcdef"), 102, b"no run '20200101-000000-abcdef'"),
+            (("ct200", "--dtype", "int8"), 2, b"'int8' is not one of"),
+            (("nosuch",), 2, b"nosuch"),
+    ]:
+        r = ct.cli("export", *args, "-o", ct.tmp / "x")
+        err = r.stderr.decode()
+        assert r.returncode == code and needle in r.stderr, (args, r.returncode, err)
+        assert "Traceback" not in err and (len(err.strip().splitlines()) == 1 or err.startswith("Usage:")), err
+    assert not (ct.tmp / "x").exists() and list(ct.exports.iterdir()) == []
+
+
+def test_a_damaged_stream_never_reaches_the_destination(tmp_path):
+    """The receiver checks sizes and hashes; a mismatch or a short stream raises, nothing is renamed."""
+    good = b"hello drafter"
+    head = {"ok": True, "run": "r", "step": 1,
+            "files": [{"name": "a.bin", "size": len(good), "sha256": hashlib.sha256(good).hexdigest()}]}
+    line = json.dumps(head).encode() + b"\n"
+    for body, err in ((b"hellO drafter", "sha256 mismatch"), (good[:5], "ended after 0 of 1"),
+                      (good + b"!", "bytes more")):
+        recv = export._Receiver(tmp_path / f"p{len(body)}{body[:1]!r}", None, "t")
+        for i in range(0, len(line + body), 3):   # in small pieces, as a stream arrives
+            recv((line + body)[i:i + 3])
+        recv.close()
+        with pytest.raises(export.TransferError, match=err):
+            recv.check()
+    recv = export._Receiver(tmp_path / "ok", None, "t")
+    recv(line + good)
+    recv.check()
+    assert (tmp_path / "ok" / "a.bin").read_bytes() == good
+    with pytest.raises(export.TransferError, match="plain name"):
+        export._Receiver(tmp_path / "evil", None, "t")(
+            json.dumps({"ok": True, "files": [{"name": "../x", "size": 1, "sha256": ""}]}).encode() + b"\n")
+
+
+def test_the_joined_export_agent_is_python_38():
+    from orchestrator.deploy import agent_source
+
+    ast.parse(agent_source(*export.AGENT), feature_version=(3, 8))
