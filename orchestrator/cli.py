@@ -226,6 +226,9 @@ def scan(files, as_json):
 
 def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    if debug:   # library logs (paramiko's transport thread) to stderr
+        import logging
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     try:
         code = cli.main(args=argv, prog_name="dflash-ops", standalone_mode=False)
         sys.exit(code or EXIT_OK)

@@ -11,6 +11,7 @@ pct and lxc-attach pass argv straight through (field notes 2), so one quoting la
 """
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import socket
@@ -195,6 +196,10 @@ def _paramiko():
         finally:
             if hide and sys.modules.get("invoke", 0) is None:
                 del sys.modules["invoke"]
+        # paramiko's transport thread logs its own failures (with tracebacks) at ERROR; with no
+        # handler configured Python prints them to stderr. Every failure reaches the user as one
+        # ConnectError line instead; `--debug` configures logging and shows them.
+        logging.getLogger("paramiko").addHandler(logging.NullHandler())
         return paramiko
 
 
@@ -211,16 +216,26 @@ class SshTransport(Transport):
             client.load_host_keys(known)
         # Never accept an unknown key silently: RejectPolicy, with a message that says how to trust it.
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        last: Exception | None = None
+        # One time budget for reaching the server, whatever the number of tries: a host that
+        # refuses is tried again (it may be rebooting), one that accepts TCP and never speaks
+        # SSH is not, and neither may take longer than connect_timeout in all.
+        start = time.monotonic()
+        deadline = start + host.connect_timeout
+        last: Exception | str | None = None
         for attempt in range(CONNECT_TRIES):
             try:
+                conn = sock if sock is not None else _dial(host, deadline)
                 client.connect(host.address, port=host.port, username=host.user,
                                key_filename=host.identity_file, timeout=host.connect_timeout,
                                banner_timeout=host.connect_timeout, auth_timeout=host.connect_timeout,
-                               sock=sock, allow_agent=host.identity_file is None,
+                               sock=conn, allow_agent=host.identity_file is None,
                                look_for_keys=host.identity_file is None)
                 last = None
                 break
+            except _Silent as e:
+                client.close()
+                raise ConnectError(host.name, f"{e} (gave up after {time.monotonic() - start:.1f} s, "
+                                              f"connect_timeout {host.connect_timeout:g} s)") from None
             except paramiko.BadHostKeyException as e:
                 client.close()
                 raise HostKeyError(host.name, (
@@ -240,12 +255,14 @@ class SshTransport(Transport):
                 last = e
             except (OSError, EOFError) as e:
                 last = e
-            if sock is not None or attempt + 1 == CONNECT_TRIES:
-                break   # a jump channel cannot be redialled from here
-            time.sleep(0.5 * 2 ** attempt)   # backoff: 0.5 s, 1 s
+            pause = 0.5 * 2 ** attempt   # backoff: 0.5 s, 1 s
+            if sock is not None or attempt + 1 == CONNECT_TRIES or time.monotonic() + pause >= deadline:
+                break   # a jump channel cannot be redialled from here; the budget is spent
+            time.sleep(pause)
         if last is not None:
             client.close()
-            raise ConnectError(host.name, _reason(last)) from None
+            raise ConnectError(host.name, f"{_reason(last)} (gave up after {time.monotonic() - start:.1f} s, "
+                                          f"{attempt + 1} tries)") from None
         self.client = client
         self.runs = 0            # commands run over this connection (round trips)
         self.transport = client.get_transport()
@@ -380,6 +397,33 @@ class PctTransport(Transport):
             raise self._container_error(int(code) if code.isdigit() else 1, text)
         self._verify = False
         return r if sink is not None else Result(r.exit_code, r.stdout, err)
+
+
+class _Silent(Exception):
+    """The port accepted the connection but no SSH server spoke: retrying will not help."""
+
+
+def _dial(host: Host, deadline: float) -> socket.socket:
+    """A TCP connection to the host on which the server has started to speak (an SSH server
+    sends its version line first), within the deadline. Raises OSError (refused, unreachable,
+    timed out) for the caller to retry, _Silent when the greeting never comes."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("timed out")
+    conn = socket.create_connection((host.address, host.port), timeout=left)
+    try:
+        conn.settimeout(max(0.05, deadline - time.monotonic()))
+        try:
+            first = conn.recv(1, socket.MSG_PEEK)
+        except socket.timeout:
+            raise _Silent(f"port {host.port} accepts connections but no SSH server answers") from None
+        if not first:
+            raise ConnectionResetError(0, "the server closed the connection before its SSH greeting")
+        conn.settimeout(None)
+        return conn
+    except BaseException:
+        conn.close()
+        raise
 
 
 def _known_hosts_name(host: Host) -> str:
