@@ -453,6 +453,7 @@ class Session:
         self._guard = threading.Lock()
         self.connections = 0   # how many SSH connections this command opened (benchmarks read it)
         self._opened: list[SshTransport] = []
+        self._failed: dict[str, ConnectError] = {}   # hosts that could not be reached, and why
 
     def __enter__(self) -> "Session":
         return self
@@ -468,6 +469,9 @@ class Session:
             if t is not None and (fresh or not t.alive()):
                 t.close()
                 t = None
+            if t is None and not fresh and host_name in self._failed:
+                # Targets on one host share its failure: one connect_timeout per command, not per target.
+                raise self._failed[host_name]
             if t is None:
                 host = self.inventory.hosts[host_name]
                 sock = None
@@ -477,7 +481,12 @@ class Session:
                         sock = jump.open_tunnel(host.address, host.port)
                     except Exception as e:
                         raise ConnectError(host.name, f"via jump host {host.jump}: {_reason(e)}") from None
-                t = SshTransport(host, sock=sock)
+                try:
+                    t = SshTransport(host, sock=sock)
+                except ConnectError as e:
+                    self._failed[host_name] = e
+                    raise
+                self._failed.pop(host_name, None)
                 self.connections += 1
                 self._opened.append(t)
                 self._ssh[host_name] = t
