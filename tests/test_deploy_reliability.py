@@ -220,6 +220,11 @@ def test_damage_to_the_live_release_is_found_and_repaired(env, tmp_path):
     again = deploy.deploy(inv, ["ct200"], source=str(src))["ct200"]
     assert again.ok and again.unchanged
 
+    # A release from before stat records (or one that lost it) is hashed once and recorded.
+    (live(wd) / ".dflash-stat.json").unlink()
+    again = deploy.deploy(inv, ["ct200"], source=str(src))["ct200"]
+    assert again.ok and again.unchanged and (live(wd) / ".dflash-stat.json").is_file()
+
 
 # ---- case 3: symlinks -------------------------------------------------------------------------
 

@@ -2,11 +2,12 @@
 
 Standard library only, Python >= 3.8, no rsync/tar binaries needed in the container.
 
-    manifest WORKDIR [--verify] [--tidy]
+    manifest WORKDIR [--verify] [--tidy] [--no-files]
                                 -> JSON: python/torch versions, live release id and its manifest
                                 less the files found missing or damaged there (`damaged`);
                                 --verify hashes every file, --tidy clears leftovers of
-                                interrupted deploys when no deploy holds the lock
+                                interrupted deploys when no deploy holds the lock,
+                                --no-files leaves the manifest out (versions and release only)
     apply WORKDIR RELEASE BASE NEED BY
                                 stdin: a tar of the changed files plus .dflash-manifest.json;
                                 under the deploy lock, builds releases/RELEASE from release BASE
@@ -100,6 +101,7 @@ def _try_lock(workdir):
     except OSError:
         f.close()
         return None
+    f.truncate(0)    # a dead holder's note must not be read as ours
     return f
 
 
@@ -186,16 +188,22 @@ def _check(release_path, manifest, known, full):
     return good, sorted(damaged)
 
 
-def cmd_manifest(workdir, full=False, tidy=False):
+def cmd_manifest(workdir, full=False, tidy=False, no_files=False):
     """The live release's manifest, less the files that are missing or damaged there (so the
-    controller sends them again). With tidy, and no deploy running, clears leftovers first."""
-    lock = _try_lock(workdir) if tidy else None
+    controller sends them again). With tidy, and no deploy running, clears leftovers first;
+    with no_files, only the versions and the release id (`targets --check`)."""
+    try:
+        lock = _try_lock(workdir) if tidy else None
+    except OSError:      # WORKDIR not writable yet: nothing to tidy, apply will say why
+        lock = None
     try:
         cleared = _clear_leftovers(workdir) if lock is not None else []
         release, path = _live(workdir)
-        manifest = _read_manifest(path)
+        manifest = None if no_files else _read_manifest(path)
         damaged = []
-        if manifest is None:
+        if no_files:
+            manifest = {}
+        elif manifest is None:
             release, manifest = None, {}   # none, or a damaged live release: the next deploy sends everything
         else:
             known = _read_json_file(os.path.join(path, STATS))
@@ -204,7 +212,10 @@ def cmd_manifest(workdir, full=False, tidy=False):
             if known is None and lock is not None and not damaged:
                 # A release built before stat records existed: record them once, so the next
                 # deploy checks sizes and mtimes instead of hashing every file again.
-                _write_json_file(os.path.join(path, STATS), good)
+                try:
+                    _write_json_file(os.path.join(path, STATS), good)
+                except OSError:   # a full disk: hashed again next time, nothing lost
+                    pass
     finally:
         if lock is not None:
             lock.close()
@@ -266,8 +277,6 @@ def cmd_apply(workdir, release, base, need, by):
     lock = _try_lock(workdir)
     if lock is None:
         _fail("%s is deploying to %s; try again when it ends" % (_holder(workdir), workdir), EXIT_BUSY)
-    lock.seek(0)
-    lock.truncate()
     lock.write(json.dumps({"pid": os.getpid(), "by": by, "release": release,
                            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
     lock.flush()
@@ -430,8 +439,8 @@ def main(argv):
     if len(argv) < 2:
         _fail("usage: agent manifest|apply|install-deps WORKDIR ...", 2)
     cmd, workdir = argv[0], os.path.expanduser(argv[1])
-    if cmd == "manifest" and set(argv[2:]) <= {"--verify", "--tidy"}:
-        cmd_manifest(workdir, "--verify" in argv[2:], "--tidy" in argv[2:])
+    if cmd == "manifest" and set(argv[2:]) <= {"--verify", "--tidy", "--no-files"}:
+        cmd_manifest(workdir, "--verify" in argv[2:], "--tidy" in argv[2:], "--no-files" in argv[2:])
     elif cmd == "apply" and len(argv) == 6:
         cmd_apply(workdir, argv[2], argv[3], int(argv[4]), argv[5])
     elif cmd == "install-deps":
