@@ -30,20 +30,25 @@ from .transport import Session, Transport
 Progress = Callable[[str, int], Callable[[int], None]]   # (target, total bytes) -> update(n)
 
 
+# The release agent's parts, joined in this order into one `python -c` source (agent_source).
+RELEASE_AGENT = ("release_store.py", "release_agent.py")
+
+
 def agent_source(*names: str) -> str:
     """The source of a remote agent (default: the release agent) for `python -c`. Several names
     are the parts of one agent, joined in the order given into one program: `python -c` cannot
     import its parts on the target, so they share one namespace, a part using only what the
     parts before it define. Parts must have no `from __future__` line (it is only legal first)."""
     root = resources.files("orchestrator.remote")
-    texts = [root.joinpath(name).read_text(encoding="utf-8") for name in names or ("release_agent.py",)]
+    names = names or RELEASE_AGENT
+    texts = [root.joinpath(name).read_text(encoding="utf-8") for name in names]
     if len(texts) == 1:
         return texts[0]
     return "\n\n".join(f"# ---- {name} ----\n{text}" for name, text in zip(names, texts))
 
 
 def run_agent(t: Transport, target: Target, args: list[str], *,
-              agent: str | Sequence[str] = "release_agent.py", stdin=None, what: str | None = None,
+              agent: str | Sequence[str] = RELEASE_AGENT, stdin=None, what: str | None = None,
               timeout: float | None = None) -> dict:
     """Run a remote agent (one file, or the names of its parts) with the target's python; its
     last stdout line is a JSON document."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.deploy import agent_source
+from orchestrator.deploy import RELEASE_AGENT, agent_source
 from orchestrator.runs import AGENT as PARTS
 
 REMOTE = Path(__file__).resolve().parent.parent / "orchestrator" / "remote"
@@ -52,9 +52,10 @@ def _bound_anywhere(tree):
     return names
 
 
-def test_the_parts_are_stdlib_only_and_use_only_what_earlier_parts_define():
+@pytest.mark.parametrize("parts", [PARTS, RELEASE_AGENT], ids=["runs", "release"])
+def test_the_parts_are_stdlib_only_and_use_only_what_earlier_parts_define(parts):
     defined = set(dir(builtins)) | {"__name__", "__file__"}
-    for name in PARTS:
+    for name in parts:
         text = (REMOTE / name).read_text()
         tree = ast.parse(text, feature_version=(3, 8))
         for node in ast.walk(tree):

@@ -1,6 +1,9 @@
-"""Release agent: runs on the TARGET, under the target's own python, as `python -c SOURCE CMD ...`.
+"""Release agent, part 2 of 2 (release_agent.py): the commands and main(). Uses release_store.
 
-Standard library only, Python >= 3.8, no rsync/tar binaries needed in the container.
+Runs on the TARGET, under the target's own python, as `python -c SOURCE CMD ...`, SOURCE being
+release_store.py and this file joined (orchestrator/deploy.py's RELEASE_AGENT): `python -c`
+cannot import files on the target. Standard library only, Python >= 3.8, no `from __future__`,
+no rsync/tar binaries needed in the container.
 
     manifest WORKDIR [--verify] [--tidy] [--no-files]
                                 -> JSON: python/torch versions, live release id and its manifest
@@ -25,9 +28,6 @@ import sys
 # hashlib, shutil, subprocess, tarfile and tempfile are imported where they are used: the
 # `manifest` command of every deploy needs none of them, and their imports were ~20 ms of it.
 
-MANIFEST = ".dflash-manifest.json"
-STATS = ".dflash-stat.json"     # {path: [size, mtime_ns]} of a release's files when it was verified
-LOCK = ".deploy.lock"           # WORKDIR's deploy lock (flock), and its holder as JSON
 KEEP = 5
 EXIT_BUSY, EXIT_STALE, EXIT_NO_SPACE = 4, 5, 6    # apply's refusals the controller tells apart
 
@@ -66,128 +66,6 @@ def _dist_version(name):
         return None
 
 
-def _live(workdir):
-    cur = os.path.join(workdir, "current")
-    if not os.path.islink(cur):
-        return None, None
-    path = os.path.realpath(cur)
-    return os.path.basename(path), path
-
-
-def _read_manifest(release_path):
-    """The manifest of a release folder, or None when it is missing or damaged."""
-    if not release_path:
-        return None
-    try:
-        with open(os.path.join(release_path, MANIFEST)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _lock_path(workdir):
-    return os.path.join(workdir, LOCK)
-
-
-def _try_lock(workdir):
-    """The per-target deploy lock: an flock on WORKDIR/.deploy.lock, so the kernel releases it when
-    its holder dies (killed -9, connection dropped). The open file when taken, else None."""
-    import fcntl
-
-    os.makedirs(workdir, exist_ok=True)
-    f = open(_lock_path(workdir), "a+")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        return None
-    f.truncate(0)    # a dead holder's note must not be read as ours
-    return f
-
-
-def _holder(workdir):
-    try:
-        with open(_lock_path(workdir)) as f:
-            doc = json.loads(f.read() or "{}")
-    except (OSError, ValueError):
-        doc = {}
-    if not doc:
-        return "another deploy"
-    return "another deploy (pid %s, by %s, release %s, since %s)" % (
-        doc.get("pid"), doc.get("by") or "?", doc.get("release"), doc.get("since"))
-
-
-def _clear_leftovers(workdir):
-    """Remove what interrupted deploys left (partial releases, temporary links). Only under the
-    deploy lock: a `.partial` folder is only ever written by the lock's holder."""
-    import shutil
-
-    releases = os.path.join(workdir, "releases")
-    cleared = []
-    for folder, names in ((releases, _listdir(releases)), (workdir, _listdir(workdir))):
-        for name in names:
-            path = os.path.join(folder, name)
-            if folder == releases and name.endswith(".partial"):
-                shutil.rmtree(path, ignore_errors=True)
-                cleared.append(name)
-            elif folder == workdir and name.startswith(".current.") and os.path.islink(path):
-                os.unlink(path)
-    return cleared
-
-
-def _listdir(path):
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
-
-
-def _sha256(path):
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _stat_key(st):
-    return [st.st_size, st.st_mtime_ns]
-
-
-def _check(release_path, manifest, known, full):
-    """(stat cache of the good files, paths that are missing or differ from the manifest).
-
-    Cheap by default: a file whose size and mtime are what was recorded when the release was
-    built (`known`, the release's .dflash-stat.json) is taken as intact; any other is hashed.
-    `full` hashes every file. One stat per file, all on the target: no round trip per file."""
-    import stat as stat_mod
-
-    good, damaged = {}, []
-    for rel, (sha, size, exe) in manifest.items():
-        path = os.path.join(release_path, rel)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            damaged.append(rel)
-            continue
-        if not stat_mod.S_ISREG(st.st_mode) or st.st_size != size or bool(st.st_mode & 0o111) != bool(exe):
-            damaged.append(rel)
-            continue
-        key = _stat_key(st)
-        if full or known.get(rel) != key:
-            try:
-                if _sha256(path) != sha:
-                    damaged.append(rel)
-                    continue
-            except OSError:
-                damaged.append(rel)
-                continue
-        good[rel] = key
-    return good, sorted(damaged)
-
-
 def cmd_manifest(workdir, full=False, tidy=False, no_files=False):
     """The live release's manifest, less the files that are missing or damaged there (so the
     controller sends them again). With tidy, and no deploy running, clears leftovers first;
@@ -222,21 +100,6 @@ def cmd_manifest(workdir, full=False, tidy=False, no_files=False):
     _out({"python": platform.python_version(), "executable": sys.executable,
           "torch": _dist_version("torch"), "release": release, "manifest": manifest,
           "damaged": damaged, "cleared": cleared, "workdir": workdir})
-
-
-def _write_json_file(path, doc):
-    with open(path, "w") as f:
-        json.dump(doc, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _read_json_file(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def _safe_rel(name):
