@@ -7,8 +7,8 @@ the live one plus the changes and flips `WORKDIR/current` atomically.
 """
 from __future__ import annotations
 
-import hashlib
 import getpass
+import hashlib
 import io
 import json
 import os
@@ -124,6 +124,10 @@ def release_id(manifest: dict[str, list], now: float | None = None) -> str:
     # Microseconds keep ids in creation order, which is what pruning sorts by.
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}"
     return f"{stamp}-{digest}"
+
+
+class DeployRefused(OpsError):
+    """The target said no: another deploy holds its lock, or the release does not fit (exit 1)."""
 
 
 class SourceChanged(OpsError):
@@ -259,8 +263,14 @@ def _apply(t: Transport, target: Target, source: Source, changed: list[str], bas
     spool, size = build_tar(source, changed)
     update = progress(target.name, size) if progress else None
     with spool:
-        return run_agent(t, target, ["apply", target.workdir, rid, base, str(need), _who()],
-                         stdin=_Counting(spool, update), what="build the release")
+        try:
+            return run_agent(t, target, ["apply", target.workdir, rid, base, str(need), _who()],
+                             stdin=_Counting(spool, update), what="build the release")
+        except StepFailed as e:
+            if e.exit_code_remote in (AGENT_BUSY, AGENT_NO_SPACE):   # a refusal: its own words
+                lines = e.stderr_tail.strip().splitlines() or [str(e)]
+                raise DeployRefused(f"{target.name}: {lines[-1].removeprefix('agent: ')}") from None
+            raise
 
 
 def _who() -> str:

@@ -114,7 +114,8 @@ def test_overlapping_deploys_never_flip_to_an_incomplete_release(env, tmp_path):
             r = cli("-i", path, "deploy", "ct200", "--source", b)
             assert r.returncode == 1 and "Traceback" not in r.stderr
             assert "is deploying to /srv/ct/dflash; try again when it ends" in r.stdout, r.stdout
-            assert "another deploy (pid " in r.stdout and "by " in r.stdout   # names the holder
+            assert "ct200: FAILED: ct200: another deploy (pid " in r.stdout   # names the holder
+            assert "exited" not in r.stdout and "by " in r.stdout
             assert partials(wd) == owned    # the live deploy's folder was left alone
         finally:
             res = held.finish()
@@ -285,8 +286,8 @@ def test_a_full_disk_is_named_and_left_as_it_was(small_disk, tmp_path):
     (src / "big.bin").write_bytes(os.urandom(8 << 20))
     r = cli("-i", path, "deploy", "ct200", "--source", src)
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert ("ct200: build the release exited 6: agent: no space left in /srv/ct/dflash/releases: "
-            "the release needs 8.4 MB") in r.stdout, r.stdout
+    assert ("ct200: FAILED: ct200: no space left in /srv/ct/dflash/releases: "
+            "the release needs 8.4 MB, ") in r.stdout, r.stdout
     assert not partials(wd) and free_bytes(wd) == before
     (src / "big.bin").unlink()
     r = cli("-i", path, "deploy", "ct200", "--source", src)
