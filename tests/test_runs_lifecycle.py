@@ -273,3 +273,16 @@ def test_a_run_id_after_double_dash_is_never_an_option(ct):
     assert r.returncode == 2 and b"trainer argument 2 is not UTF-8 text" in r.stderr, r.stderr
     r = ct.cli("stop", "ct200", run)
     assert r.returncode == 0 and b"stopped" in r.stdout
+
+
+def test_a_run_that_finishes_after_its_supervisor_was_killed_succeeded(ct):
+    ct.deploy()
+    run = ct.launch("--", "--steps", "40")
+    rec = wait_for(lambda: ct.record(run).get("supervisor_pid") and ct.record(run), what="pids")
+    os.kill(rec["supervisor_pid"], signal.SIGKILL)
+    r = ct.cli("logs", "ct200", run, "--follow")
+    err = r.stderr.decode()
+    assert r.returncode == 0 and f"run {run}: succeeded" in err, err
+    st = ct.status(run)
+    assert (st["state"], st["step"]) == ("succeeded", 40) and not st["exit"]["lost"]
+    assert not (ct.rundir(run) / "exit.json").exists()     # judged from the trainer's log
