@@ -126,10 +126,6 @@ def _mb(n):
     return "%.1f MB" % (n / 1e6)
 
 
-class _NoSpace(Exception):
-    pass
-
-
 def cmd_apply(workdir, release, base, need, by):
     """Build releases/RELEASE from the stream plus the unchanged files of release BASE (the one
     the controller planned against; "" when it sends every file), verify it, flip `current`."""
@@ -161,18 +157,14 @@ def cmd_apply(workdir, release, base, need, by):
         _fail("no space left in %s: the release needs %s, %s free" % (releases, _mb(need), _mb(free)),
               EXIT_NO_SPACE)
     try:
-        try:
-            received, linked = _build(partial, live_path if base else None)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _NoSpace() from None
-            raise
-    except _NoSpace:
+        received, linked = _build(partial, live_path if base else None)
+    except BaseException as e:
+        # Whatever stopped the build (a refusal, a cut stream, a full disk), the partial release
+        # goes at once rather than at the next deploy: it may be what filled the disk.
         shutil.rmtree(partial, ignore_errors=True)
-        _fail("no space left in %s: the release needs %s, %s free after removing the partial release"
-              % (releases, _mb(need), _mb(_free_bytes(releases))), EXIT_NO_SPACE)
-    except SystemExit:
-        shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            _fail("no space left in %s: the release needs %s, %s free after removing the partial "
+                  "release" % (releases, _mb(need), _mb(_free_bytes(releases))), EXIT_NO_SPACE)
         raise
     os.rename(partial, final)
     _fsync_dir(releases)
