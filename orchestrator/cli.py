@@ -92,14 +92,16 @@ def targets(state: State, check, names, as_json):
 @click.option("--dry-run", is_flag=True, help="List what would change; send nothing.")
 @click.option("--source", metavar="DIR", help="Folder to ship (default: this checkout, else the bundled trainer).")
 @click.option("--install-deps", is_flag=True, help="pip-install the trainer's missing requirements (never torch).")
+@click.option("--verify", is_flag=True,
+              help="Hash every file of the live release (default: sizes and mtimes, hashes where they differ).")
 @json_option
 @click.pass_obj
-def deploy(state: State, names, dry_run, source, install_deps, as_json):
+def deploy(state: State, names, dry_run, source, install_deps, verify, as_json):
     """Sync code into WORKDIR/releases/ID on each target and flip WORKDIR/current atomically."""
     from . import deploy as deploy_mod
 
     results = deploy_mod.deploy(state.inv, list(names), source=source, dry_run=dry_run,
-                                install_deps=install_deps,
+                                install_deps=install_deps, verify=verify,
                                 progress=None if as_json else progress_bars())
     doc = {"targets": {n: r.as_json() for n, r in results.items()}}
     lines = []
@@ -116,6 +118,11 @@ def deploy(state: State, names, dry_run, source, install_deps, as_json):
         else:
             lines.append(f"{r.target}: release {r.release}: sent {r.files_sent} file(s) "
                          f"({_size(r.bytes_sent)}), deleted {r.files_deleted} ({r.seconds:.2f} s)")
+        if r.repaired:
+            lines.append(("  would repair" if r.dry_run else "  repaired")
+                         + f" {len(r.repaired)} missing or damaged file(s) of the live release: "
+                         + ", ".join(r.repaired[:5])
+                         + (" ..." if len(r.repaired) > 5 else ""))
         lines.append(f"  python {r.python}, torch {r.torch or 'not installed'}")
     emit(as_json, doc, "\n".join(lines))
     failed = {r.target: r.error for r in results.values() if not r.ok}
@@ -229,6 +236,9 @@ def scan(files, as_json):
 
 def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    if debug:   # library logs (paramiko's transport thread) to stderr
+        import logging
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     try:
         code = cli.main(args=argv, prog_name="dflash-ops", standalone_mode=False)
         sys.exit(code or EXIT_OK)

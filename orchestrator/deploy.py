@@ -7,9 +7,12 @@ the live one plus the changes and flips `WORKDIR/current` atomically.
 """
 from __future__ import annotations
 
+import getpass
 import hashlib
 import io
 import json
+import os
+import socket
 import tarfile
 import tempfile
 import time
@@ -27,20 +30,25 @@ from .transport import Session, Transport
 Progress = Callable[[str, int], Callable[[int], None]]   # (target, total bytes) -> update(n)
 
 
+# The release agent's parts, joined in this order into one `python -c` source (agent_source).
+RELEASE_AGENT = ("release_store.py", "release_agent.py")
+
+
 def agent_source(*names: str) -> str:
     """The source of a remote agent (default: the release agent) for `python -c`. Several names
     are the parts of one agent, joined in the order given into one program: `python -c` cannot
     import its parts on the target, so they share one namespace, a part using only what the
     parts before it define. Parts must have no `from __future__` line (it is only legal first)."""
     root = resources.files("orchestrator.remote")
-    texts = [root.joinpath(name).read_text(encoding="utf-8") for name in names or ("release_agent.py",)]
+    names = names or RELEASE_AGENT
+    texts = [root.joinpath(name).read_text(encoding="utf-8") for name in names]
     if len(texts) == 1:
         return texts[0]
     return "\n\n".join(f"# ---- {name} ----\n{text}" for name, text in zip(names, texts))
 
 
 def run_agent(t: Transport, target: Target, args: list[str], *,
-              agent: str | Sequence[str] = "release_agent.py", stdin=None, what: str | None = None,
+              agent: str | Sequence[str] = RELEASE_AGENT, stdin=None, what: str | None = None,
               timeout: float | None = None) -> dict:
     """Run a remote agent (one file, or the names of its parts) with the target's python; its
     last stdout line is a JSON document."""
@@ -118,16 +126,48 @@ def release_id(manifest: dict[str, list], now: float | None = None) -> str:
     return f"{stamp}-{digest}"
 
 
+class DeployRefused(OpsError):
+    """The target said no: another deploy holds its lock, or the release does not fit (exit 1)."""
+
+
+class SourceChanged(OpsError):
+    """A file changed size between hashing and sending; the next deploy picks up its new content."""
+
+
+class _Exact:
+    """Reads exactly `size` bytes of an open file for the tar, or raises SourceChanged."""
+
+    def __init__(self, f, size: int, path: Path):
+        self.f, self.left, self.path = f, size, path
+
+    def read(self, n: int = -1) -> bytes:
+        want = self.left if n < 0 else min(n, self.left)
+        data = self.f.read(want)
+        if len(data) < want:     # a regular file reads short only at its end
+            raise SourceChanged(f"{self.path} shrank while it was being sent; deploy again")
+        self.left -= len(data)
+        return data
+
+
 def build_tar(source: Source, changed: list[str]):
-    """The changed files plus the full manifest as one uncompressed tar (spooled to disk past 64 MiB)."""
+    """The changed files plus the full manifest as one uncompressed tar (spooled to disk past 64 MiB).
+
+    Each file goes as a regular file of the size it was hashed at, read through symlinks (the
+    file set only keeps links to files inside the tree); a file that shrank since is an error
+    naming it, one that changed content is caught by the agent's hash check."""
     spool = tempfile.SpooledTemporaryFile(max_size=64 << 20)
     with tarfile.open(fileobj=spool, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         for rel in changed:
-            info = tar.gettarinfo(str(source.root / rel), arcname=rel)
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            with open(source.root / rel, "rb") as f:
-                tar.addfile(info, f)
+            path = source.root / rel
+            info = tarfile.TarInfo(rel)
+            info.size = source.manifest[rel][1]
+            info.mode = 0o755 if source.manifest[rel][2] else 0o644
+            try:
+                with open(path, "rb") as f:
+                    info.mtime = os.fstat(f.fileno()).st_mtime
+                    tar.addfile(info, _Exact(f, info.size, path))
+            except OSError as e:
+                raise SourceChanged(f"{path}: cannot read it to send: {e.strerror or e}") from None
         data = json.dumps(source.manifest).encode()
         info = tarfile.TarInfo(fileset.MANIFEST_NAME)
         info.size = len(data)
@@ -163,6 +203,7 @@ class TargetResult:
     torch: str | None = None
     changed: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)   # missing or damaged in the live release, sent again
     pruned: list[str] = field(default_factory=list)
     deps: dict | None = None
     seconds: float = 0.0
@@ -172,42 +213,76 @@ class TargetResult:
         return asdict(self)
 
 
+# Exit statuses of the release agent's `apply` that are refusals, not failures (release_agent.py).
+AGENT_BUSY, AGENT_STALE, AGENT_NO_SPACE = 4, 5, 6
+
+
 def deploy_target(session: Session, target: Target, get_source: Callable[[], Source], *,
-                  dry_run: bool = False, install_deps: bool = False,
+                  dry_run: bool = False, install_deps: bool = False, verify: bool = False,
                   progress: Progress | None = None) -> TargetResult:
-    """One target: read its live manifest, send what changed, flip `current`. get_source waits
-    for the local file set, so hashing it overlaps the remote read."""
+    """One target: read its live manifest (checked against the files there), send what changed
+    or is damaged, flip `current`. get_source waits for the local file set, so hashing it
+    overlaps the remote read. Planned again once when another deploy flipped `current` between
+    the read and the build."""
     start = time.monotonic()
     res = TargetResult(target.name, dry_run=dry_run)
     t = session.transport(target)
-    live = run_agent(t, target, ["manifest", target.workdir], what="read the live release")
-    source = get_source()
-    res.python, res.torch, res.previous = live["python"], live["torch"], live["release"]
-    changed, deleted = plan(source.manifest, live["manifest"] if live["release"] else {})
-    res.changed, res.deleted = changed, deleted
-    res.files_deleted = len(deleted)
-    res.bytes_sent = sum(source.manifest[p][1] for p in changed)
-    res.files_sent = len(changed)
-    if dry_run:
-        res.release, res.ok = live["release"], True
-    elif live["release"] and not changed and not deleted:
-        res.release, res.unchanged, res.ok = live["release"], True, True
-    else:
-        rid = release_id(source.manifest)
-        spool, size = build_tar(source, changed)
-        update = progress(target.name, size) if progress else None
-        with spool:
-            out = run_agent(t, target, ["apply", target.workdir, rid], stdin=_Counting(spool, update),
-                            what="build the release")
-        res.release, res.pruned, res.ok = out["release"], out["pruned"], True
+    for attempt in (1, 2):
+        args = ["manifest", target.workdir] + (["--verify"] if verify else []) + ([] if dry_run else ["--tidy"])
+        live = run_agent(t, target, args, what="read the live release")
+        source = get_source()
+        res.python, res.torch, res.previous = live["python"], live["torch"], live["release"]
+        res.repaired = list(live.get("damaged") or [])
+        changed, deleted = plan(source.manifest, live["manifest"] if live["release"] else {})
+        res.changed, res.deleted = changed, deleted
+        res.files_deleted = len(deleted)
+        res.bytes_sent = sum(source.manifest[p][1] for p in changed)
+        res.files_sent = len(changed)
+        if dry_run:
+            res.release, res.ok = live["release"], True
+        elif live["release"] and not changed and not deleted:
+            res.release, res.unchanged, res.ok = live["release"], True, True
+        else:
+            try:
+                out = _apply(t, target, source, changed, live["release"] or "", res.bytes_sent, progress)
+            except StepFailed as e:
+                if e.exit_code_remote == AGENT_STALE and attempt == 1:
+                    continue
+                raise
+            res.release, res.pruned, res.ok = out["release"], out["pruned"], True
+        break
     if install_deps and not dry_run:
         res.deps = run_agent(t, target, ["install-deps", target.workdir], what="install requirements")
     res.seconds = round(time.monotonic() - start, 3)
     return res
 
 
+def _apply(t: Transport, target: Target, source: Source, changed: list[str], base: str, need: int,
+           progress: Progress | None) -> dict:
+    rid = release_id(source.manifest)
+    spool, size = build_tar(source, changed)
+    update = progress(target.name, size) if progress else None
+    with spool:
+        try:
+            return run_agent(t, target, ["apply", target.workdir, rid, base, str(need), _who()],
+                             stdin=_Counting(spool, update), what="build the release")
+        except StepFailed as e:
+            if e.exit_code_remote in (AGENT_BUSY, AGENT_NO_SPACE):   # a refusal: its own words
+                lines = e.stderr_tail.strip().splitlines() or [str(e)]
+                raise DeployRefused(f"{target.name}: {lines[-1].removeprefix('agent: ')}") from None
+            raise
+
+
+def _who() -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no passwd entry in some containers
+        user = "?"
+    return f"{user}@{socket.gethostname()}"
+
+
 def deploy(inventory: Inventory, names: list[str], *, source: str | None = None, dry_run: bool = False,
-           install_deps: bool = False, progress: Progress | None = None,
+           install_deps: bool = False, verify: bool = False, progress: Progress | None = None,
            session: Session | None = None) -> dict[str, TargetResult]:
     """Deploy to every named target in parallel; one result per target (style habit 5)."""
     targets = inventory.select(names)
@@ -218,7 +293,7 @@ def deploy(inventory: Inventory, names: list[str], *, source: str | None = None,
     def one(target: Target, src: Future) -> TargetResult:
         try:
             return deploy_target(session, target, src.result, dry_run=dry_run,
-                                 install_deps=install_deps, progress=progress)
+                                 install_deps=install_deps, verify=verify, progress=progress)
         except OpsError as e:
             return TargetResult(target.name, error=e.render())
 

@@ -6,14 +6,17 @@ The matcher implements gitignore's rules (negation, directory-only `dir/`, ancho
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import UsageError
+
 ALWAYS_EXCLUDED = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".hypothesis",
-                   ".mypy_cache", ".ruff_cache", ".dflash-manifest.json"}
+                   ".mypy_cache", ".ruff_cache", ".dflash-manifest.json", ".dflash-stat.json"}
 IGNORE_FILES = (".gitignore", ".dflashignore")
 MANIFEST_NAME = ".dflash-manifest.json"    # written into every release by the release agent
 
@@ -113,9 +116,32 @@ def _read_rules(path: Path, base: str) -> list[Rule]:
     return [r for r in (compile_pattern(line, base) for line in text.splitlines()) if r]
 
 
+class LinkError(UsageError):
+    """A symlink in the source that cannot ship: it loops, dangles or leaves the tree."""
+
+
+def _check_link(root: Path, path: Path, rel: str) -> bool:
+    """For a symlink at rel: True when it ships (a link to a file inside the tree, sent as that
+    file's content), False when it is skipped (a link to a folder inside the tree); raises
+    LinkError for a link that loops, dangles or points outside the tree."""
+    try:
+        real = path.resolve(strict=True)
+    except RuntimeError:             # Python < 3.13 reports a loop this way
+        raise LinkError(f"{root / rel}: symlink loop; remove it or list it in .dflashignore") from None
+    except OSError as e:
+        what = "symlink loop" if e.errno == errno.ELOOP else f"broken symlink ({e.strerror})"
+        raise LinkError(f"{root / rel}: {what}; remove it or list it in .dflashignore") from None
+    if real != root and root not in real.parents:
+        raise LinkError(f"{root / rel}: symlink points outside the source tree (to {real}); "
+                        f"copy the file in, or list the link in .dflashignore")
+    return real.is_file()
+
+
 def collect(root: Path) -> list[str]:
-    """Relative POSIX paths of every file to ship, sorted. Symlinks to files are followed;
-    symlinked folders are not (a link out of the tree would ship someone else's files)."""
+    """Relative POSIX paths of every file to ship, sorted. Symlinks to files inside the tree are
+    followed (the file's content ships); symlinked folders inside it are skipped; a link that
+    leaves the tree, dangles or loops is an error naming it (it would ship someone else's files,
+    or nothing)."""
     root = root.resolve()
     rules = _read_rules(root / ".git" / "info" / "exclude", "")
     files: list[str] = []
@@ -134,7 +160,10 @@ def collect(root: Path) -> list[str]:
             is_dir = e.is_dir(follow_symlinks=False)
             if is_ignored(child, is_dir, rules):
                 continue
-            if is_dir:
+            if e.is_symlink():
+                if _check_link(root, Path(e.path), child):
+                    files.append(child)
+            elif is_dir:
                 walk(Path(e.path), child, rules)
             elif e.is_file():
                 files.append(child)

@@ -173,11 +173,12 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
                 calls += 1
                 t = session.transport(target, fresh=calls > 1)
                 conn["ssh"] = state["ssh"] = _ssh_of(session, target)
-                args = ["follow", target.workdir, state["run"], str(state["offset"])]
+                args = ["follow", target.workdir, "--offset", str(state["offset"])]
                 if not follow:
                     args.append("--no-follow")
                 if tail is not None and state["offset"] < 0:
                     args += ["--tail", str(tail)]
+                args += ["--", state["run"]]    # a value: never read as an option
                 conn["running"] = True
                 threading.Thread(target=_watch, args=(stream, conn, dead_s, stopping),
                                  daemon=True).start()

@@ -130,9 +130,15 @@ def load(explicit: str | None = None) -> Inventory:
         return Inventory(path=None, hosts=MappingProxyType({}),
                          targets=MappingProxyType({LOCAL: local_target()}))
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except OSError as e:
         raise InventoryError(str(path), None, None, f"cannot read: {e.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise InventoryError(str(path), line, None,
+                             f"not UTF-8 text (byte 0x{data[e.start]:02x}); save the file as UTF-8") from None
     return parse(text, str(path))
 
 
@@ -166,6 +172,9 @@ def parse(text: str, file: str = "hosts.yaml") -> Inventory:
     if "targets" in top:
         node, line = top["targets"]
         for name, (tnode, tline) in _mapping(node, file, "targets").items():
+            if name == LOCAL:
+                raise InventoryError(file, tline, f"targets.{name}",
+                                     "'local' is the built-in target (this machine); use another name")
             t = _build(Target, name, tnode, tline, file, f"targets.{name}")
             if t.host is not None and t.host not in hosts:
                 raise InventoryError(file, _line_of(tnode, "host", tline), f"targets.{name}.host",
@@ -218,6 +227,13 @@ def _build(cls, name: str, node, line: int, file: str, where: str):
         raise InventoryError(file, _line_of(node, "port", line), f"{where}.port", "must be 1..65535")
     if "gpus" in values and values["gpus"] < 0:
         raise InventoryError(file, _line_of(node, "gpus", line), f"{where}.gpus", "must be >= 0")
+    if "connect_timeout" in values and not values["connect_timeout"] > 0:
+        raise InventoryError(file, _line_of(node, "connect_timeout", line), f"{where}.connect_timeout",
+                             "must be a number of seconds > 0")
+    if "workdir" in values and not values["workdir"].startswith(("/", "~")):
+        # A relative workdir would resolve against whatever folder the remote command starts in.
+        raise InventoryError(file, _line_of(node, "workdir", line), f"{where}.workdir",
+                             f"must be an absolute path (or start with ~), got {values['workdir']!r}")
     if "vmid" in values and values["vmid"] < 100:
         raise InventoryError(file, _line_of(node, "vmid", line), f"{where}.vmid",
                              "Proxmox VMIDs start at 100")

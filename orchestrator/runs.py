@@ -33,6 +33,7 @@ STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_RUN_FAILED, "running": EXIT_R
               "stopped": EXIT_RUN_STOPPED}
 STOP_TIMEOUT_S = 120.0
 RUN_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]+$")
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")   # what the runs agent accepts as a run id
 
 
 class LaunchRefused(OpsError):
@@ -64,12 +65,20 @@ def split_target_run(inv: Inventory, args: Sequence[str]) -> tuple[Target, str]:
     if len(args) > 2:
         raise UsageError(f"expected [TARGET] [RUN], got {' '.join(args)}")
     if len(args) == 2:
-        return inv.target(args[0]), args[1]
+        return inv.target(args[0]), check_run(args[1])
     if len(args) == 1:
         if args[0] not in inv.targets and (args[0] == "latest" or RUN_ID_RE.match(args[0])):
             return inv.default_target(), args[0]
         return inv.target(args[0]), "latest"
     return inv.default_target(), "latest"
+
+
+def check_run(run: str) -> str:
+    """A run id as typed (or `latest`); anything else, an option after `--` included, is bad input."""
+    if run != "latest" and not RUN_NAME_RE.match(run):
+        raise UsageError(f"{run!r} is not a run id (they look like 20250101-120000-3fa9c1; "
+                         f"see `dflash-ops status`)")
+    return run
 
 
 def refusal_message(target: Target, doc: dict) -> str:
@@ -80,7 +89,7 @@ def refusal_message(target: Target, doc: dict) -> str:
     if reason == "no_probe":
         return (f"{t}: --policy auto needs the probe's choice and {target.workdir}/probe.json does "
                 f"not exist; run `dflash-ops probe {t}` first (or pass --policy NAME)")
-    if reason == "too_many_gpus":
+    if reason in ("too_many_gpus", "no_space", "io"):
         return f"{t}: {doc.get('message')}"
     if reason == "busy":
         holders = doc.get("holders") or []
@@ -135,6 +144,11 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
                             f"{target.gpus} GPU(s) (hosts.yaml `gpus:`)")
     if topology not in TOPOLOGIES:
         raise UsageError(f"--topology must be one of {', '.join(TOPOLOGIES)}")
+    for i, arg in enumerate(extra, 1):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:   # bytes the shell passed that are not UTF-8 (surrogate-escaped)
+            raise UsageError(f"trainer argument {i} is not UTF-8 text: {arg!r}") from None
     spec = {"run": new_run_id(target.name), "target": target.name, "gpus": gpus,
             "target_gpus": target.gpus, "topology": topology, "policy": policy or "auto",
             "workers": workers, "extra": list(extra), "controller": _controller()}
@@ -202,7 +216,7 @@ def status(inv: Inventory, names: Sequence[str] = (), *, all_targets: bool = Fal
     with _session(inv, session) as s:
         def one(target: Target):
             try:
-                doc = run_agent(s.transport(target), target, ["status", target.workdir, *runs],
+                doc = run_agent(s.transport(target), target, ["status", target.workdir, "--", *runs],
                                 agent=AGENT, what="read the runs", timeout=60)
             except OpsError as e:
                 return target.name, None, e.render()
@@ -236,7 +250,7 @@ def stop(inv: Inventory, target: Target, run: str = "latest", *, force: bool = F
          timeout: float = STOP_TIMEOUT_S, session: Session | None = None) -> dict:
     """SIGTERM (SIGKILL with force) to the run's process group, wait for it to exit. Returns the
     agent's document: {"run", "already": bool, "state", "timed_out": bool, ...}."""
-    args = ["stop", target.workdir, run, "--timeout", str(timeout)] + (["--force"] if force else [])
+    args = ["stop", target.workdir, "--timeout", str(timeout)] + (["--force"] if force else []) + ["--", run]
     return _one_run(inv, session, target, run, args, "stop the run", timeout + 60)
 
 
@@ -245,7 +259,7 @@ def stop(inv: Inventory, target: Target, run: str = "latest", *, force: bool = F
 def metrics(inv: Inventory, target: Target, run: str = "latest", *,
             session: Session | None = None) -> dict:
     """{"run", "status": {...}, "metrics": [the log's JSON metric lines]}."""
-    return _one_run(inv, session, target, run, ["metrics", target.workdir, run], "read the metrics", 300)
+    return _one_run(inv, session, target, run, ["metrics", target.workdir, "--", run], "read the metrics", 300)
 
 
 def _one_run(inv: Inventory, session: Session | None, target: Target, run: str, args: list[str],

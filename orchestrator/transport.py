@@ -11,6 +11,7 @@ pct and lxc-attach pass argv straight through (field notes 2), so one quoting la
 """
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import socket
@@ -195,6 +196,10 @@ def _paramiko():
         finally:
             if hide and sys.modules.get("invoke", 0) is None:
                 del sys.modules["invoke"]
+        # paramiko's transport thread logs its own failures (with tracebacks) at ERROR; with no
+        # handler configured Python prints them to stderr. Every failure reaches the user as one
+        # ConnectError line instead; `--debug` configures logging and shows them.
+        logging.getLogger("paramiko").addHandler(logging.NullHandler())
         return paramiko
 
 
@@ -211,16 +216,26 @@ class SshTransport(Transport):
             client.load_host_keys(known)
         # Never accept an unknown key silently: RejectPolicy, with a message that says how to trust it.
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        last: Exception | None = None
+        # One time budget for reaching the server, whatever the number of tries: a host that
+        # refuses is tried again (it may be rebooting), one that accepts TCP and never speaks
+        # SSH is not, and neither may take longer than connect_timeout in all.
+        start = time.monotonic()
+        deadline = start + host.connect_timeout
+        last: Exception | str | None = None
         for attempt in range(CONNECT_TRIES):
             try:
+                conn = sock if sock is not None else _dial(host, deadline)
                 client.connect(host.address, port=host.port, username=host.user,
                                key_filename=host.identity_file, timeout=host.connect_timeout,
                                banner_timeout=host.connect_timeout, auth_timeout=host.connect_timeout,
-                               sock=sock, allow_agent=host.identity_file is None,
+                               sock=conn, allow_agent=host.identity_file is None,
                                look_for_keys=host.identity_file is None)
                 last = None
                 break
+            except _Silent as e:
+                client.close()
+                raise ConnectError(host.name, f"{e} (gave up after {time.monotonic() - start:.1f} s, "
+                                              f"connect_timeout {host.connect_timeout:g} s)") from None
             except paramiko.BadHostKeyException as e:
                 client.close()
                 raise HostKeyError(host.name, (
@@ -240,12 +255,14 @@ class SshTransport(Transport):
                 last = e
             except (OSError, EOFError) as e:
                 last = e
-            if sock is not None or attempt + 1 == CONNECT_TRIES:
-                break   # a jump channel cannot be redialled from here
-            time.sleep(0.5 * 2 ** attempt)   # backoff: 0.5 s, 1 s
+            pause = 0.5 * 2 ** attempt   # backoff: 0.5 s, 1 s
+            if sock is not None or attempt + 1 == CONNECT_TRIES or time.monotonic() + pause >= deadline:
+                break   # a jump channel cannot be redialled from here; the budget is spent
+            time.sleep(pause)
         if last is not None:
             client.close()
-            raise ConnectError(host.name, _reason(last)) from None
+            raise ConnectError(host.name, f"{_reason(last)} (gave up after {time.monotonic() - start:.1f} s, "
+                                          f"{attempt + 1} tries)") from None
         self.client = client
         self.runs = 0            # commands run over this connection (round trips)
         self.transport = client.get_transport()
@@ -382,6 +399,33 @@ class PctTransport(Transport):
         return r if sink is not None else Result(r.exit_code, r.stdout, err)
 
 
+class _Silent(Exception):
+    """The port accepted the connection but no SSH server spoke: retrying will not help."""
+
+
+def _dial(host: Host, deadline: float) -> socket.socket:
+    """A TCP connection to the host on which the server has started to speak (an SSH server
+    sends its version line first), within the deadline. Raises OSError (refused, unreachable,
+    timed out) for the caller to retry, _Silent when the greeting never comes."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("timed out")
+    conn = socket.create_connection((host.address, host.port), timeout=left)
+    try:
+        conn.settimeout(max(0.05, deadline - time.monotonic()))
+        try:
+            first = conn.recv(1, socket.MSG_PEEK)
+        except socket.timeout:
+            raise _Silent(f"port {host.port} accepts connections but no SSH server answers") from None
+        if not first:
+            raise ConnectionResetError(0, "the server closed the connection before its SSH greeting")
+        conn.settimeout(None)
+        return conn
+    except BaseException:
+        conn.close()
+        raise
+
+
 def _known_hosts_name(host: Host) -> str:
     return host.address if host.port == 22 else f"[{host.address}]:{host.port}"
 
@@ -409,6 +453,7 @@ class Session:
         self._guard = threading.Lock()
         self.connections = 0   # how many SSH connections this command opened (benchmarks read it)
         self._opened: list[SshTransport] = []
+        self._failed: dict[str, ConnectError] = {}   # hosts that could not be reached, and why
 
     def __enter__(self) -> "Session":
         return self
@@ -424,6 +469,9 @@ class Session:
             if t is not None and (fresh or not t.alive()):
                 t.close()
                 t = None
+            if t is None and not fresh and host_name in self._failed:
+                # Targets on one host share its failure: one connect_timeout per command, not per target.
+                raise self._failed[host_name]
             if t is None:
                 host = self.inventory.hosts[host_name]
                 sock = None
@@ -433,7 +481,12 @@ class Session:
                         sock = jump.open_tunnel(host.address, host.port)
                     except Exception as e:
                         raise ConnectError(host.name, f"via jump host {host.jump}: {_reason(e)}") from None
-                t = SshTransport(host, sock=sock)
+                try:
+                    t = SshTransport(host, sock=sock)
+                except ConnectError as e:
+                    self._failed[host_name] = e
+                    raise
+                self._failed.pop(host_name, None)
                 self.connections += 1
                 self._opened.append(t)
                 self._ssh[host_name] = t

@@ -62,6 +62,10 @@ def test_good_file_loads_into_frozen_objects():
     ("hosts: [1, 2]\n", 1, "hosts: expected a mapping, got a list"),
     ("targets:\n  t:\n    expect: 3\n", 3, "expected a mapping"),
     ("targets: {t: {host: [\n", None, "not valid YAML"),
+    ("targets:\n  t:\n    workdir: reldflash\n", 3, "targets.t.workdir: must be an absolute path"),
+    ("hosts:\n  a:\n    address: x\n    connect_timeout: 0\n", 4, "hosts.a.connect_timeout: must be"),
+    ("hosts:\n  a:\n    address: x\n    connect_timeout: -5\n", 4, "hosts.a.connect_timeout: must be"),
+    ("targets:\n  local:\n    gpus: 1\n", 2, "targets.local: 'local' is the built-in target"),
 ])
 def test_bad_files_name_file_line_and_key(text, line, needle):
     with pytest.raises(InventoryError) as e:
@@ -101,6 +105,15 @@ def test_cli_exit_2_one_line_no_traceback(tmp_path):
     assert r.stderr.strip().count("\n") == 0
     assert f"{bad}:3: targets.t.gpu: unknown key (did you mean 'gpus'?)" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_cli_refuses_a_file_that_is_not_utf8(tmp_path):
+    bad = tmp_path / "hosts.yaml"
+    bad.write_bytes(b"targets:\n  t:\n    python: /opt/\xff\xfe/python\n")
+    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(bad), "targets"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == f"dflash-ops: {bad}:3: not UTF-8 text (byte 0xff); save the file as UTF-8"
 
 
 def test_example_inventory_names_only_invalid_hosts():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.deploy import agent_source
+from orchestrator.deploy import RELEASE_AGENT, agent_source
 from orchestrator.runs import AGENT as PARTS
 
 REMOTE = Path(__file__).resolve().parent.parent / "orchestrator" / "remote"
@@ -52,9 +52,10 @@ def _bound_anywhere(tree):
     return names
 
 
-def test_the_parts_are_stdlib_only_and_use_only_what_earlier_parts_define():
+@pytest.mark.parametrize("parts", [PARTS, RELEASE_AGENT], ids=["runs", "release"])
+def test_the_parts_are_stdlib_only_and_use_only_what_earlier_parts_define(parts):
     defined = set(dir(builtins)) | {"__name__", "__file__"}
-    for name in PARTS:
+    for name in parts:
         text = (REMOTE / name).read_text()
         tree = ast.parse(text, feature_version=(3, 8))
         for node in ast.walk(tree):
@@ -165,7 +166,7 @@ def wait_for(pred, timeout=30, what="condition"):
 
 
 def state(wd, run):
-    doc = json.loads(agent("status", wd, run).stdout)
+    doc = json.loads(agent("status", wd, "--", run).stdout)
     return doc["runs"][0]
 
 
@@ -198,7 +199,7 @@ def test_launch_returns_at_once_and_records_the_run(wd, tmp_path):
     log = (run / "train.log").read_text()
     assert "CUDA_VISIBLE_DEVICES=''" in log and "unbuffered=1" in log and "config=" + str(run / "my.yaml") in log
     assert f"cwd={wd / 'releases' / 'r1'}" in log
-    agent("stop", wd, "r-a", "--force")
+    agent("stop", wd, "--force", "--", "r-a")
 
 
 def test_gpu_slots_choose_free_gpus_and_refuse_when_busy(wd):
@@ -215,12 +216,12 @@ def test_gpu_slots_choose_free_gpus_and_refuse_when_busy(wd):
     assert too_many["reason"] == "too_many_gpus"
 
     wait_for(lambda: b"CUDA_VISIBLE_DEVICES='1'" in (wd / "runs" / "g-b" / "train.log").read_bytes())
-    stop = json.loads(agent("stop", wd, "g-a").stdout)
+    stop = json.loads(agent("stop", wd, "--", "g-a").stdout)
     assert stop["state"] == "stopped" and stop["signal"] == "SIGTERM"
     assert not (wd / "locks" / "gpu0.json").exists() and (wd / "locks" / "gpu1.json").exists()
     assert launch(wd, "g-e", gpus=2, total=2)["reason"] == "busy"
     assert launch(wd, "g-f", gpus=1, total=2, extra=["--steps", "1"])["gpu_ids"] == [0]
-    agent("stop", wd, "g-b", "--force")
+    agent("stop", wd, "--force", "--", "g-b")
 
 
 def test_a_stale_lock_of_a_killed_run_is_cleared(wd):
@@ -262,19 +263,19 @@ def test_exit_status_is_recorded_whatever_the_end(wd):
 def test_stop_waits_for_the_checkpoint_and_force_kills(wd):
     launch(wd, "t-a", extra=["--steps", "5000"])
     wait_for(lambda: b'"step": 2' in (wd / "runs" / "t-a" / "train.log").read_bytes())
-    doc = json.loads(agent("stop", wd, "t-a").stdout)
+    doc = json.loads(agent("stop", wd, "--", "t-a").stdout)
     assert (doc["state"], doc["exit"]["exit_code"], doc["timed_out"]) == ("stopped", 143, False)
     assert (wd / "runs" / "t-a" / "checkpoint").exists()
-    again = json.loads(agent("stop", wd, "t-a").stdout)
+    again = json.loads(agent("stop", wd, "--", "t-a").stdout)
     assert again["already"] and again["state"] == "stopped"
     launch(wd, "t-b", extra=["--steps", "5000"])
-    doc = json.loads(agent("stop", wd, "latest", "--force").stdout)
+    doc = json.loads(agent("stop", wd, "--force", "--", "latest").stdout)
     assert (doc["run"], doc["state"], doc["exit"]["signal_name"]) == ("t-b", "stopped", "SIGKILL")
-    assert json.loads(agent("stop", wd, "nope").stdout)["found"] is False
+    assert json.loads(agent("stop", wd, "--", "nope").stdout)["found"] is False
 
 
 def _follow(wd, run, offset, *flags):
-    r = agent("follow", wd, run, offset, *flags)
+    r = agent("follow", wd, "--offset", offset, *flags, "--", run)
     head, _, body = r.stdout.partition(b"\n")
     controls = [json.loads(x) for x in r.stderr.decode().splitlines()]
     return json.loads(head), body, controls
@@ -300,7 +301,7 @@ def test_follow_protocol_offsets_tail_and_end(wd):
     assert controls[-1]["end"]["state"] == "running"
     header, _, _ = _follow(wd, "missing", 0)
     assert header["error"] == "not_found"
-    agent("stop", wd, "f-b", "--force")
+    agent("stop", wd, "--force", "--", "f-b")
 
 
 def test_auto_records_the_probe_choice_for_the_topology(tmp_path):
@@ -325,3 +326,82 @@ def test_launch_refusals(wd, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert launch(empty, "n-a")["reason"] == "no_release"
+
+
+# ---- issue 11: values never options, deaths after the end, no space ---------------------------
+
+def test_a_run_id_is_never_read_as_an_option(wd):
+    launch(wd, "o-a", extra=["--steps", "5000"])
+    for word in ("--force", "--no-follow", "-1", "../o-a"):
+        doc = json.loads(agent("stop", wd, "--", word).stdout)
+        assert doc == {"found": False, "run": word}
+        header, body, _ = _follow(wd, word, 0, "--no-follow")
+        assert header["error"] == "not_found" and body == b""
+    assert state(wd, "o-a")["state"] == "running"          # nothing was killed
+    old_style = subprocess.run([sys.executable, "-c", SOURCE, "stop", str(wd), "o-a", "--force"],
+                               capture_output=True, text=True, timeout=60)
+    assert old_style.returncode == 2 and "unexpected argument 'o-a' (values go after `--`)" in old_style.stderr
+    assert state(wd, "o-a")["state"] == "running"
+    agent("stop", wd, "--force", "--", "o-a")
+
+
+def _kill_supervisor(wd, run):
+    rec = wait_for(lambda: _json(wd / "runs" / run / "run.json").get("supervisor_pid") and
+                   _json(wd / "runs" / run / "run.json"), what="pids")
+    os.kill(rec["supervisor_pid"], signal.SIGKILL)
+    return rec
+
+
+def _gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def test_a_run_outlives_its_killed_supervisor_and_is_judged_by_its_log(wd):
+    rec = _kill_supervisor(wd, launch(wd, "k-a", extra=["--steps", "60", "--sleep", "0.01"])["run"])
+    wait_for(lambda: _gone(rec["pid"]), what="the trainer to finish")
+    st = state(wd, "k-a")
+    assert (st["state"], st["step"], st["exit"]["lost"], st["exit"]["exit_code"]) == ("succeeded", 60, False, 0)
+    assert "`done` event" in st["exit"]["reason"]
+
+    rec = _kill_supervisor(wd, launch(wd, "k-b", extra=["--steps", "5000"])["run"])
+    wait_for(lambda: b'"step": 2' in (wd / "runs" / "k-b" / "train.log").read_bytes())
+    os.killpg(rec["pid"], signal.SIGTERM)                # it checkpoints and logs `stopped`
+    wait_for(lambda: _gone(rec["pid"]), what="the trainer to stop")
+    assert state(wd, "k-b")["state"] == "stopped"
+
+    rec = _kill_supervisor(wd, launch(wd, "k-c", extra=["--steps", "5000"])["run"])
+    os.killpg(rec["pid"], signal.SIGKILL)                # lost for real
+    wait_for(lambda: _gone(rec["pid"]), what="the trainer to die")
+    first = state(wd, "k-c")
+    assert first["state"] == "failed" and first["exit"]["lost"]
+    time.sleep(1.2)
+    assert state(wd, "k-c")["elapsed_s"] == first["elapsed_s"]   # a lost run's clock stops
+
+
+def test_a_run_whose_supervisor_cannot_start_is_failed_at_once(wd):
+    doc = launch(wd, "u-a", extra=["--x", "\udcff"])      # not UTF-8: the supervisor's log line fails
+    assert not doc["ok"] and doc["reason"] == "spawn"
+    st = state(wd, "u-a")
+    assert st["state"] == "failed" and "supervisor" in st["exit"]["error"]
+    assert not (wd / "locks" / "cpu.json").exists()
+
+
+def test_launch_on_a_full_disk_leaves_nothing_behind(wd):
+    runs = wd / "runs"
+    runs.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(runs)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        doc = launch(wd, "d-a", extra=["--steps", "1"])
+        assert not doc["ok"] and doc["reason"] == "no_space"
+        assert doc["message"] == f"{runs} has 2.1 MB free; a run needs at least 64 MB there for its log and checkpoints"
+        assert os.listdir(runs) == []
+    finally:
+        subprocess.run(["umount", "-l", str(runs)], check=False)

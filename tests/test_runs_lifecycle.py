@@ -66,7 +66,8 @@ class Env:
         assert res.ok, res.error
 
     def cli(self, *args, timeout=180):
-        return subprocess.run([sys.executable, "-c", MAIN, "-i", str(self.path), *map(str, args)],
+        argv = [a if isinstance(a, bytes) else str(a) for a in args]   # bytes: not-UTF-8 arguments
+        return subprocess.run([sys.executable, "-c", MAIN, "-i", str(self.path), *argv],
                               capture_output=True, timeout=timeout)
 
     def launch(self, *args) -> str:
@@ -257,3 +258,31 @@ def test_a_stopped_container_is_a_clear_error_not_a_retry_loop(ct):
         r = ct.cli(*args)
         assert r.returncode == 1 and b"container 200" in r.stderr, (args, r.stderr)
         assert time.monotonic() - start < 30 and b"Traceback" not in r.stderr
+
+
+def test_a_run_id_after_double_dash_is_never_an_option(ct):
+    ct.deploy()
+    run = ct.launch(*LONG)
+    for args in (("stop", "ct200", "--", "--force"), ("logs", "ct200", "--", "--no-follow"),
+                 ("logs", "--", "--no-follow"), ("stop", "ct200", "--", "-9")):
+        r = ct.cli(*args)
+        err = r.stderr.decode()
+        assert r.returncode == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, (args, err)
+    assert ct.status(run)["state"] == "running"        # the run was not killed
+    r = ct.cli("launch", "ct200", "--gpus", "0", "--policy", "eager", "--", b"--x", b"\xff\xfe")
+    assert r.returncode == 2 and b"trainer argument 2 is not UTF-8 text" in r.stderr, r.stderr
+    r = ct.cli("stop", "ct200", run)
+    assert r.returncode == 0 and b"stopped" in r.stdout
+
+
+def test_a_run_that_finishes_after_its_supervisor_was_killed_succeeded(ct):
+    ct.deploy()
+    run = ct.launch("--", "--steps", "40")
+    rec = wait_for(lambda: ct.record(run).get("supervisor_pid") and ct.record(run), what="pids")
+    os.kill(rec["supervisor_pid"], signal.SIGKILL)
+    r = ct.cli("logs", "ct200", run, "--follow")
+    err = r.stderr.decode()
+    assert r.returncode == 0 and f"run {run}: succeeded" in err, err
+    st = ct.status(run)
+    assert (st["state"], st["step"]) == ("succeeded", 40) and not st["exit"]["lost"]
+    assert not (ct.rundir(run) / "exit.json").exists()     # judged from the trainer's log

@@ -186,3 +186,47 @@ def test_a_sink_that_raises_stops_the_command_and_reaches_the_caller(where, ct):
 
     with pytest.raises(BrokenPipeError):
         t.run(["sh", "-c", "while :; do echo y; done"], stdout=closed_reader, timeout=30)
+
+
+def test_a_host_that_never_speaks_ssh_fails_fast_in_one_line(sshd, fakepct, make_inventory, tmp_path):
+    import socket
+    import subprocess
+    import threading
+    import time
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    accepted = []
+
+    def accept():
+        while True:
+            try:
+                accepted.append(server.accept()[0])    # and never say a word
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    path = make_inventory({"a": {"host": "silent", "workdir": "/tmp/x"}, "b": {"host": "silent", "workdir": "/tmp/y"}},
+                          hosts={"silent": {"address": "127.0.0.1", "port": server.getsockname()[1],
+                                            "connect_timeout": 2}})
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f.txt").write_text("x")
+    try:
+        start = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(path), "deploy", "a", "b",
+                            "--source", str(src)], capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - start
+    finally:
+        server.close()
+        for c in accepted:
+            c.close()
+    assert r.returncode == 1 and took < 5, (took, r.stdout, r.stderr)   # one 2 s budget for the host
+    out = r.stdout + r.stderr
+    assert "Traceback" not in out and "paramiko" not in out.lower() and "Exception" not in out, out
+    for name in ("a", "b"):
+        lines = [line for line in r.stdout.splitlines() if line.startswith(f"{name}: ")]
+        assert len(lines) == 1, r.stdout
+        assert ("silent: cannot connect: port" in lines[0] and "accepts connections but no SSH server answers"
+                in lines[0] and "(gave up after 2.0 s, connect_timeout 2 s)" in lines[0]), lines[0]

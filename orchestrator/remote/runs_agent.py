@@ -9,16 +9,19 @@ whose stdout is a JSON header line followed by the raw log bytes.
                               and the slot locks, then starts a detached supervisor (double fork,
                               setsid, all three streams redirected: field notes 2) that starts the
                               trainer and records its exit status whatever way it ends.
-    status WORKDIR [RUN...]   the runs (all, or those named) with state, step, loss, tau
-    follow WORKDIR RUN OFFSET [--no-follow] [--tail N]
+    status WORKDIR [-- RUN...]
+                              the runs (all, or those named) with state, step, loss, tau
+    follow WORKDIR --offset OFFSET [--no-follow] [--tail N] -- RUN
                               header line, then the log from byte OFFSET as it grows; ends once
                               the run has ended and every byte is out. Control messages go to
                               stderr as JSON lines: {"hb": T} every few seconds (so a dead
                               connection is noticed on both ends) and {"end": STATUS} last.
-    stop WORKDIR RUN [--force] [--timeout S]
+    stop WORKDIR [--force] [--timeout S] -- RUN
                               SIGTERM (SIGKILL with --force) to the trainer's process group, then
                               wait for it to checkpoint and exit
-    metrics WORKDIR RUN       the log's JSON metric lines
+    metrics WORKDIR -- RUN    the log's JSON metric lines
+
+Options come before `--`, values (run ids) after it: a run id is never read as an option.
 
 A run lives in WORKDIR/runs/RUN/: run.json (what was launched), train.log (the trainer's stdout
 and stderr), pid (the trainer's), exit.json (written by the supervisor when the trainer ends),
@@ -27,6 +30,7 @@ stop.json (a stop was requested). RUN "latest" (or "") names the newest run.
 A run holds slots (a GPU each, or the one `cpu` slot) until it ends: runs_locks.py.
 The supervisor that starts the trainer and records its end: runs_supervisor.py.
 """
+import errno
 import json
 import os
 import platform
@@ -37,6 +41,7 @@ import sys
 import time
 
 STOP_TIMEOUT_S = 120.0
+RUN_MIN_FREE = 64 * 10**6    # bytes a new run folder needs free: its log, config and first checkpoints
 
 
 def cmd_status(workdir, runs):
@@ -124,7 +129,15 @@ def cmd_launch(workdir):
     if gpus > total:
         _refuse("too_many_gpus", "--gpus %d is more than the target's %d GPU(s)" % (gpus, total))
     rundir = os.path.join(_runs_dir(workdir), run)
-    os.makedirs(_runs_dir(workdir), exist_ok=True)
+    try:
+        os.makedirs(_runs_dir(workdir), exist_ok=True)
+        st = os.statvfs(_runs_dir(workdir))
+        free = st.f_bavail * st.f_frsize
+    except OSError as e:
+        _refuse("io", "cannot use %s: %s" % (_runs_dir(workdir), e.strerror or e))
+    if free < RUN_MIN_FREE:
+        _refuse("no_space", "%s has %.1f MB free; a run needs at least %d MB there for its log "
+                "and checkpoints" % (_runs_dir(workdir), free / 1e6, RUN_MIN_FREE // 10**6))
     with _Guard(workdir) as guard:
         chosen_slots, ids, busy, cleared = _claim(workdir, guard, gpus, total)
         if chosen_slots is None:
@@ -136,58 +149,78 @@ def cmd_launch(workdir):
             os.mkdir(rundir)
         except FileExistsError:
             _fail("run %s already exists" % run)
-        # the log exists as soon as the run does, so `logs` right after launch reads an empty log
-        open(os.path.join(rundir, LOG), "ab").close()
-
-        config = None
-        if spec.get("config_text") is not None:
-            name = os.path.basename(spec.get("config_name") or "config.yaml")
-            config = os.path.join(rundir, name)
-            with open(config, "w") as f:
-                f.write(spec["config_text"])
-        python = sys.executable
-        argv = [python, "-m", "trainer", "--out", rundir, "--gpus", str(gpus),
-                "--topology", spec.get("topology") or "threads", "--compile-policy", compile_policy]
-        if spec.get("workers") is not None:
-            argv += ["--workers", str(spec["workers"])]
-        if config:
-            argv += ["--config", config]
-        argv += list(spec.get("extra") or [])
-        env = dict(os.environ)
-        env.update({"HOME": _home(), "PYTHONUNBUFFERED": "1",
-                    "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in ids),
-                    "DFLASH_OPS_WORKDIR": workdir, "DFLASH_OPS_RUN": run})
-        env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-        env.setdefault("LANG", "C.UTF-8")
-        rec = {
-            "run": run, "target": spec.get("target"), "workdir": workdir, "rundir": rundir,
-            "release": release, "release_path": release_path, "commit": commit,
-            "command": argv, "cwd": release_path,
-            # the release `current` pointed at, so a deploy during the run changes nothing here
-            "command_line": "cd %s && exec %s" % (shlex.quote(release_path),
-                                                 " ".join(shlex.quote(a) for a in argv)),
-            "env": {k: env[k] for k in ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "HOME")},
-            "config": {"file": config, "source": spec.get("config_source"),
-                       "text": spec.get("config_text")} if config else None,
-            "policy": policy, "compile_policy": compile_policy, "probe_policy": probe_choice,
-            "gpus": gpus, "gpu_ids": ids,
-            "slots": chosen_slots, "topology": spec.get("topology") or "threads",
-            "workers": spec.get("workers"), "extra_args": list(spec.get("extra") or []),
-            "started": _now_iso(), "started_ts": time.time(), "python": python,
-            "python_version": platform.python_version(), "hostname": socket.gethostname(),
-            "controller": spec.get("controller"), "pid": None,
-        }
-        _write_json(os.path.join(rundir, "run.json"), rec)
-        started = _spawn_supervisor(rundir, rec, env)
-        if "error" in started:
-            _out({"ok": False, "reason": "spawn", "message": started["error"], "run": run})
-            sys.exit(0)
+        try:
+            started, rec = _start_run(workdir, spec, run, rundir, release, release_path, commit,
+                                      policy, compile_policy, probe_choice, gpus, ids, chosen_slots)
+        except OSError as e:
+            # Out of space or any other write failure: no half-made run folder stays behind.
+            import shutil
+            shutil.rmtree(rundir, ignore_errors=True)
+            reason = "no_space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "io"
+            _refuse(reason, "cannot write the run folder %s: %s" % (rundir, e.strerror or e))
         _hold(guard, run, chosen_slots, started, rec["started"])
     _out({"ok": True, "run": run, "pid": started["pid"], "supervisor_pid": started["supervisor_pid"],
           "release": release, "commit": commit, "compile_policy": compile_policy,
           "probe_policy": probe_choice, "gpus": gpus,
           "gpu_ids": ids, "slots": chosen_slots, "rundir": rundir, "log": os.path.join(rundir, LOG),
           "cleared": cleared, "command_line": rec["command_line"]})
+
+
+def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy, compile_policy,
+               probe_choice, gpus, ids, chosen_slots):
+    """Write the run folder (log, config, run.json) and start its supervisor: (started, record).
+    A spawn failure is recorded in exit.json and refused here."""
+    # the log exists as soon as the run does, so `logs` right after launch reads an empty log
+    open(os.path.join(rundir, LOG), "ab").close()
+
+    config = None
+    if spec.get("config_text") is not None:
+        name = os.path.basename(spec.get("config_name") or "config.yaml")
+        config = os.path.join(rundir, name)
+        with open(config, "w") as f:
+            f.write(spec["config_text"])
+    python = sys.executable
+    argv = [python, "-m", "trainer", "--out", rundir, "--gpus", str(gpus),
+            "--topology", spec.get("topology") or "threads", "--compile-policy", compile_policy]
+    if spec.get("workers") is not None:
+        argv += ["--workers", str(spec["workers"])]
+    if config:
+        argv += ["--config", config]
+    argv += list(spec.get("extra") or [])
+    env = dict(os.environ)
+    env.update({"HOME": _home(), "PYTHONUNBUFFERED": "1",
+                "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in ids),
+                "DFLASH_OPS_WORKDIR": workdir, "DFLASH_OPS_RUN": run})
+    env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    env.setdefault("LANG", "C.UTF-8")
+    rec = {
+        "run": run, "target": spec.get("target"), "workdir": workdir, "rundir": rundir,
+        "release": release, "release_path": release_path, "commit": commit,
+        "command": argv, "cwd": release_path,
+        # the release `current` pointed at, so a deploy during the run changes nothing here
+        "command_line": "cd %s && exec %s" % (shlex.quote(release_path),
+                                             " ".join(shlex.quote(a) for a in argv)),
+        "env": {k: env[k] for k in ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "HOME")},
+        "config": {"file": config, "source": spec.get("config_source"),
+                   "text": spec.get("config_text")} if config else None,
+        "policy": policy, "compile_policy": compile_policy, "probe_policy": probe_choice,
+        "gpus": gpus, "gpu_ids": ids,
+        "slots": chosen_slots, "topology": spec.get("topology") or "threads",
+        "workers": spec.get("workers"), "extra_args": list(spec.get("extra") or []),
+        "started": _now_iso(), "started_ts": time.time(), "python": python,
+        "python_version": platform.python_version(), "hostname": socket.gethostname(),
+        "controller": spec.get("controller"), "pid": None,
+    }
+    _write_json(os.path.join(rundir, "run.json"), rec)
+    started = _spawn_supervisor(rundir, rec, env)
+    if "error" in started:
+        # Recorded at once, so the run is not taken for one still starting.
+        if not os.path.exists(os.path.join(rundir, "exit.json")):
+            _write_json(os.path.join(rundir, "exit.json"),
+                        _exit_record(rec, "failed", None, None, False, started["error"]))
+        _out({"ok": False, "reason": "spawn", "message": started["error"], "run": run})
+        sys.exit(0)
+    return started, rec
 
 
 # --- stop ---------------------------------------------------------------------------------------
@@ -265,41 +298,48 @@ def cmd_metrics(workdir, run):
 
 # --- entry --------------------------------------------------------------------------------------
 
-def _opt(args, name, default=None, cast=str):
-    if name in args:
-        i = args.index(name)
-        value = cast(args[i + 1])
-        del args[i:i + 2]
-        return value
-    return default
-
-
-def _flag(args, name):
-    if name in args:
-        args.remove(name)
-        return True
-    return False
+def _split(args, flags=(), options=()):
+    """CMD WORKDIR [OPTIONS] -- [VALUES]: options only before `--`, every word after it a value
+    (a run id), so a value is never read as an option whatever it looks like."""
+    if "--" in args:
+        i = args.index("--")
+        head, values = args[:i], args[i + 1:]
+    else:
+        head, values = args, []
+    found = {}
+    while head:
+        word = head.pop(0)
+        if word in flags:
+            found[word] = True
+        elif word in options and head:
+            found[word] = head.pop(0)
+        else:
+            _fail("unexpected argument %r (values go after `--`)" % word, 2)
+    return found, values
 
 
 def main(argv):
     if len(argv) < 2:
-        _fail("usage: runs_agent launch|status|follow|stop|metrics WORKDIR ...", 2)
+        _fail("usage: runs_agent launch|status|follow|stop|metrics WORKDIR [OPTIONS] -- [RUN ...]", 2)
     cmd, workdir, args = argv[0], os.path.expanduser(argv[1]), list(argv[2:])
     try:
         if cmd == "launch":
             cmd_launch(workdir)
         elif cmd == "status":
-            cmd_status(workdir, args)
+            _, runs = _split(args)
+            cmd_status(workdir, runs)
         elif cmd == "follow":
-            follow = not _flag(args, "--no-follow")
-            tail = _opt(args, "--tail", None, int)
-            cmd_follow(workdir, args[0], int(args[1]), follow, tail)
+            opts, values = _split(args, ("--no-follow",), ("--tail", "--offset"))
+            tail = opts.get("--tail")
+            cmd_follow(workdir, values[0] if values else "latest", int(opts.get("--offset", 0)),
+                       "--no-follow" not in opts, None if tail is None else int(tail))
         elif cmd == "stop":
-            force = _flag(args, "--force")
-            timeout = _opt(args, "--timeout", STOP_TIMEOUT_S, float)
-            cmd_stop(workdir, args[0] if args else "latest", force, timeout)
+            opts, values = _split(args, ("--force",), ("--timeout",))
+            cmd_stop(workdir, values[0] if values else "latest", "--force" in opts,
+                     float(opts.get("--timeout", STOP_TIMEOUT_S)))
         elif cmd == "metrics":
-            cmd_metrics(workdir, args[0] if args else "latest")
+            _, values = _split(args)
+            cmd_metrics(workdir, values[0] if values else "latest")
         else:
             _fail("unknown command %r" % cmd, 2)
     except BrokenPipeError:

@@ -9,10 +9,13 @@ the parts before it define. What the agent does and its commands: runs_agent.py.
 """
 import json
 import os
+import re
 import sys
 import time
 
 LOG = "train.log"
+# What a run id may look like (launch makes `YYYYmmdd-HHMMSS-hex`): no path, never an option.
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 TAIL_SCAN = 1 << 16      # bytes read from a log's end at a time
 
 
@@ -104,7 +107,7 @@ def _resolve(workdir, run):
     if run in ("", "latest", None):
         ids = _run_ids(workdir)
         return ids[-1] if ids else None
-    if "/" in run or run.startswith("."):
+    if not _RUN_NAME.match(run):
         return None
     return run if os.path.isfile(os.path.join(_runs_dir(workdir), run, "run.json")) else None
 
@@ -112,7 +115,8 @@ def _resolve(workdir, run):
 def _state(rundir, rec=None):
     """(state, exit document). The supervisor's exit.json is the truth once it exists; before,
     the run is running while its trainer (or its supervisor) lives; with neither alive and no
-    exit.json the run was lost (killed -9 as a whole, container stopped): failed."""
+    exit.json, the trainer's last log event decides (`done`: succeeded, `stopped`: stopped),
+    else the run was lost (killed -9 as a whole, container stopped): failed."""
     ex = _read_json(os.path.join(rundir, "exit.json"))
     if ex is not None:
         return ex.get("state", "failed"), ex
@@ -123,11 +127,52 @@ def _state(rundir, rec=None):
     if rec.get("pid") is None and time.time() - rec.get("started_ts", 0) < 30 and \
             not os.path.exists(os.path.join(rundir, "supervisor.failed")):
         return "running", None   # the supervisor is still starting the trainer
+    # Every process of the run is gone and none recorded how it ended (the supervisor was killed
+    # -9, the container stopped). The trainer's own last event in its log still says whether it
+    # finished or checkpointed on SIGTERM; the log's last write is when the run ended.
+    log = os.path.join(rundir, LOG)
+    try:
+        ended = os.path.getmtime(log)
+    except OSError:
+        ended = rec.get("started_ts") or time.time()
+    post = {"ended": _now_iso(ended), "ended_ts": ended, "signal": None, "recorded_by": "status"}
+    event = _last_event(log)
+    if event == "done":
+        post.update(state="succeeded", exit_code=0, lost=False,
+                    reason="the supervisor is gone; the trainer's log ends with its `done` event")
+        return "succeeded", post
+    if event == "stopped":
+        post.update(state="stopped", exit_code=143, lost=False,
+                    reason="the supervisor is gone; the trainer's log ends with its `stopped` event "
+                           "(it checkpointed and exited)")
+        return "stopped", post
     stopped = os.path.exists(os.path.join(rundir, "stop.json"))
-    return ("stopped" if stopped else "failed"), {
-        "lost": True, "exit_code": None, "signal": None,
-        "reason": "the run's processes are gone and left no exit status "
-                  "(killed with SIGKILL, or the container stopped)"}
+    post.update(lost=True, exit_code=None,
+                reason="the run's processes are gone and left no exit status "
+                       "(killed with SIGKILL, or the container stopped)")
+    return ("stopped" if stopped else "failed"), post
+
+
+def _last_event(log_path):
+    """The `event` of the last JSON line in the log's tail that has one ("done", "stopped", ...)."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - TAIL_SCAN))
+            lines = f.read().split(b"\n")
+    except OSError:
+        return None
+    for raw in reversed(lines):
+        raw = raw.strip()
+        if raw.startswith(b"{") and raw.endswith(b"}") and b'"event"' in raw:
+            try:
+                doc = json.loads(raw.decode("utf-8", "replace"))
+            except ValueError:
+                continue
+            if isinstance(doc, dict) and isinstance(doc.get("event"), str):
+                return doc["event"]
+    return None
 
 
 def _last_metrics(log_path):

@@ -1,0 +1,156 @@
+"""Release agent, part 1 of 2 (release_store.py): a target's releases on disk. The commands that
+use it are in release_agent.py (part 2); the two are joined into one `python -c` program, so this
+part is standard library only, Python >= 3.8, with no `from __future__` line.
+
+    WORKDIR/current                     symlink to releases/ID, the live release
+    WORKDIR/releases/ID/                a release: the files, plus
+        .dflash-manifest.json           {path: [sha256, size, executable]}, what the release must hold
+        .dflash-stat.json               {path: [size, mtime_ns]}, the files as they were when written
+                                        or last verified (so a check need not hash unchanged files)
+    WORKDIR/releases/ID.partial/        a release being built, by the deploy lock's holder only
+    WORKDIR/.deploy.lock                the deploy lock (flock; the kernel drops it when its holder
+                                        dies) and, inside, who holds it
+"""
+import json
+import os
+
+MANIFEST = ".dflash-manifest.json"
+STATS = ".dflash-stat.json"
+LOCK = ".deploy.lock"
+
+
+def _live(workdir):
+    cur = os.path.join(workdir, "current")
+    if not os.path.islink(cur):
+        return None, None
+    path = os.path.realpath(cur)
+    return os.path.basename(path), path
+
+
+def _read_manifest(release_path):
+    """The manifest of a release folder, or None when it is missing or damaged."""
+    if not release_path:
+        return None
+    try:
+        with open(os.path.join(release_path, MANIFEST)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _lock_path(workdir):
+    return os.path.join(workdir, LOCK)
+
+
+def _try_lock(workdir):
+    """The per-target deploy lock: an flock on WORKDIR/.deploy.lock, so the kernel releases it when
+    its holder dies (killed -9, connection dropped). The open file when taken, else None."""
+    import fcntl
+
+    os.makedirs(workdir, exist_ok=True)
+    f = open(_lock_path(workdir), "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    f.truncate(0)    # a dead holder's note must not be read as ours
+    return f
+
+
+def _holder(workdir):
+    try:
+        with open(_lock_path(workdir)) as f:
+            doc = json.loads(f.read() or "{}")
+    except (OSError, ValueError):
+        doc = {}
+    if not doc:
+        return "another deploy"
+    return "another deploy (pid %s, by %s, release %s, since %s)" % (
+        doc.get("pid"), doc.get("by") or "?", doc.get("release"), doc.get("since"))
+
+
+def _clear_leftovers(workdir):
+    """Remove what interrupted deploys left (partial releases, temporary links). Only under the
+    deploy lock: a `.partial` folder is only ever written by the lock's holder."""
+    import shutil
+
+    releases = os.path.join(workdir, "releases")
+    cleared = []
+    for folder, names in ((releases, _listdir(releases)), (workdir, _listdir(workdir))):
+        for name in names:
+            path = os.path.join(folder, name)
+            if folder == releases and name.endswith(".partial"):
+                shutil.rmtree(path, ignore_errors=True)
+                cleared.append(name)
+            elif folder == workdir and name.startswith(".current.") and os.path.islink(path):
+                os.unlink(path)
+    return cleared
+
+
+def _listdir(path):
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _sha256(path):
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _stat_key(st):
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _check(release_path, manifest, known, full):
+    """(stat cache of the good files, paths that are missing or differ from the manifest).
+
+    Cheap by default: a file whose size and mtime are what was recorded when the release was
+    built (`known`, the release's .dflash-stat.json) is taken as intact; any other is hashed.
+    `full` hashes every file. One stat per file, all on the target: no round trip per file."""
+    import stat as stat_mod
+
+    good, damaged = {}, []
+    for rel, (sha, size, exe) in manifest.items():
+        path = os.path.join(release_path, rel)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            damaged.append(rel)
+            continue
+        if not stat_mod.S_ISREG(st.st_mode) or st.st_size != size or bool(st.st_mode & 0o111) != bool(exe):
+            damaged.append(rel)
+            continue
+        key = _stat_key(st)
+        if full or known.get(rel) != key:
+            try:
+                if _sha256(path) != sha:
+                    damaged.append(rel)
+                    continue
+            except OSError:
+                damaged.append(rel)
+                continue
+        good[rel] = key
+    return good, sorted(damaged)
+
+
+def _write_json_file(path, doc):
+    with open(path, "w") as f:
+        json.dump(doc, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_json_file(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
