@@ -20,7 +20,7 @@ from typing import Callable
 
 from .errors import NotFound, OpsError, StepFailed, UsageError
 from .inventory import Inventory, Target
-from .runs import _session
+from .runs import _session, check_run
 from .transport import Session
 
 AGENT = ("runs_common.py", "export_agent.py")
@@ -155,7 +155,9 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
     if not where.is_dir():
         raise UsageError(f"-o {output}: the folder {where} does not exist")
     partial = where / f".dflash-export.partial-{os.getpid()}-{time.monotonic_ns()}"
-    args = ["export", target.workdir, run] + (["--step", str(step)] if step is not None else []) + ["--dtype", dtype]
+    run = check_run(run)
+    args = (["export"] + (["--step", str(step)] if step is not None else []) + ["--dtype", dtype]
+            + ["--", target.workdir, run])
     start = time.monotonic()
     recv = _Receiver(partial, progress, target.name)
     try:

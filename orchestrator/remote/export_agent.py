@@ -128,13 +128,21 @@ def _opt(args, name, default=None, cast=str):
 
 
 def main(argv):
-    if len(argv) < 2 or argv[0] != "export":
-        _fail("usage: export_agent export WORKDIR [RUN] [--step N] [--dtype D]", 2)
-    workdir, args = os.path.expanduser(argv[1]), list(argv[2:])
-    step = _opt(args, "--step", None, int)
-    dtype = _opt(args, "--dtype", "bfloat16")
+    # export [--step N] [--dtype D] -- WORKDIR [RUN]: options before `--`, values after it, so a
+    # user-supplied run id is never read as an option.
+    if not argv or argv[0] != "export" or "--" not in argv:
+        _fail("usage: export_agent export [--step N] [--dtype D] -- WORKDIR [RUN]", 2)
+    cut = argv.index("--")
+    opts, values = list(argv[1:cut]), argv[cut + 1:]
+    step = _opt(opts, "--step", None, int)
+    dtype = _opt(opts, "--dtype", "bfloat16")
+    if opts or not 1 <= len(values) <= 2:
+        _fail("usage: export_agent export [--step N] [--dtype D] -- WORKDIR [RUN]", 2)
+    workdir, run = os.path.expanduser(values[0]), values[1] if len(values) == 2 else "latest"
+    if run != "latest" and not _RUN_NAME.match(run):
+        _fail("not a run id: %r" % run, 2)
     try:
-        cmd_export(workdir, args[0] if args else "latest", step, dtype)
+        cmd_export(workdir, run, step, dtype)
     except BrokenPipeError:
         # The reader went away (connection dropped): the temporary folder is already gone.
         try:
