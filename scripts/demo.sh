@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make demo`: the whole daily loop on the built-in `local` target (this machine; CPU when it has
-# no GPU): deploy -> probe -> launch -> logs --follow -> report. Ends with the run's exit status
+# no GPU): deploy -> probe -> launch -> logs --follow -> report -> export. Ends with the run's exit status
 # (0 succeeded, 100 failed, 103 stopped). The Makefile puts the venv's bin first on PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +36,12 @@ set -e
 # out/ is git-ignored, so the PNG is never shipped by a later `deploy` of this checkout.
 step "dflash-ops report $T $run -o out/dflash-report-$run.png"
 dflash-ops report "$T" "$run" -o "out/dflash-report-$run.png" || true
+
+# The trained drafter as the DFlash draft-model folder serving engines load (README: "Serve your drafter").
+if [ "$rc" -eq 0 ]; then
+    step "dflash-ops export $T $run -o out/dflash-drafter-$run"
+    dflash-ops export "$T" "$run" -o "out/dflash-drafter-$run" || rc=$?
+fi
 
 step "dflash-ops status $T"
 dflash-ops status "$T"
