@@ -14,20 +14,16 @@ import os
 import re
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from .deploy import run_agent
+from . import agent
 from .errors import (EXIT_OK, EXIT_RUN_FAILED, EXIT_RUN_RUNNING, EXIT_RUN_STOPPED, NotFound, OpsError,
                      StepFailed, UsageError)
 from .inventory import Inventory, Target
 from .transport import Session
 
-# The runs agent's parts, joined in this order into the one `python -c` source (deploy.agent_source):
-# each part only uses what the parts before it define, and the last one runs main().
-AGENT = ("runs_common.py", "runs_locks.py", "runs_supervisor.py", "runs_follow.py", "runs_agent.py")
 TOPOLOGIES = ("threads", "processes")
 STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_RUN_FAILED, "running": EXIT_RUN_RUNNING,
               "stopped": EXIT_RUN_STOPPED}
@@ -161,14 +157,14 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
         spec["config_name"] = path.name
         spec["config_source"] = str(path.resolve())
     start = time.monotonic()
-    with _session(inv, session) as s:
-        t = s.transport(target)
-        doc = run_agent(t, target, ["launch", target.workdir], agent=AGENT,
-                        stdin=json.dumps(spec).encode(), what="launch the trainer", timeout=120)
-    if not doc.get("ok"):
-        if doc.get("reason") == "spawn":
-            raise StepFailed(target.name, "launch the trainer", 1, doc.get("message", ""))
-        raise LaunchRefused(refusal_message(target, doc))
+    try:
+        with agent.session(inv, session) as s:
+            doc = agent.call(s.transport(target), target, agent.RUNS, ["launch", target.workdir],
+                             stdin=json.dumps(spec).encode(), what="launch the trainer", timeout=120)
+    except agent.Refused as e:
+        if e.reason == "spawn":
+            raise StepFailed(target.name, "launch the trainer", 1, e.doc.get("message", "")) from None
+        raise LaunchRefused(refusal_message(target, e.doc)) from None
     return LaunchResult(
         target=target.name, run=doc["run"], pid=doc["pid"], supervisor_pid=doc.get("supervisor_pid"),
         release=doc.get("release"), commit=doc.get("commit"), policy=spec["policy"],
@@ -190,21 +186,6 @@ def _controller() -> dict:
     return {"user": user, "host": socket.gethostname(), "dflash_ops": ver}
 
 
-class _session:
-    """Use the caller's Session, or open one for this call and close it after."""
-
-    def __init__(self, inv: Inventory, session: Session | None):
-        self.own = session is None
-        self.session = session or Session(inv)
-
-    def __enter__(self) -> Session:
-        return self.session
-
-    def __exit__(self, *exc) -> None:
-        if self.own:
-            self.session.close()
-
-
 # --- status -------------------------------------------------------------------------------------
 
 def status(inv: Inventory, names: Sequence[str] = (), *, all_targets: bool = False,
@@ -213,21 +194,14 @@ def status(inv: Inventory, names: Sequence[str] = (), *, all_targets: bool = Fal
     parallel; a row per run, oldest first per target; errors maps a target that could not be
     read to why."""
     targets = list(inv.targets.values()) if all_targets else inv.select(list(names))
-    with _session(inv, session) as s:
-        def one(target: Target):
-            try:
-                doc = run_agent(s.transport(target), target, ["status", target.workdir, "--", *runs],
-                                agent=AGENT, what="read the runs", timeout=60)
-            except OpsError as e:
-                return target.name, None, e.render()
-            return target.name, doc, None
-
-        with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
-            results = list(pool.map(one, targets))
-    rows, errors = [], {}
-    for name, doc, err in results:
-        if err:
-            errors[name] = err
+    with agent.session(inv, session) as s:
+        group = agent.fan_out(targets, lambda target: agent.call(
+            s.transport(target), target, agent.RUNS, ["status", target.workdir, "--", *runs],
+            what="read the runs", timeout=60))
+    rows, errors = [], group.failures
+    for name, outcome in group.items():
+        doc = outcome.value
+        if not outcome.ok:
             continue
         for r in doc["runs"]:
             rows.append({"target": name, **r})
@@ -265,10 +239,13 @@ def metrics(inv: Inventory, target: Target, run: str = "latest", *,
 def _one_run(inv: Inventory, session: Session | None, target: Target, run: str, args: list[str],
              what: str, timeout: float) -> dict:
     """An agent command about one run: its document with "target" added; NotFound without it."""
-    with _session(inv, session) as s:
-        doc = run_agent(s.transport(target), target, args, agent=AGENT, what=what, timeout=timeout)
-    if not doc.get("found"):
-        raise not_found(target, run)
+    try:
+        with agent.session(inv, session) as s:
+            doc = agent.call(s.transport(target), target, agent.RUNS, args, what=what, timeout=timeout)
+    except agent.Refused as e:
+        if e.reason == "not_found":
+            raise not_found(target, run) from None
+        raise
     doc["target"] = target.name
     return doc
 

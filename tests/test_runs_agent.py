@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.deploy import RELEASE_AGENT, agent_source
-from orchestrator.runs import AGENT as PARTS
+from orchestrator import agent as agent_mod
 
 REMOTE = Path(__file__).resolve().parent.parent / "orchestrator" / "remote"
-SOURCE = agent_source(*PARTS)     # what the controller sends: `python -c SOURCE CMD ...`
+SOURCE = agent_mod.source(agent_mod.RUNS)   # what the controller sends: `python -c SOURCE CMD ...`
 
 
 # ---- the parts, joined ------------------------------------------------------------------------
@@ -52,39 +51,55 @@ def _bound_anywhere(tree):
     return names
 
 
-@pytest.mark.parametrize("parts", [PARTS, RELEASE_AGENT], ids=["runs", "release"])
-def test_the_parts_are_stdlib_only_and_use_only_what_earlier_parts_define(parts):
-    defined = set(dir(builtins)) | {"__name__", "__file__"}
-    for name in parts:
-        text = (REMOTE / name).read_text()
+@pytest.mark.parametrize("program", [agent_mod.RUNS, agent_mod.RELEASE])
+def test_every_part_says_where_each_name_comes_from(program):
+    """A part is a module of a normal package: stdlib imports, `from .PART import NAME` for what
+    another part defines (NAME must be defined there), nothing used that it neither defines nor
+    imports; no two parts of a program define the same name (they share one namespace)."""
+    defined_by: dict = {}
+    for name in agent_mod.parts(program):
+        text = (REMOTE / f"{name}.py").read_text()
         tree = ast.parse(text, feature_version=(3, 8))
+        imported = set()
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                for a in node.names:
+                    assert a.asname is None, f"{name}: `as` would not survive the join"
+                    assert defined_by.get(a.name) == node.module, \
+                        f"{name}: {a.name} is not defined by {node.module}"
+                    imported.add(a.name)
+            elif isinstance(node, ast.ImportFrom):
                 assert node.module != "__future__", f"{name}: `from __future__` is only legal first"
-                assert node.level == 0 and node.module.split(".")[0] in sys.stdlib_module_names, \
-                    f"{name}: imports {node.module}"
+                assert node.module.split(".")[0] in sys.stdlib_module_names, f"{name}: imports {node.module}"
             elif isinstance(node, ast.Import):
                 for a in node.names:
                     assert a.name.split(".")[0] in sys.stdlib_module_names, f"{name}: imports {a.name}"
         used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-        missing = used - defined - _bound_anywhere(tree)
-        assert not missing, f"{name} uses {sorted(missing)}, which no part before it defines"
-        defined |= _top_level_names(tree)
+        missing = used - set(dir(builtins)) - {"__name__", "__file__"} - _bound_anywhere(tree)
+        assert not missing, f"{name} uses {sorted(missing)} without importing them"
+        stdlib = {(a.asname or a.name).split(".")[0] for node in tree.body
+                  if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0)
+                  for a in node.names}
+        for top in _top_level_names(tree) - imported - stdlib:
+            assert top not in defined_by, f"{top} is defined by both {defined_by[top]} and {name}"
+            defined_by[top] = name
+    assert list(agent_mod.parts(program))[-1] == program
 
 
 def test_the_joined_source_compiles_for_python_38_and_defines_every_command():
     ast.parse(SOURCE, feature_version=(3, 8))
     space = {"__name__": "not_main"}
     exec(compile(SOURCE, "runs_agent", "exec"), space)   # module-level order: no NameError
-    for cmd in ("cmd_launch", "cmd_status", "cmd_follow", "cmd_stop", "cmd_metrics", "main",
-                "_supervise", "_claim", "_release_slots"):
+    for cmd in ("cmd_launch", "cmd_status", "cmd_follow", "cmd_stop", "cmd_metrics", "cmd_export",
+                "cmd_probe", "main", "_supervise", "_claim", "_release_slots"):
         assert callable(space[cmd]), cmd
-    assert SOURCE.count("# ---- runs_") == len(PARTS)
+    assert SOURCE.count("\n# ---- ") + SOURCE.startswith("# ---- ") == len(agent_mod.parts(agent_mod.RUNS))
+    assert "\nfrom ." not in SOURCE      # the package-relative imports are gone
 
 
 def test_the_joined_program_answers_usage_and_unknown_commands(tmp_path):
     usage = subprocess.run([sys.executable, "-c", SOURCE], capture_output=True, text=True, timeout=60)
-    assert usage.returncode == 2 and "usage: runs_agent launch|status|follow|stop|metrics" in usage.stderr
+    assert usage.returncode == 2 and "usage: runs_agent launch|status|follow|stop|metrics|export|probe" in usage.stderr
     bad = subprocess.run([sys.executable, "-c", SOURCE, "frobnicate", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
@@ -271,7 +286,7 @@ def test_stop_waits_for_the_checkpoint_and_force_kills(wd):
     launch(wd, "t-b", extra=["--steps", "5000"])
     doc = json.loads(agent("stop", wd, "--force", "--", "latest").stdout)
     assert (doc["run"], doc["state"], doc["exit"]["signal_name"]) == ("t-b", "stopped", "SIGKILL")
-    assert json.loads(agent("stop", wd, "--", "nope").stdout)["found"] is False
+    assert json.loads(agent("stop", wd, "--", "nope").stdout)["reason"] == "not_found"
 
 
 def _follow(wd, run, offset, *flags):
@@ -300,7 +315,7 @@ def test_follow_protocol_offsets_tail_and_end(wd):
     header, body, controls = _follow(wd, "f-b", 0, "--no-follow")
     assert controls[-1]["end"]["state"] == "running"
     header, _, _ = _follow(wd, "missing", 0)
-    assert header["error"] == "not_found"
+    assert header["reason"] == "not_found"
     agent("stop", wd, "--force", "--", "f-b")
 
 
@@ -334,9 +349,9 @@ def test_a_run_id_is_never_read_as_an_option(wd):
     launch(wd, "o-a", extra=["--steps", "5000"])
     for word in ("--force", "--no-follow", "-1", "../o-a"):
         doc = json.loads(agent("stop", wd, "--", word).stdout)
-        assert doc == {"found": False, "run": word}
+        assert doc == {"ok": False, "reason": "not_found", "run": word}
         header, body, _ = _follow(wd, word, 0, "--no-follow")
-        assert header["error"] == "not_found" and body == b""
+        assert header["reason"] == "not_found" and body == b""
     assert state(wd, "o-a")["state"] == "running"          # nothing was killed
     old_style = subprocess.run([sys.executable, "-c", SOURCE, "stop", str(wd), "o-a", "--force"],
                                capture_output=True, text=True, timeout=60)

@@ -1,9 +1,10 @@
-"""Runs agent, part 5 of 5 (runs_agent.py): the commands and main(). Uses all the parts before it.
+"""The runs agent (entry `runs_agent`): the run commands and main().
 
-The runs agent runs on the TARGET, under the target's own python, as `python -c SOURCE CMD ...`,
-SOURCE being its five parts joined (runs_common.py says how). Standard library only,
-Python >= 3.8. Every command prints one JSON document as its last stdout line, except `follow`,
-whose stdout is a JSON header line followed by the raw log bytes.
+Runs on the TARGET, under the target's own python, as `python -c SOURCE CMD ...`, SOURCE being
+this module and what it imports, joined by orchestrator/agent.py. Standard library only,
+Python >= 3.8. Every command prints one JSON document as its last stdout line (a refusal is
+`{"ok": false, "reason": R, ...}`, exit 0), except `follow` and `export`, whose stdout is a JSON
+header line followed by raw bytes.
 
     launch WORKDIR            stdin: the launch spec (JSON). Checks the release, the probe result
                               and the slot locks, then starts a detached supervisor (double fork,
@@ -20,6 +21,11 @@ whose stdout is a JSON header line followed by the raw log bytes.
                               SIGTERM (SIGKILL with --force) to the trainer's process group, then
                               wait for it to checkpoint and exit
     metrics WORKDIR -- RUN    the log's JSON metric lines
+    export WORKDIR [--step N] [--dtype D] -- RUN
+                              the run's drafter as a DFlash folder, streamed (runs_export.py)
+    probe WORKDIR -- PROBE_ARGS...
+                              the live release's probe program, its document as the reply
+                              (runs_probe.py)
 
 Options come before `--`, values (run ids) after it: a run id is never read as an option.
 
@@ -39,6 +45,14 @@ import signal
 import socket
 import sys
 import time
+
+from .common import _fail, _home, _now_iso, _out, _read_json, _write_json
+from .runs_common import LOG, _alive, _metric, _resolve, _run_ids, _runs_dir, _state, _status
+from .runs_export import cmd_export
+from .runs_follow import cmd_follow
+from .runs_locks import _Guard, _claim, _hold, _release_slots
+from .runs_probe import cmd_probe
+from .runs_supervisor import _exit_record, _signal_name, _spawn_supervisor
 
 STOP_TIMEOUT_S = 120.0
 RUN_MIN_FREE = 64 * 10**6    # bytes a new run folder needs free: its log, config and first checkpoints
@@ -96,17 +110,6 @@ def _probe_policy(workdir, topology="threads"):
     if isinstance(policy, dict):
         policy = policy.get("name")
     return True, policy if isinstance(policy, str) and policy else None
-
-
-def _home():
-    home = os.environ.get("HOME")
-    if home:
-        return home
-    try:
-        import pwd
-        return pwd.getpwuid(os.getuid()).pw_dir
-    except (ImportError, KeyError):
-        return "/root"
 
 
 def cmd_launch(workdir):
@@ -228,7 +231,7 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
 def cmd_stop(workdir, run, force, timeout):
     rid = _resolve(workdir, run)
     if rid is None:
-        _out({"found": False, "run": run})
+        _out({"ok": False, "reason": "not_found", "run": run})
         return
     rundir = os.path.join(_runs_dir(workdir), rid)
     rec = _read_json(os.path.join(rundir, "run.json")) or {}
@@ -278,7 +281,7 @@ def cmd_metrics(workdir, run):
     """The trainer's OUT/metrics.jsonl when it wrote one, else the log's JSON lines."""
     rid = _resolve(workdir, run)
     if rid is None:
-        _out({"found": False, "run": run})
+        _out({"ok": False, "reason": "not_found", "run": run})
         return
     rundir = os.path.join(_runs_dir(workdir), rid)
     metrics = []
@@ -320,7 +323,7 @@ def _split(args, flags=(), options=()):
 
 def main(argv):
     if len(argv) < 2:
-        _fail("usage: runs_agent launch|status|follow|stop|metrics WORKDIR [OPTIONS] -- [RUN ...]", 2)
+        _fail("usage: runs_agent launch|status|follow|stop|metrics|export|probe WORKDIR [OPTIONS] -- [VALUE ...]", 2)
     cmd, workdir, args = argv[0], os.path.expanduser(argv[1]), list(argv[2:])
     try:
         if cmd == "launch":
@@ -340,6 +343,14 @@ def main(argv):
         elif cmd == "metrics":
             _, values = _split(args)
             cmd_metrics(workdir, values[0] if values else "latest")
+        elif cmd == "export":
+            opts, values = _split(args, (), ("--step", "--dtype"))
+            step = opts.get("--step")
+            cmd_export(workdir, values[0] if values else "latest",
+                       None if step is None else int(step), opts.get("--dtype", "bfloat16"))
+        elif cmd == "probe":
+            _, values = _split(args)
+            cmd_probe(workdir, values)
         else:
             _fail("unknown command %r" % cmd, 2)
     except BrokenPipeError:
