@@ -30,6 +30,7 @@ STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_RUN_FAILED, "running": EXIT_R
 STOP_TIMEOUT_S = 120.0
 RUN_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]+$")
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")   # what the runs agent accepts as a run id
+LABEL_RE = re.compile(r"^[^\x00-\x1f\x7f]{1,64}$")            # launch --name: one printable line
 
 
 class LaunchRefused(OpsError):
@@ -77,6 +78,21 @@ def check_run(run: str) -> str:
     return run
 
 
+def parse_gpu_ids(text: str, target: Target) -> list[int]:
+    """`--gpu-ids 0,3`: distinct indexes of the target's GPUs (hosts.yaml `gpus:`)."""
+    try:
+        ids = [int(w) for w in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--gpu-ids {text}: expected GPU indexes like 0,3") from None
+    bad = [i for i in ids if not 0 <= i < target.gpus]
+    if bad:
+        have = f"0..{target.gpus - 1}" if target.gpus else "none (gpus: 0)"
+        raise UsageError(f"--gpu-ids {text}: {target.name} has GPUs {have} (hosts.yaml `gpus:`)")
+    if len(set(ids)) != len(ids):
+        raise UsageError(f"--gpu-ids {text}: a GPU is named twice")
+    return ids
+
+
 def refusal_message(target: Target, doc: dict) -> str:
     """The one line a refused launch prints, with what to do about it."""
     t, reason = target.name, doc.get("reason")
@@ -85,7 +101,13 @@ def refusal_message(target: Target, doc: dict) -> str:
     if reason == "no_probe":
         return (f"{t}: --policy auto needs the probe's choice and {target.workdir}/probe.json does "
                 f"not exist; run `dflash-ops probe {t}` first (or pass --policy NAME)")
-    if reason in ("too_many_gpus", "no_space", "io"):
+    if reason in ("too_many_gpus", "no_space", "io", "bad_gpu_ids"):
+        return f"{t}: {doc.get('message')}"
+    if reason == "not_found":
+        return f"{t}: {doc.get('message')} (see `dflash-ops status {t}`)"
+    if reason == "not_resumable":
+        if doc.get("state") == "running":
+            return f"{t}: {doc.get('message')}; it is still going (`dflash-ops logs {t}` follows it)"
         return f"{t}: {doc.get('message')}"
     if reason == "busy":
         holders = doc.get("holders") or []
@@ -120,6 +142,9 @@ class LaunchResult:
     log: str | None = None
     command_line: str | None = None
     cleared: list[dict] = field(default_factory=list)
+    name: str | None = None
+    attempt: int = 1
+    resumed_from: str | None = None     # the state of the attempt this one continues
     seconds: float = 0.0
 
     def as_json(self) -> dict:
@@ -128,14 +153,31 @@ class LaunchResult:
 
 def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
            config: str | None = None, topology: str = "threads", policy: str = "auto",
-           workers: int | None = None, extra: Sequence[str] = (),
+           workers: int | None = None, extra: Sequence[str] = (), name: str | None = None,
+           gpu_ids: str | None = None, resume: str | None = None,
            session: Session | None = None) -> LaunchResult:
-    """Start the trainer detached on the target; returns once it runs (the run goes on alone)."""
+    """Start the trainer detached on the target; returns once it runs (the run goes on alone).
+
+    gpu_ids ("0,3") names the GPUs (and their slots) instead of the first free ones; name labels
+    the run in status. resume continues that stopped or failed run in place (same run id, its own
+    config, trainer arguments, topology and policy, the trainer's --resume) as a new attempt."""
     target = resolve_target(inv, target_name)
-    gpus = target.gpus if gpus is None else gpus
-    if gpus < 0:
+    if name is not None and not LABEL_RE.match(name):
+        raise UsageError(f"--name {name!r}: one line of at most 64 printable characters")
+    ids = parse_gpu_ids(gpu_ids, target) if gpu_ids is not None else None
+    if ids is not None:
+        if gpus is not None and gpus != len(ids):
+            raise UsageError(f"--gpus {gpus} and --gpu-ids {gpu_ids} disagree; give one of them")
+        gpus = len(ids)
+    if resume is not None:
+        check_run(resume)
+        if config or extra or workers is not None:
+            raise UsageError("--resume continues the run with its own config and trainer arguments; "
+                             "drop --config, --workers and the arguments after `--`")
+    gpus = (None if resume is not None else target.gpus) if gpus is None else gpus
+    if gpus is not None and gpus < 0:
         raise UsageError("--gpus must be >= 0")
-    if gpus > target.gpus:
+    if gpus is not None and gpus > target.gpus:
         raise LaunchRefused(f"{target.name}: --gpus {gpus} is more than the target's "
                             f"{target.gpus} GPU(s) (hosts.yaml `gpus:`)")
     if topology not in TOPOLOGIES:
@@ -147,7 +189,8 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
             raise UsageError(f"trainer argument {i} is not UTF-8 text: {arg!r}") from None
     spec = {"run": new_run_id(target.name), "target": target.name, "gpus": gpus,
             "target_gpus": target.gpus, "topology": topology, "policy": policy or "auto",
-            "workers": workers, "extra": list(extra), "controller": _controller()}
+            "workers": workers, "extra": list(extra), "controller": _controller(), "name": name,
+            "gpu_ids": ids, "resume": resume}
     if config:
         path = Path(config).expanduser()
         try:
@@ -167,10 +210,11 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
         raise LaunchRefused(refusal_message(target, e.doc)) from None
     return LaunchResult(
         target=target.name, run=doc["run"], pid=doc["pid"], supervisor_pid=doc.get("supervisor_pid"),
-        release=doc.get("release"), commit=doc.get("commit"), policy=spec["policy"],
-        compile_policy=doc.get("compile_policy"), probe_policy=doc.get("probe_policy"), gpus=gpus,
+        release=doc.get("release"), commit=doc.get("commit"), policy=spec["policy"] if resume is None else None,
+        compile_policy=doc.get("compile_policy"), probe_policy=doc.get("probe_policy"), gpus=doc.get("gpus", gpus),
         gpu_ids=doc.get("gpu_ids") or [], slots=doc.get("slots") or [], log=doc.get("log"), command_line=doc.get("command_line"),
-        cleared=doc.get("cleared") or [], seconds=round(time.monotonic() - start, 3))
+        cleared=doc.get("cleared") or [], name=doc.get("name"), attempt=doc.get("attempt") or 1,
+        resumed_from=doc.get("resumed_from"), seconds=round(time.monotonic() - start, 3))
 
 
 def _controller() -> dict:

@@ -99,7 +99,7 @@ def test_the_joined_source_compiles_for_python_38_and_defines_every_command():
 
 def test_the_joined_program_answers_usage_and_unknown_commands(tmp_path):
     usage = subprocess.run([sys.executable, "-c", SOURCE], capture_output=True, text=True, timeout=60)
-    assert usage.returncode == 2 and "usage: runs_agent launch|status|follow|stop|metrics|export|probe" in usage.stderr
+    assert usage.returncode == 2 and "usage: runs_agent launch|status|follow|stop|metrics|export|probe|rm|prune" in usage.stderr
     bad = subprocess.run([sys.executable, "-c", SOURCE, "frobnicate", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
@@ -113,13 +113,18 @@ p = argparse.ArgumentParser()
 p.add_argument("--out"); p.add_argument("--gpus", type=int); p.add_argument("--topology")
 p.add_argument("--compile-policy"); p.add_argument("--workers"); p.add_argument("--config")
 p.add_argument("--steps", type=int, default=5); p.add_argument("--sleep", type=float, default=0.01)
+p.add_argument("--resume", action="store_true")
 a = p.parse_args()
+first = 1
+if a.resume and os.path.exists(os.path.join(a.out, "checkpoint")):
+    first = int(open(os.path.join(a.out, "checkpoint")).read())
+    print(json.dumps({"event": "resume", "step": first - 1}), flush=True)
 print("[stub] CUDA_VISIBLE_DEVICES=%r HOME=%s unbuffered=%s cwd=%s config=%s" % (
     os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("HOME"),
     os.environ.get("PYTHONUNBUFFERED"), os.getcwd(), a.config), flush=True)
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-for i in range(1, a.steps + 1):
+for i in range(first, a.steps + 1):
     if stop:
         open(os.path.join(a.out, "checkpoint"), "w").write(str(i))
         print(json.dumps({"event": "stopped", "step": i - 1}), flush=True)
@@ -420,3 +425,69 @@ def test_launch_on_a_full_disk_leaves_nothing_behind(wd):
         assert os.listdir(runs) == []
     finally:
         subprocess.run(["umount", "-l", str(runs)], check=False)
+
+
+# ---- issue 13: names, chosen GPUs, resume in place, rm and prune ------------------------------
+
+def test_gpu_ids_take_exactly_those_slots_and_a_name_is_shown(wd):
+    doc = launch(wd, "g-a", gpus=0, total=4, gpu_ids=[0, 3], name="first try",
+                 extra=["--steps", "5000"])
+    assert doc["ok"] and doc["gpu_ids"] == [0, 3] and doc["slots"] == ["gpu0", "gpu3"] and doc["gpus"] == 2
+    log = wd / "runs" / "g-a" / "train.log"
+    assert "CUDA_VISIBLE_DEVICES='0,3'" in wait_for(lambda: "[stub]" in log.read_text() and log.read_text())
+    st = state(wd, "g-a")
+    assert st["name"] == "first try" and st["attempt"] == 1
+    busy = launch(wd, "g-b", total=4, gpu_ids=[3])
+    assert busy["reason"] == "busy" and sorted(busy["busy"]) == ["gpu3"]
+    free = launch(wd, "g-c", total=4, gpu_ids=[1], extra=["--steps", "1"])
+    assert free["ok"] and free["slots"] == ["gpu1"]
+    bad = launch(wd, "g-d", total=4, gpu_ids=[4])
+    assert bad["reason"] == "bad_gpu_ids" and "0..3" in bad["message"]
+    agent("stop", wd, "--force", "--", "g-a")
+    ended(wd, "g-c")
+
+
+def test_resume_continues_a_stopped_run_in_place_as_a_new_attempt(wd):
+    launch(wd, "z-a", name="long", extra=["--steps", "60", "--sleep", "0.02"])
+    wait_for(lambda: b'"step": 5' in (wd / "runs" / "z-a" / "train.log").read_bytes())
+    refused = launch(wd, "ignored", resume="z-a")
+    assert refused["reason"] == "not_resumable" and refused["state"] == "running"
+    agent("stop", wd, "--", "z-a")
+    stopped_at = int((wd / "runs" / "z-a" / "checkpoint").read_text())
+    doc = launch(wd, "ignored", resume="z-a")
+    assert doc["ok"] and doc["run"] == "z-a" and doc["attempt"] == 2 and doc["resumed_from"] == "stopped"
+    assert not (wd / "runs" / "ignored").exists()
+    ended(wd, "z-a")
+    rec = _json(wd / "runs" / "z-a" / "run.json")
+    assert rec["command"][-3:] == ["--resume", "--steps", "60"] or "--resume" in rec["command"]
+    assert rec["name"] == "long" and rec["attempt"] == 2
+    assert [a["state"] for a in rec["attempts"]] == ["stopped"]
+    log = (wd / "runs" / "z-a" / "train.log").read_text()
+    assert '"event": "resume", "step": %d' % (stopped_at - 1) in log      # one log, appended
+    st = state(wd, "z-a")
+    assert (st["state"], st["step"], st["attempt"]) == ("succeeded", 60, 2)
+    again = launch(wd, "ignored", resume="z-a")
+    assert again["reason"] == "not_resumable" and again["state"] == "succeeded"
+    assert launch(wd, "x", resume="nope")["reason"] == "not_found"
+
+
+def test_rm_and_prune_never_touch_a_running_run_and_say_what_they_free(wd):
+    for run in ("h-a", "h-b", "h-c"):
+        launch(wd, run, extra=["--steps", "1"])
+        ended(wd, run)
+        time.sleep(0.02)       # distinct start times: prune keeps the newest
+    launch(wd, "h-d", extra=["--steps", "5000"])
+    size = sum(f.stat().st_size for f in (wd / "runs" / "h-a").rglob("*") if f.is_file())
+    doc = json.loads(agent("rm", wd, "--dry-run", "--", "h-a").stdout)
+    assert doc["removed"] == [{"run": "h-a", "state": "succeeded", "name": None, "bytes": size}]
+    assert (wd / "runs" / "h-a").exists()
+    doc = json.loads(agent("rm", wd, "--", "h-a", "h-d", "nope", "--force").stdout)
+    assert [r["run"] for r in doc["removed"]] == ["h-a"] and doc["freed"] == size
+    assert doc["refused"] == [{"run": "h-d", "state": "running", "name": None}]
+    assert doc["missing"] == ["nope", "--force"]
+    assert not (wd / "runs" / "h-a").exists() and state(wd, "h-d")["state"] == "running"
+    doc = json.loads(agent("prune", wd, "--keep", "0").stdout)
+    assert sorted(r["run"] for r in doc["removed"]) == ["h-b", "h-c"] and doc["kept"] == ["h-d"]
+    assert doc["freed"] > 0 and state(wd, "h-d")["state"] == "running"
+    assert [p.name for p in (wd / "runs").iterdir()] == ["h-d"]
+    agent("stop", wd, "--force", "--", "h-d")

@@ -64,6 +64,8 @@ def _run_ids(workdir):
         return []
     ids = []
     for name in names:
+        if name.startswith("."):     # .rm-RUN-PID: a run being removed (runs_housekeeping.py)
+            continue
         rec = _read_json(os.path.join(_runs_dir(workdir), name, "run.json"))
         if rec is not None:
             ids.append((rec.get("started_ts") or 0, name))
@@ -196,7 +198,7 @@ def _status(workdir, run):
     m = _last_metrics(os.path.join(rundir, LOG))
     ended = (ex or {}).get("ended_ts")
     started = rec.get("started_ts")
-    doc = {"run": run, "state": state, "step": m.get("step"), "loss": m.get("loss"),
+    doc = {"run": run, "name": rec.get("name"), "attempt": rec.get("attempt") or 1, "state": state, "step": m.get("step"), "loss": m.get("loss"),
            "tau": m.get("tau"), "started": rec.get("started"), "started_ts": started,
            "ended": (ex or {}).get("ended"),
            "elapsed_s": round((ended or time.time()) - started, 1) if started else None,

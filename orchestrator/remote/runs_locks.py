@@ -66,9 +66,16 @@ def _release_slots(workdir, run):
                     os.unlink(path)
 
 
-def _claim(workdir, guard, gpus, total):
+def _claim(workdir, guard, gpus, total, want=None):
     """(slots, GPU ids, busy, cleared): the slots a run of `gpus` GPUs takes (the one `cpu` slot
-    for gpus=0); slots is None when not enough of them are free."""
+    for gpus=0; exactly the GPUs `want` when named); slots is None when not enough of them are
+    free."""
+    if want:
+        wanted = ["gpu%d" % i for i in want]
+        busy, cleared = _busy_slots(workdir, guard, wanted)
+        if busy:
+            return None, None, busy, cleared
+        return wanted, list(want), busy, cleared
     wanted = ["cpu"] if gpus == 0 else ["gpu%d" % i for i in range(total)]
     busy, cleared = _busy_slots(workdir, guard, wanted)
     if gpus == 0:
