@@ -90,10 +90,10 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
     """
     from . import runs
 
-    target_name, extra = _split_launch_args(state, args)
-    from .transport import Session
+    from .agent import session as open_session
 
-    with Session(state.inv) as session:
+    target_name, extra = _split_launch_args(state, args)
+    with open_session(state.inv) as session:   # one connection for the launch and the follow
         res = runs.launch(state.inv, target_name, gpus=gpus, config=config, topology=topology,
                           policy=policy, workers=workers, extra=extra, name=name, gpu_ids=gpu_ids,
                           resume=resume, session=session)
