@@ -19,7 +19,7 @@ header line followed by raw bytes.
                               connection is noticed on both ends) and {"end": STATUS} last.
     stop WORKDIR [--force] [--timeout S] -- RUN
                               SIGTERM (SIGKILL with --force) to the trainer's process group, then
-                              wait for it to checkpoint and exit
+                              wait for it to checkpoint and exit (runs_stop.py)
     metrics WORKDIR -- RUN    the log's JSON metric lines
     export WORKDIR [--step N] [--dtype D] -- RUN
                               the run's drafter as a DFlash folder, streamed (runs_export.py)
@@ -47,19 +47,20 @@ import json
 import os
 import platform
 import shlex
-import signal
 import socket
 import sys
 import time
 
 from .common import _fail, _home, _now_iso, _out, _read_json, _write_json
-from .runs_common import LOG, _alive, _metric, _resolve, _run_ids, _runs_dir, _state, _status
+from .runs_common import LOG, _metric, _resolve, _run_ids, _runs_dir, _state, _status
+from .release_store import _live
 from .runs_export import cmd_export
 from .runs_follow import cmd_follow
 from .runs_housekeeping import RESUMABLE, _end_attempt, _resume_spec, cmd_prune, cmd_rm
-from .runs_locks import _Guard, _claim, _hold, _release_slots
+from .runs_locks import _Guard, _claim, _hold
 from .runs_probe import cmd_probe
-from .runs_supervisor import _exit_record, _signal_name, _spawn_supervisor
+from .runs_stop import cmd_stop
+from .runs_supervisor import _exit_record, _spawn_supervisor
 
 STOP_TIMEOUT_S = 120.0
 RUN_MIN_FREE = 64 * 10**6    # bytes a new run folder needs free: its log, config and first checkpoints
@@ -86,10 +87,9 @@ def _refuse(reason, message, **extra):
 
 
 def _release_info(workdir):
-    cur = os.path.join(workdir, "current")
-    if not os.path.islink(cur) or not os.path.isdir(cur):
+    release, path = _live(workdir)
+    if release is None or not os.path.isdir(path):
         return None, None, None
-    path = os.path.realpath(cur)
     commit = None
     for name in (".git-commit", "GIT_COMMIT"):
         try:
@@ -262,55 +262,6 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
         _out({"ok": False, "reason": "spawn", "message": started["error"], "run": run})
         sys.exit(0)
     return started, rec
-
-
-# --- stop ---------------------------------------------------------------------------------------
-
-def cmd_stop(workdir, run, force, timeout):
-    rid = _resolve(workdir, run)
-    if rid is None:
-        _out({"ok": False, "reason": "not_found", "run": run})
-        return
-    rundir = os.path.join(_runs_dir(workdir), rid)
-    rec = _read_json(os.path.join(rundir, "run.json")) or {}
-    state, _ = _state(rundir, rec)
-    if state != "running":
-        _out({"found": True, "run": rid, "already": True, "state": state})
-        return
-    stop = _read_json(os.path.join(rundir, "stop.json")) or {}
-    stop.setdefault("requested", _now_iso())
-    stop["force"] = bool(force) or stop.get("force", False)
-    _write_json(os.path.join(rundir, "stop.json"), stop)
-    sig = signal.SIGKILL if force else signal.SIGTERM
-    start = time.monotonic()
-    deadline = start + timeout
-    while rec.get("pid") is None and time.monotonic() < deadline:   # still starting
-        time.sleep(0.1)
-        rec = _read_json(os.path.join(rundir, "run.json")) or {}
-    pid, pid_start = rec.get("pid"), rec.get("pid_start")
-    signalled = False
-    if _alive(pid, pid_start):
-        try:
-            os.killpg(pid, sig)
-            signalled = True
-        except ProcessLookupError:
-            pass
-    exit_path = os.path.join(rundir, "exit.json")
-    while time.monotonic() < deadline:
-        if os.path.exists(exit_path):
-            break
-        if not _alive(pid, pid_start) and \
-                not _alive(rec.get("supervisor_pid"), rec.get("supervisor_start")):
-            # No supervisor to record the end (it was killed): record it here.
-            _write_json(exit_path, _exit_record(rec, "stopped", None, None, True,
-                                                "recorded by stop: the supervisor was gone"))
-            _release_slots(workdir, rid)
-            break
-        time.sleep(0.1)
-    state, ex = _state(rundir, rec)
-    _out({"found": True, "run": rid, "already": False, "signal": _signal_name(sig),
-          "signalled": signalled, "state": state, "exit": ex,
-          "timed_out": state == "running", "waited_s": round(time.monotonic() - start, 2)})
 
 
 # --- metrics ------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ Python >= 3.8, has no `from __future__` line, and names what it takes from anoth
 import json
 import os
 import re
-import sys
 import time
 
 from .common import _now_iso, _read_json

@@ -16,6 +16,7 @@ from .common import _now_iso, _read_json, _write_json
 from .runs_common import LOG, _proc_start
 from .runs_locks import _release_slots
 
+
 def _spawn_supervisor(rundir, rec, env):
     """Double fork: the grandchild (the supervisor) is in its own session, has /dev/null and its
     own log for its three streams and no other inherited fd, so the exec that ran this agent
