@@ -277,3 +277,4 @@ if __name__ == "__main__":
     _main()
 
 from . import cli_runs  # noqa: E402,F401  (registers launch, logs, status, stop, report, export)
+from . import cli_housekeeping  # noqa: E402,F401  (registers rm, prune)

@@ -65,6 +65,10 @@ def _split_launch_args(state: State, args: tuple[str, ...]) -> tuple[str | None,
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[TARGET] [-- TRAINER_ARGS...]")
 @click.option("--gpus", type=click.IntRange(min=0), metavar="N",
               help="GPUs to use (default: all of the target's; 0 = CPU).")
+@click.option("--gpu-ids", metavar="I,J", help="Exactly these GPUs of the target (e.g. 0,3); sets --gpus.")
+@click.option("--name", metavar="NAME", help="A label for the run, shown by status.")
+@click.option("--resume", metavar="RUN",
+              help="Continue this stopped or failed run from its last checkpoint (same run id, its own settings).")
 @click.option("--config", type=click.Path(dir_okay=False), metavar="FILE",
               help="Trainer YAML config; copied into the run's folder.")
 @click.option("--topology", type=click.Choice(["threads", "processes"]), default="threads",
@@ -77,7 +81,8 @@ def _split_launch_args(state: State, args: tuple[str, ...]) -> tuple[str | None,
 @click.option("--follow", is_flag=True, help="Then follow the log, as `logs --follow` does.")
 @json_option
 @click.pass_obj
-def launch(state: State, args, gpus, config, topology, policy, workers, follow, as_json):
+def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, policy, workers, follow,
+           as_json):
     """Start the trainer detached from this session; print the run id.
 
     Trainer flags go after `--`, e.g. `dflash-ops launch ct200 --gpus 2 -- --steps 500`.
@@ -85,16 +90,20 @@ def launch(state: State, args, gpus, config, topology, policy, workers, follow, 
     """
     from . import runs
 
-    target_name, extra = _split_launch_args(state, args)
-    from .transport import Session
+    from .agent import session as open_session
 
-    with Session(state.inv) as session:
+    target_name, extra = _split_launch_args(state, args)
+    with open_session(state.inv) as session:   # one connection for the launch and the follow
         res = runs.launch(state.inv, target_name, gpus=gpus, config=config, topology=topology,
-                          policy=policy, workers=workers, extra=extra, session=session)
+                          policy=policy, workers=workers, extra=extra, name=name, gpu_ids=gpu_ids,
+                          resume=resume, session=session)
         where = f"GPU {', '.join(map(str, res.gpu_ids))}" if res.gpu_ids else "CPU"
         policy_text = res.compile_policy + (f" (probe chose {res.probe_policy})"
                                             if res.probe_policy else "")
-        info = (f"{res.target}: launched run {res.run} (pid {res.pid}, {where}, release "
+        what = (f"resumed run {res.run} (attempt {res.attempt}, was {res.resumed_from}; "
+                if res.attempt > 1 else f"launched run {res.run} (")
+        label = f"{res.name!r}, " if res.name else ""
+        info = (f"{res.target}: {what}{label}pid {res.pid}, {where}, release "
                 f"{res.release}, policy {policy_text})")
         for c in res.cleared:
             _note(f"{res.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
@@ -228,8 +237,8 @@ def status(state: State, names, all_targets, as_json):
     from . import runs
 
     rows, errors = runs.status(state.inv, list(names), all_targets=all_targets)
-    text = table(["RUN", "TARGET", "STATE", "STEP", "LOSS", "TAU", "STARTED", "ELAPSED"],
-                 [[r["run"], r["target"], _state_text(r), r.get("step"), _fmt_num(r.get("loss")),
+    text = table(["RUN", "NAME", "TARGET", "STATE", "STEP", "LOSS", "TAU", "STARTED", "ELAPSED"],
+                 [[r["run"], r.get("name"), r["target"], _state_text(r), r.get("step"), _fmt_num(r.get("loss")),
                    _fmt_tau(r.get("tau")), r.get("started"), _fmt_elapsed(r.get("elapsed_s"))]
                   for r in rows]) if rows else ("" if errors else "no runs")
     if rows or not errors or as_json:

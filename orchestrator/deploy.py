@@ -20,52 +20,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
-from . import fileset
+from . import agent, fileset
 from .errors import OpsError, StepFailed, UsageError
 from .inventory import Inventory, Target
 from .transport import Session, Transport
 
 Progress = Callable[[str, int], Callable[[int], None]]   # (target, total bytes) -> update(n)
-
-
-# The release agent's parts, joined in this order into one `python -c` source (agent_source).
-RELEASE_AGENT = ("release_store.py", "release_agent.py")
-
-
-def agent_source(*names: str) -> str:
-    """The source of a remote agent (default: the release agent) for `python -c`. Several names
-    are the parts of one agent, joined in the order given into one program: `python -c` cannot
-    import its parts on the target, so they share one namespace, a part using only what the
-    parts before it define. Parts must have no `from __future__` line (it is only legal first)."""
-    root = resources.files("orchestrator.remote")
-    names = names or RELEASE_AGENT
-    texts = [root.joinpath(name).read_text(encoding="utf-8") for name in names]
-    if len(texts) == 1:
-        return texts[0]
-    return "\n\n".join(f"# ---- {name} ----\n{text}" for name, text in zip(names, texts))
-
-
-def run_agent(t: Transport, target: Target, args: list[str], *,
-              agent: str | Sequence[str] = RELEASE_AGENT, stdin=None, what: str | None = None,
-              timeout: float | None = None) -> dict:
-    """Run a remote agent (one file, or the names of its parts) with the target's python; its
-    last stdout line is a JSON document."""
-    parts = (agent,) if isinstance(agent, str) else tuple(agent)
-    r = t.run([target.python, "-c", agent_source(*parts), *args], stdin=stdin, timeout=timeout)
-    what = what or f"{Path(parts[-1]).stem} {args[0]}"
-    err = r.stderr.decode(errors="replace")
-    if r.exit_code in (126, 127) or (r.exit_code == 255 and "No such file" in err):
-        raise StepFailed(target.name, what, r.exit_code,
-                         f"python {target.python!r} not found on the target; set `python:` in hosts.yaml")
-    if r.exit_code != 0:
-        raise StepFailed(target.name, what, r.exit_code, err)
-    lines = r.stdout.decode(errors="replace").strip().splitlines()
-    try:
-        return json.loads(lines[-1])
-    except (IndexError, ValueError):
-        raise StepFailed(target.name, what, r.exit_code, f"unreadable reply: {r.stdout[-200:]!r}") from None
 
 
 @dataclass(frozen=True)
@@ -229,7 +191,7 @@ def deploy_target(session: Session, target: Target, get_source: Callable[[], Sou
     t = session.transport(target)
     for attempt in (1, 2):
         args = ["manifest", target.workdir] + (["--verify"] if verify else []) + ([] if dry_run else ["--tidy"])
-        live = run_agent(t, target, args, what="read the live release")
+        live = agent.call(t, target, agent.RELEASE, args, what="read the live release")
         source = get_source()
         res.python, res.torch, res.previous = live["python"], live["torch"], live["release"]
         res.repaired = list(live.get("damaged") or [])
@@ -252,7 +214,8 @@ def deploy_target(session: Session, target: Target, get_source: Callable[[], Sou
             res.release, res.pruned, res.ok = out["release"], out["pruned"], True
         break
     if install_deps and not dry_run:
-        res.deps = run_agent(t, target, ["install-deps", target.workdir], what="install requirements")
+        res.deps = agent.call(t, target, agent.RELEASE, ["install-deps", target.workdir],
+                              what="install requirements")
     res.seconds = round(time.monotonic() - start, 3)
     return res
 
@@ -264,8 +227,8 @@ def _apply(t: Transport, target: Target, source: Source, changed: list[str], bas
     update = progress(target.name, size) if progress else None
     with spool:
         try:
-            return run_agent(t, target, ["apply", target.workdir, rid, base, str(need), _who()],
-                             stdin=_Counting(spool, update), what="build the release")
+            return agent.call(t, target, agent.RELEASE, ["apply", target.workdir, rid, base, str(need), _who()],
+                              stdin=_Counting(spool, update), what="build the release")
         except StepFailed as e:
             if e.exit_code_remote in (AGENT_BUSY, AGENT_NO_SPACE):   # a refusal: its own words
                 lines = e.stderr_tail.strip().splitlines() or [str(e)]
@@ -287,25 +250,14 @@ def deploy(inventory: Inventory, names: list[str], *, source: str | None = None,
     """Deploy to every named target in parallel; one result per target (style habit 5)."""
     targets = inventory.select(names)
     where = source_root(source)
-    own = session is None
-    session = session or Session(inventory)
-
-    def one(target: Target, src: Future) -> TargetResult:
-        try:
-            return deploy_target(session, target, src.result, dry_run=dry_run,
-                                 install_deps=install_deps, verify=verify, progress=progress)
-        except OpsError as e:
-            return TargetResult(target.name, error=e.render())
-
-    try:
-        with ThreadPoolExecutor(max_workers=1 + min(16, len(targets))) as pool:
-            # The local files are hashed while the targets connect and read their live manifests
-            # (the remote side is mostly waiting); a worker waits for the hashes when it needs them.
-            src = pool.submit(scan_source, *where)
-            results = list(pool.map(one, targets, [src] * len(targets)))
-    finally:
-        if own:
-            session.close()
+    # The local files are hashed while the targets connect and read their live manifests (the
+    # remote side is mostly waiting); a target waits for the hashes when it needs them.
+    with ThreadPoolExecutor(max_workers=1) as hasher, agent.session(inventory, session) as s:
+        src: Future = hasher.submit(scan_source, *where)
+        group = agent.fan_out(targets, lambda target: deploy_target(
+            s, target, src.result, dry_run=dry_run, install_deps=install_deps, verify=verify,
+            progress=progress))
     if src.exception() is not None:     # the source itself is bad: the whole command fails
         raise src.exception()
-    return {r.target: r for r in results}
+    return {name: o.value if o.ok else TargetResult(name, error=o.error.render())
+            for name, o in group.items()}

@@ -1,7 +1,7 @@
 """`export`: bring a run's trained drafter from the target, as a DFlash draft-model folder.
 
-The export runs on the target (`python -m trainer.export`, through the export agent,
-remote/export_agent.py) and the folder comes back over the same SSH connection as one stream: a
+The export runs on the target (`python -m trainer.export`, through the runs agent's `export`
+verb, remote/runs_export.py) and the folder comes back over the same SSH connection as one stream: a
 header with each file's size and sha256, then the bytes. Here the files are written into a hidden
 folder beside the destination, checked against the header (sizes and hashes), and only then renamed
 to the destination: it is either absent or complete. Nothing is left on the target.
@@ -18,12 +18,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from . import agent
 from .errors import NotFound, OpsError, StepFailed, UsageError
 from .inventory import Inventory, Target
-from .runs import _session, check_run
 from .transport import Session
 
-AGENT = ("runs_common.py", "export_agent.py")
 DTYPES = ("bfloat16", "float16", "float32")
 TIMEOUT_S = 3600.0
 Progress = Callable[[str, int], Callable[[int], None]]   # (label, total bytes) -> update(n)
@@ -155,26 +154,22 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
     if not where.is_dir():
         raise UsageError(f"-o {output}: the folder {where} does not exist")
     partial = where / f".dflash-export.partial-{os.getpid()}-{time.monotonic_ns()}"
-    run = check_run(run)
-    args = (["export"] + (["--step", str(step)] if step is not None else []) + ["--dtype", dtype]
-            + ["--", target.workdir, run])
+    args = ["export", target.workdir] + (["--step", str(step)] if step is not None else []) + \
+        ["--dtype", dtype, "--", run]
     start = time.monotonic()
     recv = _Receiver(partial, progress, target.name)
     try:
-        with _session(inv, session) as s:
-            r = s.transport(target).run([target.python, "-c", _agent_source(), *args], stdout=recv,
-                                        timeout=TIMEOUT_S)
+        with agent.session(inv, session) as s:
+            r = agent.stream(s.transport(target), target, agent.RUNS, args, what="export the drafter",
+                             stdout=recv, timeout=TIMEOUT_S)
         recv.close()
-        if r.exit_code in (126, 127):
-            raise StepFailed(target.name, "export the drafter", r.exit_code,
-                             f"python {target.python!r} not found on the target; set `python:` in hosts.yaml")
-        if r.exit_code != 0:
-            raise StepFailed(target.name, "export the drafter", r.exit_code, r.stderr.decode(errors="replace"))
         head = recv.header
         if head is None:
             raise StepFailed(target.name, "export the drafter", r.exit_code, "the agent sent no header")
-        if not head.get("ok"):
-            raise _refusal(target, run, head)
+        try:
+            agent.reply(target, head)
+        except agent.Refused as e:
+            raise _refusal(target, run, e) from None
         recv.check()
         dest = Path(output).expanduser() if output else where / default_output(head["run"], head["step"])
         _check_dest(dest, force)
@@ -188,22 +183,16 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
                         seconds=round(time.monotonic() - start, 3))
 
 
-def _agent_source() -> str:
-    from .deploy import agent_source
-
-    return agent_source(*AGENT)
-
-
-def _refusal(target: Target, run: str, head: dict) -> OpsError:
-    t = target.name
-    if not head.get("found"):
+def _refusal(target: Target, run: str, refused: agent.Refused) -> OpsError:
+    t, head = target.name, refused.doc
+    if refused.reason == "not_found":
         if run in ("", "latest"):
             if head.get("any_runs"):
                 return NotFound(f"{t}: no succeeded run in {target.workdir}/runs to export; name one "
                                 f"(`dflash-ops status {t}`)")
             return NotFound(f"{t}: no runs yet in {target.workdir}/runs; start one with `dflash-ops launch {t}`")
         return NotFound(f"{t}: no run {run!r} (see `dflash-ops status {t}`)")
-    if head.get("reason") == "no_release":
+    if refused.reason == "no_release":
         return OpsError(f"{t}: {head.get('message')}; run `dflash-ops deploy {t}` first")
     msg = f"{t}: run {head.get('run')}: cannot export: {head.get('message')}"
     return UsageError(msg) if head.get("exit_code") == 2 else OpsError(msg)

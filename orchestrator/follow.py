@@ -16,11 +16,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Sequence, Union
 
-from .deploy import agent_source
+from . import agent
 from .errors import (ConnectError, ConnectionLost, ContainerError, HostKeyError, NotFound, OpsError,
                      StepFailed, UsageError)
 from .inventory import Inventory, Target
-from .runs import AGENT, exit_code_for, not_found
+from .runs import exit_code_for, not_found
 from .transport import Session, SshTransport
 
 BACKOFF_S = (0.1, 0.5, 1.0, 2.0, 4.0, 5.0)   # then 5 s between attempts
@@ -157,11 +157,16 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
     if catalog is None:
         from trainer.signatures import load_catalog
         catalog = load_catalog()
+    with agent.session(inv, session) as s:
+        yield from _follow(s, session is None, target, run, follow, tail, catalog, backoff,
+                           give_up_s, dead_s)
+
+
+def _follow(session: Session, own: bool, target: Target, run: str, follow: bool, tail: int | None,
+            catalog, backoff: Sequence[float], give_up_s: float, dead_s: float) -> Iterator[Event]:
     matcher = catalog.matcher()
     events: queue.Queue = queue.Queue()
     stopping = threading.Event()
-    own = session is None
-    session = session or Session(inv)
     state = {"run": run, "offset": -1 if tail is not None else 0, "reconnects": 0}
 
     def worker() -> None:
@@ -183,12 +188,12 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
                 threading.Thread(target=_watch, args=(stream, conn, dead_s, stopping),
                                  daemon=True).start()
                 try:
-                    r = t.run([target.python, "-c", agent_source(*AGENT), *args],
-                              stdout=stream.on_stdout, stderr=stream.on_stderr)
+                    r = agent.stream(t, target, agent.RUNS, args, what="follow the log",
+                                     stdout=stream.on_stdout, stderr=stream.on_stderr, check=False)
                 finally:
                     conn["running"] = False
                 _sync(stream)
-                if stream.header is not None and stream.header.get("error") == "not_found":
+                if stream.header is not None and stream.header.get("reason") == "not_found":
                     events.put(("error", not_found(target, run)))
                     return
                 if stream.end is None:
@@ -281,9 +286,9 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
                 return
     finally:
         stopping.set()
-        if own:
-            session.close()
-        elif thread.is_alive() and state.get("ssh") is not None:
+        # an own session is closed by follow(), which unblocks the worker's read; a caller's
+        # stays open, so only the stream's connection is closed
+        if not own and thread.is_alive() and state.get("ssh") is not None:
             # unblock the worker's read: closing the stream's connection is the only way
             try:
                 state["ssh"].close()

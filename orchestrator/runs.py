@@ -14,26 +14,23 @@ import os
 import re
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from .deploy import run_agent
+from . import agent
 from .errors import (EXIT_OK, EXIT_RUN_FAILED, EXIT_RUN_RUNNING, EXIT_RUN_STOPPED, NotFound, OpsError,
                      StepFailed, UsageError)
 from .inventory import Inventory, Target
 from .transport import Session
 
-# The runs agent's parts, joined in this order into the one `python -c` source (deploy.agent_source):
-# each part only uses what the parts before it define, and the last one runs main().
-AGENT = ("runs_common.py", "runs_locks.py", "runs_supervisor.py", "runs_follow.py", "runs_agent.py")
 TOPOLOGIES = ("threads", "processes")
 STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_RUN_FAILED, "running": EXIT_RUN_RUNNING,
               "stopped": EXIT_RUN_STOPPED}
 STOP_TIMEOUT_S = 120.0
 RUN_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]+$")
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")   # what the runs agent accepts as a run id
+LABEL_RE = re.compile(r"^[^\x00-\x1f\x7f]{1,64}$")            # launch --name: one printable line
 
 
 class LaunchRefused(OpsError):
@@ -81,6 +78,21 @@ def check_run(run: str) -> str:
     return run
 
 
+def parse_gpu_ids(text: str, target: Target) -> list[int]:
+    """`--gpu-ids 0,3`: distinct indexes of the target's GPUs (hosts.yaml `gpus:`)."""
+    try:
+        ids = [int(w) for w in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--gpu-ids {text}: expected GPU indexes like 0,3") from None
+    bad = [i for i in ids if not 0 <= i < target.gpus]
+    if bad:
+        have = f"0..{target.gpus - 1}" if target.gpus else "none (gpus: 0)"
+        raise UsageError(f"--gpu-ids {text}: {target.name} has GPUs {have} (hosts.yaml `gpus:`)")
+    if len(set(ids)) != len(ids):
+        raise UsageError(f"--gpu-ids {text}: a GPU is named twice")
+    return ids
+
+
 def refusal_message(target: Target, doc: dict) -> str:
     """The one line a refused launch prints, with what to do about it."""
     t, reason = target.name, doc.get("reason")
@@ -89,7 +101,13 @@ def refusal_message(target: Target, doc: dict) -> str:
     if reason == "no_probe":
         return (f"{t}: --policy auto needs the probe's choice and {target.workdir}/probe.json does "
                 f"not exist; run `dflash-ops probe {t}` first (or pass --policy NAME)")
-    if reason in ("too_many_gpus", "no_space", "io"):
+    if reason in ("too_many_gpus", "no_space", "io", "bad_gpu_ids"):
+        return f"{t}: {doc.get('message')}"
+    if reason == "not_found":
+        return f"{t}: {doc.get('message')} (see `dflash-ops status {t}`)"
+    if reason == "not_resumable":
+        if doc.get("state") == "running":
+            return f"{t}: {doc.get('message')}; it is still going (`dflash-ops logs {t}` follows it)"
         return f"{t}: {doc.get('message')}"
     if reason == "busy":
         holders = doc.get("holders") or []
@@ -124,6 +142,9 @@ class LaunchResult:
     log: str | None = None
     command_line: str | None = None
     cleared: list[dict] = field(default_factory=list)
+    name: str | None = None
+    attempt: int = 1
+    resumed_from: str | None = None     # the state of the attempt this one continues
     seconds: float = 0.0
 
     def as_json(self) -> dict:
@@ -132,14 +153,31 @@ class LaunchResult:
 
 def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
            config: str | None = None, topology: str = "threads", policy: str = "auto",
-           workers: int | None = None, extra: Sequence[str] = (),
+           workers: int | None = None, extra: Sequence[str] = (), name: str | None = None,
+           gpu_ids: str | None = None, resume: str | None = None,
            session: Session | None = None) -> LaunchResult:
-    """Start the trainer detached on the target; returns once it runs (the run goes on alone)."""
+    """Start the trainer detached on the target; returns once it runs (the run goes on alone).
+
+    gpu_ids ("0,3") names the GPUs (and their slots) instead of the first free ones; name labels
+    the run in status. resume continues that stopped or failed run in place (same run id, its own
+    config, trainer arguments, topology and policy, the trainer's --resume) as a new attempt."""
     target = resolve_target(inv, target_name)
-    gpus = target.gpus if gpus is None else gpus
-    if gpus < 0:
+    if name is not None and not LABEL_RE.match(name):
+        raise UsageError(f"--name {name!r}: one line of at most 64 printable characters")
+    ids = parse_gpu_ids(gpu_ids, target) if gpu_ids is not None else None
+    if ids is not None:
+        if gpus is not None and gpus != len(ids):
+            raise UsageError(f"--gpus {gpus} and --gpu-ids {gpu_ids} disagree; give one of them")
+        gpus = len(ids)
+    if resume is not None:
+        check_run(resume)
+        if config or extra or workers is not None:
+            raise UsageError("--resume continues the run with its own config and trainer arguments; "
+                             "drop --config, --workers and the arguments after `--`")
+    gpus = (None if resume is not None else target.gpus) if gpus is None else gpus
+    if gpus is not None and gpus < 0:
         raise UsageError("--gpus must be >= 0")
-    if gpus > target.gpus:
+    if gpus is not None and gpus > target.gpus:
         raise LaunchRefused(f"{target.name}: --gpus {gpus} is more than the target's "
                             f"{target.gpus} GPU(s) (hosts.yaml `gpus:`)")
     if topology not in TOPOLOGIES:
@@ -151,7 +189,8 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
             raise UsageError(f"trainer argument {i} is not UTF-8 text: {arg!r}") from None
     spec = {"run": new_run_id(target.name), "target": target.name, "gpus": gpus,
             "target_gpus": target.gpus, "topology": topology, "policy": policy or "auto",
-            "workers": workers, "extra": list(extra), "controller": _controller()}
+            "workers": workers, "extra": list(extra), "controller": _controller(), "name": name,
+            "gpu_ids": ids, "resume": resume}
     if config:
         path = Path(config).expanduser()
         try:
@@ -161,20 +200,21 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
         spec["config_name"] = path.name
         spec["config_source"] = str(path.resolve())
     start = time.monotonic()
-    with _session(inv, session) as s:
-        t = s.transport(target)
-        doc = run_agent(t, target, ["launch", target.workdir], agent=AGENT,
-                        stdin=json.dumps(spec).encode(), what="launch the trainer", timeout=120)
-    if not doc.get("ok"):
-        if doc.get("reason") == "spawn":
-            raise StepFailed(target.name, "launch the trainer", 1, doc.get("message", ""))
-        raise LaunchRefused(refusal_message(target, doc))
+    try:
+        with agent.session(inv, session) as s:
+            doc = agent.call(s.transport(target), target, agent.RUNS, ["launch", target.workdir],
+                             stdin=json.dumps(spec).encode(), what="launch the trainer", timeout=120)
+    except agent.Refused as e:
+        if e.reason == "spawn":
+            raise StepFailed(target.name, "launch the trainer", 1, e.doc.get("message", "")) from None
+        raise LaunchRefused(refusal_message(target, e.doc)) from None
     return LaunchResult(
         target=target.name, run=doc["run"], pid=doc["pid"], supervisor_pid=doc.get("supervisor_pid"),
-        release=doc.get("release"), commit=doc.get("commit"), policy=spec["policy"],
-        compile_policy=doc.get("compile_policy"), probe_policy=doc.get("probe_policy"), gpus=gpus,
+        release=doc.get("release"), commit=doc.get("commit"), policy=spec["policy"] if resume is None else None,
+        compile_policy=doc.get("compile_policy"), probe_policy=doc.get("probe_policy"), gpus=doc.get("gpus", gpus),
         gpu_ids=doc.get("gpu_ids") or [], slots=doc.get("slots") or [], log=doc.get("log"), command_line=doc.get("command_line"),
-        cleared=doc.get("cleared") or [], seconds=round(time.monotonic() - start, 3))
+        cleared=doc.get("cleared") or [], name=doc.get("name"), attempt=doc.get("attempt") or 1,
+        resumed_from=doc.get("resumed_from"), seconds=round(time.monotonic() - start, 3))
 
 
 def _controller() -> dict:
@@ -190,21 +230,6 @@ def _controller() -> dict:
     return {"user": user, "host": socket.gethostname(), "dflash_ops": ver}
 
 
-class _session:
-    """Use the caller's Session, or open one for this call and close it after."""
-
-    def __init__(self, inv: Inventory, session: Session | None):
-        self.own = session is None
-        self.session = session or Session(inv)
-
-    def __enter__(self) -> Session:
-        return self.session
-
-    def __exit__(self, *exc) -> None:
-        if self.own:
-            self.session.close()
-
-
 # --- status -------------------------------------------------------------------------------------
 
 def status(inv: Inventory, names: Sequence[str] = (), *, all_targets: bool = False,
@@ -213,21 +238,14 @@ def status(inv: Inventory, names: Sequence[str] = (), *, all_targets: bool = Fal
     parallel; a row per run, oldest first per target; errors maps a target that could not be
     read to why."""
     targets = list(inv.targets.values()) if all_targets else inv.select(list(names))
-    with _session(inv, session) as s:
-        def one(target: Target):
-            try:
-                doc = run_agent(s.transport(target), target, ["status", target.workdir, "--", *runs],
-                                agent=AGENT, what="read the runs", timeout=60)
-            except OpsError as e:
-                return target.name, None, e.render()
-            return target.name, doc, None
-
-        with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
-            results = list(pool.map(one, targets))
-    rows, errors = [], {}
-    for name, doc, err in results:
-        if err:
-            errors[name] = err
+    with agent.session(inv, session) as s:
+        group = agent.fan_out(targets, lambda target: agent.call(
+            s.transport(target), target, agent.RUNS, ["status", target.workdir, "--", *runs],
+            what="read the runs", timeout=60))
+    rows, errors = [], group.failures
+    for name, outcome in group.items():
+        doc = outcome.value
+        if not outcome.ok:
             continue
         for r in doc["runs"]:
             rows.append({"target": name, **r})
@@ -265,10 +283,13 @@ def metrics(inv: Inventory, target: Target, run: str = "latest", *,
 def _one_run(inv: Inventory, session: Session | None, target: Target, run: str, args: list[str],
              what: str, timeout: float) -> dict:
     """An agent command about one run: its document with "target" added; NotFound without it."""
-    with _session(inv, session) as s:
-        doc = run_agent(s.transport(target), target, args, agent=AGENT, what=what, timeout=timeout)
-    if not doc.get("found"):
-        raise not_found(target, run)
+    try:
+        with agent.session(inv, session) as s:
+            doc = agent.call(s.transport(target), target, agent.RUNS, args, what=what, timeout=timeout)
+    except agent.Refused as e:
+        if e.reason == "not_found":
+            raise not_found(target, run) from None
+        raise
     doc["target"] = target.name
     return doc
 

@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from .deploy import run_agent
+from . import agent
 from .errors import ConnectError, ContainerError, OpsError
 from .inventory import Inventory, Target
 from .transport import Session
@@ -46,7 +45,8 @@ def check_one(session: Session, inv: Inventory, t: Target) -> Check:
         if t.vmid is not None:
             transport.check()
             c.container = "running"
-        live = run_agent(transport, t, ["manifest", t.workdir, "--no-files"], what="check python")
+        live = agent.call(transport, t, agent.RELEASE, ["manifest", t.workdir, "--no-files"],
+                          what="check python")
         c.python, c.torch, c.release = live["python"], live["torch"], live["release"]
         c.ok = True
     except ContainerError as e:
@@ -60,6 +60,9 @@ def check_one(session: Session, inv: Inventory, t: Target) -> Check:
 
 
 def check(inv: Inventory, names: list[str] | None = None) -> list[Check]:
+    """Every target (or those named) reached in parallel; a Check each, failures included."""
     targets = inv.select(names) if names else list(inv.targets.values())
-    with Session(inv) as session, ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
-        return list(pool.map(lambda t: check_one(session, inv, t), targets))
+    with agent.session(inv) as session:
+        group = agent.fan_out(targets, lambda t: check_one(session, inv, t))
+    return [o.value if o.ok else Check(name, describe(inv, inv.target(name)), error=o.error.render())
+            for name, o in group.items()]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import deploy, inventory
+from orchestrator.agent import RELEASE, source as agent_source
 from orchestrator.transport import Session
 
 WORKDIR = "/srv/ct/dflash"
@@ -176,7 +177,7 @@ def test_agent_reads_installed_versions_as_importlib_metadata_does():
     # as the fallback, the versions would match whatever the fast path does).
     from importlib import metadata
     names = ["torch", "PyYAML", "pyyaml", "typing-extensions", "paramiko"]
-    source = deploy.agent_source()
+    source = agent_source(RELEASE)
     code = (source[:source.index("def main(")]
             + f"\nprint(json.dumps([[_dist_version(n) for n in {names!r}], 'importlib.metadata' in sys.modules]))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import deploy, inventory
+from orchestrator.agent import RELEASE, source as agent_source
 from orchestrator.transport import Session
 
 WORKDIR = "/srv/ct/dflash"
@@ -293,7 +294,7 @@ def test_a_full_disk_is_named_and_left_as_it_was(small_disk, tmp_path):
     assert r.returncode == 0 and "up to date" in r.stdout
 
     # Space running out mid-write (the estimate said it fits): the partial release goes too.
-    agent = deploy.agent_source()
+    agent = agent_source(RELEASE)
     tar = tmp_path / "big.tar"
     (src / "big.bin").write_bytes(os.urandom(8 << 20))
     subprocess.run(["tar", "-cf", tar, "-C", src, "big.bin"], check=True)

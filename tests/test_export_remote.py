@@ -142,7 +142,8 @@ def test_a_damaged_stream_never_reaches_the_destination(tmp_path):
             json.dumps({"ok": True, "files": [{"name": "../x", "size": 1, "sha256": ""}]}).encode() + b"\n")
 
 
-def test_the_joined_export_agent_is_python_38():
-    from orchestrator.deploy import agent_source
+def test_the_joined_runs_agent_with_export_is_python_38():
+    from orchestrator import agent
 
-    ast.parse(agent_source(*export.AGENT), feature_version=(3, 8))
+    assert "runs_export" in agent.parts(agent.RUNS)
+    ast.parse(agent.source(agent.RUNS), feature_version=(3, 8))

@@ -45,11 +45,10 @@ def test_scripts_run_under_bash_c():
     assert bash_argv("echo $HOME") == ["bash", "-c", "echo $HOME"]
 
 
-def test_probe_playbook_takes_parameters_as_arguments():
+def test_probe_is_a_runs_agent_command_with_its_arguments_after_double_dash():
     from orchestrator.inventory import Target
-    from orchestrator.probe import probe_argv
+    from orchestrator.probe import probe_args
     t = Target(name="t", python="/opt/py thon", workdir="/root/it's here", expect={"torch": ">=2.5"})
-    argv = probe_argv(t, 4, policies=["eager", "inductor"])
-    assert argv[:2] == ["bash", "-c"] and argv[3:6] == ["probe.sh", "/root/it's here", "/opt/py thon"]
-    assert argv[6:] == ["--threads", "4", "--expect", '{"torch": ">=2.5"}', "--policies", "eager,inductor"]
-    assert "it's here" not in argv[2]     # the script text never carries a parameter
+    args = probe_args(t, 4, policies=["eager", "inductor"])
+    assert args[:3] == ["probe", "/root/it's here", "--"]
+    assert args[3:] == ["--threads", "4", "--expect", '{"torch": ">=2.5"}', "--policies", "eager,inductor"]

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.deploy import RELEASE_AGENT, agent_source
-from orchestrator.runs import AGENT as PARTS
+from orchestrator import agent as agent_mod
 
 REMOTE = Path(__file__).resolve().parent.parent / "orchestrator" / "remote"
-SOURCE = agent_source(*PARTS)     # what the controller sends: `python -c SOURCE CMD ...`
+SOURCE = agent_mod.source(agent_mod.RUNS)   # what the controller sends: `python -c SOURCE CMD ...`
 
 
 # ---- the parts, joined ------------------------------------------------------------------------
@@ -52,39 +51,55 @@ def _bound_anywhere(tree):
     return names
 
 
-@pytest.mark.parametrize("parts", [PARTS, RELEASE_AGENT], ids=["runs", "release"])
-def test_the_parts_are_stdlib_only_and_use_only_what_earlier_parts_define(parts):
-    defined = set(dir(builtins)) | {"__name__", "__file__"}
-    for name in parts:
-        text = (REMOTE / name).read_text()
+@pytest.mark.parametrize("program", [agent_mod.RUNS, agent_mod.RELEASE])
+def test_every_part_says_where_each_name_comes_from(program):
+    """A part is a module of a normal package: stdlib imports, `from .PART import NAME` for what
+    another part defines (NAME must be defined there), nothing used that it neither defines nor
+    imports; no two parts of a program define the same name (they share one namespace)."""
+    defined_by: dict = {}
+    for name in agent_mod.parts(program):
+        text = (REMOTE / f"{name}.py").read_text()
         tree = ast.parse(text, feature_version=(3, 8))
+        imported = set()
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                for a in node.names:
+                    assert a.asname is None, f"{name}: `as` would not survive the join"
+                    assert defined_by.get(a.name) == node.module, \
+                        f"{name}: {a.name} is not defined by {node.module}"
+                    imported.add(a.name)
+            elif isinstance(node, ast.ImportFrom):
                 assert node.module != "__future__", f"{name}: `from __future__` is only legal first"
-                assert node.level == 0 and node.module.split(".")[0] in sys.stdlib_module_names, \
-                    f"{name}: imports {node.module}"
+                assert node.module.split(".")[0] in sys.stdlib_module_names, f"{name}: imports {node.module}"
             elif isinstance(node, ast.Import):
                 for a in node.names:
                     assert a.name.split(".")[0] in sys.stdlib_module_names, f"{name}: imports {a.name}"
         used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-        missing = used - defined - _bound_anywhere(tree)
-        assert not missing, f"{name} uses {sorted(missing)}, which no part before it defines"
-        defined |= _top_level_names(tree)
+        missing = used - set(dir(builtins)) - {"__name__", "__file__"} - _bound_anywhere(tree)
+        assert not missing, f"{name} uses {sorted(missing)} without importing them"
+        stdlib = {(a.asname or a.name).split(".")[0] for node in tree.body
+                  if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0)
+                  for a in node.names}
+        for top in _top_level_names(tree) - imported - stdlib:
+            assert top not in defined_by, f"{top} is defined by both {defined_by[top]} and {name}"
+            defined_by[top] = name
+    assert list(agent_mod.parts(program))[-1] == program
 
 
 def test_the_joined_source_compiles_for_python_38_and_defines_every_command():
     ast.parse(SOURCE, feature_version=(3, 8))
     space = {"__name__": "not_main"}
     exec(compile(SOURCE, "runs_agent", "exec"), space)   # module-level order: no NameError
-    for cmd in ("cmd_launch", "cmd_status", "cmd_follow", "cmd_stop", "cmd_metrics", "main",
-                "_supervise", "_claim", "_release_slots"):
+    for cmd in ("cmd_launch", "cmd_status", "cmd_follow", "cmd_stop", "cmd_metrics", "cmd_export",
+                "cmd_probe", "main", "_supervise", "_claim", "_release_slots"):
         assert callable(space[cmd]), cmd
-    assert SOURCE.count("# ---- runs_") == len(PARTS)
+    assert SOURCE.count("\n# ---- ") + SOURCE.startswith("# ---- ") == len(agent_mod.parts(agent_mod.RUNS))
+    assert "\nfrom ." not in SOURCE      # the package-relative imports are gone
 
 
 def test_the_joined_program_answers_usage_and_unknown_commands(tmp_path):
     usage = subprocess.run([sys.executable, "-c", SOURCE], capture_output=True, text=True, timeout=60)
-    assert usage.returncode == 2 and "usage: runs_agent launch|status|follow|stop|metrics" in usage.stderr
+    assert usage.returncode == 2 and "usage: runs_agent launch|status|follow|stop|metrics|export|probe|rm|prune" in usage.stderr
     bad = subprocess.run([sys.executable, "-c", SOURCE, "frobnicate", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
@@ -98,13 +113,18 @@ p = argparse.ArgumentParser()
 p.add_argument("--out"); p.add_argument("--gpus", type=int); p.add_argument("--topology")
 p.add_argument("--compile-policy"); p.add_argument("--workers"); p.add_argument("--config")
 p.add_argument("--steps", type=int, default=5); p.add_argument("--sleep", type=float, default=0.01)
+p.add_argument("--resume", action="store_true")
 a = p.parse_args()
+first = 1
+if a.resume and os.path.exists(os.path.join(a.out, "checkpoint")):
+    first = int(open(os.path.join(a.out, "checkpoint")).read())
+    print(json.dumps({"event": "resume", "step": first - 1}), flush=True)
 print("[stub] CUDA_VISIBLE_DEVICES=%r HOME=%s unbuffered=%s cwd=%s config=%s" % (
     os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("HOME"),
     os.environ.get("PYTHONUNBUFFERED"), os.getcwd(), a.config), flush=True)
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-for i in range(1, a.steps + 1):
+for i in range(first, a.steps + 1):
     if stop:
         open(os.path.join(a.out, "checkpoint"), "w").write(str(i))
         print(json.dumps({"event": "stopped", "step": i - 1}), flush=True)
@@ -271,7 +291,7 @@ def test_stop_waits_for_the_checkpoint_and_force_kills(wd):
     launch(wd, "t-b", extra=["--steps", "5000"])
     doc = json.loads(agent("stop", wd, "--force", "--", "latest").stdout)
     assert (doc["run"], doc["state"], doc["exit"]["signal_name"]) == ("t-b", "stopped", "SIGKILL")
-    assert json.loads(agent("stop", wd, "--", "nope").stdout)["found"] is False
+    assert json.loads(agent("stop", wd, "--", "nope").stdout)["reason"] == "not_found"
 
 
 def _follow(wd, run, offset, *flags):
@@ -300,7 +320,7 @@ def test_follow_protocol_offsets_tail_and_end(wd):
     header, body, controls = _follow(wd, "f-b", 0, "--no-follow")
     assert controls[-1]["end"]["state"] == "running"
     header, _, _ = _follow(wd, "missing", 0)
-    assert header["error"] == "not_found"
+    assert header["reason"] == "not_found"
     agent("stop", wd, "--force", "--", "f-b")
 
 
@@ -334,9 +354,9 @@ def test_a_run_id_is_never_read_as_an_option(wd):
     launch(wd, "o-a", extra=["--steps", "5000"])
     for word in ("--force", "--no-follow", "-1", "../o-a"):
         doc = json.loads(agent("stop", wd, "--", word).stdout)
-        assert doc == {"found": False, "run": word}
+        assert doc == {"ok": False, "reason": "not_found", "run": word}
         header, body, _ = _follow(wd, word, 0, "--no-follow")
-        assert header["error"] == "not_found" and body == b""
+        assert header["reason"] == "not_found" and body == b""
     assert state(wd, "o-a")["state"] == "running"          # nothing was killed
     old_style = subprocess.run([sys.executable, "-c", SOURCE, "stop", str(wd), "o-a", "--force"],
                                capture_output=True, text=True, timeout=60)
@@ -405,3 +425,69 @@ def test_launch_on_a_full_disk_leaves_nothing_behind(wd):
         assert os.listdir(runs) == []
     finally:
         subprocess.run(["umount", "-l", str(runs)], check=False)
+
+
+# ---- issue 13: names, chosen GPUs, resume in place, rm and prune ------------------------------
+
+def test_gpu_ids_take_exactly_those_slots_and_a_name_is_shown(wd):
+    doc = launch(wd, "g-a", gpus=0, total=4, gpu_ids=[0, 3], name="first try",
+                 extra=["--steps", "5000"])
+    assert doc["ok"] and doc["gpu_ids"] == [0, 3] and doc["slots"] == ["gpu0", "gpu3"] and doc["gpus"] == 2
+    log = wd / "runs" / "g-a" / "train.log"
+    assert "CUDA_VISIBLE_DEVICES='0,3'" in wait_for(lambda: "[stub]" in log.read_text() and log.read_text())
+    st = state(wd, "g-a")
+    assert st["name"] == "first try" and st["attempt"] == 1
+    busy = launch(wd, "g-b", total=4, gpu_ids=[3])
+    assert busy["reason"] == "busy" and sorted(busy["busy"]) == ["gpu3"]
+    free = launch(wd, "g-c", total=4, gpu_ids=[1], extra=["--steps", "1"])
+    assert free["ok"] and free["slots"] == ["gpu1"]
+    bad = launch(wd, "g-d", total=4, gpu_ids=[4])
+    assert bad["reason"] == "bad_gpu_ids" and "0..3" in bad["message"]
+    agent("stop", wd, "--force", "--", "g-a")
+    ended(wd, "g-c")
+
+
+def test_resume_continues_a_stopped_run_in_place_as_a_new_attempt(wd):
+    launch(wd, "z-a", name="long", extra=["--steps", "60", "--sleep", "0.02"])
+    wait_for(lambda: b'"step": 5' in (wd / "runs" / "z-a" / "train.log").read_bytes())
+    refused = launch(wd, "ignored", resume="z-a")
+    assert refused["reason"] == "not_resumable" and refused["state"] == "running"
+    agent("stop", wd, "--", "z-a")
+    stopped_at = int((wd / "runs" / "z-a" / "checkpoint").read_text())
+    doc = launch(wd, "ignored", resume="z-a")
+    assert doc["ok"] and doc["run"] == "z-a" and doc["attempt"] == 2 and doc["resumed_from"] == "stopped"
+    assert not (wd / "runs" / "ignored").exists()
+    ended(wd, "z-a")
+    rec = _json(wd / "runs" / "z-a" / "run.json")
+    assert rec["command"][-3:] == ["--resume", "--steps", "60"] or "--resume" in rec["command"]
+    assert rec["name"] == "long" and rec["attempt"] == 2
+    assert [a["state"] for a in rec["attempts"]] == ["stopped"]
+    log = (wd / "runs" / "z-a" / "train.log").read_text()
+    assert '"event": "resume", "step": %d' % (stopped_at - 1) in log      # one log, appended
+    st = state(wd, "z-a")
+    assert (st["state"], st["step"], st["attempt"]) == ("succeeded", 60, 2)
+    again = launch(wd, "ignored", resume="z-a")
+    assert again["reason"] == "not_resumable" and again["state"] == "succeeded"
+    assert launch(wd, "x", resume="nope")["reason"] == "not_found"
+
+
+def test_rm_and_prune_never_touch_a_running_run_and_say_what_they_free(wd):
+    for run in ("h-a", "h-b", "h-c"):
+        launch(wd, run, extra=["--steps", "1"])
+        ended(wd, run)
+        time.sleep(0.02)       # distinct start times: prune keeps the newest
+    launch(wd, "h-d", extra=["--steps", "5000"])
+    size = sum(f.stat().st_size for f in (wd / "runs" / "h-a").rglob("*") if f.is_file())
+    doc = json.loads(agent("rm", wd, "--dry-run", "--", "h-a").stdout)
+    assert doc["removed"] == [{"run": "h-a", "state": "succeeded", "name": None, "bytes": size}]
+    assert (wd / "runs" / "h-a").exists()
+    doc = json.loads(agent("rm", wd, "--", "h-a", "h-d", "nope", "--force").stdout)
+    assert [r["run"] for r in doc["removed"]] == ["h-a"] and doc["freed"] == size
+    assert doc["refused"] == [{"run": "h-d", "state": "running", "name": None}]
+    assert doc["missing"] == ["nope", "--force"]
+    assert not (wd / "runs" / "h-a").exists() and state(wd, "h-d")["state"] == "running"
+    doc = json.loads(agent("prune", wd, "--keep", "0").stdout)
+    assert sorted(r["run"] for r in doc["removed"]) == ["h-b", "h-c"] and doc["kept"] == ["h-d"]
+    assert doc["freed"] > 0 and state(wd, "h-d")["state"] == "running"
+    assert [p.name for p in (wd / "runs").iterdir()] == ["h-d"]
+    agent("stop", wd, "--force", "--", "h-d")

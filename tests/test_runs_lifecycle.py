@@ -286,3 +286,75 @@ def test_a_run_that_finishes_after_its_supervisor_was_killed_succeeded(ct):
     st = ct.status(run)
     assert (st["state"], st["step"]) == ("succeeded", 40) and not st["exit"]["lost"]
     assert not (ct.rundir(run) / "exit.json").exists()     # judged from the trainer's log
+
+
+# ---- issue 13: run housekeeping --------------------------------------------------------------
+
+def _final_weights(rundir: Path):
+    torch = pytest.importorskip("torch")
+    from trainer import checkpoint
+    return torch, checkpoint.load(checkpoint.find_latest(rundir)).model
+
+
+def test_resume_of_a_stopped_run_reaches_the_weights_of_an_uninterrupted_run(ct):
+    ct.deploy()
+    steps = ["--", "--steps", "150"]
+    whole = ct.launch("--name", "uninterrupted", *steps)
+    r = ct.cli("logs", "ct200", whole, "--follow")
+    assert r.returncode == 0, r.stderr.decode()
+
+    split = ct.launch("--name", "split", *steps)
+    wait_for(lambda: ct.steps_logged(split) >= 5, what="training steps")
+    r = ct.cli("stop", "ct200", split)
+    assert r.returncode == 0 and b"stopped" in r.stdout, r.stdout + r.stderr
+    r = ct.cli("launch", "ct200", "--resume", split, "--config", ct.cfg)
+    assert r.returncode == 2 and b"--resume continues the run with its own config" in r.stderr
+    r = ct.cli("launch", "ct200", "--resume", split)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode().strip() == split                       # the same run id
+    assert b"resumed run " + split.encode() + b" (attempt 2, was stopped" in r.stderr
+    r = ct.cli("logs", "ct200", split, "--follow")
+    assert r.returncode == 0, r.stderr.decode()
+
+    rec = ct.record(split)
+    assert rec["attempt"] == 2 and [a["state"] for a in rec["attempts"]] == ["stopped"]
+    assert "--resume" in rec["command"] and rec["name"] == "split"
+    st = ct.status(split)
+    assert (st["state"], st["step"], st["name"]) == ("succeeded", 150, "split")
+    torch, wa = _final_weights(ct.rundir(whole))
+    _, wb = _final_weights(ct.rundir(split))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    r = ct.cli("status", "ct200")
+    assert b"uninterrupted" in r.stdout and b"NAME" in r.stdout
+    r = ct.cli("launch", "ct200", "--resume", split)
+    assert r.returncode == 1 and b"only a stopped or failed run can be resumed" in r.stderr
+
+
+def test_rm_and_prune_refuse_a_running_run_and_say_what_they_free(ct):
+    ct.deploy()
+    done = ct.launch("--", "--steps", "2")
+    assert ct.cli("logs", "ct200", done, "--follow").returncode == 0
+    running = ct.launch(*LONG)
+    wait_for(lambda: ct.steps_logged(running) >= 1, what="training steps")
+    r = ct.cli("launch", "ct200", "--gpu-ids", "2", "--policy", "eager")
+    assert r.returncode == 2 and b"--gpu-ids 2: ct200 has GPUs 0..1" in r.stderr
+
+    r = ct.cli("rm", "ct200", running)
+    err = r.stderr.decode()
+    assert r.returncode == 1 and f"run {running} is running; not removed" in err, err
+    assert ct.status(running)["state"] == "running" and ct.rundir(running).exists()
+    r = ct.cli("prune", "ct200", "--keep", "0", "--dry-run")
+    assert r.returncode == 0 and f"would remove run {done}".encode() in r.stdout
+    assert ct.rundir(done).exists()
+    size = sum(f.stat().st_size for f in ct.rundir(done).rglob("*") if f.is_file())
+    r = ct.cli("prune", "ct200", "--keep", "0", "--json")
+    doc = json.loads(r.stdout)["targets"]["ct200"]
+    assert r.returncode == 0 and [x["run"] for x in doc["removed"]] == [done]
+    assert doc["freed"] == size > 0 and doc["kept"] == [running]
+    assert not ct.rundir(done).exists() and ct.status(running)["state"] == "running"
+    r = ct.cli("rm", "ct200", done)
+    assert r.returncode == 102 and b"no run" in r.stderr
+    assert ct.cli("stop", "ct200", running, "--force").returncode == 0
+    r = ct.cli("rm", "ct200", running)
+    assert r.returncode == 0 and f"removed run {running}".encode() in r.stdout and b"freed " in r.stdout
+    assert not ct.rundir(running).exists()

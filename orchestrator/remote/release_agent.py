@@ -1,9 +1,9 @@
-"""Release agent, part 2 of 2 (release_agent.py): the commands and main(). Uses release_store.
+"""The release agent (entry `release_agent`): the deploy commands and main().
 
 Runs on the TARGET, under the target's own python, as `python -c SOURCE CMD ...`, SOURCE being
-release_store.py and this file joined (orchestrator/deploy.py's RELEASE_AGENT): `python -c`
-cannot import files on the target. Standard library only, Python >= 3.8, no `from __future__`,
-no rsync/tar binaries needed in the container.
+this module and what it imports, joined by orchestrator/agent.py (`python -c` cannot import
+files on the target). Standard library only, Python >= 3.8, no `from __future__`, no rsync/tar
+binaries needed in the container.
 
     manifest WORKDIR [--verify] [--tidy] [--no-files]
                                 -> JSON: python/torch versions, live release id and its manifest
@@ -25,21 +25,14 @@ import os
 import platform
 import sys
 
+from .common import _fail, _out, _read_json, _write_json
+from .release_store import MANIFEST, STATS, _check, _clear_leftovers, _holder, _live, _read_manifest, _stat_key, _try_lock
+
 # hashlib, shutil, subprocess, tarfile and tempfile are imported where they are used: the
 # `manifest` command of every deploy needs none of them, and their imports were ~20 ms of it.
 
 KEEP = 5
 EXIT_BUSY, EXIT_STALE, EXIT_NO_SPACE = 4, 5, 6    # apply's refusals the controller tells apart
-
-
-def _out(doc):
-    sys.stdout.write(json.dumps(doc) + "\n")
-    sys.stdout.flush()
-
-
-def _fail(msg, code=3):
-    sys.stderr.write("agent: " + msg + "\n")
-    sys.exit(code)
 
 
 def _dist_version(name):
@@ -84,14 +77,14 @@ def cmd_manifest(workdir, full=False, tidy=False, no_files=False):
         elif manifest is None:
             release, manifest = None, {}   # none, or a damaged live release: the next deploy sends everything
         else:
-            known = _read_json_file(os.path.join(path, STATS))
+            known = _read_json(os.path.join(path, STATS))
             good, damaged = _check(path, manifest, known or {}, full)
             manifest = {rel: m for rel, m in manifest.items() if rel in good}
             if known is None and lock is not None and not damaged:
                 # A release built before stat records existed: record them once, so the next
                 # deploy checks sizes and mtimes instead of hashing every file again.
                 try:
-                    _write_json_file(os.path.join(path, STATS), good)
+                    _write_json(os.path.join(path, STATS), good)
                 except OSError:   # a full disk: hashed again next time, nothing lost
                     pass
     finally:
@@ -219,7 +212,7 @@ def _build(partial, base_path):
         _fail("stream ended without a manifest (interrupted transfer?)")
 
     old = _read_manifest(base_path) or {}
-    old_known = _read_json_file(os.path.join(base_path, STATS)) if base_path else None
+    old_known = _read_json(os.path.join(base_path, STATS)) if base_path else None
     known, linked = {}, 0
     for rel, (sha, size, exe) in new_manifest.items():
         rel = _safe_rel(rel)
@@ -252,7 +245,7 @@ def _build(partial, base_path):
         _fail("the new release is incomplete (%d file(s) missing or damaged, e.g. %s); "
               "deploy again" % (len(damaged), damaged[0]))
     for name, doc in ((STATS, good), (MANIFEST, new_manifest)):
-        _write_json_file(os.path.join(partial, name), doc)
+        _write_json(os.path.join(partial, name), doc)
     _fsync_dir(partial)
     return len(received), linked
 

@@ -1,6 +1,6 @@
-"""Release agent, part 1 of 2 (release_store.py): a target's releases on disk. The commands that
-use it are in release_agent.py (part 2); the two are joined into one `python -c` program, so this
-part is standard library only, Python >= 3.8, with no `from __future__` line.
+"""A target's releases on disk: the deploy lock, leftovers, the size/mtime/hash check of a release.
+Used by release_agent.py (the deploy commands) and runs_probe.py (the live release). Standard
+library only, Python >= 3.8, no `from __future__` line (orchestrator/agent.py joins the parts).
 
     WORKDIR/current                     symlink to releases/ID, the live release
     WORKDIR/releases/ID/                a release: the files, plus
@@ -13,6 +13,8 @@ part is standard library only, Python >= 3.8, with no `from __future__` line.
 """
 import json
 import os
+
+from .common import _flock, _listdir, _sha256
 
 MANIFEST = ".dflash-manifest.json"
 STATS = ".dflash-stat.json"
@@ -43,18 +45,13 @@ def _lock_path(workdir):
 
 
 def _try_lock(workdir):
-    """The per-target deploy lock: an flock on WORKDIR/.deploy.lock, so the kernel releases it when
-    its holder dies (killed -9, connection dropped). The open file when taken, else None."""
-    import fcntl
-
+    """The per-target deploy lock: an flock on WORKDIR/.deploy.lock (common._flock), so the kernel
+    releases it when its holder dies (killed -9, connection dropped). The open file when taken,
+    else None."""
     os.makedirs(workdir, exist_ok=True)
-    f = open(_lock_path(workdir), "a+")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        return None
-    f.truncate(0)    # a dead holder's note must not be read as ours
+    f = _flock(_lock_path(workdir), wait=False)
+    if f is not None:
+        f.truncate(0)    # a dead holder's note must not be read as ours
     return f
 
 
@@ -86,23 +83,6 @@ def _clear_leftovers(workdir):
             elif folder == workdir and name.startswith(".current.") and os.path.islink(path):
                 os.unlink(path)
     return cleared
-
-
-def _listdir(path):
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
-
-
-def _sha256(path):
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _stat_key(st):
@@ -139,18 +119,3 @@ def _check(release_path, manifest, known, full):
                 continue
         good[rel] = key
     return good, sorted(damaged)
-
-
-def _write_json_file(path, doc):
-    with open(path, "w") as f:
-        json.dump(doc, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _read_json_file(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None

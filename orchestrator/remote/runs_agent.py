@@ -1,9 +1,10 @@
-"""Runs agent, part 5 of 5 (runs_agent.py): the commands and main(). Uses all the parts before it.
+"""The runs agent (entry `runs_agent`): the run commands and main().
 
-The runs agent runs on the TARGET, under the target's own python, as `python -c SOURCE CMD ...`,
-SOURCE being its five parts joined (runs_common.py says how). Standard library only,
-Python >= 3.8. Every command prints one JSON document as its last stdout line, except `follow`,
-whose stdout is a JSON header line followed by the raw log bytes.
+Runs on the TARGET, under the target's own python, as `python -c SOURCE CMD ...`, SOURCE being
+this module and what it imports, joined by orchestrator/agent.py. Standard library only,
+Python >= 3.8. Every command prints one JSON document as its last stdout line (a refusal is
+`{"ok": false, "reason": R, ...}`, exit 0), except `follow` and `export`, whose stdout is a JSON
+header line followed by raw bytes.
 
     launch WORKDIR            stdin: the launch spec (JSON). Checks the release, the probe result
                               and the slot locks, then starts a detached supervisor (double fork,
@@ -18,8 +19,19 @@ whose stdout is a JSON header line followed by the raw log bytes.
                               connection is noticed on both ends) and {"end": STATUS} last.
     stop WORKDIR [--force] [--timeout S] -- RUN
                               SIGTERM (SIGKILL with --force) to the trainer's process group, then
-                              wait for it to checkpoint and exit
+                              wait for it to checkpoint and exit (runs_stop.py)
     metrics WORKDIR -- RUN    the log's JSON metric lines
+    export WORKDIR [--step N] [--dtype D] -- RUN
+                              the run's drafter as a DFlash folder, streamed (runs_export.py)
+    probe WORKDIR -- PROBE_ARGS...
+                              the live release's probe program, its document as the reply
+                              (runs_probe.py)
+    rm WORKDIR [--dry-run] -- RUN...    prune WORKDIR --keep N [--dry-run]
+                              remove ended runs, never a running one (runs_housekeeping.py)
+
+The launch spec may name GPUs ("gpu_ids": exactly those slots), a "name" (shown by status), and
+"resume": RUN, which continues a stopped or failed run in its own folder, with its own settings
+and the trainer's --resume, as attempt N+1 (run.json "attempts" keeps the earlier ones).
 
 Options come before `--`, values (run ids) after it: a run id is never read as an option.
 
@@ -35,10 +47,20 @@ import json
 import os
 import platform
 import shlex
-import signal
 import socket
 import sys
 import time
+
+from .common import _fail, _home, _now_iso, _out, _read_json, _write_json
+from .runs_common import LOG, _metric, _resolve, _run_ids, _runs_dir, _state, _status
+from .release_store import _live
+from .runs_export import cmd_export
+from .runs_follow import cmd_follow
+from .runs_housekeeping import RESUMABLE, _end_attempt, _resume_spec, cmd_prune, cmd_rm
+from .runs_locks import _Guard, _claim, _hold
+from .runs_probe import cmd_probe
+from .runs_stop import cmd_stop
+from .runs_supervisor import _exit_record, _spawn_supervisor
 
 STOP_TIMEOUT_S = 120.0
 RUN_MIN_FREE = 64 * 10**6    # bytes a new run folder needs free: its log, config and first checkpoints
@@ -65,10 +87,9 @@ def _refuse(reason, message, **extra):
 
 
 def _release_info(workdir):
-    cur = os.path.join(workdir, "current")
-    if not os.path.islink(cur) or not os.path.isdir(cur):
+    release, path = _live(workdir)
+    if release is None or not os.path.isdir(path):
         return None, None, None
-    path = os.path.realpath(cur)
     commit = None
     for name in (".git-commit", "GIT_COMMIT"):
         try:
@@ -98,19 +119,11 @@ def _probe_policy(workdir, topology="threads"):
     return True, policy if isinstance(policy, str) and policy else None
 
 
-def _home():
-    home = os.environ.get("HOME")
-    if home:
-        return home
-    try:
-        import pwd
-        return pwd.getpwuid(os.getuid()).pw_dir
-    except (ImportError, KeyError):
-        return "/root"
-
-
 def cmd_launch(workdir):
     spec = json.load(sys.stdin)
+    prev = None
+    if spec.get("resume"):          # continue a stopped or failed run in place, with its settings
+        spec, prev = _resume_spec(workdir, spec, _refuse)
     run = spec["run"]
     release, release_path, commit = _release_info(workdir)
     if release is None:
@@ -125,7 +138,14 @@ def cmd_launch(workdir):
     # `auto` goes to the trainer as is: it resolves it from DFLASH_OPS_WORKDIR/probe.json and
     # refuses a choice probed under another torch build. The record keeps the probe's choice.
     compile_policy = policy
-    gpus, total = int(spec.get("gpus", 0)), int(spec.get("target_gpus", 0))
+    gpus, total = int(spec.get("gpus") or 0), int(spec.get("target_gpus", 0))
+    want = spec.get("gpu_ids")
+    if want is not None:
+        bad = [i for i in want if not 0 <= i < total]
+        if bad or not want or len(set(want)) != len(want):
+            _refuse("bad_gpu_ids", "--gpu-ids %s: the target's GPUs are 0..%d, each named once"
+                    % (",".join(map(str, want)), total - 1))
+        gpus = len(want)
     if gpus > total:
         _refuse("too_many_gpus", "--gpus %d is more than the target's %d GPU(s)" % (gpus, total))
     rundir = os.path.join(_runs_dir(workdir), run)
@@ -139,23 +159,35 @@ def cmd_launch(workdir):
         _refuse("no_space", "%s has %.1f MB free; a run needs at least %d MB there for its log "
                 "and checkpoints" % (_runs_dir(workdir), free / 1e6, RUN_MIN_FREE // 10**6))
     with _Guard(workdir) as guard:
-        chosen_slots, ids, busy, cleared = _claim(workdir, guard, gpus, total)
+        if prev is not None:
+            state, _ = _state(rundir, prev)
+            if state not in RESUMABLE:
+                _refuse("not_resumable", "run %s is %s; only a stopped or failed run can be resumed"
+                        % (run, state), state=state)
+        chosen_slots, ids, busy, cleared = _claim(workdir, guard, gpus, total, want)
         if chosen_slots is None:
             holders = sorted({(h.get("run"), h.get("pid")) for h in busy.values()}, key=str)
             _refuse("busy", "busy", busy={s: {"run": h.get("run"), "pid": h.get("pid")}
                                           for s, h in busy.items()},
                     holders=[{"run": r, "pid": p} for r, p in holders], cleared=cleared)
-        try:
-            os.mkdir(rundir)
-        except FileExistsError:
-            _fail("run %s already exists" % run)
+        attempts = []
+        if prev is None:
+            try:
+                os.mkdir(rundir)
+            except FileExistsError:
+                _fail("run %s already exists" % run)
+        else:
+            prev["previous_state"], attempts = _end_attempt(rundir, prev)
         try:
             started, rec = _start_run(workdir, spec, run, rundir, release, release_path, commit,
-                                      policy, compile_policy, probe_choice, gpus, ids, chosen_slots)
+                                      policy, compile_policy, probe_choice, gpus, ids, chosen_slots,
+                                      prev, attempts)
         except OSError as e:
-            # Out of space or any other write failure: no half-made run folder stays behind.
+            # Out of space or any other write failure: no half-made run folder stays behind
+            # (a resumed run's folder is its own: it stays, its state read from its log).
             import shutil
-            shutil.rmtree(rundir, ignore_errors=True)
+            if prev is None:
+                shutil.rmtree(rundir, ignore_errors=True)
             reason = "no_space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "io"
             _refuse(reason, "cannot write the run folder %s: %s" % (rundir, e.strerror or e))
         _hold(guard, run, chosen_slots, started, rec["started"])
@@ -163,13 +195,15 @@ def cmd_launch(workdir):
           "release": release, "commit": commit, "compile_policy": compile_policy,
           "probe_policy": probe_choice, "gpus": gpus,
           "gpu_ids": ids, "slots": chosen_slots, "rundir": rundir, "log": os.path.join(rundir, LOG),
-          "cleared": cleared, "command_line": rec["command_line"]})
+          "cleared": cleared, "command_line": rec["command_line"], "name": rec.get("name"),
+          "attempt": rec["attempt"], "resumed_from": prev.get("previous_state") if prev else None})
 
 
 def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy, compile_policy,
-               probe_choice, gpus, ids, chosen_slots):
+               probe_choice, gpus, ids, chosen_slots, prev=None, attempts=()):
     """Write the run folder (log, config, run.json) and start its supervisor: (started, record).
-    A spawn failure is recorded in exit.json and refused here."""
+    prev: the record of the run this attempt continues (the trainer then gets --resume and the
+    run's own config file). A spawn failure is recorded in exit.json and refused here."""
     # the log exists as soon as the run does, so `logs` right after launch reads an empty log
     open(os.path.join(rundir, LOG), "ab").close()
 
@@ -179,6 +213,8 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
         config = os.path.join(rundir, name)
         with open(config, "w") as f:
             f.write(spec["config_text"])
+    elif spec.get("config_file"):
+        config = spec["config_file"]
     python = sys.executable
     argv = [python, "-m", "trainer", "--out", rundir, "--gpus", str(gpus),
             "--topology", spec.get("topology") or "threads", "--compile-policy", compile_policy]
@@ -186,6 +222,8 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
         argv += ["--workers", str(spec["workers"])]
     if config:
         argv += ["--config", config]
+    if prev is not None:
+        argv += ["--resume"]        # the trainer continues from the last checkpoint in --out
     argv += list(spec.get("extra") or [])
     env = dict(os.environ)
     env.update({"HOME": _home(), "PYTHONUNBUFFERED": "1",
@@ -201,8 +239,11 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
         "command_line": "cd %s && exec %s" % (shlex.quote(release_path),
                                              " ".join(shlex.quote(a) for a in argv)),
         "env": {k: env[k] for k in ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "HOME")},
-        "config": {"file": config, "source": spec.get("config_source"),
-                   "text": spec.get("config_text")} if config else None,
+        "config": prev.get("config") if prev is not None else
+        {"file": config, "source": spec.get("config_source"),
+         "text": spec.get("config_text")} if config else None,
+        "name": spec.get("name"), "attempt": len(attempts) + 1, "attempts": list(attempts),
+        "first_started": (prev.get("first_started") or prev.get("started")) if prev else None,
         "policy": policy, "compile_policy": compile_policy, "probe_policy": probe_choice,
         "gpus": gpus, "gpu_ids": ids,
         "slots": chosen_slots, "topology": spec.get("topology") or "threads",
@@ -223,62 +264,13 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
     return started, rec
 
 
-# --- stop ---------------------------------------------------------------------------------------
-
-def cmd_stop(workdir, run, force, timeout):
-    rid = _resolve(workdir, run)
-    if rid is None:
-        _out({"found": False, "run": run})
-        return
-    rundir = os.path.join(_runs_dir(workdir), rid)
-    rec = _read_json(os.path.join(rundir, "run.json")) or {}
-    state, _ = _state(rundir, rec)
-    if state != "running":
-        _out({"found": True, "run": rid, "already": True, "state": state})
-        return
-    stop = _read_json(os.path.join(rundir, "stop.json")) or {}
-    stop.setdefault("requested", _now_iso())
-    stop["force"] = bool(force) or stop.get("force", False)
-    _write_json(os.path.join(rundir, "stop.json"), stop)
-    sig = signal.SIGKILL if force else signal.SIGTERM
-    start = time.monotonic()
-    deadline = start + timeout
-    while rec.get("pid") is None and time.monotonic() < deadline:   # still starting
-        time.sleep(0.1)
-        rec = _read_json(os.path.join(rundir, "run.json")) or {}
-    pid, pid_start = rec.get("pid"), rec.get("pid_start")
-    signalled = False
-    if _alive(pid, pid_start):
-        try:
-            os.killpg(pid, sig)
-            signalled = True
-        except ProcessLookupError:
-            pass
-    exit_path = os.path.join(rundir, "exit.json")
-    while time.monotonic() < deadline:
-        if os.path.exists(exit_path):
-            break
-        if not _alive(pid, pid_start) and \
-                not _alive(rec.get("supervisor_pid"), rec.get("supervisor_start")):
-            # No supervisor to record the end (it was killed): record it here.
-            _write_json(exit_path, _exit_record(rec, "stopped", None, None, True,
-                                                "recorded by stop: the supervisor was gone"))
-            _release_slots(workdir, rid)
-            break
-        time.sleep(0.1)
-    state, ex = _state(rundir, rec)
-    _out({"found": True, "run": rid, "already": False, "signal": _signal_name(sig),
-          "signalled": signalled, "state": state, "exit": ex,
-          "timed_out": state == "running", "waited_s": round(time.monotonic() - start, 2)})
-
-
 # --- metrics ------------------------------------------------------------------------------------
 
 def cmd_metrics(workdir, run):
     """The trainer's OUT/metrics.jsonl when it wrote one, else the log's JSON lines."""
     rid = _resolve(workdir, run)
     if rid is None:
-        _out({"found": False, "run": run})
+        _out({"ok": False, "reason": "not_found", "run": run})
         return
     rundir = os.path.join(_runs_dir(workdir), rid)
     metrics = []
@@ -320,7 +312,7 @@ def _split(args, flags=(), options=()):
 
 def main(argv):
     if len(argv) < 2:
-        _fail("usage: runs_agent launch|status|follow|stop|metrics WORKDIR [OPTIONS] -- [RUN ...]", 2)
+        _fail("usage: runs_agent launch|status|follow|stop|metrics|export|probe|rm|prune WORKDIR [OPTIONS] -- [VALUE ...]", 2)
     cmd, workdir, args = argv[0], os.path.expanduser(argv[1]), list(argv[2:])
     try:
         if cmd == "launch":
@@ -340,6 +332,20 @@ def main(argv):
         elif cmd == "metrics":
             _, values = _split(args)
             cmd_metrics(workdir, values[0] if values else "latest")
+        elif cmd == "export":
+            opts, values = _split(args, (), ("--step", "--dtype"))
+            step = opts.get("--step")
+            cmd_export(workdir, values[0] if values else "latest",
+                       None if step is None else int(step), opts.get("--dtype", "bfloat16"))
+        elif cmd == "rm":
+            opts, values = _split(args, ("--dry-run",))
+            cmd_rm(workdir, values, "--dry-run" in opts)
+        elif cmd == "prune":
+            opts, _ = _split(args, ("--dry-run",), ("--keep",))
+            cmd_prune(workdir, int(opts.get("--keep", 0)), "--dry-run" in opts)
+        elif cmd == "probe":
+            _, values = _split(args)
+            cmd_probe(workdir, values)
         else:
             _fail("unknown command %r" % cmd, 2)
     except BrokenPipeError:

@@ -1,55 +1,22 @@
-"""Runs agent, part 1 of 5 (runs_common.py): constants, JSON records, processes, run records.
+"""Runs agent: run records, processes (pid + start-time liveness), a run's state and metrics.
 
 The runs agent runs on the TARGET under its own python as ONE program, `python -c SOURCE CMD ...`:
-the controller joins the parts in the order of orchestrator/runs.py's AGENT
-(runs_common, runs_locks, runs_supervisor, runs_follow, runs_agent) into SOURCE, because
+orchestrator/agent.py joins runs_agent.py and the modules it imports into SOURCE, because
 `python -c` cannot import its parts on the target. So every part is standard library only,
-Python >= 3.8, has no `from __future__` line, never imports another part, and uses only what
-the parts before it define. What the agent does and its commands: runs_agent.py.
+Python >= 3.8, has no `from __future__` line, and names what it takes from another part with
+`from .PART import NAME` (removed when joined). The commands: runs_agent.py.
 """
 import json
 import os
 import re
-import sys
 import time
+
+from .common import _now_iso, _read_json
 
 LOG = "train.log"
 # What a run id may look like (launch makes `YYYYmmdd-HHMMSS-hex`): no path, never an option.
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 TAIL_SCAN = 1 << 16      # bytes read from a log's end at a time
-
-
-def _out(doc):
-    sys.stdout.write(json.dumps(doc) + "\n")
-    sys.stdout.flush()
-
-
-def _fail(msg, code=3):
-    sys.stderr.write("agent: " + msg + "\n")
-    sys.exit(code)
-
-
-def _now_iso(ts=None):
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
-
-
-def _read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _write_json(path, doc):
-    """Atomic: readers see the old document or the new one, never half of one."""
-    tmp = "%s.tmp.%d" % (path, os.getpid())
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # --- processes ----------------------------------------------------------------------------------
@@ -96,6 +63,8 @@ def _run_ids(workdir):
         return []
     ids = []
     for name in names:
+        if name.startswith("."):     # .rm-RUN-PID: a run being removed (runs_housekeeping.py)
+            continue
         rec = _read_json(os.path.join(_runs_dir(workdir), name, "run.json"))
         if rec is not None:
             ids.append((rec.get("started_ts") or 0, name))
@@ -228,7 +197,7 @@ def _status(workdir, run):
     m = _last_metrics(os.path.join(rundir, LOG))
     ended = (ex or {}).get("ended_ts")
     started = rec.get("started_ts")
-    doc = {"run": run, "state": state, "step": m.get("step"), "loss": m.get("loss"),
+    doc = {"run": run, "name": rec.get("name"), "attempt": rec.get("attempt") or 1, "state": state, "step": m.get("step"), "loss": m.get("loss"),
            "tau": m.get("tau"), "started": rec.get("started"), "started_ts": started,
            "ended": (ex or {}).get("ended"),
            "elapsed_s": round((ended or time.time()) - started, 1) if started else None,

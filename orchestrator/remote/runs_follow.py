@@ -1,4 +1,4 @@
-"""Runs agent, part 4 of 5 (runs_follow.py): the `follow` command. Uses runs_common.
+"""Runs agent: the `follow` command.
 
 stdout: a JSON header line, then the raw log bytes from OFFSET as the log grows; it ends once the
 run has ended and every byte is out. stderr: JSON control lines, {"hb": T} every HEARTBEAT_S (so
@@ -7,6 +7,9 @@ a dead connection is noticed on both ends) and {"end": STATUS} last.
 import json
 import os
 import time
+
+from .common import _read_json
+from .runs_common import LOG, TAIL_SCAN, _resolve, _run_ids, _runs_dir, _state, _status
 
 POLL_S = 0.05            # how often an idle log is looked at (latency budget: 0.3 s)
 HEARTBEAT_S = 2.0        # a stderr heartbeat this often, so dead connections are noticed
@@ -57,7 +60,7 @@ def _control(doc):
 def cmd_follow(workdir, run, offset, follow, tail):
     rid = _resolve(workdir, run)
     if rid is None:
-        _write_all(1, (json.dumps({"error": "not_found", "run": run,
+        _write_all(1, (json.dumps({"ok": False, "reason": "not_found", "run": run,
                                    "runs": len(_run_ids(workdir))}) + "\n").encode())
         return
     rundir = os.path.join(_runs_dir(workdir), rid)

@@ -1,4 +1,4 @@
-"""Runs agent, part 2 of 5 (runs_locks.py): slots and their locks. Uses runs_common.
+"""Runs agent: slots and their locks.
 
 Slots: each GPU index is a slot `gpuN`; a CPU run (--gpus 0) takes the one slot `cpu`, so two CPU
 runs never compete for the same cores. A slot is a file WORKDIR/locks/SLOT.json naming the run and
@@ -7,8 +7,11 @@ for the holder). It is free when the file is missing, or when its run has ended 
 none of its processes is alive any more (killed -9, container restarted): a stale lock, cleared.
 Slot files are only judged and changed under an flock on WORKDIR/locks/.guard.
 """
-import fcntl
 import os
+
+from .common import _flock, _read_json, _write_json
+from .runs_common import _alive, _runs_dir
+
 
 class _Guard:
     """An flock on WORKDIR/locks/.guard: slot files are only judged and changed under it."""
@@ -16,15 +19,15 @@ class _Guard:
     def __init__(self, workdir):
         self.dir = os.path.join(workdir, "locks")
         os.makedirs(self.dir, exist_ok=True)
-        self.fd = os.open(os.path.join(self.dir, ".guard"), os.O_RDWR | os.O_CREAT, 0o644)
+        self.path = os.path.join(self.dir, ".guard")
+        self.f = None
 
     def __enter__(self):
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        self.f = _flock(self.path)
         return self
 
     def __exit__(self, *exc):
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
+        self.f.close()
 
 
 def _holder_live(workdir, lock):
@@ -63,9 +66,16 @@ def _release_slots(workdir, run):
                     os.unlink(path)
 
 
-def _claim(workdir, guard, gpus, total):
+def _claim(workdir, guard, gpus, total, want=None):
     """(slots, GPU ids, busy, cleared): the slots a run of `gpus` GPUs takes (the one `cpu` slot
-    for gpus=0); slots is None when not enough of them are free."""
+    for gpus=0; exactly the GPUs `want` when named); slots is None when not enough of them are
+    free."""
+    if want:
+        wanted = ["gpu%d" % i for i in want]
+        busy, cleared = _busy_slots(workdir, guard, wanted)
+        if busy:
+            return None, None, busy, cleared
+        return wanted, list(want), busy, cleared
     wanted = ["cpu"] if gpus == 0 else ["gpu%d" % i for i in range(total)]
     busy, cleared = _busy_slots(workdir, guard, wanted)
     if gpus == 0:

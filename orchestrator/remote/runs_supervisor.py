@@ -1,5 +1,4 @@
-"""Runs agent, part 3 of 5 (runs_supervisor.py): the detached supervisor. Uses runs_common and
-runs_locks.
+"""Runs agent: the detached supervisor.
 
 launch double-forks the supervisor (setsid, all three streams redirected: field notes 2); it is
 a fork of the agent, so it runs with the whole joined program. It starts the trainer in its own
@@ -12,6 +11,11 @@ import select
 import signal
 import sys
 import time
+
+from .common import _now_iso, _read_json, _write_json
+from .runs_common import LOG, _proc_start
+from .runs_locks import _release_slots
+
 
 def _spawn_supervisor(rundir, rec, env):
     """Double fork: the grandchild (the supervisor) is in its own session, has /dev/null and its

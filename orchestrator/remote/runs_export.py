@@ -1,26 +1,30 @@
-"""Export agent, joined after runs_common.py (runs agent part 1), whose names it uses: _out, _fail,
-_read_json, _alive, _runs_dir, _run_ids, _resolve, _state. Standard library only, Python >= 3.8,
-no `from __future__` line (runs_common.py says why).
+"""Runs agent: the `export` command. Standard library only, Python >= 3.8, no `from __future__`
+line (runs_common.py says why).
 
-    export WORKDIR RUN [--step N] [--dtype D]
+    export WORKDIR [--step N] [--dtype D] -- RUN
 
 Runs `python -m trainer.export` of the live release (WORKDIR/current) on the run's folder, into a
 private temporary folder WORKDIR/exports/.tmp-PID, and sends the result over this one connection:
 stdout is one JSON header line
 
-    {"ok": true, "found": true, "run", "step", "dtype", "checkpoint",
+    {"ok": true, "run", "step", "dtype", "checkpoint",
      "files": [{"name", "size", "sha256"}, ...]}
 
 followed by the files' bytes back to back, in the header's order. The temporary folder is removed
 whatever happens (the reader going away, SIGHUP/SIGTERM); ones left by an agent killed with SIGKILL
 are removed by the next export. A refusal is a header with "ok": false (and exit status 0):
-"found": false when there is no such run (RUN "latest" or "": the newest SUCCEEDED run), else
+"reason": "not_found" when there is no such run (RUN "latest" or "": the newest SUCCEEDED run), else
 "reason": "no_release" | "export" with "message" and, for "export", the trainer's "exit_code".
 """
-import hashlib
+import json
+import os
 import shutil
 import signal
 import subprocess
+import sys
+
+from .common import _out, _sha256
+from .runs_common import _alive, _resolve, _run_ids, _runs_dir, _state
 
 CHUNK = 1 << 20
 
@@ -44,14 +48,6 @@ def _sweep(exports):
             shutil.rmtree(os.path.join(exports, name), ignore_errors=True)
 
 
-def _sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _interrupted(signum, frame):
     raise SystemExit(128 + signum)   # runs the finally blocks: the temporary folder goes
 
@@ -62,7 +58,7 @@ def cmd_export(workdir, run, step, dtype):
     else:
         rid = _resolve(workdir, run)
     if rid is None:
-        _out({"ok": False, "found": False, "run": run or "latest", "any_runs": bool(_run_ids(workdir))})
+        _out({"ok": False, "reason": "not_found", "run": run or "latest", "any_runs": bool(_run_ids(workdir))})
         return
     rundir = os.path.join(_runs_dir(workdir), rid)
     current = os.path.join(workdir, "current")
@@ -116,41 +112,3 @@ def cmd_export(workdir, run, step, dtype):
             proc.kill()
             proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _opt(args, name, default=None, cast=str):
-    if name in args:
-        i = args.index(name)
-        value = cast(args[i + 1])
-        del args[i:i + 2]
-        return value
-    return default
-
-
-def main(argv):
-    # export [--step N] [--dtype D] -- WORKDIR [RUN]: options before `--`, values after it, so a
-    # user-supplied run id is never read as an option.
-    if not argv or argv[0] != "export" or "--" not in argv:
-        _fail("usage: export_agent export [--step N] [--dtype D] -- WORKDIR [RUN]", 2)
-    cut = argv.index("--")
-    opts, values = list(argv[1:cut]), argv[cut + 1:]
-    step = _opt(opts, "--step", None, int)
-    dtype = _opt(opts, "--dtype", "bfloat16")
-    if opts or not 1 <= len(values) <= 2:
-        _fail("usage: export_agent export [--step N] [--dtype D] -- WORKDIR [RUN]", 2)
-    workdir, run = os.path.expanduser(values[0]), values[1] if len(values) == 2 else "latest"
-    if run != "latest" and not _RUN_NAME.match(run):
-        _fail("not a run id: %r" % run, 2)
-    try:
-        cmd_export(workdir, run, step, dtype)
-    except BrokenPipeError:
-        # The reader went away (connection dropped): the temporary folder is already gone.
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-        except OSError:
-            pass
-        os._exit(0)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -1,0 +1,92 @@
+"""Helpers every remote agent uses: JSON replies and records, the exit of a refused command,
+flocks, hashing. Runs on the TARGET under its own python: standard library only, Python >= 3.8.
+
+The parts of this package import from each other as any package does
+(`from .common import _out`); orchestrator/agent.py follows those imports and joins the parts
+into ONE `python -c` source (`python -c` cannot import files on the target), removing those
+import lines, so the names of every part share one namespace at run time.
+"""
+import json
+import os
+import sys
+import time
+
+
+def _out(doc):
+    """The reply: one JSON document, the last line on stdout."""
+    sys.stdout.write(json.dumps(doc) + "\n")
+    sys.stdout.flush()
+
+
+def _fail(msg, code=3):
+    sys.stderr.write("agent: " + msg + "\n")
+    sys.exit(code)
+
+
+def _now_iso(ts=None):
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def _read_json(path):
+    """The JSON document at path, or None when it is missing or unreadable."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path, doc):
+    """Atomic and durable: readers see the old document or the new one, never half of one."""
+    tmp = "%s.tmp.%d" % (path, os.getpid())
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _flock(path, wait=True):
+    """An exclusive flock on path (created if missing): the open file, whose close releases it;
+    None when wait is False and another process holds it. The kernel drops the lock when its
+    holder dies (killed -9, connection dropped), so no lock outlives its holder."""
+    import fcntl
+
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:
+        f.close()
+        if wait:
+            raise
+        return None
+    return f
+
+
+def _home():
+    home = os.environ.get("HOME")
+    if home:
+        return home
+    try:
+        import pwd
+        return pwd.getpwuid(os.getuid()).pw_dir
+    except (ImportError, KeyError):
+        return "/root"
+
+
+def _sha256(path):
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _listdir(path):
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []

@@ -1,0 +1,37 @@
+"""Runs agent: the `probe` command. Runs the probe program of the live release
+(`python -m trainer.probe`, trainer/probe.py) and replies with its document.
+
+    probe WORKDIR -- PROBE_ARGS...
+
+The probe's progress lines (one per case) go to stderr as they come; its JSON document (its whole
+stdout) comes back as the reply's "probe". No release deployed is a refusal, not an exit status:
+{"ok": false, "reason": "no_release", "message": ...}. A probe program that fails passes its exit
+status on (its own message is the last stderr line).
+"""
+import json
+import os
+import subprocess
+import sys
+
+from .common import _fail, _home, _out
+from .release_store import _live
+
+
+def cmd_probe(workdir, args):
+    _, path = _live(workdir)
+    if not path or not os.path.isdir(path):
+        _out({"ok": False, "reason": "no_release", "message": "no release deployed in %s" % workdir})
+        return
+    env = dict(os.environ)
+    # `pct exec --keep-env 0` leaves no HOME; torch's compile caches want one.
+    env.update({"HOME": _home(), "PYTHONUNBUFFERED": "1"})
+    sys.stderr.flush()
+    proc = subprocess.run([sys.executable, "-m", "trainer.probe", "--workdir", workdir] + list(args),
+                          cwd=path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+    if proc.returncode != 0:
+        sys.exit(proc.returncode)
+    try:
+        doc = json.loads(proc.stdout.decode("utf-8", "replace"))
+    except ValueError:
+        _fail("the probe printed no JSON document")
+    _out({"ok": True, "probe": doc})

@@ -1,0 +1,80 @@
+"""The remote-call layer's pure parts: fan_out's per-target results, session ownership, typed
+replies (the wire itself is tested against the real sshd by every command's tests)."""
+import threading
+
+import pytest
+
+from orchestrator import agent
+from orchestrator.errors import OpsError, TargetsFailed
+from orchestrator.inventory import Target
+
+
+def targets(*names):
+    return [Target(name=n) for n in names]
+
+
+def test_fan_out_keeps_a_result_per_target_in_order_and_fails_once_naming_each():
+    seen = set()
+
+    def fn(t):
+        seen.add(threading.get_ident())
+        if t.name.startswith("bad"):
+            raise OpsError(f"{t.name}: cannot connect")
+        return t.name.upper()
+
+    group = agent.fan_out(targets("a", "bad1", "b", "bad2"), fn)
+    assert list(group) == ["a", "bad1", "b", "bad2"]
+    assert [o.ok for o in group.values()] == [True, False, True, False]
+    assert group["a"].value == "A" and group["bad1"].value is None
+    assert group.failures == {"bad1": "bad1: cannot connect", "bad2": "bad2: cannot connect"}
+    with pytest.raises(TargetsFailed) as e:
+        group.raise_failures()
+    assert str(e.value) == "failed on 2 target(s): bad1, bad2"
+    assert agent.fan_out([], fn) == {}
+    agent.fan_out(targets("x", "y"), lambda t: None).raise_failures()   # nothing failed: no error
+
+
+def test_fan_out_lets_a_bug_through():
+    with pytest.raises(ZeroDivisionError):
+        agent.fan_out(targets("a"), lambda t: 1 / 0)
+
+
+def test_session_closes_only_the_one_it_opened(monkeypatch):
+    closed = []
+
+    class Fake:
+        def __init__(self, inv):
+            self.inv = inv
+
+        def close(self):
+            closed.append(self)
+
+    monkeypatch.setattr(agent, "Session", Fake)
+    given = Fake("inv")
+    with agent.session("inv", given) as s:
+        assert s is given
+    assert closed == []
+    with pytest.raises(RuntimeError):
+        with agent.session("inv") as s:
+            assert isinstance(s, Fake) and s is not given
+            raise RuntimeError("the caller failed")
+    assert closed == [s]                    # closed on the way out, error or not
+
+
+def test_a_refusal_is_a_typed_error_and_anything_else_the_document():
+    t = Target(name="ct200")
+    with pytest.raises(agent.Refused) as e:
+        agent.reply(t, {"ok": False, "reason": "no_release", "message": "no release deployed in /w"})
+    assert e.value.reason == "no_release" and str(e.value) == "ct200: no release deployed in /w"
+    assert e.value.doc["message"] == "no release deployed in /w"
+    assert agent.reply(t, {"ok": True, "run": "r"}) == {"ok": True, "run": "r"}
+    assert agent.reply(t, {"runs": []}) == {"runs": []}
+
+
+def test_each_program_is_its_entry_after_what_it_imports():
+    assert agent.parts(agent.RELEASE) == ("common", "release_store", "release_agent")
+    runs = agent.parts(agent.RUNS)
+    assert runs[0] == "common" and runs[-1] == "runs_agent"
+    assert runs.index("runs_common") < runs.index("runs_locks") < runs.index("runs_supervisor")
+    assert "release_store" in runs                 # the live release: one helper, both programs
+    assert agent.argv(Target(name="t", python="/py"), agent.RUNS, ["status", "/w"])[:2] == ["/py", "-c"]
