@@ -21,14 +21,14 @@ CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
 
 
 class State:
-    def __init__(self, inventory: str | None, debug: bool):
-        self.inventory_path, self.debug = inventory, debug
+    def __init__(self, inventory: str | None, debug: bool, ssh_config: str | None = None):
+        self.inventory_path, self.debug, self.ssh_config = inventory, debug, ssh_config
         self._inv = None
 
     @property
     def inv(self) -> inv_mod.Inventory:
         if self._inv is None:
-            self._inv = inv_mod.load(self.inventory_path)
+            self._inv = inv_mod.load(self.inventory_path, ssh_config=self.ssh_config)
         return self._inv
 
 
@@ -46,12 +46,14 @@ def emit(as_json: bool, doc, text: str) -> None:
 
 @click.group(context_settings=CONTEXT)
 @click.option("-i", "--inventory", metavar="PATH", help="hosts.yaml (default: $DFLASH_OPS_INVENTORY, ./hosts.yaml).")
+@click.option("-F", "--ssh-config", metavar="PATH", type=click.Path(exists=True, dir_okay=False),
+              help="ssh_config file to read (default: the inventory's ssh_config:, else ~/.ssh/config).")
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
 @click.version_option(package_name="dflash-ops")
 @click.pass_context
-def cli(ctx, inventory, debug):
+def cli(ctx, inventory, ssh_config, debug):
     """Deploy, probe, launch and follow DFlash drafter training on Proxmox GPU containers."""
-    ctx.obj = State(inventory, debug)
+    ctx.obj = State(inventory, debug, ssh_config)
 
 
 # --- targets ---------------------------------------------------------------------------------
