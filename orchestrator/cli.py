@@ -209,6 +209,59 @@ def _grad_cell(case: dict) -> str | None:
     return f"{'-' if err is None else f'{err:.2g}'}/{'-' if tol is None else f'{tol:.2g}'}"
 
 
+# --- exec ------------------------------------------------------------------------------------
+
+class _CommandAfterDashes(click.Command):
+    """Everything after the first `--` is the remote command, kept verbatim (click would drop
+    the `--` itself and leave no way to tell targets from the command's words)."""
+
+    def parse_args(self, ctx, args):
+        if "--" in args:
+            i = args.index("--")
+            ctx.meta["command"] = list(args[i + 1:])
+            args = args[:i]
+        else:
+            ctx.meta["command"] = []
+        return super().parse_args(ctx, args)
+
+
+@cli.command("exec", cls=_CommandAfterDashes)
+@click.argument("names", nargs=-1, metavar="TARGET...")
+@click.option("--all", "all_targets", is_flag=True, help="Every target of the inventory.")
+@click.option("--env", "env", multiple=True, metavar="K=V", help="Set a variable for the command (repeatable).")
+@json_option
+@click.pass_context
+def exec_(ctx, names, all_targets, env, as_json):
+    """Run a command in each target's container (the node itself for a target without vmid).
+
+    `dflash-ops exec ct200 -- nvidia-smi`: output streams as it comes and the exit status is the
+    command's; several targets run in parallel, each line led by `[target]`, exit 1 if any failed.
+    """
+    from . import exec as exec_mod
+    from .envvars import parse_assignments
+
+    state: State = ctx.obj
+    argv = exec_mod.check_command(ctx.meta["command"])
+    variables = parse_assignments(env)
+    targets = exec_mod.select(state.inv, names, all_targets)
+    if as_json:
+        results = exec_mod.exec_command(state.inv, targets, argv, env=variables)
+        emit(True, {"targets": {r.target: r.as_json() for r in results}}, "")
+        sys.exit(exec_mod.exit_status(results))
+    streams = exec_mod.Streams([t.name for t in targets], sys.stdout.buffer, sys.stderr.buffer)
+    results = exec_mod.exec_command(state.inv, targets, argv, env=variables,
+                                    out=streams.sink("out"), err=streams.sink("err"))
+    streams.flush()
+    if len(results) == 1 and results[0].error:
+        raise OpsError(results[0].error)
+    for r in results:
+        if r.error:
+            click.echo(f"[{r.target}] dflash-ops: {r.error}", err=True)
+        elif len(results) > 1 and not r.ok:
+            click.echo(f"[{r.target}] dflash-ops: exit status {r.exit_code}", err=True)
+    sys.exit(exec_mod.exit_status(results))
+
+
 # --- scan ------------------------------------------------------------------------------------
 
 @cli.command()

@@ -35,6 +35,12 @@ def masked(env: Mapping[str, str] | None) -> dict[str, str]:
     return {k: (MASK if is_secret(k) else v) for k, v in (env or {}).items()}
 
 
+def user_env(inv, target, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a command on `target` gets, as it may be shown: host env, target env, extra; masked."""
+    host = inv.hosts[target.host].env if target.host else {}
+    return masked({**host, **target.env, **(extra or {})})
+
+
 def parse_assignments(items: Iterable[str], what: str = "--env") -> dict[str, str]:
     """`K=V` strings (repeatable option) -> {K: V}; a bad one is a UsageError naming it."""
     out: dict[str, str] = {}

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .deploy import run_agent
+from .envvars import user_env
 from .errors import (EXIT_OK, EXIT_RUN_FAILED, EXIT_RUN_RUNNING, EXIT_RUN_STOPPED, NotFound, OpsError,
                      StepFailed, UsageError)
 from .inventory import Inventory, Target
@@ -125,6 +126,7 @@ class LaunchResult:
     command_line: str | None = None
     cleared: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    env: dict = field(default_factory=dict)     # the variables set for the trainer, secrets masked
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -133,7 +135,7 @@ class LaunchResult:
 def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
            config: str | None = None, topology: str = "threads", policy: str = "auto",
            workers: int | None = None, extra: Sequence[str] = (),
-           session: Session | None = None) -> LaunchResult:
+           session: Session | None = None, env: dict[str, str] | None = None) -> LaunchResult:
     """Start the trainer detached on the target; returns once it runs (the run goes on alone)."""
     target = resolve_target(inv, target_name)
     gpus = target.gpus if gpus is None else gpus
@@ -151,7 +153,8 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
             raise UsageError(f"trainer argument {i} is not UTF-8 text: {arg!r}") from None
     spec = {"run": new_run_id(target.name), "target": target.name, "gpus": gpus,
             "target_gpus": target.gpus, "topology": topology, "policy": policy or "auto",
-            "workers": workers, "extra": list(extra), "controller": _controller()}
+            "workers": workers, "extra": list(extra), "controller": _controller(),
+            "user_env": user_env(inv, target, env)}   # recorded in run.json, secrets masked
     if config:
         path = Path(config).expanduser()
         try:
@@ -162,7 +165,7 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
         spec["config_source"] = str(path.resolve())
     start = time.monotonic()
     with _session(inv, session) as s:
-        t = s.transport(target)
+        t = s.transport(target, env=env)
         doc = run_agent(t, target, ["launch", target.workdir], agent=AGENT,
                         stdin=json.dumps(spec).encode(), what="launch the trainer", timeout=120)
     if not doc.get("ok"):
@@ -174,7 +177,8 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
         release=doc.get("release"), commit=doc.get("commit"), policy=spec["policy"],
         compile_policy=doc.get("compile_policy"), probe_policy=doc.get("probe_policy"), gpus=gpus,
         gpu_ids=doc.get("gpu_ids") or [], slots=doc.get("slots") or [], log=doc.get("log"), command_line=doc.get("command_line"),
-        cleared=doc.get("cleared") or [], seconds=round(time.monotonic() - start, 3))
+        cleared=doc.get("cleared") or [], seconds=round(time.monotonic() - start, 3),
+        env=spec["user_env"])
 
 
 def _controller() -> dict:

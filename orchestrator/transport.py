@@ -148,6 +148,8 @@ class LocalTransport(Transport):
                                     stderr=subprocess.PIPE, bufsize=0)
         except FileNotFoundError:
             return Result(127, b"", f"{argv[0]}: command not found\n".encode())
+        except PermissionError:
+            return Result(126, b"", f"{argv[0]}: permission denied\n".encode())
 
         # bufsize=0: raw pipes, whose read(n) returns what is there without waiting for n bytes.
         readers, failures = _pump_both([(proc.stdout.read, out), (proc.stderr.read, err)], proc.kill)

@@ -210,6 +210,7 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
         "started": _now_iso(), "started_ts": time.time(), "python": python,
         "python_version": platform.python_version(), "hostname": socket.gethostname(),
         "controller": spec.get("controller"), "pid": None,
+        "user_env": spec.get("user_env") or {},   # hosts.yaml env: + launch --env, secrets masked
     }
     _write_json(os.path.join(rundir, "run.json"), rec)
     started = _spawn_supervisor(rundir, rec, env)
