@@ -15,7 +15,7 @@ from typing import Callable, Mapping, Sequence
 
 from .errors import OpsError, UsageError
 from .inventory import Inventory, Target
-from .transport import Session
+from .transport import PctTransport, Session
 
 Write = Callable[[str, bytes], None]    # (target, bytes) -> None
 
@@ -85,7 +85,11 @@ def run_one(session: Session, target: Target, argv: Sequence[str], *, out: Write
     res = ExecResult(target.name)
     start = time.monotonic()
     try:
-        t = session.transport(target, env=env)
+        # The container's state first, on its own: pct's refusal must not reach the user's
+        # stream as if the command had printed it.
+        t = session.transport(target, env=env, check=False)
+        if isinstance(t, PctTransport):
+            t.check()
         r = t.run(list(argv), stdout=(lambda b: out(target.name, b)) if out else None,
                   stderr=(lambda b: err(target.name, b)) if err else None)
         res.exit_code, res.stdout, res.stderr = r.exit_code, r.stdout, r.stderr
