@@ -92,7 +92,7 @@ def targets(state: State, check, names, as_json):
 @cli.command()
 @click.argument("names", nargs=-1, metavar="TARGET...")
 @click.option("--dry-run", is_flag=True, help="List what would change; send nothing.")
-@click.option("--source", metavar="DIR", help="Folder to ship (default: this checkout, else the bundled trainer).")
+@click.option("--source", metavar="DIR", help="Folder to ship (default: this checkout; required elsewhere).")
 @click.option("--install-deps", is_flag=True, help="pip-install the trainer's missing requirements (never torch).")
 @click.option("--verify", is_flag=True,
               help="Hash every file of the live release (default: sizes and mtimes, hashes where they differ).")
@@ -102,10 +102,14 @@ def deploy(state: State, names, dry_run, source, install_deps, verify, as_json):
     """Sync code into WORKDIR/releases/ID on each target and flip WORKDIR/current atomically."""
     from . import deploy as deploy_mod
 
+    root, _ = deploy_mod.source_root(source)      # refuses outside a checkout without --source
+    shipping = f"{root} ({'--source' if source else 'this checkout'})"
+    if not as_json:
+        click.echo(f"deploy: shipping {shipping}", err=True)
     results = deploy_mod.deploy(state.inv, list(names), source=source, dry_run=dry_run,
                                 install_deps=install_deps, verify=verify,
                                 progress=None if as_json else progress_bars())
-    doc = {"targets": {n: r.as_json() for n, r in results.items()}}
+    doc = {"source": str(root), "targets": {n: r.as_json() for n, r in results.items()}}
     lines = []
     for r in results.values():
         if not r.ok:

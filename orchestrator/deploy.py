@@ -56,7 +56,10 @@ def run_agent(t: Transport, target: Target, args: list[str], *,
     r = t.run([target.python, "-c", agent_source(*parts), *args], stdin=stdin, timeout=timeout)
     what = what or f"{Path(parts[-1]).stem} {args[0]}"
     err = r.stderr.decode(errors="replace")
-    if r.exit_code in (126, 127) or (r.exit_code == 255 and "No such file" in err):
+    if r.exit_code == 126 or (r.exit_code == 255 and "Permission denied" in err):
+        raise StepFailed(target.name, what, r.exit_code, f"python {target.python!r} cannot be executed on the "
+                         f"target (permission denied); check its mode, or set `python:` in hosts.yaml")
+    if r.exit_code == 127 or (r.exit_code == 255 and "No such file" in err):
         raise StepFailed(target.name, what, r.exit_code,
                          f"python {target.python!r} not found on the target; set `python:` in hosts.yaml")
     if r.exit_code != 0:
@@ -88,9 +91,10 @@ def is_checkout(path: Path) -> bool:
 
 
 def source_root(explicit: str | None) -> tuple[Path, Path]:
-    """(root, folder whose files ship): contract: --source DIR, else the current directory when it
-    is a dflash-ops checkout, else the installed package's own trainer/ (shipped as trainer/...).
-    Cheap: deploy calls it before connecting, so a bad --source fails at once."""
+    """(root, folder whose files ship): --source DIR, else the current directory when it is a
+    dflash-ops checkout; anywhere else deploy refuses (shipping whatever happened to be installed
+    would replace the live release's files without a word). Cheap: deploy calls it before
+    connecting, so a bad --source fails at once."""
     if explicit:
         root = Path(explicit).expanduser()
         if not root.is_dir():
@@ -99,7 +103,8 @@ def source_root(explicit: str | None) -> tuple[Path, Path]:
     if is_checkout(Path.cwd()):
         return Path.cwd(), Path.cwd()
     trainer = Path(resources.files("trainer").joinpath("__init__.py")).parent
-    return trainer.parent, trainer
+    raise UsageError(f"{Path.cwd()} is not a dflash-ops checkout: run deploy from one, or say what to ship "
+                     f"with --source DIR (the installed trainer: --source {trainer.parent})")
 
 
 def scan_source(root: Path, folder: Path) -> Source:

@@ -163,7 +163,10 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
             r = s.transport(target).run([target.python, "-c", _agent_source(), *args], stdout=recv,
                                         timeout=TIMEOUT_S)
         recv.close()
-        if r.exit_code in (126, 127):
+        if r.exit_code == 126:
+            raise StepFailed(target.name, "export the drafter", r.exit_code, f"python {target.python!r} cannot be "
+                             "executed on the target (permission denied); check its mode")
+        if r.exit_code == 127:
             raise StepFailed(target.name, "export the drafter", r.exit_code,
                              f"python {target.python!r} not found on the target; set `python:` in hosts.yaml")
         if r.exit_code != 0:

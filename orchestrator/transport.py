@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -341,6 +342,18 @@ class SshTransport(Transport):
         self.client.close()
 
 
+# What a node may print around pct's own words: pct is Perl, and a locale the node lacks (often
+# LANG/LC_* sent by the SSH client) makes perl warn on stderr before anything else.
+_NOISE = re.compile(r"^(perl: warning: .*|\s+(LANGUAGE|LC_ALL|LC_\w+|LANG) = .*|\s+are supported and installed "
+                    r"on your system\.|perl: warning: Falling back to .*|locale: Cannot set .*|"
+                    r"bash: warning: setlocale: .*|-bash: warning: setlocale: .*)$")
+
+
+def node_noise_removed(text: str) -> str:
+    """`text` less the node's locale warnings, which are never the answer to what was asked."""
+    return "\n".join(line for line in text.splitlines() if not _NOISE.match(line))
+
+
 STATUS_MARK = "dflash-ops pct-status:"
 # Runs on the node: the exec, and only when it exits 255 (pct's own refusal, or the command's own
 # status) -- or 1 under `sudo -n` (a password wanted) -- `pct status` to tell which. The common
@@ -380,14 +393,15 @@ class PctTransport(Transport):
         self._verify = verify
 
     def _container_error(self, code: int, text: str) -> ContainerError:
-        text = text.strip()
+        text = node_noise_removed(text).strip()
         if self.sudo and "password is required" in text:
             return ContainerError(self.target, self.vmid,
                                   f"`sudo -n {self.pct}` needs a password: allow it passwordless for this user")
         if code != 0:
             return ContainerError(self.target, self.vmid, text.splitlines()[-1] if text else
                                   f"pct status exited {code}")
-        state = text.split(":", 1)[-1].strip() or "unknown"
+        m = re.search(r"^status: (\S+)", text, re.M)
+        state = m.group(1) if m else "unknown"
         return ContainerError(self.target, self.vmid,
                               f"is {state}, not running; start it with `pct start {self.vmid}`")
 
