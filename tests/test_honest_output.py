@@ -3,6 +3,7 @@ locale, what deploy ships and from where (real sshd + pct stand-in)."""
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,34 @@ def test_deploy_names_its_source_and_refuses_outside_a_checkout(sshd, fakepct, m
     assert f"deploy: shipping {src} (--source)".encode() in r.stderr
     r = cli("-i", path, "deploy", "ct200", "--dry-run", "--json", cwd=REPO)
     assert json.loads(r.stdout)["source"] == str(REPO)
+
+
+def test_the_supervisor_shows_a_short_command_line(sshd, fakepct, make_inventory, tmp_path):
+    fakepct.create(200)
+    path = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable,
+                                     "workdir": "/srv/ct/dflash"}})
+    src = tmp_path / "src"
+    (src / "trainer").mkdir(parents=True)
+    (src / "trainer" / "__init__.py").write_text("")
+    (src / "trainer" / "__main__.py").write_text("import os, time\nprint(sorted(os.environ))\ntime.sleep(60)\n")
+    assert cli("-i", path, "deploy", "ct200", "--source", src).returncode == 0
+    r = cli("-i", path, "launch", "ct200", "--gpus", "0", "--policy", "eager")
+    assert r.returncode == 0, r.stderr
+    run = r.stdout.decode().strip()
+    rundir = fakepct.private(200) / "dflash" / "runs" / run
+    try:
+        rec = json.loads((rundir / "run.json").read_text())
+        cmdline = Path(f"/proc/{rec['supervisor_pid']}/cmdline").read_bytes()
+        assert len(cmdline) < 300, cmdline[:300]
+        assert b"supervise" in cmdline and b"def " not in cmdline
+        status = cli("-i", path, "status", "ct200", "--json")
+        assert json.loads(status.stdout)["runs"][0]["state"] == "running"
+        deadline = time.monotonic() + 20
+        while "'PATH'" not in (rundir / "train.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        log = (rundir / "train.log").read_text()
+        assert "'PATH'" in log and "DFLASH_OPS_AGENT_SOURCE" not in log    # the trainer never sees it
+    finally:
+        stop = cli("-i", path, "stop", "ct200", run)
+    assert stop.returncode == 0, stop.stderr
+    assert json.loads((rundir / "exit.json").read_text())

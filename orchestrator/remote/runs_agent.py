@@ -338,6 +338,8 @@ def main(argv):
             opts, values = _split(args, ("--force",), ("--timeout",))
             cmd_stop(workdir, values[0] if values else "latest", "--force" in opts,
                      float(opts.get("--timeout", STOP_TIMEOUT_S)))
+        elif cmd == "supervise":      # runs_supervisor._short_argv's exec: WORKDIR is the run's folder
+            cmd_supervise(workdir, int(args[0]))
         elif cmd == "metrics":
             _, values = _split(args)
             cmd_metrics(workdir, values[0] if values else "latest")
