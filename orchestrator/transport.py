@@ -1,13 +1,14 @@
-"""The one seam through which bytes reach a target (style habit 2).
+"""The one seam through which bytes reach a target.
 
     LocalTransport          subprocess on this machine
     SshTransport            one paramiko connection to a host (jump hosts, known_hosts, keepalive)
-    PctTransport(inner, v)  `pct exec V --keep-env 0 -- ARGV` run through another transport
+    PctTransport(inner, v)  `pct exec V --keep-env 0 -- [env K=V..] ARGV` run through another transport
+    EnvTransport(inner, e)  `env K=V.. ARGV` through another transport (a target without vmid)
 
 Every transport runs an argv (or a bash script, `bash -c SOURCE`) with stdin streamed in and
 stdout/stderr streamed out separately, and returns the exit status. `shell_join` is the only
 place where a string is quoted for a shell: ssh hands the remote user's shell one command line,
-pct and lxc-attach pass argv straight through (field notes 2), so one quoting layer is all there is.
+pct and lxc-attach pass argv straight through (docs/background.md, pct), so one quoting layer is all there is.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from .inventory import Host, Inventory, Target
 Stdin = Union[None, bytes, IO[bytes], Iterable[bytes]]
 Sink = Callable[[bytes], None]
 CHUNK = 1 << 16
-KEEPALIVE_S = 5          # as Ansible's proxmox_pct_remote does (field notes 2)
+KEEPALIVE_S = 5          # as Ansible's proxmox_pct_remote does (docs/background.md, pct)
 CONNECT_TRIES = 3
 
 
