@@ -231,7 +231,8 @@ class _CommandAfterDashes(click.Command):
 
 @cli.command("exec", cls=_CommandAfterDashes)
 @click.argument("names", nargs=-1, metavar="TARGET...")
-@click.option("--all", "all_targets", is_flag=True, help="Every target of the inventory.")
+@click.option("--all", "all_targets", is_flag=True,
+              help="Every target hosts.yaml defines (the built-in local only when it is the only one).")
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Set a variable for the command (repeatable).")
 @json_option
 @click.pass_context

@@ -100,6 +100,8 @@ def test_exec_json(inv_path):
     assert r.returncode == 4
     doc = json.loads(r.stdout)
     assert doc["targets"]["ct200"]["exit_code"] == 4 and doc["targets"]["ct200"]["stdout"] == "hi\n"
+    r = cli(inv_path, "exec", "--all", "--json", "--", "true")
+    assert r.returncode == 0 and sorted(json.loads(r.stdout)["targets"]) == ["ct200", "ct201", "node"]
 
 
 # --- env -------------------------------------------------------------------------------------

@@ -223,3 +223,20 @@ def test_a_port_that_resets_after_the_banner_is_one_line_without_debug(make_inve
     assert len(r.stderr.decode().strip().splitlines()) == 1, r.stderr.decode()
     assert b"Traceback" not in r.stderr and b"paramiko" not in r.stderr
     assert b"Traceback" in debug.stderr        # --debug shows what happened
+
+
+def test_ssh_config_fills_only_what_hosts_yaml_leaves_out(tmp_path):
+    cfg = tmp_path / "config"
+    cfg.write_text("Host pve1\n  HostName 10.9.8.7\n  User ops\n  Port 2200\n  IdentityFile ~/k1\n"
+                   "  IdentityFile /k2\n  ProxyJump a@j1:2022,j2\n  ConnectTimeout 4\n"
+                   "Host *\n  UserKnownHostsFile /kh /kh2\n")
+    inv = inventory.parse(f"ssh_config: {cfg}\nhosts:\n  pve1: {{address: pve1, port: 22}}\n", "h.yaml")
+    h = inv.hosts["pve1"]
+    assert (h.address, h.user, h.port, h.connect_timeout, h.known_hosts) == ("10.9.8.7", "ops", 22, 4.0, "/kh")
+    assert h.key_files == (os.path.expanduser("~/k1"), "/k2")
+    # a@j1:2022 then j2 reached through it, then pve1 through j2
+    assert h.jump == "a@j1:2022,j2"
+    j1, j2 = inv.hosts["a@j1:2022"], inv.hosts["a@j1:2022,j2"]
+    assert (j1.user, j1.address, j1.port, j1.jump) == ("a", "j1", 2022, None)
+    assert (j2.address, j2.port, j2.jump) == ("j2", 22, "a@j1:2022")
+    assert inv.host_chain(h) == [j1, j2]
