@@ -104,13 +104,11 @@ def deploy(state: State, names, dry_run, source, install_deps, verify, as_json):
 
     root, _ = deploy_mod.source_root(source)      # refuses outside a checkout without --source
     shipping = f"{root} ({'--source' if source else 'this checkout'})"
-    if not as_json:
-        click.echo(f"deploy: shipping {shipping}", err=True)
     results = deploy_mod.deploy(state.inv, list(names), source=source, dry_run=dry_run,
                                 install_deps=install_deps, verify=verify,
                                 progress=None if as_json else progress_bars())
     doc = {"source": str(root), "targets": {n: r.as_json() for n, r in results.items()}}
-    lines = []
+    lines = [f"shipping {shipping}"]
     for r in results.values():
         if not r.ok:
             lines.append(f"{r.target}: FAILED: {r.error}")

@@ -88,7 +88,7 @@ def test_deploy_names_its_source_and_refuses_outside_a_checkout(sshd, fakepct, m
     (src / "f.txt").write_text("x")
     r = cli("-i", path, "deploy", "ct200", "--source", src, cwd=elsewhere)
     assert r.returncode == 0, r.stderr
-    assert f"deploy: shipping {src} (--source)".encode() in r.stderr
+    assert r.stdout.decode().splitlines()[0] == f"shipping {src} (--source)"
     r = cli("-i", path, "deploy", "ct200", "--dry-run", "--json", cwd=REPO)
     assert json.loads(r.stdout)["source"] == str(REPO)
 
