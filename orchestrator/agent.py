@@ -102,7 +102,10 @@ class Refused(OpsError):
 def _exec_failed(target: Target, what: str, r: Result) -> StepFailed | None:
     """The error for an agent that did not run or failed (None when it exited 0)."""
     err = r.stderr.decode(errors="replace")
-    if r.exit_code in (126, 127) or (r.exit_code == 255 and "No such file" in err):
+    if r.exit_code == 126 or (r.exit_code == 255 and "Permission denied" in err):
+        return StepFailed(target.name, what, r.exit_code, f"python {target.python!r} cannot be executed on the "
+                          f"target (permission denied); check its mode, or set `python:` in hosts.yaml")
+    if r.exit_code == 127 or (r.exit_code == 255 and "No such file" in err):
         return StepFailed(target.name, what, r.exit_code,
                           f"python {target.python!r} not found on the target; set `python:` in hosts.yaml")
     if r.exit_code != 0:

@@ -21,14 +21,14 @@ CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
 
 
 class State:
-    def __init__(self, inventory: str | None, debug: bool):
-        self.inventory_path, self.debug = inventory, debug
+    def __init__(self, inventory: str | None, debug: bool, ssh_config: str | None = None):
+        self.inventory_path, self.debug, self.ssh_config = inventory, debug, ssh_config
         self._inv = None
 
     @property
     def inv(self) -> inv_mod.Inventory:
         if self._inv is None:
-            self._inv = inv_mod.load(self.inventory_path)
+            self._inv = inv_mod.load(self.inventory_path, ssh_config=self.ssh_config)
         return self._inv
 
 
@@ -46,12 +46,14 @@ def emit(as_json: bool, doc, text: str) -> None:
 
 @click.group(context_settings=CONTEXT)
 @click.option("-i", "--inventory", metavar="PATH", help="hosts.yaml (default: $DFLASH_OPS_INVENTORY, ./hosts.yaml).")
+@click.option("-F", "--ssh-config", metavar="PATH", type=click.Path(exists=True, dir_okay=False),
+              help="ssh_config file to read (default: the inventory's ssh_config:, else ~/.ssh/config).")
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
 @click.version_option(package_name="dflash-ops")
 @click.pass_context
-def cli(ctx, inventory, debug):
+def cli(ctx, inventory, ssh_config, debug):
     """Deploy, probe, launch and follow DFlash drafter training on Proxmox GPU containers."""
-    ctx.obj = State(inventory, debug)
+    ctx.obj = State(inventory, debug, ssh_config)
 
 
 # --- targets ---------------------------------------------------------------------------------
@@ -90,7 +92,7 @@ def targets(state: State, check, names, as_json):
 @cli.command()
 @click.argument("names", nargs=-1, metavar="TARGET...")
 @click.option("--dry-run", is_flag=True, help="List what would change; send nothing.")
-@click.option("--source", metavar="DIR", help="Folder to ship (default: this checkout, else the bundled trainer).")
+@click.option("--source", metavar="DIR", help="Folder to ship (default: this checkout; required elsewhere).")
 @click.option("--install-deps", is_flag=True, help="pip-install the trainer's missing requirements (never torch).")
 @click.option("--verify", is_flag=True,
               help="Hash every file of the live release (default: sizes and mtimes, hashes where they differ).")
@@ -100,11 +102,13 @@ def deploy(state: State, names, dry_run, source, install_deps, verify, as_json):
     """Sync code into WORKDIR/releases/ID on each target and flip WORKDIR/current atomically."""
     from . import deploy as deploy_mod
 
+    root, _ = deploy_mod.source_root(source)      # refuses outside a checkout without --source
+    shipping = f"{root} ({'--source' if source else 'this checkout'})"
     results = deploy_mod.deploy(state.inv, list(names), source=source, dry_run=dry_run,
                                 install_deps=install_deps, verify=verify,
                                 progress=None if as_json else progress_bars())
-    doc = {"targets": {n: r.as_json() for n, r in results.items()}}
-    lines = []
+    doc = {"source": str(root), "targets": {n: r.as_json() for n, r in results.items()}}
+    lines = [f"shipping {shipping}"]
     for r in results.values():
         if not r.ok:
             lines.append(f"{r.target}: FAILED: {r.error}")
@@ -205,6 +209,60 @@ def _grad_cell(case: dict) -> str | None:
     if err is None and tol is None:
         return None
     return f"{'-' if err is None else f'{err:.2g}'}/{'-' if tol is None else f'{tol:.2g}'}"
+
+
+# --- exec ------------------------------------------------------------------------------------
+
+class _CommandAfterDashes(click.Command):
+    """Everything after the first `--` is the remote command, kept verbatim (click would drop
+    the `--` itself and leave no way to tell targets from the command's words)."""
+
+    def parse_args(self, ctx, args):
+        if "--" in args:
+            i = args.index("--")
+            ctx.meta["command"] = list(args[i + 1:])
+            args = args[:i]
+        else:
+            ctx.meta["command"] = []
+        return super().parse_args(ctx, args)
+
+
+@cli.command("exec", cls=_CommandAfterDashes)
+@click.argument("names", nargs=-1, metavar="TARGET...")
+@click.option("--all", "all_targets", is_flag=True,
+              help="Every target hosts.yaml defines (the built-in local only when it is the only one).")
+@click.option("--env", "env", multiple=True, metavar="K=V", help="Set a variable for the command (repeatable).")
+@json_option
+@click.pass_context
+def exec_(ctx, names, all_targets, env, as_json):
+    """Run a command in each target's container (the node itself for a target without vmid).
+
+    `dflash-ops exec ct200 -- nvidia-smi`: output streams as it comes and the exit status is the
+    command's; several targets run in parallel, each line led by `[target]`, exit 1 if any failed.
+    """
+    from . import exec as exec_mod
+    from .envvars import parse_assignments
+
+    state: State = ctx.obj
+    argv = exec_mod.check_command(ctx.meta["command"])
+    variables = parse_assignments(env)
+    targets = exec_mod.select(state.inv, names, all_targets)
+    if as_json:
+        results = exec_mod.exec_command(state.inv, targets, argv, env=variables)
+        emit(True, {"targets": {r.target: r.as_json() for r in results}}, "")
+        sys.exit(exec_mod.exit_status(results))
+    streams = exec_mod.Streams([t.name for t in targets], sys.stdout.buffer, sys.stderr.buffer)
+    results = exec_mod.exec_command(state.inv, targets, argv, env=variables,
+                                    out=streams.sink("out"), err=streams.sink("err"))
+    streams.flush()
+    if len(results) == 1 and results[0].error:
+        raise OpsError(results[0].error)
+    for r in results:
+        if r.error:
+            click.echo(f"[{r.target}] dflash-ops: {r.error}", err=True)
+        elif len(results) > 1 and not r.ok:
+            click.echo(f"[{r.target}] dflash-ops: exit status {r.exit_code}", err=True)
+    sys.exit(exec_mod.exit_status(results))
 
 
 # --- scan ------------------------------------------------------------------------------------

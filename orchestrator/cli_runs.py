@@ -79,10 +79,12 @@ def _split_launch_args(state: State, args: tuple[str, ...]) -> tuple[str | None,
 @click.option("--workers", type=click.IntRange(min=1), metavar="K",
               help="With --gpus 0: CPU worker threads.")
 @click.option("--follow", is_flag=True, help="Then follow the log, as `logs --follow` does.")
+@click.option("--env", "env", multiple=True, metavar="K=V",
+              help="Set a variable for the trainer (repeatable; over hosts.yaml env:).")
 @json_option
 @click.pass_obj
 def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, policy, workers, follow,
-           as_json):
+           env, as_json):
     """Start the trainer detached from this session; print the run id.
 
     Trainer flags go after `--`, e.g. `dflash-ops launch ct200 --gpus 2 -- --steps 500`.
@@ -91,12 +93,14 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
     from . import runs
 
     from .agent import session as open_session
+    from .envvars import parse_assignments
 
     target_name, extra = _split_launch_args(state, args)
+    variables = parse_assignments(env)
     with open_session(state.inv) as session:   # one connection for the launch and the follow
         res = runs.launch(state.inv, target_name, gpus=gpus, config=config, topology=topology,
                           policy=policy, workers=workers, extra=extra, name=name, gpu_ids=gpu_ids,
-                          resume=resume, session=session)
+                          resume=resume, session=session, env=variables)
         where = f"GPU {', '.join(map(str, res.gpu_ids))}" if res.gpu_ids else "CPU"
         policy_text = res.compile_policy + (f" (probe chose {res.probe_policy})"
                                             if res.probe_policy else "")
@@ -104,7 +108,8 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
                 if res.attempt > 1 else f"launched run {res.run} (")
         label = f"{res.name!r}, " if res.name else ""
         info = (f"{res.target}: {what}{label}pid {res.pid}, {where}, release "
-                f"{res.release}, policy {policy_text})")
+                f"{res.release}, policy {policy_text})"
+                + (", env " + " ".join(f"{k}={v}" for k, v in res.env.items()) if res.env else ""))
         for c in res.cleared:
             _note(f"{res.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
         if not follow:

@@ -50,9 +50,10 @@ def is_checkout(path: Path) -> bool:
 
 
 def source_root(explicit: str | None) -> tuple[Path, Path]:
-    """(root, folder whose files ship): contract: --source DIR, else the current directory when it
-    is a dflash-ops checkout, else the installed package's own trainer/ (shipped as trainer/...).
-    Cheap: deploy calls it before connecting, so a bad --source fails at once."""
+    """(root, folder whose files ship): --source DIR, else the current directory when it is a
+    dflash-ops checkout; anywhere else deploy refuses (shipping whatever happened to be installed
+    would replace the live release's files without a word). Cheap: deploy calls it before
+    connecting, so a bad --source fails at once."""
     if explicit:
         root = Path(explicit).expanduser()
         if not root.is_dir():
@@ -61,7 +62,8 @@ def source_root(explicit: str | None) -> tuple[Path, Path]:
     if is_checkout(Path.cwd()):
         return Path.cwd(), Path.cwd()
     trainer = Path(resources.files("trainer").joinpath("__init__.py")).parent
-    return trainer.parent, trainer
+    raise UsageError(f"{Path.cwd()} is not a dflash-ops checkout: run deploy from one, or say what to ship "
+                     f"with --source DIR (the installed trainer: --source {trainer.parent})")
 
 
 def scan_source(root: Path, folder: Path) -> Source:

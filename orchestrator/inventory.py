@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from . import sshconfig
 from .errors import InventoryError, UsageError
 
 LOCAL = "local"
@@ -36,6 +38,15 @@ class Host:
     jump: str | None = None
     pct: str = "/usr/sbin/pct"
     connect_timeout: float = 10.0
+    identities_only: bool = False    # as OpenSSH's IdentitiesOnly: of the agent's keys, only identity_file's
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # Filled at load, not a hosts.yaml key: every IdentityFile the ssh_config names (in order).
+    identities: tuple = ()
+
+    @property
+    def key_files(self) -> tuple:
+        """The identity files to offer, in order (hosts.yaml's, else the ssh_config's)."""
+        return self.identities or ((self.identity_file,) if self.identity_file else ())
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,7 @@ class Target:
     workdir: str = "/root/dflash"
     gpus: int = 0
     expect: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def is_local(self) -> bool:
@@ -61,6 +73,7 @@ class Inventory:
     hosts: Mapping[str, Host]
     targets: Mapping[str, Target]
     default: str | None = None
+    ssh_config: str | None = None    # the ssh_config file read at load, if any
 
     def target(self, name: str) -> Target:
         try:
@@ -124,11 +137,13 @@ def find_path(explicit: str | None) -> Path | None:
     return p if p.exists() else None
 
 
-def load(explicit: str | None = None) -> Inventory:
+def load(explicit: str | None = None, ssh_config: str | None = None) -> Inventory:
+    """ssh_config: an ssh_config file to read instead of the inventory's `ssh_config:` or
+    ~/.ssh/config (`-F/--ssh-config`)."""
     path = find_path(explicit)
     if path is None:
         return Inventory(path=None, hosts=MappingProxyType({}),
-                         targets=MappingProxyType({LOCAL: local_target()}))
+                         targets=MappingProxyType({LOCAL: local_target()}), ssh_config=ssh_config)
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -139,15 +154,17 @@ def load(explicit: str | None = None) -> Inventory:
         line = data[:e.start].count(b"\n") + 1
         raise InventoryError(str(path), line, None,
                              f"not UTF-8 text (byte 0x{data[e.start]:02x}); save the file as UTF-8") from None
-    return parse(text, str(path))
+    return parse(text, str(path), ssh_config=ssh_config)
 
 
 # --- parsing -------------------------------------------------------------------------------
 
-_TOP_KEYS = {"default": str, "hosts": dict, "targets": dict}
+_TOP_KEYS = {"default": str, "hosts": dict, "targets": dict, "ssh_config": str}
+_INTERNAL = {"name", "identities"}      # dataclass fields that are not hosts.yaml keys
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def parse(text: str, file: str = "hosts.yaml") -> Inventory:
+def parse(text: str, file: str = "hosts.yaml", ssh_config: str | None = None) -> Inventory:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
@@ -162,11 +179,18 @@ def parse(text: str, file: str = "hosts.yaml") -> Inventory:
         if key not in _TOP_KEYS:
             raise InventoryError(file, line, key, f"unknown key{_did_you_mean(key, _TOP_KEYS)}")
 
+    if ssh_config is None and "ssh_config" in top:
+        ssh_config = os.path.expanduser(_scalar(top["ssh_config"][0], str, file, "ssh_config"))
+        if not os.path.exists(ssh_config):
+            raise InventoryError(file, top["ssh_config"][1], "ssh_config", f"no such file: {ssh_config}")
     hosts: dict[str, Host] = {}
+    explicit: dict[str, set[str]] = {}
     if "hosts" in top:
         node, line = top["hosts"]
         for name, (hnode, hline) in _mapping(node, file, "hosts").items():
             hosts[name] = _build(Host, name, hnode, hline, file, f"hosts.{name}")
+            explicit[name] = set(_mapping(hnode, file, f"hosts.{name}"))
+    cfg_path = ssh_config if ssh_config is not None else (sshconfig.default_path() if hosts else None)
 
     targets: dict[str, Target] = {LOCAL: local_target()}
     if "targets" in top:
@@ -181,8 +205,25 @@ def parse(text: str, file: str = "hosts.yaml") -> Inventory:
                                      f"names a missing host {t.host!r}{_did_you_mean(t.host, hosts)}")
             targets[name] = t
 
-    for name, h in hosts.items():
-        _check_jump_chain(h, hosts, file, top["hosts"][0])
+    # The ssh_config fills in what hosts.yaml leaves out (sshconfig.py), then jump hosts written
+    # as addresses or hop lists become hosts of their own.
+    try:
+        cfg = sshconfig.SshConfig(cfg_path if hosts else None)
+        for name, h in list(hosts.items()):
+            hosts[name] = sshconfig.apply(h, explicit[name], cfg)
+    except sshconfig.SshConfigError as e:
+        raise InventoryError(file, None, "ssh_config", str(e)) from None
+    for name, h in list(hosts.items()):
+        _check_jump_chain(h, hosts, file, top["hosts"][0], cfg)
+    for name, h in list(hosts.items()):
+        if h.jump and h.jump not in hosts:
+            try:
+                made, via = sshconfig.jump_hosts(h, hosts, cfg, _hop_host)
+            except sshconfig.SshConfigError as e:
+                raise InventoryError(file, _line_of(_child(top["hosts"][0], name), "jump", None),
+                                     f"hosts.{name}.jump", str(e)) from None
+            hosts.update(made)
+            hosts[name] = dataclasses.replace(h, jump=via)
 
     default = None
     if "default" in top:
@@ -192,15 +233,25 @@ def parse(text: str, file: str = "hosts.yaml") -> Inventory:
             raise InventoryError(file, line, "default",
                                  f"names a missing target {default!r}{_did_you_mean(default, targets)}")
     return Inventory(path=file, hosts=MappingProxyType(hosts), targets=MappingProxyType(targets),
-                     default=default)
+                     default=default, ssh_config=cfg_path)
 
 
-def _check_jump_chain(host: Host, hosts: dict[str, Host], file: str, hosts_node) -> None:
+def _hop_host(*, name: str, address: str, user: str | None, port: int | None, parent: Host) -> Host:
+    """A jump host written as an address: what it does not say comes from the host naming it."""
+    return Host(name=name, address=address, user=user or "root", port=port or 22,
+                identity_file=parent.identity_file, identities=parent.identities,
+                identities_only=parent.identities_only, known_hosts=parent.known_hosts,
+                connect_timeout=parent.connect_timeout)
+
+
+def _check_jump_chain(host: Host, hosts: dict[str, Host], file: str, hosts_node, cfg) -> None:
     seen = [host.name]
     h = host
     while h.jump:
         hnode = _child(hosts_node, h.name)
         line = _line_of(hnode, "jump", None)
+        if h.jump not in hosts and (sshconfig.looks_like_address(h.jump) or cfg.knows(h.jump)):
+            return   # an address (ProxyJump spelling) or an ssh_config Host: resolved after
         if h.jump not in hosts:
             raise InventoryError(file, line, f"hosts.{h.name}.jump",
                                  f"names a missing host {h.jump!r}{_did_you_mean(h.jump, hosts)}")
@@ -212,7 +263,7 @@ def _check_jump_chain(host: Host, hosts: dict[str, Host], file: str, hosts_node)
 
 
 def _build(cls, name: str, node, line: int, file: str, where: str):
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "name"}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in _INTERNAL}
     required = {f.name for f in fields.values()
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
     items = _mapping(node, file, where)
@@ -237,6 +288,12 @@ def _build(cls, name: str, node, line: int, file: str, where: str):
     if "vmid" in values and values["vmid"] < 100:
         raise InventoryError(file, _line_of(node, "vmid", line), f"{where}.vmid",
                              "Proxmox VMIDs start at 100")
+    for key, (_, eline) in _mapping(node, file, where).items():
+        if key == "env":
+            for k, (_, kline) in _mapping(_child(node, "env"), file, f"{where}.env").items():
+                if not ENV_NAME_RE.match(k):
+                    raise InventoryError(file, kline, f"{where}.env.{k}",
+                                         "not a variable name (letters, digits and _, not first a digit)")
     for key in ("identity_file", "known_hosts"):
         if values.get(key):
             values[key] = os.path.expanduser(values[key])
@@ -248,6 +305,8 @@ def _convert(type_str: str, node, file: str, where: str, line: int):
     if t.startswith("Mapping"):
         items = _mapping(node, file, where)
         return MappingProxyType({k: _scalar(v, str, file, f"{where}.{k}") for k, (v, _) in items.items()})
+    if t == "bool":
+        return _scalar(node, bool, file, where)
     if "int" in t:
         return _scalar(node, int, file, where)
     if "float" in t:
@@ -313,7 +372,7 @@ def _node_kind(node) -> str:
 def _type_name(want) -> str:
     if isinstance(want, tuple):
         return "a number"
-    return {str: "a string", int: "an integer"}.get(want, want.__name__)
+    return {str: "a string", int: "an integer", bool: "true or false"}.get(want, want.__name__)
 
 
 def _did_you_mean(word: str, choices) -> str:

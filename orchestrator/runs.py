@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import agent
+from .envvars import user_env
 from .errors import (EXIT_OK, EXIT_RUN_FAILED, EXIT_RUN_RUNNING, EXIT_RUN_STOPPED, NotFound, OpsError,
                      StepFailed, UsageError)
 from .inventory import Inventory, Target
@@ -146,6 +147,7 @@ class LaunchResult:
     attempt: int = 1
     resumed_from: str | None = None     # the state of the attempt this one continues
     seconds: float = 0.0
+    env: dict = field(default_factory=dict)     # the variables set for the trainer, secrets masked
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -155,12 +157,13 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
            config: str | None = None, topology: str = "threads", policy: str = "auto",
            workers: int | None = None, extra: Sequence[str] = (), name: str | None = None,
            gpu_ids: str | None = None, resume: str | None = None,
-           session: Session | None = None) -> LaunchResult:
+           session: Session | None = None, env: dict[str, str] | None = None) -> LaunchResult:
     """Start the trainer detached on the target; returns once it runs (the run goes on alone).
 
     gpu_ids ("0,3") names the GPUs (and their slots) instead of the first free ones; name labels
     the run in status. resume continues that stopped or failed run in place (same run id, its own
-    config, trainer arguments, topology and policy, the trainer's --resume) as a new attempt."""
+    config, trainer arguments, topology and policy, the trainer's --resume) as a new attempt.
+    env: variables for the trainer, over the inventory's host and target `env:`."""
     target = resolve_target(inv, target_name)
     if name is not None and not LABEL_RE.match(name):
         raise UsageError(f"--name {name!r}: one line of at most 64 printable characters")
@@ -190,7 +193,8 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
     spec = {"run": new_run_id(target.name), "target": target.name, "gpus": gpus,
             "target_gpus": target.gpus, "topology": topology, "policy": policy or "auto",
             "workers": workers, "extra": list(extra), "controller": _controller(), "name": name,
-            "gpu_ids": ids, "resume": resume}
+            "gpu_ids": ids, "resume": resume,
+            "user_env": user_env(inv, target, env)}   # recorded in run.json, secrets masked
     if config:
         path = Path(config).expanduser()
         try:
@@ -202,7 +206,7 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
     start = time.monotonic()
     try:
         with agent.session(inv, session) as s:
-            doc = agent.call(s.transport(target), target, agent.RUNS, ["launch", target.workdir],
+            doc = agent.call(s.transport(target, env=env), target, agent.RUNS, ["launch", target.workdir],
                              stdin=json.dumps(spec).encode(), what="launch the trainer", timeout=120)
     except agent.Refused as e:
         if e.reason == "spawn":
@@ -214,7 +218,8 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
         compile_policy=doc.get("compile_policy"), probe_policy=doc.get("probe_policy"), gpus=doc.get("gpus", gpus),
         gpu_ids=doc.get("gpu_ids") or [], slots=doc.get("slots") or [], log=doc.get("log"), command_line=doc.get("command_line"),
         cleared=doc.get("cleared") or [], name=doc.get("name"), attempt=doc.get("attempt") or 1,
-        resumed_from=doc.get("resumed_from"), seconds=round(time.monotonic() - start, 3))
+        resumed_from=doc.get("resumed_from"), seconds=round(time.monotonic() - start, 3),
+        env=spec["user_env"])
 
 
 def _controller() -> dict:

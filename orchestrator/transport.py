@@ -1,18 +1,21 @@
-"""The one seam through which bytes reach a target (style habit 2).
+"""The one seam through which bytes reach a target.
 
     LocalTransport          subprocess on this machine
     SshTransport            one paramiko connection to a host (jump hosts, known_hosts, keepalive)
-    PctTransport(inner, v)  `pct exec V --keep-env 0 -- ARGV` run through another transport
+    PctTransport(inner, v)  `pct exec V --keep-env 0 -- [env K=V..] ARGV` run through another transport
+    EnvTransport(inner, e)  `env K=V.. ARGV` through another transport (a target without vmid)
 
 Every transport runs an argv (or a bash script, `bash -c SOURCE`) with stdin streamed in and
 stdout/stderr streamed out separately, and returns the exit status. `shell_join` is the only
 place where a string is quoted for a shell: ssh hands the remote user's shell one command line,
-pct and lxc-attach pass argv straight through (field notes 2), so one quoting layer is all there is.
+pct and lxc-attach pass argv straight through (docs/background.md, pct), so one quoting layer is all there is.
 """
 from __future__ import annotations
 
-import logging
+import base64
+import hashlib
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -20,15 +23,17 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import IO, Callable, Iterable, Sequence, Union
+from typing import IO, Callable, Iterable, Mapping, Sequence, Union
 
+from . import sshconfig
+from .envvars import env_argv
 from .errors import ConnectError, ConnectionLost, ContainerError, HostKeyError, OpsError
 from .inventory import Host, Inventory, Target
 
 Stdin = Union[None, bytes, IO[bytes], Iterable[bytes]]
 Sink = Callable[[bytes], None]
 CHUNK = 1 << 16
-KEEPALIVE_S = 5          # as Ansible's proxmox_pct_remote does (field notes 2)
+KEEPALIVE_S = 5          # as Ansible's proxmox_pct_remote does (docs/background.md, pct)
 CONNECT_TRIES = 3
 
 
@@ -59,11 +64,13 @@ def bash_argv(script: str) -> list[str]:
     return ["bash", "-c", script]
 
 
-def pct_exec_argv(pct: str, vmid: int, argv: Sequence[str], *, sudo: bool) -> list[str]:
-    """`pct exec VMID --keep-env 0 -- ARGV`: the `--` is mandatory (pct parses options over the
-    whole list), `--keep-env 0` keeps the node's SSH environment out (it still defaults to 1)."""
+def pct_exec_argv(pct: str, vmid: int, argv: Sequence[str], *, sudo: bool,
+                  env: Mapping[str, str] | None = None) -> list[str]:
+    """`pct exec VMID --keep-env 0 -- [env K=V...] ARGV`: the `--` is mandatory (pct parses options
+    over the whole list), `--keep-env 0` keeps the node's SSH environment out (it still defaults
+    to 1), so the variables the inventory asks for are set in the command itself."""
     head = ["sudo", "-n"] if sudo else []
-    return [*head, pct, "exec", str(vmid), "--keep-env", "0", "--", *argv]
+    return [*head, pct, "exec", str(vmid), "--keep-env", "0", "--", *env_argv(env), *argv]
 
 
 def pct_status_argv(pct: str, vmid: int, *, sudo: bool) -> list[str]:
@@ -143,6 +150,8 @@ class LocalTransport(Transport):
                                     stderr=subprocess.PIPE, bufsize=0)
         except FileNotFoundError:
             return Result(127, b"", f"{argv[0]}: command not found\n".encode())
+        except PermissionError:
+            return Result(126, b"", f"{argv[0]}: permission denied\n".encode())
 
         # bufsize=0: raw pipes, whose read(n) returns what is there without waiting for n bytes.
         readers, failures = _pump_both([(proc.stdout.read, out), (proc.stderr.read, err)], proc.kill)
@@ -171,36 +180,54 @@ class LocalTransport(Transport):
         return Result(code, out.value(), err.value())
 
 
-_PARAMIKO_IMPORT = threading.Lock()
+# paramiko is imported on first use, without `invoke` (sshconfig.paramiko says why).
+_paramiko = sshconfig.paramiko
 
 
-def _paramiko():
-    """paramiko, imported on first use so `dflash-ops --help` stays fast, and without `invoke`.
+def fingerprint(key) -> str:
+    """`SHA256:base64` (no padding), as OpenSSH prints a key's fingerprint."""
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
 
-    paramiko.config imports invoke inside a try/except, only to run `Match exec` lines of an
-    ssh_config; dflash-ops reads no ssh_config, and invoke's import (it pulls in asyncio and
-    unittest.mock) is ~85 ms of every command, about a fifth of a no-change deploy. So invoke
-    is hidden for the length of that one import and the entry removed again: nothing else in
-    the process is affected, and paramiko.config raises its ImportError only if asked to run
-    `Match exec`."""
-    # Under a lock: targets connect from parallel threads, and a second thread must neither see
-    # a half-imported paramiko in sys.modules nor restore `invoke` while the first imports.
-    with _PARAMIKO_IMPORT:
-        if "paramiko" in sys.modules:
-            return sys.modules["paramiko"]
-        hide = "invoke" not in sys.modules
-        if hide:
-            sys.modules["invoke"] = None       # makes `import invoke` raise ImportError
+
+def _public_blob(path: str) -> bytes | None:
+    """The public key blob of an identity file: `PATH.pub` beside it, the file itself when it is
+    a `.pub` (as `ssh -i key.pub` does), else the private key when it loads without a passphrase."""
+    for pub in ([path] if path.endswith(".pub") else [path + ".pub"]):
         try:
-            import paramiko
-        finally:
-            if hide and sys.modules.get("invoke", 0) is None:
-                del sys.modules["invoke"]
-        # paramiko's transport thread logs its own failures (with tracebacks) at ERROR; with no
-        # handler configured Python prints them to stderr. Every failure reaches the user as one
-        # ConnectError line instead; `--debug` configures logging and shows them.
-        logging.getLogger("paramiko").addHandler(logging.NullHandler())
-        return paramiko
+            with open(pub, encoding="utf-8") as f:
+                return base64.b64decode(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    try:
+        return _paramiko().PKey.from_path(path).asbytes()
+    except Exception:  # noqa: BLE001 - encrypted, unreadable, unknown type: no blob to match
+        return None
+
+
+def auth_options(host: Host, agent_keys: Sequence) -> dict:
+    """paramiko connect() options that offer keys as OpenSSH does: the agent is always asked;
+    an identity file selects the agent's copy of that key first (so a passphrase key held by
+    ssh-agent works), then the file itself, then (unless IdentitiesOnly) the agent's other keys;
+    with no identity file, the agent's keys and then ~/.ssh/id_*."""
+    files = host.key_files
+    if not files:
+        return {"allow_agent": True, "look_for_keys": True}
+    wanted = [b for b in (_public_blob(f) for f in files) if b]
+    chosen = next((k for k in agent_keys if k.asbytes() in wanted), None)
+    privates = [f[:-4] if f.endswith(".pub") else f for f in files]
+    privates = [f for f in privates if os.path.exists(f)]
+    return {"pkey": chosen, "key_filename": privates or None,
+            "allow_agent": not host.identities_only or not wanted, "look_for_keys": False}
+
+
+def _agent_keys() -> tuple:
+    if not os.environ.get("SSH_AUTH_SOCK"):
+        return ()
+    try:
+        return tuple(_paramiko().Agent().get_keys())
+    except Exception:  # noqa: BLE001 - a dead agent socket is no agent
+        return ()
 
 
 class SshTransport(Transport):
@@ -219,6 +246,7 @@ class SshTransport(Transport):
         # One time budget for reaching the server, whatever the number of tries: a host that
         # refuses is tried again (it may be rebooting), one that accepts TCP and never speaks
         # SSH is not, and neither may take longer than connect_timeout in all.
+        auth = auth_options(host, _agent_keys())
         start = time.monotonic()
         deadline = start + host.connect_timeout
         last: Exception | str | None = None
@@ -226,10 +254,9 @@ class SshTransport(Transport):
             try:
                 conn = sock if sock is not None else _dial(host, deadline)
                 client.connect(host.address, port=host.port, username=host.user,
-                               key_filename=host.identity_file, timeout=host.connect_timeout,
+                               timeout=host.connect_timeout,
                                banner_timeout=host.connect_timeout, auth_timeout=host.connect_timeout,
-                               sock=conn, allow_agent=host.identity_file is None,
-                               look_for_keys=host.identity_file is None)
+                               sock=conn, **auth)
                 last = None
                 break
             except _Silent as e:
@@ -240,7 +267,7 @@ class SshTransport(Transport):
                 client.close()
                 raise HostKeyError(host.name, (
                     f"host key for {_known_hosts_name(host)} CHANGED (now {e.key.get_name()} "
-                    f"{e.key.get_fingerprint().hex()}); if that is expected, remove the old entry with "
+                    f"{fingerprint(e.key)}); if that is expected, remove the old entry with "
                     f"`ssh-keygen -R '{_known_hosts_name(host)}' -f {known}`")) from None
             except paramiko.AuthenticationException as e:
                 client.close()
@@ -316,6 +343,18 @@ class SshTransport(Transport):
         self.client.close()
 
 
+# What a node may print around pct's own words: pct is Perl, and a locale the node lacks (often
+# LANG/LC_* sent by the SSH client) makes perl warn on stderr before anything else.
+_NOISE = re.compile(r"^(perl: warning: .*|\s+(LANGUAGE|LC_ALL|LC_\w+|LANG) = .*|\s+are supported and installed "
+                    r"on your system\.|perl: warning: Falling back to .*|locale: Cannot set .*|"
+                    r"bash: warning: setlocale: .*|-bash: warning: setlocale: .*)$")
+
+
+def node_noise_removed(text: str) -> str:
+    """`text` less the node's locale warnings, which are never the answer to what was asked."""
+    return "\n".join(line for line in text.splitlines() if not _NOISE.match(line))
+
+
 STATUS_MARK = "dflash-ops pct-status:"
 # Runs on the node: the exec, and only when it exits 255 (pct's own refusal, or the command's own
 # status) -- or 1 under `sudo -n` (a password wanted) -- `pct status` to tell which. The common
@@ -333,10 +372,11 @@ _CHECKED = (
 )
 
 
-def pct_checked_argv(pct: str, vmid: int, argv: Sequence[str], *, sudo: bool) -> list[str]:
+def pct_checked_argv(pct: str, vmid: int, argv: Sequence[str], *, sudo: bool,
+                     env: Mapping[str, str] | None = None) -> list[str]:
     """`pct exec VMID --keep-env 0 -- ARGV`, explained by `pct status VMID` when pct refuses."""
     return ["sh", "-c", _CHECKED, "sh", "1" if sudo else "0", pct, str(vmid),
-            *pct_exec_argv(pct, vmid, argv, sudo=sudo)]
+            *pct_exec_argv(pct, vmid, argv, sudo=sudo, env=env)]
 
 
 class PctTransport(Transport):
@@ -346,21 +386,23 @@ class PctTransport(Transport):
     stopped or unknown container is a clear ContainerError rather than pct's bare 255."""
 
     def __init__(self, inner: Transport, vmid: int, *, pct: str = "/usr/sbin/pct", sudo: bool = False,
-                 target: str = "", verify: bool = False):
+                 target: str = "", verify: bool = False, env: Mapping[str, str] | None = None):
         self.inner, self.vmid, self.pct, self.sudo = inner, vmid, pct, sudo
+        self.env = dict(env or {})
         self.target = target or str(vmid)
         self.description = f"{inner.description} pct {vmid}"
         self._verify = verify
 
     def _container_error(self, code: int, text: str) -> ContainerError:
-        text = text.strip()
+        text = node_noise_removed(text).strip()
         if self.sudo and "password is required" in text:
             return ContainerError(self.target, self.vmid,
                                   f"`sudo -n {self.pct}` needs a password: allow it passwordless for this user")
         if code != 0:
             return ContainerError(self.target, self.vmid, text.splitlines()[-1] if text else
                                   f"pct status exited {code}")
-        state = text.split(":", 1)[-1].strip() or "unknown"
+        m = re.search(r"^status: (\S+)", text, re.M)
+        state = m.group(1) if m else "unknown"
         return ContainerError(self.target, self.vmid,
                               f"is {state}, not running; start it with `pct start {self.vmid}`")
 
@@ -374,7 +416,7 @@ class PctTransport(Transport):
 
     def run(self, argv, **kw) -> Result:
         if not self._verify:
-            return self.inner.run(pct_exec_argv(self.pct, self.vmid, argv, sudo=self.sudo), **kw)
+            return self.inner.run(pct_exec_argv(self.pct, self.vmid, argv, sudo=self.sudo, env=self.env), **kw)
         sink = kw.get("stderr")
         mark = STATUS_MARK.encode()
         kept: list[bytes] = []   # all of stderr when the caller keeps it, else a tail to find the mark in
@@ -390,13 +432,28 @@ class PctTransport(Transport):
                 sink(data)
 
         kw["stderr"] = watch
-        r = self.inner.run(pct_checked_argv(self.pct, self.vmid, argv, sudo=self.sudo), **kw)
+        r = self.inner.run(pct_checked_argv(self.pct, self.vmid, argv, sudo=self.sudo, env=self.env), **kw)
         err = b"".join(kept)
         if r.exit_code == 255 and mark in err:
             code, _, text = err[err.index(mark) + len(mark):].decode(errors="replace").strip().partition(" ")
             raise self._container_error(int(code) if code.isdigit() else 1, text)
         self._verify = False
         return r if sink is not None else Result(r.exit_code, r.stdout, err)
+
+
+class EnvTransport(Transport):
+    """Another transport whose commands run as `env K=V ... ARGV`: a target without vmid (the node
+    itself, or this machine) gets its variables exactly as a container does."""
+
+    def __init__(self, inner: Transport, env: Mapping[str, str]):
+        self.inner, self.env = inner, dict(env)
+        self.description = inner.description
+
+    def run(self, argv, **kw) -> Result:
+        return self.inner.run([*env_argv(self.env), *argv], **kw)
+
+    def __getattr__(self, name):   # alive(), open_tunnel(), host ... of the wrapped transport
+        return getattr(self.inner, name)
 
 
 class _Silent(Exception):
@@ -496,21 +553,25 @@ class Session:
     def round_trips(self) -> int:
         return sum(t.runs for t in self._opened)
 
-    def transport(self, target: Target, *, fresh: bool = False, check: bool = True) -> Transport:
+    def transport(self, target: Target, *, fresh: bool = False, check: bool = True,
+                  env: Mapping[str, str] | None = None) -> Transport:
         """The transport that runs commands inside `target`; with `check`, a pct target's
-        container state is verified first (ContainerError when stopped or unknown)."""
+        container state is verified first (ContainerError when stopped or unknown). Its commands
+        get the host's and the target's `env:`, then `env` (later wins)."""
         if target.host is None:
             inner: Transport = LocalTransport()
             pct = "/usr/sbin/pct"
             user = os.environ.get("USER", "root")
+            variables = {**target.env, **(env or {})}
         else:
             host = self.inventory.hosts[target.host]
             inner, pct, user = self.ssh(target.host, fresh=fresh), host.pct, host.user
+            variables = {**host.env, **target.env, **(env or {})}
         if target.vmid is None:
-            return inner
-        # A non-root user needs passwordless `sudo -n pct` (field notes 2).
+            return EnvTransport(inner, variables) if variables else inner
+        # A non-root user needs passwordless `sudo -n pct` (docs/background.md, pct).
         return PctTransport(inner, target.vmid, pct=pct, sudo=user != "root", target=target.name,
-                            verify=check)
+                            verify=check, env=variables)
 
     def close(self) -> None:
         for t in list(self._ssh.values()):

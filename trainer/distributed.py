@@ -43,7 +43,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainer import checkpoint, train
 from trainer.config import TrainConfig
 from trainer.errors import UsageError
-from trainer.log import RunLog
+from trainer.log import RunLog, heartbeat
 from trainer.numerics import guard_first_step
 from trainer.step import (Replica, ShardStats, apply_update, build_replica, compute_grads, warmup_test_hook,
                           weight_checksum)
@@ -223,7 +223,11 @@ class RankEngine:
         first = not self._warm
         if first:
             warmup_test_hook(self.rank)
-        st = compute_grads(self.replica, shard)
+        if first:
+            with heartbeat(self.log, f"compiling rank {self.rank}"):
+                st = compute_grads(self.replica, shard)
+        else:
+            st = compute_grads(self.replica, shard)
         if first:
             self._warm = True
             if self.guard and self.replica.policy != "eager":

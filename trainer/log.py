@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import TextIO
 
@@ -27,6 +30,34 @@ class RunLog:
         if self.metrics_path is not None:
             with self.metrics_path.open("a") as f:
                 f.write(line + "\n")
+
+
+HEARTBEAT_S = float(os.environ.get("DFLASH_HEARTBEAT_S", "20"))   # the env var is for tests
+
+
+class heartbeat:
+    """Says a long silent phase is still going: while the `with` block runs, one line every
+    `every` seconds (`[trainer] still compiling worker 0 (45 s)`), so a 70 s compile or minutes of
+    data generation never look like a hang. Nothing is printed for a phase shorter than `every`."""
+
+    def __init__(self, log: RunLog, what: str, every: float | None = None):
+        self.log, self.what = log, what
+        self.every = HEARTBEAT_S if every is None else every
+        self._done = threading.Event()
+
+    def __enter__(self) -> "heartbeat":
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._done.wait(self.every):
+            self.log.info(f"still {self.what} ({time.monotonic() - self._start:.0f} s)")
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def _clean(v):

@@ -28,7 +28,7 @@ from trainer.data import (Loader, check_samples, encode_rows, make_batch, random
                           split_eval, synthetic)
 from trainer.errors import EXIT_OK, EXIT_SIGTERM, UsageError
 from trainer.eval import acceptance_length
-from trainer.log import RunLog, step_line
+from trainer.log import RunLog, heartbeat, step_line
 from trainer.model import Drafter, DrafterConfig, flops_per_sample
 from trainer.step import build_replica, lr_at
 from trainer.target import Target, load_target
@@ -305,9 +305,11 @@ def _check_resume_config(cfg: TrainConfig, out: Path, resume_from) -> None:
 def _load_data(cfg, target, out, log, stop):
     if cfg.data == "synthetic":
         t = time.time()
-        path = synthetic(target, out_dir=str(out), n=cfg.synthetic_samples, prompt_len=cfg.synthetic_prompt_len,
-                         new_tokens=cfg.synthetic_new_tokens, temperature=cfg.synthetic_temperature,
-                         seed=cfg.seed, min_new=cfg.block_size, should_stop=stop.is_set)
+        with heartbeat(log, f"generating synthetic data ({cfg.synthetic_samples} samples)"):
+            path = synthetic(target, out_dir=str(out), n=cfg.synthetic_samples,
+                             prompt_len=cfg.synthetic_prompt_len, new_tokens=cfg.synthetic_new_tokens,
+                             temperature=cfg.synthetic_temperature, seed=cfg.seed, min_new=cfg.block_size,
+                             should_stop=stop.is_set)
         log.info(f"synthetic data: {path} ({time.time() - t:.1f}s)")
         samples, skipped = _read_samples(str(path), cfg, target)
         low, high, exclude = prompt_vocab(target)

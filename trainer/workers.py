@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.log import heartbeat
 from trainer.errors import TrainerError
 from trainer.numerics import guard_first_step
 from trainer.step import (Replica, ShardStats, apply_update, compute_grads, gather_chunks, reduce_own_chunk,
@@ -204,7 +205,10 @@ class ThreadEngine:
     def _warm_up(self, w: Worker, shard):
         t = time.perf_counter()
         guard = self.guard and self.replicas[w.index].policy != "eager"
-        stats, check = self._await(w, w.submit(_first_step, self.replicas[w.index], shard, guard))
+        what = f"warming up worker {w.index}" if self.replicas[w.index].policy == "eager" else \
+            f"compiling worker {w.index}"
+        with heartbeat(self.log, what):
+            stats, check = self._await(w, w.submit(_first_step, self.replicas[w.index], shard, guard))
         first, built = time.perf_counter() - t, self._built[w.index]
         self.log.metrics({"event": "worker_ready", "worker": w.index, "device": str(w.device),
                           "seconds": built + first, "build_s": built, "first_step_s": first})

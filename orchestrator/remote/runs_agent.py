@@ -251,6 +251,7 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
         "started": _now_iso(), "started_ts": time.time(), "python": python,
         "python_version": platform.python_version(), "hostname": socket.gethostname(),
         "controller": spec.get("controller"), "pid": None,
+        "user_env": spec.get("user_env") or {},   # hosts.yaml env: + launch --env, secrets masked
     }
     _write_json(os.path.join(rundir, "run.json"), rec)
     started = _spawn_supervisor(rundir, rec, env)
@@ -329,6 +330,8 @@ def main(argv):
             opts, values = _split(args, ("--force",), ("--timeout",))
             cmd_stop(workdir, values[0] if values else "latest", "--force" in opts,
                      float(opts.get("--timeout", STOP_TIMEOUT_S)))
+        elif cmd == "supervise":      # runs_supervisor._short_argv's exec: WORKDIR is the run's folder
+            cmd_supervise(workdir, int(args[0]))
         elif cmd == "metrics":
             _, values = _split(args)
             cmd_metrics(workdir, values[0] if values else "latest")

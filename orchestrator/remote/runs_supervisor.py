@@ -33,6 +33,7 @@ def _spawn_supervisor(rundir, rec, env):
             if os.fork() != 0:
                 os._exit(0)
             _detach(rundir, keep=wfd)
+            _short_argv(rundir, env, wfd)      # returns only where it cannot re-exec
             _supervise(rundir, rec, env, wfd)
         except BaseException as e:  # never return into the agent's code
             try:
@@ -61,6 +62,40 @@ def _spawn_supervisor(rundir, rec, env):
     except ValueError:
         return {"error": "the supervisor did not report the trainer's pid (see %s/supervisor.log)"
                 % rundir}
+
+
+_BOOT = "import os; exec(os.environ.pop('DFLASH_OPS_AGENT_SOURCE'))"
+
+
+def _short_argv(rundir, env, wfd):
+    """Run on as `python -c BOOT supervise RUNDIR FD`: as a fork of `python -c SOURCE`, `ps` on the
+    node would show the whole agent (36 KB) as this process's command line. The same program is
+    exec'd with its source in the environment, popped at once (the trainer never sees it); the
+    pid, its start time, the session and the redirected streams stay what they were."""
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            parts = f.read().split(b"\0")
+    except OSError:
+        return
+    if len(parts) < 3 or parts[1] != b"-c":
+        return
+    child = dict(env)
+    child["DFLASH_OPS_AGENT_SOURCE"] = parts[2].decode("utf-8", "surrogateescape")
+    os.set_inheritable(wfd, True)
+    os.execve(sys.executable, [sys.executable, "-c", _BOOT, "supervise", rundir, str(wfd)], child)
+
+
+def cmd_supervise(rundir, wfd):
+    """The supervisor after _short_argv's exec: its environment is the trainer's."""
+    try:
+        _supervise(rundir, _read_json(os.path.join(rundir, "run.json")), dict(os.environ), wfd)
+    except BaseException as e:  # never return into the agent's code
+        try:
+            os.write(wfd, (json.dumps({"error": "supervisor: %s" % e}) + "\n").encode())
+        except OSError:
+            pass
+    finally:
+        os._exit(0)
 
 
 def _detach(rundir, keep):

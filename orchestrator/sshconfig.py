@@ -1,0 +1,180 @@
+"""OpenSSH's client configuration (`~/.ssh/config`), read with paramiko's SSHConfig.
+
+hosts.yaml says what it says; for every key it leaves out, the `Host` block matching the host's
+`address` fills in (HostName, User, Port, IdentityFile, IdentitiesOnly, ProxyJump,
+UserKnownHostsFile, ConnectTimeout), as `ssh pve1` would. So `address: pve1` with a `Host pve1`
+block is a complete host. Jump hosts are written as OpenSSH's ProxyJump is: a hosts.yaml entry,
+`[user@]host[:port]`, or several hops separated by commas (outermost first).
+
+The ssh_config read is `-F/--ssh-config PATH`, else the inventory's `ssh_config:`, else
+`~/.ssh/config` when it exists. Resolution happens once, at load (inventory.parse); the
+transport only sees finished Host values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import sys
+import threading
+
+_PARAMIKO_IMPORT = threading.Lock()
+SSH_KEYS = ("hostname", "user", "port", "identityfile", "identitiesonly", "proxyjump",
+            "userknownhostsfile", "connecttimeout")
+_HOP_RE = re.compile(r"^(?:(?P<user>[^@\s]+)@)?(?P<host>\[[^\]]+\]|[^:@\s]+)(?::(?P<port>\d+))?$")
+
+
+def paramiko():
+    """paramiko, imported on first use so `dflash-ops --help` stays fast, and without `invoke`.
+
+    paramiko.config imports invoke inside a try/except, only to run `Match exec` lines of an
+    ssh_config; invoke's import (it pulls in asyncio and unittest.mock) is ~85 ms of every
+    command, about a fifth of a no-change deploy. So invoke is hidden for the length of that one
+    import and the entry removed again: nothing else in the process is affected, and
+    paramiko.config raises its ImportError only if asked to run `Match exec` (reported as one
+    line by `load`)."""
+    # Under a lock: targets connect from parallel threads, and a second thread must neither see
+    # a half-imported paramiko in sys.modules nor restore `invoke` while the first imports.
+    with _PARAMIKO_IMPORT:
+        if "paramiko" in sys.modules:
+            return sys.modules["paramiko"]
+        hide = "invoke" not in sys.modules
+        if hide:
+            sys.modules["invoke"] = None       # makes `import invoke` raise ImportError
+        try:
+            import paramiko as p
+        finally:
+            if hide and sys.modules.get("invoke", 0) is None:
+                del sys.modules["invoke"]
+        # paramiko's transport thread logs its own failures (with tracebacks) at ERROR; with no
+        # handler configured Python prints them to stderr. Every failure reaches the user as one
+        # ConnectError line instead; `--debug` configures logging and shows them.
+        logging.getLogger("paramiko").addHandler(logging.NullHandler())
+        return p
+
+
+def default_path() -> str | None:
+    p = os.path.expanduser("~/.ssh/config")
+    return p if os.path.exists(p) else None
+
+
+class SshConfigError(Exception):
+    """The ssh_config could not be read or used; the message says why."""
+
+
+class SshConfig:
+    """One parsed ssh_config file (or none: every lookup is empty)."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self._cfg = None
+        if path is None:
+            return
+        try:
+            with open(os.path.expanduser(path), encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise SshConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise SshConfigError(f"{path}: not UTF-8 text") from None
+        try:
+            self._cfg = paramiko().SSHConfig.from_text(text)
+        except Exception as e:  # noqa: BLE001 - paramiko raises ConfigParseError / ValueError
+            raise SshConfigError(f"{path}: {e}") from None
+
+    def lookup(self, alias: str) -> dict:
+        """The options that apply to `alias` (lower-case keys), only those dflash-ops uses."""
+        if self._cfg is None:
+            return {}
+        try:
+            found = self._cfg.lookup(alias)
+        except ImportError:
+            raise SshConfigError(f"{self.path}: `Match exec` is not supported") from None
+        except Exception as e:  # noqa: BLE001
+            raise SshConfigError(f"{self.path}: Host {alias}: {e}") from None
+        out = {k: found[k] for k in SSH_KEYS if k in found}
+        if out.get("hostname") == alias:
+            out.pop("hostname")   # paramiko always fills it in; only a real HostName counts
+        return out
+
+    def knows(self, alias: str) -> bool:
+        """A `Host` line names this alias literally (not only through a wildcard)."""
+        return self._cfg is not None and alias in self._cfg.get_hostnames()
+
+
+def apply(host, explicit: set[str], cfg: SshConfig):
+    """`host` with what the ssh_config says for every key hosts.yaml left out."""
+    o = cfg.lookup(host.address)
+    new: dict = {}
+    if "hostname" in o:
+        new["address"] = o["hostname"]
+    if "user" in o and "user" not in explicit:
+        new["user"] = o["user"]
+    if "port" in o and "port" not in explicit:
+        new["port"] = int(o["port"])
+    if "identityfile" in o and "identity_file" not in explicit:
+        files = tuple(os.path.expanduser(p) for p in o["identityfile"])
+        new["identities"] = files
+    if "identitiesonly" in o and "identities_only" not in explicit:
+        new["identities_only"] = str(o["identitiesonly"]).lower() == "yes"
+    if "userknownhostsfile" in o and "known_hosts" not in explicit:
+        new["known_hosts"] = os.path.expanduser(str(o["userknownhostsfile"]).split()[0])
+    if "connecttimeout" in o and "connect_timeout" not in explicit:
+        new["connect_timeout"] = float(o["connecttimeout"])
+    if "proxyjump" in o and "jump" not in explicit and str(o["proxyjump"]).lower() != "none":
+        new["jump"] = str(o["proxyjump"])
+    return dataclasses.replace(host, **new) if new else host
+
+
+def parse_hop(spec: str) -> tuple[str | None, str, int | None] | None:
+    """`[user@]host[:port]` -> (user, host, port); None when it is not one."""
+    m = _HOP_RE.match(spec.strip())
+    if not m:
+        return None
+    host = m.group("host").strip("[]")
+    return m.group("user"), host, int(m.group("port")) if m.group("port") else None
+
+
+def looks_like_address(spec: str) -> bool:
+    """A jump written as an address (ProxyJump spelling) rather than a hosts.yaml name."""
+    return any(c in spec for c in "@:,.")
+
+
+def jump_hosts(host, hosts: dict, cfg: SshConfig, make_host, depth: int = 0) -> tuple[dict, str | None]:
+    """(hosts to add, the name `host` jumps through) for `host.jump`.
+
+    `jump: a,b` is a then b: b is reached through a, `host` through b. A hop that is not a
+    hosts.yaml entry becomes a host named after its spelling (`ops@bastion:2222`; the second hop
+    of `a,b` is named `a,b`), set up by the ssh_config like any host; what neither sets is taken
+    from the host that names it (known_hosts, identity, connect_timeout)."""
+    if not host.jump:
+        return {}, None
+    if depth > 8:
+        raise SshConfigError(f"jump hosts of {host.name} nest more than 8 deep (a ProxyJump loop?)")
+    made: dict = {}
+    hops = [h.strip() for h in host.jump.split(",") if h.strip()]
+    prev = None
+    for i, hop in enumerate(hops):
+        name = ",".join(hops[:i + 1])
+        if i == 0 and hop in hosts:
+            prev = hop
+            continue
+        parsed = parse_hop(hop)
+        if parsed is None:
+            raise SshConfigError(f"jump {hop!r}: not [user@]host[:port]")
+        user, address, port = parsed
+        if hop in hosts:   # an entry as a later hop: its settings, this chain's jump
+            h = dataclasses.replace(hosts[hop], name=name, jump=prev)
+        else:
+            h = make_host(name=name, address=address, user=user, port=port, parent=host)
+            h = apply(h, {k for k, v in (("user", user), ("port", port)) if v is not None}, cfg)
+            if i > 0:
+                h = dataclasses.replace(h, jump=prev)
+            elif h.jump:   # the first hop's own ProxyJump, as OpenSSH follows it
+                more, via = jump_hosts(h, {**hosts, **made}, cfg, make_host, depth + 1)
+                made.update(more)
+                h = dataclasses.replace(h, jump=via)
+        made[name] = h
+        prev = name
+    return made, prev
