@@ -5,7 +5,7 @@ Anything else that escapes is a bug and shows a traceback only under `--debug`.
 """
 from __future__ import annotations
 
-# Exit codes in one place (contract "Commands").
+# Exit codes in one place (README "Exit codes").
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2

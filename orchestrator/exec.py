@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from . import agent
 from .errors import OpsError, UsageError
 from .inventory import Inventory, Target
 from .transport import PctTransport, Session
@@ -103,8 +103,9 @@ def exec_command(inv: Inventory, targets: list[Target], argv: Sequence[str], *, 
                  err: Write | None = None, env: Mapping[str, str] | None = None) -> list[ExecResult]:
     """Run argv on every target in parallel; one result per target, in the order given."""
     argv = check_command(argv)
-    with Session(inv) as session, ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
-        return list(pool.map(lambda t: run_one(session, t, argv, out=out, err=err, env=env), targets))
+    with agent.session(inv) as session:
+        group = agent.fan_out(targets, lambda t: run_one(session, t, argv, out=out, err=err, env=env))
+    return [group[t.name].value for t in targets]   # run_one keeps its own errors: every outcome has a value
 
 
 def exit_status(results: list[ExecResult]) -> int:

@@ -83,7 +83,7 @@ class Inventory:
                              f" (known: {', '.join(sorted(self.targets))})") from None
 
     def default_target(self) -> Target:
-        """contract: `default:`, else the only target the file defines, else `local`."""
+        """README: `default:`, else the only target the file defines, else `local`."""
         if self.default:
             return self.target(self.default)
         defined = [n for n in self.targets if n != LOCAL]
@@ -128,7 +128,7 @@ def _local_gpu_count() -> int:
 
 
 def find_path(explicit: str | None) -> Path | None:
-    """contract: --inventory/-i, else $DFLASH_OPS_INVENTORY, else ./hosts.yaml (if it exists)."""
+    """README: --inventory/-i, else $DFLASH_OPS_INVENTORY, else ./hosts.yaml (if it exists)."""
     if explicit:
         return Path(explicit)
     if os.environ.get(ENV_VAR):

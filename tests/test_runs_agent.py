@@ -197,7 +197,7 @@ def ended(wd, run, timeout=30):
 def test_launch_returns_at_once_and_records_the_run(wd, tmp_path):
     cfg = tmp_path / "my.yaml"
     start = time.monotonic()
-    # capture_output: if the detached supervisor kept the pipes, this would hang (field notes 2)
+    # capture_output: if the detached supervisor kept the pipes, this would hang (docs/background.md#pct)
     # (a launch held by the run's pipes would return when the run ends, after 40 s or more)
     doc = launch(wd, "r-a", extra=["--steps", "2000", "--sleep", "0.02"], config_text="steps: 3\n",
                  config_name=cfg.name, target="ct200")

@@ -1,6 +1,6 @@
 """Blocks, anchors, labels, loss weights and the training attention mask, as pure functions.
 
-The rules (field notes 5), in one place because getting any of them wrong trains to high accuracy and
+The rules (docs/background.md#dflash), in one place because getting any of them wrong trains to high accuracy and
 terrible acceptance (SpecForge #455, fixed in #473):
 
 - A block is [anchor token, MASK x (B-1)] at positions anchor+0 .. anchor+B-1.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# gamma per block size from the DFlash recipe (field notes 5).
+# gamma per block size from the DFlash recipe (docs/background.md#dflash).
 _GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 

@@ -1,4 +1,4 @@
-"""The DFlash drafter: pure model, no data, no devices, no Hugging Face (field notes 5).
+"""The DFlash drafter: pure model, no data, no devices, no Hugging Face (docs/background.md#dflash).
 
 A few Qwen3-style layers (RMSNorm, q/k norm, RoPE, SwiGLU, GQA) that denoise blocks of
 [anchor, MASK x (B-1)] in one non-causal pass. Conditioning: hidden states of n target layers,
@@ -239,7 +239,7 @@ def flops_per_sample(cfg: DrafterConfig, seq_len: int, query_tokens: int) -> flo
 
     seq_len S context tokens, query_tokens Tq = anchors * block. Counts every matmul of the drafter,
     dense attention over all S + Tq keys, and the lm_head over the Tq block tokens; not the target's
-    forward. For the field notes' Qwen3-8B shape (S 768, Tq 4096) this gives ~45 TFLOP.
+    forward. For the Qwen3-8B benchmark shape (S 768, Tq 4096) this gives ~45 TFLOP.
     """
     H, S, Tq = cfg.hidden_size, seq_len, query_tokens
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

@@ -8,7 +8,7 @@ header line followed by raw bytes.
 
     launch WORKDIR            stdin: the launch spec (JSON). Checks the release, the probe result
                               and the slot locks, then starts a detached supervisor (double fork,
-                              setsid, all three streams redirected: field notes 2) that starts the
+                              setsid, all three streams redirected: docs/background.md#pct) that starts the
                               trainer and records its exit status whatever way it ends.
     status WORKDIR [-- RUN...]
                               the runs (all, or those named) with state, step, loss, tau
@@ -60,7 +60,7 @@ from .runs_housekeeping import RESUMABLE, _end_attempt, _resume_spec, cmd_prune,
 from .runs_locks import _Guard, _claim, _hold
 from .runs_probe import cmd_probe
 from .runs_stop import cmd_stop
-from .runs_supervisor import _exit_record, _spawn_supervisor
+from .runs_supervisor import _exit_record, _spawn_supervisor, cmd_supervise
 
 STOP_TIMEOUT_S = 120.0
 RUN_MIN_FREE = 64 * 10**6    # bytes a new run folder needs free: its log, config and first checkpoints

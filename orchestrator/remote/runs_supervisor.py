@@ -1,6 +1,6 @@
 """Runs agent: the detached supervisor.
 
-launch double-forks the supervisor (setsid, all three streams redirected: field notes 2); it is
+launch double-forks the supervisor (setsid, all three streams redirected: docs/background.md#pct); it is
 a fork of the agent, so it runs with the whole joined program. It starts the trainer in its own
 process group, reports the trainer's pid back on a pipe, waits for it, and records how it ended
 in exit.json whatever way it ends; then it frees the run's slots.
@@ -20,7 +20,7 @@ from .runs_locks import _release_slots
 def _spawn_supervisor(rundir, rec, env):
     """Double fork: the grandchild (the supervisor) is in its own session, has /dev/null and its
     own log for its three streams and no other inherited fd, so the exec that ran this agent
-    (ssh, pct exec / lxc-attach) returns at once (field notes 2). It reports the trainer's pid on
+    (ssh, pct exec / lxc-attach) returns at once (docs/background.md#pct). It reports the trainer's pid on
     a pipe, then waits for the trainer."""
     rfd, wfd = os.pipe()
     sys.stdout.flush()
@@ -34,14 +34,9 @@ def _spawn_supervisor(rundir, rec, env):
                 os._exit(0)
             _detach(rundir, keep=wfd)
             _short_argv(rundir, env, wfd)      # returns only where it cannot re-exec
-            _supervise(rundir, rec, env, wfd)
         except BaseException as e:  # never return into the agent's code
-            try:
-                os.write(wfd, (json.dumps({"error": "supervisor: %s" % e}) + "\n").encode())
-            except OSError:
-                pass
-        finally:
-            os._exit(0)
+            _report_and_exit(wfd, e)
+        _supervise_then_exit(rundir, rec, env, wfd)
     os.close(wfd)
     os.waitpid(pid, 0)
     data = b""
@@ -88,14 +83,27 @@ def _short_argv(rundir, env, wfd):
 def cmd_supervise(rundir, wfd):
     """The supervisor after _short_argv's exec: its environment is the trainer's."""
     try:
-        _supervise(rundir, _read_json(os.path.join(rundir, "run.json")), dict(os.environ), wfd)
+        rec = _read_json(os.path.join(rundir, "run.json"))
     except BaseException as e:  # never return into the agent's code
-        try:
-            os.write(wfd, (json.dumps({"error": "supervisor: %s" % e}) + "\n").encode())
-        except OSError:
-            pass
-    finally:
-        os._exit(0)
+        _report_and_exit(wfd, e)
+    _supervise_then_exit(rundir, rec, dict(os.environ), wfd)
+
+
+def _supervise_then_exit(rundir, rec, env, wfd):
+    """Supervise the run; whatever happens, report a failure to the launching agent and exit."""
+    try:
+        _supervise(rundir, rec, env, wfd)
+    except BaseException as e:  # never return into the agent's code
+        _report_and_exit(wfd, e)
+    os._exit(0)
+
+
+def _report_and_exit(wfd, e):
+    try:
+        os.write(wfd, (json.dumps({"error": "supervisor: %s" % e}) + "\n").encode())
+    except OSError:
+        pass
+    os._exit(0)
 
 
 def _detach(rundir, keep):
