@@ -24,7 +24,8 @@ def test_probe_through_ssh_and_pct_matches_the_contract(sshd, fakepct, make_inve
     assert r.returncode == 1 and "no release deployed" in r.stdout + r.stderr
 
     assert cli("-i", inv, "deploy", "ct200").returncode == 0
-    r = cli("-i", inv, "probe", "ct200", "--policies", "eager,inductor,reduce-overhead", "--json")
+    # inductor's compile is covered by tests/test_probe_program.py; here the path through sshd + pct
+    r = cli("-i", inv, "probe", "ct200", "--policies", "eager,reduce-overhead", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "[ct200]" in r.stderr            # live progress lines, one per case
     doc = json.loads(r.stdout)["targets"]["ct200"]
@@ -35,10 +36,10 @@ def test_probe_through_ssh_and_pct_matches_the_contract(sshd, fakepct, make_inve
     for key in ("policy", "topology", "threads", "outcome", "signature", "step_ms"):
         assert all(key in c for c in doc["cases"])
     assert cases[("eager", "threads")]["outcome"] == "ok"
-    assert cases[("inductor", "threads")]["outcome"] == "ok"
-    assert cases[("inductor", "threads")]["threads"] >= 2
+    assert cases[("eager", "threads")]["threads"] >= 2
+    assert cases[("eager", "processes")]["outcome"] == "ok"       # 2 gloo ranks under torchrun, in the container
     assert cases[("reduce-overhead", "threads")]["outcome"] == "skipped"   # CUDA only
-    assert doc["policy"] in ("eager", "inductor")
+    assert doc["policy"] == "eager"
     assert any("torch" in m for m in doc["expect"]["mismatches"])
     # The choice is saved on the target, where `launch --policy auto` reads it.
     saved = json.loads((fakepct.private(200) / "dflash" / "probe.json").read_text())
