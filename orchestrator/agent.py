@@ -15,7 +15,7 @@ Two wire protocols, both on stdout:
 - a stream (`stream`): a JSON header line, then raw bytes (`follow`'s log, `export`'s files);
   the same header refusals.
 
-Library code (style habit 1): returns data or raises OpsError; never prints.
+Library code: returns data or raises OpsError; never prints.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Click only: parse options, call one library function, print its result (style habit 1).
+"""Click only: parse options, call one library function, print its result.
 
 Error families map to exit codes in one place, `main()`; expected failures print one line,
 `--debug` shows the traceback.

@@ -249,7 +249,7 @@ def _who() -> str:
 def deploy(inventory: Inventory, names: list[str], *, source: str | None = None, dry_run: bool = False,
            install_deps: bool = False, verify: bool = False, progress: Progress | None = None,
            session: Session | None = None) -> dict[str, TargetResult]:
-    """Deploy to every named target in parallel; one result per target (style habit 5)."""
+    """Deploy to every named target in parallel; one result per target."""
     targets = inventory.select(names)
     where = source_root(source)
     # The local files are hashed while the targets connect and read their live manifests (the

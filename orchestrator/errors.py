@@ -1,4 +1,4 @@
-"""Errors that carry data and render themselves (style habit 4).
+"""Errors that carry data and render themselves.
 
 Library code raises these; only `cli.py` turns them into a one-line message and an exit code.
 Anything else that escapes is a bug and shows a traceback only under `--debug`.
@@ -81,7 +81,7 @@ class StepFailed(OpsError):
 
 
 class TargetsFailed(OpsError):
-    """A fan-out where some targets failed (style habit 5); results are still reported."""
+    """A fan-out where some targets failed; results are still reported."""
 
     def __init__(self, failures: dict[str, str]):
         self.failures = failures

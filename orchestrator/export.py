@@ -5,7 +5,7 @@ verb, remote/runs_export.py) and the folder comes back over the same SSH connect
 header with each file's size and sha256, then the bytes. Here the files are written into a hidden
 folder beside the destination, checked against the header (sizes and hashes), and only then renamed
 to the destination: it is either absent or complete. Nothing is left on the target.
-Library function (style habit 1): returns data, never prints.
+Library function: returns data, never prints.
 """
 from __future__ import annotations
 

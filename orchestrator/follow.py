@@ -4,7 +4,7 @@
 header line, then raw log bytes; heartbeats and the final status as JSON lines on stderr). When
 the connection drops, or goes silent for DEAD_S, it reconnects with backoff and resumes at the
 byte offset it has received up to, so no byte is lost or repeated. It yields events and never
-prints (style habit 1): Line per log line (with the failure signatures it matches),
+prints: Line per log line (with the failure signatures it matches),
 Reconnecting/Resumed around an outage, End with the Summary last.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""hosts.yaml -> frozen, typed objects, validated once at load (style habit 3).
+"""hosts.yaml -> frozen, typed objects, validated once at load.
 
 Every error names the file, the line and the key, and suggests a near-miss spelling.
 The built-in target `local` exists even without a file.

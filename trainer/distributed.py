@@ -43,7 +43,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainer import checkpoint, train
 from trainer.config import TrainConfig
 from trainer.errors import UsageError
-from trainer.log import RunLog, heartbeat
+from trainer.log import QuietLog, RunLog, heartbeat
 from trainer.numerics import guard_first_step
 from trainer.step import (Replica, ShardStats, apply_update, build_replica, compute_grads, warmup_test_hook,
                           weight_checksum)
@@ -159,7 +159,7 @@ def rank_main(cfg: TrainConfig) -> int:
 def _rank(cfg: TrainConfig, rank: int, world: int, device: torch.device, stop) -> int:
     writer = rank == 0
     out, resume_from = train.open_run(cfg, writer=writer)
-    log = RunLog(out / "metrics.jsonl") if writer else _Quiet()
+    log = RunLog(out / "metrics.jsonl") if writer else QuietLog()
     policy = train.resolve_policy(cfg, device)
     log.info(f"torch {torch.__version__} | {world} ranks on {device.type} | topology processes "
              f"({dist.get_backend()}) | compile policy {policy}"
@@ -304,16 +304,6 @@ def _barrier(device: torch.device) -> None:
         dist.barrier(device_ids=[device.index])
     else:
         dist.barrier()
-
-
-class _Quiet(RunLog):
-    """Ranks other than 0 log nothing of their own (errors still reach stderr, prefixed)."""
-
-    def info(self, text: str) -> None:
-        pass
-
-    def metrics(self, record: dict) -> None:
-        pass
 
 
 class _LinePrefixer(io.TextIOBase):

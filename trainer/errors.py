@@ -1,4 +1,4 @@
-"""The trainer's expected failures (style habit 4): each renders itself as one line.
+"""The trainer's expected failures: each renders itself as one line.
 
 `trainer.cli` maps them to exit codes in one place; anything else is a bug or a crash and
 keeps its traceback (the log is scanned for failure signatures, so tracebacks are useful there).

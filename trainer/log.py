@@ -17,6 +17,8 @@ from typing import TextIO
 
 
 class RunLog:
+    """[trainer] lines and JSON metrics on stdout (and appended to metrics_path)."""
+
     def __init__(self, metrics_path: Path | None = None, stream: TextIO | None = None):
         self.stream = stream or sys.stdout
         self.metrics_path = metrics_path
@@ -30,6 +32,16 @@ class RunLog:
         if self.metrics_path is not None:
             with self.metrics_path.open("a") as f:
                 f.write(line + "\n")
+
+
+class QuietLog(RunLog):
+    """Logs nothing of its own (a rank other than 0, a probe case); errors still reach stderr."""
+
+    def info(self, text: str) -> None:
+        pass
+
+    def metrics(self, record: dict) -> None:
+        pass
 
 
 HEARTBEAT_S = float(os.environ.get("DFLASH_HEARTBEAT_S", "20"))   # the env var is for tests

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.errors import TrainerError
+from trainer.step import eager_grads
 
 NOISE_FACTOR = 8.0
 # The smallest noise a comparison assumes, in units of the working dtype's machine epsilon: an
@@ -62,6 +63,11 @@ def grad_errors(got: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> tup
 def snapshot_grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
     """A copy of every parameter's gradient (zeros where there is none), on the CPU in float64."""
     return [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().cpu() for p in params]
+
+
+def _copy_grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """A copy of every parameter's gradient where it lives (zeros where there is none)."""
+    return [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone() for p in params]
 
 
 def noise_floor(dtype: torch.dtype) -> float:
@@ -172,12 +178,10 @@ def guard_first_step(r, shard, loss_c: float, *, reduce=None) -> GuardResult:
     when they differ. `reduce(flat)` sums the eager gradient across ranks where the compiled one was
     (DDP). The compiled gradients are put back afterwards, so the run computes exactly what it would
     without the guard. Runs in the replica's own thread."""
-    from trainer.step import eager_grads
-
     t = time.perf_counter()
-    compiled = [(p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for p in r.params]
+    compiled = _copy_grads(r.params)
     loss_e = eager_grads(r, shard)
-    eager = [(p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for p in r.params]
+    eager = _copy_grads(r.params)
     if reduce is not None:
         flat = torch.cat([g.flatten().float() for g in eager])
         reduce(flat)

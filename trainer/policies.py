@@ -1,6 +1,6 @@
 """Named compile policies, shared by the probe and the trainer.
 
-A policy is a named, logged recipe for `torch.compile` (style habit 7): the probe measures each one
+A policy is a named, logged recipe for `torch.compile`: the probe measures each one
 on the target (`python -m trainer.probe`) and saves its choice in WORKDIR/probe.json; the trainer
 runs `--compile-policy NAME|auto`. In a one-thread-per-GPU trainer, inside EVERY worker thread:
 
@@ -142,6 +142,14 @@ def resolve(policy: str, workdir: str | None, topology: str = "threads") -> str:
     return chosen
 
 
+def cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:      # not on Linux
+        return os.cpu_count() or 1
+
+
 def share_cpu(workers: int) -> int:
     """Give each of `workers` threads training on the CPU its own share of the cores, as torch's
     intra-op thread count (process-wide), and return it. By default every thread that calls into
@@ -152,11 +160,7 @@ def share_cpu(workers: int) -> int:
 
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:      # not on Linux
-        cores = os.cpu_count() or 1
-    n = max(1, cores // max(1, int(workers)))
+    n = max(1, cores() // max(1, int(workers)))
     torch.set_num_threads(n)
     return n
 

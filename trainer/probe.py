@@ -70,19 +70,12 @@ def _run_child(policy: str, topology: str, n: int, args) -> dict:
             "--device", args.device, "--timeout", str(args.timeout)]
     if topology == "processes":
         if args.device != "cuda" and "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = str(max(1, _cores() // n))   # the ranks share the cores
+            env["OMP_NUM_THREADS"] = str(max(1, policies.cores() // n))   # the ranks share the cores
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
                f"--nproc-per-node={n}", *case]
     else:
         cmd = [sys.executable, *case]
     return run_isolated(cmd, args.timeout, cwd=root, env=env)
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def processes_ranks(device: str, n_gpus: int) -> int:

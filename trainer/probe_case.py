@@ -38,7 +38,7 @@ import torch
 from trainer import masks, policies
 from trainer.data import Sample, make_batch
 from trainer.draft_loss import DraftLoss
-from trainer.log import RunLog
+from trainer.log import QuietLog
 from trainer.model import Drafter
 from trainer.numerics import StepCheck, grad_errors, judge, snapshot_grads
 from trainer.step import Replica, apply_update, build_replica, compute_grads, load_weights
@@ -68,17 +68,6 @@ GPU_SHAPE = Shape(draft_layers=2, block_size=16, seq_len=512, anchors=16, rows_p
 GPU_TARGET = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                   num_attention_heads=16, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
                   rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
-
-
-class _Silent(RunLog):
-    def __init__(self):
-        pass
-
-    def info(self, text: str) -> None:
-        pass
-
-    def metrics(self, record: dict) -> None:
-        pass
 
 
 def _target(device: torch.device):
@@ -170,11 +159,11 @@ class _Case:
             from trainer.distributed import RankEngine, _ddp
 
             self.engine = RankEngine(lambda: build(rank, self.device, wrap=lambda m: _ddp(m, self.device), flat=False),
-                                     rank, n, self.device, _Silent(), guard=False)
+                                     rank, n, self.device, QuietLog(), guard=False)
         else:
             from trainer.workers import ThreadEngine
 
-            self.engine = ThreadEngine.start(devices, build, _Silent(), warmup_timeout=3600.0, guard=False)
+            self.engine = ThreadEngine.start(devices, build, QuietLog(), warmup_timeout=3600.0, guard=False)
         self.names = self.ref.names
 
     # ---- the engine's step, in pieces --------------------------------------------------------

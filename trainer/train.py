@@ -1,6 +1,6 @@
 """Train a DFlash drafter: config -> devices -> target and data -> model -> workers (compile) -> loop -> cleanup.
 
-Read top to bottom (style habit 6). Two topologies share everything but the engine that runs a step:
+Read top to bottom. Two topologies share everything but the engine that runs a step:
   threads (default, here): one worker thread per device (trainer/workers.py: ThreadEngine);
   processes: one process per device under torchrun + DDP (trainer/distributed.py: RankEngine),
   which reuses open_run / prepare / run_loop from this module.
