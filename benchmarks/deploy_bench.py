@@ -52,7 +52,7 @@ def main() -> None:
 
         # Connections and round trips of ours, counted by the library's own session.
         from orchestrator import deploy, inventory
-        from orchestrator.transport import Session
+        from orchestrator.session import Session
 
         def counted() -> tuple[int, int]:
             i = inventory.load(str(inv))

@@ -26,11 +26,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
-from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
+from typing import Callable, Generic, Iterator, Sequence, TypeVar
 
 from .errors import OpsError, StepFailed, TargetsFailed
 from .inventory import Inventory, Target
-from .transport import Result, Session, Transport
+from .session import Session
+from .transport import Result, Transport
 
 RELEASE = "release_agent"     # deploy: manifest, apply, install-deps
 RUNS = "runs_agent"           # launch, status, follow, stop, metrics, export, probe

@@ -25,7 +25,8 @@ from typing import Callable
 from . import agent, fileset
 from .errors import OpsError, StepFailed, UsageError
 from .inventory import Inventory, Target
-from .transport import Session, Transport
+from .session import Session
+from .transport import Transport
 
 Progress = Callable[[str, int], Callable[[int], None]]   # (target, total bytes) -> update(n)
 

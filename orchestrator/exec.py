@@ -15,7 +15,8 @@ from typing import Callable, Mapping, Sequence
 from . import agent
 from .errors import OpsError, UsageError
 from .inventory import Inventory, Target
-from .transport import PctTransport, Session
+from .session import Session
+from .transport import PctTransport
 
 Write = Callable[[str, bytes], None]    # (target, bytes) -> None
 

@@ -21,7 +21,7 @@ from typing import Callable
 from . import agent
 from .errors import NotFound, OpsError, StepFailed, UsageError
 from .inventory import Inventory, Target
-from .transport import Session
+from .session import Session
 
 DTYPES = ("bfloat16", "float16", "float32")
 TIMEOUT_S = 3600.0

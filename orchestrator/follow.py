@@ -21,7 +21,8 @@ from .errors import (ConnectError, ConnectionLost, ContainerError, HostKeyError,
                      StepFailed, UsageError)
 from .inventory import Inventory, Target
 from .runs import exit_code_for, not_found
-from .transport import Session, SshTransport
+from .session import Session
+from .transport import SshTransport
 
 BACKOFF_S = (0.1, 0.5, 1.0, 2.0, 4.0, 5.0)   # then 5 s between attempts
 GIVE_UP_S = 600.0     # reconnect attempts stop after this long without a connection

@@ -13,7 +13,7 @@ from . import agent
 from .errors import UsageError
 from .inventory import Inventory, Target
 from .runs import check_run
-from .transport import Session
+from .session import Session
 
 
 @dataclass

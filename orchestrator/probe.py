@@ -14,7 +14,7 @@ from . import agent
 from .errors import OpsError
 from .inventory import Inventory, Target
 from .lines import LineBuffer
-from .transport import Session
+from .session import Session
 
 TOTAL_TIMEOUT_S = 4 * 3600   # the program's own per-case timeouts end hung cases long before
 

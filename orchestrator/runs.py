@@ -23,7 +23,7 @@ from .envvars import user_env
 from .errors import (EXIT_OK, EXIT_RUN_FAILED, EXIT_RUN_RUNNING, EXIT_RUN_STOPPED, NotFound, OpsError,
                      StepFailed, UsageError)
 from .inventory import Inventory, Target
-from .transport import Session
+from .session import Session
 
 TOPOLOGIES = ("threads", "processes")
 STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_RUN_FAILED, "running": EXIT_RUN_RUNNING,

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from . import agent
 from .errors import ConnectError, ContainerError, OpsError
 from .inventory import Inventory, Target
-from .transport import Session
+from .session import Session
 
 
 @dataclass

@@ -12,14 +12,11 @@ pct and lxc-attach pass argv straight through (docs/background.md, pct), so one 
 """
 from __future__ import annotations
 
-import base64
-import hashlib
 import os
 import re
 import shlex
 import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -28,7 +25,8 @@ from typing import IO, Callable, Iterable, Mapping, Sequence, Union
 from . import sshconfig
 from .envvars import env_argv
 from .errors import ConnectError, ConnectionLost, ContainerError, HostKeyError, OpsError
-from .inventory import Host, Inventory, Target
+from .inventory import Host
+from .sshconnect import _dial, _known_hosts_name, _reason, _Silent, _agent_keys, auth_options, fingerprint
 
 Stdin = Union[None, bytes, IO[bytes], Iterable[bytes]]
 Sink = Callable[[bytes], None]
@@ -182,52 +180,6 @@ class LocalTransport(Transport):
 
 # paramiko is imported on first use, without `invoke` (sshconfig.paramiko says why).
 _paramiko = sshconfig.paramiko
-
-
-def fingerprint(key) -> str:
-    """`SHA256:base64` (no padding), as OpenSSH prints a key's fingerprint."""
-    digest = hashlib.sha256(key.asbytes()).digest()
-    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
-
-
-def _public_blob(path: str) -> bytes | None:
-    """The public key blob of an identity file: `PATH.pub` beside it, the file itself when it is
-    a `.pub` (as `ssh -i key.pub` does), else the private key when it loads without a passphrase."""
-    for pub in ([path] if path.endswith(".pub") else [path + ".pub"]):
-        try:
-            with open(pub, encoding="utf-8") as f:
-                return base64.b64decode(f.read().split()[1])
-        except (OSError, IndexError, ValueError):
-            pass
-    try:
-        return _paramiko().PKey.from_path(path).asbytes()
-    except Exception:  # noqa: BLE001 - encrypted, unreadable, unknown type: no blob to match
-        return None
-
-
-def auth_options(host: Host, agent_keys: Sequence) -> dict:
-    """paramiko connect() options that offer keys as OpenSSH does: the agent is always asked;
-    an identity file selects the agent's copy of that key first (so a passphrase key held by
-    ssh-agent works), then the file itself, then (unless IdentitiesOnly) the agent's other keys;
-    with no identity file, the agent's keys and then ~/.ssh/id_*."""
-    files = host.key_files
-    if not files:
-        return {"allow_agent": True, "look_for_keys": True}
-    wanted = [b for b in (_public_blob(f) for f in files) if b]
-    chosen = next((k for k in agent_keys if k.asbytes() in wanted), None)
-    privates = [f[:-4] if f.endswith(".pub") else f for f in files]
-    privates = [f for f in privates if os.path.exists(f)]
-    return {"pkey": chosen, "key_filename": privates or None,
-            "allow_agent": not host.identities_only or not wanted, "look_for_keys": False}
-
-
-def _agent_keys() -> tuple:
-    if not os.environ.get("SSH_AUTH_SOCK"):
-        return ()
-    try:
-        return tuple(_paramiko().Agent().get_keys())
-    except Exception:  # noqa: BLE001 - a dead agent socket is no agent
-        return ()
 
 
 class SshTransport(Transport):
@@ -454,126 +406,3 @@ class EnvTransport(Transport):
 
     def __getattr__(self, name):   # alive(), open_tunnel(), host ... of the wrapped transport
         return getattr(self.inner, name)
-
-
-class _Silent(Exception):
-    """The port accepted the connection but no SSH server spoke: retrying will not help."""
-
-
-def _dial(host: Host, deadline: float) -> socket.socket:
-    """A TCP connection to the host on which the server has started to speak (an SSH server
-    sends its version line first), within the deadline. Raises OSError (refused, unreachable,
-    timed out) for the caller to retry, _Silent when the greeting never comes."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise socket.timeout("timed out")
-    conn = socket.create_connection((host.address, host.port), timeout=left)
-    try:
-        conn.settimeout(max(0.05, deadline - time.monotonic()))
-        try:
-            first = conn.recv(1, socket.MSG_PEEK)
-        except socket.timeout:
-            raise _Silent(f"port {host.port} accepts connections but no SSH server answers") from None
-        if not first:
-            raise ConnectionResetError(0, "the server closed the connection before its SSH greeting")
-        conn.settimeout(None)
-        return conn
-    except BaseException:
-        conn.close()
-        raise
-
-
-def _known_hosts_name(host: Host) -> str:
-    return host.address if host.port == 22 else f"[{host.address}]:{host.port}"
-
-
-def _reason(e: BaseException) -> str:
-    if isinstance(e, socket.timeout):
-        return "timed out"
-    if isinstance(e, socket.gaierror):
-        return f"cannot resolve address ({e.strerror})"
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    return str(e) or type(e).__name__
-
-
-# --- one connection per host per command ------------------------------------------------------
-
-class Session:
-    """Opens each host at most once for the life of one dflash-ops command and reuses it for
-    every step and every target on that host. Thread-safe: targets fan out in parallel."""
-
-    def __init__(self, inventory: Inventory):
-        self.inventory = inventory
-        self._ssh: dict[str, SshTransport] = {}
-        self._locks: dict[str, threading.Lock] = {}
-        self._guard = threading.Lock()
-        self.connections = 0   # how many SSH connections this command opened (benchmarks read it)
-        self._opened: list[SshTransport] = []
-        self._failed: dict[str, ConnectError] = {}   # hosts that could not be reached, and why
-
-    def __enter__(self) -> "Session":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def ssh(self, host_name: str, *, fresh: bool = False) -> SshTransport:
-        with self._guard:
-            lock = self._locks.setdefault(host_name, threading.Lock())
-        with lock:
-            t = self._ssh.get(host_name)
-            if t is not None and (fresh or not t.alive()):
-                t.close()
-                t = None
-            if t is None and not fresh and host_name in self._failed:
-                # Targets on one host share its failure: one connect_timeout per command, not per target.
-                raise self._failed[host_name]
-            if t is None:
-                host = self.inventory.hosts[host_name]
-                sock = None
-                if host.jump:
-                    jump = self.ssh(host.jump)
-                    try:
-                        sock = jump.open_tunnel(host.address, host.port)
-                    except Exception as e:
-                        raise ConnectError(host.name, f"via jump host {host.jump}: {_reason(e)}") from None
-                try:
-                    t = SshTransport(host, sock=sock)
-                except ConnectError as e:
-                    self._failed[host_name] = e
-                    raise
-                self._failed.pop(host_name, None)
-                self.connections += 1
-                self._opened.append(t)
-                self._ssh[host_name] = t
-            return t
-
-    @property
-    def round_trips(self) -> int:
-        return sum(t.runs for t in self._opened)
-
-    def transport(self, target: Target, *, fresh: bool = False, check: bool = True,
-                  env: Mapping[str, str] | None = None) -> Transport:
-        """The transport that runs commands inside `target`; with `check`, a pct target's
-        container state is verified first (ContainerError when stopped or unknown). Its commands
-        get the host's and the target's `env:`, then `env` (later wins)."""
-        if target.host is None:
-            inner: Transport = LocalTransport()
-            pct = "/usr/sbin/pct"
-            user = os.environ.get("USER", "root")
-            variables = {**target.env, **(env or {})}
-        else:
-            host = self.inventory.hosts[target.host]
-            inner, pct, user = self.ssh(target.host, fresh=fresh), host.pct, host.user
-            variables = {**host.env, **target.env, **(env or {})}
-        if target.vmid is None:
-            return EnvTransport(inner, variables) if variables else inner
-        # A non-root user needs passwordless `sudo -n pct` (docs/background.md, pct).
-        return PctTransport(inner, target.vmid, pct=pct, sudo=user != "root", target=target.name,
-                            verify=check, env=variables)
-
-    def close(self) -> None:
-        for t in list(self._ssh.values()):
-            t.close()
-        self._ssh.clear()

@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator import deploy, inventory
 from orchestrator.agent import RELEASE, source as agent_source
-from orchestrator.transport import Session
+from orchestrator.session import Session
 
 WORKDIR = "/srv/ct/dflash"
 

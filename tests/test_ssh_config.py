@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator import inventory
-from orchestrator.errors import ConnectError, HostKeyError, UsageError
-from orchestrator.transport import Session
+from orchestrator.errors import HostKeyError, UsageError
+from orchestrator.session import Session
 
 MAIN = "from orchestrator.cli import main; main()"
 
