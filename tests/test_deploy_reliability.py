@@ -7,10 +7,10 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from trainer_quick import wait_for
 
 from orchestrator import deploy, inventory
 from orchestrator.agent import RELEASE, source as agent_source
@@ -62,14 +62,6 @@ def partials(wd: Path) -> list[str]:
         if (wd / "releases").is_dir() else []
 
 
-def wait_for(probe, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = probe()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError("timed out waiting")
 
 
 class Held:

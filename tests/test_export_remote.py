@@ -5,41 +5,26 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from trainer_quick import CLI_MAIN, copy_trainer, tiny_run_config
 
 from orchestrator import deploy, export, inventory
 
 REPO = Path(__file__).resolve().parent.parent
 WORKDIR = "/srv/ct/dflash"
-MAIN = "from orchestrator.cli import main; main()"
-TINY = """\
-target: tiny
-data: synthetic
-synthetic_samples: 8
-synthetic_prompt_len: 4
-synthetic_new_tokens: 32
-batch_size: 2
-seq_len: 64
-block_size: 4
-anchors: 4
-draft_layers: 1
-eval_prompts: 1
-eval_new_tokens: 8
-cpu_threads: 1
-checkpoint_every: 2
-"""
+MAIN = CLI_MAIN
+TINY = tiny_run_config(block_size=4, eval_new_tokens=8, checkpoint_every=2)
 
 
 @pytest.fixture
 def ct(sshd, fakepct, make_inventory, tmp_path):
     """CT 200 with the trainer deployed and one succeeded 4-step run (launched with dflash-ops)."""
     src = tmp_path / "src"
-    shutil.copytree(REPO / "trainer", src / "trainer", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    copy_trainer(src)
     fakepct.create(200)
     path = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable,
                                      "workdir": WORKDIR, "gpus": 0}})

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from trainer_quick import wait_for
 
 from orchestrator import agent as agent_mod
 
@@ -175,14 +176,6 @@ def launch(wd, run, *, gpus=0, total=0, policy="eager", extra=(), **spec):
     return json.loads(r.stdout.decode().splitlines()[-1])
 
 
-def wait_for(pred, timeout=30, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def state(wd, run):

@@ -2,7 +2,6 @@
 reached through a real sshd on 127.0.0.1, driven by the `dflash-ops` CLI as a user would."""
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -10,37 +9,21 @@ import time
 from pathlib import Path
 
 import pytest
+from trainer_quick import CLI_MAIN, copy_trainer, tiny_run_config, wait_for
 
 from orchestrator import deploy, inventory, runs
 
 REPO = Path(__file__).resolve().parent.parent
 WORKDIR = "/srv/ct/dflash"
-MAIN = "from orchestrator.cli import main; main()"
-TINY = """\
-target: tiny
-data: synthetic
-synthetic_samples: 8
-synthetic_prompt_len: 4
-synthetic_new_tokens: 32
-batch_size: 2
-seq_len: 64
-anchors: 4
-draft_layers: 1
-eval_prompts: 1
-eval_new_tokens: 16
-cpu_threads: 1
-checkpoint_every: 0
-"""
+MAIN = CLI_MAIN
+TINY = tiny_run_config()
 LONG = ["--", "--steps", "1000000"]     # runs until the test stops or kills it
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     """Only the trainer package: what a run needs, quick to deploy."""
-    root = tmp_path_factory.mktemp("src")
-    shutil.copytree(REPO / "trainer", root / "trainer",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    return root
+    return copy_trainer(tmp_path_factory.mktemp("src"))
 
 
 @pytest.fixture
@@ -96,14 +79,6 @@ class Env:
         return next(x for x in json.loads(r.stdout)["runs"] if x["run"] == run)
 
 
-def wait_for(pred, timeout=120, what="condition", every=0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def test_launch_refusals_say_what_to_do(ct):

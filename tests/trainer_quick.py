@@ -1,4 +1,5 @@
-"""Shared by the trainer's CPU tests: a seconds-long `tiny` run and readers of what it wrote."""
+"""Shared by the tests: a seconds-long `tiny` run and readers of what it wrote, the same run through
+dflash-ops, and waiting for a condition."""
 from __future__ import annotations
 
 import json
@@ -51,3 +52,38 @@ def sigterm_once_training(cmd: list[str], *, after_step: int = 3, timeout: float
     finally:
         proc.kill()
     return proc.returncode, rest, err
+
+
+# ---- a trainer launched through dflash-ops (tests against the sshd + pct stand-in) ----------------
+
+CLI_MAIN = "from orchestrator.cli import main; main()"   # `python -c CLI_MAIN -i INV ...` is dflash-ops
+TINY_RUN = {"target": "tiny", "data": "synthetic", "synthetic_samples": 8, "synthetic_prompt_len": 4,
+            "synthetic_new_tokens": 32, "batch_size": 2, "seq_len": 64, "anchors": 4, "draft_layers": 1,
+            "eval_prompts": 1, "eval_new_tokens": 16, "cpu_threads": 1, "checkpoint_every": 0}
+
+
+def tiny_run_config(**overrides) -> str:
+    """A `--config` YAML for a seconds-long CPU run launched with `dflash-ops launch`."""
+    return "".join(f"{k}: {v}\n" for k, v in {**TINY_RUN, **overrides}.items())
+
+
+def copy_trainer(root: Path) -> Path:
+    """Only the trainer package under root (what a run needs, quick to deploy); returns root."""
+    import shutil
+
+    shutil.copytree(ROOT / "trainer", root / "trainer", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return root
+
+
+def wait_for(pred, timeout: float = 120, what: str = "condition", every: float = 0.05):
+    """pred()'s first truthy value, polled every `every` s; AssertionError after `timeout` s."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+

@@ -51,7 +51,8 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_best_effort(path: Path) -> None:
+    """fsync a folder (or file); some filesystems refuse it on a folder, and a rename stays atomic."""
     try:
         _fsync_file(path)
     except OSError:  # some filesystems refuse fsync on a directory; the rename is still atomic
@@ -124,12 +125,12 @@ def save(out_dir: str | Path, step: int, *, model: dict[str, torch.Tensor], opti
         json.dump(full_meta, f, indent=1, default=_json_default)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_best_effort(tmp)
 
     if final.exists():  # an incomplete leftover with this name: it is not the latest, replace it
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(ck)
+    fsync_best_effort(ck)
     _point_latest(ck, final.name)
     _prune(ck, keep)
     return final
@@ -155,7 +156,7 @@ def _point_latest(ck: Path, name: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, ck / "latest")
-    _fsync_dir(ck)
+    fsync_best_effort(ck)
 
 
 def _complete(ck: Path) -> list[Path]:

@@ -24,6 +24,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from trainer.checkpoint import fsync_best_effort
 from trainer.errors import UsageError
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -171,11 +172,11 @@ def export(run: str, output: str, *, step: int | None = None, dtype: str = "bflo
                       "chat_template_kwargs": json.loads(cfg.chat_template_kwargs or "{}")}
         (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=1) + "\n")
         for f in tmp.iterdir():
-            _fsync(f)
+            fsync_best_effort(f)
         if dest.exists():
             shutil.rmtree(dest) if dest.is_dir() else dest.unlink()
         os.rename(tmp, dest)
-        _fsync(dest.parent)
+        fsync_best_effort(dest.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     files = {f.name: f.stat().st_size for f in sorted(dest.iterdir())}
@@ -240,19 +241,6 @@ def _token_text(tokenizer, token_id: int) -> str | None:
         return None
     text = convert(token_id)
     return text if isinstance(text, str) else None
-
-
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 if __name__ == "__main__":
