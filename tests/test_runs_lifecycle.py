@@ -138,23 +138,26 @@ def test_launch_detaches_then_logs_follow_to_success(ct, tmp_path):
 def test_follow_survives_dropped_connections_byte_for_byte(ct, tmp_path):
     ct.deploy()
     run = ct.launch(*LONG)
-    out = tmp_path / "follow.out"
-    with open(out, "wb") as f:
+    out, errf = tmp_path / "follow.out", tmp_path / "follow.err"
+    with open(out, "wb") as f, open(errf, "wb") as e:
         proc = subprocess.Popen([sys.executable, "-c", MAIN, "-i", str(ct.path), "logs", "ct200", run],
-                                stdout=f, stderr=subprocess.PIPE)
+                                stdout=f, stderr=e)
     try:
         wait_for(lambda: ct.steps_logged(run) >= 3 and out.stat().st_size > 0, what="the stream")
         drops = 0
-        for _ in range(3):
+        for i in range(3):
             seen = out.stat().st_size
-            # New bytes alone may be ones received before the last drop and written after it:
-            # wait for a live connection too (the follower has reconnected), then drop it.
-            wait_for(lambda: out.stat().st_size > seen + 200 and ct.sshd.children(),
-                     what="new bytes over a live connection")
+            # Drop only the connection the follower is using now: it has reported the previous
+            # drop's reconnect, and new bytes have come since (a connection still closing from the
+            # last drop would otherwise be "dropped" again and no reconnect follow).
+            wait_for(lambda: errf.read_bytes().count(b"reconnected after") >= i
+                     and out.stat().st_size > seen + 200 and ct.sshd.children(),
+                     what="new bytes over a fresh connection")
             if ct.sshd.kill_connections():
                 drops += 1
         seen = out.stat().st_size
-        wait_for(lambda: out.stat().st_size > seen + 200, what="the stream to resume")
+        wait_for(lambda: errf.read_bytes().count(b"reconnected after") >= 3
+                 and out.stat().st_size > seen + 200, what="the stream to resume")
         assert drops >= 3
         doc = runs.stop(ct.inv, ct.target, run)
         assert doc["state"] == "stopped"
@@ -162,8 +165,7 @@ def test_follow_survives_dropped_connections_byte_for_byte(ct, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-        stderr = proc.stderr.read().decode()
-        proc.stderr.close()
+        stderr = errf.read_text()
     assert code == 103, stderr
     assert out.read_bytes() == ct.log(run), stderr       # nothing lost, nothing repeated
     assert stderr.count("reconnected after") >= 3, stderr
