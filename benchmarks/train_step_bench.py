@@ -29,11 +29,15 @@ is exact. Peak memory: max_memory_allocated per GPU over the timed steps.
 --target-mode: `truncated` (the trainer's default: the target stops after its last tapped layer),
 `full` (the whole base model with every hidden state, as before issue 14), `inference` (truncated,
 under torch.inference_mode, then cloned so the drafter's autograd may save it: a lever measured
-here, not used by the trainer). A comma-separated list alternates the modes step by step in one
+here, not used by the trainer), `compiled` (truncated, each decoder layer compiled by inductor:
+`Target.compile_layers`, what the trainer does on a GPU under a compiled policy since
+--compile-target). A comma-separated list alternates the modes step by step in one
 process (one compile, interleaved steps: a fair A/B); each mode gets its own medians.
 
 Before timing, one batch's truncated features are compared with the whole forward's (torch.equal,
-on this machine's transformers): `truncated_equals_full` in the results.
+on this machine's transformers): `truncated_equals_full` in the results. With `compiled`, the
+compiled layers' features are compared with eager's and both with the same forward in fp32 (fp64
+on the CPU): `compiled_features` in the results (relative L2 errors).
 
 Writes DIR/results.json (rewritten after every step, so a run cut short keeps what it measured);
 prints progress lines while it runs and a summary at the end.
@@ -70,7 +74,7 @@ SHAPES = {
     # the trainer's `tiny` target (8 layers, hidden 64) with its default layers
     "tiny": dict(layers=None, draft_layers=2, batch=2, seq=128, anchors=8, block=16),
 }
-MODES = ("truncated", "full", "inference")
+MODES = ("truncated", "full", "inference", "compiled")
 
 
 def build_target(args, device):
@@ -117,7 +121,7 @@ class FeatureClock:
 
         inner = target.features  # the bound method; replicas on this device share this Target
 
-        def features(input_ids):
+        def features(input_ids, **kw):
             who = threading.current_thread().name
             if self.cuda:
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -126,10 +130,10 @@ class FeatureClock:
                 t0 = time.perf_counter()
             if self.inference:
                 with torch.inference_mode():
-                    out = inner(input_ids)
+                    out = inner(input_ids, **kw)
                 out = out.clone()  # outside inference mode: a tensor autograd may save
             else:
-                out = inner(input_ids)
+                out = inner(input_ids, **kw)
             if self.cuda:
                 e1.record()
                 mark = (e0, e1)
@@ -147,6 +151,33 @@ class FeatureClock:
             marks, self._marks = self._marks, {}
         return {who: sum(m if isinstance(m, float) else m[0].elapsed_time(m[1]) for m in ms)
                 for who, ms in sorted(marks.items())}
+
+
+def compare_compiled(first, ids, targets) -> dict:
+    """Compile every target's layers; on `first`, compare compiled and eager features with the same
+    forward at a higher precision (the model cast up in place, then back: bf16 -> fp32 -> bf16 is
+    exact). The compiled error against the reference must be eager's own, not more."""
+    import torch
+
+    from trainer.numerics import rel_l2
+
+    for t in targets:
+        t.compile_layers()
+    t0 = time.perf_counter()
+    compiled = first.features(ids)
+    compile_s = time.perf_counter() - t0
+    eager = first.features(ids, eager=True)
+    dtype = next(first.model.parameters()).dtype
+    high = torch.float32 if dtype != torch.float32 else torch.float64
+    first.model.to(high)
+    try:
+        ref = first.features(ids, eager=True)
+    finally:
+        first.model.to(dtype)
+    first.compiled = False
+    return {"compiled_vs_eager": rel_l2(compiled, eager), "eager_vs_reference": rel_l2(eager, ref),
+            "compiled_vs_reference": rel_l2(compiled, ref), "reference_dtype": str(high),
+            "first_compile_s": round(compile_s, 1)}
 
 
 def make_batches(args, vocab: int, pos_weights, n: int = 4):
@@ -184,7 +215,8 @@ def run(args, emit, res: dict) -> None:
                else [torch.device("cpu")] * args.workers)
     if not cuda and args.workers > 1:
         policies.share_cpu(args.workers)  # as train.py does for CPU workers
-    res.update({"ok": False, "shape": args.shape, "policy": args.policy, "target_modes": args.modes,
+    res.update({"ok": False, "shape": args.shape, "policy": args.policy, "target_modes": args.cases,
+                "allreduce": args.allreduce,
                 "workers": args.workers, "gpus": args.gpus if cuda else 0, "devices": [str(d) for d in devices],
                 "batch_per_worker": sh["batch"], "global_batch": sh["batch"] * args.workers, "seq": sh["seq"],
                 "anchors": sh["anchors"], "block": sh["block"], "torch": torch.__version__,
@@ -238,6 +270,10 @@ def run(args, emit, res: dict) -> None:
     emit(f"truncated target features equal the whole forward's: {res['truncated_equals_full']} "
          f"(max abs diff {res['truncated_max_abs_diff']:g})")
     del want, got
+    if "compiled" in args.modes:
+        res["compiled_features"] = compare_compiled(first, ids, targets.values())
+        emit("compiled target layers, features relative L2: " + ", ".join(
+            f"{k} {v:.3g}" for k, v in res["compiled_features"].items() if isinstance(v, float)))
     for t in targets.values():
         clock.wrap(t)
     sync = (lambda: [torch.cuda.synchronize(d) for d in dict.fromkeys(devices)]) if cuda else (lambda: None)
@@ -253,9 +289,12 @@ def run(args, emit, res: dict) -> None:
         start = time.perf_counter()
         for i in range(args.warmup + args.steps):
             batch = batches[i % len(batches)]
-            mode = args.modes[i % len(args.modes)]  # warm-up steps cycle too: each mode runs once untimed
+            case = args.cases[i % len(args.cases)]  # warm-up steps cycle too: each case runs once untimed
+            mode, allreduce = case.split("+")[0], (case.split("+") + [args.allreduce[0]])[1]
+            engine.allreduce = allreduce
             for t in targets.values():
                 t.truncate = mode != "full"
+                t.compiled = mode == "compiled"
             clock.inference = mode == "inference"
             sync()
             if cuda:
@@ -269,7 +308,7 @@ def run(args, emit, res: dict) -> None:
             t2 = time.perf_counter()
             feats = clock.take()
             B = len(batch)
-            rec = {"step": i, "mode": mode, "timed": i >= args.warmup, "total_ms": (t2 - t0) * 1e3,
+            rec = {"step": i, "mode": case, "allreduce": allreduce, "timed": i >= args.warmup, "total_ms": (t2 - t0) * 1e3,
                    "compute_ms": (t1 - t0) * 1e3, "update_ms": (t2 - t1) * 1e3, "features_ms": feats,
                    "features_mean_ms": statistics.mean(feats.values()) if feats else 0.0,
                    "loss": sum(s.loss_sum for s in stats) / batch.weight_total, "grad_norm": norm}
@@ -289,6 +328,10 @@ def run(args, emit, res: dict) -> None:
                 res["stopped_early"] = f"--deadline {args.deadline:g} s reached after step {i + 1}"
                 emit(res["stopped_early"])
                 break
+        # Every worker applied the same updates: their weights must be bit-identical (raises if not).
+        engine.check_replicas(len(res["steps"]))
+        res["replicas_identical"] = True
+        emit(f"replica weights bit-identical after {len(res['steps'])} steps: {engine.size} replica(s)")
     finally:
         engine.close()
     res["ok"] = bool(res.get("timed_steps"))
@@ -350,6 +393,9 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="inductor", help="compile policy (trainer/policies.py); default inductor")
     ap.add_argument("--target-mode", default="truncated",
                     help=f"one of {', '.join(MODES)}, or several comma-separated, alternated step by step")
+    ap.add_argument("--allreduce", default="auto",
+                    help="the workers' gradient sum: auto, copy or nccl (ThreadEngine.allreduce); several comma-separated "
+                         "alternate step by step")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs (ignored with --tiny)")
     ap.add_argument("--workers", type=int, default=0, help="worker threads, worker i on GPU i mod --gpus; default --gpus")
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
@@ -361,11 +407,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.shape = "tiny" if args.tiny else "8b"
     args.modes = list(dict.fromkeys(args.target_mode.split(",")))
-    bad = [m for m in args.modes if m not in MODES]
+    args.allreduce = list(dict.fromkeys(args.allreduce.split(",")))
+    bad = [m for m in args.modes if m not in MODES] + [a for a in args.allreduce if a not in ("auto", "copy", "nccl")]
     if bad:
-        ap.error(f"--target-mode {bad[0]!r}: choose from {', '.join(MODES)}")
+        ap.error(f"--target-mode/--allreduce {bad[0]!r}: choose from {', '.join(MODES)} / auto, copy, nccl")
     args.workers = args.workers or (1 if args.tiny else args.gpus)
-    args.warmup = max(len(args.modes), args.warmup)  # the first step compiles; each mode runs once untimed
+    # one case per (target mode, all-reduce) pair, named MODE or MODE+ALLREDUCE when several are compared
+    args.cases = [m if len(args.allreduce) == 1 else f"{m}+{a}" for m in args.modes for a in args.allreduce]
+    args.warmup = max(len(args.cases), args.warmup)  # the first step compiles; each case runs once untimed
 
     def emit(text: str) -> None:
         print(f"[train_step_bench {time.strftime('%H:%M:%S')}] {text}", flush=True)

@@ -94,3 +94,33 @@ def test_a_copy_on_another_device_keeps_the_setting_and_the_taps(tiny):
     tiny.features(_ids())  # hooks installed before the copy
     c = t.to(torch.device("meta"))
     assert c.truncate is False and c.layer_ids == t.layer_ids and c.model is not t.model
+
+
+def test_compiled_layers_give_eager_features_and_leave_other_callers_eager():
+    """compile_layers(): one inductor graph for every layer (regional compilation), used only
+    inside features(); eager=True and decode() stay eager; a copy drops the original's compiled
+    forwards (they are bound to the original's weights)."""
+    import torch._dynamo.utils as du
+
+    from trainer.numerics import rel_l2
+
+    t = load_target("tiny", device=torch.device("cpu"), dtype=torch.float32)
+    ids = _ids(3, B=2, S=32)
+    want = t.features(ids)
+    logits_before, _, _ = t.decode(ids[:, :6])
+    graphs = du.counters["stats"]["unique_graphs"]
+    t.compile_layers()
+    assert t.compiled
+    got = t.features(ids)
+    assert du.counters["stats"]["unique_graphs"] - graphs == 1  # 8 layers, one graph
+    # fp32 on the CPU: fused kernels reassociate a few sums; ~1e-7 measured. Features of a wrong
+    # layer or stale weights are off by O(1).
+    assert rel_l2(got, want) < 1e-5
+    assert not torch.equal(got, _full(t, _ids(4, B=2, S=32)))
+    assert torch.equal(t.features(ids, eager=True), want)
+    logits_after, _, _ = t.decode(ids[:, :6])
+    assert torch.equal(logits_after, logits_before)  # decode ran the layers' own forward
+    assert du.counters["stats"]["unique_graphs"] - graphs == 1
+    c = t.to(torch.device("meta"))
+    assert not c.compiled and all("forward" not in layer.__dict__ for layer in c.model.base_model.layers)
+    assert all("forward" in layer.__dict__ for layer in t.model.base_model.layers)

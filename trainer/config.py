@@ -44,6 +44,7 @@ class TrainConfig:
     workdir: str = ""                    # where probe.json lives for auto; default $DFLASH_OPS_WORKDIR
     cpu_threads: int = 0                 # torch intra-op threads on CPU; 0 = torch's default
     skip_compile_guard: bool = False     # skip the first compiled step's check against eager
+    compile_target: str = "auto"         # auto | on | off: the target's layers compiled (auto: on CUDA with a compiled policy)
     # drafter and objective
     draft_layers: int = 5
     block_size: int = 16
@@ -105,6 +106,8 @@ HELP = {
     "cpu_threads": "torch intra-op threads on CPU (0 = torch's default)",
     "skip_compile_guard": "skip the guard that checks each worker's first compiled step against an eager "
                           "forward/backward on the same weights and batch (on by default for every policy but eager)",
+    "compile_target": "auto | on | off: run the frozen target's decoder layers compiled by inductor (no CUDA "
+                      "graphs); auto = on a GPU whenever --compile-policy is not eager",
     "draft_layers": "drafter layers",
     "block_size": "tokens per block: the anchor plus block_size-1 predicted tokens",
     "anchors": "anchors (blocks) per sequence per step, at most",
@@ -138,7 +141,8 @@ HELP = {
 
 
 METAVAR = {"chat_template_kwargs": "JSON", "target": "PATH|tiny", "data": "PATH|synthetic", "out": "DIR", "workdir": "DIR", "target_layers": "I,J,..",
-           "topology": "threads|processes", "compile_policy": "NAME|auto"}
+           "topology": "threads|processes", "compile_policy": "NAME|auto",
+           "compile_target": "auto|on|off"}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -229,6 +233,8 @@ def validate(c: TrainConfig) -> None:
     need(c.topology in ("threads", "processes"), f"--topology must be threads or processes, got {c.topology!r}")
     need(c.compile_policy in known_policies() + ("auto",),
          f"--compile-policy {c.compile_policy!r}: expected one of {', '.join(POLICY_NAMES)}, auto")
+    need(c.compile_target in ("auto", "on", "off"),
+         f"--compile-target must be auto, on or off, got {c.compile_target!r}")
     need(c.block_size >= 2, f"--block-size must be >= 2, got {c.block_size}")
     need(c.seq_len >= c.block_size, f"--seq-len {c.seq_len} is shorter than one block (--block-size {c.block_size})")
     need(c.anchors >= 1, f"--anchors must be >= 1, got {c.anchors}")

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainer import checkpoint, train
+from trainer import checkpoint, policies, train
 from trainer.config import TrainConfig
 from trainer.errors import UsageError
 from trainer.log import QuietLog, RunLog, heartbeat
@@ -171,7 +171,8 @@ def _rank(cfg: TrainConfig, rank: int, world: int, device: torch.device, stop) -
         return build_replica(rank, device, prep.drafter, prep.target, policy=policy, n_devices=1, lr=cfg.lr,
                              weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights,
                              optimizer_state=prep.ck.optimizer if prep.ck else None,
-                             wrap=lambda m: _ddp(m, device), flat_grads=False)
+                             wrap=lambda m: _ddp(m, device), flat_grads=False,
+                             compile_target=policies.compile_target(cfg.compile_target, policy, device))
 
     engine = RankEngine(build, rank, world, device, log, guard=not cfg.skip_compile_guard)
     if prep.ck is not None:
@@ -230,7 +231,7 @@ class RankEngine:
             st = compute_grads(self.replica, shard)
         if first:
             self._warm = True
-            if self.guard and self.replica.policy != "eager":
+            if self.guard and self.replica.compiled:
                 check = guard_first_step(self.replica, shard, st.loss_sum, reduce=dist.all_reduce)
                 log_guard(self.log, f"rank {self.rank}", self.rank, check)
         return [st]

@@ -231,6 +231,19 @@ class _DropGrad:
         return out
 
 
+def compile_target(setting: str, policy: str, device) -> bool:
+    """Whether the target's decoder layers run compiled (--compile-target auto|on|off).
+
+    auto: on a GPU whenever the drafter's policy compiles. The target's forward is a third of a
+    step at the Qwen3-8B shape and eager launches ~25 small kernels per layer around its matmuls
+    (docs/benchmarks.md); on the CPU the compile costs more than it saves for short runs.
+    Plain inductor whatever the policy: the target runs inside worker threads, where CUDA graphs
+    are unsafe, and its forward is no-grad, so there is no backward to capture."""
+    if setting in ("on", "off"):
+        return setting == "on"
+    return policy != "eager" and getattr(device, "type", str(device)) == "cuda"
+
+
 def step_begin(policy: str) -> None:
     """Mark a training-step boundary where the policy needs one (CUDA Graph Trees only).
 

@@ -59,6 +59,8 @@ class Target:
     # features() stops after the last tapped layer; False runs the whole base model as it used to
     # (the same tensor, more work: kept for benchmarks/train_step_bench.py --target-mode full).
     truncate: bool = True
+    # features() runs each decoder layer's forward compiled (compile_layers); False: eager.
+    compiled: bool = False
 
     @property
     def config(self):
@@ -80,19 +82,44 @@ class Target:
         """
         if torch.device(device) == self.device:
             return self
-        return dataclasses.replace(self, model=copy.deepcopy(self.model).to(device))
+        model = copy.deepcopy(self.model).to(device)
+        for layer in getattr(model.base_model, "layers", ()):
+            # A compiled forward is bound to the ORIGINAL layer (deepcopy keeps functions as they
+            # are): drop it, so the copy runs its own weights; compile_layers() compiles the copy.
+            layer.__dict__.pop("forward", None)
+        return dataclasses.replace(self, model=model, compiled=False)
+
+    def compile_layers(self) -> None:
+        """From now on features() runs each decoder layer's forward compiled by inductor (no CUDA
+        graphs): RMSNorm, RoPE, SiLU and the residual adds fuse into a few kernels around the
+        matmuls, and each layer launches far fewer kernels from Python. Regional compilation: the
+        layers share one class, so they share one compiled graph (parameters are graph inputs).
+
+        Compiled only inside features(), in the calling thread: decode() (the eval's cached
+        generation, whose shapes change every call) and every other caller run eager, and the tap
+        hooks stay eager around the compiled forward. Compilation happens at the first
+        features() call, in the thread that makes it (dynamo config is per thread from torch 2.12).
+        Idempotent; safe when several workers share this Target.
+        """
+        layers = _tap_layers(self.model.base_model)
+        with _HOOK_LOCK:
+            for layer in layers:
+                if "forward" not in layer.__dict__:
+                    layer.forward = _dispatching_forward(layer.forward, torch.compile(layer.forward, dynamic=False))
+        self.compiled = True
 
     # no_grad, not inference_mode: the drafter's first matmul saves these features for its
     # backward, and autograd refuses to save inference tensors.
     @torch.no_grad()
-    def features(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def features(self, input_ids: torch.Tensor, *, eager: bool = False) -> torch.Tensor:
         """input_ids (B, S) -> concatenated hidden states (B, S, n*H) at `layer_ids`.
 
         Right padding needs no attention mask: with causal attention, real tokens never see pads.
         HF `hidden_states[i + 1]` is the output of layer i (index 0 is the embedding), except that
         the last layer's entry is after the final norm (`last_hidden_state`).
         With `truncate`, the layers above the last tapped one never run (Qwen3-8B with layers
-        1..33: 34 of 36 layers); the result is the same tensor.
+        1..33: 34 of 36 layers); the result is the same tensor. After compile_layers() the layers
+        run compiled unless `eager` (the compile guard's reference).
         """
         if not self.truncate:
             out = self.model.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
@@ -102,13 +129,15 @@ class Target:
         last = max(self.layer_ids)
         through = last == len(layers) - 1  # the final layer's entry is the normed model output
         taps = {layers[i]: None for i in self.layer_ids if i != len(layers) - 1}
-        _TAP.taps, _TAP.stop_at = taps, None if through else layers[last]
+        _TAP.taps, _TAP.stop_at, _TAP.compiled = (taps, None if through else layers[last],
+                                                self.compiled and not eager)
         try:
             out = base(input_ids=input_ids, use_cache=False)
         except _StopForward:
             out = None
         finally:
             _TAP.taps = _TAP.stop_at = None
+            _TAP.compiled = False
         return torch.cat([out.last_hidden_state if i == len(layers) - 1 else taps[layers[i]]
                           for i in self.layer_ids], dim=-1)
 
@@ -210,6 +239,14 @@ def _tap_hook(module, args, output):
     taps[module] = output[0] if isinstance(output, tuple) else output  # transformers 4 returns a tuple
     if module is _TAP.stop_at:
         raise _StopForward
+
+
+def _dispatching_forward(eager, compiled):
+    """A layer's forward: the compiled one inside this thread's features() of a compiled Target,
+    the layer's own otherwise."""
+    def forward(*args, **kwargs):
+        return (compiled if getattr(_TAP, "compiled", False) else eager)(*args, **kwargs)
+    return forward
 
 
 def _tap_layers(base: torch.nn.Module) -> torch.nn.ModuleList:

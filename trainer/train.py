@@ -99,7 +99,8 @@ def _main(cfg: TrainConfig, stop: threading.Event) -> int:
 
     def build(i: int, device: torch.device):
         return build_replica(i, device, copies[i], prep.target, policy=policy, n_devices=len(devices), lr=cfg.lr,
-                             weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights, optimizer_state=opt_state)
+                             weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights, optimizer_state=opt_state,
+                             compile_target=policies.compile_target(cfg.compile_target, policy, device))
 
     t0 = time.time()
     engine = ThreadEngine.start(devices, build, log, cfg.warmup_timeout, guard=not cfg.skip_compile_guard)

@@ -33,8 +33,8 @@ import torch
 from trainer.log import heartbeat
 from trainer.errors import TrainerError
 from trainer.numerics import guard_first_step
-from trainer.step import (Replica, ShardStats, apply_update, compute_grads, gather_chunks, reduce_own_chunk,
-                          warmup_test_hook, weight_checksum)
+from trainer.step import (Replica, ShardStats, apply_update, compute_grads, gather_chunks, nccl_all_reduce,
+                          nccl_usable, reduce_own_chunk, warmup_test_hook, weight_checksum)
 
 
 class WorkerFailed(TrainerError):
@@ -137,6 +137,9 @@ class ThreadEngine:
     """N replicas, one per worker thread, driven step by step from the main thread."""
 
     writer = True  # one process: it logs, checkpoints and evaluates
+    # The gradient sum across replicas: "auto" = one NCCL all-reduce when every replica has its own
+    # GPU (step.nccl_usable), else the reduce-scatter + all-gather copies; "copy" / "nccl" force one.
+    allreduce = "auto"
 
     def __init__(self, workers: list[Worker], log, warmup_timeout: float, guard: bool = True):
         self.workers, self.log, self.timeout, self.guard = workers, log, warmup_timeout, guard
@@ -144,6 +147,7 @@ class ThreadEngine:
         self._built: list[float] = []
         self._warm = False
         self._hung: set[int] = set()
+        self._nccl: bool | None = None  # nccl_usable(replicas), decided at the first gradient sum
 
     @classmethod
     def start(cls, devices: list[torch.device], build: Callable[[int, torch.device], Replica], log,
@@ -190,9 +194,17 @@ class ThreadEngine:
             stats = [self._warm_up(w, shards[w.index]) for w in self.workers]
             self._warm = True
         if K > 1:
-            run_all(self.workers, reduce_own_chunk, [(rs, i) for i in range(K)])
-            run_all(self.workers, gather_chunks, [(rs, i) for i in range(K)])
+            if self.allreduce == "nccl" or (self.allreduce == "auto" and self._nccl_usable()):
+                nccl_all_reduce(rs)
+            else:
+                run_all(self.workers, reduce_own_chunk, [(rs, i) for i in range(K)])
+                run_all(self.workers, gather_chunks, [(rs, i) for i in range(K)])
         return stats
+
+    def _nccl_usable(self) -> bool:
+        if self._nccl is None:
+            self._nccl = nccl_usable(self.replicas)
+        return self._nccl
 
     def update(self, lr: float, grad_clip: float, step: int) -> float:
         """The same optimizer update in every worker; returns the pre-clip gradient norm."""
@@ -204,8 +216,8 @@ class ThreadEngine:
 
     def _warm_up(self, w: Worker, shard):
         t = time.perf_counter()
-        guard = self.guard and self.replicas[w.index].policy != "eager"
-        what = f"warming up worker {w.index}" if self.replicas[w.index].policy == "eager" else \
+        guard = self.guard and self.replicas[w.index].compiled
+        what = f"warming up worker {w.index}" if not self.replicas[w.index].compiled else \
             f"compiling worker {w.index}"
         with heartbeat(self.log, what):
             stats, check = self._await(w, w.submit(_first_step, self.replicas[w.index], shard, guard))

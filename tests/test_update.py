@@ -1,0 +1,75 @@
+"""apply_update: the clip folded into the fused AdamW (grad_scale / found_inf) against
+clip_grad_norm_ + a plain step, and a non-finite gradient leaving everything untouched.
+
+The fused AdamW is what the trainer uses on CUDA; torch's CPU build has the same fused kernel
+interface (grad_scale, found_inf), so the folded path runs here on identical inputs."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trainer.errors import TrainerError
+from trainer.step import apply_update
+
+
+def _replica(fused: bool, seed: int = 0, scale: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g, dtype=torch.float32)) for n in (1000, 37, 4096)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * scale
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
+    return SimpleNamespace(params=params, optimizer=opt, index=0)
+
+
+def _snapshot(r):
+    return [p.detach().clone() for p in r.params], copy.deepcopy(r.optimizer.state_dict())
+
+
+@pytest.mark.parametrize("scale", [0.001, 1.0, 50.0])  # norm below, near and far above the clip
+def test_folded_clip_equals_clip_then_step(scale):
+    folded, plain = _replica(True, scale=scale), _replica(False, scale=scale)
+    assert plain.optimizer.defaults.get("fused") in (None, False)
+    for step in range(3):
+        n1 = apply_update(folded, 1e-3, 1.0, step)
+        n2 = apply_update(plain, 1e-3, 1.0, step)
+        assert n1 == pytest.approx(n2, rel=1e-6)
+        for a, b in zip(folded.params, plain.params):
+            # Dividing by 1/c instead of multiplying by c, and fused vs foreach arithmetic: a few ulp.
+            # A skipped or unclipped update would be off by ~lr (1e-3) relative, 100x beyond this.
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (scale, step, (a - b).abs().max())
+        for a, b in zip(folded.params, plain.params):  # the next step's gradients, the same for both
+            a.grad = torch.randn_like(a) * scale
+            b.grad = a.grad.clone()
+    # The clip matters: Adam's first step ignores the gradient's scale, so take a clipped step,
+    # then a small one; without the clip the first step's huge second moment damps the second.
+    if scale > 1:
+        fresh, unclipped = _replica(True, scale=scale), _replica(False, scale=scale)
+        apply_update(fresh, 1e-3, 1.0, 0)
+        unclipped.optimizer.step()
+        for a, b in zip(fresh.params, unclipped.params):
+            a.grad = torch.randn_like(a) * 1e-3
+            b.grad = a.grad.clone()
+        apply_update(fresh, 1e-3, 1.0, 1)
+        unclipped.optimizer.step()
+        assert not torch.allclose(fresh.params[0], unclipped.params[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_gradient_raises_and_changes_nothing(fused, bad):
+    r = _replica(fused)
+    apply_update(r, 1e-3, 1.0, 0)  # a real step first: moments and step counts exist
+    for p in r.params:
+        p.grad = torch.randn_like(p)
+    r.params[1].grad[3] = bad
+    weights, state = _snapshot(r)
+    with pytest.raises(TrainerError, match="gradient norm is (nan|inf) at step 1"):
+        apply_update(r, 1e-3, 1.0, 1)
+    for p, w in zip(r.params, weights):
+        assert torch.equal(p.detach(), w)
+    after = r.optimizer.state_dict()["state"]
+    for k, v in state["state"].items():
+        for name, t in v.items():
+            assert torch.equal(after[k][name], t), (k, name)
+    assert getattr(r.optimizer, "grad_scale", None) is None and getattr(r.optimizer, "found_inf", None) is None
