@@ -35,3 +35,27 @@ def test_writes_a_png_of_what_ran(tmp_path):
 def test_cli_refuses_a_bad_file_in_one_line(tmp_path, capsys):
     assert plot_drafter.main([str(tmp_path / "missing.json"), "-o", str(tmp_path / "x.png")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+TS_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "plot_train_step.py"
+_ts_spec = importlib.util.spec_from_file_location("plot_train_step", TS_SCRIPT)
+plot_train_step = importlib.util.module_from_spec(_ts_spec)
+_ts_spec.loader.exec_module(plot_train_step)
+
+TS_ONE = {"gpus": 1, "modes": {"compiled": {"features_ms_per_sample": 17.5, "drafter_ms_per_sample": 69.5,
+                                            "total_ms_per_sample": 87.0}}}
+TS_TWO = {"gpus": 2, "modes": {"compiled+nccl": {"features_ms_per_sample": 10.8, "drafter_ms_per_sample": 37.3,
+                                                 "total_ms_per_sample": 48.1}}}
+
+
+def test_train_step_bars_are_gpu_ms_per_sample():
+    one, two = plot_train_step.bars([("a", TS_ONE), ("b", TS_TWO)])
+    assert (one["target"], one["drafter"], one["total"]) == (17.5, 69.5, 87.0)
+    # two GPUs: ms per sample of the global batch x 2 = what one sample costs a GPU
+    assert (two["target"], two["drafter"], two["total"]) == pytest.approx((21.6, 74.6, 96.2))
+    assert "per GPU" in two["label"] and "per GPU" not in one["label"]
+
+
+def test_train_step_plot_writes_a_png(tmp_path):
+    out = plot_train_step.plot([("a", TS_ONE), ("b", TS_TWO)], tmp_path / "ts.png", "t")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
