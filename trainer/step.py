@@ -4,7 +4,8 @@ Both topologies run the same step on each replica's shard of one global batch:
 
     threads (trainer/workers.py), the coordinator drives three phases over N worker threads:
         compute_grads(replica_i, batch.shard(i, N))       # forward + backward, in worker i
-        reduce_own_chunk(replicas, i); gather_chunks(replicas, i)   # sum grads, in every worker
+        nccl_all_reduce(replicas)    # sum grads: one GPU per worker (else, in every worker:
+        reduce_own_chunk(replicas, i); gather_chunks(replicas, i)   #  reduce-scatter + all-gather)
         apply_update(replica_i, lr, clip)                  # the same update everywhere
     processes (trainer/distributed.py), one replica per rank, DDP sums grads during backward:
         compute_grads(replica, batch.shard(rank, N)); apply_update(replica, lr, clip)
