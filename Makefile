@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml trainer/requirements.txt Makefile
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps "$(DFLASH_REF)"
 	touch $(STAMP)
 
+# Two pytest workers, one test file each at a time (module fixtures stay within one worker): the
+# suite waits on sshd, subprocesses and torch start-ups more than it computes.
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
 
 demo: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/demo.sh
