@@ -109,7 +109,7 @@ def node_kind(node) -> str:
 
 def type_name(want) -> str:
     if isinstance(want, tuple):
-        return "a number"
+        return "a string, number or true/false" if str in want else "a number"
     return {str: "a string", int: "an integer", bool: "true or false"}.get(want, want.__name__)
 
 
