@@ -163,11 +163,13 @@ def _policy_list(ctx, param, value: str | None) -> str | None:
               help="Only these policies (default: all).")
 @click.option("--case-timeout", type=click.IntRange(min=10),
               help="Seconds before one case counts as hung (default: 600 on CUDA, 300 on CPU).")
+@click.option("--topologies", type=click.Choice(["threads", "threads,processes"]),
+              help="threads: skip the DDP cases (default: both).")
 @click.option("--reuse", is_flag=True,
               help="Keep the saved result (WORKDIR/probe.json) when the torch installed now made it.")
 @json_option
 @click.pass_obj
-def probe(state: State, names, gpus, policies, case_timeout, reuse, as_json):
+def probe(state: State, names, gpus, policies, case_timeout, topologies, reuse, as_json):
     """Verify the PyTorch build and find, by experiment, the compile policy for threaded training."""
     from . import probe as probe_mod
 
@@ -176,7 +178,8 @@ def probe(state: State, names, gpus, policies, case_timeout, reuse, as_json):
 
     doc = probe_mod.probe(state.inv, list(names), gpus=gpus,
                           policies=policies.split(",") if policies else None,
-                          on_line=live, case_timeout=case_timeout, reuse=reuse)
+                          on_line=live, case_timeout=case_timeout, reuse=reuse,
+                          topologies=topologies.split(",") if topologies else None)
     blocks = []
     for name, res in doc["targets"].items():
         if not res.get("ok"):

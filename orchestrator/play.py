@@ -241,7 +241,8 @@ def _probe(run: Run, o: dict):
     lines = LineBuffer(run.say)
     doc = probe.probe_target(run.session, t, max(2, o.get("gpus") or t.gpus), policies=o.get("policies") or None,
                              on_line=lambda _t, line: lines(line.encode() + b"\n"),
-                             case_timeout=o.get("case_timeout"), reuse=o.get("reuse", False))
+                             case_timeout=o.get("case_timeout"), reuse=o.get("reuse", False),
+                             topologies=o.get("topologies") or None)
     mismatches = (doc.get("expect") or {}).get("mismatches") or []
     if mismatches:
         raise OpsError(f"{t.name}: the torch build does not match `expect:`: {'; '.join(mismatches)}")

@@ -49,7 +49,7 @@ RUN_STATES = ("running", "succeeded", "failed", "stopped", "ended")
 # "shell" (a bash script) "any" (a plain value), or a tuple of the allowed words.
 ACTIONS: dict[str, dict[str, Any]] = {
     "deploy": {"source": "str", "install_deps": "bool", "verify": "bool"},
-    "probe": {"gpus": "int", "policies": "list", "case_timeout": "int", "reuse": "bool"},
+    "probe": {"gpus": "int", "policies": "list", "topologies": "list", "case_timeout": "int", "reuse": "bool"},
     "launch": {"gpus": "int", "gpu_ids": "str", "name": "str", "config": "str",
                "topology": ("threads", "processes"), "policy": "str", "workers": "int", "env": "map",
                "args": "list"},
