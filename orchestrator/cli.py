@@ -128,6 +128,10 @@ def deploy(state: State, names, dry_run, source, install_deps, verify, as_json):
                          + ", ".join(r.repaired[:5])
                          + (" ..." if len(r.repaired) > 5 else ""))
         lines.append(f"  python {r.python}, torch {r.torch or 'not installed'}")
+        if r.deps is not None:
+            installed = r.deps.get("changed") or []
+            lines.append(f"  requirements: installed {', '.join(installed)}" if installed
+                         else "  requirements: already installed")
     emit(as_json, doc, "\n".join(lines))
     failed = {r.target: r.error for r in results.values() if not r.ok}
     if failed:
