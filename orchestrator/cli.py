@@ -106,7 +106,8 @@ def deploy(state: State, names, dry_run, source, install_deps, verify, as_json):
     shipping = f"{root} ({'--source' if source else 'this checkout'})"
     results = deploy_mod.deploy(state.inv, list(names), source=source, dry_run=dry_run,
                                 install_deps=install_deps, verify=verify,
-                                progress=None if as_json else progress_bars())
+                                progress=None if as_json else progress_bars(),
+                                on_line=lambda t, line: click.echo(f"[{t}] {line}", err=True))
     doc = {"source": str(root), "targets": {n: r.as_json() for n, r in results.items()}}
     lines = [f"shipping {shipping}"]
     for r in results.values():

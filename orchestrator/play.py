@@ -223,7 +223,8 @@ def _deploy(run: Run, o: dict):
     from . import deploy
 
     res = deploy.deploy(run.inv, [run.target.name], source=o.get("source") or None, install_deps=o.get("install_deps", False),
-                        verify=o.get("verify", False), session=run.session)[run.target.name]
+                        verify=o.get("verify", False), session=run.session,
+                        on_line=lambda _t, line: run.say(line))[run.target.name]
     if not res.ok:
         raise OpsError(res.error or "deploy failed")
     installed = (res.deps or {}).get("changed") or []

@@ -63,8 +63,10 @@ def ct(sshd, tmp_path_factory):
     variables = ["--var", f"source={copy_trainer(tmp / 'src')}", "--var", "probe_policies=eager",
                  "--var", "probe_topologies=threads"]
     # This interpreter's base python (the wheel's python version): with --system-site-packages the
-    # venv sees what it has (numpy, sympy, no torch, no transformers), so pip writes less.
-    base = ["--var", f"base_python={sys._base_executable}", "--var", "venv_options=--system-site-packages"]
+    # venv sees what it has (pip, numpy, sympy; no torch, no transformers), so the venv needs no pip
+    # of its own and pip writes less.
+    base = ["--var", f"base_python={sys._base_executable}",
+            "--var", "venv_options=--system-site-packages --without-pip"]
     first = play(inventory, home, BOOTSTRAP, "ct210", "--var", f"torch={wheel}", *variables, *base, "--json")
     try:
         yield type("CT", (), dict(inventory=inventory, home=home, first=first, wheel=wheel, tmp=tmp,
