@@ -69,6 +69,10 @@ def test_the_cli_exits_2_with_file_line_and_no_traceback(tmp_path):
     (tmp_path / "good.yaml").write_text(GOOD)
     r = dflash_ops("play", "good.yaml", "--var", "confg=b.yaml", cwd=tmp_path)
     assert r.returncode == 2 and "--var confg: good.yaml has no variable 'confg' (did you mean 'config'?)" in r.stderr
+    # a variable's value is checked where it is used, on every target, before anything runs
+    r = dflash_ops("play", "good.yaml", "--var", "gpus=many", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr == ("dflash-ops: good.yaml:7: steps[1].launch.gpus: expected a whole "
+                                              "number, got 'many' (on local)\n")
     r = dflash_ops("play", "good.yaml", "--from", "folow", cwd=tmp_path)
     assert r.returncode == 2 and "--from folow: no such step" in r.stderr and "did you mean 'follow'" in r.stderr
     assert "Traceback" not in r.stderr
