@@ -65,8 +65,9 @@ def ct(sshd, tmp_path_factory):
     # This interpreter's base python (the wheel's python version): with --system-site-packages the
     # venv sees what it has (pip, numpy, sympy; no torch, no transformers), so the venv needs no pip
     # of its own and pip writes less.
+    has_pip = subprocess.run([sys._base_executable, "-c", "import pip"], capture_output=True).returncode == 0
     base = ["--var", f"base_python={sys._base_executable}",
-            "--var", "venv_options=--system-site-packages --without-pip"]
+            "--var", "venv_options=--system-site-packages" + (" --without-pip" if has_pip else "")]
     first = play(inventory, home, BOOTSTRAP, "ct210", "--var", f"torch={wheel}", *variables, *base, "--json")
     try:
         yield type("CT", (), dict(inventory=inventory, home=home, first=first, wheel=wheel, tmp=tmp,
