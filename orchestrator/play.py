@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from . import agent, playbook as pb
+from . import agent, playbook as pb, templating as tpl
 from .errors import FileError, OpsError
 from .inventory import Inventory, Target
 from .lines import LineBuffer
@@ -85,32 +85,32 @@ def check_options(book: pb.Playbook, targets: list[Target], given: Mapping[str, 
     """Render every step's options on every target before anything runs: a value of the wrong
     type is FILE:LINE: KEY (exit 2). Options that read earlier steps' results wait for them."""
     for target in targets:
-        ctx = pb.Context(variables(book, target, given))
+        ctx = tpl.Context(variables(book, target, given))
         for i, step in enumerate(book.steps[start:], start):
             for opt, value in step.options.items():
                 try:
                     options_value(step, opt, value, ctx)
-                except pb.Missing:
+                except tpl.Missing:
                     continue
                 except (ValueError, OpsError) as e:
                     raise FileError(book.path, step.lines[opt], f"steps[{i}].{step.action}.{opt}",
                                     f"{e} (on {target.name})") from None
 
 
-def options_value(step: pb.Step, opt: str, value, ctx: pb.Context):
+def options_value(step: pb.Step, opt: str, value, ctx: tpl.Context):
     kind = pb.ACTIONS[step.action][opt]
     shell = kind == "shell" or (kind == "cmd" and isinstance(value, str))
-    return pb.convert(kind, pb.render(value, ctx, shell=shell))
+    return tpl.convert(kind, tpl.render(value, ctx, shell=shell))
 
 
-def rendered(step: pb.Step, ctx: pb.Context) -> dict:
+def rendered(step: pb.Step, ctx: tpl.Context) -> dict:
     return {opt: options_value(step, opt, value, ctx) for opt, value in step.options.items()}
 
 
-def preview(step: pb.Step, ctx: pb.Context) -> dict:
+def preview(step: pb.Step, ctx: tpl.Context) -> dict:
     """The step's options as --dry-run shows them: values filled in, results of steps that have
     not run yet as <steps.NAME.KEY>."""
-    ctx = pb.Context(ctx.variables, ctx.results, preview=True)
+    ctx = tpl.Context(ctx.variables, ctx.results, preview=True)
     out = {}
     for opt, value in step.options.items():
         try:
@@ -157,7 +157,7 @@ class Run:
     inv: Inventory
     session: Session
     target: Target
-    ctx: pb.Context
+    ctx: tpl.Context
     on_line: OnLine
 
     def say(self, text: str) -> None:
@@ -177,12 +177,12 @@ def play(inv: Inventory, book: pb.Playbook, targets: list[Target], *, given: Map
         return [_dry_run(book, t, given, first) for t in targets]
     with agent.session(inv, session) as s:
         group = agent.fan_out(targets, lambda t: _play_target(
-            Run(inv, s, t, pb.Context(variables(book, t, given)), say), book, first))
+            Run(inv, s, t, tpl.Context(variables(book, t, given)), say), book, first))
     return [group[t.name].value for t in targets]   # _play_target keeps each step's error
 
 
 def _dry_run(book: pb.Playbook, target: Target, given: Mapping[str, str], first: int) -> TargetPlay:
-    ctx = pb.Context(variables(book, target, given))
+    ctx = tpl.Context(variables(book, target, given))
     return TargetPlay(target.name, [StepResult(s.name, s.action, status="skipped" if i < first else "planned",
                                                result=None if i < first else preview(s, ctx))
                                     for i, s in enumerate(book.steps)])
@@ -380,7 +380,7 @@ def _wait_for(run: Run, o: dict):
 
 def _assert(run: Run, o: dict):
     result = run.ctx.lookup(["steps", o["step"]])
-    ok, what = pb.check_assert(o, result)
+    ok, what = tpl.check_assert(o, result)
     if not ok:
         raise OpsError(f"{run.target.name}: assertion failed: {o.get('message') or what}")
     return False, {"passed": True, "checked": what}, what

@@ -13,6 +13,7 @@ import pytest
 from trainer_quick import CLI_MAIN
 
 from orchestrator import playbook as pb
+from orchestrator import templating as tpl
 from orchestrator.errors import FileError, UsageError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,23 +96,23 @@ def test_the_shipped_playbooks_load_and_dry_run_shows_what_would_run(tmp_path):
 # --- templates and assertions (pure) -------------------------------------------------------------
 
 def test_templates_keep_types_splice_words_and_quote_in_shell():
-    ctx = pb.Context({"gpus": 8, "args": "--steps 5 --name 'a b'", "python": "/srv/venv/bin/python",
+    ctx = tpl.Context({"gpus": 8, "args": "--steps 5 --name 'a b'", "python": "/srv/venv/bin/python",
                       "odd": "x; rm -rf /", "out": "dflash-{{ target }}", "target": "ct200"},
                      results={"launch": {"run": "r1", "slots": ["gpu0", "gpu1"]}})
-    assert pb.render("{{ gpus }}", ctx) == 8
-    assert pb.render("gpus={{ gpus }}", ctx) == "gpus=8"
-    assert pb.render(["--x", "{{ args | words }}"], ctx) == ["--x", "--steps", "5", "--name", "a b"]
-    assert pb.render("{{ python | dirname | dirname }}", ctx) == "/srv/venv"
-    assert pb.render("{{ out }}", ctx) == "dflash-ct200"                       # variables inside variables
-    assert pb.render("{{ steps.launch.slots.1 }}", ctx) == "gpu1"
-    assert pb.render("echo {{ odd }} {{ args | words }}", ctx, shell=True) == \
+    assert tpl.render("{{ gpus }}", ctx) == 8
+    assert tpl.render("gpus={{ gpus }}", ctx) == "gpus=8"
+    assert tpl.render(["--x", "{{ args | words }}"], ctx) == ["--x", "--steps", "5", "--name", "a b"]
+    assert tpl.render("{{ python | dirname | dirname }}", ctx) == "/srv/venv"
+    assert tpl.render("{{ out }}", ctx) == "dflash-ct200"                       # variables inside variables
+    assert tpl.render("{{ steps.launch.slots.1 }}", ctx) == "gpu1"
+    assert tpl.render("echo {{ odd }} {{ args | words }}", ctx, shell=True) == \
         "echo 'x; rm -rf /' --steps 5 --name 'a b'"
-    with pytest.raises(pb.Missing, match="step 'probe' has no result"):
-        pb.render("{{ steps.probe.policy }}", ctx)
-    with pytest.raises(pb.Missing, match="has no 'pid'"):
-        pb.render("{{ steps.launch.pid }}", ctx)
+    with pytest.raises(tpl.Missing, match="step 'probe' has no result"):
+        tpl.render("{{ steps.probe.policy }}", ctx)
+    with pytest.raises(tpl.Missing, match="has no 'pid'"):
+        tpl.render("{{ steps.launch.pid }}", ctx)
     with pytest.raises(UsageError, match="refers to itself"):
-        pb.render("{{ a }}", pb.Context({"a": "{{ b }}", "b": "{{ a }}"}))
+        tpl.render("{{ a }}", tpl.Context({"a": "{{ b }}", "b": "{{ a }}"}))
 
 
 @pytest.mark.parametrize("test, want, passed", [
@@ -119,16 +120,16 @@ def test_templates_keep_types_splice_words_and_quote_in_shell():
     ("in", ["stopped", "succeeded"], True), ("exists", True, True), ("exists", False, False),
 ])
 def test_assert_on_a_key_of_a_result(test, want, passed):
-    ok, what = pb.check_assert({"step": "follow", "that": "state", test: want}, {"state": "succeeded"})
+    ok, what = tpl.check_assert({"step": "follow", "that": "state", test: want}, {"state": "succeeded"})
     assert ok is passed and "state" in what
 
 
 def test_assert_compares_numbers_written_as_text():
     result = {"tau": 1.8, "hits": [{"line": 3}]}
-    assert pb.check_assert({"step": "f", "that": "tau", "greater_than": "1.5"}, result)[0]
-    assert not pb.check_assert({"step": "f", "that": "tau", "less_than": 1}, result)[0]
-    assert pb.check_assert({"step": "f", "that": "hits.0.line", "equals": "3"}, result)[0]
-    assert pb.check_assert({"step": "f", "that": "loss", "greater_than": 0}, result) == (False, "f has no 'loss'")
+    assert tpl.check_assert({"step": "f", "that": "tau", "greater_than": "1.5"}, result)[0]
+    assert not tpl.check_assert({"step": "f", "that": "tau", "less_than": 1}, result)[0]
+    assert tpl.check_assert({"step": "f", "that": "hits.0.line", "equals": "3"}, result)[0]
+    assert tpl.check_assert({"step": "f", "that": "loss", "greater_than": 0}, result) == (False, "f has no 'loss'")
 
 
 # --- a failing step, through the real sshd and pct stand-in --------------------------------------
