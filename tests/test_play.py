@@ -170,3 +170,25 @@ def test_a_failing_step_stops_its_target_only_is_named_and_from_resumes_there(tm
     # the first step ran once; its recorded result stood in for it (`echo` printed the target)
     assert (fakepct.private(200) / "count").read_text() == "ran\n"
     assert "[ct200] step 3/4 echo (exec)\n[ct200] ct200\n" in r.stderr
+
+
+def test_variables_file_then_target_keys_then_var():
+    from orchestrator.inventory import Target
+    from orchestrator.play import variables
+
+    book = pb.parse("vars: {gpus: 1, config: a.yaml, out: 'x-{{ target }}'}\nsteps:\n  - name: s\n    deploy: {}\n",
+                    "p.yaml", {"config": "b.yaml"})
+    v = variables(book, Target(name="ct200", host="pve1", vmid=200, gpus=8, workdir="/w"), {"config": "b.yaml"})
+    assert (v["gpus"], v["config"], v["vmid"], v["workdir"], v["target"]) == (8, "b.yaml", 200, "/w", "ct200")
+    assert tpl.render("{{ out }}", tpl.Context(v)) == "x-ct200"
+    assert v["playbook_dir"] == os.getcwd()
+
+
+def test_wait_for_a_run_that_is_not_there_fails_its_step(tmp_path, fakepct, make_inventory):
+    fakepct.create(200)
+    inv = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable, "workdir": "/srv/ct/dflash"}})
+    (tmp_path / "wait.yaml").write_text("steps:\n  - name: wait\n    wait-for: {state: [succeeded, stopped], timeout: 5}\n")
+    r = dflash_ops("-i", inv, "play", "wait.yaml", "--json", cwd=tmp_path, home=tmp_path)
+    assert r.returncode == 1, r.stderr
+    doc = json.loads(r.stdout)["targets"]["ct200"]
+    assert doc["failed_step"] == "wait" and "no runs yet in /srv/ct/dflash/runs" in doc["error"]
