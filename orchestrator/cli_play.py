@@ -48,7 +48,8 @@ def play(state: State, file, names, start, dry_run, var, as_json):
     if dry_run:
         emit(as_json, doc, "\n".join(_planned(p) for p in plays))
         return
-    rows = [[p.target, s.name, s.action, s.status.replace("_", " "), f"{s.seconds:.1f}" if s.status not in ("skipped", "not_run") else None,
+    ran = ("changed", "ok", "failed")
+    rows = [[p.target, s.name, s.action, s.status.replace("_", " "), f"{s.seconds:.1f}" if s.status in ran else None,
              s.error or s.detail or None] for p in plays for s in p.steps]
     verdicts = []
     for p in plays:

@@ -222,8 +222,8 @@ def _play_target(run: Run, book: pb.Playbook, first: int) -> TargetPlay:
 def _deploy(run: Run, o: dict):
     from . import deploy
 
-    res = deploy.deploy(run.inv, [run.target.name], source=o.get("source") or None, install_deps=o.get("install_deps", False),
-                        verify=o.get("verify", False), session=run.session,
+    res = deploy.deploy(run.inv, [run.target.name], source=o.get("source") or None,
+                        install_deps=o.get("install_deps", False), verify=o.get("verify", False), session=run.session,
                         on_line=lambda _t, line: run.say(line))[run.target.name]
     if not res.ok:
         raise OpsError(res.error or "deploy failed")
@@ -231,7 +231,8 @@ def _deploy(run: Run, o: dict):
     detail = (f"up to date at {res.release}" if res.unchanged else
               f"release {res.release}: sent {res.files_sent} file(s), deleted {res.files_deleted}")
     if res.deps is not None:
-        detail += f"; requirements: installed {', '.join(installed)}" if installed else "; requirements already installed"
+        detail += (f"; requirements: installed {', '.join(installed)}" if installed
+                   else "; requirements already installed")
     return (not res.unchanged) or bool(installed), res.as_json(), detail
 
 

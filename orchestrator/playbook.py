@@ -199,7 +199,8 @@ def _check_step(step: Step, i: int, file: str, aline: int, earlier: list[Step]) 
             raise FileError(file, aline, where, "needs `step:` (an earlier step) and `that:` (a key of its result)")
         if o["step"] not in {s.name for s in earlier}:
             raise FileError(file, step.lines["step"], f"{where}.step",
-                            f"{o['step']!r} is not an earlier step{yn.did_you_mean(str(o['step']), [s.name for s in earlier])}")
+                            f"{o['step']!r} is not an earlier step"
+                            f"{yn.did_you_mean(str(o['step']), [s.name for s in earlier])}")
         tests = [t for t in ASSERT_TESTS if t in o]
         if len(tests) != 1:
             raise FileError(file, aline, where, f"needs exactly one test of {', '.join(ASSERT_TESTS)}")
