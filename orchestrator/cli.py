@@ -106,7 +106,8 @@ def deploy(state: State, names, dry_run, source, install_deps, verify, as_json):
     shipping = f"{root} ({'--source' if source else 'this checkout'})"
     results = deploy_mod.deploy(state.inv, list(names), source=source, dry_run=dry_run,
                                 install_deps=install_deps, verify=verify,
-                                progress=None if as_json else progress_bars())
+                                progress=None if as_json else progress_bars(),
+                                on_line=lambda t, line: click.echo(f"[{t}] {line}", err=True))
     doc = {"source": str(root), "targets": {n: r.as_json() for n, r in results.items()}}
     lines = [f"shipping {shipping}"]
     for r in results.values():
@@ -128,6 +129,10 @@ def deploy(state: State, names, dry_run, source, install_deps, verify, as_json):
                          + ", ".join(r.repaired[:5])
                          + (" ..." if len(r.repaired) > 5 else ""))
         lines.append(f"  python {r.python}, torch {r.torch or 'not installed'}")
+        if r.deps is not None:
+            installed = r.deps.get("changed") or []
+            lines.append(f"  requirements: installed {', '.join(installed)}" if installed
+                         else "  requirements: already installed")
     emit(as_json, doc, "\n".join(lines))
     failed = {r.target: r.error for r in results.values() if not r.ok}
     if failed:
@@ -163,9 +168,13 @@ def _policy_list(ctx, param, value: str | None) -> str | None:
               help="Only these policies (default: all).")
 @click.option("--case-timeout", type=click.IntRange(min=10),
               help="Seconds before one case counts as hung (default: 600 on CUDA, 300 on CPU).")
+@click.option("--topologies", type=click.Choice(["threads", "threads,processes"]),
+              help="threads: skip the DDP cases (default: both).")
+@click.option("--reuse", is_flag=True,
+              help="Keep the saved result (WORKDIR/probe.json) when the torch installed now made it.")
 @json_option
 @click.pass_obj
-def probe(state: State, names, gpus, policies, case_timeout, as_json):
+def probe(state: State, names, gpus, policies, case_timeout, topologies, reuse, as_json):
     """Verify the PyTorch build and find, by experiment, the compile policy for threaded training."""
     from . import probe as probe_mod
 
@@ -174,7 +183,8 @@ def probe(state: State, names, gpus, policies, case_timeout, as_json):
 
     doc = probe_mod.probe(state.inv, list(names), gpus=gpus,
                           policies=policies.split(",") if policies else None,
-                          on_line=live, case_timeout=case_timeout)
+                          on_line=live, case_timeout=case_timeout, reuse=reuse,
+                          topologies=topologies.split(",") if topologies else None)
     blocks = []
     for name, res in doc["targets"].items():
         if not res.get("ok"):
@@ -182,7 +192,8 @@ def probe(state: State, names, gpus, policies, case_timeout, as_json):
             continue
         tv = res.get("torch", {})
         head = (f"{name}: torch {tv.get('version')} cuda {tv.get('cuda') or '-'} "
-                f"gpus {len(tv.get('gpus') or [])} {', '.join(sorted(set(tv.get('gpus') or [])))}")
+                f"gpus {len(tv.get('gpus') or [])} {', '.join(sorted(set(tv.get('gpus') or [])))}"
+                + (f" (the saved result of {res['reused']}, reused)" if res.get("reused") else ""))
         mismatches = (res.get("expect") or {}).get("mismatches") or []
         rows = [[c["policy"], c["topology"], c["threads"], c["outcome"],
                  f"{c['step_ms']:.1f}" if c.get("step_ms") is not None else None,
@@ -336,3 +347,4 @@ if __name__ == "__main__":
 
 from . import cli_runs  # noqa: E402,F401  (registers launch, logs, status, stop, report, export)
 from . import cli_housekeeping  # noqa: E402,F401  (registers rm, prune)
+from . import cli_play  # noqa: E402,F401  (registers play)

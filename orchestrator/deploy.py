@@ -25,6 +25,7 @@ from typing import Callable
 from . import agent, fileset
 from .errors import OpsError, StepFailed, UsageError
 from .inventory import Inventory, Target
+from .lines import LineBuffer
 from .session import Session
 from .transport import Transport
 
@@ -184,7 +185,8 @@ AGENT_BUSY, AGENT_STALE, AGENT_NO_SPACE = 4, 5, 6
 
 def deploy_target(session: Session, target: Target, get_source: Callable[[], Source], *,
                   dry_run: bool = False, install_deps: bool = False, verify: bool = False,
-                  progress: Progress | None = None) -> TargetResult:
+                  progress: Progress | None = None,
+                  on_line: Callable[[str, str], None] | None = None) -> TargetResult:
     """One target: read its live manifest (checked against the files there), send what changed
     or is damaged, flip `current`. get_source waits for the local file set, so hashing it
     overlaps the remote read. Planned again once when another deploy flipped `current` between
@@ -217,8 +219,12 @@ def deploy_target(session: Session, target: Target, get_source: Callable[[], Sou
             res.release, res.pruned, res.ok = out["release"], out["pruned"], True
         break
     if install_deps and not dry_run:
+        # pip's lines, as they come, to on_line (a minute of installing is not silence)
+        lines = LineBuffer(lambda line: on_line(target.name, line)) if on_line else None
         res.deps = agent.call(t, target, agent.RELEASE, ["install-deps", target.workdir],
-                              what="install requirements")
+                              what="install requirements", stderr=lines)
+        if lines:
+            lines.flush()
     res.seconds = round(time.monotonic() - start, 3)
     return res
 
@@ -249,8 +255,10 @@ def _who() -> str:
 
 def deploy(inventory: Inventory, names: list[str], *, source: str | None = None, dry_run: bool = False,
            install_deps: bool = False, verify: bool = False, progress: Progress | None = None,
-           session: Session | None = None) -> dict[str, TargetResult]:
-    """Deploy to every named target in parallel; one result per target."""
+           session: Session | None = None,
+           on_line: Callable[[str, str], None] | None = None) -> dict[str, TargetResult]:
+    """Deploy to every named target in parallel; one result per target. on_line(target, line):
+    pip's output while it installs the requirements."""
     targets = inventory.select(names)
     where = source_root(source)
     # The local files are hashed while the targets connect and read their live manifests (the
@@ -259,7 +267,7 @@ def deploy(inventory: Inventory, names: list[str], *, source: str | None = None,
         src: Future = hasher.submit(scan_source, *where)
         group = agent.fan_out(targets, lambda target: deploy_target(
             s, target, src.result, dry_run=dry_run, install_deps=install_deps, verify=verify,
-            progress=progress))
+            progress=progress, on_line=on_line))
     if src.exception() is not None:     # the source itself is bad: the whole command fails
         raise src.exception()
     return {name: o.value if o.ok else TargetResult(name, error=o.error.render())

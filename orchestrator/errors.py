@@ -30,11 +30,17 @@ class UsageError(OpsError):
     exit_code = EXIT_USAGE
 
 
-class InventoryError(UsageError):
+class FileError(UsageError):
+    """A mistake in a file the user wrote (hosts.yaml, a playbook): `FILE:LINE: KEY: message`."""
+
     def __init__(self, file: str, line: int | None, key: str | None, message: str):
         self.file, self.line, self.key, self.message = file, line, key, message
         where = file if line is None else f"{file}:{line}"
         super().__init__(f"{where}: {key + ': ' if key else ''}{message}")
+
+
+# hosts.yaml's errors are FileErrors; the name stays for the code and tests that use it.
+InventoryError = FileError
 
 
 class NotFound(OpsError):

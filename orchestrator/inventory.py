@@ -6,7 +6,6 @@ The built-in target `local` exists even without a file.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
 import shutil
@@ -16,10 +15,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-import yaml
-
-from . import sshconfig
+from . import sshconfig, yamlnodes
 from .errors import InventoryError, UsageError
+# The line-tracking YAML helpers (yamlnodes.py), under the names this module has always used.
+from .yamlnodes import child as _child, did_you_mean as _did_you_mean, line_of as _line_of
+from .yamlnodes import mapping as _mapping, scalar as _scalar
 
 LOCAL = "local"
 ENV_VAR = "DFLASH_OPS_INVENTORY"
@@ -144,17 +144,7 @@ def load(explicit: str | None = None, ssh_config: str | None = None) -> Inventor
     if path is None:
         return Inventory(path=None, hosts=MappingProxyType({}),
                          targets=MappingProxyType({LOCAL: local_target()}), ssh_config=ssh_config)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise InventoryError(str(path), None, None, f"cannot read: {e.strerror}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise InventoryError(str(path), line, None,
-                             f"not UTF-8 text (byte 0x{data[e.start]:02x}); save the file as UTF-8") from None
-    return parse(text, str(path), ssh_config=ssh_config)
+    return parse(yamlnodes.read_text(path), str(path), ssh_config=ssh_config)
 
 
 # --- parsing -------------------------------------------------------------------------------
@@ -165,12 +155,7 @@ ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def parse(text: str, file: str = "hosts.yaml", ssh_config: str | None = None) -> Inventory:
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = mark.line + 1 if mark else None
-        raise InventoryError(file, line, None, f"not valid YAML: {getattr(e, 'problem', e)}") from None
+    root = yamlnodes.compose(text, file)
     if root is None:
         top: dict[str, tuple[Any, int]] = {}
     else:
@@ -312,69 +297,3 @@ def _convert(type_str: str, node, file: str, where: str, line: int):
     if "float" in t:
         return float(_scalar(node, (int, float), file, where))
     return _scalar(node, str, file, where)
-
-
-def _scalar(node, want, file: str, where: str):
-    line = node.start_mark.line + 1
-    if not isinstance(node, yaml.ScalarNode):
-        raise InventoryError(file, line, where, f"expected {_type_name(want)}, got a {_node_kind(node)}")
-    value = _construct(node)
-    if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = str(value)  # `python: 3` is odd but unambiguous; addresses like 10.0.0.1 are str already
-    ok = isinstance(value, want) and not (isinstance(value, bool) and want is not bool)
-    if not ok:
-        raise InventoryError(file, line, where, f"expected {_type_name(want)}, got {node.value!r}")
-    return value
-
-
-def _construct(node):
-    loader = yaml.SafeLoader("")
-    try:
-        return loader.construct_object(node, deep=True)
-    finally:
-        loader.dispose()
-
-
-def _mapping(node, file: str, where: str) -> dict[str, tuple[Any, int]]:
-    if not isinstance(node, yaml.MappingNode):
-        raise InventoryError(file, node.start_mark.line + 1, where,
-                             f"expected a mapping, got a {_node_kind(node)}")
-    out: dict[str, tuple[Any, int]] = {}
-    for knode, vnode in node.value:
-        key = str(knode.value)
-        line = knode.start_mark.line + 1
-        if key in out:
-            raise InventoryError(file, line, f"{where}.{key}" if where != "(top level)" else key,
-                                 f"duplicate name (first on line {out[key][1]})")
-        out[key] = (vnode, line)
-    return out
-
-
-def _child(node, key: str):
-    for knode, vnode in node.value:
-        if knode.value == key:
-            return vnode
-    return None
-
-
-def _line_of(node, key: str, default):
-    if isinstance(node, yaml.MappingNode):
-        for knode, _ in node.value:
-            if knode.value == key:
-                return knode.start_mark.line + 1
-    return default
-
-
-def _node_kind(node) -> str:
-    return {yaml.MappingNode: "mapping", yaml.SequenceNode: "list"}.get(type(node), "scalar")
-
-
-def _type_name(want) -> str:
-    if isinstance(want, tuple):
-        return "a number"
-    return {str: "a string", int: "an integer", bool: "true or false"}.get(want, want.__name__)
-
-
-def _did_you_mean(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""

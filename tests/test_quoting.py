@@ -52,3 +52,7 @@ def test_probe_is_a_runs_agent_command_with_its_arguments_after_double_dash():
     args = probe_args(t, 4, policies=["eager", "inductor"])
     assert args[:3] == ["probe", "/root/it's here", "--"]
     assert args[3:] == ["--threads", "4", "--expect", '{"torch": ">=2.5"}', "--policies", "eager,inductor"]
+    # --reuse is the agent's own option (before `--`); --topologies is the probe's
+    args = probe_args(t, 2, policies=["eager"], topologies=["threads"], reuse=True)
+    assert args == ["probe", "/root/it's here", "--reuse", "--", "--threads", "2", "--expect", '{"torch": ">=2.5"}',
+                    "--policies", "eager", "--topologies", "threads"]

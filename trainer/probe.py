@@ -274,7 +274,7 @@ def run_probe(args) -> dict:
     # the answers that matter; max-autotune benchmarks kernels for minutes on a cold cache.
     names = sorted(names, key=COST_ORDER.index)
     ranks = processes_ranks(args.device, len(build["gpus"]))
-    plan = [(p, t, ranks if t == "processes" else n_threads) for p in names for t in TOPOLOGIES]
+    plan = [(p, t, ranks if t == "processes" else n_threads) for p in names for t in args.topologies]
     _progress(f"torch {build['torch']}, {args.device}, {len(build['gpus'])} GPU(s); "
               f"{len(plan)} cases, threads={n_threads}")
     cases = []
@@ -308,7 +308,8 @@ def run_probe(args) -> dict:
     if interrupted:
         reason += " (probe stopped early: later cases not run)"
     _progress(f"chosen: {reason}")
-    processes_policy, processes_reason = choose_processes(cases)
+    processes_policy, processes_reason = (choose_processes(cases) if "processes" in args.topologies else
+                                          (None, "not probed (--topologies threads)"))
     _progress(f"for --topology processes: {processes_reason}")
     shape = GPU_SHAPE if cuda else CPU_SHAPE
     doc = {
@@ -353,6 +354,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--expect", type=_json_object, default=None,
                     help='JSON expectation, e.g. \'{"torch": ">=2.5", "cuda": "13.0", "gpus": 8}\'')
     ap.add_argument("--policies", help=f"comma-separated subset of {','.join(policies.POLICY_NAMES)}")
+    ap.add_argument("--topologies", help=f"comma-separated subset of {','.join(TOPOLOGIES)} (default: both; "
+                                         "threads alone skips the DDP cases)")
     ap.add_argument("--signatures", help="signature catalog (default: the bundled signatures.yaml)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="where cases run (default: cuda when available)")
@@ -371,6 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         _parser().error(f"--policies: unknown {', '.join(unknown)}; known: {', '.join(policies.POLICY_NAMES)}")
     args.policies = names or list(policies.POLICY_NAMES)
+    tops = [t.strip() for t in (args.topologies or "").split(",") if t.strip()]
+    if any(t not in TOPOLOGIES for t in tops) or ("threads" not in tops and tops):
+        _parser().error(f"--topologies: a subset of {', '.join(TOPOLOGIES)} that includes threads "
+                        f"(the choice for `launch` comes from it)")
+    args.topologies = tops or list(TOPOLOGIES)
     if args.timeout is None:
         # a GPU case compiles Triton kernels (max-autotune benchmarks them) in N threads at once
         args.timeout = 600.0 if args.device == "cuda" else 300.0

@@ -25,7 +25,7 @@ import os
 import platform
 import sys
 
-from .common import _fail, _out, _read_json, _write_json
+from .common import _dist_version, _dists, _fail, _out, _read_json, _write_json
 from .release_store import MANIFEST, STATS, _check, _clear_leftovers, _holder, _live, _read_manifest, _stat_key, _try_lock
 
 # hashlib, shutil, subprocess, tarfile and tempfile are imported where they are used: the
@@ -33,30 +33,6 @@ from .release_store import MANIFEST, STATS, _check, _clear_leftovers, _holder, _
 
 KEEP = 5
 EXIT_BUSY, EXIT_STALE, EXIT_NO_SPACE = 4, 5, 6    # apply's refusals the controller tells apart
-
-
-def _dist_version(name):
-    """The installed version of distribution NAME, without importing it (torch takes seconds).
-
-    First the `NAME-VERSION.dist-info` folder on sys.path, in sys.path order as importlib.metadata
-    searches; that is a listdir per path entry, where importlib.metadata's own import costs ~40 ms
-    of every deploy. Anything else (egg-info, odd layouts) goes to importlib.metadata."""
-    want = name.lower().replace("-", "_")
-    for entry in sys.path:
-        try:
-            names = os.listdir(entry or ".")
-        except OSError:
-            continue
-        for folder in names:
-            if folder.endswith(".dist-info") and "-" in folder:
-                dist, version = folder[:-len(".dist-info")].split("-", 1)
-                if dist.lower().replace("-", "_").replace(".", "_") == want and "-" not in version:
-                    return version
-    try:
-        from importlib import metadata
-        return metadata.version(name)
-    except Exception:
-        return None
 
 
 def cmd_manifest(workdir, full=False, tidy=False, no_files=False):
@@ -275,12 +251,15 @@ def cmd_install_deps(workdir):
     try:
         cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check",
                "--upgrade-strategy", "only-if-needed", "-c", constraints] + lines
+        before = _dists()
         proc = subprocess.run(cmd, stdout=sys.stderr)
     finally:
         os.unlink(constraints)
     if proc.returncode != 0:
         _fail("pip install exited %d" % proc.returncode, proc.returncode)
-    _out({"installed": True, "requirements": lines, "torch": _dist_version("torch")})
+    # What pip added or replaced (NAME-VERSION), so a second run can say it changed nothing.
+    changed = sorted(_dists() - before)
+    _out({"installed": True, "requirements": lines, "torch": _dist_version("torch"), "changed": changed})
 
 
 def main(argv):

@@ -23,7 +23,7 @@ header line followed by raw bytes.
     metrics WORKDIR -- RUN    the log's JSON metric lines
     export WORKDIR [--step N] [--dtype D] -- RUN
                               the run's drafter as a DFlash folder, streamed (runs_export.py)
-    probe WORKDIR -- PROBE_ARGS...
+    probe WORKDIR [--reuse] -- PROBE_ARGS...
                               the live release's probe program, its document as the reply
                               (runs_probe.py)
     rm WORKDIR [--dry-run] -- RUN...    prune WORKDIR --keep N [--dry-run]
@@ -347,8 +347,8 @@ def main(argv):
             opts, _ = _split(args, ("--dry-run",), ("--keep",))
             cmd_prune(workdir, int(opts.get("--keep", 0)), "--dry-run" in opts)
         elif cmd == "probe":
-            _, values = _split(args)
-            cmd_probe(workdir, values)
+            opts, values = _split(args, ("--reuse",))
+            cmd_probe(workdir, values, "--reuse" in opts)
         else:
             _fail("unknown command %r" % cmd, 2)
     except BrokenPipeError:

@@ -1,7 +1,10 @@
 """Runs agent: the `probe` command. Runs the probe program of the live release
 (`python -m trainer.probe`, trainer/probe.py) and replies with its document.
 
-    probe WORKDIR -- PROBE_ARGS...
+    probe WORKDIR [--reuse] -- PROBE_ARGS...
+
+With --reuse, a WORKDIR/probe.json made with the torch installed now (same version) is the reply
+as it is, marked "reused" with its time; the probe runs only when there is none or torch changed.
 
 The probe's progress lines (one per case) go to stderr as they come; its JSON document (its whole
 stdout) comes back as the reply's "probe". No release deployed is a refusal, not an exit status:
@@ -13,15 +16,21 @@ import os
 import subprocess
 import sys
 
-from .common import _fail, _home, _out
+from .common import _dist_version, _fail, _home, _out, _read_json
 from .release_store import _live
 
 
-def cmd_probe(workdir, args):
+def cmd_probe(workdir, args, reuse=False):
     _, path = _live(workdir)
     if not path or not os.path.isdir(path):
         _out({"ok": False, "reason": "no_release", "message": "no release deployed in %s" % workdir})
         return
+    if reuse:
+        saved = _read_json(os.path.join(workdir, "probe.json"))
+        if isinstance(saved, dict) and isinstance(saved.get("result"), dict) and saved.get("policy") \
+                and saved.get("torch") and saved.get("torch") == _dist_version("torch"):
+            _out({"ok": True, "probe": dict(saved["result"], reused=saved.get("time"))})
+            return
     env = dict(os.environ)
     # `pct exec --keep-env 0` leaves no HOME; torch's compile caches want one.
     env.update({"HOME": _home(), "PYTHONUNBUFFERED": "1"})

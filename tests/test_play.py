@@ -1,0 +1,194 @@
+"""Playbooks: what is refused before anything runs (file:line, exit 2), templates and assertions
+(pure functions), and a failing step through the real sshd + pct stand-in: it stops its target
+only, is named, and `--from` resumes there."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from trainer_quick import CLI_MAIN
+
+from orchestrator import playbook as pb
+from orchestrator import templating as tpl
+from orchestrator.errors import FileError, UsageError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def dflash_ops(*args, cwd=None, home=None, timeout=120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **({"DFLASH_OPS_HOME": str(home)} if home else {}))
+    return subprocess.run([sys.executable, "-c", CLI_MAIN, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env)
+
+
+# --- refused before anything runs ----------------------------------------------------------------
+
+GOOD = """\
+vars:
+  config: a.yaml
+steps:
+  - name: deploy
+    deploy: {}
+  - name: launch
+    launch: {config: "{{ config }}", gpus: "{{ gpus }}"}
+  - name: follow
+    logs: {run: "{{ steps.launch.run }}"}
+"""
+
+
+@pytest.mark.parametrize("old, new, line, message", [
+    ("    deploy: {}", "    deplyo: {}", 5, "steps[0].deplyo: unknown action (did you mean 'deploy'?)"),
+    ("{config: ", "{confg: ", 7, "steps[1].launch.confg: unknown option (did you mean 'config'?)"),
+    ('"{{ config }}"', '"{{ cofnig }}"', 7, "steps[1].launch.config: unknown variable 'cofnig' (did you mean 'config'?)"),
+    ("steps.launch.run", "steps.follow.run", 9, "steps[2].logs.run: {{ steps.follow.run }}: 'follow' is not an earlier step"),
+    ("  - name: follow", "  - name: launch", 8, "steps[2].name: duplicate step name (first on line 6)"),
+    ('gpus: "{{ gpus }}"', "gpus: many", 7, "steps[1].launch.gpus: expected a whole number, got 'many'"),
+    ("    logs: {run", "    exec: {}\n    logs: {run", 8, "steps[2]: a step is one action: it has exec, logs"),
+    ("  config: a.yaml", "  config: [a, b]", 2, "vars.config: expected a string, number or true/false, got a list"),
+    ("  config: a.yaml", "  config: a.yaml\n  torch: null", 3, "vars.torch: required: pass --var torch=VALUE"),
+    ("deploy: {}", "deploy: {]", 5, "not valid YAML"),
+])
+def test_a_malformed_playbook_is_one_line_naming_file_line_and_key(tmp_path, old, new, line, message):
+    path = tmp_path / "bad.yaml"
+    assert old in GOOD
+    path.write_text(GOOD.replace(old, new, 1))
+    with pytest.raises(FileError) as e:
+        pb.load(str(path))
+    assert str(e.value).startswith(f"{path}:{line}: ") and message in str(e.value), str(e.value)
+
+
+def test_the_cli_exits_2_with_file_line_and_no_traceback(tmp_path):
+    (tmp_path / "bad.yaml").write_text(GOOD.replace("deploy: {}", "deploy: {sauce: .}"))
+    r = dflash_ops("play", "bad.yaml", cwd=tmp_path)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == ("dflash-ops: bad.yaml:5: steps[0].deploy.sauce: unknown option (did you mean 'source'?) "
+                        "(options of deploy: source, install_deps, verify)\n")
+    (tmp_path / "good.yaml").write_text(GOOD)
+    r = dflash_ops("play", "good.yaml", "--var", "confg=b.yaml", cwd=tmp_path)
+    assert r.returncode == 2 and "--var confg: good.yaml has no variable 'confg' (did you mean 'config'?)" in r.stderr
+    # a variable's value is checked where it is used, on every target, before anything runs
+    r = dflash_ops("play", "good.yaml", "--var", "gpus=many", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr == ("dflash-ops: good.yaml:7: steps[1].launch.gpus: expected a whole "
+                                              "number, got 'many' (on local)\n")
+    r = dflash_ops("play", "good.yaml", "--from", "folow", cwd=tmp_path)
+    assert r.returncode == 2 and "--from folow: no such step" in r.stderr and "did you mean 'follow'" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_the_shipped_playbooks_load_and_dry_run_shows_what_would_run(tmp_path):
+    with pytest.raises(FileError, match=r"bootstrap.yaml:\d+: vars.torch: required"):
+        pb.load(str(REPO / "playbooks" / "bootstrap.yaml"))
+    assert pb.load(str(REPO / "playbooks" / "bootstrap.yaml"), {"torch": "2.7.1"}).names == [
+        "find-python", "venv", "torch", "deploy", "probe"]
+    r = dflash_ops("play", REPO / "playbooks" / "train.yaml", "--dry-run", "--var", "trainer_args=--steps 5 --lr 1e-3",
+                   "--from", "launch", cwd=tmp_path, home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert out.startswith("local: would run 4 step(s) (from launch)\n  launch (launch)\n")
+    assert '    args: ["--steps", "5", "--lr", "1e-3"]' in out and "    run: <steps.launch.run>" in out
+    assert "    output: dflash-local" in out and "deploy (deploy)" not in out
+
+
+# --- templates and assertions (pure) -------------------------------------------------------------
+
+def test_templates_keep_types_splice_words_and_quote_in_shell():
+    ctx = tpl.Context({"gpus": 8, "args": "--steps 5 --name 'a b'", "python": "/srv/venv/bin/python",
+                      "odd": "x; rm -rf /", "out": "dflash-{{ target }}", "target": "ct200"},
+                     results={"launch": {"run": "r1", "slots": ["gpu0", "gpu1"]}})
+    assert tpl.render("{{ gpus }}", ctx) == 8
+    assert tpl.render("gpus={{ gpus }}", ctx) == "gpus=8"
+    assert tpl.render(["--x", "{{ args | words }}"], ctx) == ["--x", "--steps", "5", "--name", "a b"]
+    assert tpl.render("{{ python | dirname | dirname }}", ctx) == "/srv/venv"
+    assert tpl.render("{{ out }}", ctx) == "dflash-ct200"                       # variables inside variables
+    assert tpl.render("{{ steps.launch.slots.1 }}", ctx) == "gpu1"
+    assert tpl.render("echo {{ odd }} {{ args | words }}", ctx, shell=True) == \
+        "echo 'x; rm -rf /' --steps 5 --name 'a b'"
+    with pytest.raises(tpl.Missing, match="step 'probe' has no result"):
+        tpl.render("{{ steps.probe.policy }}", ctx)
+    with pytest.raises(tpl.Missing, match="has no 'pid'"):
+        tpl.render("{{ steps.launch.pid }}", ctx)
+    with pytest.raises(UsageError, match="refers to itself"):
+        tpl.render("{{ a }}", tpl.Context({"a": "{{ b }}", "b": "{{ a }}"}))
+
+
+@pytest.mark.parametrize("test, want, passed", [
+    ("equals", "succeeded", True), ("equals", "failed", False), ("not_equals", "failed", True),
+    ("in", ["stopped", "succeeded"], True), ("exists", True, True), ("exists", False, False),
+])
+def test_assert_on_a_key_of_a_result(test, want, passed):
+    ok, what = tpl.check_assert({"step": "follow", "that": "state", test: want}, {"state": "succeeded"})
+    assert ok is passed and "state" in what
+
+
+def test_assert_compares_numbers_written_as_text():
+    result = {"tau": 1.8, "hits": [{"line": 3}]}
+    assert tpl.check_assert({"step": "f", "that": "tau", "greater_than": "1.5"}, result)[0]
+    assert not tpl.check_assert({"step": "f", "that": "tau", "less_than": 1}, result)[0]
+    assert tpl.check_assert({"step": "f", "that": "hits.0.line", "equals": "3"}, result)[0]
+    assert tpl.check_assert({"step": "f", "that": "loss", "greater_than": 0}, result) == (False, "f has no 'loss'")
+
+
+# --- a failing step, through the real sshd and pct stand-in --------------------------------------
+
+FLAKY = """\
+steps:
+  - name: count
+    exec: {shell: "echo ran >> /srv/ct/count; echo {{ target }}"}
+  - name: needs-marker
+    exec: {shell: "test -f /srv/ct/marker || { echo 'no marker in {{ target }}' >&2; exit 3; }"}
+  - name: echo
+    exec: {command: [echo, "{{ steps.count.value }}"], changes: false}
+  - name: check
+    assert: {step: echo, that: value, equals: "{{ target }}"}
+"""
+
+
+def test_a_failing_step_stops_its_target_only_is_named_and_from_resumes_there(tmp_path, fakepct, make_inventory):
+    for vmid in (200, 201):
+        fakepct.create(vmid)
+    (fakepct.private(201) / "marker").write_text("")
+    inv = make_inventory({name: {"host": "node", "vmid": vmid, "python": sys.executable, "workdir": "/srv/ct/dflash"}
+                          for name, vmid in (("ct200", 200), ("ct201", 201))})
+    (tmp_path / "flaky.yaml").write_text(FLAKY)
+    r = dflash_ops("-i", inv, "play", "flaky.yaml", "ct200", "ct201", "--json", cwd=tmp_path, home=tmp_path)
+    assert r.returncode == 1, r.stderr
+    doc = json.loads(r.stdout)["targets"]
+    assert doc["ct200"]["failed_step"] == "needs-marker" and doc["ct200"]["error"] == "ct200: exited 3: no marker in ct200"
+    assert [s["status"] for s in doc["ct200"]["steps"]] == ["changed", "failed", "not_run", "not_run"]
+    assert doc["ct201"]["ok"] and [s["status"] for s in doc["ct201"]["steps"]] == ["changed", "changed", "ok", "ok"]
+    assert "dflash-ops: failed on 1 target(s): ct200" in r.stderr
+
+    (fakepct.private(200) / "marker").write_text("")
+    r = dflash_ops("-i", inv, "play", "flaky.yaml", "ct200", "--from", "needs-marker", cwd=tmp_path, home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[1].split()[:4] == ["ct200", "count", "exec", "skipped"]
+    assert r.stdout.rstrip().endswith("ct200: ok, 1 step(s) changed something: needs-marker")
+    # the first step ran once; its recorded result stood in for it (`echo` printed the target)
+    assert (fakepct.private(200) / "count").read_text() == "ran\n"
+    assert "[ct200] step 3/4 echo (exec)\n[ct200] ct200\n" in r.stderr
+
+
+def test_variables_file_then_target_keys_then_var():
+    from orchestrator.inventory import Target
+    from orchestrator.play import variables
+
+    book = pb.parse("vars: {gpus: 1, config: a.yaml, out: 'x-{{ target }}'}\nsteps:\n  - name: s\n    deploy: {}\n",
+                    "p.yaml", {"config": "b.yaml"})
+    v = variables(book, Target(name="ct200", host="pve1", vmid=200, gpus=8, workdir="/w"), {"config": "b.yaml"})
+    assert (v["gpus"], v["config"], v["vmid"], v["workdir"], v["target"]) == (8, "b.yaml", 200, "/w", "ct200")
+    assert tpl.render("{{ out }}", tpl.Context(v)) == "x-ct200"
+    assert v["playbook_dir"] == os.getcwd()
+
+
+def test_wait_for_a_run_that_is_not_there_fails_its_step(tmp_path, fakepct, make_inventory):
+    fakepct.create(200)
+    inv = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable, "workdir": "/srv/ct/dflash"}})
+    (tmp_path / "wait.yaml").write_text("steps:\n  - name: wait\n    wait-for: {state: [succeeded, stopped], timeout: 5}\n")
+    r = dflash_ops("-i", inv, "play", "wait.yaml", "--json", cwd=tmp_path, home=tmp_path)
+    assert r.returncode == 1, r.stderr
+    doc = json.loads(r.stdout)["targets"]["ct200"]
+    assert doc["failed_step"] == "wait" and "no runs yet in /srv/ct/dflash/runs" in doc["error"]
