@@ -155,9 +155,11 @@ def resolve_policy(cfg: TrainConfig, device: torch.device) -> str:
 
 
 def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from, stop: threading.Event, *,
-            writer: bool = True, barrier=lambda: None) -> Prepared:
+            writer: bool = True, barrier=lambda: None, load_checkpoint=None) -> Prepared:
     """Target on `device`, data, eval prompts, the initial drafter. Ranks other than the writer wait
-    (barrier) for the writer to make the synthetic data and eval prompts, then read them."""
+    (barrier) for the writer to make the synthetic data and eval prompts, then read them (a rank on
+    another node makes the same data itself: same seed, same rows). load_checkpoint(resume_from)
+    gives the checkpoint to resume from (default: that folder's)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = load_target(cfg.target, device=device, dtype=dtype, layers=layer_ids(cfg))
     log.info(f"target {cfg.target}: {target.num_layers} layers, hidden {target.config.hidden_size}, "
@@ -180,7 +182,7 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
     drafter = Drafter(dcfg)
     drafter.init_norm(target.head_weights()[1].cpu())
     n_params = sum(p.numel() for _, p in drafter.trainable_parameters())
-    ck = checkpoint.load(resume_from) if resume_from else None
+    ck = load_checkpoint(resume_from) if load_checkpoint else checkpoint.load(resume_from) if resume_from else None
     if ck is not None and drafter.load_trainable_state_dict(ck.model):
         # A checkpoint from before the drafter trained its own final norm: the norm starts from the
         # target's, and the optimizer gets a fresh state for it (the last trainable parameter).
