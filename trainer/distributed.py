@@ -16,7 +16,12 @@ are separate processes; they share only the on-disk Inductor caches).
 
 Logs: rank 0's stdout is the run's log exactly as in threads ([trainer] lines and JSON metrics);
 every other line a rank writes (rank 0's stderr, everything from ranks 1..N-1) is prefixed
-`[rankN]: `. Only rank 0 writes metrics, checkpoints and evaluates.
+`[rankN]: `. Only rank 0 writes metrics and evaluates; rank 0 writes checkpoints, and with several
+nodes the first rank of each other node writes the same checkpoint into its own node's --out.
+
+Several nodes (--nnodes K, one launcher per node, the same --rdzv-endpoint and --rdzv-id, one node
+with --rdzv-host): torchrun's c10d rendezvous joins them into one world of K x N ranks; every node
+writes OUT/node.json (its node rank, its ranks) since the rendezvous decides which node gets rank 0.
 Failures: the rank entry is wrapped in torch's @record, so a rank's exception lands in its error
 file and torchrun names it as the root cause; the launcher prints torchrun's summary and exits with
 the failing rank's status (1 failure, 2 bad input, 128+N for a signal).
@@ -212,9 +217,10 @@ def _write_node_record(cfg: TrainConfig, rank: int, world: int) -> None:
 
 
 def _checkpoint_everywhere(path: Path | None, rank: int, world: int) -> checkpoint.Checkpoint | None:
-    """The checkpoint every rank resumes from. Only rank 0 writes checkpoints, into its own node's
-    --out; ranks on other nodes do not see that folder. Each rank says which step it has; when they
-    differ, the newest checkpoint travels from the lowest rank that has it to all (one broadcast)."""
+    """The checkpoint every rank resumes from. Each node's first rank writes the checkpoints into that
+    node's --out; a node may still lack the newest (it was added to the job, or its disk was wiped).
+    Each rank says which step it has; when they differ, the newest checkpoint travels from the lowest
+    rank that has it to all (one broadcast)."""
     have = int(json.loads((path / "meta.json").read_text())["step"]) if path is not None else -1
     steps: list = [None] * world
     dist.all_gather_object(steps, have)
@@ -222,7 +228,12 @@ def _checkpoint_everywhere(path: Path | None, rank: int, world: int) -> checkpoi
     if newest < 0:
         return None
     if all(s == newest for s in steps):
-        return checkpoint.load(path)
+        ck = checkpoint.load(path)
+        # every rank continues with rank 0's random state, as on one node where all read rank 0's folder
+        box = [ck.rng if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        ck.rng = box[0]
+        return ck
     src = steps.index(newest)
     box = [checkpoint.load(path) if rank == src else None]
     dist.broadcast_object_list(box, src=src)
@@ -238,6 +249,9 @@ class RankEngine:
         compiled step is checked against eager (numerics.guard_first_step), on every rank."""
         self.rank, self.size, self.device, self.log, self.guard = rank, world, device, log, guard
         self.writer = rank == 0
+        # Every node keeps its own copy of the checkpoints (its first rank writes them into its --out):
+        # a node's folder is then complete on its own, for --resume and to compare the nodes' weights.
+        self.saver = self.writer or int(os.environ.get("LOCAL_RANK", "0")) == 0
         t = time.perf_counter()
         self.replica: Replica = build()
         self._built = time.perf_counter() - t

@@ -199,7 +199,8 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
     """The training loop over an engine (ThreadEngine or RankEngine): the same steps, logs, checkpoints.
 
     Under processes every rank runs this loop; engine.agree/check_replicas/barrier are collectives,
-    called at the same points on every rank; only the writer (rank 0) saves and evaluates.
+    called at the same points on every rank; only the writer (rank 0) logs metrics and evaluates; the
+    savers (rank 0, and the first rank of every other node) write checkpoints.
     """
     out, ck = prep.out, prep.ck
     loader = Loader(len(prep.samples), cfg.seed)
@@ -335,7 +336,7 @@ def _read_samples(path: str, cfg, target):
 
 
 def _save(cfg, log, out, engine, loader, step) -> None:
-    if not engine.writer:
+    if not engine.saver:     # rank 0, and under several nodes the first rank of each node
         return
     t = time.time()
     r0 = engine.primary

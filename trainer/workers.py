@@ -137,6 +137,7 @@ class ThreadEngine:
     """N replicas, one per worker thread, driven step by step from the main thread."""
 
     writer = True  # one process: it logs, checkpoints and evaluates
+    saver = True
 
     def __init__(self, workers: list[Worker], log, warmup_timeout: float, guard: bool = True):
         self.workers, self.log, self.timeout, self.guard = workers, log, warmup_timeout, guard
