@@ -123,7 +123,8 @@ class Inventory:
             return [self.default_target()]
         seen: dict[str, Target] = {}
         for n in names:
-            seen.setdefault(n, self.target(n))
+            for t in (self.expand(n) if n in self.groups or "," in n else [self.target(n)]):
+                seen.setdefault(t.name, t)
         return list(seen.values())
 
     def host_chain(self, host: Host) -> list[Host]:

@@ -1,0 +1,216 @@
+"""One DDP job over two Proxmox nodes, for real: two network namespaces this test creates, each a
+"node" with its own sshd and pct stand-in, one container on each. The nodes reach each other only
+over their own training link (the rendezvous and gloo cross it); the controller reaches each node's
+sshd over a management link. Driven by the `dflash-ops` CLI as a user would.
+
+    root namespace ── mgmt A ── node A: sshd, pct, CT 200 (training address .1 on tr0) ─┐
+                   └─ mgmt B ── node B: sshd, pct, CT 300 (training address .2 on tr0) ─┴─ training link
+
+The namespaces, servers and every process they hold are removed when the module's tests end, also
+on failure. Without the right to create namespaces the tests skip, saying so.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import install_fakepct, sshd_module
+from trainer_quick import CLI_MAIN, ROOT, copy_trainer, subprocess_env, tiny_run_config, wait_for
+
+WORKDIR = "/srv/ct/dflash"
+STEPS = 6
+TINY = tiny_run_config(steps=STEPS, checksum_every=2, batch_size=4)
+
+
+# ---- two nodes in network namespaces -------------------------------------------------------------
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+class Node:
+    def __init__(self, name: str, ns: str, mgmt: str, train: str, vmid: int):
+        self.name, self.ns, self.mgmt, self.train, self.vmid = name, ns, mgmt, train, vmid
+        self.sshd = None
+        self.pct = None
+
+    def private(self) -> Path:
+        return self.pct.private(self.vmid)
+
+    def rundir(self, run: str) -> Path:
+        return self.private() / "dflash" / "runs" / run
+
+
+def _remove_namespace(ns: str) -> None:
+    """Kill whatever still runs in the namespace, then delete it (its links go with it)."""
+    done = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+    for pid in done.stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    """Nodes A and B (addresses 10.213.X.Y of this test's own), each with sshd and pct, CT 200 on A
+    and CT 300 on B running; torn down with everything they started."""
+    tag = os.getpid() % 100000
+    base = 16 + (os.getpid() % 40) * 4            # third octets base..base+2: mgmt A, mgmt B, training
+    spec = [Node("pve-a", f"dfo{tag}a", f"10.213.{base}.1", f"10.213.{base + 2}.1", 200),
+            Node("pve-b", f"dfo{tag}b", f"10.213.{base + 1}.1", f"10.213.{base + 2}.2", 300)]
+    made: list[str] = []
+    try:
+        try:
+            _ip("netns", "add", spec[0].ns)
+        except (RuntimeError, OSError) as e:
+            pytest.skip(f"cannot create network namespaces here ({e}); the multi-node tests need root")
+        made.append(spec[0].ns)
+        _ip("netns", "add", spec[1].ns)
+        made.append(spec[1].ns)
+        for i, n in enumerate(spec):
+            _ip("-n", n.ns, "link", "set", "lo", "up")
+            outer = f"dfo{tag}{'ab'[i]}"                    # the controller's end of the management link
+            _ip("link", "add", outer, "type", "veth", "peer", "name", "mg0", "netns", n.ns)
+            _ip("addr", "add", f"{n.mgmt[:-2]}.254/24", "dev", outer)
+            _ip("link", "set", outer, "up")
+            _ip("-n", n.ns, "addr", "add", f"{n.mgmt}/24", "dev", "mg0")
+            _ip("-n", n.ns, "link", "set", "mg0", "up")
+        a, b = spec
+        _ip("-n", a.ns, "link", "add", "tr0", "type", "veth", "peer", "name", "tr0", "netns", b.ns)
+        for n in spec:
+            _ip("-n", n.ns, "addr", "add", f"{n.train}/24", "dev", "tr0")
+            _ip("-n", n.ns, "link", "set", "tr0", "up")
+        for n in spec:
+            root = tmp_path_factory.mktemp(n.name)
+            n.sshd = sshd_module.SshServer.start(root / "sshd", host=n.mgmt, netns=n.ns)
+            n.pct = install_fakepct(root / "pct", node=n.name)
+            n.pct.create(n.vmid)
+        yield spec
+    finally:
+        for n in spec:
+            if n.pct is not None:
+                for vmid in n.pct.vmids():
+                    try:
+                        if n.pct.status(vmid) == "running":
+                            n.pct.stop(vmid)
+                    except Exception:  # noqa: BLE001 - teardown tries every container
+                        pass
+            if n.sshd is not None:
+                n.sshd.stop()
+        for ns in made:
+            _remove_namespace(ns)
+
+
+def inventory_doc(nodes, **target_overrides) -> dict:
+    hosts, targets = {}, {}
+    for n in nodes:
+        hosts[n.name] = {"address": n.mgmt, "port": n.sshd.port, "user": "root",
+                         "identity_file": str(n.sshd.identity_file), "known_hosts": str(n.sshd.known_hosts),
+                         "pct": str(n.pct.path), "connect_timeout": 10}
+        t = {"host": n.name, "vmid": n.vmid, "python": sys.executable, "workdir": WORKDIR, "gpus": 0,
+             "train_address": n.train, "env": {"GLOO_SOCKET_IFNAME": "tr0"}}
+        t.update(target_overrides.get(f"ct{n.vmid}", {}))
+        targets[f"ct{n.vmid}"] = {k: v for k, v in t.items() if v is not None}
+    return {"hosts": hosts, "targets": targets, "groups": {"pair": [f"ct{n.vmid}" for n in nodes]}}
+
+
+class Cluster:
+    def __init__(self, nodes, path: Path, cfg: Path):
+        self.nodes, self.path, self.cfg = nodes, path, cfg
+
+    def cli(self, *args, timeout: float = 180, inventory: Path | None = None):
+        return subprocess.run([sys.executable, "-c", CLI_MAIN, "-i", str(inventory or self.path),
+                               *map(str, args)], capture_output=True, timeout=timeout)
+
+    def launch(self, *args, targets: str = "pair") -> str:
+        r = self.cli("launch", targets, "--topology", "processes", "--gpus", "0", "--workers", "1",
+                     "--policy", "eager", "--config", self.cfg, *args)
+        assert r.returncode == 0, r.stderr.decode()[-3000:]
+        return r.stdout.decode().strip()
+
+    def record(self, node, run) -> dict:
+        return json.loads((node.rundir(run) / "run.json").read_text())
+
+    def exit(self, node, run) -> dict:
+        return json.loads((node.rundir(run) / "exit.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def cluster(nodes, tmp_path_factory):
+    import yaml
+
+    from orchestrator import deploy, inventory
+
+    tmp = tmp_path_factory.mktemp("cluster")
+    path = tmp / "hosts.yaml"
+    path.write_text(yaml.safe_dump(inventory_doc(nodes), sort_keys=False))
+    cfg = tmp / "tiny.yaml"
+    cfg.write_text(TINY)
+    source = copy_trainer(tmp / "src")
+    res = deploy.deploy(inventory.load(str(path)), ["ct200", "ct300"], source=str(source))
+    assert all(r.ok for r in res.values()), {k: r.error for k, r in res.items()}
+    return Cluster(nodes, path, cfg)
+
+
+def test_namespaces_are_up(cluster):
+    r = cluster.cli("exec", "ct200", "ct300", "--", "python3", "-c", "print(1)")
+    assert r.returncode == 0, r.stderr.decode()
+
+
+def reference_weights(tmp: Path, cfg: Path) -> subprocess.Popen:
+    """The same job on one node: 2 processes under torchrun, same config, global batch and seed."""
+    return subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(cfg), "--out", str(tmp / "one"),
+                             "--gpus", "0", "--workers", "2", "--topology", "processes", "--compile-policy", "eager"],
+                            cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def final_weights(out: Path) -> dict:
+    from trainer import checkpoint
+
+    return checkpoint.load(checkpoint.find_latest(out)).model
+
+
+def test_two_nodes_train_one_job_to_the_weights_of_one_node(cluster, tmp_path):
+    torch = pytest.importorskip("torch")
+    a, b = cluster.nodes
+    one = reference_weights(tmp_path, cluster.cfg)
+    try:
+        run = cluster.launch()
+        r = cluster.cli("logs", "ct200", run, "--follow")
+        err = r.stderr.decode()
+        assert r.returncode == 0, err[-3000:]
+        out = r.stdout.decode()
+        # each node's lines, led by the node (rank 1's own lines would read `[ct300/rank1] ...`)
+        assert "[ct300] [trainer] topology processes: torchrun --nnodes=2" in out and '[ct200] {"step": ' in out
+        assert f"run {run}: succeeded on 2 nodes" in err and f"steps {STEPS}" in err, err[-2000:]
+        assert one.wait(timeout=120) == 0, one.stderr.read().decode()[-2000:]
+    finally:
+        one.kill()
+    # one record, one lock per node; the same run id; A hosted the rendezvous
+    ra, rb = cluster.record(a, run), cluster.record(b, run)
+    assert ra["nodes"]["targets"] == rb["nodes"]["targets"] == ["ct200", "ct300"]
+    assert "--rdzv-host" in ra["command"] and "--rdzv-host" not in rb["command"]
+    assert f"{a.train}:29400" in ra["command"] and rb["user_env"] == {"GLOO_SOCKET_IFNAME": "tr0"}
+    # both nodes end with identical weights, the weights of the one-node run
+    wa, wb, w1 = final_weights(a.rundir(run)), final_weights(b.rundir(run)), final_weights(tmp_path / "one")
+    assert wa.keys() == wb.keys() == w1.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert max(float((wa[k] - w1[k]).abs().max()) for k in wa) <= 1e-6
+    # status shows the run once, with its nodes
+    r = cluster.cli("status", "ct300", "--json")
+    rows = [x for x in json.loads(r.stdout)["runs"] if x["run"] == run]
+    assert len(rows) == 1 and rows[0]["state"] == "succeeded" and rows[0]["step"] == STEPS
+    assert sorted(n["target"] for n in rows[0]["nodes"]) == ["ct200", "ct300"]
+    # report reads rank 0's node, whichever target is named
+    r = cluster.cli("report", "ct300", run, "-o", tmp_path / "r.png", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["points"] >= STEPS, r.stderr.decode()
