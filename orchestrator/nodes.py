@@ -49,9 +49,10 @@ class NodesLaunch:
                 "targets": [n.target for n in self.nodes], "nodes": [n.as_json() for n in self.nodes]}
 
 
-def check_targets(targets: Sequence[Target], topology: str, gpu_ids: str | None) -> str:
-    """The rendezvous endpoint (the first target's train_address:train_port), every target checked."""
-    if topology != "processes":
+def check_targets(targets: Sequence[Target], topology: str, gpu_ids: str | None, resume: str | None = None) -> str:
+    """The rendezvous endpoint (the first target's train_address:train_port), every target checked
+    (a resumed run keeps its own topology)."""
+    if topology != "processes" and resume is None:
         raise UsageError(f"several targets ({', '.join(t.name for t in targets)}) run one job under "
                          f"--topology processes (torchrun on each); add --topology processes")
     if gpu_ids is not None:
@@ -70,7 +71,7 @@ def launch(inv: Inventory, targets: Sequence[Target], *, gpus: int | None = None
            resume: str | None = None, session: Session | None = None,
            env: dict[str, str] | None = None) -> NodesLaunch:
     """One job over `targets` (at least 2): torchrun on each with the same run id."""
-    endpoint = check_targets(targets, topology, gpu_ids)
+    endpoint = check_targets(targets, topology, gpu_ids, resume)
     run = resume or new_run_id(targets[0].name)
     names = [t.name for t in targets]
     specs = {}

@@ -214,3 +214,102 @@ def test_two_nodes_train_one_job_to_the_weights_of_one_node(cluster, tmp_path):
     # report reads rank 0's node, whichever target is named
     r = cluster.cli("report", "ct300", run, "-o", tmp_path / "r.png", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["points"] >= STEPS, r.stderr.decode()
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = Path(f"/proc/{name}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(name))
+    return kids
+
+
+def _steps(node, run) -> list[int]:
+    path = node.rundir(run) / "train.log"
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return [json.loads(line)["step"] for line in text.splitlines()
+            if line.startswith('{"step": ')]
+
+
+LONG = ["--", "--steps", "100000"]
+
+
+def test_killing_one_nodes_trainer_fails_the_run_on_both_with_the_root_cause(cluster):
+    a, b = cluster.nodes
+    run = cluster.launch(*LONG)
+    wait_for(lambda: len(_steps(a, run)) >= 2, 120, "training on both nodes")
+    launcher = cluster.record(b, run)["pid"]
+    ranks = _children(launcher)
+    assert ranks, "node B's rank process"
+    for pid in ranks:
+        os.kill(pid, signal.SIGKILL)
+    r = cluster.cli("logs", "ct200", run, "--follow")
+    err = r.stderr.decode()
+    assert r.returncode == 100, err[-3000:]
+    assert f"run {run}: failed on 2 nodes" in err and "first failure: ct300/rank1" in err, err[-3000:]
+    assert "signature " in err
+    assert cluster.exit(a, run)["state"] == cluster.exit(b, run)["state"] == "failed"
+    assert cluster.exit(b, run)["root_cause"]["rank"] == 1
+    # nothing left running or holding the CPU slot on either node
+    r = cluster.cli("status", "pair", "--json")
+    row = next(x for x in json.loads(r.stdout)["runs"] if x["run"] == run)
+    assert row["state"] == "failed" and {n["state"] for n in row["nodes"]} == {"failed"}
+
+
+def test_stop_ends_both_nodes_with_a_checkpoint_and_the_run_resumes(cluster):
+    from trainer import checkpoint
+
+    a, b = cluster.nodes
+    run = cluster.launch(*LONG)
+    wait_for(lambda: len(_steps(a, run)) >= 3, 120, "training on both nodes")
+    r = cluster.cli("stop", "ct300", run)
+    assert r.returncode == 0, r.stderr.decode()
+    for n in (a, b):
+        ex = cluster.exit(n, run)
+        assert (ex["state"], ex["exit_code"]) == ("stopped", 143), ex
+    sa = checkpoint.find_latest(a.rundir(run)).name
+    assert sa == checkpoint.find_latest(b.rundir(run)).name        # the same checkpoint on each node
+    stopped_at = int(sa.split("-")[1])
+
+    r = cluster.cli("launch", "pair", "--resume", run)
+    assert r.returncode == 0 and r.stdout.decode().strip() == run, r.stderr.decode()
+    wait_for(lambda: any(s > stopped_at + 1 for s in _steps(a, run)), 120, "the resumed run training")
+    log = (a.rundir(run) / "train.log").read_text()
+    assert f'{{"event": "resume", "step": {stopped_at}}}' in log
+    r = cluster.cli("stop", "pair", run, "--json")
+    assert r.returncode == 0, r.stderr.decode()
+    assert {d["state"] for d in json.loads(r.stdout)["nodes"].values()} == {"stopped"}
+    assert cluster.record(b, run)["attempt"] == 2
+
+
+def test_a_launch_refused_on_one_node_is_undone_on_the_other(cluster, tmp_path):
+    import yaml
+
+    a, b = cluster.nodes
+    path = tmp_path / "hosts.yaml"                     # nothing deployed in CT 300's workdir here
+    path.write_text(yaml.safe_dump(inventory_doc(cluster.nodes, ct300={"workdir": "/srv/ct/empty"})))
+    before = set(os.listdir(a.private() / "dflash" / "runs"))
+    r = cluster.cli("launch", "ct200,ct300", "--topology", "processes", "--gpus", "0", "--policy", "eager",
+                    "--config", cluster.cfg, inventory=path)
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "ct300: no release deployed" in err and "undone on ct200" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert set(os.listdir(a.private() / "dflash" / "runs")) == before         # no run left behind
+    assert not list((a.private() / "dflash" / "locks").glob("*.json"))        # no lock held
+
+
+def test_several_targets_need_processes_and_a_training_address(cluster, tmp_path):
+    import yaml
+
+    path = tmp_path / "hosts.yaml"
+    path.write_text(yaml.safe_dump(inventory_doc(cluster.nodes, ct300={"train_address": None})))
+    r = cluster.cli("launch", "pair", "--topology", "processes", "--policy", "eager", inventory=path)
+    assert r.returncode == 2 and b"ct300: a launch over several targets needs `train_address:`" in r.stderr
+    r = cluster.cli("launch", "pair", "--policy", "eager")
+    assert r.returncode == 2 and b"add --topology processes" in r.stderr
+    assert len(r.stderr.decode().strip().splitlines()) == 1
