@@ -162,16 +162,16 @@ def cluster(nodes, tmp_path_factory):
     return Cluster(nodes, path, cfg)
 
 
-def test_namespaces_are_up(cluster):
-    r = cluster.cli("exec", "ct200", "ct300", "--", "python3", "-c", "print(1)")
-    assert r.returncode == 0, r.stderr.decode()
+def reference_run(tmp: Path, cfg: Path) -> Path:
+    """The same job on one node, in this process: 2 workers (threads), the same config, global batch
+    and seed. Threads and torchrun processes train bit-identical weights on the CPU
+    (test_trainer_topology.py), so this is the one-node run, without two more torch start-ups."""
+    from trainer.cli import run, train_entry
 
-
-def reference_weights(tmp: Path, cfg: Path) -> subprocess.Popen:
-    """The same job on one node: 2 processes under torchrun, same config, global batch and seed."""
-    return subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(cfg), "--out", str(tmp / "one"),
-                             "--gpus", "0", "--workers", "2", "--topology", "processes", "--compile-policy", "eager"],
-                            cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    out = tmp / "one"
+    assert run(train_entry, ["--config", str(cfg), "--out", str(out), "--gpus", "0", "--workers", "2",
+                             "--compile-policy", "eager"]) == 0
+    return out
 
 
 def final_weights(out: Path) -> dict:
@@ -183,26 +183,25 @@ def final_weights(out: Path) -> dict:
 def test_two_nodes_train_one_job_to_the_weights_of_one_node(cluster, tmp_path):
     torch = pytest.importorskip("torch")
     a, b = cluster.nodes
-    one = reference_weights(tmp_path, cluster.cfg)
+    run = cluster.launch()
+    follow = subprocess.Popen([sys.executable, "-c", CLI_MAIN, "-i", str(cluster.path), "logs", "ct200", run,
+                               "--follow"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        run = cluster.launch()
-        r = cluster.cli("logs", "ct200", run, "--follow")
-        err = r.stderr.decode()
-        assert r.returncode == 0, err[-3000:]
-        out = r.stdout.decode()
-        # each node's lines, led by the node (rank 1's own lines would read `[ct300/rank1] ...`)
-        assert "[ct300] [trainer] topology processes: torchrun --nnodes=2" in out and '[ct200] {"step": ' in out
-        assert f"run {run}: succeeded on 2 nodes" in err and f"steps {STEPS}" in err, err[-2000:]
-        assert one.wait(timeout=120) == 0, one.stderr.read().decode()[-2000:]
+        one = reference_run(tmp_path, cluster.cfg)            # meanwhile, the one-node run
+        out, err = (x.decode() for x in follow.communicate(timeout=180))
     finally:
-        one.kill()
+        follow.kill()
+    assert follow.returncode == 0, err[-3000:]
+    # each node's lines, led by the node (rank 1's own lines would read `[ct300/rank1] ...`)
+    assert "[ct300] [trainer] topology processes: torchrun --nnodes=2" in out and '[ct200] {"step": ' in out
+    assert f"run {run}: succeeded on 2 nodes" in err and f"steps {STEPS}" in err, err[-2000:]
     # one record, one lock per node; the same run id; A hosted the rendezvous
     ra, rb = cluster.record(a, run), cluster.record(b, run)
     assert ra["nodes"]["targets"] == rb["nodes"]["targets"] == ["ct200", "ct300"]
     assert "--rdzv-host" in ra["command"] and "--rdzv-host" not in rb["command"]
     assert f"{a.train}:29400" in ra["command"] and rb["user_env"] == {"GLOO_SOCKET_IFNAME": "tr0"}
     # both nodes end with identical weights, the weights of the one-node run
-    wa, wb, w1 = final_weights(a.rundir(run)), final_weights(b.rundir(run)), final_weights(tmp_path / "one")
+    wa, wb, w1 = final_weights(a.rundir(run)), final_weights(b.rundir(run)), final_weights(one)
     assert wa.keys() == wb.keys() == w1.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert max(float((wa[k] - w1[k]).abs().max()) for k in wa) <= 1e-6
@@ -239,29 +238,10 @@ def _steps(node, run) -> list[int]:
 LONG = ["--", "--steps", "100000"]
 
 
-def test_killing_one_nodes_trainer_fails_the_run_on_both_with_the_root_cause(cluster):
-    a, b = cluster.nodes
-    run = cluster.launch(*LONG)
-    wait_for(lambda: len(_steps(a, run)) >= 2, 120, "training on both nodes")
-    launcher = cluster.record(b, run)["pid"]
-    ranks = _children(launcher)
-    assert ranks, "node B's rank process"
-    for pid in ranks:
-        os.kill(pid, signal.SIGKILL)
-    r = cluster.cli("logs", "ct200", run, "--follow")
-    err = r.stderr.decode()
-    assert r.returncode == 100, err[-3000:]
-    assert f"run {run}: failed on 2 nodes" in err and "first failure: ct300/rank1" in err, err[-3000:]
-    assert "signature " in err
-    assert cluster.exit(a, run)["state"] == cluster.exit(b, run)["state"] == "failed"
-    assert cluster.exit(b, run)["root_cause"]["rank"] == 1
-    # nothing left running or holding the CPU slot on either node
-    r = cluster.cli("status", "pair", "--json")
-    row = next(x for x in json.loads(r.stdout)["runs"] if x["run"] == run)
-    assert row["state"] == "failed" and {n["state"] for n in row["nodes"]} == {"failed"}
-
-
-def test_stop_ends_both_nodes_with_a_checkpoint_and_the_run_resumes(cluster):
+def test_stop_ends_both_nodes_with_a_checkpoint_the_run_resumes_and_a_killed_node_fails_it(cluster):
+    """One run, three acts (each launch costs seconds of start-up on both nodes): stop checkpoints on
+    both; --resume continues both from that checkpoint; SIGKILL to node B's rank fails the run on both,
+    the root cause named."""
     from trainer import checkpoint
 
     a, b = cluster.nodes
@@ -281,10 +261,22 @@ def test_stop_ends_both_nodes_with_a_checkpoint_and_the_run_resumes(cluster):
     wait_for(lambda: any(s > stopped_at + 1 for s in _steps(a, run)), 120, "the resumed run training")
     log = (a.rundir(run) / "train.log").read_text()
     assert f'{{"event": "resume", "step": {stopped_at}}}' in log
-    r = cluster.cli("stop", "pair", run, "--json")
-    assert r.returncode == 0, r.stderr.decode()
-    assert {d["state"] for d in json.loads(r.stdout)["nodes"].values()} == {"stopped"}
     assert cluster.record(b, run)["attempt"] == 2
+
+    ranks = _children(cluster.record(b, run)["pid"])             # node B's launcher's rank process
+    assert ranks, "node B's rank process"
+    for pid in ranks:
+        os.kill(pid, signal.SIGKILL)
+    r = cluster.cli("logs", "ct200", run, "--follow")
+    err = r.stderr.decode()
+    assert r.returncode == 100, err[-3000:]
+    assert f"run {run}: failed on 2 nodes" in err and "first failure: ct300/rank1" in err, err[-3000:]
+    assert "(signature killed)" in err or "(signature worker-failed)" in err, err[-3000:]
+    assert cluster.exit(a, run)["state"] == cluster.exit(b, run)["state"] == "failed"
+    assert cluster.exit(b, run)["root_cause"]["rank"] == 1
+    r = cluster.cli("status", "pair", "--json")                    # nothing left running on either node
+    row = next(x for x in json.loads(r.stdout)["runs"] if x["run"] == run)
+    assert row["state"] == "failed" and {n["state"] for n in row["nodes"]} == {"failed"}
 
 
 def test_a_launch_refused_on_one_node_is_undone_on_the_other(cluster, tmp_path):
