@@ -90,33 +90,25 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
     Trainer flags go after `--`, e.g. `dflash-ops launch ct200 --gpus 2 -- --steps 500`.
     The run holds its GPUs (a CPU run, --gpus 0, holds the target's one CPU slot) until it ends.
     """
-    from . import runs
-
+    from . import nodes, runs
     from .agent import session as open_session
     from .envvars import parse_assignments
 
     targets, extra = _split_launch_args(state, args)
     variables = parse_assignments(env)
-    if len(targets) > 1:
-        return _launch_nodes(state, targets, extra, variables, gpus=gpus, gpu_ids=gpu_ids, name=name,
-                             resume=resume, config=config, topology=topology, policy=policy,
-                             workers=workers, follow=follow, as_json=as_json)
-    target_name = targets[0].name if targets else None
     with open_session(state.inv) as session:   # one connection for the launch and the follow
-        res = runs.launch(state.inv, target_name, gpus=gpus, config=config, topology=topology,
-                          policy=policy, workers=workers, extra=extra, name=name, gpu_ids=gpu_ids,
-                          resume=resume, session=session, env=variables)
-        where = f"GPU {', '.join(map(str, res.gpu_ids))}" if res.gpu_ids else "CPU"
-        policy_text = res.compile_policy + (f" (probe chose {res.probe_policy})"
-                                            if res.probe_policy else "")
-        what = (f"resumed run {res.run} (attempt {res.attempt}, was {res.resumed_from}; "
-                if res.attempt > 1 else f"launched run {res.run} (")
-        label = f"{res.name!r}, " if res.name else ""
-        info = (f"{res.target}: {what}{label}pid {res.pid}, {where}, release "
-                f"{res.release}, policy {policy_text})"
-                + (", env " + " ".join(f"{k}={v}" for k, v in res.env.items()) if res.env else ""))
-        for c in res.cleared:
-            _note(f"{res.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
+        if len(targets) > 1:
+            res = nodes.launch(state.inv, targets, gpus=gpus, config=config, topology=topology, policy=policy,
+                               workers=workers, extra=extra, name=name, gpu_ids=gpu_ids, resume=resume,
+                               session=session, env=variables)
+            info = _nodes_info(res)
+        else:
+            res = runs.launch(state.inv, targets[0].name if targets else None, gpus=gpus, config=config,
+                              topology=topology, policy=policy, workers=workers, extra=extra, name=name,
+                              gpu_ids=gpu_ids, resume=resume, session=session, env=variables)
+            info = _launch_info(res)
+            for c in res.cleared:
+                _note(f"{res.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
         if not follow:
             if as_json:
                 emit(True, res.as_json(), "")
@@ -126,42 +118,29 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
             return
         if not as_json:
             _note(info)
-        from .follow import follow as follow_log
-
-        target = state.inv.target(res.target)
-        summary = _print_log(follow_log(state.inv, target, res.run, session=session), as_json)
-    if as_json:
-        emit(True, {**res.as_json(), "logs": summary.as_json()}, "")
-    sys.exit(summary.exit_code)
-
-
-def _launch_nodes(state: State, targets, extra, variables, *, follow, as_json, **options):
-    """launch over several targets: one job, torchrun on each (orchestrator/nodes.py)."""
-    from . import nodes
-
-    from .agent import session as open_session
-
-    with open_session(state.inv) as session:
-        res = nodes.launch(state.inv, targets, extra=extra, env=variables, session=session, **options)
-        first = res.nodes[0]
-        verb = f"resumed run {res.run} (attempt {first.attempt}, was {first.resumed_from})" \
-            if first.attempt > 1 else f"launched run {res.run}"
-        info = (f"{verb} on {len(res.nodes)} nodes, rendezvous at {res.endpoint} (on {first.target}): "
-                + ", ".join(f"{n.target} pid {n.pid}" for n in res.nodes))
-        if not follow:
-            if as_json:
-                emit(True, res.as_json(), "")
-            else:
-                click.echo(res.run)
-                _note(info + f"; follow it with `dflash-ops logs {first.target} {res.run}`")
-            return
-        if not as_json:
-            _note(info)
-        summary = _print_job(nodes.follow(state.inv, state.inv.target(first.target), res.run, session=session),
+        summary = _print_job(nodes.follow(state.inv, state.inv.target(res.target), res.run, session=session),
                              as_json)
     if as_json:
         emit(True, {**res.as_json(), "logs": summary.as_json()}, "")
     sys.exit(summary.exit_code)
+
+
+def _launch_info(res) -> str:
+    where = f"GPU {', '.join(map(str, res.gpu_ids))}" if res.gpu_ids else "CPU"
+    policy_text = res.compile_policy + (f" (probe chose {res.probe_policy})" if res.probe_policy else "")
+    what = (f"resumed run {res.run} (attempt {res.attempt}, was {res.resumed_from}; "
+            if res.attempt > 1 else f"launched run {res.run} (")
+    label = f"{res.name!r}, " if res.name else ""
+    return (f"{res.target}: {what}{label}pid {res.pid}, {where}, release {res.release}, policy {policy_text})"
+            + (", env " + " ".join(f"{k}={v}" for k, v in res.env.items()) if res.env else ""))
+
+
+def _nodes_info(res) -> str:
+    first = res.nodes[0]
+    verb = (f"resumed run {res.run} (attempt {first.attempt}, was {first.resumed_from})"
+            if first.attempt > 1 else f"launched run {res.run}")
+    return (f"{verb} on {len(res.nodes)} nodes, rendezvous at {res.endpoint} (on {first.target}): "
+            + ", ".join(f"{n.target} pid {n.pid}" for n in res.nodes))
 
 
 # --- logs ----------------------------------------------------------------------------------------
