@@ -83,14 +83,18 @@ def launch(inv: Inventory, targets: Sequence[Target], *, gpus: int | None = None
     with agent.session(inv, session) as s:
         group = agent.fan_out(targets, lambda t: launch_on(s, t, specs[t.name], env))
         if group.failures:
-            _undo(s, [t for t in targets if group[t.name].ok], run, fresh=resume is None)
-            raise NodesFailed("; ".join(group.failures.values())
-                              + f" (run {run} undone on {', '.join(n for n in names if group[n].ok) or 'no target'}: "
-                                "nothing left running or locked)")
+            started = [t for t in targets if group[t.name].ok]
+            undo = _undo(s, started, run, fresh=resume is None)
+            undone = [t.name for t in started if undo[t.name].ok]
+            said = f" (run {run} undone on {', '.join(undone)}: nothing left running or locked there)" \
+                if undone else ""
+            said += "".join(f"; could not undo it on {name} ({err}): stop it with "
+                            f"`dflash-ops stop {name} {run} --force`" for name, err in undo.failures.items())
+            raise NodesFailed("; ".join(group.failures.values()) + said)
     return NodesLaunch(run=run, nodes=[group[n].value for n in names], endpoint=endpoint)
 
 
-def _undo(s: Session, targets: Sequence[Target], run: str, fresh: bool) -> None:
+def _undo(s: Session, targets: Sequence[Target], run: str, fresh: bool) -> agent.GroupResult:
     """Kill the run on these targets and free its slots; a new run's folder goes too (a resumed
     run's folder is the user's: it stays, its attempt recorded as stopped)."""
     def one(t: Target) -> None:
@@ -100,7 +104,7 @@ def _undo(s: Session, targets: Sequence[Target], run: str, fresh: bool) -> None:
         if fresh:
             agent.call(s.transport(t), t, agent.RUNS, ["rm", t.workdir, "--", run], what="undo the launch",
                        timeout=120)
-    agent.fan_out(targets, one)
+    return agent.fan_out(targets, one)
 
 
 # --- the nodes of a run -------------------------------------------------------------------------
@@ -222,7 +226,7 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
             yield ev
         group = done[0]
         errors = [o.error for o in group.values() if not o.ok]
-        if errors and not any(o.ok for o in group.values()):
+        if errors:          # a node that could not be followed: its error, not a guess at its state
             raise errors[0]
         summaries = {name: o.value for name, o in group.items() if o.ok}
         yield job_summary(rid, [t.name for t, _ in nodes], summaries, rank0(nodes).name)

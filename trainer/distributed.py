@@ -181,7 +181,9 @@ def rank_main(cfg: TrainConfig) -> int:
 
 def _rank(cfg: TrainConfig, rank: int, world: int, device: torch.device, stop) -> int:
     writer = rank == 0
-    out, resume_from = train.open_run(cfg, writer=writer)
+    # every node's first rank records the settings in its own --out (with its checkpoints, a node's
+    # folder is then a complete run for `python -m trainer.export`)
+    out, resume_from = train.open_run(cfg, writer=writer or os.environ.get("LOCAL_RANK") == "0")
     log = RunLog(out / "metrics.jsonl") if writer else QuietLog()
     policy = train.resolve_policy(cfg, device)
     log.info(f"torch {torch.__version__} | {world} ranks on {device.type} | topology processes "
