@@ -259,6 +259,8 @@ def test_stop_ends_both_nodes_with_a_checkpoint_the_run_resumes_and_a_killed_nod
     assert sa == checkpoint.find_latest(b.rundir(run)).name        # the same checkpoint on each node
     stopped_at = int(sa.split("-")[1])
 
+    r = cluster.cli("launch", "ct200", "--resume", run)                 # one node of the two: refused
+    assert r.returncode == 1 and b"ran on ct200,ct300; resume it on the same target(s)" in r.stderr, r.stderr
     r = cluster.cli("launch", "pair", "--resume", run)
     assert r.returncode == 0 and r.stdout.decode().strip() == run, r.stderr.decode()
     wait_for(lambda: any(s > stopped_at + 1 for s in _steps(a, run)), 120, "the resumed run training")

@@ -220,8 +220,9 @@ _CAUSE_KEYS = {"rank": "rank", "exitcode": "exitcode", "error_file": "error_file
 
 def _root_cause(log_path):
     """torchrun's root cause of a failed run, from the last `Root Cause (first observed failure)`
-    block in the log's tail: {"rank", "exitcode", "error_file", "error"}; the error is the first line
-    of the rank's error file (written by the trainer's @record) when there is one. None without it."""
+    block in the log's tail: {"rank", "exitcode", "error_file", "error"}. The error is the exception
+    line of the rank's error file (written by the trainer's @record) when there is one, else
+    torchrun's own words (`Signal 9 (SIGKILL) received by PID N`). None without the block."""
     try:
         with open(log_path, "rb") as f:
             f.seek(0, 2)

@@ -39,8 +39,8 @@ def _resume_spec(workdir, spec, refuse):
            "config_file": (rec.get("config") or {}).get("file"),
            "name": spec.get("name") or rec.get("name"), "controller": spec.get("controller"),
            "nodes": spec.get("nodes"), "user_env": spec.get("user_env")}
-    was = [n for n in ((rec.get("nodes") or {}).get("targets") or [])]
-    now = [n for n in ((spec.get("nodes") or {}).get("targets") or [])]
+    was = list((rec.get("nodes") or {}).get("targets") or [])     # a job over several nodes: all of them
+    now = list((spec.get("nodes") or {}).get("targets") or [])
     if was != now:
         refuse("not_resumable", "run %s ran on %s; resume it on the same target(s), in the same order"
                % (rid, ",".join(was) or rec.get("target") or "one target"),
