@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import install_fakepct, sshd_module
-from trainer_quick import CLI_MAIN, ROOT, copy_trainer, subprocess_env, tiny_run_config, wait_for
+from trainer_quick import CLI_MAIN, copy_trainer, tiny_run_config, wait_for
 
 WORKDIR = "/srv/ct/dflash"
 STEPS = 6
