@@ -194,6 +194,10 @@ def test_two_nodes_train_one_job_to_the_weights_of_one_node(cluster, tmp_path):
     # each node's lines, led by the node (rank 1's own lines would read `[ct300/rank1] ...`)
     assert "[ct300] [trainer] topology processes: torchrun --nnodes=2" in out and '[ct200] {"step": ' in out
     assert f"run {run}: succeeded on 2 nodes" in err and f"steps {STEPS}" in err, err[-2000:]
+    r = cluster.cli("logs", "ct300", run, "--no-follow", "--json")     # from either node: the job
+    doc = json.loads(r.stdout)
+    assert r.returncode == 0 and (doc["state"], doc["step"], doc["targets"]) == ("succeeded", STEPS, ["ct200", "ct300"])
+    assert set(doc["nodes"]) == {"ct200", "ct300"} and doc["root_cause"] is None
     # one record, one lock per node; the same run id; A hosted the rendezvous
     ra, rb = cluster.record(a, run), cluster.record(b, run)
     assert ra["nodes"]["targets"] == rb["nodes"]["targets"] == ["ct200", "ct300"]
