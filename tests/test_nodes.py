@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -262,14 +263,19 @@ def test_stop_ends_both_nodes_with_a_checkpoint_the_run_resumes_and_a_killed_nod
     sa = checkpoint.find_latest(a.rundir(run)).name
     assert sa == checkpoint.find_latest(b.rundir(run)).name        # the same checkpoint on each node
     stopped_at = int(sa.split("-")[1])
+    # Node B loses its copy (a wiped disk): on --resume the ranks find that out and rank 0's
+    # checkpoint travels to B; the replicas' checksums every 2 steps prove both continue alike.
+    shutil.rmtree(b.rundir(run) / "checkpoints")
 
     r = cluster.cli("launch", "ct200", "--resume", run)                 # one node of the two: refused
     assert r.returncode == 1 and b"ran on ct200,ct300; resume it on the same target(s)" in r.stderr, r.stderr
     r = cluster.cli("launch", "pair", "--resume", run)
     assert r.returncode == 0 and r.stdout.decode().strip() == run, r.stderr.decode()
-    wait_for(lambda: any(s > stopped_at + 1 for s in _steps(a, run)), 120, "the resumed run training")
+    wait_for(lambda: any(s > stopped_at + 3 for s in _steps(a, run)), 120, "the resumed run training")
     log = (a.rundir(run) / "train.log").read_text()
     assert f'{{"event": "resume", "step": {stopped_at}}}' in log
+    after = log.split(f'{{"event": "resume", "step": {stopped_at}}}')[1]
+    assert '{"event": "checksum", "step": ' in after and "diverged" not in after
     assert cluster.record(b, run)["attempt"] == 2
 
     ranks = _children(cluster.record(b, run)["pid"])             # node B's launcher's rank process
