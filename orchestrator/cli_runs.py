@@ -51,12 +51,12 @@ def _fmt_elapsed(seconds) -> str:
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
-def _split_launch_args(state: State, args: tuple[str, ...]) -> tuple[str | None, list[str]]:
-    """`[TARGET] [-- TRAINER_ARGS...]`: the first word names a target unless it is a flag."""
+def _split_launch_args(state: State, args: tuple[str, ...]) -> tuple[list, list[str]]:
+    """`[TARGET|T1,T2|GROUP] [-- TRAINER_ARGS...]`: the first word names the target(s) unless it is
+    a flag; [] for the default target."""
     if args and not args[0].startswith("-"):
-        state.inv.target(args[0])        # unknown target: a clear error with a suggestion
-        return args[0], list(args[1:])
-    return None, list(args)
+        return state.inv.expand(args[0]), list(args[1:])   # unknown: a clear error with a suggestion
+    return [], list(args)
 
 
 # --- launch --------------------------------------------------------------------------------------
@@ -90,28 +90,25 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
     Trainer flags go after `--`, e.g. `dflash-ops launch ct200 --gpus 2 -- --steps 500`.
     The run holds its GPUs (a CPU run, --gpus 0, holds the target's one CPU slot) until it ends.
     """
-    from . import runs
-
+    from . import nodes, runs
     from .agent import session as open_session
     from .envvars import parse_assignments
 
-    target_name, extra = _split_launch_args(state, args)
+    targets, extra = _split_launch_args(state, args)
     variables = parse_assignments(env)
     with open_session(state.inv) as session:   # one connection for the launch and the follow
-        res = runs.launch(state.inv, target_name, gpus=gpus, config=config, topology=topology,
-                          policy=policy, workers=workers, extra=extra, name=name, gpu_ids=gpu_ids,
-                          resume=resume, session=session, env=variables)
-        where = f"GPU {', '.join(map(str, res.gpu_ids))}" if res.gpu_ids else "CPU"
-        policy_text = res.compile_policy + (f" (probe chose {res.probe_policy})"
-                                            if res.probe_policy else "")
-        what = (f"resumed run {res.run} (attempt {res.attempt}, was {res.resumed_from}; "
-                if res.attempt > 1 else f"launched run {res.run} (")
-        label = f"{res.name!r}, " if res.name else ""
-        info = (f"{res.target}: {what}{label}pid {res.pid}, {where}, release "
-                f"{res.release}, policy {policy_text})"
-                + (", env " + " ".join(f"{k}={v}" for k, v in res.env.items()) if res.env else ""))
-        for c in res.cleared:
-            _note(f"{res.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
+        if len(targets) > 1:
+            res = nodes.launch(state.inv, targets, gpus=gpus, config=config, topology=topology, policy=policy,
+                               workers=workers, extra=extra, name=name, gpu_ids=gpu_ids, resume=resume,
+                               session=session, env=variables)
+            info = _nodes_info(res)
+        else:
+            res = runs.launch(state.inv, targets[0].name if targets else None, gpus=gpus, config=config,
+                              topology=topology, policy=policy, workers=workers, extra=extra, name=name,
+                              gpu_ids=gpu_ids, resume=resume, session=session, env=variables)
+            info = _launch_info(res)
+            for c in res.cleared:
+                _note(f"{res.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
         if not follow:
             if as_json:
                 emit(True, res.as_json(), "")
@@ -121,13 +118,29 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
             return
         if not as_json:
             _note(info)
-        from .follow import follow as follow_log
-
-        target = state.inv.target(res.target)
-        summary = _print_log(follow_log(state.inv, target, res.run, session=session), as_json)
+        summary = _print_job(nodes.follow(state.inv, state.inv.target(res.target), res.run, session=session),
+                             as_json)
     if as_json:
         emit(True, {**res.as_json(), "logs": summary.as_json()}, "")
     sys.exit(summary.exit_code)
+
+
+def _launch_info(res) -> str:
+    where = f"GPU {', '.join(map(str, res.gpu_ids))}" if res.gpu_ids else "CPU"
+    policy_text = res.compile_policy + (f" (probe chose {res.probe_policy})" if res.probe_policy else "")
+    what = (f"resumed run {res.run} (attempt {res.attempt}, was {res.resumed_from}; "
+            if res.attempt > 1 else f"launched run {res.run} (")
+    label = f"{res.name!r}, " if res.name else ""
+    return (f"{res.target}: {what}{label}pid {res.pid}, {where}, release {res.release}, policy {policy_text})"
+            + (", env " + " ".join(f"{k}={v}" for k, v in res.env.items()) if res.env else ""))
+
+
+def _nodes_info(res) -> str:
+    first = res.nodes[0]
+    verb = (f"resumed run {res.run} (attempt {first.attempt}, was {first.resumed_from})"
+            if first.attempt > 1 else f"launched run {res.run}")
+    return (f"{verb} on {len(res.nodes)} nodes, rendezvous at {res.endpoint} (on {first.target}): "
+            + ", ".join(f"{n.target} pid {n.pid}" for n in res.nodes))
 
 
 # --- logs ----------------------------------------------------------------------------------------
@@ -145,11 +158,10 @@ def logs(state: State, args, follow, tail, as_json):
     Exit status: 0 succeeded, 100 failed, 101 still running (--no-follow), 102 not found,
     103 stopped. stdout is the log itself; notes and the summary go to stderr.
     """
-    from . import runs
-    from .follow import follow as follow_log
+    from . import nodes, runs
 
     target, run = runs.split_target_run(state.inv, args)
-    summary = _print_log(follow_log(state.inv, target, run, follow=follow, tail=tail), as_json)
+    summary = _print_job(nodes.follow(state.inv, target, run, follow=follow, tail=tail), as_json)
     if as_json:
         emit(True, summary.as_json(), "")
     sys.exit(summary.exit_code)
@@ -195,6 +207,74 @@ def _print_log(events, as_json: bool):
                     _note(_summary_line(ev.summary))
                 return ev.summary
     raise OpsError("the log stream ended without a summary")
+
+
+def _print_job(events, as_json: bool):
+    """_print_log for a run on one node; for a job over several, each line led by `[target/rankN]`
+    (`[target]` for the node's launcher and rank 0's own lines, which carry no rank prefix in the
+    log), notes per node, and one summary for the job."""
+    from .follow import Line, Reconnecting, Resumed
+    from .nodes import JobSummary, NodeEvent
+
+    first = next(events, None)
+    if not isinstance(first, NodeEvent) and not isinstance(first, JobSummary):
+        return _print_log(_chain(first, events), as_json)
+    out = sys.stdout.buffer
+    explained: set[str] = set()
+    with contextlib.closing(events):
+        for ev in _chain(first, events):
+            if isinstance(ev, JobSummary):
+                if not as_json:
+                    _note(_job_summary_line(ev))
+                return ev
+            t, e = ev.target, ev.event
+            if isinstance(e, Line):
+                if not as_json:
+                    try:
+                        out.write(_prefixed(t, e.data))
+                        out.flush()
+                    except BrokenPipeError:
+                        _reader_gone()
+                for sig in e.hits:
+                    if (t, sig.id) in explained or as_json:
+                        continue
+                    explained.add((t, sig.id))
+                    _note(f"{t}: line {e.number}: `{sig.id}` ({sig.severity}): {sig.meaning}")
+                    click.echo(f"            what to do: {sig.remedy}", err=True)
+            elif isinstance(e, Reconnecting) and not as_json:
+                _note(f"{t}: connection lost ({e.reason}); reconnecting in {e.delay:g} s (attempt {e.attempt})")
+            elif isinstance(e, Resumed) and not as_json:
+                _note(f"{t}: reconnected after {e.down_s:.2f} s; resuming at byte {e.offset}")
+    raise OpsError("the log streams ended without a summary")
+
+
+def _chain(first, rest):
+    if first is not None:
+        yield first
+    yield from rest
+
+
+def _prefixed(target: str, data: bytes) -> bytes:
+    """`[rank1]: text` -> `[target/rank1] text`; any other line -> `[target] line`."""
+    if data.startswith(b"[rank"):
+        head, sep, body = data.partition(b"]: ")
+        if sep and head[5:].isdigit():
+            return b"[" + target.encode() + b"/rank" + head[5:] + b"] " + body
+    return b"[" + target.encode() + b"] " + data
+
+
+def _job_summary_line(s) -> str:
+    nodes = ", ".join(f"{t} {n['state']}" + (f" (exit {(n.get('exit') or {}).get('exit_code')})"
+                                              if (n.get('exit') or {}).get('exit_code') not in (None, 0) else "")
+                      for t, n in s.nodes.items())
+    parts = [f"run {s.run}: {s.state} on {len(s.targets)} nodes ({nodes})", f"steps {_fmt_num(s.step)}",
+             f"last loss {_fmt_num(s.loss)}", f"tau {_fmt_tau(s.tau)}"]
+    rc = s.root_cause
+    if rc:
+        where = f"{rc['target']}" + (f"/rank{rc['rank']}" if rc.get("rank") is not None else "")
+        parts.append(f"first failure: {where}" + (f": {rc['error']}" if rc.get("error") else "")
+                     + (f" (signature {rc['signature']})" if rc.get("signature") else ""))
+    return "; ".join(parts)
 
 
 def _reader_gone() -> None:
@@ -243,7 +323,7 @@ def status(state: State, names, all_targets, as_json):
 
     rows, errors = runs.status(state.inv, list(names), all_targets=all_targets)
     text = table(["RUN", "NAME", "TARGET", "STATE", "STEP", "LOSS", "TAU", "STARTED", "ELAPSED"],
-                 [[r["run"], r.get("name"), r["target"], _state_text(r), r.get("step"), _fmt_num(r.get("loss")),
+                 [[r["run"], r.get("name"), _where(r), _state_text(r), r.get("step"), _fmt_num(r.get("loss")),
                    _fmt_tau(r.get("tau")), r.get("started"), _fmt_elapsed(r.get("elapsed_s"))]
                   for r in rows]) if rows else ("" if errors else "no runs")
     if rows or not errors or as_json:
@@ -253,6 +333,12 @@ def status(state: State, names, all_targets, as_json):
             for name, err in errors.items():
                 _note(err if err.startswith(f"{name}:") else f"{name}: {err}")
         raise TargetsFailed(errors)
+
+
+def _where(r: dict) -> str:
+    """The target, or a job's nodes (rank 0's first once known): ct200,ct300."""
+    nodes = [n["target"] for n in r.get("nodes") or [] if isinstance(n, dict)]
+    return ",".join(sorted(nodes, key=lambda n: n != r["target"])) if nodes else r["target"]
 
 
 def _state_text(r: dict) -> str:
@@ -277,10 +363,20 @@ def _state_text(r: dict) -> str:
 @click.pass_obj
 def stop(state: State, args, force, timeout, as_json):
     """SIGTERM the run (default: the latest): the trainer checkpoints and exits."""
-    from . import runs
+    from . import nodes, runs
 
     target, run = runs.split_target_run(state.inv, args)
-    doc = runs.stop(state.inv, target, run, force=force, timeout=timeout)
+    done = nodes.stop(state.inv, target, run, force=force, timeout=timeout)
+    if len(done) > 1:
+        docs = {name: doc for name, doc in done}
+        lines = [_stop_line(name, doc) for name, doc in done]
+        emit(as_json, {"run": done[0][1]["run"], "targets": list(docs), "nodes": docs}, "\n".join(lines))
+        late = [name for name, doc in done if doc.get("timed_out")]
+        if late:
+            raise OpsError(f"run {done[0][1]['run']} still running {timeout:g} s after the signal on "
+                           f"{', '.join(late)}; kill it with `dflash-ops stop {late[0]} {done[0][1]['run']} --force`")
+        return
+    doc = done[0][1]
     if doc.get("already"):
         emit(as_json, doc, f"{target.name}: run {doc['run']} already ended ({doc['state']}); "
                            "nothing to stop")
@@ -297,6 +393,14 @@ def stop(state: State, args, force, timeout, as_json):
                        f"{doc.get('waited_s', 0):.1f} s)")
 
 
+def _stop_line(name: str, doc: dict) -> str:
+    if doc.get("already"):
+        return f"{name}: run {doc['run']} already ended ({doc['state']})"
+    ex = doc.get("exit") or {}
+    how = f"exit {ex['exit_code']}" if ex.get("exit_code") is not None else ex.get("signal_name") or "ended"
+    return f"{name}: run {doc['run']} {doc['state']} ({doc['signal']} -> {how}, {doc.get('waited_s', 0):.1f} s)"
+
+
 # --- report --------------------------------------------------------------------------------------
 
 @cli.command()
@@ -307,10 +411,11 @@ def stop(state: State, args, force, timeout, as_json):
 @click.pass_obj
 def report(state: State, args, out, as_json):
     """Fetch the run's metrics and write a PNG of loss, acceptance length and throughput."""
+    from . import nodes, runs
     from . import report as report_mod
-    from . import runs
 
     target, run = runs.split_target_run(state.inv, args)
+    target = nodes.rank0_of(state.inv, target, run)    # a run over several nodes: rank 0's has the metrics
     doc = runs.metrics(state.inv, target, run)
     path = out or f"dflash-report-{doc['run']}.png"
     st = doc.get("status") or {}
@@ -347,10 +452,12 @@ def export(state: State, args, output, step, dtype, force, as_json):
     at DIR only when complete.
     """
     from . import export as export_mod
-    from . import runs
+    from . import nodes, runs
     from .ui import progress_bars
 
     target, run = runs.split_target_run(state.inv, args)
+    if run != "latest":     # a run over several nodes: rank 0's node (RUN default: this target's newest succeeded)
+        target = nodes.rank0_of(state.inv, target, run)
     res = export_mod.export(state.inv, target, run, output=output, step=step, dtype=dtype, force=force,
                             progress=None if as_json else progress_bars())
     size = f"{res.bytes / 2**20:.1f} MiB" if res.bytes >= 2**20 else f"{res.bytes} bytes"

@@ -6,6 +6,7 @@ The built-in target `local` exists even without a file.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import shutil
@@ -61,6 +62,10 @@ class Target:
     gpus: int = 0
     expect: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # Several nodes in one job: the container's address on the training network (which the other
+    # nodes dial; not the node's SSH address) and the rendezvous port when this target hosts it.
+    train_address: str | None = None
+    train_port: int = 29400
 
     @property
     def is_local(self) -> bool:
@@ -74,6 +79,7 @@ class Inventory:
     targets: Mapping[str, Target]
     default: str | None = None
     ssh_config: str | None = None    # the ssh_config file read at load, if any
+    groups: Mapping[str, tuple] = field(default_factory=lambda: MappingProxyType({}))   # name -> target names
 
     def target(self, name: str) -> Target:
         try:
@@ -91,12 +97,34 @@ class Inventory:
             return self.targets[defined[0]]
         return self.targets[LOCAL]
 
+    def expand(self, word: str) -> list[Target]:
+        """`ct200,ct300` (targets, comma-separated) or a group of hosts.yaml `groups:`: its targets,
+        in the order given; a single name is that one target."""
+        if word in self.groups:
+            return [self.targets[n] for n in self.groups[word]]
+        names = [n for n in word.split(",") if n]
+        if not names:
+            raise UsageError(f"{word!r}: expected a target, TARGET,TARGET... or a group name")
+        if len(set(names)) != len(names):
+            raise UsageError(f"{word}: a target is named twice")
+        return [self.target_or_group(n) for n in names]
+
+    def target_or_group(self, name: str) -> Target:
+        if name in self.groups:
+            raise UsageError(f"{name!r} is a group; name it alone, not in a list of targets")
+        if name not in self.targets:
+            raise UsageError(f"unknown target {name!r}{_did_you_mean(name, {**self.targets, **self.groups})}"
+                             f" (known: {', '.join(sorted(self.targets))}"
+                             + (f"; groups: {', '.join(sorted(self.groups))}" if self.groups else "") + ")")
+        return self.targets[name]
+
     def select(self, names: tuple[str, ...] | list[str]) -> list[Target]:
         if not names:
             return [self.default_target()]
         seen: dict[str, Target] = {}
         for n in names:
-            seen.setdefault(n, self.target(n))
+            for t in (self.expand(n) if n in self.groups or "," in n else [self.target(n)]):
+                seen.setdefault(t.name, t)
         return list(seen.values())
 
     def host_chain(self, host: Host) -> list[Host]:
@@ -149,7 +177,8 @@ def load(explicit: str | None = None, ssh_config: str | None = None) -> Inventor
 
 # --- parsing -------------------------------------------------------------------------------
 
-_TOP_KEYS = {"default": str, "hosts": dict, "targets": dict, "ssh_config": str}
+_TOP_KEYS = {"default": str, "hosts": dict, "targets": dict, "ssh_config": str, "groups": dict}
+HOSTNAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*$")
 _INTERNAL = {"name", "identities"}      # dataclass fields that are not hosts.yaml keys
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -210,6 +239,8 @@ def parse(text: str, file: str = "hosts.yaml", ssh_config: str | None = None) ->
             hosts.update(made)
             hosts[name] = dataclasses.replace(h, jump=via)
 
+    groups = _groups(top["groups"][0], file, targets) if "groups" in top else {}
+
     default = None
     if "default" in top:
         node, line = top["default"]
@@ -218,7 +249,29 @@ def parse(text: str, file: str = "hosts.yaml", ssh_config: str | None = None) ->
             raise InventoryError(file, line, "default",
                                  f"names a missing target {default!r}{_did_you_mean(default, targets)}")
     return Inventory(path=file, hosts=MappingProxyType(hosts), targets=MappingProxyType(targets),
-                     default=default, ssh_config=cfg_path)
+                     default=default, ssh_config=cfg_path, groups=MappingProxyType(groups))
+
+
+def _groups(node, file: str, targets: Mapping[str, Target]) -> dict[str, tuple]:
+    """`groups: {NAME: [TARGET, ...]}`: names for sets of targets (one multi-node launch)."""
+    out: dict[str, tuple] = {}
+    for name, (gnode, gline) in _mapping(node, file, "groups").items():
+        if name in targets:
+            raise InventoryError(file, gline, f"groups.{name}", "a target has this name; give the group another")
+        if not isinstance(gnode, yaml.SequenceNode) or not gnode.value:
+            raise InventoryError(file, gline, f"groups.{name}", "expected a list of target names")
+        members: list[str] = []
+        for item in gnode.value:
+            member = _scalar(item, str, file, f"groups.{name}")
+            if member not in targets:
+                raise InventoryError(file, item.start_mark.line + 1, f"groups.{name}",
+                                     f"names a missing target {member!r}{_did_you_mean(member, targets)}")
+            if member in members:
+                raise InventoryError(file, item.start_mark.line + 1, f"groups.{name}",
+                                     f"names {member!r} twice")
+            members.append(member)
+        out[name] = tuple(members)
+    return out
 
 
 def _hop_host(*, name: str, address: str, user: str | None, port: int | None, parent: Host) -> Host:
@@ -270,6 +323,11 @@ def _build(cls, name: str, node, line: int, file: str, where: str):
         # A relative workdir would resolve against whatever folder the remote command starts in.
         raise InventoryError(file, _line_of(node, "workdir", line), f"{where}.workdir",
                              f"must be an absolute path (or start with ~), got {values['workdir']!r}")
+    if "train_port" in values and not 0 < values["train_port"] < 65536:
+        raise InventoryError(file, _line_of(node, "train_port", line), f"{where}.train_port", "must be 1..65535")
+    if "train_address" in values and not _is_address(values["train_address"]):
+        raise InventoryError(file, _line_of(node, "train_address", line), f"{where}.train_address",
+                             f"expected an IPv4 address or a host name, got {values['train_address']!r}")
     if "vmid" in values and values["vmid"] < 100:
         raise InventoryError(file, _line_of(node, "vmid", line), f"{where}.vmid",
                              "Proxmox VMIDs start at 100")
@@ -283,6 +341,13 @@ def _build(cls, name: str, node, line: int, file: str, where: str):
         if values.get(key):
             values[key] = os.path.expanduser(values[key])
     return cls(name=name, **values)
+
+
+def _is_address(text: str) -> bool:
+    try:
+        return ipaddress.ip_address(text).version == 4
+    except ValueError:
+        return bool(HOSTNAME_RE.match(text)) and not text.replace(".", "").isdigit()
 
 
 def _convert(type_str: str, node, file: str, where: str, line: int):

@@ -62,12 +62,12 @@ def split_target_run(inv: Inventory, args: Sequence[str]) -> tuple[Target, str]:
     args = list(args)
     if len(args) > 2:
         raise UsageError(f"expected [TARGET] [RUN], got {' '.join(args)}")
-    if len(args) == 2:
-        return inv.target(args[0]), check_run(args[1])
+    if len(args) == 2:     # TARGET may be T1,T2 or a group: a run over several nodes, found from the first
+        return inv.expand(args[0])[0], check_run(args[1])
     if len(args) == 1:
         if args[0] not in inv.targets and (args[0] == "latest" or RUN_ID_RE.match(args[0])):
             return inv.default_target(), args[0]
-        return inv.target(args[0]), "latest"
+        return inv.expand(args[0])[0], "latest"
     return inv.default_target(), "latest"
 
 
@@ -163,8 +163,20 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
     gpu_ids ("0,3") names the GPUs (and their slots) instead of the first free ones; name labels
     the run in status. resume continues that stopped or failed run in place (same run id, its own
     config, trainer arguments, topology and policy, the trainer's --resume) as a new attempt.
-    env: variables for the trainer, over the inventory's host and target `env:`."""
+    env: variables for the trainer, over the inventory's host and target `env:`.
+    (Several targets, one job: nodes.launch.)"""
     target = resolve_target(inv, target_name)
+    spec = launch_spec(inv, target, gpus=gpus, config=config, topology=topology, policy=policy,
+                       workers=workers, extra=extra, name=name, gpu_ids=gpu_ids, resume=resume, env=env)
+    with agent.session(inv, session) as s:
+        return launch_on(s, target, spec, env)
+
+
+def launch_spec(inv: Inventory, target: Target, *, gpus: int | None = None, config: str | None = None,
+                topology: str = "threads", policy: str = "auto", workers: int | None = None,
+                extra: Sequence[str] = (), name: str | None = None, gpu_ids: str | None = None,
+                resume: str | None = None, env: dict[str, str] | None = None, run: str | None = None) -> dict:
+    """The runs agent's launch spec for `target`, every option checked (UsageError, LaunchRefused)."""
     if name is not None and not LABEL_RE.match(name):
         raise UsageError(f"--name {name!r}: one line of at most 64 printable characters")
     ids = parse_gpu_ids(gpu_ids, target) if gpu_ids is not None else None
@@ -190,7 +202,7 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
             arg.encode("utf-8")
         except UnicodeEncodeError:   # bytes the shell passed that are not UTF-8 (surrogate-escaped)
             raise UsageError(f"trainer argument {i} is not UTF-8 text: {arg!r}") from None
-    spec = {"run": new_run_id(target.name), "target": target.name, "gpus": gpus,
+    spec = {"run": run or new_run_id(target.name), "target": target.name, "gpus": gpus,
             "target_gpus": target.gpus, "topology": topology, "policy": policy or "auto",
             "workers": workers, "extra": list(extra), "controller": _controller(), "name": name,
             "gpu_ids": ids, "resume": resume,
@@ -203,19 +215,24 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
             raise UsageError(f"--config {config}: cannot read: {e.strerror or e}") from None
         spec["config_name"] = path.name
         spec["config_source"] = str(path.resolve())
+    return spec
+
+
+def launch_on(s: Session, target: Target, spec: dict, env: dict[str, str] | None = None) -> LaunchResult:
+    """Send one launch spec to the target's runs agent; what it started."""
     start = time.monotonic()
     try:
-        with agent.session(inv, session) as s:
-            doc = agent.call(s.transport(target, env=env), target, agent.RUNS, ["launch", target.workdir],
-                             stdin=json.dumps(spec).encode(), what="launch the trainer", timeout=120)
+        doc = agent.call(s.transport(target, env=env), target, agent.RUNS, ["launch", target.workdir],
+                         stdin=json.dumps(spec).encode(), what="launch the trainer", timeout=120)
     except agent.Refused as e:
         if e.reason == "spawn":
             raise StepFailed(target.name, "launch the trainer", 1, e.doc.get("message", "")) from None
         raise LaunchRefused(refusal_message(target, e.doc)) from None
+    resume = spec.get("resume")
     return LaunchResult(
         target=target.name, run=doc["run"], pid=doc["pid"], supervisor_pid=doc.get("supervisor_pid"),
         release=doc.get("release"), commit=doc.get("commit"), policy=spec["policy"] if resume is None else None,
-        compile_policy=doc.get("compile_policy"), probe_policy=doc.get("probe_policy"), gpus=doc.get("gpus", gpus),
+        compile_policy=doc.get("compile_policy"), probe_policy=doc.get("probe_policy"), gpus=doc.get("gpus", spec["gpus"]),
         gpu_ids=doc.get("gpu_ids") or [], slots=doc.get("slots") or [], log=doc.get("log"), command_line=doc.get("command_line"),
         cleared=doc.get("cleared") or [], name=doc.get("name"), attempt=doc.get("attempt") or 1,
         resumed_from=doc.get("resumed_from"), seconds=round(time.monotonic() - start, 3),
@@ -247,16 +264,67 @@ def status(inv: Inventory, names: Sequence[str] = (), *, all_targets: bool = Fal
         group = agent.fan_out(targets, lambda target: agent.call(
             s.transport(target), target, agent.RUNS, ["status", target.workdir, "--", *runs],
             what="read the runs", timeout=60))
-    rows, errors = [], group.failures
-    for name, outcome in group.items():
-        doc = outcome.value
-        if not outcome.ok:
+        rows, errors = [], group.failures
+        for name, outcome in group.items():
+            doc = outcome.value
+            if not outcome.ok:
+                continue
+            for r in doc["runs"]:
+                rows.append({"target": name, **r})
+            for r in doc.get("missing") or []:
+                errors[name] = f"{name}: no run {r!r}"
+        # A run over several nodes is shown once with all its nodes, those not asked about included.
+        asked = {t.name for t in targets}
+        more: dict[str, list[str]] = {}
+        for r in rows:
+            for n in r.get("nodes") or []:
+                if n not in asked and n in inv.targets and r["run"] not in more.setdefault(n, []):
+                    more[n].append(r["run"])
+        extra = agent.fan_out([inv.targets[n] for n in more], lambda target: agent.call(
+            s.transport(target), target, agent.RUNS, ["status", target.workdir, "--", *more[target.name]],
+            what="read the runs", timeout=60))
+        for name, outcome in extra.items():
+            if outcome.ok:
+                rows.extend({"target": name, **r} for r in outcome.value["runs"])
+            else:
+                errors[name] = outcome.error.render()
+    return group_rows(rows), errors
+
+
+STATE_ORDER = ("failed", "running", "stopped", "succeeded")
+
+
+def job_state(states: Sequence[str]) -> str:
+    """One state for the job: failed if any node failed, else running while any runs, else stopped
+    if any stopped, else succeeded."""
+    for state in STATE_ORDER:
+        if state in states:
+            return state
+    return states[0] if states else "failed"
+
+
+def group_rows(rows: list[dict]) -> list[dict]:
+    """Status rows with the nodes of one job merged into one row (rank 0's step, loss, tau), with
+    `nodes`: [{target, state, node_rank, ranks, pid, exit}]."""
+    out: list[dict] = []
+    jobs: dict[str, dict] = {}
+    for r in rows:
+        if not r.get("nodes") or len(r["nodes"]) < 2:
+            out.append(r)
             continue
-        for r in doc["runs"]:
-            rows.append({"target": name, **r})
-        for r in doc.get("missing") or []:
-            errors[name] = f"{name}: no run {r!r}"
-    return rows, errors
+        job = jobs.get(r["run"])
+        node = {"target": r["target"], "state": r["state"], "node_rank": (r.get("node") or {}).get("node_rank"),
+                "ranks": (r.get("node") or {}).get("ranks"), "pid": r.get("pid"), "exit": r.get("exit")}
+        if job is None:
+            job = jobs[r["run"]] = dict(r, nodes=[], node=None)
+            out.append(job)
+        job["nodes"].append(node)
+        if (r.get("node") or {}).get("rank0"):
+            job.update({k: r.get(k) for k in ("target", "step", "loss", "tau", "exit", "log", "pid")})
+    for job in jobs.values():
+        job["state"] = job_state([n["state"] for n in job["nodes"]])
+    return out
+
 
 
 def not_found(target: Target, run: str) -> NotFound:
@@ -299,5 +367,5 @@ def _one_run(inv: Inventory, session: Session | None, target: Target, run: str, 
     return doc
 
 
-__all__ = ["launch", "status", "stop", "metrics", "LaunchResult", "LaunchRefused", "new_run_id",
-           "split_target_run", "resolve_target", "exit_code_for", "refusal_message", "not_found"]
+__all__ = ["launch", "launch_spec", "launch_on", "status", "stop", "metrics", "LaunchResult", "LaunchRefused", "new_run_id",
+           "split_target_run", "resolve_target", "exit_code_for", "job_state", "group_rows", "refusal_message", "not_found"]

@@ -66,6 +66,13 @@ def test_good_file_loads_into_frozen_objects():
     ("hosts:\n  a:\n    address: x\n    connect_timeout: 0\n", 4, "hosts.a.connect_timeout: must be"),
     ("hosts:\n  a:\n    address: x\n    connect_timeout: -5\n", 4, "hosts.a.connect_timeout: must be"),
     ("targets:\n  local:\n    gpus: 1\n", 2, "targets.local: 'local' is the built-in target"),
+    ("targets:\n  t:\n    train_address: 10.0.0\n", 3, "targets.t.train_address: expected an IPv4 address or a host name"),
+    ("targets:\n  t:\n    train_address: 'a b'\n", 3, "targets.t.train_address: expected an IPv4"),
+    ("targets:\n  t:\n    train_port: 0\n", 3, "targets.t.train_port: must be 1..65535"),
+    ("targets:\n  t: {}\ngroups:\n  g: [t, u]\n", 4, "groups.g: names a missing target 'u'"),
+    ("targets:\n  t: {}\ngroups:\n  g: [t, t]\n", 4, "groups.g: names 't' twice"),
+    ("targets:\n  t: {}\ngroups:\n  t: [t]\n", 4, "groups.t: a target has this name"),
+    ("targets:\n  t: {}\ngroups:\n  g: t\n", 4, "groups.g: expected a list of target names"),
 ])
 def test_bad_files_name_file_line_and_key(text, line, needle):
     with pytest.raises(InventoryError) as e:
@@ -88,6 +95,21 @@ def test_local_exists_without_a_file(tmp_path, monkeypatch):
 def test_default_is_the_only_target_else_local():
     assert inventory.parse("targets:\n  a: {}\n").default_target().name == "a"
     assert inventory.parse("targets:\n  a: {}\n  b: {}\n").default_target().name == "local"
+
+
+def test_several_targets_by_commas_or_group():
+    inv = inventory.parse("targets:\n  a: {train_address: 10.0.0.1}\n  b: {train_address: node-b.lan}\n"
+                          "groups:\n  pair: [b, a]\n")
+    assert [t.name for t in inv.expand("pair")] == ["b", "a"]               # the group's order
+    assert [t.name for t in inv.expand("a,b")] == ["a", "b"]
+    assert [t.name for t in inv.select(["pair", "a"])] == ["b", "a"]
+    assert inv.targets["a"].train_port == 29400
+    with pytest.raises(UsageError, match="named twice"):
+        inv.expand("a,a")
+    with pytest.raises(UsageError, match="'pair' is a group"):
+        inv.expand("a,pair")
+    with pytest.raises(UsageError, match="unknown target 'c'"):
+        inv.expand("a,c")
 
 
 def test_unknown_target_suggests():

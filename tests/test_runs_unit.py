@@ -124,3 +124,51 @@ def test_report_series_and_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError):
         report.render([{"event": "checkpoint"}], tmp_path / "x.png")
+
+
+# ---- a run over several nodes ------------------------------------------------------------------
+
+def test_a_job_over_nodes_is_one_status_row_with_rank_0s_numbers():
+    rows = [{"run": "r1", "target": "ct200", "state": "running", "step": None, "nodes": ["ct200", "ct300"],
+             "node": {"node_rank": 1, "ranks": [1, 1], "rank0": False}},
+            {"run": "r1", "target": "ct300", "state": "failed", "step": 7, "nodes": ["ct200", "ct300"],
+             "node": {"node_rank": 0, "ranks": [0, 0], "rank0": True}},
+            {"run": "r0", "target": "ct200", "state": "succeeded", "step": 3, "nodes": None}]
+    out = runs.group_rows(rows)
+    assert [r["run"] for r in out] == ["r1", "r0"]
+    job = out[0]
+    assert (job["target"], job["state"], job["step"]) == ("ct300", "failed", 7)
+    assert [(n["target"], n["state"], n["node_rank"]) for n in job["nodes"]] == [
+        ("ct200", "running", 1), ("ct300", "failed", 0)]
+    assert runs.job_state(["succeeded", "stopped"]) == "stopped"
+    assert runs.job_state(["succeeded", "running"]) == "running"
+    assert runs.job_state(["succeeded", "succeeded"]) == "succeeded"
+
+
+def test_node_lines_are_led_by_target_and_rank():
+    from orchestrator.cli_runs import _prefixed
+
+    assert _prefixed("ct300", b"[rank3]: Traceback\n") == b"[ct300/rank3] Traceback\n"
+    assert _prefixed("ct200", b'{"step": 1}\n') == b'[ct200] {"step": 1}\n'
+    assert _prefixed("ct200", b"[rankx]: odd\n") == b"[ct200] [rankx]: odd\n"
+
+
+def test_torchruns_root_cause_is_read_from_the_log_and_the_error_file(tmp_path):
+    from orchestrator.remote.runs_common import _root_cause
+
+    err = tmp_path / "error.json"
+    err.write_text(json.dumps({"message": {"message": "RuntimeError: test hook\nmore",
+                                           "extraInfo": {"timestamp": "1"}}}))
+    log = tmp_path / "train.log"
+    log.write_text("noise\nRoot Cause (first observed failure):\n[0]:\n  time      : 2026-11-30_17:00:00\n"
+                   "  host      : node-b\n  rank      : 3 (local_rank: 1)\n  exitcode  : 1 (pid: 42)\n"
+                   f"  error_file: {err}\n  traceback : Traceback (most recent call last):\n")
+    assert _root_cause(str(log)) == {"rank": 3, "exitcode": 1, "error_file": str(err),
+                                     "error": "RuntimeError: test hook"}
+    log.write_text("Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 0)\n"
+                   "  exitcode  : -9 (pid: 7)\n  error_file: <N/A>\n"
+                   "  traceback : Signal 9 (SIGKILL) received by PID 7\n")
+    assert _root_cause(str(log)) == {"rank": 1, "exitcode": -9, "error_file": None,
+                                     "error": "Signal 9 (SIGKILL) received by PID 7"}
+    log.write_text("no torchrun here\n")
+    assert _root_cause(str(log)) is None

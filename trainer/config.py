@@ -45,6 +45,12 @@ class TrainConfig:
     cpu_threads: int = 0                 # torch intra-op threads on CPU; 0 = torch's default
     skip_compile_guard: bool = False     # skip the first compiled step's check against eager
     compile_target: str = "auto"         # auto | on | off: the target's layers compiled (auto: on CUDA with a compiled policy)
+    # several nodes (--topology processes): one DDP job joined by torchrun's c10d rendezvous
+    nnodes: int = 1                      # nodes in the job; each runs this command with its own --node-address
+    rdzv_endpoint: str = ""              # HOST:PORT where the nodes meet (the hosting node's training address)
+    rdzv_id: str = ""                    # the job's id, the same on every node
+    rdzv_host: bool = False              # this node hosts the rendezvous store (exactly one node does)
+    node_address: str = ""               # this node's own address on the training network
     # drafter and objective
     draft_layers: int = 5
     block_size: int = 16
@@ -104,6 +110,13 @@ HELP = {
     "compile_policy": f"{' | '.join(POLICY_NAMES)} | auto (the probe's choice from WORKDIR/probe.json)",
     "workdir": "the dflash-ops WORKDIR holding probe.json (default: $DFLASH_OPS_WORKDIR)",
     "cpu_threads": "torch intra-op threads on CPU (0 = torch's default)",
+    "nnodes": "nodes in one --topology processes job (torchrun --nnodes); each node runs the same command "
+              "with its own --node-address, one with --rdzv-host",
+    "rdzv_endpoint": "HOST:PORT of the c10d rendezvous the nodes join (with --nnodes > 1)",
+    "rdzv_id": "the job's rendezvous id, the same on every node (with --nnodes > 1)",
+    "rdzv_host": "this node hosts the rendezvous store at --rdzv-endpoint (exactly one node)",
+    "node_address": "this node's address on the training network, which the other nodes reach "
+                    "(torchrun --local-addr; with --nnodes > 1)",
     "skip_compile_guard": "skip the guard that checks each worker's first compiled step against an eager "
                           "forward/backward on the same weights and batch (on by default for every policy but eager)",
     "compile_target": "auto | on | off: run the frozen target's decoder layers compiled by inductor (no CUDA "
@@ -141,7 +154,8 @@ HELP = {
 
 
 METAVAR = {"chat_template_kwargs": "JSON", "target": "PATH|tiny", "data": "PATH|synthetic", "out": "DIR", "workdir": "DIR", "target_layers": "I,J,..",
-           "topology": "threads|processes", "compile_policy": "NAME|auto",
+           "topology": "threads|processes", "compile_policy": "NAME|auto", "rdzv_endpoint": "HOST:PORT",
+           "rdzv_id": "ID", "node_address": "ADDR",
            "compile_target": "auto|on|off"}
 
 
@@ -240,8 +254,16 @@ def validate(c: TrainConfig) -> None:
     need(c.anchors >= 1, f"--anchors must be >= 1, got {c.anchors}")
     need(c.draft_layers >= 1, f"--draft-layers must be >= 1, got {c.draft_layers}")
     need(c.batch_size >= 1, f"--batch-size must be >= 1, got {c.batch_size}")
-    need(c.batch_size % c.n_devices == 0,
-         f"--batch-size {c.batch_size} does not split over {c.n_devices} workers; use a multiple of {c.n_devices}")
+    need(c.nnodes >= 1, f"--nnodes must be >= 1, got {c.nnodes}")
+    if c.nnodes > 1:
+        need(c.topology == "processes", f"--nnodes {c.nnodes} needs --topology processes (one DDP job over the nodes)")
+        host, _, port = c.rdzv_endpoint.rpartition(":")
+        need(bool(host) and port.isdigit() and 0 < int(port) < 65536,
+             f"--rdzv-endpoint {c.rdzv_endpoint!r}: expected HOST:PORT, the hosting node's training address")
+        need(bool(c.rdzv_id) and bool(c.node_address), "--nnodes > 1 needs --rdzv-id and --node-address")
+    world = c.n_devices * c.nnodes
+    need(c.batch_size % world == 0,
+         f"--batch-size {c.batch_size} does not split over {world} workers; use a multiple of {world}")
     need(c.gamma >= 0, f"--gamma must be >= 0, got {c.gamma}")
     need(c.lr > 0 and 0 <= c.min_lr <= c.lr, f"need 0 <= --min-lr <= --lr and --lr > 0 (got {c.min_lr}, {c.lr})")
     need(0 <= c.warmup < 1, f"--warmup is a fraction of --steps in [0, 1), got {c.warmup}")

@@ -16,7 +16,12 @@ are separate processes; they share only the on-disk Inductor caches).
 
 Logs: rank 0's stdout is the run's log exactly as in threads ([trainer] lines and JSON metrics);
 every other line a rank writes (rank 0's stderr, everything from ranks 1..N-1) is prefixed
-`[rankN]: `. Only rank 0 writes metrics, checkpoints and evaluates.
+`[rankN]: `. Only rank 0 writes metrics and evaluates; rank 0 writes checkpoints, and with several
+nodes the first rank of each other node writes the same checkpoint into its own node's --out.
+
+Several nodes (--nnodes K, one launcher per node, the same --rdzv-endpoint and --rdzv-id, one node
+with --rdzv-host): torchrun's c10d rendezvous joins them into one world of K x N ranks; every node
+writes OUT/node.json (its node rank, its ranks) since the rendezvous decides which node gets rank 0.
 Failures: the rank entry is wrapped in torch's @record, so a rank's exception lands in its error
 file and torchrun names it as the root cause; the launcher prints torchrun's summary and exits with
 the failing rank's status (1 failure, 2 bad input, 128+N for a signal).
@@ -27,6 +32,7 @@ launcher. If the launcher dies, the ranks get SIGTERM too (PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import sys
@@ -75,15 +81,15 @@ def launch(cfg: TrainConfig) -> int:
     nproc = cfg.n_devices
     logs = Path(cfg.out) / "torchelastic"  # torchrun's per-rank error files (@record) land here
     logs.mkdir(parents=True, exist_ok=True)
-    args = ["--standalone", "--nnodes=1", f"--nproc_per_node={nproc}", f"--log_dir={logs}",
+    args = [*rendezvous_argv(cfg), f"--nproc_per_node={nproc}", f"--log_dir={logs}",
             "--module", "trainer", *config_argv(cfg)]
     # The ranks must import this same trainer, wherever the launcher was started from.
     root = str(Path(__file__).resolve().parents[1])
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.cpu_threads or 1))  # else torchrun sets 1 and warns
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S)
-    print(f"[trainer] topology processes: torchrun --standalone --nproc-per-node {nproc} -m trainer "
-          f"(ranks' errors in {logs})", flush=True)
+    print(f"[trainer] topology processes: torchrun {' '.join(rendezvous_argv(cfg))} --nproc-per-node {nproc} "
+          f"-m trainer (ranks' errors in {logs})", flush=True)
 
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -103,6 +109,20 @@ def launch(cfg: TrainConfig) -> int:
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+def rendezvous_argv(cfg: TrainConfig) -> list[str]:
+    """How this node finds the others. One node: --standalone. Several: torchrun's c10d rendezvous at
+    --rdzv-endpoint, hosted by the node given --rdzv-host (said explicitly: torchrun's own guess compares
+    the endpoint with the addresses the hostname resolves to, which in a container is not the training
+    network's). --local-addr is the address the other nodes reach this one at: rank 0's node serves the
+    process group's store there (torchrun would otherwise advertise its FQDN, which other nodes may
+    not resolve). Node ranks follow the sorted --local-addr values, so rank 0 need not be the host."""
+    if cfg.nnodes <= 1:
+        return ["--standalone", "--nnodes=1"]
+    return [f"--nnodes={cfg.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={cfg.rdzv_endpoint}",
+            f"--rdzv-id={cfg.rdzv_id}", f"--rdzv-conf=is_host={'1' if cfg.rdzv_host else '0'}",
+            f"--local-addr={cfg.node_address}", "--max-restarts=0"]
 
 
 def config_argv(cfg: TrainConfig) -> list[str]:
@@ -134,9 +154,12 @@ def rank_main(cfg: TrainConfig) -> int:
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     _prefix_output(rank)
     _die_with_parent()
-    if world != cfg.n_devices:
+    if world != cfg.n_devices * cfg.nnodes:
         raise UsageError(f"torchrun started {world} processes but the settings ask for {cfg.n_devices} "
-                         f"({'--gpus' if cfg.gpus else '--workers'}); use --nproc-per-node {cfg.n_devices}")
+                         f"({'--gpus' if cfg.gpus else '--workers'}) on each of {cfg.nnodes} node(s); "
+                         f"use --nproc-per-node {cfg.n_devices}")
+    if local == 0:
+        _write_node_record(cfg, rank, world)
     stop, restore_signal = train.on_sigterm()
     device = torch.device(f"cuda:{local}") if cfg.gpus else torch.device("cpu")
     if device.type == "cuda":
@@ -158,14 +181,17 @@ def rank_main(cfg: TrainConfig) -> int:
 
 def _rank(cfg: TrainConfig, rank: int, world: int, device: torch.device, stop) -> int:
     writer = rank == 0
-    out, resume_from = train.open_run(cfg, writer=writer)
+    # every node's first rank records the settings in its own --out (with its checkpoints, a node's
+    # folder is then a complete run for `python -m trainer.export`)
+    out, resume_from = train.open_run(cfg, writer=writer or os.environ.get("LOCAL_RANK") == "0")
     log = RunLog(out / "metrics.jsonl") if writer else QuietLog()
     policy = train.resolve_policy(cfg, device)
     log.info(f"torch {torch.__version__} | {world} ranks on {device.type} | topology processes "
              f"({dist.get_backend()}) | compile policy {policy}"
              + (" (auto: from probe.json)" if cfg.compile_policy == "auto" else ""))
     prep = train.prepare(cfg, device, log, out, resume_from, stop, writer=writer,
-                         barrier=lambda: _barrier(device))
+                         barrier=lambda: _barrier(device),
+                         load_checkpoint=lambda path: _checkpoint_everywhere(path, rank, world))
 
     def build() -> Replica:
         return build_replica(rank, device, prep.drafter, prep.target, policy=policy, n_devices=1, lr=cfg.lr,
@@ -180,6 +206,43 @@ def _rank(cfg: TrainConfig, rank: int, world: int, device: torch.device, stop) -
     return train.run_loop(cfg, engine, prep, log, stop)
 
 
+def _write_node_record(cfg: TrainConfig, rank: int, world: int) -> None:
+    """OUT/node.json: which ranks this node runs. With several nodes, only one of them holds rank 0's
+    metrics and checkpoints, and this is how a reader finds it (node ranks come from the rendezvous)."""
+    doc = {"node_rank": int(os.environ.get("GROUP_RANK", "0")), "nnodes": cfg.nnodes, "world": world,
+           "ranks": [rank, rank + cfg.n_devices - 1], "address": cfg.node_address or None,
+           "rank0": rank == 0}
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f"node.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(doc) + "\n")
+    os.replace(tmp, out / "node.json")
+
+
+def _checkpoint_everywhere(path: Path | None, rank: int, world: int) -> checkpoint.Checkpoint | None:
+    """The checkpoint every rank resumes from. Each node's first rank writes the checkpoints into that
+    node's --out; a node may still lack the newest (it was added to the job, or its disk was wiped).
+    Each rank says which step it has; when they differ, the newest checkpoint travels from the lowest
+    rank that has it to all (one broadcast)."""
+    have = int(json.loads((path / "meta.json").read_text())["step"]) if path is not None else -1
+    steps: list = [None] * world
+    dist.all_gather_object(steps, have)
+    newest = max(steps)
+    if newest < 0:
+        return None
+    if all(s == newest for s in steps):
+        ck = checkpoint.load(path)
+        # every rank continues with rank 0's random state, as on one node where all read rank 0's folder
+        box = [ck.rng if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        ck.rng = box[0]
+        return ck
+    src = steps.index(newest)
+    box = [checkpoint.load(path) if rank == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 class RankEngine:
     """This rank's replica in DDP; the same interface as workers.ThreadEngine for train.run_loop."""
 
@@ -189,6 +252,9 @@ class RankEngine:
         compiled step is checked against eager (numerics.guard_first_step), on every rank."""
         self.rank, self.size, self.device, self.log, self.guard = rank, world, device, log, guard
         self.writer = rank == 0
+        # Every node keeps its own copy of the checkpoints (its first rank writes them into its --out):
+        # a node's folder is then complete on its own, for --resume and to compare the nodes' weights.
+        self.saver = self.writer or int(os.environ.get("LOCAL_RANK", "0")) == 0
         t = time.perf_counter()
         self.replica: Replica = build()
         self._built = time.perf_counter() - t

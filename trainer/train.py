@@ -156,9 +156,11 @@ def resolve_policy(cfg: TrainConfig, device: torch.device) -> str:
 
 
 def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from, stop: threading.Event, *,
-            writer: bool = True, barrier=lambda: None) -> Prepared:
+            writer: bool = True, barrier=lambda: None, load_checkpoint=None) -> Prepared:
     """Target on `device`, data, eval prompts, the initial drafter. Ranks other than the writer wait
-    (barrier) for the writer to make the synthetic data and eval prompts, then read them."""
+    (barrier) for the writer to make the synthetic data and eval prompts, then read them (a rank on
+    another node makes the same data itself: same seed, same rows). load_checkpoint(resume_from)
+    gives the checkpoint to resume from (default: that folder's)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = load_target(cfg.target, device=device, dtype=dtype, layers=layer_ids(cfg))
     log.info(f"target {cfg.target}: {target.num_layers} layers, hidden {target.config.hidden_size}, "
@@ -181,7 +183,7 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
     drafter = Drafter(dcfg)
     drafter.init_norm(target.head_weights()[1].cpu())
     n_params = sum(p.numel() for _, p in drafter.trainable_parameters())
-    ck = checkpoint.load(resume_from) if resume_from else None
+    ck = load_checkpoint(resume_from) if load_checkpoint else checkpoint.load(resume_from) if resume_from else None
     if ck is not None and drafter.load_trainable_state_dict(ck.model):
         # A checkpoint from before the drafter trained its own final norm: the norm starts from the
         # target's, and the optimizer gets a fresh state for it (the last trainable parameter).
@@ -198,7 +200,8 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
     """The training loop over an engine (ThreadEngine or RankEngine): the same steps, logs, checkpoints.
 
     Under processes every rank runs this loop; engine.agree/check_replicas/barrier are collectives,
-    called at the same points on every rank; only the writer (rank 0) saves and evaluates.
+    called at the same points on every rank; only the writer (rank 0) logs metrics and evaluates; the
+    savers (rank 0, and the first rank of every other node) write checkpoints.
     """
     out, ck = prep.out, prep.ck
     loader = Loader(len(prep.samples), cfg.seed)
@@ -334,7 +337,7 @@ def _read_samples(path: str, cfg, target):
 
 
 def _save(cfg, log, out, engine, loader, step) -> None:
-    if not engine.writer:
+    if not engine.saver:     # rank 0, and under several nodes the first rank of each node
         return
     t = time.time()
     r0 = engine.primary

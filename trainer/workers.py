@@ -137,6 +137,7 @@ class ThreadEngine:
     """N replicas, one per worker thread, driven step by step from the main thread."""
 
     writer = True  # one process: it logs, checkpoints and evaluates
+    saver = True
     # The gradient sum across replicas: "auto" = one NCCL all-reduce when every replica has its own
     # GPU (step.nccl_usable), else the reduce-scatter + all-gather copies; "copy" / "nccl" force one.
     allreduce = "auto"

@@ -224,6 +224,12 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
         argv += ["--config", config]
     if prev is not None:
         argv += ["--resume"]        # the trainer continues from the last checkpoint in --out
+    nodes = spec.get("nodes")
+    if nodes:                       # one node of a job over several: torchrun's c10d rendezvous
+        argv += ["--nnodes", str(len(nodes["targets"])), "--rdzv-endpoint", nodes["endpoint"],
+                 "--rdzv-id", run, "--node-address", nodes["address"]]
+        if nodes["index"] == 0:
+            argv += ["--rdzv-host"]
     argv += list(spec.get("extra") or [])
     env = dict(os.environ)
     env.update({"HOME": _home(), "PYTHONUNBUFFERED": "1",
@@ -252,6 +258,7 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
         "python_version": platform.python_version(), "hostname": socket.gethostname(),
         "controller": spec.get("controller"), "pid": None,
         "user_env": spec.get("user_env") or {},   # hosts.yaml env: + launch --env, secrets masked
+        "nodes": nodes or None,     # {"targets": [...], "index": i, "endpoint", "address"}: a job over several nodes
     }
     _write_json(os.path.join(rundir, "run.json"), rec)
     started = _spawn_supervisor(rundir, rec, env)

@@ -204,9 +204,52 @@ def _status(workdir, run):
            "pid": rec.get("pid"), "gpus": rec.get("gpus"), "slots": rec.get("slots"),
            "policy": rec.get("probe_policy") or rec.get("compile_policy"),
            "release": rec.get("release"),
-           "log": os.path.join(rundir, LOG), "exit": ex}
+           "log": os.path.join(rundir, LOG), "exit": ex,
+           # a job over several nodes: the nodes, and which ranks this one ran (the trainer's node.json)
+           "nodes": (rec.get("nodes") or {}).get("targets"),
+           "node": _read_json(os.path.join(rundir, "node.json"))}
     try:
         doc["log_bytes"] = os.path.getsize(os.path.join(rundir, LOG))
     except OSError:
         doc["log_bytes"] = 0
     return doc
+
+
+_CAUSE_KEYS = {"rank": "rank", "exitcode": "exitcode", "error_file": "error_file", "traceback": "error"}
+
+
+def _root_cause(log_path):
+    """torchrun's root cause of a failed run, from the last `Root Cause (first observed failure)`
+    block in the log's tail: {"rank", "exitcode", "error_file", "error"}. The error is the exception
+    line of the rank's error file (written by the trainer's @record) when there is one, else
+    torchrun's own words (`Signal 9 (SIGKILL) received by PID N`). None without the block."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - TAIL_SCAN))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    at = text.rfind("Root Cause (first observed failure)")
+    if at < 0:
+        return None
+    cause = {}
+    for line in text[at:].splitlines()[1:12]:
+        key, sep, value = line.strip().partition(":")
+        key = key.strip()
+        if sep and key in _CAUSE_KEYS and _CAUSE_KEYS[key] not in cause:
+            cause[_CAUSE_KEYS[key]] = value.strip()
+    rank = cause.get("rank", "").split(" ")[0]
+    cause["rank"] = int(rank) if rank.isdigit() else None
+    code = cause.get("exitcode", "").split(" ")[0]
+    cause["exitcode"] = int(code) if code.lstrip("-").isdigit() else None
+    path = cause.get("error_file")
+    doc = _read_json(path) if path and path.startswith("/") else None
+    if isinstance(doc, dict):
+        msg = doc.get("message")
+        msg = msg.get("message") if isinstance(msg, dict) else msg
+        if isinstance(msg, str) and msg.strip():
+            cause["error"] = msg.strip().splitlines()[-1] if msg.startswith("Traceback") else msg.strip().splitlines()[0]
+    else:
+        cause["error_file"] = None
+    return cause

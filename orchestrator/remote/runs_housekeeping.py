@@ -37,7 +37,14 @@ def _resume_spec(workdir, spec, refuse):
            "topology": rec.get("topology") or "threads", "policy": rec.get("policy") or "auto",
            "workers": rec.get("workers"), "extra": list(rec.get("extra_args") or []),
            "config_file": (rec.get("config") or {}).get("file"),
-           "name": spec.get("name") or rec.get("name"), "controller": spec.get("controller")}
+           "name": spec.get("name") or rec.get("name"), "controller": spec.get("controller"),
+           "nodes": spec.get("nodes"), "user_env": spec.get("user_env")}
+    was = list((rec.get("nodes") or {}).get("targets") or [])     # a job over several nodes: all of them
+    now = list((spec.get("nodes") or {}).get("targets") or [])
+    if was != now:
+        refuse("not_resumable", "run %s ran on %s; resume it on the same target(s), in the same order"
+               % (rid, ",".join(was) or rec.get("target") or "one target"),
+               targets=was or [rec.get("target")])
     return new, rec
 
 

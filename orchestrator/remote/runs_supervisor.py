@@ -13,7 +13,7 @@ import sys
 import time
 
 from .common import _now_iso, _read_json, _write_json
-from .runs_common import LOG, _proc_start
+from .runs_common import LOG, _proc_start, _root_cause
 from .runs_locks import _release_slots
 
 
@@ -207,6 +207,8 @@ def _finish(rundir, rec, status, log, error):
     else:
         state = "failed"
     ex = _exit_record(rec, state, code, sig, stop is not None, error)
+    if state == "failed" and rec.get("topology") == "processes":
+        ex["root_cause"] = _root_cause(os.path.join(rundir, LOG))   # torchrun's, when it wrote one
     if log is not None:
         pid = rec.get("pid")
         if sig and stop is None and sig not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
