@@ -28,7 +28,7 @@ def tiny():
     return target, drafter
 
 
-def test_default_layers_follow_the_field_notes():
+def test_default_layers_are_evenly_spaced_from_1_to_L_minus_3():
     assert default_layer_ids(36) == (1, 9, 17, 25, 33)  # Qwen3-8B
     assert default_layer_ids(8) == (1, 2, 3, 4, 5)
     assert default_layer_ids(2) == (0, 1)  # too shallow for 1..L-3: every layer
@@ -173,7 +173,7 @@ def test_loss_gradient_reaches_only_trainable_weights(tiny):
     drafter.zero_grad(set_to_none=True)
 
 
-def test_flop_count_matches_the_field_notes_yardstick():
+def test_flop_count_matches_the_dense_yardstick_of_docs_benchmarks():
     cfg = DrafterConfig(hidden_size=4096, vocab_size=151936, mask_token_id=0, num_layers=5, num_heads=32,
                         num_kv_heads=8, head_dim=128, intermediate_size=12288)
     assert flops_per_sample(cfg, 768, 256 * 16) / 1e12 == pytest.approx(45, rel=0.05)
