@@ -258,7 +258,7 @@ def _groups(node, file: str, targets: Mapping[str, Target]) -> dict[str, tuple]:
     for name, (gnode, gline) in _mapping(node, file, "groups").items():
         if name in targets:
             raise InventoryError(file, gline, f"groups.{name}", "a target has this name; give the group another")
-        if not isinstance(gnode, yaml.SequenceNode) or not gnode.value:
+        if yamlnodes.node_kind(gnode) != "list" or not gnode.value:
             raise InventoryError(file, gline, f"groups.{name}", "expected a list of target names")
         members: list[str] = []
         for item in gnode.value:
