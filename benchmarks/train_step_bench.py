@@ -328,6 +328,11 @@ def run(args, emit, res: dict) -> None:
                 res["stopped_early"] = f"--deadline {args.deadline:g} s reached after step {i + 1}"
                 emit(res["stopped_early"])
                 break
+        if args.profile:  # on the CPU the table is empty (CUDA kernels only): the code path still runs
+            res["profile"] = profile_steps(engine, batches, args, sync)
+            emit("profile (CUDA kernel ms per sample, 2 steps of " + args.cases[0] + "): "
+                 + json.dumps(res["profile"]["per_sample_ms"]))
+            _write(args.out, res)
         # Every worker applied the same updates: their weights must be bit-identical (raises if not).
         engine.check_replicas(len(res["steps"]))
         res["replicas_identical"] = True
@@ -335,6 +340,28 @@ def run(args, emit, res: dict) -> None:
     finally:
         engine.close()
     res["ok"] = bool(res.get("timed_steps"))
+
+
+def profile_steps(engine, batches, args, sync) -> dict:
+    """Two more steps of the first case under torch.profiler: CUDA kernel time by category
+    (drafter_bench's table; CUPTI sees every thread's kernels), per sample of the global batch.
+    The target's attention is the `sdpa attention` row (the drafter's is flex)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from drafter_bench import _kernel_table
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for k in range(2):
+            engine.compute(batches[k % len(batches)])
+            engine.update(1e-5, 1.0, k)
+        sync()
+    table = _kernel_table(prof)
+    n = 2 * len(batches[0])
+    table["steps"] = 2
+    table["per_sample_ms"] = {k: round(v / n, 2) for k, v in table["by_category_ms"].items()}
+    return table
 
 
 def _summarise(res: dict) -> None:
@@ -400,6 +427,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=0, help="worker threads, worker i on GPU i mod --gpus; default --gpus")
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first compiles)")
+    ap.add_argument("--profile", action="store_true", help="after timing, profile 2 steps (GPU only): kernel ms by category")
     ap.add_argument("--deadline", type=float, default=1e9, help="stop timing after this many seconds of steps")
     ap.add_argument("--warmup-timeout", type=float, default=900.0, help="seconds a worker may take to build + compile")
     ap.add_argument("--out", default="out/train_step_bench")
