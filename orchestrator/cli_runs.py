@@ -211,8 +211,8 @@ def _print_log(events, as_json: bool):
 
 def _print_job(events, as_json: bool):
     """_print_log for a run on one node; for a job over several, each line led by `[target/rankN]`
-    (`[target]` for the node's launcher and rank 0's own lines, which carry no rank prefix in the
-    log), notes per node, and one summary for the job."""
+    (rank 0 included: with several nodes its lines carry `[rank0]: ` in the log too) or `[target]`
+    (the node's launcher and torchrun), notes per node, and one summary for the job."""
     from .follow import Line, Reconnecting, Resumed
     from .nodes import JobSummary, NodeEvent
 

@@ -14,9 +14,11 @@ threads), so the two topologies compute the same update. CUDA-graph policies are
 each process has its own CUDA Graph Trees state. Compilation is not serialized across ranks (they
 are separate processes; they share only the on-disk Inductor caches).
 
-Logs: rank 0's stdout is the run's log exactly as in threads ([trainer] lines and JSON metrics);
-every other line a rank writes (rank 0's stderr, everything from ranks 1..N-1) is prefixed
-`[rankN]: `. Only rank 0 writes metrics and evaluates; rank 0 writes checkpoints, and with several
+Logs: on one node rank 0's stdout is the run's log exactly as in threads ([trainer] lines and JSON
+metrics); every other line a rank writes (rank 0's stderr, everything from ranks 1..N-1) is
+prefixed `[rankN]: `. With several nodes rank 0's stdout is prefixed too (`[rank0]: `): the
+node's launcher and torchrun write unprefixed lines into the same log, and `logs` labels each
+line with its node and rank. Only rank 0 writes metrics and evaluates; rank 0 writes checkpoints, and with several
 nodes the first rank of each other node writes the same checkpoint into its own node's --out.
 
 Several nodes (--nnodes K, one launcher per node, the same --rdzv-endpoint and --rdzv-id, one node
@@ -152,7 +154,7 @@ def child_exit_code(codes: list[int], first: int) -> int:
 @record
 def rank_main(cfg: TrainConfig) -> int:
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    _prefix_output(rank)
+    _prefix_output(rank, several_nodes=cfg.nnodes > 1)
     _die_with_parent()
     if world != cfg.n_devices * cfg.nnodes:
         raise UsageError(f"torchrun started {world} processes but the settings ask for {cfg.n_devices} "
@@ -412,9 +414,10 @@ class _LinePrefixer(io.TextIOBase):
         return True
 
 
-def _prefix_output(rank: int) -> None:
-    """Rank 0's stdout stays the run's log (unprefixed, as in threads); every other stream is `[rankN]: `."""
-    sys.stdout = _LinePrefixer(sys.stdout, "" if rank == 0 else f"[rank{rank}]: ")
+def _prefix_output(rank: int, several_nodes: bool = False) -> None:
+    """Rank 0's stdout stays the run's log (unprefixed, as in threads) on one node; every other
+    stream, and with several nodes rank 0's stdout too, is `[rankN]: `."""
+    sys.stdout = _LinePrefixer(sys.stdout, "" if rank == 0 and not several_nodes else f"[rank{rank}]: ")
     sys.stderr = _LinePrefixer(sys.stderr, f"[rank{rank}]: ")
 
 

@@ -122,6 +122,15 @@ def _state(rundir, rec=None):
     return ("stopped" if stopped else "failed"), post
 
 
+# A rank's line under torchrun: `[rankN]: text` (with several nodes also rank 0's metrics).
+_RANK_PREFIX = re.compile(rb"^\[rank\d+\]: ")
+
+
+def _json_line(raw):
+    """The line without surrounding space and without a `[rankN]: ` prefix."""
+    return _RANK_PREFIX.sub(b"", raw.strip(), count=1)
+
+
 def _last_event(log_path):
     """The `event` of the last JSON line in the log's tail that has one ("done", "stopped", ...)."""
     try:
@@ -133,7 +142,7 @@ def _last_event(log_path):
     except OSError:
         return None
     for raw in reversed(lines):
-        raw = raw.strip()
+        raw = _json_line(raw)
         if raw.startswith(b"{") and raw.endswith(b"}") and b'"event"' in raw:
             try:
                 doc = json.loads(raw.decode("utf-8", "replace"))
@@ -178,7 +187,7 @@ def _last_metrics(log_path):
 
 
 def _metric(raw):
-    raw = raw.strip()
+    raw = _json_line(raw)
     if not raw.startswith(b"{") or not raw.endswith(b"}"):
         return None
     try:
