@@ -296,7 +296,7 @@ def test_status_and_list(run, fakepct):
 
 # ---- make_inventory ----------------------------------------------------------------------------
 
-def test_make_inventory_writes_the_contract_format(make_inventory, sshd, fakepct):
+def test_make_inventory_writes_the_documented_format(make_inventory, sshd, fakepct):
     yaml = pytest.importorskip("yaml")
     path = make_inventory(
         {"ct200": {"host": "node", "vmid": 200, "python": "/usr/bin/python3",

@@ -177,7 +177,7 @@ def probe_run(tmp_path_factory):
     return SimpleNamespace(doc=json.loads(p.stdout), stderr=p.stderr, workdir=workdir)
 
 
-def test_probe_json_matches_the_contract(probe_run):
+def test_probe_json_matches_the_documented_shape(probe_run):
     doc = probe_run.doc
     assert isinstance(doc["torch"]["version"], str) and doc["torch"]["version"] == torch.__version__
     assert "cuda" in doc["torch"] and isinstance(doc["torch"]["gpus"], list)

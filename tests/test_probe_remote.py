@@ -16,7 +16,7 @@ def cli(*args):
                           capture_output=True, text=True, timeout=900, cwd=REPO)
 
 
-def test_probe_through_ssh_and_pct_matches_the_contract(sshd, fakepct, make_inventory):
+def test_probe_through_ssh_and_pct_matches_the_documented_shape(sshd, fakepct, make_inventory):
     fakepct.create(200)
     inv = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable,
                                     "workdir": WORKDIR, "gpus": 0, "expect": {"torch": ">=99"}}})

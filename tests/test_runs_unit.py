@@ -42,7 +42,7 @@ def test_target_and_run_arguments():
         runs.split_target_run(INV, ["ct2001"])
 
 
-def test_exit_codes_of_the_contract():
+def test_exit_codes_as_documented():
     assert [runs.exit_code_for(s) for s in ("succeeded", "failed", "running", "stopped")] == \
         [0, 100, 101, 103]
 

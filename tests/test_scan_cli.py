@@ -1,4 +1,4 @@
-"""`dflash-ops scan`: contract exit codes and JSON shape, on real captures."""
+"""`dflash-ops scan`: documented exit codes and JSON shape, on real captures."""
 import json
 import subprocess
 import sys

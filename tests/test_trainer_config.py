@@ -58,7 +58,7 @@ def test_config_and_package_do_not_import_torch():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
-def test_help_lists_the_contract_flags():
+def test_help_lists_the_documented_flags():
     p = subprocess.run([sys.executable, "-m", "trainer", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0
     for flag in ("--target", "--data", "--steps", "--seed", "--out", "--resume", "--gpus", "--workers",

@@ -144,7 +144,7 @@ def test_dropped_connection_is_redialled_by_the_session(ct, sshd):
     assert session.connections == 2
 
 
-def test_local_transport_same_contract(tmp_path):
+def test_local_transport_behaves_like_ssh(tmp_path):
     t = LocalTransport()
     blob = bytes(range(256)) * 10
     assert t.run(["cat"], stdin=blob).stdout == blob

@@ -13,7 +13,7 @@ same two per chunk (forward and d input) that autograd would run.
     loss_sum, correct, count = block_loss(hidden, drafter.norm, drafter.lm_head.weight,
                                           labels, weights, block_size)
 
-Same contract, arithmetic and dtypes as masks.block_loss(drafter.logits(hidden), ...):
+Same interface, arithmetic and dtypes as masks.block_loss(drafter.logits(hidden), ...):
 tests/test_trainer_kernels.py checks value and gradient against it.
 """
 from __future__ import annotations
