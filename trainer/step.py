@@ -274,13 +274,12 @@ def apply_update(r: Replica, lr: float, grad_clip: float, step: int) -> float:
         finally:
             r.optimizer.grad_scale = r.optimizer.found_inf = None
         norm = float(total)
-        if not math.isfinite(norm):
-            raise TrainerError(f"gradient norm is {norm} at step {step}: the loss diverged (try a lower --lr)")
     else:
         norm = float(torch.nn.utils.clip_grad_norm_(r.params, grad_clip))
-        if not math.isfinite(norm):
-            raise TrainerError(f"gradient norm is {norm} at step {step}: the loss diverged (try a lower --lr)")
-        r.optimizer.step()
+        if math.isfinite(norm):
+            r.optimizer.step()
+    if not math.isfinite(norm):
+        raise TrainerError(f"gradient norm is {norm} at step {step}: the loss diverged (try a lower --lr)")
     _test_diverge(r.index, step + 1, r)
     return norm
 
