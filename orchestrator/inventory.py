@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from . import sshconfig, yamlnodes
+from .envvars import NAME_RE
 from .errors import InventoryError, UsageError
 # The line-tracking YAML helpers (yamlnodes.py), under the names this module has always used.
 from .yamlnodes import child as _child, did_you_mean as _did_you_mean, line_of as _line_of
@@ -180,7 +181,6 @@ def load(explicit: str | None = None, ssh_config: str | None = None) -> Inventor
 _TOP_KEYS = {"default": str, "hosts": dict, "targets": dict, "ssh_config": str, "groups": dict}
 HOSTNAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*$")
 _INTERNAL = {"name", "identities"}      # dataclass fields that are not hosts.yaml keys
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def parse(text: str, file: str = "hosts.yaml", ssh_config: str | None = None) -> Inventory:
@@ -334,7 +334,7 @@ def _build(cls, name: str, node, line: int, file: str, where: str):
     for key, (_, eline) in _mapping(node, file, where).items():
         if key == "env":
             for k, (_, kline) in _mapping(_child(node, "env"), file, f"{where}.env").items():
-                if not ENV_NAME_RE.match(k):
+                if not NAME_RE.match(k):
                     raise InventoryError(file, kline, f"{where}.env.{k}",
                                          "not a variable name (letters, digits and _, not first a digit)")
     for key in ("identity_file", "known_hosts"):

@@ -93,7 +93,7 @@ def check_options(book: pb.Playbook, targets: list[Target], given: Mapping[str, 
                 except tpl.Missing:
                     continue
                 except (ValueError, OpsError) as e:
-                    raise FileError(book.path, step.lines[opt], f"steps[{i}].{step.action}.{opt}",
+                    raise FileError(book.path, step.lines[opt], step.where(i, opt),
                                     f"{e} (on {target.name})") from None
 
 

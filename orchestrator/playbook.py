@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from . import yamlnodes as yn
+from .envvars import NAME_RE
 from .errors import FileError, UsageError
 from .templating import ASSERT_TESTS, _templated, convert, expressions, parse_expr
 
@@ -63,8 +64,7 @@ class Step:
     lines: Mapping[str, int] = field(default_factory=dict)   # option -> its line
 
     def where(self, index: int, option: str | None = None) -> str:
-        base = f"steps[{index}].{self.action}" if option else f"steps[{index}]"
-        return f"{base}.{option}" if option else base
+        return f"steps[{index}].{self.action}.{option}" if option else f"steps[{index}]"
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def parse(text: str, file: str, given: Mapping[str, str] | None = None) -> Playb
     var_lines: dict[str, int] = {}
     if "vars" in top and not _is_null(top["vars"][0]):
         for name, (vnode, vline) in yn.mapping(top["vars"][0], file, "vars").items():
-            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name) or name == "steps":
+            if not NAME_RE.match(name) or name == "steps":
                 raise FileError(file, vline, f"vars.{name}", "not a variable name (letters, digits and _)")
             if name in BUILTINS:
                 raise FileError(file, vline, f"vars.{name}", "is set by dflash-ops; choose another name")
