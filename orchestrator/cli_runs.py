@@ -368,13 +368,13 @@ def stop(state: State, args, force, timeout, as_json):
     target, run = runs.split_target_run(state.inv, args)
     done = nodes.stop(state.inv, target, run, force=force, timeout=timeout)
     if len(done) > 1:
-        docs = {name: doc for name, doc in done}
-        lines = [_stop_line(name, doc) for name, doc in done]
-        emit(as_json, {"run": done[0][1]["run"], "targets": list(docs), "nodes": docs}, "\n".join(lines))
+        rid = done[0][1]["run"]
+        emit(as_json, {"run": rid, "targets": [name for name, _ in done], "nodes": dict(done)},
+             "\n".join(_stop_line(name, doc) for name, doc in done))
         late = [name for name, doc in done if doc.get("timed_out")]
         if late:
-            raise OpsError(f"run {done[0][1]['run']} still running {timeout:g} s after the signal on "
-                           f"{', '.join(late)}; kill it with `dflash-ops stop {late[0]} {done[0][1]['run']} --force`")
+            raise OpsError(f"run {rid} still running {timeout:g} s after the signal on "
+                           f"{', '.join(late)}; kill it with `dflash-ops stop {late[0]} {rid} --force`")
         return
     doc = done[0][1]
     if doc.get("already"):
