@@ -1,11 +1,14 @@
-"""The clip folded into the fused AdamW (trainer.step.apply_update: grad_scale / found_inf) against
-clip_grad_norm_ + a plain fused step, on identical inputs on a GPU (the CPU test is
-tests/test_update.py). 20 steps, alternating gradients far above and far below the clip.
+"""The trainer's two GPU updates against clip_grad_norm_ + a plain fused AdamW step, on identical
+inputs on a GPU (the CPU test is tests/test_update.py): the clip folded into the fused AdamW
+(trainer.step.apply_update: grad_scale / found_inf, the eager policy's update) and clip + AdamW
+compiled as one function (trainer.adamw.CompiledUpdate, the compiled policies'). 20 steps,
+alternating gradients far above and far below the clip.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/adamw_fold_check.py
 
-Prints the largest relative difference of any weight tensor over the steps (2.4e-8 on an H200,
-docs/benchmarks.md); a skipped, unclipped or doubly clipped update differs by ~1e-3 or more.
+Prints, per update, the largest relative difference of any weight tensor over the steps (folded:
+2.4e-8 on an H200, docs/benchmarks.md); a skipped, unclipped or doubly clipped update differs by
+~1e-3 or more.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from trainer.adamw import CompiledUpdate  # noqa: E402
 from trainer.step import apply_update  # noqa: E402
 
 SHAPES = [(4096, 4096), (12288, 4096), (4096,), (151, 4096)]
@@ -30,22 +34,30 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("adamw_fold_check: needs a GPU (the fused AdamW under test is the CUDA one)", file=sys.stderr)
         return 2
-    a, b = params(), params()
-    folded = SimpleNamespace(params=a, index=0, optimizer=torch.optim.AdamW(
-        a, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=True))
-    plain = torch.optim.AdamW(b, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
-    worst = 0.0
+    def adamw(ps):
+        return torch.optim.AdamW(ps, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
+
+    a, c, b = params(), params(), params()
+    folded = SimpleNamespace(params=a, index=0, optimizer=adamw(a), update=None)
+    opt_c = adamw(c)
+    compiled = SimpleNamespace(params=c, index=0, optimizer=opt_c, update=CompiledUpdate(opt_c, c))
+    plain = adamw(b)
+    worst = {"folded": 0.0, "compiled": 0.0}
     for step in range(20):
         g = torch.Generator(device="cuda").manual_seed(100 + step)
-        for pa, pb in zip(a, b):
+        for pa, pc, pb in zip(a, c, b):
             pa.grad = torch.randn(pa.shape, device="cuda", generator=g) * (10.0 if step % 2 else 0.01)
-            pb.grad = pa.grad.clone()
+            pb.grad, pc.grad = pa.grad.clone(), pa.grad.clone()
         na = apply_update(folded, 6e-4, 1.0, step)
+        nc = apply_update(compiled, 6e-4, 1.0, step)
         nb = float(torch.nn.utils.clip_grad_norm_(b, 1.0))
         plain.step()
-        rel = max(float((pa - pb).norm() / pb.norm()) for pa, pb in zip(a, b))
-        worst = max(worst, rel)
-        print(f"step {step}: norm {na:.6g} vs {nb:.6g}, max rel weight diff {rel:.3g}")
+        line = []
+        for name, ps, n in (("folded", a, na), ("compiled", c, nc)):
+            rel = max(float((p - pb).norm() / pb.norm()) for p, pb in zip(ps, b))
+            worst[name] = max(worst[name], rel)
+            line.append(f"{name}: norm {n:.6g} vs {nb:.6g}, max rel weight diff {rel:.3g}")
+        print(f"step {step}: " + "; ".join(line))
     print("worst", worst)
     return 0
 

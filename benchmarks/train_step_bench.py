@@ -31,13 +31,24 @@ is exact. Peak memory: max_memory_allocated per GPU over the timed steps.
 under torch.inference_mode, then cloned so the drafter's autograd may save it: a lever measured
 here, not used by the trainer), `compiled` (truncated, each decoder layer compiled by inductor:
 `Target.compile_layers`, what the trainer does on a GPU under a compiled policy since
---compile-target). A comma-separated list alternates the modes step by step in one
-process (one compile, interleaved steps: a fair A/B); each mode gets its own medians.
+--compile-target), `compiled-inference` (compiled, under inference_mode, then cloned). A
+comma-separated list alternates the modes step by step in one process (one compile, interleaved
+steps: a fair A/B); each mode gets its own medians. --allreduce (copy, nccl) and --grads (flat:
+FlatGrads buffers; own: each parameter keeps backward's gradient, what the trainer does unless the
+copy-sum needs the buffers) and --update (fused: torch's fused AdamW with the clip folded in;
+compiled: clip + AdamW as one inductor-compiled function, trainer/adamw.py) alternate the same
+way: one case per combination, named MODE[+ALLREDUCE][+GRADS][+UPDATE] where a list has several.
+The step is ThreadEngine.step's: the shards' loss and counts are read after the update is queued,
+so "compute" and "update" split the host's time (compute = queuing forward + backward), not the GPU's.
 
 Before timing, one batch's truncated features are compared with the whole forward's (torch.equal,
 on this machine's transformers): `truncated_equals_full` in the results. With `compiled`, the
 compiled layers' features are compared with eager's and both with the same forward in fp32 (fp64
 on the CPU): `compiled_features` in the results (relative L2 errors).
+
+--profile: after timing, two more steps of the first case under torch.profiler: CUDA kernel ms by
+category. --trace: the same two steps' timeline too, as OUT/trace.json.gz, and where the GPU sat
+idle in them and why (benchmarks/gaps.py: `gaps` in the results).
 
 Writes DIR/results.json (rewritten after every step, so a run cut short keeps what it measured);
 prints progress lines while it runs and a summary at the end.
@@ -56,6 +67,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 # Measured on one H200, torch 2.11, batch 2 x 768 (docs/benchmarks.md): what this benchmark's
 # figures are compared with.
@@ -74,7 +86,9 @@ SHAPES = {
     # the trainer's `tiny` target (8 layers, hidden 64) with its default layers
     "tiny": dict(layers=None, draft_layers=2, batch=2, seq=128, anchors=8, block=16),
 }
-MODES = ("truncated", "full", "inference", "compiled")
+MODES = ("truncated", "full", "inference", "compiled", "compiled-inference")
+GRADS = ("auto", "flat", "own")
+UPDATES = ("auto", "fused", "compiled")
 
 
 def build_target(args, device):
@@ -174,7 +188,6 @@ def compare_compiled(first, ids, targets) -> dict:
         ref = first.features(ids, eager=True)
     finally:
         first.model.to(dtype)
-    first.compiled = False
     return {"compiled_vs_eager": rel_l2(compiled, eager), "eager_vs_reference": rel_l2(eager, ref),
             "compiled_vs_reference": rel_l2(compiled, ref), "reference_dtype": str(high),
             "first_compile_s": round(compile_s, 1)}
@@ -201,7 +214,7 @@ def make_batches(args, vocab: int, pos_weights, n: int = 4):
 def run(args, emit, res: dict) -> None:
     import torch
 
-    from trainer import masks, policies
+    from trainer import adamw, masks, policies
     from trainer.log import RunLog
     from trainer.model import Drafter
     from trainer.step import build_replica
@@ -215,8 +228,9 @@ def run(args, emit, res: dict) -> None:
                else [torch.device("cpu")] * args.workers)
     if not cuda and args.workers > 1:
         policies.share_cpu(args.workers)  # as train.py does for CPU workers
-    res.update({"ok": False, "shape": args.shape, "policy": args.policy, "target_modes": args.cases,
-                "allreduce": args.allreduce,
+    res.update({"ok": False, "shape": args.shape, "policy": args.policy,
+                "target_modes": [c["name"] for c in args.cases], "allreduce": args.allreduce, "grads": args.grads,
+                "update": args.update,
                 "workers": args.workers, "gpus": args.gpus if cuda else 0, "devices": [str(d) for d in devices],
                 "batch_per_worker": sh["batch"], "global_batch": sh["batch"] * args.workers, "seq": sh["seq"],
                 "anchors": sh["anchors"], "block": sh["block"], "torch": torch.__version__,
@@ -256,7 +270,8 @@ def run(args, emit, res: dict) -> None:
 
     def build(i, device):
         return build_replica(i, device, copies[i], targets[device], policy=args.policy, n_devices=len(devices),
-                             lr=1e-5, weight_decay=0.0, pos_weights=pw)
+                             lr=1e-5, weight_decay=0.0, pos_weights=pw,
+                             compile_update=adamw.compile_update("auto", args.policy, device) or "compiled" in args.update)
 
     batches = make_batches(args, dcfg.vocab_size, pw)
     # This machine's transformers, this shape: the truncated forward must give the whole forward's features.
@@ -270,7 +285,7 @@ def run(args, emit, res: dict) -> None:
     emit(f"truncated target features equal the whole forward's: {res['truncated_equals_full']} "
          f"(max abs diff {res['truncated_max_abs_diff']:g})")
     del want, got
-    if "compiled" in args.modes:
+    if any(m.startswith("compiled") for m in args.modes):
         res["compiled_features"] = compare_compiled(first, ids, targets.values())
         emit("compiled target layers, features relative L2: " + ", ".join(
             f"{k} {v:.3g}" for k, v in res["compiled_features"].items() if isinstance(v, float)))
@@ -281,6 +296,19 @@ def run(args, emit, res: dict) -> None:
 
     t0 = time.perf_counter()
     engine = ThreadEngine.start(devices, build, log, args.warmup_timeout, guard=False)
+
+    updates = {r.index: r.update for r in engine.replicas}  # CompiledUpdate or None, as built
+
+    def use(case: dict) -> None:
+        """Set up the next step as `case` says (between steps, while the workers are idle)."""
+        engine.allreduce, engine.grads = case["allreduce"], case["grads"]
+        for r in engine.replicas:
+            r.update = None if case["update"] == "fused" else updates[r.index]
+        for t in targets.values():
+            t.truncate = case["mode"] != "full"
+            t.compiled = case["mode"].startswith("compiled")
+        clock.inference = case["mode"].endswith("inference")
+
     try:
         res["build_s"] = round(time.perf_counter() - t0, 1)
         res["backends"] = engine.primary.loss_module.backends(devices[0])
@@ -290,25 +318,22 @@ def run(args, emit, res: dict) -> None:
         for i in range(args.warmup + args.steps):
             batch = batches[i % len(batches)]
             case = args.cases[i % len(args.cases)]  # warm-up steps cycle too: each case runs once untimed
-            mode, allreduce = case.split("+")[0], (case.split("+") + [args.allreduce[0]])[1]
-            engine.allreduce = allreduce
-            for t in targets.values():
-                t.truncate = mode != "full"
-                t.compiled = mode == "compiled"
-            clock.inference = mode == "inference"
+            use(case)
+            allreduce = case["allreduce"]
             sync()
             if cuda:
                 for d in dict.fromkeys(devices):
                     torch.cuda.reset_peak_memory_stats(d)
             t0 = time.perf_counter()
-            stats = engine.compute(batch)
+            stats = engine.compute(batch, host=False)  # as ThreadEngine.step: read after the update is queued
             t1 = time.perf_counter()
             norm = engine.update(1e-5, 1.0, i)
+            stats = [s.to_host() for s in stats]
             sync()
             t2 = time.perf_counter()
             feats = clock.take()
             B = len(batch)
-            rec = {"step": i, "mode": case, "allreduce": allreduce, "timed": i >= args.warmup, "total_ms": (t2 - t0) * 1e3,
+            rec = {"step": i, "mode": case["name"], "allreduce": allreduce, "grads": case["grads"], "update": case["update"], "timed": i >= args.warmup, "total_ms": (t2 - t0) * 1e3,
                    "compute_ms": (t1 - t0) * 1e3, "update_ms": (t2 - t1) * 1e3, "features_ms": feats,
                    "features_mean_ms": statistics.mean(feats.values()) if feats else 0.0,
                    "loss": sum(s.loss_sum for s in stats) / batch.weight_total, "grad_norm": norm}
@@ -318,7 +343,7 @@ def run(args, emit, res: dict) -> None:
             res["steps"].append(rec)
             if i == 0:
                 res["first_step_s"] = round(rec["total_ms"] / 1e3, 1)
-            emit(f"step {i + 1}/{args.warmup + args.steps} [{mode}]{'' if rec['timed'] else ' (warm-up)'}: "
+            emit(f"step {i + 1}/{args.warmup + args.steps} [{case['name']}]{'' if rec['timed'] else ' (warm-up)'}: "
                  f"{rec['total_ms'] / B:.1f} ms/sample (target {rec['features_mean_ms'] / B:.1f}, "
                  f"drafter {rec['drafter_ms'] / B:.1f}), loss {rec['loss']:.4f}, grad norm {norm:.3f}"
                  + (f", peak {max(rec['peak_gb'].values()):.1f} GB" if cuda else ""))
@@ -328,10 +353,15 @@ def run(args, emit, res: dict) -> None:
                 res["stopped_early"] = f"--deadline {args.deadline:g} s reached after step {i + 1}"
                 emit(res["stopped_early"])
                 break
-        if args.profile:  # on the CPU the table is empty (CUDA kernels only): the code path still runs
+        if args.profile or args.trace:  # on the CPU the tables are empty (CUDA only): the code path still runs
+            use(args.cases[0])
             res["profile"] = profile_steps(engine, batches, args, sync)
-            emit("profile (CUDA kernel ms per sample, 2 steps of " + args.cases[0] + "): "
+            emit("profile (CUDA kernel ms per sample, 2 steps of " + args.cases[0]["name"] + "): "
                  + json.dumps(res["profile"]["per_sample_ms"]))
+            if "gaps" in res["profile"]:
+                from gaps import render
+
+                emit("where the GPU sat idle in those 2 steps:\n" + render(res["profile"]["gaps"]))
             _write(args.out, res)
         # Every worker applied the same updates: their weights must be bit-identical (raises if not).
         engine.check_replicas(len(res["steps"]))
@@ -345,23 +375,47 @@ def run(args, emit, res: dict) -> None:
 def profile_steps(engine, batches, args, sync) -> dict:
     """Two more steps of the first case under torch.profiler: CUDA kernel time by category
     (drafter_bench's table; CUPTI sees every thread's kernels), per sample of the global batch.
-    The target's attention is the `sdpa attention` row (the drafter's is flex)."""
+    The target's attention is the `sdpa attention` row (the drafter's is flex). With --trace, the
+    timeline goes to OUT/trace.json.gz and its idle gaps are attributed (benchmarks/gaps.py)."""
+    import gzip
+    import shutil
+
     from torch.profiler import ProfilerActivity, profile
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from drafter_bench import _kernel_table
+    from gaps import gap_report, load
 
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for k in range(2):
-            engine.compute(batches[k % len(batches)])
-            engine.update(1e-5, 1.0, k)
+            engine.step(batches[k % len(batches)], k, 1e-5, 1.0)
         sync()
     table = _kernel_table(prof)
     n = 2 * len(batches[0])
     table["steps"] = 2
+    table["case"] = args.cases[0]["name"]
     table["per_sample_ms"] = {k: round(v / n, 2) for k, v in table["by_category_ms"].items()}
+    if args.trace:
+        raw = Path(args.out) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
+        table["gaps"] = gap_report(load(str(raw) + ".gz"))
     return table
+
+
+def cases(**dims: list[str]) -> list[dict]:
+    """One case per combination of the dimensions' values, in order; named by the first dimension's
+    value and, joined by "+", each other dimension's that has several (compiled+own+fused, ...)."""
+    import itertools
+
+    keys = list(dims)
+    out = []
+    for values in itertools.product(*dims.values()):
+        parts = [v for k, v in zip(keys, values) if k == keys[0] or len(dims[k]) > 1]
+        out.append(dict(zip(keys, values), name="+".join(parts)))
+    return out
 
 
 def _summarise(res: dict) -> None:
@@ -427,7 +481,13 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=0, help="worker threads, worker i on GPU i mod --gpus; default --gpus")
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first compiles)")
+    ap.add_argument("--grads", default="auto",
+                    help="where gradients live: auto, flat or own (ThreadEngine.grads); several comma-separated alternate")
+    ap.add_argument("--update", default="auto",
+                    help="the optimizer update: auto (as the trainer), fused or compiled; several comma-separated alternate")
     ap.add_argument("--profile", action="store_true", help="after timing, profile 2 steps (GPU only): kernel ms by category")
+    ap.add_argument("--trace", action="store_true",
+                    help="with the profile, keep its timeline (OUT/trace.json.gz) and attribute the GPU's idle gaps")
     ap.add_argument("--deadline", type=float, default=1e9, help="stop timing after this many seconds of steps")
     ap.add_argument("--warmup-timeout", type=float, default=900.0, help="seconds a worker may take to build + compile")
     ap.add_argument("--out", default="out/train_step_bench")
@@ -436,12 +496,15 @@ def main(argv=None) -> int:
     args.shape = "tiny" if args.tiny else "8b"
     args.modes = list(dict.fromkeys(args.target_mode.split(",")))
     args.allreduce = list(dict.fromkeys(args.allreduce.split(",")))
-    bad = [m for m in args.modes if m not in MODES] + [a for a in args.allreduce if a not in ("auto", "copy", "nccl")]
+    args.grads = list(dict.fromkeys(args.grads.split(",")))
+    args.update = list(dict.fromkeys(args.update.split(",")))
+    bad = ([m for m in args.modes if m not in MODES] + [a for a in args.allreduce if a not in ("auto", "copy", "nccl")]
+           + [g for g in args.grads if g not in GRADS] + [u for u in args.update if u not in UPDATES])
     if bad:
-        ap.error(f"--target-mode/--allreduce {bad[0]!r}: choose from {', '.join(MODES)} / auto, copy, nccl")
+        ap.error(f"--target-mode/--allreduce/--grads/--update {bad[0]!r}: choose from {', '.join(MODES)} / "
+                 f"auto, copy, nccl / {', '.join(GRADS)} / {', '.join(UPDATES)}")
     args.workers = args.workers or (1 if args.tiny else args.gpus)
-    # one case per (target mode, all-reduce) pair, named MODE or MODE+ALLREDUCE when several are compared
-    args.cases = [m if len(args.allreduce) == 1 else f"{m}+{a}" for m in args.modes for a in args.allreduce]
+    args.cases = cases(mode=args.modes, allreduce=args.allreduce, grads=args.grads, update=args.update)
     args.warmup = max(len(args.cases), args.warmup)  # the first step compiles; each case runs once untimed
 
     def emit(text: str) -> None:

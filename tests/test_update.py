@@ -1,34 +1,42 @@
-"""apply_update: the clip folded into the fused AdamW (grad_scale / found_inf) against
-clip_grad_norm_ + a plain step, and a non-finite gradient leaving everything untouched.
+"""apply_update: the clip folded into the fused AdamW (grad_scale / found_inf), and the clip +
+AdamW compiled as one function (trainer/adamw.py), each against clip_grad_norm_ + a plain step;
+a non-finite gradient leaving everything untouched.
 
-The fused AdamW is what the trainer uses on CUDA; torch's CPU build has the same fused kernel
-interface (grad_scale, found_inf), so the folded path runs here on identical inputs."""
+The fused AdamW is what the trainer uses on CUDA under the eager policy; torch's CPU build has the
+same fused kernel interface (grad_scale, found_inf), so the folded path runs here on identical
+inputs. The compiled update (CUDA under a compiled policy) runs here uncompiled (the same
+function) and once compiled by inductor's CPU backend."""
 import copy
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from trainer.adamw import CompiledUpdate
 from trainer.errors import TrainerError
 from trainer.step import apply_update
 
 
-def _replica(fused: bool, seed: int = 0, scale: float = 1.0):
+def _replica(fused, seed: int = 0, scale: float = 1.0):
+    """fused: True (torch's fused AdamW, the clip folded in), False (clip_grad_norm_ + foreach AdamW),
+    "function" (trainer.adamw's update, uncompiled) or "compiled" (the same, compiled by inductor)."""
     g = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(n, generator=g, dtype=torch.float32)) for n in (1000, 37, 4096)]
     for p in params:
         p.grad = torch.randn(p.shape, generator=g) * scale
-    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
-    return SimpleNamespace(params=params, optimizer=opt, index=0)
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=fused is True)
+    update = CompiledUpdate(opt, params, compiled=fused == "compiled") if isinstance(fused, str) else None
+    return SimpleNamespace(params=params, optimizer=opt, index=0, update=update)
 
 
 def _snapshot(r):
     return [p.detach().clone() for p in r.params], copy.deepcopy(r.optimizer.state_dict())
 
 
+@pytest.mark.parametrize("kind", [True, "function"])
 @pytest.mark.parametrize("scale", [0.001, 1.0, 50.0])  # norm below, near and far above the clip
-def test_folded_clip_equals_clip_then_step(scale):
-    folded, plain = _replica(True, scale=scale), _replica(False, scale=scale)
+def test_folded_clip_equals_clip_then_step(scale, kind):
+    folded, plain = _replica(kind, scale=scale), _replica(False, scale=scale)
     assert plain.optimizer.defaults.get("fused") in (None, False)
     for step in range(3):
         n1 = apply_update(folded, 1e-3, 1.0, step)
@@ -43,8 +51,15 @@ def test_folded_clip_equals_clip_then_step(scale):
             b.grad = a.grad.clone()
     # The clip matters: Adam's first step ignores the gradient's scale, so take a clipped step,
     # then a small one; without the clip the first step's huge second moment damps the second.
+    # The optimizer's state is torch's own (checkpoints and resume see no difference).
+    sa, sb = folded.optimizer.state_dict(), plain.optimizer.state_dict()
+    for k, v in sb["state"].items():
+        assert float(sa["state"][k]["step"]) == float(v["step"]) == 3.0
+        for name in ("exp_avg", "exp_avg_sq"):
+            a = sa["state"][k][name]
+            assert float((a - v[name]).norm() / v[name].norm()) < 1e-5, (k, name)
     if scale > 1:
-        fresh, unclipped = _replica(True, scale=scale), _replica(False, scale=scale)
+        fresh, unclipped = _replica(kind, scale=scale), _replica(False, scale=scale)
         apply_update(fresh, 1e-3, 1.0, 0)
         unclipped.optimizer.step()
         for a, b in zip(fresh.params, unclipped.params):
@@ -55,7 +70,20 @@ def test_folded_clip_equals_clip_then_step(scale):
         assert not torch.allclose(fresh.params[0], unclipped.params[0], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("fused", [True, False])
+def test_the_compiled_update_equals_clip_then_step():
+    """The function as the trainer runs it on a GPU: compiled by inductor (here its CPU backend)."""
+    compiled, plain = _replica("compiled", scale=50.0), _replica(False, scale=50.0)
+    for step in range(2):
+        n1 = apply_update(compiled, 1e-3, 1.0, step)
+        n2 = apply_update(plain, 1e-3, 1.0, step)
+        assert n1 == pytest.approx(n2, rel=1e-6)
+        for a, b in zip(compiled.params, plain.params):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (step, (a - b).abs().max())
+            a.grad = torch.randn_like(a) * 0.001
+            b.grad = a.grad.clone()
+
+
+@pytest.mark.parametrize("fused", [True, False, "function"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_gradient_raises_and_changes_nothing(fused, bad):
     r = _replica(fused)

@@ -45,6 +45,7 @@ class TrainConfig:
     cpu_threads: int = 0                 # torch intra-op threads on CPU; 0 = torch's default
     skip_compile_guard: bool = False     # skip the first compiled step's check against eager
     compile_target: str = "auto"         # auto | on | off: the target's layers compiled (auto: on CUDA with a compiled policy)
+    compile_update: str = "auto"         # auto | on | off: clip + AdamW compiled as one function (auto: likewise)
     # several nodes (--topology processes): one DDP job joined by torchrun's c10d rendezvous
     nnodes: int = 1                      # nodes in the job; each runs this command with its own --node-address
     rdzv_endpoint: str = ""              # HOST:PORT where the nodes meet (the hosting node's training address)
@@ -121,6 +122,9 @@ HELP = {
                           "forward/backward on the same weights and batch (on by default for every policy but eager)",
     "compile_target": "auto | on | off: run the frozen target's decoder layers compiled by inductor (no CUDA "
                       "graphs); auto = on a GPU whenever --compile-policy is not eager",
+    "compile_update": "auto | on | off: run the gradient clip and the AdamW update as one function compiled by "
+                      "inductor (same math and optimizer state as torch's AdamW); auto = on a GPU whenever "
+                      "--compile-policy is not eager",
     "draft_layers": "drafter layers",
     "block_size": "tokens per block: the anchor plus block_size-1 predicted tokens",
     "anchors": "anchors (blocks) per sequence per step, at most",
@@ -156,7 +160,7 @@ HELP = {
 METAVAR = {"chat_template_kwargs": "JSON", "target": "PATH|tiny", "data": "PATH|synthetic", "out": "DIR", "workdir": "DIR", "target_layers": "I,J,..",
            "topology": "threads|processes", "compile_policy": "NAME|auto", "rdzv_endpoint": "HOST:PORT",
            "rdzv_id": "ID", "node_address": "ADDR",
-           "compile_target": "auto|on|off"}
+           "compile_target": "auto|on|off", "compile_update": "auto|on|off"}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -249,6 +253,8 @@ def validate(c: TrainConfig) -> None:
          f"--compile-policy {c.compile_policy!r}: expected one of {', '.join(POLICY_NAMES)}, auto")
     need(c.compile_target in ("auto", "on", "off"),
          f"--compile-target must be auto, on or off, got {c.compile_target!r}")
+    need(c.compile_update in ("auto", "on", "off"),
+         f"--compile-update must be auto, on or off, got {c.compile_update!r}")
     need(c.block_size >= 2, f"--block-size must be >= 2, got {c.block_size}")
     need(c.seq_len >= c.block_size, f"--seq-len {c.seq_len} is shorter than one block (--block-size {c.block_size})")
     need(c.anchors >= 1, f"--anchors must be >= 1, got {c.anchors}")

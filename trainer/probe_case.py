@@ -149,16 +149,16 @@ class _Case:
         drafter = Drafter(dcfg)
         self.dtype = torch.bfloat16 if cuda else torch.float32
 
-        def build(i: int, device: torch.device, policy_=policy, n_devices=len(devices), wrap=None, flat=True):
+        def build(i: int, device: torch.device, policy_=policy, n_devices=len(devices), wrap=None):
             return build_replica(i, device, copy.deepcopy(drafter), self.target, policy=policy_, n_devices=n_devices,
-                                 lr=LR, weight_decay=0.0, pos_weights=self.pos_weights, wrap=wrap, flat_grads=flat)
+                                 lr=LR, weight_decay=0.0, pos_weights=self.pos_weights, wrap=wrap)
 
         self.ref = build(0, self.device, "eager", 1)
         self.exact = _Exact(self.ref)
         if topology == "processes":
             from trainer.distributed import RankEngine, _ddp
 
-            self.engine = RankEngine(lambda: build(rank, self.device, wrap=lambda m: _ddp(m, self.device), flat=False),
+            self.engine = RankEngine(lambda: build(rank, self.device, wrap=lambda m: _ddp(m, self.device)),
                                      rank, n, self.device, QuietLog(), guard=False)
         else:
             from trainer.workers import ThreadEngine

@@ -4,9 +4,9 @@ Both topologies run the same step on each replica's shard of one global batch:
 
     threads (trainer/workers.py), the coordinator drives three phases over N worker threads:
         compute_grads(replica_i, batch.shard(i, N))       # forward + backward, in worker i
-        nccl_all_reduce(replicas)    # sum grads: one GPU per worker (else, in every worker:
-        reduce_own_chunk(replicas, i); gather_chunks(replicas, i)   #  reduce-scatter + all-gather)
-        apply_update(replica_i, lr, clip)                  # the same update everywhere
+        nccl_all_reduce(replicas)    # sum grads: one GPU per worker (else, in every worker, over
+        reduce_own_chunk(replicas, i); gather_chunks(replicas, i)   #  FlatGrads: reduce-scatter +
+        apply_update(replica_i, lr, clip)                  #  all-gather); the same update everywhere
     processes (trainer/distributed.py), one replica per rank, DDP sums grads during backward:
         compute_grads(replica, batch.shard(rank, N)); apply_update(replica, lr, clip)
 
@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from trainer import policies
+from trainer.adamw import CompiledUpdate
 from trainer.data import Batch
 from trainer.draft_loss import DraftLoss
 from trainer.errors import TrainerError
@@ -45,8 +46,11 @@ class FlatGrads:
     """A replica's gradients in one flat buffer per dtype; every `param.grad` is a view into it.
 
     Backward accumulates into an existing `.grad` in place, so after `zero()` + backward the
-    gradients already sit in the flat buffers: the cross-replica sum is a few large copies and adds
-    (O(params) bytes, a handful of kernels) instead of one small op per parameter.
+    gradients already sit in the flat buffers: the copy-based cross-replica sum is a few large
+    copies and adds (O(params) bytes, a handful of kernels) instead of one small op per parameter.
+    They cost two passes a step that own gradients do not (zeroing the buffers, and backward's
+    in-place add instead of handing over its fresh gradient: 16 bytes per fp32 parameter, 1.9
+    ms/sample for the 1 B drafter on an H200), so only that sum uses them (ThreadEngine.grads).
     """
 
     def __init__(self, params: list[nn.Parameter]):
@@ -95,8 +99,10 @@ class Replica:
     params: list[nn.Parameter]     # trainable, in name order: the same order on every replica
     names: list[str]
     policy: str
-    grads: FlatGrads | None = None  # threads: flat gradient buffers; processes: DDP owns grads
+    grads: FlatGrads | None = None  # flat gradient buffers for the threaded copy-sum; else each
+                                    # parameter owns the gradient backward hands it (DDP's, processes)
     scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # receive buffers for the reduce
+    update: CompiledUpdate | None = None  # the clip + AdamW compiled over `optimizer`'s state (adamw.py)
 
     @property
     def compiled(self) -> bool:
@@ -112,22 +118,31 @@ class Replica:
 
 @dataclass
 class ShardStats:
-    loss_sum: float                # sum of w * CE over the shard
+    loss_sum: float                # sum of w * CE over the shard (a 0-d device tensor until to_host)
     correct: torch.Tensor          # (Bs,) right predictions per block position
     count: torch.Tensor            # (Bs,) loss-bearing tokens per block position
     samples: int
     tokens: int
 
+    def to_host(self) -> "ShardStats":
+        """The values on the host (a float, CPU tensors): waits for the device when they are not."""
+        if isinstance(self.loss_sum, float):
+            return self
+        return ShardStats(float(self.loss_sum), self.correct.cpu(), self.count.cpu(), self.samples, self.tokens)
+
 
 def build_replica(index: int, device: torch.device, drafter: Drafter, target: Target, *, policy: str,
                   n_devices: int, lr: float, weight_decay: float, pos_weights: torch.Tensor,
                   optimizer_state: dict | None = None, wrap: Callable[[nn.Module], nn.Module] | None = None,
-                  flat_grads: bool = True, compile_target: bool = False) -> Replica:
+                  flat_grads: bool = False, compile_target: bool = False, compile_update: bool = False) -> Replica:
     """Run IN the worker thread (or rank): per-thread compile config, device, target head, optimizer, compile.
 
     `drafter` holds the initial (or resumed) trainable weights on the CPU; it is moved, not copied.
     `wrap` wraps the loss module before compilation (DDP for --topology processes).
+    `flat_grads`: gradients in FlatGrads buffers from the start (ThreadEngine attaches them when
+    its sum needs them).
     `compile_target`: the target's decoder layers run compiled (Target.compile_layers).
+    `compile_update`: clip + AdamW run as one compiled function over the optimizer's state (adamw.py).
     """
     policies.configure_thread(n_devices)  # thread-local from torch 2.12 (pytorch#186537)
     if device.type == "cuda":
@@ -149,20 +164,26 @@ def build_replica(index: int, device: torch.device, drafter: Drafter, target: Ta
     unit = DraftLoss(drafter, pos_weights).to(device)
     module = wrap(unit) if wrap is not None else unit
     loss_fn = policies.compile_module(module, policy, n_devices=n_devices)
-    return Replica(index, device, target, drafter, loss_fn, unit, opt, params, [n for n, _ in named], policy, grads)
+    update = CompiledUpdate(opt, params) if compile_update else None
+    return Replica(index, device, target, drafter, loss_fn, unit, opt, params, [n for n, _ in named], policy, grads,
+                   update=update)
 
 
-def compute_grads(r: Replica, shard: Batch) -> ShardStats:
-    """Forward + backward of one shard; leaves grads of the global-batch loss in r.params."""
+def compute_grads(r: Replica, shard: Batch, host: bool = True) -> ShardStats:
+    """Forward + backward of one shard; leaves grads of the global-batch loss in r.params.
+
+    host=False: the stats stay device tensors (ShardStats.to_host reads them), so the host does not
+    wait for the backward to finish before it queues the update."""
     policies.step_begin(r.policy)
-    return _forward_backward(r, r.loss_fn, shard)
+    stats = _forward_backward(r, r.loss_fn, shard)
+    return stats.to_host() if host else stats
 
 
 def eager_grads(r: Replica, shard: Batch) -> float:
     """The same step through the uncompiled, unwrapped DraftLoss on the eager target's features (no
     DDP sync): this shard's own gradient of the global-batch loss in r.params; returns the shard's
     loss sum. For checks."""
-    return _forward_backward(r, r.loss_module, shard, eager=True).loss_sum
+    return float(_forward_backward(r, r.loss_module, shard, eager=True).loss_sum)
 
 
 def _forward_backward(r: Replica, fn: Callable, shard: Batch, eager: bool = False) -> ShardStats:
@@ -177,8 +198,11 @@ def _forward_backward(r: Replica, fn: Callable, shard: Batch, eager: bool = Fals
     (loss_sum / max(shard.weight_total, 1e-12)).backward()
     if r.grads is not None:
         r.grads.collect()
-    return ShardStats(float(loss_sum.detach()), correct.detach().cpu(), count.detach().cpu(),
-                      len(shard), shard.tokens)
+    else:  # as FlatGrads.collect: a parameter the loss did not reach gets zeros, so the update is the same
+        for p in r.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    return ShardStats(loss_sum.detach(), correct.detach(), count.detach(), len(shard), shard.tokens)
 
 
 @torch.no_grad()
@@ -221,27 +245,32 @@ def reduce_own_chunk(replicas: list[Replica], i: int) -> None:
 
 def nccl_usable(replicas: list[Replica]) -> bool:
     """One replica per GPU, each on its own device, and this torch has NCCL: the gradient sum can be
-    one single-process NCCL all-reduce over the flat buffers instead of the copies below."""
+    single-process NCCL all-reduces instead of the copies below."""
     devices = [r.device for r in replicas]
     if len(devices) < 2 or any(d.type != "cuda" for d in devices) or len(set(devices)) != len(devices):
         return False
     try:
         import torch.cuda.nccl as nccl
 
-        return all(r.grads is not None for r in replicas) and nccl.is_available([r.grads.buffers[0] for r in replicas])
+        return nccl.is_available([r.params[0] for r in replicas])
     except (ImportError, RuntimeError):
         return False
 
 
 def nccl_all_reduce(replicas: list[Replica]) -> None:
-    """Sum every replica's flat gradient buffers in place, one NCCL all-reduce per buffer, called
-    from ONE thread for all devices (torch.cuda.nccl: a single-process communicator over the
-    GPUs, NVLink where there is one). Queued on each device's current stream, after the backward
-    the workers queued there; every replica ends with the same bits (checked by check_replicas)."""
+    """Sum every replica's gradients in place, called from ONE thread for all devices
+    (torch.cuda.nccl: a single-process communicator over the GPUs, NVLink where there is one):
+    one all-reduce per flat buffer when the replicas have FlatGrads, else one per parameter. Queued
+    on each device's current stream, after the backward the workers queued there; every replica
+    ends with the same bits (checked by check_replicas)."""
     import torch.cuda.nccl as nccl
 
-    for b in range(len(replicas[0].grads.buffers)):
-        nccl.all_reduce([r.grads.buffers[b] for r in replicas])
+    if all(r.grads is not None for r in replicas):
+        for b in range(len(replicas[0].grads.buffers)):
+            nccl.all_reduce([r.grads.buffers[b] for r in replicas])
+        return
+    for k in range(len(replicas[0].params)):
+        nccl.all_reduce([r.params[k].grad for r in replicas])
 
 
 def gather_chunks(replicas: list[Replica], i: int) -> None:
@@ -256,7 +285,8 @@ def apply_update(r: Replica, lr: float, grad_clip: float, step: int) -> float:
     """Clip to the global norm and step the optimizer; returns the pre-clip gradient norm.
 
     A non-finite norm raises TrainerError and leaves the weights and optimizer state untouched.
-    With the fused AdamW (CUDA) the clip is folded into the optimizer's kernel: it divides every
+    With a CompiledUpdate (a GPU under a compiled policy) clip and AdamW are one compiled function
+    (trainer/adamw.py). Else, with the fused AdamW (CUDA), the clip is folded into the optimizer's kernel: it divides every
     gradient by `grad_scale` = 1 / clip_grad_norm_'s coefficient as it reads it, and skips the
     whole update on the device when `found_inf` is set, so the gradients are not rewritten in a
     separate pass (8 bytes per parameter: 8.4 GB a step for a 1B drafter) and the host waits for
@@ -264,7 +294,9 @@ def apply_update(r: Replica, lr: float, grad_clip: float, step: int) -> float:
     """
     for g in r.optimizer.param_groups:
         g["lr"] = lr
-    if r.optimizer.defaults.get("fused"):
+    if r.update is not None:
+        norm = float(r.update(lr, grad_clip))
+    elif r.optimizer.defaults.get("fused"):
         total = _total_norm([p.grad for p in r.params if p.grad is not None])
         # clip_grad_norm_'s coefficient is grad_clip / (norm + 1e-6), clamped to at most 1.
         r.optimizer.grad_scale = torch.clamp((total + 1e-6) / grad_clip, min=1.0).float()

@@ -13,8 +13,9 @@ replica's tensors; it submits phases and waits for them.
     --warmup-timeout; each worker's ready time is logged as {"event": "worker_ready", ...}.
     The warm-up IS the first step (its real shard, nothing thrown away), so step 1 computes
     exactly what it would without the handshake.
-  - every step: compute (all workers at once) -> sum grads (reduce-scatter + all-gather over the
-    flat gradient buffers, in the workers) -> the same optimizer update in every worker.
+  - every step: compute (all workers at once) -> sum grads (NCCL all-reduces when each worker has
+    its own GPU; else reduce-scatter + all-gather over flat gradient buffers, in the workers) ->
+    the same optimizer update in every worker.
   - every --checksum-every steps and at the end: the replicas' weights must be bit-identical.
 """
 from __future__ import annotations
@@ -33,8 +34,8 @@ import torch
 from trainer.log import heartbeat
 from trainer.errors import TrainerError
 from trainer.numerics import guard_first_step
-from trainer.step import (Replica, ShardStats, apply_update, compute_grads, gather_chunks, nccl_all_reduce,
-                          nccl_usable, reduce_own_chunk, warmup_test_hook, weight_checksum)
+from trainer.step import (FlatGrads, Replica, ShardStats, apply_update, compute_grads, gather_chunks,
+                          nccl_all_reduce, nccl_usable, reduce_own_chunk, warmup_test_hook, weight_checksum)
 
 
 class WorkerFailed(TrainerError):
@@ -138,9 +139,13 @@ class ThreadEngine:
 
     writer = True  # one process: it logs, checkpoints and evaluates
     saver = True
-    # The gradient sum across replicas: "auto" = one NCCL all-reduce when every replica has its own
+    # The gradient sum across replicas: "auto" = NCCL all-reduces when every replica has its own
     # GPU (step.nccl_usable), else the reduce-scatter + all-gather copies; "copy" / "nccl" force one.
     allreduce = "auto"
+    # Where the gradients live: "auto" = in FlatGrads buffers only when the copy-sum needs them,
+    # else each parameter keeps the gradient backward hands it (two passes a step fewer);
+    # "flat" / "own" force one (benchmarks compare them).
+    grads = "auto"
 
     def __init__(self, workers: list[Worker], log, warmup_timeout: float, guard: bool = True):
         self.workers, self.log, self.timeout, self.guard = workers, log, warmup_timeout, guard
@@ -149,6 +154,7 @@ class ThreadEngine:
         self._warm = False
         self._hung: set[int] = set()
         self._nccl: bool | None = None  # nccl_usable(replicas), decided at the first gradient sum
+        self._flat: dict[int, FlatGrads] = {}  # each replica's FlatGrads, once made
 
     @classmethod
     def start(cls, devices: list[torch.device], build: Callable[[int, torch.device], Replica], log,
@@ -179,33 +185,52 @@ class ThreadEngine:
         return len(self.replicas)
 
     def step(self, batch, step: int, lr: float, grad_clip: float) -> StepOut:
-        stats = self.compute(batch)
+        # The shards' stats are read after the update is queued: the host never waits between the
+        # backward and the update (the update's norm read waits for both).
+        stats = self.compute(batch, host=False)
         norm = self.update(lr, grad_clip, step)
+        stats = [s.to_host() for s in stats]
         return StepOut(sum(s.loss_sum for s in stats), sum(s.correct for s in stats),
                        sum(s.count for s in stats), norm)
 
-    def compute(self, batch) -> list[ShardStats]:
+    def compute(self, batch, host: bool = True) -> list[ShardStats]:
         """Forward + backward of every worker's shard, then the cross-replica sum: afterwards every
-        replica holds the gradient of the global-batch loss (the first call is the warm-up)."""
+        replica holds the gradient of the global-batch loss (the first call is the warm-up).
+        host=False: the stats stay on the devices (ShardStats.to_host), see step()."""
         rs, K = self.replicas, len(self.replicas)
         shards = [batch.shard(i, K) for i in range(K)]
+        copies = self._sum_by_copies()
+        self._place_grads(copies or self.grads == "flat")
         if self._warm:
-            stats = run_all(self.workers, compute_grads, [(r, s) for r, s in zip(rs, shards)])
+            stats = run_all(self.workers, compute_grads, [(r, s, host) for r, s in zip(rs, shards)])
         else:
             stats = [self._warm_up(w, shards[w.index]) for w in self.workers]
             self._warm = True
-        if K > 1:
-            if self.allreduce == "nccl" or (self.allreduce == "auto" and self._nccl_usable()):
-                nccl_all_reduce(rs)
-            else:
-                run_all(self.workers, reduce_own_chunk, [(rs, i) for i in range(K)])
-                run_all(self.workers, gather_chunks, [(rs, i) for i in range(K)])
+        if copies:
+            run_all(self.workers, reduce_own_chunk, [(rs, i) for i in range(K)])
+            run_all(self.workers, gather_chunks, [(rs, i) for i in range(K)])
+        elif K > 1:
+            nccl_all_reduce(rs)
         return stats
 
-    def _nccl_usable(self) -> bool:
+    def _sum_by_copies(self) -> bool:
+        """True when this step's gradient sum is the copy-based one (else NCCL, or none with one replica)."""
+        if len(self.replicas) == 1:
+            return False
         if self._nccl is None:
             self._nccl = nccl_usable(self.replicas)
-        return self._nccl
+        if self.allreduce == "nccl" and not self._nccl:
+            raise TrainerError("allreduce = nccl, but the replicas are not one per GPU with NCCL (step.nccl_usable)")
+        return self.allreduce == "copy" or not self._nccl
+
+    def _place_grads(self, flat: bool) -> None:
+        """Give every replica FlatGrads (made once, kept) or let each parameter own its gradient."""
+        for r in self.replicas:
+            if not flat:
+                r.grads = None
+            elif r.grads is None:
+                r.grads = self._flat.get(r.index) or FlatGrads(r.params)
+                self._flat[r.index] = r.grads
 
     def update(self, lr: float, grad_clip: float, step: int) -> float:
         """The same optimizer update in every worker; returns the pre-clip gradient norm."""

@@ -1,0 +1,78 @@
+"""Where a replica's gradients live (ThreadEngine.grads): FlatGrads buffers or each parameter's own.
+
+Own gradients save two passes a step (zeroing the flat buffers, and backward's in-place add into
+them); they must give exactly the update the flat buffers give. One worker: bit-identical weights
+after several steps either way, and different from the start (a frozen model would pass the
+equality alone). Two CPU workers share the CPU, so their sum is the copy-based one, which needs
+the flat buffers: the engine gives them whatever `grads` says."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from trainer import masks
+from trainer.data import Sample, make_batch
+from trainer.log import RunLog
+from trainer.model import Drafter
+from trainer.step import FlatGrads, build_replica
+from trainer.target import load_target
+from trainer.workers import ThreadEngine
+
+STEPS = 3
+
+
+def _train(grads: str, workers: int = 1):
+    torch.manual_seed(0)
+    target = load_target("tiny", device=torch.device("cpu"), dtype=torch.float32)
+    dcfg = target.drafter_config(num_layers=2, block_size=16, mask_token_id=None)
+    drafter = Drafter(dcfg)
+    start = [p.detach().clone() for _, p in drafter.trainable_parameters()]
+    copies = [drafter] + [copy.deepcopy(drafter) for _ in range(workers - 1)]
+    pw = masks.position_weights(16, masks.default_gamma(16))
+
+    def build(i, device):
+        return build_replica(i, device, copies[i], target, policy="eager", n_devices=workers, lr=1e-3,
+                             weight_decay=0.1, pos_weights=pw)
+
+    g = torch.Generator().manual_seed(1)
+    engine = ThreadEngine.start([torch.device("cpu")] * workers, build, RunLog(None), 60.0, guard=False)
+    engine.grads = grads
+    layouts = []
+    try:
+        for step in range(STEPS):
+            ids = torch.randint(0, dcfg.vocab_size - 1, (2 * workers, 64), generator=g).tolist()
+            batch = make_batch([Sample(tuple(r), (1,) * 64) for r in ids], pad_len=64, pad_id=0, step=step, seed=0,
+                               block_size=16, anchors=4, pos_weights=pw)
+            engine.step(batch, step, 1e-3, 1.0)
+            layouts.append([r.grads for r in engine.replicas])
+        engine.check_replicas(STEPS)
+        return start, [p.detach().clone() for p in engine.primary.params], engine.primary, layouts
+    finally:
+        engine.close()
+
+
+def test_own_gradients_give_the_flat_buffers_update_bit_for_bit():
+    start, flat, r_flat, lay_flat = _train("flat")
+    _, own, r_own, lay_own = _train("own")
+    assert all(isinstance(x[0], FlatGrads) for x in lay_flat)
+    assert all(x == [None] for x in lay_own)
+    flat_ptrs = {v.data_ptr() for _, v in r_flat.grads.views}
+    assert all(p.grad.data_ptr() in flat_ptrs for p in r_flat.params)
+    assert all(p.grad._base is None for p in r_own.params)  # backward's own tensors, no views of a buffer
+    assert len(flat) == len(own) and all(torch.equal(a, b) for a, b in zip(flat, own))
+    moved = [float((a - s).abs().max()) for a, s in zip(own, start)]
+    assert min(moved) > 0, "a parameter did not train: the equality above would prove nothing"
+
+
+@pytest.mark.parametrize("grads", ["auto", "own"])
+def test_the_copy_sum_gets_flat_buffers_whatever_grads_says(grads):
+    _, _, _, layouts = _train(grads, workers=2)
+    assert all(all(isinstance(g, FlatGrads) for g in step) for step in layouts)
+
+
+def test_auto_leaves_one_replica_its_own_gradients():
+    _, _, r, layouts = _train("auto")
+    assert all(x == [None] for x in layouts)
+    assert all(p.grad is not None for p in r.params)  # every parameter got a gradient (zeros at the least)
