@@ -291,19 +291,15 @@ class RankEngine:
         """This rank's shard, forward + backward; DDP sums the gradients over the ranks in backward.
         The first call is the warm-up, checked against eager when the guard is on."""
         shard = batch.shard(self.rank, self.size)
-        first = not self._warm
-        if first:
-            warmup_test_hook(self.rank)
-        if first:
-            with heartbeat(self.log, f"compiling rank {self.rank}"):
-                st = compute_grads(self.replica, shard)
-        else:
+        if self._warm:
+            return [compute_grads(self.replica, shard)]
+        warmup_test_hook(self.rank)
+        with heartbeat(self.log, f"compiling rank {self.rank}"):
             st = compute_grads(self.replica, shard)
-        if first:
-            self._warm = True
-            if self.guard and self.replica.compiled:
-                check = guard_first_step(self.replica, shard, st.loss_sum, reduce=dist.all_reduce)
-                log_guard(self.log, f"rank {self.rank}", self.rank, check)
+        self._warm = True
+        if self.guard and self.replica.compiled:
+            check = guard_first_step(self.replica, shard, st.loss_sum, reduce=dist.all_reduce)
+            log_guard(self.log, f"rank {self.rank}", self.rank, check)
         return [st]
 
     def update(self, lr: float, grad_clip: float, step: int) -> float:
