@@ -16,7 +16,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from . import agent
 from .envvars import user_env
@@ -261,9 +261,7 @@ def status(inv: Inventory, names: Sequence[str] = (), *, all_targets: bool = Fal
     read to why."""
     targets = list(inv.targets.values()) if all_targets else inv.select(list(names))
     with agent.session(inv, session) as s:
-        group = agent.fan_out(targets, lambda target: agent.call(
-            s.transport(target), target, agent.RUNS, ["status", target.workdir, "--", *runs],
-            what="read the runs", timeout=60))
+        group = status_docs(s, targets, {t.name: runs for t in targets}, "read the runs")
         rows, errors = [], group.failures
         for name, outcome in group.items():
             doc = outcome.value
@@ -280,15 +278,22 @@ def status(inv: Inventory, names: Sequence[str] = (), *, all_targets: bool = Fal
             for n in r.get("nodes") or []:
                 if n not in asked and n in inv.targets and r["run"] not in more.setdefault(n, []):
                     more[n].append(r["run"])
-        extra = agent.fan_out([inv.targets[n] for n in more], lambda target: agent.call(
-            s.transport(target), target, agent.RUNS, ["status", target.workdir, "--", *more[target.name]],
-            what="read the runs", timeout=60))
+        extra = status_docs(s, [inv.targets[n] for n in more], more, "read the runs")
         for name, outcome in extra.items():
             if outcome.ok:
                 rows.extend({"target": name, **r} for r in outcome.value["runs"])
             else:
                 errors[name] = outcome.error.render()
     return group_rows(rows), errors
+
+
+def status_docs(s: Session, targets: Sequence[Target], runs: Mapping[str, Sequence[str]],
+                what: str) -> agent.GroupResult:
+    """The runs agent's status document of each target about the runs `runs[target name]` names
+    (every run for []), read in parallel: {target: [runs]} -> GroupResult."""
+    return agent.fan_out(targets, lambda t: agent.call(s.transport(t), t, agent.RUNS,
+                                                       ["status", t.workdir, "--", *runs[t.name]],
+                                                       what=what, timeout=60))
 
 
 STATE_ORDER = ("failed", "running", "stopped", "succeeded")
@@ -356,16 +361,23 @@ def metrics(inv: Inventory, target: Target, run: str = "latest", *,
 def _one_run(inv: Inventory, session: Session | None, target: Target, run: str, args: list[str],
              what: str, timeout: float) -> dict:
     """An agent command about one run: its document with "target" added; NotFound without it."""
-    try:
-        with agent.session(inv, session) as s:
-            doc = agent.call(s.transport(target), target, agent.RUNS, args, what=what, timeout=timeout)
-    except agent.Refused as e:
-        if e.reason == "not_found":
-            raise not_found(target, run) from None
-        raise
+    with agent.session(inv, session) as s:
+        doc = call_about_run(s, target, run, args, what, timeout)
     doc["target"] = target.name
     return doc
 
 
+def call_about_run(s: Session, target: Target, run: str, args: list[str], what: str, timeout: float) -> dict:
+    """The runs agent's reply to a command about one run; NotFound (saying where to look) when the
+    agent does not find the run."""
+    try:
+        return agent.call(s.transport(target), target, agent.RUNS, args, what=what, timeout=timeout)
+    except agent.Refused as e:
+        if e.reason == "not_found":
+            raise not_found(target, run) from None
+        raise
+
+
 __all__ = ["launch", "launch_spec", "launch_on", "status", "stop", "metrics", "LaunchResult", "LaunchRefused", "new_run_id",
-           "split_target_run", "resolve_target", "exit_code_for", "job_state", "group_rows", "refusal_message", "not_found"]
+           "split_target_run", "resolve_target", "exit_code_for", "job_state", "group_rows", "refusal_message", "not_found",
+           "status_docs", "call_about_run"]
