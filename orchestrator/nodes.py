@@ -79,10 +79,10 @@ def launch(inv: Inventory, targets: Sequence[Target], *, gpus: int | None = None
     for i, t in enumerate(targets):
         spec = launch_spec(inv, t, gpus=gpus, config=config, topology=topology, policy=policy,
                            workers=workers, extra=extra, name=name, resume=resume, env=env, run=run)
-        spec["nodes"] = {"targets": names, "index": i, "endpoint": endpoint, "address": t.train_address}
+        spec.doc["nodes"] = {"targets": names, "index": i, "endpoint": endpoint, "address": t.train_address}
         specs[t.name] = spec
     with agent.session(inv, session) as s:
-        group = agent.fan_out(targets, lambda t: launch_on(s, t, specs[t.name], env))
+        group = agent.fan_out(targets, lambda t: launch_on(s, t, specs[t.name]))
         if group.failures:
             started = [t for t in targets if group[t.name].ok]
             undo = _undo(s, started, run, fresh=resume is None)

@@ -169,14 +169,24 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
     spec = launch_spec(inv, target, gpus=gpus, config=config, topology=topology, policy=policy,
                        workers=workers, extra=extra, name=name, gpu_ids=gpu_ids, resume=resume, env=env)
     with agent.session(inv, session) as s:
-        return launch_on(s, target, spec, env)
+        return launch_on(s, target, spec)
+
+
+@dataclass
+class LaunchSpec:
+    """What launch_on sends: `doc`, the runs agent's launch spec (JSON on its stdin, recorded in
+    run.json; its `user_env` masked), and `env`, the caller's variables unmasked, which only travel
+    in the launch command (EnvTransport) and are never sent as data or recorded."""
+    doc: dict
+    env: dict[str, str] | None = None
 
 
 def launch_spec(inv: Inventory, target: Target, *, gpus: int | None = None, config: str | None = None,
                 topology: str = "threads", policy: str = "auto", workers: int | None = None,
                 extra: Sequence[str] = (), name: str | None = None, gpu_ids: str | None = None,
-                resume: str | None = None, env: dict[str, str] | None = None, run: str | None = None) -> dict:
-    """The runs agent's launch spec for `target`, every option checked (UsageError, LaunchRefused)."""
+                resume: str | None = None, env: dict[str, str] | None = None, run: str | None = None) -> LaunchSpec:
+    """The runs agent's launch spec for `target` with the caller's variables (LaunchSpec), every option
+    checked (UsageError, LaunchRefused)."""
     if name is not None and not LABEL_RE.match(name):
         raise UsageError(f"--name {name!r}: one line of at most 64 printable characters")
     ids = parse_gpu_ids(gpu_ids, target) if gpu_ids is not None else None
@@ -215,14 +225,15 @@ def launch_spec(inv: Inventory, target: Target, *, gpus: int | None = None, conf
             raise UsageError(f"--config {config}: cannot read: {e.strerror or e}") from None
         spec["config_name"] = path.name
         spec["config_source"] = str(path.resolve())
-    return spec
+    return LaunchSpec(spec, env)
 
 
-def launch_on(s: Session, target: Target, spec: dict, env: dict[str, str] | None = None) -> LaunchResult:
+def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
     """Send one launch spec to the target's runs agent; what it started."""
+    spec = launch.doc
     start = time.monotonic()
     try:
-        doc = agent.call(s.transport(target, env=env), target, agent.RUNS, ["launch", target.workdir],
+        doc = agent.call(s.transport(target, env=launch.env), target, agent.RUNS, ["launch", target.workdir],
                          stdin=json.dumps(spec).encode(), what="launch the trainer", timeout=120)
     except agent.Refused as e:
         if e.reason == "spawn":
@@ -378,6 +389,6 @@ def call_about_run(s: Session, target: Target, run: str, args: list[str], what: 
         raise
 
 
-__all__ = ["launch", "launch_spec", "launch_on", "status", "stop", "metrics", "LaunchResult", "LaunchRefused", "new_run_id",
+__all__ = ["launch", "launch_spec", "launch_on", "LaunchSpec", "status", "stop", "metrics", "LaunchResult", "LaunchRefused", "new_run_id",
            "split_target_run", "resolve_target", "exit_code_for", "job_state", "group_rows", "refusal_message", "not_found",
            "status_docs", "call_about_run"]
