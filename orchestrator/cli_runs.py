@@ -167,71 +167,60 @@ def logs(state: State, args, follow, tail, as_json):
     sys.exit(summary.exit_code)
 
 
-def _print_log(events, as_json: bool):
-    """Write each line to stdout as it arrives; explain each signature once on stderr; print the
-    summary last. Returns the Summary."""
-    from .follow import End, Line, Reconnecting, Resumed
-
-    out = sys.stdout.buffer
-    tty = _isatty(sys.stdout)
-    explained: set[str] = set()
-    with contextlib.closing(events):
-        for ev in events:
-            if isinstance(ev, Line):
-                if not as_json:
-                    data = ev.data
-                    if tty and ev.hits:
-                        body = data.rstrip(b"\r\n")
-                        code = SEVERITY_COLOUR.get(ev.hits[0].severity, b"1")
-                        data = b"\x1b[" + code + b"m" + body + b"\x1b[0m" + data[len(body):]
-                    try:
-                        out.write(data)
-                        out.flush()
-                    except BrokenPipeError:
-                        _reader_gone()
-                for sig in ev.hits:
-                    if sig.id in explained or as_json:
-                        continue
-                    explained.add(sig.id)
-                    _note(f"line {ev.number}: `{sig.id}` ({sig.severity}): {sig.meaning}")
-                    click.echo(f"            what to do: {sig.remedy}", err=True)
-            elif isinstance(ev, Reconnecting):
-                if not as_json:
-                    _note(f"connection lost ({ev.reason}); reconnecting in {ev.delay:g} s "
-                          f"(attempt {ev.attempt}, resuming at byte {max(ev.offset, 0)})")
-            elif isinstance(ev, Resumed):
-                if not as_json:
-                    _note(f"reconnected after {ev.down_s:.2f} s; resuming at byte {ev.offset}")
-            elif isinstance(ev, End):
-                if not as_json:
-                    _note(_summary_line(ev.summary))
-                return ev.summary
-    raise OpsError("the log stream ended without a summary")
-
-
 def _print_job(events, as_json: bool):
-    """_print_log for a run on one node; for a job over several, each line led by `[target/rankN]`
-    (rank 0 included: with several nodes its lines carry `[rank0]: ` in the log too) or `[target]`
-    (the node's launcher and torchrun), notes per node, and one summary for the job."""
-    from .follow import Line, Reconnecting, Resumed
+    """Write each line to stdout as it arrives; explain each signature once (per node) on stderr;
+    print the summary last and return it (a follow.Summary, or a nodes.JobSummary for a job).
+
+    A run on one node: its lines as they are (coloured on a terminal where a signature hit). A job
+    over several: each line led by `[target/rankN]` (rank 0 included: with several nodes its lines
+    carry `[rank0]: ` in the log too) or `[target]` (the node's launcher and torchrun), notes led
+    by the node, and one summary for the job."""
     from .nodes import JobSummary, NodeEvent
 
     first = next(events, None)
-    if not isinstance(first, NodeEvent) and not isinstance(first, JobSummary):
-        return _print_log(_chain(first, events), as_json)
-    out = sys.stdout.buffer
-    explained: set[str] = set()
+    job = isinstance(first, (NodeEvent, JobSummary))
     with contextlib.closing(events):
-        for ev in _chain(first, events):
+        return _print_events(_chain(first, events), as_json, _node_of if job else _no_node,
+                             "the log streams ended without a summary" if job
+                             else "the log stream ended without a summary")
+
+
+def _no_node(ev):
+    """(None, the event): a run on one node, whose lines and notes carry no label."""
+    return None, ev
+
+
+def _node_of(ev):
+    """(its node's target, the node's event) of a nodes.NodeEvent."""
+    return ev.target, ev.event
+
+
+def _print_events(events, as_json: bool, label, ended: str):
+    """The printer of _print_job; `label(ev)` is (the target that labels the event or None, the
+    follow event itself)."""
+    from .follow import End, Line, Reconnecting, Resumed
+    from .nodes import JobSummary
+
+    out = sys.stdout.buffer
+    tty = _isatty(sys.stdout)
+    explained: set = set()
+    with contextlib.closing(events):
+        for ev in events:
+            if isinstance(ev, End):
+                if not as_json:
+                    _note(_summary_line(ev.summary))
+                return ev.summary
             if isinstance(ev, JobSummary):
                 if not as_json:
                     _note(_job_summary_line(ev))
                 return ev
-            t, e = ev.target, ev.event
+            t, e = label(ev)
+            at = f"{t}: " if t is not None else ""
             if isinstance(e, Line):
                 if not as_json:
+                    data = _prefixed(t, e.data) if t is not None else _coloured(e) if tty else e.data
                     try:
-                        out.write(_prefixed(t, e.data))
+                        out.write(data)
                         out.flush()
                     except BrokenPipeError:
                         _reader_gone()
@@ -239,13 +228,27 @@ def _print_job(events, as_json: bool):
                     if (t, sig.id) in explained or as_json:
                         continue
                     explained.add((t, sig.id))
-                    _note(f"{t}: line {e.number}: `{sig.id}` ({sig.severity}): {sig.meaning}")
+                    _note(f"{at}line {e.number}: `{sig.id}` ({sig.severity}): {sig.meaning}")
                     click.echo(f"            what to do: {sig.remedy}", err=True)
-            elif isinstance(e, Reconnecting) and not as_json:
-                _note(f"{t}: connection lost ({e.reason}); reconnecting in {e.delay:g} s (attempt {e.attempt})")
-            elif isinstance(e, Resumed) and not as_json:
-                _note(f"{t}: reconnected after {e.down_s:.2f} s; resuming at byte {e.offset}")
-    raise OpsError("the log streams ended without a summary")
+            elif isinstance(e, Reconnecting):
+                if not as_json:
+                    resuming = f", resuming at byte {max(e.offset, 0)}" if t is None else ""
+                    _note(f"{at}connection lost ({e.reason}); reconnecting in {e.delay:g} s "
+                          f"(attempt {e.attempt}{resuming})")
+            elif isinstance(e, Resumed):
+                if not as_json:
+                    _note(f"{at}reconnected after {e.down_s:.2f} s; resuming at byte {e.offset}")
+    raise OpsError(ended)
+
+
+def _coloured(line) -> bytes:
+    """A line with a signature hit, in its severity's colour (the line ending left outside)."""
+    data = line.data
+    if not line.hits:
+        return data
+    body = data.rstrip(b"\r\n")
+    code = SEVERITY_COLOUR.get(line.hits[0].severity, b"1")
+    return b"\x1b[" + code + b"m" + body + b"\x1b[0m" + data[len(body):]
 
 
 def _chain(first, rest):

@@ -19,9 +19,6 @@ from typing import Any, Mapping
 from . import sshconfig, yamlnodes
 from .envvars import NAME_RE
 from .errors import InventoryError, UsageError
-# The line-tracking YAML helpers (yamlnodes.py), under the names this module has always used.
-from .yamlnodes import child as _child, did_you_mean as _did_you_mean, line_of as _line_of
-from .yamlnodes import mapping as _mapping, scalar as _scalar
 
 LOCAL = "local"
 ENV_VAR = "DFLASH_OPS_INVENTORY"
@@ -86,7 +83,7 @@ class Inventory:
         try:
             return self.targets[name]
         except KeyError:
-            raise UsageError(f"unknown target {name!r}{_did_you_mean(name, self.targets)}"
+            raise UsageError(f"unknown target {name!r}{yamlnodes.did_you_mean(name, self.targets)}"
                              f" (known: {', '.join(sorted(self.targets))})") from None
 
     def default_target(self) -> Target:
@@ -114,7 +111,7 @@ class Inventory:
         if name in self.groups:
             raise UsageError(f"{name!r} is a group; name it alone, not in a list of targets")
         if name not in self.targets:
-            raise UsageError(f"unknown target {name!r}{_did_you_mean(name, {**self.targets, **self.groups})}"
+            raise UsageError(f"unknown target {name!r}{yamlnodes.did_you_mean(name, {**self.targets, **self.groups})}"
                              f" (known: {', '.join(sorted(self.targets))}"
                              + (f"; groups: {', '.join(sorted(self.groups))}" if self.groups else "") + ")")
         return self.targets[name]
@@ -188,35 +185,35 @@ def parse(text: str, file: str = "hosts.yaml", ssh_config: str | None = None) ->
     if root is None:
         top: dict[str, tuple[Any, int]] = {}
     else:
-        top = _mapping(root, file, "(top level)")
+        top = yamlnodes.mapping(root, file, "(top level)")
     for key, (_, line) in top.items():
         if key not in _TOP_KEYS:
-            raise InventoryError(file, line, key, f"unknown key{_did_you_mean(key, _TOP_KEYS)}")
+            raise InventoryError(file, line, key, f"unknown key{yamlnodes.did_you_mean(key, _TOP_KEYS)}")
 
     if ssh_config is None and "ssh_config" in top:
-        ssh_config = os.path.expanduser(_scalar(top["ssh_config"][0], str, file, "ssh_config"))
+        ssh_config = os.path.expanduser(yamlnodes.scalar(top["ssh_config"][0], str, file, "ssh_config"))
         if not os.path.exists(ssh_config):
             raise InventoryError(file, top["ssh_config"][1], "ssh_config", f"no such file: {ssh_config}")
     hosts: dict[str, Host] = {}
     explicit: dict[str, set[str]] = {}
     if "hosts" in top:
         node, line = top["hosts"]
-        for name, (hnode, hline) in _mapping(node, file, "hosts").items():
+        for name, (hnode, hline) in yamlnodes.mapping(node, file, "hosts").items():
             hosts[name] = _build(Host, name, hnode, hline, file, f"hosts.{name}")
-            explicit[name] = set(_mapping(hnode, file, f"hosts.{name}"))
+            explicit[name] = set(yamlnodes.mapping(hnode, file, f"hosts.{name}"))
     cfg_path = ssh_config if ssh_config is not None else (sshconfig.default_path() if hosts else None)
 
     targets: dict[str, Target] = {LOCAL: local_target()}
     if "targets" in top:
         node, line = top["targets"]
-        for name, (tnode, tline) in _mapping(node, file, "targets").items():
+        for name, (tnode, tline) in yamlnodes.mapping(node, file, "targets").items():
             if name == LOCAL:
                 raise InventoryError(file, tline, f"targets.{name}",
                                      "'local' is the built-in target (this machine); use another name")
             t = _build(Target, name, tnode, tline, file, f"targets.{name}")
             if t.host is not None and t.host not in hosts:
-                raise InventoryError(file, _line_of(tnode, "host", tline), f"targets.{name}.host",
-                                     f"names a missing host {t.host!r}{_did_you_mean(t.host, hosts)}")
+                raise InventoryError(file, yamlnodes.line_of(tnode, "host", tline), f"targets.{name}.host",
+                                     f"names a missing host {t.host!r}{yamlnodes.did_you_mean(t.host, hosts)}")
             targets[name] = t
 
     # The ssh_config fills in what hosts.yaml leaves out (sshconfig.py), then jump hosts written
@@ -234,7 +231,7 @@ def parse(text: str, file: str = "hosts.yaml", ssh_config: str | None = None) ->
             try:
                 made, via = sshconfig.jump_hosts(h, hosts, cfg, _hop_host)
             except sshconfig.SshConfigError as e:
-                raise InventoryError(file, _line_of(_child(top["hosts"][0], name), "jump", None),
+                raise InventoryError(file, yamlnodes.line_of(yamlnodes.child(top["hosts"][0], name), "jump", None),
                                      f"hosts.{name}.jump", str(e)) from None
             hosts.update(made)
             hosts[name] = dataclasses.replace(h, jump=via)
@@ -244,10 +241,10 @@ def parse(text: str, file: str = "hosts.yaml", ssh_config: str | None = None) ->
     default = None
     if "default" in top:
         node, line = top["default"]
-        default = _scalar(node, str, file, "default")
+        default = yamlnodes.scalar(node, str, file, "default")
         if default not in targets:
             raise InventoryError(file, line, "default",
-                                 f"names a missing target {default!r}{_did_you_mean(default, targets)}")
+                                 f"names a missing target {default!r}{yamlnodes.did_you_mean(default, targets)}")
     return Inventory(path=file, hosts=MappingProxyType(hosts), targets=MappingProxyType(targets),
                      default=default, ssh_config=cfg_path, groups=MappingProxyType(groups))
 
@@ -255,17 +252,17 @@ def parse(text: str, file: str = "hosts.yaml", ssh_config: str | None = None) ->
 def _groups(node, file: str, targets: Mapping[str, Target]) -> dict[str, tuple]:
     """`groups: {NAME: [TARGET, ...]}`: names for sets of targets (one multi-node launch)."""
     out: dict[str, tuple] = {}
-    for name, (gnode, gline) in _mapping(node, file, "groups").items():
+    for name, (gnode, gline) in yamlnodes.mapping(node, file, "groups").items():
         if name in targets:
             raise InventoryError(file, gline, f"groups.{name}", "a target has this name; give the group another")
         if yamlnodes.node_kind(gnode) != "list" or not gnode.value:
             raise InventoryError(file, gline, f"groups.{name}", "expected a list of target names")
         members: list[str] = []
         for item in gnode.value:
-            member = _scalar(item, str, file, f"groups.{name}")
+            member = yamlnodes.scalar(item, str, file, f"groups.{name}")
             if member not in targets:
                 raise InventoryError(file, item.start_mark.line + 1, f"groups.{name}",
-                                     f"names a missing target {member!r}{_did_you_mean(member, targets)}")
+                                     f"names a missing target {member!r}{yamlnodes.did_you_mean(member, targets)}")
             if member in members:
                 raise InventoryError(file, item.start_mark.line + 1, f"groups.{name}",
                                      f"names {member!r} twice")
@@ -286,13 +283,13 @@ def _check_jump_chain(host: Host, hosts: dict[str, Host], file: str, hosts_node,
     seen = [host.name]
     h = host
     while h.jump:
-        hnode = _child(hosts_node, h.name)
-        line = _line_of(hnode, "jump", None)
+        hnode = yamlnodes.child(hosts_node, h.name)
+        line = yamlnodes.line_of(hnode, "jump", None)
         if h.jump not in hosts and (sshconfig.looks_like_address(h.jump) or cfg.knows(h.jump)):
             return   # an address (ProxyJump spelling) or an ssh_config Host: resolved after
         if h.jump not in hosts:
             raise InventoryError(file, line, f"hosts.{h.name}.jump",
-                                 f"names a missing host {h.jump!r}{_did_you_mean(h.jump, hosts)}")
+                                 f"names a missing host {h.jump!r}{yamlnodes.did_you_mean(h.jump, hosts)}")
         if h.jump in seen:
             loop = " -> ".join(seen + [h.jump])
             raise InventoryError(file, line, f"hosts.{h.name}.jump", f"jump-host loop: {loop}")
@@ -304,36 +301,36 @@ def _build(cls, name: str, node, line: int, file: str, where: str):
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in _INTERNAL}
     required = {f.name for f in fields.values()
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    items = _mapping(node, file, where)
+    items = yamlnodes.mapping(node, file, where)
     values: dict[str, Any] = {}
     for key, (vnode, vline) in items.items():
         if key not in fields:
-            raise InventoryError(file, vline, f"{where}.{key}", f"unknown key{_did_you_mean(key, fields)}")
+            raise InventoryError(file, vline, f"{where}.{key}", f"unknown key{yamlnodes.did_you_mean(key, fields)}")
         values[key] = _convert(fields[key].type, vnode, file, f"{where}.{key}", vline)
     for key in sorted(required - values.keys()):
         raise InventoryError(file, line, f"{where}.{key}", "missing required key")
     if "port" in values and not 0 < values["port"] < 65536:
-        raise InventoryError(file, _line_of(node, "port", line), f"{where}.port", "must be 1..65535")
+        raise InventoryError(file, yamlnodes.line_of(node, "port", line), f"{where}.port", "must be 1..65535")
     if "gpus" in values and values["gpus"] < 0:
-        raise InventoryError(file, _line_of(node, "gpus", line), f"{where}.gpus", "must be >= 0")
+        raise InventoryError(file, yamlnodes.line_of(node, "gpus", line), f"{where}.gpus", "must be >= 0")
     if "connect_timeout" in values and not values["connect_timeout"] > 0:
-        raise InventoryError(file, _line_of(node, "connect_timeout", line), f"{where}.connect_timeout",
+        raise InventoryError(file, yamlnodes.line_of(node, "connect_timeout", line), f"{where}.connect_timeout",
                              "must be a number of seconds > 0")
     if "workdir" in values and not values["workdir"].startswith(("/", "~")):
         # A relative workdir would resolve against whatever folder the remote command starts in.
-        raise InventoryError(file, _line_of(node, "workdir", line), f"{where}.workdir",
+        raise InventoryError(file, yamlnodes.line_of(node, "workdir", line), f"{where}.workdir",
                              f"must be an absolute path (or start with ~), got {values['workdir']!r}")
     if "train_port" in values and not 0 < values["train_port"] < 65536:
-        raise InventoryError(file, _line_of(node, "train_port", line), f"{where}.train_port", "must be 1..65535")
+        raise InventoryError(file, yamlnodes.line_of(node, "train_port", line), f"{where}.train_port", "must be 1..65535")
     if "train_address" in values and not _is_address(values["train_address"]):
-        raise InventoryError(file, _line_of(node, "train_address", line), f"{where}.train_address",
+        raise InventoryError(file, yamlnodes.line_of(node, "train_address", line), f"{where}.train_address",
                              f"expected an IPv4 address or a host name, got {values['train_address']!r}")
     if "vmid" in values and values["vmid"] < 100:
-        raise InventoryError(file, _line_of(node, "vmid", line), f"{where}.vmid",
+        raise InventoryError(file, yamlnodes.line_of(node, "vmid", line), f"{where}.vmid",
                              "Proxmox VMIDs start at 100")
-    for key, (_, eline) in _mapping(node, file, where).items():
+    for key, (_, eline) in yamlnodes.mapping(node, file, where).items():
         if key == "env":
-            for k, (_, kline) in _mapping(_child(node, "env"), file, f"{where}.env").items():
+            for k, (_, kline) in yamlnodes.mapping(yamlnodes.child(node, "env"), file, f"{where}.env").items():
                 if not NAME_RE.match(k):
                     raise InventoryError(file, kline, f"{where}.env.{k}",
                                          "not a variable name (letters, digits and _, not first a digit)")
@@ -353,12 +350,12 @@ def _is_address(text: str) -> bool:
 def _convert(type_str: str, node, file: str, where: str, line: int):
     t = str(type_str)
     if t.startswith("Mapping"):
-        items = _mapping(node, file, where)
-        return MappingProxyType({k: _scalar(v, str, file, f"{where}.{k}") for k, (v, _) in items.items()})
+        items = yamlnodes.mapping(node, file, where)
+        return MappingProxyType({k: yamlnodes.scalar(v, str, file, f"{where}.{k}") for k, (v, _) in items.items()})
     if t == "bool":
-        return _scalar(node, bool, file, where)
+        return yamlnodes.scalar(node, bool, file, where)
     if "int" in t:
-        return _scalar(node, int, file, where)
+        return yamlnodes.scalar(node, int, file, where)
     if "float" in t:
-        return float(_scalar(node, (int, float), file, where))
-    return _scalar(node, str, file, where)
+        return float(yamlnodes.scalar(node, (int, float), file, where))
+    return yamlnodes.scalar(node, str, file, where)

@@ -21,7 +21,8 @@ from typing import Iterator, Sequence
 from . import agent
 from .errors import OpsError, UsageError
 from .inventory import Inventory, Target
-from .runs import LaunchResult, exit_code_for, job_state, launch_on, launch_spec, new_run_id, not_found
+from .runs import (LaunchResult, call_about_run, exit_code_for, job_state, launch_on, launch_spec, new_run_id,
+                   not_found, status_docs)
 from .session import Session
 
 UNDO_TIMEOUT_S = 30.0
@@ -78,10 +79,10 @@ def launch(inv: Inventory, targets: Sequence[Target], *, gpus: int | None = None
     for i, t in enumerate(targets):
         spec = launch_spec(inv, t, gpus=gpus, config=config, topology=topology, policy=policy,
                            workers=workers, extra=extra, name=name, resume=resume, env=env, run=run)
-        spec["nodes"] = {"targets": names, "index": i, "endpoint": endpoint, "address": t.train_address}
+        spec.doc["nodes"] = {"targets": names, "index": i, "endpoint": endpoint, "address": t.train_address}
         specs[t.name] = spec
     with agent.session(inv, session) as s:
-        group = agent.fan_out(targets, lambda t: launch_on(s, t, specs[t.name], env))
+        group = agent.fan_out(targets, lambda t: launch_on(s, t, specs[t.name]))
         if group.failures:
             started = [t for t in targets if group[t.name].ok]
             undo = _undo(s, started, run, fresh=resume is None)
@@ -112,13 +113,7 @@ def _undo(s: Session, targets: Sequence[Target], run: str, fresh: bool) -> agent
 def run_nodes(inv: Inventory, target: Target, run: str, s: Session) -> tuple[str, list[tuple[Target, dict]]]:
     """(run id, [(target, its status doc)]) for the run on `target`: that target alone for a run on
     one node, every node of the job otherwise (in launch order). NotFound without the run."""
-    try:
-        doc = agent.call(s.transport(target), target, agent.RUNS, ["status", target.workdir, "--", run],
-                         what="read the run", timeout=60)
-    except agent.Refused as e:
-        if e.reason == "not_found":
-            raise not_found(target, run) from None
-        raise
+    doc = call_about_run(s, target, run, ["status", target.workdir, "--", run], "read the run", 60)
     if not doc["runs"]:
         raise not_found(target, run)
     mine = doc["runs"][0]
@@ -128,8 +123,7 @@ def run_nodes(inv: Inventory, target: Target, run: str, s: Session) -> tuple[str
         raise UsageError(f"run {mine['run']} ran on {', '.join(names)}; hosts.yaml does not define "
                          f"{', '.join(missing)}")
     others = [inv.targets[n] for n in names if n != target.name]
-    group = agent.fan_out(others, lambda t: agent.call(
-        s.transport(t), t, agent.RUNS, ["status", t.workdir, "--", mine["run"]], what="read the run", timeout=60))
+    group = status_docs(s, others, {t.name: [mine["run"]] for t in others}, "read the run")
     docs = {target.name: mine}
     for name, outcome in group.items():
         if outcome.ok and outcome.value["runs"]:

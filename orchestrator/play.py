@@ -75,8 +75,10 @@ class TargetPlay:
 
 def variables(book: pb.Playbook, target: Target, given: Mapping[str, str]) -> dict:
     """What `{{ NAME }}` means on this target: the file's vars, the target's keys, --var (later wins)."""
-    keys = {"target": target.name, "host": target.host or "", "vmid": target.vmid if target.vmid is not None else "",
-            "python": target.python, "workdir": target.workdir, "gpus": target.gpus}
+    keys = {}
+    for key in pb.TARGET_KEYS:      # `target` is the target's name; a key it leaves unset reads as ""
+        value = target.name if key == "target" else getattr(target, key)
+        keys[key] = "" if value is None else value
     return {**book.vars, **keys, **given,
             "playbook_dir": str(Path(book.path).resolve().parent)}
 

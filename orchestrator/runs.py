@@ -16,7 +16,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from . import agent
 from .envvars import user_env
@@ -169,14 +169,24 @@ def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
     spec = launch_spec(inv, target, gpus=gpus, config=config, topology=topology, policy=policy,
                        workers=workers, extra=extra, name=name, gpu_ids=gpu_ids, resume=resume, env=env)
     with agent.session(inv, session) as s:
-        return launch_on(s, target, spec, env)
+        return launch_on(s, target, spec)
+
+
+@dataclass
+class LaunchSpec:
+    """What launch_on sends: `doc`, the runs agent's launch spec (JSON on its stdin, recorded in
+    run.json; its `user_env` masked), and `env`, the caller's variables unmasked, which only travel
+    in the launch command (EnvTransport) and are never sent as data or recorded."""
+    doc: dict
+    env: dict[str, str] | None = None
 
 
 def launch_spec(inv: Inventory, target: Target, *, gpus: int | None = None, config: str | None = None,
                 topology: str = "threads", policy: str = "auto", workers: int | None = None,
                 extra: Sequence[str] = (), name: str | None = None, gpu_ids: str | None = None,
-                resume: str | None = None, env: dict[str, str] | None = None, run: str | None = None) -> dict:
-    """The runs agent's launch spec for `target`, every option checked (UsageError, LaunchRefused)."""
+                resume: str | None = None, env: dict[str, str] | None = None, run: str | None = None) -> LaunchSpec:
+    """The runs agent's launch spec for `target` with the caller's variables (LaunchSpec), every option
+    checked (UsageError, LaunchRefused)."""
     if name is not None and not LABEL_RE.match(name):
         raise UsageError(f"--name {name!r}: one line of at most 64 printable characters")
     ids = parse_gpu_ids(gpu_ids, target) if gpu_ids is not None else None
@@ -215,14 +225,15 @@ def launch_spec(inv: Inventory, target: Target, *, gpus: int | None = None, conf
             raise UsageError(f"--config {config}: cannot read: {e.strerror or e}") from None
         spec["config_name"] = path.name
         spec["config_source"] = str(path.resolve())
-    return spec
+    return LaunchSpec(spec, env)
 
 
-def launch_on(s: Session, target: Target, spec: dict, env: dict[str, str] | None = None) -> LaunchResult:
+def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
     """Send one launch spec to the target's runs agent; what it started."""
+    spec = launch.doc
     start = time.monotonic()
     try:
-        doc = agent.call(s.transport(target, env=env), target, agent.RUNS, ["launch", target.workdir],
+        doc = agent.call(s.transport(target, env=launch.env), target, agent.RUNS, ["launch", target.workdir],
                          stdin=json.dumps(spec).encode(), what="launch the trainer", timeout=120)
     except agent.Refused as e:
         if e.reason == "spawn":
@@ -261,9 +272,7 @@ def status(inv: Inventory, names: Sequence[str] = (), *, all_targets: bool = Fal
     read to why."""
     targets = list(inv.targets.values()) if all_targets else inv.select(list(names))
     with agent.session(inv, session) as s:
-        group = agent.fan_out(targets, lambda target: agent.call(
-            s.transport(target), target, agent.RUNS, ["status", target.workdir, "--", *runs],
-            what="read the runs", timeout=60))
+        group = status_docs(s, targets, {t.name: runs for t in targets}, "read the runs")
         rows, errors = [], group.failures
         for name, outcome in group.items():
             doc = outcome.value
@@ -280,15 +289,22 @@ def status(inv: Inventory, names: Sequence[str] = (), *, all_targets: bool = Fal
             for n in r.get("nodes") or []:
                 if n not in asked and n in inv.targets and r["run"] not in more.setdefault(n, []):
                     more[n].append(r["run"])
-        extra = agent.fan_out([inv.targets[n] for n in more], lambda target: agent.call(
-            s.transport(target), target, agent.RUNS, ["status", target.workdir, "--", *more[target.name]],
-            what="read the runs", timeout=60))
+        extra = status_docs(s, [inv.targets[n] for n in more], more, "read the runs")
         for name, outcome in extra.items():
             if outcome.ok:
                 rows.extend({"target": name, **r} for r in outcome.value["runs"])
             else:
                 errors[name] = outcome.error.render()
     return group_rows(rows), errors
+
+
+def status_docs(s: Session, targets: Sequence[Target], runs: Mapping[str, Sequence[str]],
+                what: str) -> agent.GroupResult:
+    """The runs agent's status document of each target about the runs `runs[target name]` names
+    (every run for []), read in parallel: {target: [runs]} -> GroupResult."""
+    return agent.fan_out(targets, lambda t: agent.call(s.transport(t), t, agent.RUNS,
+                                                       ["status", t.workdir, "--", *runs[t.name]],
+                                                       what=what, timeout=60))
 
 
 STATE_ORDER = ("failed", "running", "stopped", "succeeded")
@@ -356,16 +372,23 @@ def metrics(inv: Inventory, target: Target, run: str = "latest", *,
 def _one_run(inv: Inventory, session: Session | None, target: Target, run: str, args: list[str],
              what: str, timeout: float) -> dict:
     """An agent command about one run: its document with "target" added; NotFound without it."""
-    try:
-        with agent.session(inv, session) as s:
-            doc = agent.call(s.transport(target), target, agent.RUNS, args, what=what, timeout=timeout)
-    except agent.Refused as e:
-        if e.reason == "not_found":
-            raise not_found(target, run) from None
-        raise
+    with agent.session(inv, session) as s:
+        doc = call_about_run(s, target, run, args, what, timeout)
     doc["target"] = target.name
     return doc
 
 
-__all__ = ["launch", "launch_spec", "launch_on", "status", "stop", "metrics", "LaunchResult", "LaunchRefused", "new_run_id",
-           "split_target_run", "resolve_target", "exit_code_for", "job_state", "group_rows", "refusal_message", "not_found"]
+def call_about_run(s: Session, target: Target, run: str, args: list[str], what: str, timeout: float) -> dict:
+    """The runs agent's reply to a command about one run; NotFound (saying where to look) when the
+    agent does not find the run."""
+    try:
+        return agent.call(s.transport(target), target, agent.RUNS, args, what=what, timeout=timeout)
+    except agent.Refused as e:
+        if e.reason == "not_found":
+            raise not_found(target, run) from None
+        raise
+
+
+__all__ = ["launch", "launch_spec", "launch_on", "LaunchSpec", "status", "stop", "metrics", "LaunchResult", "LaunchRefused", "new_run_id",
+           "split_target_run", "resolve_target", "exit_code_for", "job_state", "group_rows", "refusal_message", "not_found",
+           "status_docs", "call_about_run"]

@@ -62,6 +62,19 @@ class Missing(OpsError):
     """A template names a step result that this play does not have (exit 1)."""
 
 
+def _walk(value, keys: list[str]) -> tuple[Any, int | None]:
+    """(the value at the dotted keys, None), or (None, index of the first key that is not there):
+    a key of a mapping, or an index of a list."""
+    for i, key in enumerate(keys):
+        if isinstance(value, dict) and key in value:
+            value = value[key]
+        elif isinstance(value, list) and key.isdigit() and int(key) < len(value):
+            value = value[int(key)]
+        else:
+            return None, i
+    return value, None
+
+
 @dataclass
 class Context:
     """What templates see on one target: variables (rendered on use) and earlier steps' results."""
@@ -77,15 +90,10 @@ class Context:
             if path[1] not in self.results:
                 raise Missing(f"{{{{ steps.{'.'.join(path[1:])} }}}}: step {path[1]!r} has no result here "
                               f"(it did not run in this play, nor in an earlier play of this playbook on this target)")
-            value = self.results[path[1]]
-            for i, key in enumerate(path[2:], 2):
-                if isinstance(value, dict) and key in value:
-                    value = value[key]
-                elif isinstance(value, list) and key.isdigit() and int(key) < len(value):
-                    value = value[int(key)]
-                else:
-                    raise Missing(f"{{{{ steps.{'.'.join(path[1:])} }}}}: step {path[1]!r}'s result has no "
-                                  f"{'.'.join(path[2:i + 1])!r}")
+            value, missing = _walk(self.results[path[1]], path[2:])
+            if missing is not None:
+                raise Missing(f"{{{{ steps.{'.'.join(path[1:])} }}}}: step {path[1]!r}'s result has no "
+                              f"{'.'.join(path[2:missing + 3])!r}")
             return value
         name = path[0]
         if name in self._stack:
@@ -202,15 +210,8 @@ def _kind(value) -> str:
 def check_assert(options: Mapping[str, Any], result) -> tuple[bool, str]:
     """(passed, what was checked): `that` (a dotted key) of a step's result against one test."""
     that = str(options["that"])
-    value, found = result, True
-    for key in that.split(".") if that else []:
-        if isinstance(value, dict) and key in value:
-            value = value[key]
-        elif isinstance(value, list) and key.isdigit() and int(key) < len(value):
-            value = value[int(key)]
-        else:
-            found, value = False, None
-            break
+    value, missing = _walk(result, that.split(".") if that else [])
+    found = missing is None
     test = next(t for t in ASSERT_TESTS if t in options)
     want = options[test]
     if test == "exists":

@@ -175,17 +175,18 @@ def rank_main(cfg: TrainConfig) -> int:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             timeout=timedelta(seconds=max(60.0, cfg.warmup_timeout)))
     try:
-        return _rank(cfg, rank, world, device, stop)
+        return _rank(cfg, rank, world, local, device, stop)
     finally:
         dist.destroy_process_group()
         restore_signal()
 
 
-def _rank(cfg: TrainConfig, rank: int, world: int, device: torch.device, stop) -> int:
+def _rank(cfg: TrainConfig, rank: int, world: int, local: int, device: torch.device, stop) -> int:
+    """One rank's run; `local` is its rank on this node (LOCAL_RANK), 0 for the node's first."""
     writer = rank == 0
     # every node's first rank records the settings in its own --out (with its checkpoints, a node's
     # folder is then a complete run for `python -m trainer.export`)
-    out, resume_from = train.open_run(cfg, writer=writer or os.environ.get("LOCAL_RANK") == "0")
+    out, resume_from = train.open_run(cfg, writer=writer or local == 0)
     log = RunLog(out / "metrics.jsonl") if writer else QuietLog()
     policy = train.resolve_policy(cfg, device)
     log.info(f"torch {torch.__version__} | {world} ranks on {device.type} | topology processes "
@@ -203,7 +204,7 @@ def _rank(cfg: TrainConfig, rank: int, world: int, device: torch.device, stop) -
                              compile_target=policies.compile_target(cfg.compile_target, policy, device),
                              compile_update=adamw.compile_update(cfg.compile_update, policy, device))
 
-    engine = RankEngine(build, rank, world, device, log, guard=not cfg.skip_compile_guard)
+    engine = RankEngine(build, rank, world, device, log, guard=not cfg.skip_compile_guard, node_first=local == 0)
     if prep.ck is not None:
         checkpoint.restore_rng(prep.ck.rng)
     return train.run_loop(cfg, engine, prep, log, stop)
@@ -250,14 +251,15 @@ class RankEngine:
     """This rank's replica in DDP; the same interface as workers.ThreadEngine for train.run_loop."""
 
     def __init__(self, build: Callable[[], Replica], rank: int, world: int, device: torch.device, log,
-                 guard: bool = True):
+                 guard: bool = True, node_first: bool = False):
         """`build()` makes this rank's replica (its DraftLoss inside DDP). With `guard`, the first
-        compiled step is checked against eager (numerics.guard_first_step), on every rank."""
+        compiled step is checked against eager (numerics.guard_first_step), on every rank.
+        `node_first`: this is the first rank of its node (LOCAL_RANK 0), which writes checkpoints."""
         self.rank, self.size, self.device, self.log, self.guard = rank, world, device, log, guard
         self.writer = rank == 0
         # Every node keeps its own copy of the checkpoints (its first rank writes them into its --out):
         # a node's folder is then complete on its own, for --resume and to compare the nodes' weights.
-        self.saver = self.writer or int(os.environ.get("LOCAL_RANK", "0")) == 0
+        self.saver = self.writer or node_first
         t = time.perf_counter()
         self.replica: Replica = build()
         self._built = time.perf_counter() - t
@@ -290,19 +292,15 @@ class RankEngine:
         """This rank's shard, forward + backward; DDP sums the gradients over the ranks in backward.
         The first call is the warm-up, checked against eager when the guard is on."""
         shard = batch.shard(self.rank, self.size)
-        first = not self._warm
-        if first:
-            warmup_test_hook(self.rank)
-        if first:
-            with heartbeat(self.log, f"compiling rank {self.rank}"):
-                st = compute_grads(self.replica, shard)
-        else:
+        if self._warm:
+            return [compute_grads(self.replica, shard)]
+        warmup_test_hook(self.rank)
+        with heartbeat(self.log, f"compiling rank {self.rank}"):
             st = compute_grads(self.replica, shard)
-        if first:
-            self._warm = True
-            if self.guard and self.replica.compiled:
-                check = guard_first_step(self.replica, shard, st.loss_sum, reduce=dist.all_reduce)
-                log_guard(self.log, f"rank {self.rank}", self.rank, check)
+        self._warm = True
+        if self.guard and self.replica.compiled:
+            check = guard_first_step(self.replica, shard, st.loss_sum, reduce=dist.all_reduce)
+            log_guard(self.log, f"rank {self.rank}", self.rank, check)
         return [st]
 
     def update(self, lr: float, grad_clip: float, step: int) -> float:

@@ -241,7 +241,7 @@ def compile_target(setting: str, policy: str, device) -> bool:
     are unsafe, and its forward is no-grad, so there is no backward to capture."""
     if setting in ("on", "off"):
         return setting == "on"
-    return policy != "eager" and getattr(device, "type", str(device)) == "cuda"
+    return policy != "eager" and device.type == "cuda"
 
 
 def step_begin(policy: str) -> None:
