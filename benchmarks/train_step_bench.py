@@ -31,7 +31,9 @@ is exact. Peak memory: max_memory_allocated per GPU over the timed steps.
 under torch.inference_mode, then cloned so the drafter's autograd may save it: a lever measured
 here, not used by the trainer), `compiled` (truncated, each decoder layer compiled by inductor:
 `Target.compile_layers`, what the trainer does on a GPU under a compiled policy since
---compile-target), `compiled-inference` (compiled, under inference_mode, then cloned). A
+--compile-target), `compiled-inference` (compiled, under inference_mode, then cloned),
+`graphed` (compiled, and the whole forward replayed as a CUDA graph: Target.graph_features, what
+the trainer does with one worker per GPU; on the CPU the same as compiled). A
 comma-separated list alternates the modes step by step in one process (one compile, interleaved
 steps: a fair A/B); each mode gets its own medians. --allreduce (copy, nccl) and --grads (flat:
 FlatGrads buffers; own: each parameter keeps backward's gradient, what the trainer does unless the
@@ -86,7 +88,7 @@ SHAPES = {
     # the trainer's `tiny` target (8 layers, hidden 64) with its default layers
     "tiny": dict(layers=None, draft_layers=2, batch=2, seq=128, anchors=8, block=16),
 }
-MODES = ("truncated", "full", "inference", "compiled", "compiled-inference")
+MODES = ("truncated", "full", "inference", "compiled", "compiled-inference", "graphed")
 GRADS = ("auto", "flat", "own")
 UPDATES = ("auto", "fused", "compiled")
 
@@ -285,10 +287,23 @@ def run(args, emit, res: dict) -> None:
     emit(f"truncated target features equal the whole forward's: {res['truncated_equals_full']} "
          f"(max abs diff {res['truncated_max_abs_diff']:g})")
     del want, got
-    if any(m.startswith("compiled") for m in args.modes):
+    if any(m.startswith("compiled") or m == "graphed" for m in args.modes):
         res["compiled_features"] = compare_compiled(first, ids, targets.values())
         emit("compiled target layers, features relative L2: " + ", ".join(
             f"{k} {v:.3g}" for k, v in res["compiled_features"].items() if isinstance(v, float)))
+    if "graphed" in args.modes:
+        # The graph replays the compiled forward's kernels: the same bits (captured here, replayed
+        # in the worker; a failed capture warns and runs uncaptured, which this also shows).
+        want = first.features(ids)
+        first.graph_features()
+        first.features(ids)  # captures
+        got = first.features(ids)
+        first.graphed = False
+        res["graphed_equals_compiled"] = bool(torch.equal(got, want))
+        res["graph_captured"] = any(v is not False for v in first._graphs.values())
+        emit(f"graphed target features equal the compiled forward's: {res['graphed_equals_compiled']} "
+             f"(graph captured: {res['graph_captured']})")
+        del want, got
     for t in targets.values():
         clock.wrap(t)
     sync = (lambda: [torch.cuda.synchronize(d) for d in dict.fromkeys(devices)]) if cuda else (lambda: None)
@@ -306,7 +321,8 @@ def run(args, emit, res: dict) -> None:
             r.update = None if case["update"] == "fused" else updates[r.index]
         for t in targets.values():
             t.truncate = case["mode"] != "full"
-            t.compiled = case["mode"].startswith("compiled")
+            t.compiled = case["mode"].startswith("compiled") or case["mode"] == "graphed"
+            t.graphed = case["mode"] == "graphed"
         clock.inference = case["mode"].endswith("inference")
 
     try:
@@ -386,10 +402,16 @@ def profile_steps(engine, batches, args, sync) -> dict:
     from gaps import gap_report, load
 
     sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    # Started and stopped in worker 0's thread: the profiler records the CPU ops of the thread that
+    # starts it (and the autograd threads it drives), so the trace can say which op made a gap.
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    engine.on_primary(prof.start)
+    try:
         for k in range(2):
             engine.step(batches[k % len(batches)], k, 1e-5, 1.0)
         sync()
+    finally:
+        engine.on_primary(prof.stop)
     table = _kernel_table(prof)
     n = 2 * len(batches[0])
     table["steps"] = 2

@@ -78,3 +78,20 @@ def test_an_error_is_recorded_in_the_results(tmp_path, monkeypatch):
         bench.main(["--tiny", "--policy", "eager", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "results.json").read_text())
     assert not res["ok"] and "no target" in res["error"]
+
+
+def test_cases_alternate_and_the_trace_is_kept(tmp_path):
+    """--grads and --update alternate like target modes (one case per combination); --trace keeps the
+    profiled steps' timeline and its gap report (CPU ops recorded in the worker's thread)."""
+    p = subprocess.run([sys.executable, str(BENCH), "--tiny", "--policy", "eager", "--steps", "4", "--warmup", "1",
+                        "--grads", "flat,own", "--update", "fused,compiled", "--trace", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    _check(res, 4)
+    names = ["truncated+flat+fused", "truncated+flat+compiled", "truncated+own+fused", "truncated+own+compiled"]
+    assert res["target_modes"] == names and list(res["modes"]) == names
+    assert [(s["grads"], s["update"]) for s in res["steps"][:4]] == [("flat", "fused"), ("flat", "compiled"),
+                                                                   ("own", "fused"), ("own", "compiled")]
+    assert (tmp_path / "trace.json.gz").stat().st_size > 0 and "gaps" in res["profile"]
+    assert "where the GPU sat idle" in p.stdout

@@ -124,3 +124,32 @@ def test_compiled_layers_give_eager_features_and_leave_other_callers_eager():
     c = t.to(torch.device("meta"))
     assert not c.compiled and all("forward" not in layer.__dict__ for layer in c.model.base_model.layers)
     assert all("forward" in layer.__dict__ for layer in t.model.base_model.layers)
+
+
+def test_features_build_no_attention_mask_and_read_nothing_back(tiny, monkeypatch):
+    """The prepared "no mask" mapping: transformers' per-call packed-sequence check (a host read of
+    a device value, which no CUDA graph can be captured across) never runs, and the features are
+    the whole forward's, which builds its mask the usual way."""
+    import transformers.masking_utils as mu
+
+    from trainer.target import _no_mask
+
+    assert _no_mask(tiny.model.base_model) == {"attention_mask": {"full_attention": None}}
+    calls = []
+    real = mu.find_packed_sequence_indices
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids = _ids(3)
+    got = tiny.features(ids)
+    assert calls == []
+    with torch.no_grad():
+        want = _full(tiny, ids)
+    assert calls, "the whole forward no longer checks for packed sequences: this test checks nothing"
+    assert torch.equal(got, want)
+
+
+def test_graph_features_change_nothing_off_a_gpu(tiny):
+    t = dataclasses.replace(tiny)
+    t.graph_features()
+    ids = _ids(4)
+    assert t.graphed and torch.equal(t.features(ids), tiny.features(ids)) and t._graphs == {}
+    assert tiny.to(torch.device("cpu")).graphed is False and tiny._graphs is not t._graphs

@@ -200,8 +200,9 @@ def _rank(cfg: TrainConfig, rank: int, world: int, local: int, device: torch.dev
         return build_replica(rank, device, prep.drafter, prep.target, policy=policy, n_devices=1, lr=cfg.lr,
                              weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights,
                              optimizer_state=prep.ck.optimizer if prep.ck else None,
-                             wrap=lambda m: _ddp(m, device), flat_grads=False,
+                             wrap=lambda m: _ddp(m, device),
                              compile_target=policies.compile_target(cfg.compile_target, policy, device),
+                             graph_target=True,  # one rank per GPU
                              compile_update=adamw.compile_update(cfg.compile_update, policy, device))
 
     engine = RankEngine(build, rank, world, device, log, guard=not cfg.skip_compile_guard, node_first=local == 0)

@@ -134,14 +134,14 @@ class ShardStats:
 def build_replica(index: int, device: torch.device, drafter: Drafter, target: Target, *, policy: str,
                   n_devices: int, lr: float, weight_decay: float, pos_weights: torch.Tensor,
                   optimizer_state: dict | None = None, wrap: Callable[[nn.Module], nn.Module] | None = None,
-                  flat_grads: bool = False, compile_target: bool = False, compile_update: bool = False) -> Replica:
+                  compile_target: bool = False, graph_target: bool = False, compile_update: bool = False) -> Replica:
     """Run IN the worker thread (or rank): per-thread compile config, device, target head, optimizer, compile.
 
     `drafter` holds the initial (or resumed) trainable weights on the CPU; it is moved, not copied.
     `wrap` wraps the loss module before compilation (DDP for --topology processes).
-    `flat_grads`: gradients in FlatGrads buffers from the start (ThreadEngine attaches them when
-    its sum needs them).
     `compile_target`: the target's decoder layers run compiled (Target.compile_layers).
+    `graph_target`: with compile_target on a GPU that this replica alone uses, the target's forward
+    replays a CUDA graph (Target.graph_features).
     `compile_update`: clip + AdamW run as one compiled function over the optimizer's state (adamw.py).
     """
     policies.configure_thread(n_devices)  # thread-local from torch 2.12 (pytorch#186537)
@@ -150,11 +150,12 @@ def build_replica(index: int, device: torch.device, drafter: Drafter, target: Ta
     target = target.to(device)
     if compile_target:
         target.compile_layers()
+        if graph_target and device.type == "cuda":
+            target.graph_features()
     drafter.borrow_target_head(*target.head_weights())
     drafter.to(device)
     named = drafter.trainable_parameters()
     params = [p for _, p in named]
-    grads = FlatGrads(params) if flat_grads else None
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
                             **({"fused": True} if device.type == "cuda" else {}))
     if optimizer_state is not None:
@@ -165,7 +166,7 @@ def build_replica(index: int, device: torch.device, drafter: Drafter, target: Ta
     module = wrap(unit) if wrap is not None else unit
     loss_fn = policies.compile_module(module, policy, n_devices=n_devices)
     update = CompiledUpdate(opt, params) if compile_update else None
-    return Replica(index, device, target, drafter, loss_fn, unit, opt, params, [n for n, _ in named], policy, grads,
+    return Replica(index, device, target, drafter, loss_fn, unit, opt, params, [n for n, _ in named], policy,
                    update=update)
 
 

@@ -61,6 +61,9 @@ class Target:
     truncate: bool = True
     # features() runs each decoder layer's forward compiled (compile_layers); False: eager.
     compiled: bool = False
+    # features() replays a CUDA graph of its whole forward (graph_features); False: launched from Python.
+    graphed: bool = False
+    _graphs: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)  # per copy
 
     @property
     def config(self):
@@ -87,7 +90,7 @@ class Target:
             # A compiled forward is bound to the ORIGINAL layer (deepcopy keeps functions as they
             # are): drop it, so the copy runs its own weights; compile_layers() compiles the copy.
             layer.__dict__.pop("forward", None)
-        return dataclasses.replace(self, model=model, compiled=False)
+        return dataclasses.replace(self, model=model, compiled=False, graphed=False)
 
     def compile_layers(self) -> None:
         """From now on features() runs each decoder layer's forward compiled by inductor (no CUDA
@@ -108,10 +111,62 @@ class Target:
                     layer.forward = _dispatching_forward(layer.forward, torch.compile(layer.forward, dynamic=False))
         self.compiled = True
 
+    def graph_features(self) -> None:
+        """From now on features() on a CUDA device replays a CUDA graph of its forward (one graph per
+        input shape, captured at the shape's first call after two warm-up runs), so the host
+        launches nothing per layer: the frozen target is static, no-grad and called with one
+        shape per run. The graph is plain CUDA (torch.cuda.CUDAGraph, thread-local capture), not
+        inductor's cudagraph trees, whose per-thread state breaks in worker threads.
+
+        Only for a Target that ONE thread calls (one worker per GPU): the graph's input and output
+        buffers are this object's. features() returns a copy of the output buffer. If a capture
+        fails (a model whose forward synchronises the host, say), features() warns once and runs
+        uncaptured from then on: the same kernels, the same result."""
+        self.graphed = True
+
     # no_grad, not inference_mode: the drafter's first matmul saves these features for its
     # backward, and autograd refuses to save inference tensors.
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, *, eager: bool = False) -> torch.Tensor:
+        if self.graphed and not eager and input_ids.is_cuda:
+            return self._replay(input_ids)
+        return self._features(input_ids, eager=eager)
+
+    def _replay(self, input_ids: torch.Tensor) -> torch.Tensor:
+        key = (tuple(input_ids.shape), input_ids.dtype, input_ids.device)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._capture(input_ids)
+        if entry is False:  # the capture failed: uncaptured, as before graph_features()
+            return self._features(input_ids)
+        graph, static_in, static_out = entry
+        static_in.copy_(input_ids)
+        graph.replay()
+        return static_out.clone()
+
+    def _capture(self, input_ids: torch.Tensor):
+        import warnings
+
+        device = input_ids.device
+        static_in = input_ids.clone()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up: compiles, autotunes, fills the allocator's caches
+            for _ in range(2):
+                self._features(static_in)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                static_out = self._features(static_in)
+        except Exception as e:  # noqa: BLE001 - the same forward uncaptured is always right
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            warnings.warn(f"CUDA graph capture of the target's forward failed ({type(e).__name__}: {first}); "
+                          "running it uncaptured", RuntimeWarning, stacklevel=3)
+            return False
+        return graph, static_in, static_out
+
+    def _features(self, input_ids: torch.Tensor, *, eager: bool = False) -> torch.Tensor:
         """input_ids (B, S) -> concatenated hidden states (B, S, n*H) at `layer_ids`.
 
         Right padding needs no attention mask: with causal attention, real tokens never see pads.
@@ -132,7 +187,7 @@ class Target:
         _TAP.taps, _TAP.stop_at, _TAP.compiled = (taps, None if through else layers[last],
                                                 self.compiled and not eager)
         try:
-            out = base(input_ids=input_ids, use_cache=False)
+            out = base(input_ids=input_ids, use_cache=False, **_no_mask(base))
         except _StopForward:
             out = None
         finally:
@@ -247,6 +302,37 @@ def _dispatching_forward(eager, compiled):
     def forward(*args, **kwargs):
         return (compiled if getattr(_TAP, "compiled", False) else eager)(*args, **kwargs)
     return forward
+
+
+def _no_mask(base: torch.nn.Module) -> dict:
+    """The base model's forward kwargs that say "no attention mask" outright, where it takes them.
+
+    Without an attention mask, transformers (4.53+) builds one per call from the position ids: it
+    checks them for packed sequences, which reads a device value on the host (a synchronisation,
+    ~0.5 ms of Python, and no CUDA graph can be captured across it; under capture it even builds a
+    dense mask). With every layer full-attention, the mask it arrives at is None (SDPA's causal
+    path); handing it the prepared mapping {"full_attention": None} skips the work and gives the
+    same tensor (tests/test_trainer_target.py). Models with other layer types build their masks."""
+    types = getattr(base.config, "layer_types", None)
+    if not types or any(t != "full_attention" for t in types) or not _takes_mask_mapping(type(base)):
+        return {}
+    return {"attention_mask": {"full_attention": None}}
+
+
+_MAPPING: dict[type, bool] = {}
+
+
+def _takes_mask_mapping(cls: type) -> bool:
+    """Whether this base model's forward accepts a prepared {layer type: mask} mapping as its
+    attention_mask (transformers' "It may already have been prepared by e.g. `generate`" branch)."""
+    if cls not in _MAPPING:
+        import inspect
+
+        try:
+            _MAPPING[cls] = "attention_mask, dict)" in inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            _MAPPING[cls] = False
+    return _MAPPING[cls]
 
 
 def _tap_layers(base: torch.nn.Module) -> torch.nn.ModuleList:
