@@ -202,7 +202,6 @@ def _rank(cfg: TrainConfig, rank: int, world: int, local: int, device: torch.dev
                              optimizer_state=prep.ck.optimizer if prep.ck else None,
                              wrap=lambda m: _ddp(m, device),
                              compile_target=policies.compile_target(cfg.compile_target, policy, device),
-                             graph_target=True,  # one rank per GPU
                              compile_update=adamw.compile_update(cfg.compile_update, policy, device))
 
     engine = RankEngine(build, rank, world, device, log, guard=not cfg.skip_compile_guard, node_first=local == 0)

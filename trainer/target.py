@@ -157,7 +157,11 @@ class Target:
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            # The capture stream is named: torch.cuda.graph's default is ONE stream per process,
+            # made on whichever device was current at the first capture, so a second GPU's capture
+            # would launch its kernels on the first GPU's stream and fail. One capture at a time.
+            with _CAPTURE_LOCK, torch.cuda.graph(graph, stream=torch.cuda.Stream(device),
+                                                 capture_error_mode="thread_local"):
                 static_out = self._features(static_in)
         except Exception as e:  # noqa: BLE001 - the same forward uncaptured is always right
             first = (str(e).strip().splitlines() or [""])[0][:200]
@@ -285,6 +289,7 @@ class _StopForward(BaseException):
 
 _TAP = threading.local()
 _HOOK_LOCK = threading.Lock()
+_CAPTURE_LOCK = threading.Lock()
 
 
 def _tap_hook(module, args, output):

@@ -101,7 +101,8 @@ def _main(cfg: TrainConfig, stop: threading.Event) -> int:
         return build_replica(i, device, copies[i], prep.target, policy=policy, n_devices=len(devices), lr=cfg.lr,
                              weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights, optimizer_state=opt_state,
                              compile_target=policies.compile_target(cfg.compile_target, policy, device),
-                             graph_target=len(set(devices)) == len(devices),  # each worker its own GPU
+                             # workers share one interpreter: a graph spares each the target's launches
+                             graph_target=len(devices) > 1 and len(set(devices)) == len(devices),
                              compile_update=adamw.compile_update(cfg.compile_update, policy, device))
 
     t0 = time.time()
