@@ -5,7 +5,8 @@ stacked, one bar per (results file, target mode); per-GPU cost for multi-GPU run
         "docs/data/train-step-h200-compiled-target.json=after" "docs/data/train-step-h200-x2.json=before" \\
         "docs/data/train-step-h200-x2-nccl.json=after" -o docs/train-step-h200.png
 
-Each argument is FILE or FILE=LABEL (default label: the file's stem).
+Each argument is FILE[@MODE,MODE...][=LABEL] (default: every mode of the file; label: the file's
+stem), so that one plot can take a few cases from each of several runs.
 
 A run on G GPUs shows G x its ms/sample of the global batch: the GPU time one sample costs, which
 equals the one-GPU figure when scaling is perfect.
@@ -21,12 +22,15 @@ GOAL_MS = 80.0          # the whole step, one H200 (issue 14)
 SPECFORGE_MS = 112.8    # SpecForge 0.2.0's drafter step alone, same GPU and shape
 
 
-def bars(results: list[tuple[str, dict]]) -> list[dict]:
-    """[(label, results.json)] -> one bar per target mode: label, target and drafter GPU-ms/sample."""
+def bars(results: list[tuple[str, dict]], only: list[list[str] | None] | None = None) -> list[dict]:
+    """[(label, results.json)] -> one bar per target mode (those in only[i], if given): label,
+    target and drafter GPU-ms/sample."""
     out = []
-    for label, res in results:
+    for i, (label, res) in enumerate(results):
         gpus = max(1, int(res.get("gpus") or 1))
-        for mode, m in (res.get("modes") or {}).items():
+        modes = res.get("modes") or {}
+        keep = (only or [None] * len(results))[i]
+        for mode, m in ((k, modes[k]) for k in (keep or modes) if k in modes):
             out.append({"label": f"{label}\n{mode}" + (f"\n({gpus} GPUs, per GPU)" if gpus > 1 else ""),
                         "target": m["features_ms_per_sample"] * gpus,
                         "drafter": m["drafter_ms_per_sample"] * gpus,
@@ -34,13 +38,13 @@ def bars(results: list[tuple[str, dict]]) -> list[dict]:
     return out
 
 
-def plot(results: list[tuple[str, dict]], out: Path, title: str) -> Path:
+def plot(results: list[tuple[str, dict]], out: Path, title: str, only: list[list[str] | None] | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = bars(results)
+    rows = bars(results, only)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.5 * len(rows) + 2), 4.8))
     x = range(len(rows))
     ax.bar(x, [r["target"] for r in rows], label="target forward", color="#7f9fbf")
@@ -69,15 +73,24 @@ def main(argv=None) -> int:
     ap.add_argument("-o", "--out", default="train-step.png")
     ap.add_argument("--title", default="whole train step, Qwen3-8B shape, batch 2 x 768 per GPU")
     args = ap.parse_args(argv)
-    results = []
+    results, only = [], []
     for arg in args.results:
-        p, _, label = arg.partition("=")
+        spec, _, label = arg.partition("=")
+        p, _, modes = spec.partition("@")
         try:
-            results.append((label or Path(p).stem, json.loads(Path(p).read_text())))
+            res = json.loads(Path(p).read_text())
         except (OSError, ValueError) as e:
             print(f"plot_train_step: {p}: {e}", file=sys.stderr)
             return 2
-    print(plot(results, Path(args.out), args.title))
+        want = modes.split(",") if modes else None
+        missing = [m for m in want or () if m not in (res.get("modes") or {})]
+        if missing:
+            print(f"plot_train_step: {p}: no mode {missing[0]!r} (has {', '.join(res.get('modes') or {})})",
+                  file=sys.stderr)
+            return 2
+        results.append((label or Path(p).stem, res))
+        only.append(want)
+    print(plot(results, Path(args.out), args.title, only))
     return 0
 
 

@@ -59,3 +59,15 @@ def test_train_step_bars_are_gpu_ms_per_sample():
 def test_train_step_plot_writes_a_png(tmp_path):
     out = plot_train_step.plot([("a", TS_ONE), ("b", TS_TWO)], tmp_path / "ts.png", "t")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_step_cli_takes_chosen_modes_and_refuses_a_missing_one(tmp_path, capsys):
+    import json
+
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps({"gpus": 1, "modes": dict(TS_ONE["modes"], other=TS_ONE["modes"]["compiled"])}))
+    assert [b["label"] for b in plot_train_step.bars([("a", json.loads(f.read_text()))], [["other"]])] == ["a\nother"]
+    assert plot_train_step.main([f"{f}@other=x", "-o", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").exists()
+    assert plot_train_step.main([f"{f}@nope", "-o", str(tmp_path / "q.png")]) == 2
+    assert "no mode 'nope'" in capsys.readouterr().err

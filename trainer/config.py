@@ -46,6 +46,7 @@ class TrainConfig:
     skip_compile_guard: bool = False     # skip the first compiled step's check against eager
     compile_target: str = "auto"         # auto | on | off: the target's layers compiled (auto: on CUDA with a compiled policy)
     compile_update: str = "auto"         # auto | on | off: clip + AdamW compiled as one function (auto: likewise)
+    graph_target: str = "off"            # on | off: the compiled target's forward replayed as a CUDA graph (threads)
     # several nodes (--topology processes): one DDP job joined by torchrun's c10d rendezvous
     nnodes: int = 1                      # nodes in the job; each runs this command with its own --node-address
     rdzv_endpoint: str = ""              # HOST:PORT where the nodes meet (the hosting node's training address)
@@ -125,6 +126,10 @@ HELP = {
     "compile_update": "auto | on | off: run the gradient clip and the AdamW update as one function compiled by "
                       "inductor (same math and optimizer state as torch's AdamW); auto = on a GPU whenever "
                       "--compile-policy is not eager",
+    "graph_target": "on | off: with the target compiled and several worker threads each on its own GPU, replay "
+                    "the target's forward as a CUDA graph (the workers share one Python interpreter; a graph "
+                    "spares each the launches of the target's layers). Same features bit for bit; its speed is "
+                    "not measured yet (docs/benchmarks.md), hence off by default",
     "draft_layers": "drafter layers",
     "block_size": "tokens per block: the anchor plus block_size-1 predicted tokens",
     "anchors": "anchors (blocks) per sequence per step, at most",
@@ -160,7 +165,7 @@ HELP = {
 METAVAR = {"chat_template_kwargs": "JSON", "target": "PATH|tiny", "data": "PATH|synthetic", "out": "DIR", "workdir": "DIR", "target_layers": "I,J,..",
            "topology": "threads|processes", "compile_policy": "NAME|auto", "rdzv_endpoint": "HOST:PORT",
            "rdzv_id": "ID", "node_address": "ADDR",
-           "compile_target": "auto|on|off", "compile_update": "auto|on|off"}
+           "compile_target": "auto|on|off", "compile_update": "auto|on|off", "graph_target": "on|off"}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -255,6 +260,7 @@ def validate(c: TrainConfig) -> None:
          f"--compile-target must be auto, on or off, got {c.compile_target!r}")
     need(c.compile_update in ("auto", "on", "off"),
          f"--compile-update must be auto, on or off, got {c.compile_update!r}")
+    need(c.graph_target in ("on", "off"), f"--graph-target must be on or off, got {c.graph_target!r}")
     need(c.block_size >= 2, f"--block-size must be >= 2, got {c.block_size}")
     need(c.seq_len >= c.block_size, f"--seq-len {c.seq_len} is shorter than one block (--block-size {c.block_size})")
     need(c.anchors >= 1, f"--anchors must be >= 1, got {c.anchors}")

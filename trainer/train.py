@@ -102,7 +102,7 @@ def _main(cfg: TrainConfig, stop: threading.Event) -> int:
                              weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights, optimizer_state=opt_state,
                              compile_target=policies.compile_target(cfg.compile_target, policy, device),
                              # workers share one interpreter: a graph spares each the target's launches
-                             graph_target=len(devices) > 1 and len(set(devices)) == len(devices),
+                             graph_target=cfg.graph_target == "on" and len(set(devices)) == len(devices),
                              compile_update=adamw.compile_update(cfg.compile_update, policy, device))
 
     t0 = time.time()
