@@ -276,11 +276,12 @@ class RankEngine:
     def step(self, batch, step: int, lr: float, grad_clip: float) -> StepOut:
         t = time.perf_counter()
         warm = self._warm
-        st = self.compute(batch)[0]
+        # As ThreadEngine.step: the shard's stats stay on the device until the update is queued.
+        st = self.compute(batch, host=False)[0]
         norm = self.update(lr, grad_clip, step)
         n = len(st.correct)
-        packed = torch.cat([torch.tensor([st.loss_sum], dtype=torch.float64),
-                            st.correct.double(), st.count.double()]).to(self.device)
+        packed = torch.cat([torch.as_tensor(st.loss_sum, dtype=torch.float64, device=self.device).view(1),
+                            st.correct.to(self.device, torch.float64), st.count.to(self.device, torch.float64)])
         dist.all_reduce(packed)
         packed = packed.cpu()
         if not warm:
@@ -288,12 +289,13 @@ class RankEngine:
         return StepOut(float(packed[0]), packed[1: 1 + n].to(st.correct.dtype),
                        packed[1 + n:].to(st.count.dtype), norm)
 
-    def compute(self, batch) -> list[ShardStats]:
+    def compute(self, batch, host: bool = True) -> list[ShardStats]:
         """This rank's shard, forward + backward; DDP sums the gradients over the ranks in backward.
-        The first call is the warm-up, checked against eager when the guard is on."""
+        The first call is the warm-up, checked against eager when the guard is on. host=False: the
+        stats stay on the device (ShardStats.to_host) after the warm-up."""
         shard = batch.shard(self.rank, self.size)
         if self._warm:
-            return [compute_grads(self.replica, shard)]
+            return [compute_grads(self.replica, shard, host)]
         warmup_test_hook(self.rank)
         with heartbeat(self.log, f"compiling rank {self.rank}"):
             st = compute_grads(self.replica, shard)
