@@ -101,3 +101,28 @@ def test_non_finite_gradient_raises_and_changes_nothing(fused, bad):
         for name, t in v.items():
             assert torch.equal(after[k][name], t), (k, name)
     assert getattr(r.optimizer, "grad_scale", None) is None and getattr(r.optimizer, "found_inf", None) is None
+
+
+def test_an_update_that_fails_to_compile_falls_back_to_torchs_adamw():
+    """A torch whose dynamo/inductor cannot compile the update: torch's AdamW does the same step,
+    with a warning, and the compiled update is not tried again."""
+    def broken(gm, example_inputs):
+        raise RuntimeError("this backend cannot compile anything")
+
+    r, plain = _replica(False, scale=50.0), _replica(False, scale=50.0)
+    r.update = CompiledUpdate(r.optimizer, r.params, backend=broken)
+    with pytest.warns(RuntimeWarning, match="failed to compile .*BackendCompilerFailed"):
+        n1 = apply_update(r, 1e-3, 1.0, 0)
+    assert r.update is None
+    n2 = apply_update(plain, 1e-3, 1.0, 0)
+    assert n1 == pytest.approx(n2, rel=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(r.params, plain.params))
+
+
+def test_a_runtime_error_in_the_update_is_not_taken_for_a_compile_failure():
+    r = _replica("function")
+    p = r.params[0]  # a broken state on the FIRST call (the one that may compile): the math itself fails
+    r.optimizer.state[p] = {"step": torch.zeros(()), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros_like(p)}
+    with pytest.raises(RuntimeError) as e:
+        apply_update(r, 1e-3, 1.0, 0)
+    assert type(e.value) is RuntimeError and r.update is not None

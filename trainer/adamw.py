@@ -75,16 +75,21 @@ class CompiledUpdate:
     `optimizer` is the replica's torch.optim.AdamW (one param group over `params`); its state is
     created here on the first call exactly as torch creates it for the fused AdamW (a float32
     `step` on the parameter's device, zeroed moments), so a checkpoint holds the same thing either
-    way. `compiled=False` runs the same function uncompiled (tests)."""
+    way. `compiled=False` runs the same function uncompiled (tests); `backend` is torch.compile's.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], compiled: bool = True):
+    If the compile fails (a torch whose dynamo or inductor cannot take it), the call raises
+    CompileFailed before anything was changed, and the caller runs torch's own AdamW instead."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], compiled: bool = True,
+                 backend="inductor"):
         if len(optimizer.param_groups) != 1:
             raise ValueError("CompiledUpdate: one param group expected")
         self.optimizer, self.params = optimizer, params
         device = params[0].device
         self._lr = torch.zeros((), dtype=torch.float32, device=device)
         self._clip = torch.zeros((), dtype=torch.float32, device=device)
-        self._fn = torch.compile(clip_adamw_, dynamic=False) if compiled else clip_adamw_
+        self._fn = torch.compile(clip_adamw_, dynamic=False, backend=backend) if compiled else clip_adamw_
+        self._ran = False
 
     def _state(self) -> tuple[list, list, list]:
         st = self.optimizer.state
@@ -108,5 +113,18 @@ class CompiledUpdate:
         self._clip.fill_(grad_clip)
         m, v, steps = self._state()
         beta1, beta2 = group["betas"]
-        return self._fn(self.params, [p.grad for p in self.params], m, v, steps, self._lr, self._clip,
-                        float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
+        try:
+            out = self._fn(self.params, [p.grad for p in self.params], m, v, steps, self._lr, self._clip,
+                           float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
+        except Exception as e:
+            # The first call compiles; dynamo and inductor raise before any kernel has run.
+            if self._ran or not type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
+                raise
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise CompileFailed(f"{type(e).__name__}: {first}") from e
+        self._ran = True
+        return out
+
+
+class CompileFailed(RuntimeError):
+    """The compiled update could not be compiled; nothing was updated."""

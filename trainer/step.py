@@ -20,6 +20,7 @@ import contextlib
 import copy
 import math
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from trainer import policies
-from trainer.adamw import CompiledUpdate
+from trainer.adamw import CompileFailed, CompiledUpdate
 from trainer.data import Batch
 from trainer.draft_loss import DraftLoss
 from trainer.errors import TrainerError
@@ -296,7 +297,13 @@ def apply_update(r: Replica, lr: float, grad_clip: float, step: int) -> float:
     for g in r.optimizer.param_groups:
         g["lr"] = lr
     if r.update is not None:
-        norm = float(r.update(lr, grad_clip))
+        try:
+            norm = float(r.update(lr, grad_clip))
+        except CompileFailed as e:  # torch's own AdamW below does the same update
+            warnings.warn(f"the compiled optimizer update failed to compile ({e}); using torch's AdamW "
+                          "(--compile-update off skips the attempt)", RuntimeWarning, stacklevel=2)
+            r.update = None
+            return apply_update(r, lr, grad_clip, step)
     elif r.optimizer.defaults.get("fused"):
         total = _total_norm([p.grad for p in r.params if p.grad is not None])
         # clip_grad_norm_'s coefficient is grad_clip / (norm + 1e-6), clamped to at most 1.
