@@ -48,6 +48,11 @@ on this machine's transformers): `truncated_equals_full` in the results. With `c
 compiled layers' features are compared with eager's and both with the same forward in fp32 (fp64
 on the CPU): `compiled_features` in the results (relative L2 errors).
 
+--topology processes: the same step as `--topology processes` trains it: this command starts one
+torchrun rank per worker (--workers, default --gpus), each with its own target, its replica's
+DraftLoss inside DDP and `trainer.distributed.RankEngine`; the step's wall time is the slowest
+rank's (a barrier after each step), rank 0 reports. No GIL is shared, unlike threads.
+
 --profile: after timing, two more steps of the first case under torch.profiler: CUDA kernel ms by
 category. --trace: the same two steps' timeline too, as OUT/trace.json.gz, and where the GPU sat
 idle in them and why (benchmarks/gaps.py: `gaps` in the results).
@@ -62,9 +67,11 @@ import copy
 import json
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -216,24 +223,47 @@ def make_batches(args, vocab: int, pos_weights, n: int = 4):
 def run(args, emit, res: dict) -> None:
     import torch
 
-    from trainer import adamw, masks, policies
-    from trainer.log import RunLog
+    from trainer import policies
+
+    sh = SHAPES[args.shape]
+    cuda = not (args.tiny or args.cpu)
+    procs = args.topology == "processes"
+    if cuda and torch.cuda.device_count() < args.gpus:
+        raise SystemExit(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if procs:  # this process is one torchrun rank (main() started them): one replica, one device
+        import torch.distributed as dist
+
+        rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+        devices = [torch.device("cuda", local) if cuda else torch.device("cpu")]
+        if cuda:
+            torch.cuda.set_device(devices[0])
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.warmup_timeout))
+        all_devices = [f"cuda:{i}" for i in range(world)] if cuda else ["cpu"] * world
+    else:
+        rank = 0
+        devices = ([torch.device("cuda", i % args.gpus) for i in range(args.workers)] if cuda
+                   else [torch.device("cpu")] * args.workers)
+        all_devices = [str(d) for d in devices]
+        if not cuda and args.workers > 1:
+            policies.share_cpu(args.workers)  # as train.py does for CPU workers
+    try:
+        _run(args, emit, res, torch, cuda, procs, rank, devices, all_devices, sh)
+    finally:
+        if procs:
+            dist.destroy_process_group()
+
+
+def _run(args, emit, res, torch, cuda, procs, rank, devices, all_devices, sh) -> None:
+    from trainer import adamw, masks
+    from trainer.log import QuietLog, RunLog
     from trainer.model import Drafter
     from trainer.step import build_replica
     from trainer.workers import ThreadEngine
 
-    sh = SHAPES[args.shape]
-    cuda = not (args.tiny or args.cpu)
-    if cuda and torch.cuda.device_count() < args.gpus:
-        raise SystemExit(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    devices = ([torch.device("cuda", i % args.gpus) for i in range(args.workers)] if cuda
-               else [torch.device("cpu")] * args.workers)
-    if not cuda and args.workers > 1:
-        policies.share_cpu(args.workers)  # as train.py does for CPU workers
-    res.update({"ok": False, "shape": args.shape, "policy": args.policy,
+    res.update({"ok": False, "shape": args.shape, "policy": args.policy, "topology": args.topology,
                 "target_modes": [c["name"] for c in args.cases], "allreduce": args.allreduce, "grads": args.grads,
                 "update": args.update,
-                "workers": args.workers, "gpus": args.gpus if cuda else 0, "devices": [str(d) for d in devices],
+                "workers": args.workers, "gpus": args.gpus if cuda else 0, "devices": all_devices,
                 "batch_per_worker": sh["batch"], "global_batch": sh["batch"] * args.workers, "seq": sh["seq"],
                 "anchors": sh["anchors"], "block": sh["block"], "torch": torch.__version__,
                 "device_name": torch.cuda.get_device_name(0) if cuda else "cpu",
@@ -271,8 +301,14 @@ def run(args, emit, res: dict) -> None:
     res["trainable_params"] = sum(p.numel() for _, p in drafter.trainable_parameters())
 
     def build(i, device):
-        return build_replica(i, device, copies[i], targets[device], policy=args.policy, n_devices=len(devices),
-                             lr=1e-5, weight_decay=0.0, pos_weights=pw,
+        wrap = None
+        if procs:  # as trainer/distributed.py builds a rank's replica: DraftLoss inside DDP
+            from trainer.distributed import _ddp
+
+            wrap = lambda m: _ddp(m, device)  # noqa: E731
+        return build_replica(i, device, copies[0 if procs else i], targets[device], policy=args.policy,
+                             n_devices=1 if procs else len(devices), lr=1e-5, weight_decay=0.0, pos_weights=pw,
+                             wrap=wrap,
                              compile_update=adamw.compile_update("auto", args.policy, device) or "compiled" in args.update)
 
     batches = make_batches(args, dcfg.vocab_size, pw)
@@ -306,17 +342,31 @@ def run(args, emit, res: dict) -> None:
         del want, got
     for t in targets.values():
         clock.wrap(t)
-    sync = (lambda: [torch.cuda.synchronize(d) for d in dict.fromkeys(devices)]) if cuda else (lambda: None)
-    log = RunLog(None, stream=sys.stdout)  # the engine's own progress lines (worker ready, ...)
+    def sync():
+        if cuda:
+            for d in dict.fromkeys(devices):
+                torch.cuda.synchronize(d)
+        if procs:  # every rank's step has ended: the step's wall time is the slowest rank's
+            torch.distributed.barrier()
+
+    # the engine's own progress lines (worker ready, ...), from rank 0 only
+    log = RunLog(None, stream=sys.stdout) if rank == 0 else QuietLog()
 
     t0 = time.perf_counter()
-    engine = ThreadEngine.start(devices, build, log, args.warmup_timeout, guard=False)
+    if procs:
+        from trainer.distributed import RankEngine
+
+        world = torch.distributed.get_world_size()
+        engine = RankEngine(lambda: build(rank, devices[0]), rank, world, devices[0], log, guard=False)
+    else:
+        engine = ThreadEngine.start(devices, build, log, args.warmup_timeout, guard=False)
 
     updates = {r.index: r.update for r in engine.replicas}  # CompiledUpdate or None, as built
 
     def use(case: dict) -> None:
         """Set up the next step as `case` says (between steps, while the workers are idle)."""
-        engine.allreduce, engine.grads = case["allreduce"], case["grads"]
+        if not procs:  # the ranks' sum is DDP's, into gradients it owns
+            engine.allreduce, engine.grads = case["allreduce"], case["grads"]
         for r in engine.replicas:
             r.update = None if case["update"] == "fused" else updates[r.index]
         for t in targets.values():
@@ -349,10 +399,15 @@ def run(args, emit, res: dict) -> None:
             t2 = time.perf_counter()
             feats = clock.take()
             B = len(batch)
+            loss_sum = sum(s.loss_sum for s in stats)
+            if procs:  # the global batch's loss (untimed): every rank's shard
+                t = torch.tensor([loss_sum], dtype=torch.float64, device=devices[0])
+                torch.distributed.all_reduce(t)
+                loss_sum = float(t)
             rec = {"step": i, "mode": case["name"], "allreduce": allreduce, "grads": case["grads"], "update": case["update"], "timed": i >= args.warmup, "total_ms": (t2 - t0) * 1e3,
                    "compute_ms": (t1 - t0) * 1e3, "update_ms": (t2 - t1) * 1e3, "features_ms": feats,
                    "features_mean_ms": statistics.mean(feats.values()) if feats else 0.0,
-                   "loss": sum(s.loss_sum for s in stats) / batch.weight_total, "grad_norm": norm}
+                   "loss": loss_sum / batch.weight_total, "grad_norm": norm}
             rec["drafter_ms"] = rec["total_ms"] - rec["features_mean_ms"]
             if cuda:
                 rec["peak_gb"] = {str(d): torch.cuda.max_memory_allocated(d) / 1e9 for d in dict.fromkeys(devices)}
@@ -364,14 +419,17 @@ def run(args, emit, res: dict) -> None:
                  f"drafter {rec['drafter_ms'] / B:.1f}), loss {rec['loss']:.4f}, grad norm {norm:.3f}"
                  + (f", peak {max(rec['peak_gb'].values()):.1f} GB" if cuda else ""))
             _summarise(res)
-            _write(args.out, res)
-            if time.perf_counter() - start > args.deadline and i + 1 < args.warmup + args.steps:
+            if rank == 0:
+                _write(args.out, res)
+            # every rank stops at the same step (RankEngine.agree: any rank's flag)
+            if engine.agree(time.perf_counter() - start > args.deadline) and i + 1 < args.warmup + args.steps:
                 res["stopped_early"] = f"--deadline {args.deadline:g} s reached after step {i + 1}"
                 emit(res["stopped_early"])
                 break
         if args.profile or args.trace:  # on the CPU the tables are empty (CUDA only): the code path still runs
             use(args.cases[0])
-            res["profile"] = profile_steps(engine, batches, args, sync)
+            res["profile"] = profile_steps(engine, batches, args, sync, record=rank == 0)
+        if rank == 0 and (args.profile or args.trace):
             emit("profile (CUDA kernel ms per sample, 2 steps of " + args.cases[0]["name"] + "): "
                  + json.dumps(res["profile"]["per_sample_ms"]))
             if "gaps" in res["profile"]:
@@ -388,7 +446,7 @@ def run(args, emit, res: dict) -> None:
     res["ok"] = bool(res.get("timed_steps"))
 
 
-def profile_steps(engine, batches, args, sync) -> dict:
+def profile_steps(engine, batches, args, sync, record: bool = True) -> dict:
     """Two more steps of the first case under torch.profiler: CUDA kernel time by category
     (drafter_bench's table; CUPTI sees every thread's kernels), per sample of the global batch.
     The target's attention is the `sdpa attention` row (the drafter's is flex). With --trace, the
@@ -404,14 +462,19 @@ def profile_steps(engine, batches, args, sync) -> dict:
     sync()
     # Started and stopped in worker 0's thread: the profiler records the CPU ops of the thread that
     # starts it (and the autograd threads it drives), so the trace can say which op made a gap.
+    # With several ranks, only rank 0 records (`record`); the others run the same two steps.
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    engine.on_primary(prof.start)
+    if record:
+        engine.on_primary(prof.start)
     try:
         for k in range(2):
             engine.step(batches[k % len(batches)], k, 1e-5, 1.0)
         sync()
     finally:
-        engine.on_primary(prof.stop)
+        if record:
+            engine.on_primary(prof.stop)
+    if not record:
+        return {}
     table = _kernel_table(prof)
     n = 2 * len(batches[0])
     table["steps"] = 2
@@ -470,7 +533,8 @@ def summary(res: dict) -> str:
         return f"no timed step ({res.get('error', 'see the log')})"
     lines = [
         f"train step, {res['shape']} shape, policy {res['policy']}, "
-        f"{res['workers']} worker(s) on {', '.join(dict.fromkeys(res['devices']))} ({res['device_name']}), "
+        f"{res['workers']} {'rank(s)' if res.get('topology') == 'processes' else 'worker(s)'} on "
+        f"{', '.join(dict.fromkeys(res['devices']))} ({res['device_name']}), "
         f"global batch {res['global_batch']} x {res['seq']}, {res['anchors']} anchors x block {res['block']}; "
         f"torch {res['torch']}, transformers {res.get('transformers', '?')}",
         f"medians of {res['timed_steps']} timed steps after {len(res['steps']) - res['timed_steps']} warm-up "
@@ -500,7 +564,11 @@ def main(argv=None) -> int:
                     help="the workers' gradient sum: auto, copy or nccl (ThreadEngine.allreduce); several comma-separated "
                          "alternate step by step")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs (ignored with --tiny)")
-    ap.add_argument("--workers", type=int, default=0, help="worker threads, worker i on GPU i mod --gpus; default --gpus")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="worker threads (ranks with --topology processes), worker i on GPU i mod --gpus; default --gpus")
+    ap.add_argument("--topology", default="threads", choices=("threads", "processes"),
+                    help="threads: ThreadEngine in this process (default); processes: one torchrun rank per worker, "
+                         "DDP, as --topology processes trains (this command starts torchrun)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first compiles)")
     ap.add_argument("--grads", default="auto",
@@ -526,14 +594,26 @@ def main(argv=None) -> int:
         ap.error(f"--target-mode/--allreduce/--grads/--update {bad[0]!r}: choose from {', '.join(MODES)} / "
                  f"auto, copy, nccl / {', '.join(GRADS)} / {', '.join(UPDATES)}")
     args.workers = args.workers or (1 if args.tiny else args.gpus)
+    procs = args.topology == "processes"
+    if procs and (args.allreduce != ["auto"] or args.grads != ["auto"]):
+        ap.error("--allreduce and --grads are the threads' sum: with --topology processes DDP sums the gradients")
+    if procs and "RANK" not in os.environ:  # start the ranks; each runs this same command
+        argv = list(sys.argv[1:] if argv is None else argv)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.workers}",
+               str(Path(__file__).resolve()), *argv]
+        print(f"[train_step_bench] torchrun: {' '.join(cmd[1:])}", flush=True)
+        return subprocess.call(cmd)
+    rank = int(os.environ.get("RANK", "0")) if procs else 0
     args.cases = cases(mode=args.modes, allreduce=args.allreduce, grads=args.grads, update=args.update)
     args.warmup = max(len(args.cases), args.warmup)  # the first step compiles; each case runs once untimed
 
     def emit(text: str) -> None:
-        print(f"[train_step_bench {time.strftime('%H:%M:%S')}] {text}", flush=True)
+        if rank == 0:  # with several ranks, rank 0 speaks for the job
+            print(f"[train_step_bench {time.strftime('%H:%M:%S')}] {text}", flush=True)
 
-    emit(f"{args.shape} shape, policy {args.policy}, target mode(s) {', '.join(args.modes)}, {args.workers} worker(s)"
-         + ("" if args.tiny else f" on {args.gpus} GPU(s)") + f"; results in {args.out}/results.json")
+    emit(f"{args.shape} shape, policy {args.policy}, target mode(s) {', '.join(args.modes)}, {args.workers} "
+         + ("rank(s)" if procs else "worker(s)") + ("" if args.tiny else f" on {args.gpus} GPU(s)")
+         + f"; results in {args.out}/results.json")
     res: dict = {"ok": False}
     try:
         run(args, emit, res)
@@ -542,8 +622,10 @@ def main(argv=None) -> int:
         res["error"] = f"{type(e).__name__}: {e}"[-2000:]
         raise
     finally:
-        _write(args.out, res)
-    print("\n" + summary(res), flush=True)
+        if rank == 0:
+            _write(args.out, res)
+    if rank == 0:
+        print("\n" + summary(res), flush=True)
     return 0 if res["ok"] else 1
 
 

@@ -95,3 +95,23 @@ def test_cases_alternate_and_the_trace_is_kept(tmp_path):
                                                                    ("own", "fused"), ("own", "compiled")]
     assert (tmp_path / "trace.json.gz").stat().st_size > 0 and "gaps" in res["profile"]
     assert "where the GPU sat idle" in p.stdout
+
+
+def test_processes_train_the_same_steps_as_threads(tmp_path):
+    """--topology processes starts torchrun ranks (DDP, RankEngine): the same losses as two worker
+    threads on the same global batch, and the ranks' weights stay bit-identical."""
+    losses = {}
+    for topology in ("threads", "processes"):
+        out = tmp_path / topology
+        p = subprocess.run([sys.executable, str(BENCH), "--tiny", "--policy", "eager", "--workers", "2", "--steps", "2",
+                            "--warmup", "1", "--topology", topology, "--out", str(out)],
+                           capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        res = json.loads((out / "results.json").read_text())
+        if topology == "threads":  # (a rank times its own target forward only: one entry, not one per worker)
+            _check(res, 2)
+        assert res["ok"] and res["topology"] == topology and res["global_batch"] == 4
+        assert res["replicas_identical"] is True
+        losses[topology] = [s["loss"] for s in res["steps"]]
+    assert losses["processes"] == pytest.approx(losses["threads"], rel=1e-5)
+    assert len(set(round(x, 3) for x in losses["threads"])) > 1  # the steps trained on different batches
