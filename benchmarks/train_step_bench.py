@@ -71,6 +71,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -220,12 +221,22 @@ def make_batches(args, vocab: int, pos_weights, n: int = 4):
     return out
 
 
+@dataclass
+class Placement:
+    """Where this process's replicas run: `devices` (one per worker thread, or this rank's one),
+    `all_devices` (every worker's or rank's, for the results), `rank` (0 with threads)."""
+    cuda: bool
+    procs: bool
+    rank: int
+    devices: list
+    all_devices: list[str]
+
+
 def run(args, emit, res: dict) -> None:
     import torch
 
     from trainer import policies
 
-    sh = SHAPES[args.shape]
     cuda = not (args.tiny or args.cpu)
     procs = args.topology == "processes"
     if cuda and torch.cuda.device_count() < args.gpus:
@@ -247,23 +258,27 @@ def run(args, emit, res: dict) -> None:
         if not cuda and args.workers > 1:
             policies.share_cpu(args.workers)  # as train.py does for CPU workers
     try:
-        _run(args, emit, res, torch, cuda, procs, rank, devices, all_devices, sh)
+        _run(args, emit, res, Placement(cuda, procs, rank, devices, all_devices))
     finally:
         if procs:
             dist.destroy_process_group()
 
 
-def _run(args, emit, res, torch, cuda, procs, rank, devices, all_devices, sh) -> None:
+def _run(args, emit, res: dict, where: Placement) -> None:
+    import torch
+
     from trainer import adamw, masks
     from trainer.log import QuietLog, RunLog
     from trainer.model import Drafter
     from trainer.step import build_replica
     from trainer.workers import ThreadEngine
 
+    sh = SHAPES[args.shape]
+    cuda, procs, rank, devices = where.cuda, where.procs, where.rank, where.devices
     res.update({"ok": False, "shape": args.shape, "policy": args.policy, "topology": args.topology,
                 "target_modes": [c["name"] for c in args.cases], "allreduce": args.allreduce, "grads": args.grads,
                 "update": args.update,
-                "workers": args.workers, "gpus": args.gpus if cuda else 0, "devices": all_devices,
+                "workers": args.workers, "gpus": args.gpus if cuda else 0, "devices": where.all_devices,
                 "batch_per_worker": sh["batch"], "global_batch": sh["batch"] * args.workers, "seq": sh["seq"],
                 "anchors": sh["anchors"], "block": sh["block"], "torch": torch.__version__,
                 "device_name": torch.cuda.get_device_name(0) if cuda else "cpu",
