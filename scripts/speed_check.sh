@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# What issue 14 still needs measured on two GPUs, in ONE device call (docs/benchmarks.md, "Still to
+# measure" 0 and 0b), on nvidia-h200-x2:
+#
+#     OUT=$OUT bash scripts/speed_check.sh                      # ~6 minutes from a cold compile cache
+#     OUT=/tmp/sc EXTRA="--tiny --policy eager" PYTHON=.venv/bin/python bash scripts/speed_check.sh  # CPU
+#
+# 1. one GPU, threads: the trainer's step now (it also warms the compile cache for the rest);
+# 2. two GPUs, threads: the CUDA-graph target forward against the launched one (--graph-target);
+# 3. two GPUs, processes: one torchrun rank per GPU (no interpreter shared).
+# Then the per-GPU throughput of each two-GPU case against the one-GPU step of this same call.
+set -u
+OUT=${OUT:-out/speed_check}
+EXTRA=${EXTRA:-}
+export PYTHONUNBUFFERED=1
+bench() { timeout "$1" "${PYTHON:-python3}" benchmarks/train_step_bench.py $EXTRA "${@:2}" 2>&1 | grep -v '^USDT'; }
+bench 300 --out "$OUT/one" --target-mode compiled --steps 16 --warmup 2
+bench 300 --out "$OUT/threads" --gpus 2 --workers 2 --target-mode graphed,compiled --steps 16 --warmup 2
+bench 300 --out "$OUT/processes" --gpus 2 --workers 2 --topology processes --target-mode compiled --steps 16 --warmup 2
+"${PYTHON:-python3}" - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+def modes(name):
+    try:
+        return json.loads((out / name / "results.json").read_text()).get("modes") or {}
+    except (OSError, ValueError):
+        return {}
+one = modes("one").get("compiled", {}).get("total_ms_per_sample")
+print(f"one GPU, threads: {one} ms/sample")
+for name in ("threads", "processes"):
+    for mode, m in modes(name).items():
+        two = m["total_ms_per_sample"]
+        share = f"{100 * one / (2 * two):.1f}% per GPU" if one else "no one-GPU figure"
+        print(f"two GPUs, {name}, {mode}: {two} ms/sample of the global batch: {share}")
+PY
