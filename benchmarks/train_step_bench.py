@@ -58,7 +58,9 @@ category. --trace: the same two steps' timeline too, as OUT/trace.json.gz, and w
 idle in them and why (benchmarks/gaps.py: `gaps` in the results).
 
 Writes DIR/results.json (rewritten after every step, so a run cut short keeps what it measured);
-prints progress lines while it runs and a summary at the end.
+prints progress lines while it runs and a summary at the end. This file holds the command and the
+step loop; train_step_setup.py what the step runs on (target, shapes, batches, feature checks),
+train_step_report.py what comes out (cases, medians, results file, summary, profile).
 """
 from __future__ import annotations
 
@@ -69,7 +71,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -79,146 +80,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-# Measured on one H200, torch 2.11, batch 2 x 768 (docs/benchmarks.md): what this benchmark's
-# figures are compared with.
-REFERENCE_MS_PER_SAMPLE = {
-    "plain Qwen3-8B forward, hidden states of 5 layers (transformers + sdpa, inference mode)": 25.9,
-    "the same, stopping after layer 33": 24.9,
-    "drafter step alone (benchmarks/drafter_bench.py, inductor/flex/chunked)": 67.1,
-    "SpecForge 0.2.0, whole step": 112.8,
-}
+from train_step_report import REFERENCE_MS_PER_SAMPLE, cases, profile_steps, summarise, summary, write  # noqa: E402
+from train_step_setup import SHAPES, FeatureClock, build_target, check_features, make_batches  # noqa: E402
 
-QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
-SHAPES = {
-    "8b": dict(layers=(1, 9, 17, 25, 33), draft_layers=5, batch=2, seq=768, anchors=256, block=16),
-    # the trainer's `tiny` target (8 layers, hidden 64) with its default layers
-    "tiny": dict(layers=None, draft_layers=2, batch=2, seq=128, anchors=8, block=16),
-}
 MODES = ("truncated", "full", "inference", "compiled", "compiled-inference", "graphed")
 GRADS = ("auto", "flat", "own")
 UPDATES = ("auto", "fused", "compiled")
-
-
-def build_target(args, device):
-    """The frozen target on `device`, wrapped in trainer.target.Target."""
-    import torch
-
-    from trainer.target import Target, load_target
-
-    if args.tiny:
-        t = load_target("tiny", device=device, dtype=torch.float32)
-    else:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        # bf16 on a GPU, as the trainer loads a target; fp32 on the CPU (--cpu, tests), as it would there
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        cfg = Qwen3Config(**QWEN3_8B, attn_implementation="sdpa")
-        before = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)  # allocate bf16 from the start: 16 GB, not 33
-        try:
-            torch.manual_seed(0)
-            with torch.device(device):
-                model = Qwen3ForCausalLM(cfg)
-        finally:
-            torch.set_default_dtype(before)
-        model = model.to(dtype=dtype).eval()  # as load_target does (casts the rotary buffer too)
-        for p in model.parameters():
-            p.requires_grad_(False)
-        t = Target(model, None, SHAPES["8b"]["layers"], "qwen3-8b-random", "random")
-    return t
-
-
-class FeatureClock:
-    """Times Target.features in whichever worker thread calls it: CUDA events on a GPU (read after
-    the step's synchronize), the host clock on the CPU."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self.inference = False  # set between steps, while the workers are idle
-        self._lock = threading.Lock()
-        self._marks: dict[str, list] = {}
-
-    def wrap(self, target) -> None:
-        import torch
-
-        inner = target.features  # the bound method; replicas on this device share this Target
-
-        def features(input_ids, **kw):
-            who = threading.current_thread().name
-            if self.cuda:
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-            else:
-                t0 = time.perf_counter()
-            if self.inference:
-                with torch.inference_mode():
-                    out = inner(input_ids, **kw)
-                out = out.clone()  # outside inference mode: a tensor autograd may save
-            else:
-                out = inner(input_ids, **kw)
-            if self.cuda:
-                e1.record()
-                mark = (e0, e1)
-            else:
-                mark = (time.perf_counter() - t0) * 1e3
-            with self._lock:
-                self._marks.setdefault(who, []).append(mark)
-            return out
-
-        target.features = features
-
-    def take(self) -> dict[str, float]:
-        """ms of each worker's target forward(s) since the last call (call after synchronizing)."""
-        with self._lock:
-            marks, self._marks = self._marks, {}
-        return {who: sum(m if isinstance(m, float) else m[0].elapsed_time(m[1]) for m in ms)
-                for who, ms in sorted(marks.items())}
-
-
-def compare_compiled(first, ids, targets) -> dict:
-    """Compile every target's layers; on `first`, compare compiled and eager features with the same
-    forward at a higher precision (the model cast up in place, then back: bf16 -> fp32 -> bf16 is
-    exact). The compiled error against the reference must be eager's own, not more."""
-    import torch
-
-    from trainer.numerics import rel_l2
-
-    for t in targets:
-        t.compile_layers()
-    t0 = time.perf_counter()
-    compiled = first.features(ids)
-    compile_s = time.perf_counter() - t0
-    eager = first.features(ids, eager=True)
-    dtype = next(first.model.parameters()).dtype
-    high = torch.float32 if dtype != torch.float32 else torch.float64
-    first.model.to(high)
-    try:
-        ref = first.features(ids, eager=True)
-    finally:
-        first.model.to(dtype)
-    return {"compiled_vs_eager": rel_l2(compiled, eager), "eager_vs_reference": rel_l2(eager, ref),
-            "compiled_vs_reference": rel_l2(compiled, ref), "reference_dtype": str(high),
-            "first_compile_s": round(compile_s, 1)}
-
-
-def make_batches(args, vocab: int, pos_weights, n: int = 4):
-    """n global batches of random tokens (every position carries loss), anchors drawn per step."""
-    import torch
-
-    from trainer.data import Sample, make_batch
-
-    sh = SHAPES[args.shape]
-    B = sh["batch"] * args.workers
-    g = torch.Generator().manual_seed(1234)
-    out = []
-    for k in range(n):
-        ids = torch.randint(0, vocab - 1, (B, sh["seq"]), generator=g).tolist()
-        samples = [Sample(tuple(row), (1,) * sh["seq"]) for row in ids]
-        out.append(make_batch(samples, pad_len=sh["seq"], pad_id=0, step=k, seed=0, block_size=sh["block"],
-                              anchors=sh["anchors"], pos_weights=pos_weights))
-    return out
 
 
 @dataclass
@@ -327,36 +194,11 @@ def _run(args, emit, res: dict, where: Placement) -> None:
                              compile_update=adamw.compile_update("auto", args.policy, device) or "compiled" in args.update)
 
     batches = make_batches(args, dcfg.vocab_size, pw)
-    # This machine's transformers, this shape: the truncated forward must give the whole forward's features.
     ids = batches[0].input_ids[: sh["batch"]].to(devices[0])
-    first.truncate = False
-    want = first.features(ids)
-    first.truncate = True
-    got = first.features(ids)
-    res["truncated_equals_full"] = bool(torch.equal(got, want))
-    res["truncated_max_abs_diff"] = float((got.float() - want.float()).abs().max())
-    emit(f"truncated target features equal the whole forward's: {res['truncated_equals_full']} "
-         f"(max abs diff {res['truncated_max_abs_diff']:g})")
-    del want, got
-    if any(m.startswith("compiled") or m == "graphed" for m in args.modes):
-        res["compiled_features"] = compare_compiled(first, ids, targets.values())
-        emit("compiled target layers, features relative L2: " + ", ".join(
-            f"{k} {v:.3g}" for k, v in res["compiled_features"].items() if isinstance(v, float)))
-    if "graphed" in args.modes:
-        # The graph replays the compiled forward's kernels: the same bits (captured here, replayed
-        # in the worker; a failed capture warns and runs uncaptured, which this also shows).
-        want = first.features(ids)
-        first.graph_features()
-        first.features(ids)  # captures
-        got = first.features(ids)
-        first.graphed = False
-        res["graphed_equals_compiled"] = bool(torch.equal(got, want))
-        res["graph_captured"] = any(v is not False for v in first._graphs.values())
-        emit(f"graphed target features equal the compiled forward's: {res['graphed_equals_compiled']} "
-             f"(graph captured: {res['graph_captured']})")
-        del want, got
+    res.update(check_features(first, ids, targets.values(), args.modes, emit))
     for t in targets.values():
         clock.wrap(t)
+
     def sync():
         if cuda:
             for d in dict.fromkeys(devices):
@@ -433,9 +275,9 @@ def _run(args, emit, res: dict, where: Placement) -> None:
                  f"{rec['total_ms'] / B:.1f} ms/sample (target {rec['features_mean_ms'] / B:.1f}, "
                  f"drafter {rec['drafter_ms'] / B:.1f}), loss {rec['loss']:.4f}, grad norm {norm:.3f}"
                  + (f", peak {max(rec['peak_gb'].values()):.1f} GB" if cuda else ""))
-            _summarise(res)
+            summarise(res)
             if rank == 0:
-                _write(args.out, res)
+                write(args.out, res)
             # every rank stops at the same step (RankEngine.agree: any rank's flag)
             if engine.agree(time.perf_counter() - start > args.deadline) and i + 1 < args.warmup + args.steps:
                 res["stopped_early"] = f"--deadline {args.deadline:g} s reached after step {i + 1}"
@@ -451,7 +293,7 @@ def _run(args, emit, res: dict, where: Placement) -> None:
                 from gaps import render
 
                 emit("where the GPU sat idle in those 2 steps:\n" + render(res["profile"]["gaps"]))
-            _write(args.out, res)
+            write(args.out, res)
         # Every worker applied the same updates: their weights must be bit-identical (raises if not).
         engine.check_replicas(len(res["steps"]))
         res["replicas_identical"] = True
@@ -459,114 +301,6 @@ def _run(args, emit, res: dict, where: Placement) -> None:
     finally:
         engine.close()
     res["ok"] = bool(res.get("timed_steps"))
-
-
-def profile_steps(engine, batches, args, sync, record: bool = True) -> dict:
-    """Two more steps of the first case under torch.profiler: CUDA kernel time by category
-    (drafter_bench's table; CUPTI sees every thread's kernels), per sample of the global batch.
-    The target's attention is the `sdpa attention` row (the drafter's is flex). With --trace, the
-    timeline goes to OUT/trace.json.gz and its idle gaps are attributed (benchmarks/gaps.py)."""
-    import gzip
-    import shutil
-
-    from torch.profiler import ProfilerActivity, profile
-
-    from drafter_bench import _kernel_table
-    from gaps import gap_report, load
-
-    sync()
-    # Started and stopped in worker 0's thread: the profiler records the CPU ops of the thread that
-    # starts it (and the autograd threads it drives), so the trace can say which op made a gap.
-    # With several ranks, only rank 0 records (`record`); the others run the same two steps.
-    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    if record:
-        engine.on_primary(prof.start)
-    try:
-        for k in range(2):
-            engine.step(batches[k % len(batches)], k, 1e-5, 1.0)
-        sync()
-    finally:
-        if record:
-            engine.on_primary(prof.stop)
-    if not record:
-        return {}
-    table = _kernel_table(prof)
-    n = 2 * len(batches[0])
-    table["steps"] = 2
-    table["case"] = args.cases[0]["name"]
-    table["per_sample_ms"] = {k: round(v / n, 2) for k, v in table["by_category_ms"].items()}
-    if args.trace:
-        raw = Path(args.out) / "trace.json"
-        prof.export_chrome_trace(str(raw))
-        with open(raw, "rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        raw.unlink()
-        table["gaps"] = gap_report(load(str(raw) + ".gz"))
-    return table
-
-
-def cases(**dims: list[str]) -> list[dict]:
-    """One case per combination of the dimensions' values, in order; named by the first dimension's
-    value and, joined by "+", each other dimension's that has several (compiled+own+fused, ...)."""
-    import itertools
-
-    keys = list(dims)
-    out = []
-    for values in itertools.product(*dims.values()):
-        parts = [v for k, v in zip(keys, values) if k == keys[0] or len(dims[k]) > 1]
-        out.append(dict(zip(keys, values), name="+".join(parts)))
-    return out
-
-
-def _summarise(res: dict) -> None:
-    """res["modes"][mode]: medians over that mode's timed steps, ms/sample (each column its own median)."""
-    timed = [s for s in res["steps"] if s["timed"]]
-    res["timed_steps"] = len(timed)
-    B = res["global_batch"]
-    res["modes"] = {}
-    for mode in res["target_modes"]:
-        mine = [s for s in timed if s["mode"] == mode]
-        if not mine:
-            continue
-        m = res["modes"][mode] = {"timed_steps": len(mine)}
-        for key in ("total", "features_mean", "drafter", "compute", "update"):
-            m[f"{key.replace('_mean', '')}_ms_per_sample"] = round(statistics.median(s[f"{key}_ms"] for s in mine) / B, 2)
-        if "peak_gb" in mine[0]:
-            m["peak_gb"] = {d: round(max(s["peak_gb"][d] for s in mine), 2) for d in mine[0]["peak_gb"]}
-
-
-def _write(out: str, res: dict) -> None:
-    path = Path(out)
-    path.mkdir(parents=True, exist_ok=True)
-    tmp = path / "results.json.tmp"
-    tmp.write_text(json.dumps(res, indent=1))
-    os.replace(tmp, path / "results.json")
-
-
-def summary(res: dict) -> str:
-    if not res.get("timed_steps"):
-        return f"no timed step ({res.get('error', 'see the log')})"
-    lines = [
-        f"train step, {res['shape']} shape, policy {res['policy']}, "
-        f"{res['workers']} {'rank(s)' if res.get('topology') == 'processes' else 'worker(s)'} on "
-        f"{', '.join(dict.fromkeys(res['devices']))} ({res['device_name']}), "
-        f"global batch {res['global_batch']} x {res['seq']}, {res['anchors']} anchors x block {res['block']}; "
-        f"torch {res['torch']}, transformers {res.get('transformers', '?')}",
-        f"medians of {res['timed_steps']} timed steps after {len(res['steps']) - res['timed_steps']} warm-up "
-        f"(the first, with compile: {res.get('first_step_s')} s); ms/sample, drafter = total - target forward; "
-        f"truncated features == the whole forward's: {res.get('truncated_equals_full')}",
-        "",
-        "| target mode | steps | target forward | drafter step | total | compute / update | peak GB |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for mode, m in res["modes"].items():
-        peak = ", ".join(f"{v:.1f}" for v in m["peak_gb"].values()) if m.get("peak_gb") else "-"
-        lines.append(f"| {mode} | {m['timed_steps']} | {m['features_ms_per_sample']:.1f} | {m['drafter_ms_per_sample']:.1f} | "
-                     f"**{m['total_ms_per_sample']:.1f}** | {m['compute_ms_per_sample']:.1f} / "
-                     f"{m['update_ms_per_sample']:.1f} | {peak} |")
-    if res["shape"] == "8b":
-        lines.append("reference, ms/sample on one H200: " + "; ".join(f"{k}: {v}" for k, v in REFERENCE_MS_PER_SAMPLE.items()))
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -638,7 +372,7 @@ def main(argv=None) -> int:
         raise
     finally:
         if rank == 0:
-            _write(args.out, res)
+            write(args.out, res)
     if rank == 0:
         print("\n" + summary(res), flush=True)
     return 0 if res["ok"] else 1

@@ -53,9 +53,9 @@ def test_tiny_runs_end_to_end_from_the_command_line(tmp_path):
 
 def test_the_8b_code_path_with_two_workers_and_every_target_mode(tmp_path, monkeypatch):
     bench = _load()
-    small = dict(bench.QWEN3_8B, vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    small = dict(sys.modules["train_step_setup"].QWEN3_8B, vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    monkeypatch.setattr(bench, "QWEN3_8B", small)
+    monkeypatch.setattr(sys.modules["train_step_setup"], "QWEN3_8B", small)
     monkeypatch.setitem(bench.SHAPES, "8b", dict(bench.SHAPES["8b"], layers=(0, 2), draft_layers=1, seq=64,
                                                   anchors=4))
     assert bench.main(["--cpu", "--workers", "2", "--policy", "eager", "--target-mode", "truncated,full,inference",
