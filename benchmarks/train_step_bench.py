@@ -134,7 +134,7 @@ def run(args, emit, res: dict) -> None:
 def _run(args, emit, res: dict, where: Placement) -> None:
     import torch
 
-    from trainer import adamw, masks
+    from trainer import masks, policies
     from trainer.log import QuietLog, RunLog
     from trainer.model import Drafter
     from trainer.step import build_replica
@@ -191,7 +191,7 @@ def _run(args, emit, res: dict, where: Placement) -> None:
         return build_replica(i, device, copies[0 if procs else i], targets[device], policy=args.policy,
                              n_devices=1 if procs else len(devices), lr=1e-5, weight_decay=0.0, pos_weights=pw,
                              wrap=wrap,
-                             compile_update=adamw.compile_update("auto", args.policy, device) or "compiled" in args.update)
+                             compile_update=policies.compiled_part("auto", args.policy, device) or "compiled" in args.update)
 
     batches = make_batches(args, dcfg.vocab_size, pw)
     ids = batches[0].input_ids[: sh["batch"]].to(devices[0])
@@ -223,7 +223,8 @@ def _run(args, emit, res: dict, where: Placement) -> None:
     def use(case: dict) -> None:
         """Set up the next step as `case` says (between steps, while the workers are idle)."""
         if not procs:  # the ranks' sum is DDP's, into gradients it owns
-            engine.allreduce, engine.grads = case["allreduce"], case["grads"]
+            # "own": each parameter's own gradient, which is the engine's auto wherever the sum is NCCL
+            engine.allreduce, engine.grads = case["allreduce"], "flat" if case["grads"] == "flat" else "auto"
         for r in engine.replicas:
             r.update = None if case["update"] == "fused" else updates[r.index]
         for t in targets.values():
@@ -321,7 +322,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first compiles)")
     ap.add_argument("--grads", default="auto",
-                    help="where gradients live: auto, flat or own (ThreadEngine.grads); several comma-separated alternate")
+                    help="where gradients live: flat (FlatGrads), own (each parameter's; ThreadEngine.grads auto, which still uses FlatGrads where the copy-sum needs them) or auto; several comma-separated alternate")
     ap.add_argument("--update", default="auto",
                     help="the optimizer update: auto (as the trainer), fused or compiled; several comma-separated alternate")
     ap.add_argument("--profile", action="store_true", help="after timing, profile 2 steps (GPU only): kernel ms by category")

@@ -152,4 +152,6 @@ def test_graph_features_change_nothing_off_a_gpu(tiny):
     t.graph_features()
     ids = _ids(4)
     assert t.graphed and torch.equal(t.features(ids), tiny.features(ids)) and t._graphs == {}
-    assert tiny.to(torch.device("cpu")).graphed is False and tiny._graphs is not t._graphs
+    t._graphs["stand-in for a captured shape"] = False
+    c = t.to(torch.device("meta"))  # a copy on another device captures its own graphs, if asked to
+    assert not c.graphed and c._graphs == {} and t.graphed and t._graphs

@@ -25,17 +25,6 @@ from __future__ import annotations
 import torch
 
 
-def compile_update(setting: str, policy: str, device) -> bool:
-    """Whether the update runs as the compiled function (--compile-update auto|on|off).
-
-    auto: on a GPU whenever the drafter's policy compiles (plain inductor: no CUDA graphs, it runs
-    in worker threads). On the CPU torch's foreach AdamW stays: the compile would cost more than it
-    saves."""
-    if setting in ("on", "off"):
-        return setting == "on"
-    return policy != "eager" and torch.device(device).type == "cuda"
-
-
 @torch.no_grad()
 def clip_adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                 exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], lr: torch.Tensor, clip: torch.Tensor,
@@ -84,6 +73,8 @@ class CompiledUpdate:
                  backend="inductor"):
         if len(optimizer.param_groups) != 1:
             raise ValueError("CompiledUpdate: one param group expected")
+        if optimizer.param_groups[0].get("amsgrad") or optimizer.param_groups[0].get("maximize"):
+            raise ValueError("CompiledUpdate: amsgrad and maximize are not supported")
         self.optimizer, self.params = optimizer, params
         device = params[0].device
         self._lr = torch.zeros((), dtype=torch.float32, device=device)
@@ -104,11 +95,9 @@ class CompiledUpdate:
                 [st[p]["step"] for p in self.params])
 
     def __call__(self, lr: float, grad_clip: float) -> torch.Tensor:
-        """One step; returns the pre-clip norm as a device tensor (read it after queuing more work)."""
+        """One step at `lr` (the caller also records it in the param group, as for torch's AdamW);
+        returns the pre-clip norm as a device tensor (read it after queuing more work)."""
         group = self.optimizer.param_groups[0]
-        if group.get("amsgrad") or group.get("maximize"):
-            raise ValueError("CompiledUpdate: amsgrad and maximize are not supported")
-        group["lr"] = lr
         self._lr.fill_(lr)
         self._clip.fill_(grad_clip)
         m, v, steps = self._state()

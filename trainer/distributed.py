@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainer import adamw, checkpoint, policies, train
+from trainer import checkpoint, policies, train
 from trainer.config import TrainConfig
 from trainer.errors import UsageError
 from trainer.log import QuietLog, RunLog, heartbeat
@@ -201,8 +201,8 @@ def _rank(cfg: TrainConfig, rank: int, world: int, local: int, device: torch.dev
                              weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights,
                              optimizer_state=prep.ck.optimizer if prep.ck else None,
                              wrap=lambda m: _ddp(m, device),
-                             compile_target=policies.compile_target(cfg.compile_target, policy, device),
-                             compile_update=adamw.compile_update(cfg.compile_update, policy, device))
+                             compile_target=policies.compiled_part(cfg.compile_target, policy, device),
+                             compile_update=policies.compiled_part(cfg.compile_update, policy, device))
 
     engine = RankEngine(build, rank, world, device, log, guard=not cfg.skip_compile_guard, node_first=local == 0)
     if prep.ck is not None:

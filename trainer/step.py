@@ -305,7 +305,7 @@ def apply_update(r: Replica, lr: float, grad_clip: float, step: int) -> float:
             r.update = None
             return apply_update(r, lr, grad_clip, step)
     elif r.optimizer.defaults.get("fused"):
-        total = _total_norm([p.grad for p in r.params if p.grad is not None])
+        total = _total_norm([p.grad for p in r.params])  # every parameter has one (_forward_backward)
         # clip_grad_norm_'s coefficient is grad_clip / (norm + 1e-6), clamped to at most 1.
         r.optimizer.grad_scale = torch.clamp((total + 1e-6) / grad_clip, min=1.0).float()
         r.optimizer.found_inf = (~torch.isfinite(total)).float()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -324,20 +325,16 @@ def _no_mask(base: torch.nn.Module) -> dict:
     return {"attention_mask": {"full_attention": None}}
 
 
-_MAPPING: dict[type, bool] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _takes_mask_mapping(cls: type) -> bool:
     """Whether this base model's forward accepts a prepared {layer type: mask} mapping as its
     attention_mask (transformers' "It may already have been prepared by e.g. `generate`" branch)."""
-    if cls not in _MAPPING:
-        import inspect
+    import inspect
 
-        try:
-            _MAPPING[cls] = "attention_mask, dict)" in inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            _MAPPING[cls] = False
-    return _MAPPING[cls]
+    try:
+        return "attention_mask, dict)" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
 
 
 def _tap_layers(base: torch.nn.Module) -> torch.nn.ModuleList:

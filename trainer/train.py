@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from trainer import adamw, checkpoint, masks, policies
+from trainer import checkpoint, masks, policies
 from trainer.config import RUN_CONFIG, TrainConfig, chat_template_options, layer_ids
 from trainer.data import (Loader, check_samples, encode_rows, make_batch, random_prompts, prompt_vocab, read_rows,
                           split_eval, synthetic)
@@ -100,10 +100,10 @@ def _main(cfg: TrainConfig, stop: threading.Event) -> int:
     def build(i: int, device: torch.device):
         return build_replica(i, device, copies[i], prep.target, policy=policy, n_devices=len(devices), lr=cfg.lr,
                              weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights, optimizer_state=opt_state,
-                             compile_target=policies.compile_target(cfg.compile_target, policy, device),
+                             compile_target=policies.compiled_part(cfg.compile_target, policy, device),
                              # workers share one interpreter: a graph spares each the target's launches
                              graph_target=cfg.graph_target == "on" and len(set(devices)) == len(devices),
-                             compile_update=adamw.compile_update(cfg.compile_update, policy, device))
+                             compile_update=policies.compiled_part(cfg.compile_update, policy, device))
 
     t0 = time.time()
     engine = ThreadEngine.start(devices, build, log, cfg.warmup_timeout, guard=not cfg.skip_compile_guard)

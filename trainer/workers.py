@@ -144,7 +144,7 @@ class ThreadEngine:
     allreduce = "auto"
     # Where the gradients live: "auto" = in FlatGrads buffers only when the copy-sum needs them,
     # else each parameter keeps the gradient backward hands it (two passes a step fewer);
-    # "flat" / "own" force one (benchmarks compare them).
+    # "flat" = FlatGrads always (benchmarks compare the two).
     grads = "auto"
 
     def __init__(self, workers: list[Worker], log, warmup_timeout: float, guard: bool = True):
