@@ -322,7 +322,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first compiles)")
     ap.add_argument("--grads", default="auto",
-                    help="where gradients live: flat (FlatGrads), own (each parameter's; ThreadEngine.grads auto, which still uses FlatGrads where the copy-sum needs them) or auto; several comma-separated alternate")
+                    help="where gradients live: flat (FlatGrads), own (each parameter's: ThreadEngine.grads auto, "
+                         "which still uses FlatGrads where the copy-sum needs them) or auto; several comma-separated "
+                         "alternate")
     ap.add_argument("--update", default="auto",
                     help="the optimizer update: auto (as the trainer), fused or compiled; several comma-separated alternate")
     ap.add_argument("--profile", action="store_true", help="after timing, profile 2 steps (GPU only): kernel ms by category")
