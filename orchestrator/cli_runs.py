@@ -389,11 +389,7 @@ def stop(state: State, args, force, timeout, as_json):
         raise OpsError(f"{target.name}: run {doc['run']} still running {timeout:g} s after "
                        f"{doc['signal']}; kill it with `dflash-ops stop {target.name} {doc['run']} "
                        f"--force`")
-    ex = doc.get("exit") or {}
-    how = (f"exit {ex['exit_code']}" if ex.get("exit_code") is not None
-           else ex.get("signal_name") or "ended")
-    emit(as_json, doc, f"{target.name}: run {doc['run']} {doc['state']} ({doc['signal']} -> {how}, "
-                       f"{doc.get('waited_s', 0):.1f} s)")
+    emit(as_json, doc, _stop_line(target.name, doc))
 
 
 def _stop_line(name: str, doc: dict) -> str:

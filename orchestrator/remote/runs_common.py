@@ -131,16 +131,23 @@ def _json_line(raw):
     return _RANK_PREFIX.sub(b"", raw.strip(), count=1)
 
 
-def _last_event(log_path):
-    """The `event` of the last JSON line in the log's tail that has one ("done", "stopped", ...)."""
+def _tail(log_path):
+    """The log's last TAIL_SCAN bytes; None if it cannot be read."""
     try:
         with open(log_path, "rb") as f:
             f.seek(0, 2)
-            size = f.tell()
-            f.seek(max(0, size - TAIL_SCAN))
-            lines = f.read().split(b"\n")
+            f.seek(max(0, f.tell() - TAIL_SCAN))
+            return f.read()
     except OSError:
         return None
+
+
+def _last_event(log_path):
+    """The `event` of the last JSON line in the log's tail that has one ("done", "stopped", ...)."""
+    tail = _tail(log_path)
+    if tail is None:
+        return None
+    lines = tail.split(b"\n")
     for raw in reversed(lines):
         raw = _json_line(raw)
         if raw.startswith(b"{") and raw.endswith(b"}") and b'"event"' in raw:
@@ -232,13 +239,10 @@ def _root_cause(log_path):
     block in the log's tail: {"rank", "exitcode", "error_file", "error"}. The error is the exception
     line of the rank's error file (written by the trainer's @record) when there is one, else
     torchrun's own words (`Signal 9 (SIGKILL) received by PID N`). None without the block."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - TAIL_SCAN))
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
+    tail = _tail(log_path)
+    if tail is None:
         return None
+    text = tail.decode("utf-8", "replace")
     at = text.rfind("Root Cause (first observed failure)")
     if at < 0:
         return None
