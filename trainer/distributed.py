@@ -53,8 +53,8 @@ from trainer.config import TrainConfig
 from trainer.errors import UsageError
 from trainer.log import QuietLog, RunLog, heartbeat
 from trainer.numerics import guard_first_step
-from trainer.step import (Replica, ShardStats, apply_update, build_replica, compute_grads, warmup_test_hook,
-                          weight_checksum)
+from trainer.step import (Replica, ShardStats, apply_update, build_replica, compute_grads, prefetch_features,
+                          warmup_test_hook, weight_checksum)
 from trainer.workers import ReplicasDiverged, StepOut, log_guard
 
 # torchrun waits this long for the ranks to checkpoint and exit after forwarding SIGTERM, then
@@ -273,11 +273,11 @@ class RankEngine:
     def replicas(self) -> list[Replica]:
         return [self.replica]
 
-    def step(self, batch, step: int, lr: float, grad_clip: float) -> StepOut:
+    def step(self, batch, step: int, lr: float, grad_clip: float, ahead=None) -> StepOut:
         t = time.perf_counter()
         warm = self._warm
         # As ThreadEngine.step: the shard's stats stay on the device until the update is queued.
-        st = self.compute(batch, host=False)[0]
+        st = self.compute(batch, host=False, ahead=ahead)[0]
         norm = self.update(lr, grad_clip, step)
         n = len(st.correct)
         packed = torch.cat([torch.as_tensor(st.loss_sum, dtype=torch.float64, device=self.device).view(1),
@@ -289,13 +289,17 @@ class RankEngine:
         return StepOut(float(packed[0]), packed[1: 1 + n].to(st.correct.dtype),
                        packed[1 + n:].to(st.count.dtype), norm)
 
-    def compute(self, batch, host: bool = True) -> list[ShardStats]:
+    def compute(self, batch, host: bool = True, ahead=None) -> list[ShardStats]:
         """This rank's shard, forward + backward; DDP sums the gradients over the ranks in backward.
         The first call is the warm-up, checked against eager when the guard is on. host=False: the
-        stats stay on the device (ShardStats.to_host) after the warm-up."""
+        stats stay on the device (ShardStats.to_host) after the warm-up. ahead: the next step's
+        batch, whose target features this rank then makes (step.prefetch_features)."""
         shard = batch.shard(self.rank, self.size)
         if self._warm:
-            return [compute_grads(self.replica, shard, host)]
+            st = compute_grads(self.replica, shard, host)
+            if ahead is not None:
+                prefetch_features(self.replica, ahead.shard(self.rank, self.size))
+            return [st]
         warmup_test_hook(self.rank)
         with heartbeat(self.log, f"compiling rank {self.rank}"):
             st = compute_grads(self.replica, shard)
@@ -303,6 +307,8 @@ class RankEngine:
         if self.guard and self.replica.compiled:
             check = guard_first_step(self.replica, shard, st.loss_sum, reduce=dist.all_reduce)
             log_guard(self.log, f"rank {self.rank}", self.rank, check)
+        if ahead is not None:
+            prefetch_features(self.replica, ahead.shard(self.rank, self.size))
         return [st]
 
     def update(self, lr: float, grad_clip: float, step: int) -> float:

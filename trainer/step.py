@@ -104,6 +104,10 @@ class Replica:
                                     # parameter owns the gradient backward hands it (DDP's, processes)
     scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # receive buffers for the reduce
     update: CompiledUpdate | None = None  # the clip + AdamW compiled over `optimizer`'s state (adamw.py)
+    ahead: tuple[torch.Tensor, torch.Tensor] | None = None  # (host input ids, target features) made
+                                   # early by prefetch_features for the next step's shard
+    comm: torch.cuda.Stream | None = None  # the gradient sum's stream when it overlaps (nccl_all_reduce)
+    summed: torch.cuda.Event | None = None  # recorded on `comm` after the sum; prefetch_features waits for it
 
     @property
     def compiled(self) -> bool:
@@ -194,7 +198,9 @@ def _forward_backward(r: Replica, fn: Callable, shard: Batch, eager: bool = Fals
     else:
         r.optimizer.zero_grad(set_to_none=True)
     b = shard.to(r.device)
-    feats = r.target.features(b.input_ids, eager=eager)  # (B, S, n*H), no grad
+    feats = _take_ahead(r, shard) if not eager else None
+    if feats is None:
+        feats = r.target.features(b.input_ids, eager=eager)  # (B, S, n*H), no grad
     with r.autocast:
         loss_sum, correct, count = fn(feats, b.input_ids, b.loss_mask, b.anchors, b.valid)
     (loss_sum / max(shard.weight_total, 1e-12)).backward()
@@ -205,6 +211,28 @@ def _forward_backward(r: Replica, fn: Callable, shard: Batch, eager: bool = Fals
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
     return ShardStats(loss_sum.detach(), correct.detach(), count.detach(), len(shard), shard.tokens)
+
+
+def prefetch_features(r: Replica, shard: Batch) -> None:
+    """The target's features of the NEXT step's shard, made now: the frozen target does not depend
+    on the update, and on a GPU its forward then runs while the gradient sum does (nccl_all_reduce
+    with side streams), instead of after the update. The next _forward_backward on the same input
+    ids takes them. Afterwards this replica's stream waits for the sum (`summed`), so what follows
+    (the update) reads summed gradients."""
+    ids = shard.input_ids
+    r.ahead = (ids, r.target.features(ids.to(r.device, non_blocking=True)))
+    if r.summed is not None:
+        torch.cuda.current_stream(r.device).wait_event(r.summed)
+        r.summed = None
+
+
+def _take_ahead(r: Replica, shard: Batch) -> torch.Tensor | None:
+    """The prefetched features when they are this shard's (same input ids), else None; either way
+    they are dropped (a shard that is not the prefetched one is computed afresh)."""
+    ahead, r.ahead = r.ahead, None
+    if ahead is None or not torch.equal(ahead[0], shard.input_ids):
+        return None
+    return ahead[1]
 
 
 @torch.no_grad()
@@ -259,20 +287,38 @@ def nccl_usable(replicas: list[Replica]) -> bool:
         return False
 
 
-def nccl_all_reduce(replicas: list[Replica]) -> None:
+def nccl_all_reduce(replicas: list[Replica], side: bool = False) -> None:
     """Sum every replica's gradients in place, called from ONE thread for all devices
     (torch.cuda.nccl: a single-process communicator over the GPUs, NVLink where there is one):
     one all-reduce per flat buffer when the replicas have FlatGrads, else one per parameter. Queued
-    on each device's current stream, after the backward the workers queued there; every replica
-    ends with the same bits (checked by check_replicas)."""
+    after the backward the workers queued on each device's current stream; every replica ends with
+    the same bits (checked by check_replicas).
+
+    side=False: on each device's current stream. side=True: on each replica's own `comm` stream,
+    after its current stream's work; `summed` is recorded there, and prefetch_features makes the
+    replica's stream wait for it after queuing the next step's target forward, which so overlaps
+    the sum. The gradients stay valid: they are freed only by the next step's zero_grad, which the
+    host reaches after that wait is queued, so their memory is reused only by kernels behind it."""
     import torch.cuda.nccl as nccl
 
+    streams = None
+    if side:
+        streams = []
+        for r in replicas:
+            if r.comm is None:
+                r.comm = torch.cuda.Stream(r.device)
+            r.comm.wait_stream(torch.cuda.current_stream(r.device))
+            streams.append(r.comm)
     if all(r.grads is not None for r in replicas):
         for b in range(len(replicas[0].grads.buffers)):
-            nccl.all_reduce([r.grads.buffers[b] for r in replicas])
-        return
-    for k in range(len(replicas[0].params)):
-        nccl.all_reduce([r.params[k].grad for r in replicas])
+            nccl.all_reduce([r.grads.buffers[b] for r in replicas], streams=streams)
+    else:
+        for k in range(len(replicas[0].params)):
+            nccl.all_reduce([r.params[k].grad for r in replicas], streams=streams)
+    if side:
+        for r in replicas:
+            r.summed = torch.cuda.Event()
+            r.summed.record(r.comm)
 
 
 def gather_chunks(replicas: list[Replica], i: int) -> None:

@@ -217,6 +217,7 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
         log.info(f"resumed from {ck.path} at step {step}")
         # Lines logged after this checkpoint by the interrupted run are superseded from here on.
         log.metrics({"event": "resume", "step": step})
+    batches = Batches(cfg, prep, loader)
     r0 = engine.primary
     peak = _peak_flops(r0.device) if r0.device.type == "cuda" else None
     peak = peak * max(1, cfg.gpus) if peak else None  # workers may share a GPU: count GPUs
@@ -226,13 +227,11 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
     last_loss = None
     while step < cfg.steps:
         if engine.agree(stop.is_set()):
-            return _stopped(cfg, log, out, engine, loader, step)
+            return _stopped(cfg, log, out, engine, batches, step)
         t = time.perf_counter()
-        batch = make_batch([prep.samples[i] for i in loader.next(cfg.batch_size)], pad_len=prep.pad_len,
-                           pad_id=0, step=step, seed=cfg.seed, block_size=cfg.block_size,
-                           anchors=cfg.anchors, pos_weights=prep.pos_weights)
+        batch = batches.take(step)
         lr = lr_at(step, steps=cfg.steps, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup)
-        res = engine.step(batch, step, lr, cfg.grad_clip)
+        res = engine.step(batch, step, lr, cfg.grad_clip, ahead=batches.peek(step + 1))
         step += 1
         dt = time.perf_counter() - t
 
@@ -250,12 +249,12 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
         if cfg.checksum_every and step % cfg.checksum_every == 0 and step < cfg.steps:
             engine.check_replicas(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
-            _save(cfg, log, out, engine, loader, step)
+            _save(cfg, log, out, engine, batches, step)
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and prep.eval_prompts:
             _eval(cfg, log, engine, prep.eval_prompts, step)
 
     engine.check_replicas(step)
-    _save(cfg, log, out, engine, loader, step)
+    _save(cfg, log, out, engine, batches, step)
     if engine.agree(stop.is_set()):
         log.metrics({"event": "stopped", "step": step})
         return EXIT_SIGTERM
@@ -268,6 +267,43 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
     log.metrics({"event": "done", "step": step, "loss": last_loss, "acceptance_length": tau})
     log.info(f"done: {step} steps" + (f", acceptance length {tau:.3f}" if tau is not None else ""))
     return EXIT_OK
+
+
+class Batches:
+    """The loop's batches, one step ahead: take(step) is the batch to train now, peek(step + 1) the
+    next one (the engine makes its target features during this step's gradient sum). Drawing the
+    next batch moves the loader, so state() is the loader's position right after the last TAKEN
+    batch: a checkpoint at a step boundary resumes exactly where the run left off, look-ahead or not."""
+
+    def __init__(self, cfg: TrainConfig, prep: Prepared, loader: Loader):
+        self.cfg, self.prep, self.loader = cfg, prep, loader
+        self._state = loader.state()
+        self._next: tuple[int, object, dict] | None = None  # (step, batch, loader state after it)
+
+    def take(self, step: int):
+        if self._next is None or self._next[0] != step:
+            self._next = self._draw(step)
+        _, batch, self._state = self._next
+        self._next = None
+        return batch
+
+    def peek(self, step: int):
+        """The batch of `step`, drawn now and kept for take(step); None past the last step."""
+        if step >= self.cfg.steps:
+            return None
+        if self._next is None or self._next[0] != step:
+            self._next = self._draw(step)
+        return self._next[1]
+
+    def state(self) -> dict:
+        return self._state
+
+    def _draw(self, step: int):
+        cfg, prep = self.cfg, self.prep
+        batch = make_batch([prep.samples[i] for i in self.loader.next(cfg.batch_size)], pad_len=prep.pad_len,
+                           pad_id=0, step=step, seed=cfg.seed, block_size=cfg.block_size,
+                           anchors=cfg.anchors, pos_weights=prep.pos_weights)
+        return step, batch, self.loader.state()
 
 
 def on_sigterm():
@@ -339,19 +375,19 @@ def _read_samples(path: str, cfg, target):
     return check_samples(rows, path=path, block_size=cfg.block_size, seq_len=cfg.seq_len, vocab_size=vocab)
 
 
-def _save(cfg, log, out, engine, loader, step) -> None:
+def _save(cfg, log, out, engine, batches, step) -> None:
     if not engine.saver:     # rank 0, and under several nodes the first rank of each node
         return
     t = time.time()
     r0 = engine.primary
     path = checkpoint.save(out, step, model=r0.drafter.trainable_state_dict(), optimizer=r0.optimizer.state_dict(),
-                           meta={"data": loader.state(), "config": cfg.to_dict()}, keep=cfg.keep_checkpoints)
+                           meta={"data": batches.state(), "config": cfg.to_dict()}, keep=cfg.keep_checkpoints)
     log.metrics({"event": "checkpoint", "step": step, "path": str(path), "seconds": time.time() - t})
 
 
-def _stopped(cfg, log, out, engine, loader, step) -> int:
+def _stopped(cfg, log, out, engine, batches, step) -> int:
     log.info(f"SIGTERM: writing a checkpoint at step {step}, then exiting")
-    _save(cfg, log, out, engine, loader, step)
+    _save(cfg, log, out, engine, batches, step)
     engine.barrier()  # ranks leave together, after rank 0's checkpoint is complete
     log.metrics({"event": "stopped", "step": step})
     return EXIT_SIGTERM

@@ -15,7 +15,8 @@ replica's tensors; it submits phases and waits for them.
     exactly what it would without the handshake.
   - every step: compute (all workers at once) -> sum grads (NCCL all-reduces when each worker has
     its own GPU; else reduce-scatter + all-gather over flat gradient buffers, in the workers) ->
-    the same optimizer update in every worker.
+    the next step's target features (on a GPU while the NCCL sum runs) -> the same optimizer
+    update in every worker.
   - every --checksum-every steps and at the end: the replicas' weights must be bit-identical.
 """
 from __future__ import annotations
@@ -35,7 +36,8 @@ from trainer.log import heartbeat
 from trainer.errors import TrainerError
 from trainer.numerics import guard_first_step
 from trainer.step import (FlatGrads, Replica, ShardStats, apply_update, compute_grads, gather_chunks,
-                          nccl_all_reduce, nccl_usable, reduce_own_chunk, warmup_test_hook, weight_checksum)
+                          nccl_all_reduce, nccl_usable, prefetch_features, reduce_own_chunk, warmup_test_hook,
+                          weight_checksum)
 
 
 class WorkerFailed(TrainerError):
@@ -184,19 +186,24 @@ class ThreadEngine:
     def size(self) -> int:
         return len(self.replicas)
 
-    def step(self, batch, step: int, lr: float, grad_clip: float) -> StepOut:
+    def step(self, batch, step: int, lr: float, grad_clip: float, ahead=None) -> StepOut:
+        """One training step on `batch`. `ahead`: the next step's batch, whose target features are
+        made during this step's gradient sum (compute)."""
         # The shards' stats are read after the update is queued: the host never waits between the
         # backward and the update (the update's norm read waits for both).
-        stats = self.compute(batch, host=False)
+        stats = self.compute(batch, host=False, ahead=ahead)
         norm = self.update(lr, grad_clip, step)
         stats = [s.to_host() for s in stats]
         return StepOut(sum(s.loss_sum for s in stats), sum(s.correct for s in stats),
                        sum(s.count for s in stats), norm)
 
-    def compute(self, batch, host: bool = True) -> list[ShardStats]:
+    def compute(self, batch, host: bool = True, ahead=None) -> list[ShardStats]:
         """Forward + backward of every worker's shard, then the cross-replica sum: afterwards every
         replica holds the gradient of the global-batch loss (the first call is the warm-up).
-        host=False: the stats stay on the devices (ShardStats.to_host), see step()."""
+        host=False: the stats stay on the devices (ShardStats.to_host), see step().
+        ahead: the next step's batch; each worker then makes its shard's target features
+        (step.prefetch_features) while the NCCL sum runs on side streams, so the sum's time hides
+        behind the target's forward. Same arithmetic on the same data, so the same bits."""
         rs, K = self.replicas, len(self.replicas)
         shards = [batch.shard(i, K) for i in range(K)]
         copies = self._sum_by_copies()
@@ -210,7 +217,9 @@ class ThreadEngine:
             run_all(self.workers, reduce_own_chunk, [(rs, i) for i in range(K)])
             run_all(self.workers, gather_chunks, [(rs, i) for i in range(K)])
         elif K > 1:
-            nccl_all_reduce(rs)
+            nccl_all_reduce(rs, side=ahead is not None)
+        if ahead is not None:
+            run_all(self.workers, prefetch_features, [(r, ahead.shard(i, K)) for i, r in enumerate(rs)])
         return stats
 
     def _sum_by_copies(self) -> bool:

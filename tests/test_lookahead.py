@@ -1,0 +1,118 @@
+"""The next step's target features, made during this step (ThreadEngine.step(..., ahead=next batch)).
+
+The frozen target does not depend on the update, so its forward for step k+1 can run while step
+k's gradient sum does (on a GPU the NCCL sum runs on side streams and hides behind it). It must
+change nothing: the same losses and weights, bit for bit, as steps without look-ahead; the target
+runs once a step, not twice; a prefetched shard that is not the one trained next is recomputed,
+never used; and the loop's checkpoints record the loader's position without the look-ahead, so a
+resumed run trains on exactly the batches an uninterrupted one does.
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from trainer import masks, train
+from trainer.config import TrainConfig
+from trainer.data import Loader, Sample, make_batch
+from trainer.log import RunLog
+from trainer.model import Drafter
+from trainer.step import build_replica
+from trainer.target import load_target
+from trainer.workers import ThreadEngine
+
+STEPS = 4
+
+
+def _batches(vocab: int, workers: int, pw, n: int = STEPS, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for step in range(n):
+        ids = torch.randint(0, vocab - 1, (2 * workers, 64), generator=g).tolist()
+        out.append(make_batch([Sample(tuple(r), (1,) * 64) for r in ids], pad_len=64, pad_id=0, step=step, seed=0,
+                              block_size=16, anchors=4, pos_weights=pw))
+    return out
+
+
+def _train(lookahead: bool, workers: int = 1, swap_last: bool = False):
+    """STEPS steps; with lookahead each step is given the next batch. swap_last: the batch prefetched
+    for the last step is not the one that step trains on."""
+    torch.manual_seed(0)
+    target = load_target("tiny", device=torch.device("cpu"), dtype=torch.float32)
+    dcfg = target.drafter_config(num_layers=2, block_size=16, mask_token_id=None)
+    drafter = Drafter(dcfg)
+    start = [p.detach().clone() for _, p in drafter.trainable_parameters()]
+    copies = [drafter] + [copy.deepcopy(drafter) for _ in range(workers - 1)]
+    pw = masks.position_weights(16, masks.default_gamma(16))
+    calls = []
+    features = target.features
+
+    def counted(ids, **kw):
+        calls.append(tuple(ids.shape))
+        return features(ids, **kw)
+
+    target.features = counted
+
+    def build(i, device):
+        return build_replica(i, device, copies[i], target, policy="eager", n_devices=workers, lr=1e-3,
+                             weight_decay=0.1, pos_weights=pw)
+
+    batches = _batches(dcfg.vocab_size, workers, pw)
+    decoy = _batches(dcfg.vocab_size, workers, pw, n=1, seed=99)[0]
+    engine = ThreadEngine.start([torch.device("cpu")] * workers, build, RunLog(None), 60.0, guard=False)
+    losses = []
+    try:
+        for step, batch in enumerate(batches):
+            ahead = None
+            if lookahead and step + 1 < STEPS:
+                ahead = decoy if swap_last and step + 2 == STEPS else batches[step + 1]
+            losses.append(engine.step(batch, step, 1e-3, 1.0, ahead=ahead).loss_sum)
+        engine.check_replicas(STEPS)
+        return start, [p.detach().clone() for p in engine.primary.params], losses, len(calls)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_lookahead_trains_the_same_bits_with_one_target_forward_a_step(workers):
+    start, plain, loss_plain, calls_plain = _train(False, workers)
+    _, ahead, loss_ahead, calls_ahead = _train(True, workers)
+    assert loss_ahead == loss_plain
+    assert all(torch.equal(a, b) for a, b in zip(plain, ahead))
+    assert min(float((a - s).abs().max()) for a, s in zip(ahead, start)) > 0, "nothing trained: equality proves nothing"
+    assert calls_plain == calls_ahead == STEPS * workers  # prefetched features were used, not recomputed
+
+
+def test_features_prefetched_for_another_batch_are_not_used():
+    _, plain, loss_plain, _ = _train(False)
+    _, swapped, loss_swapped, calls = _train(True, swap_last=True)
+    assert loss_swapped == loss_plain and all(torch.equal(a, b) for a, b in zip(plain, swapped))
+    assert calls == STEPS + 1  # the decoy's forward was made, thrown away, and the real shard's computed
+
+
+def test_batches_state_has_no_lookahead():
+    """The loader position a checkpoint records after step k is the one without look-ahead, and a
+    loop resumed from it draws the batch an uninterrupted loop trains next."""
+    samples = [Sample(tuple(range(i, i + 40)), (1,) * 40) for i in range(7)]
+    cfg = TrainConfig(steps=6, batch_size=2, seed=3, block_size=16, anchors=2)
+    prep = train.Prepared(None, None, None, samples, [], 40, masks.position_weights(16, 7.0), None, None, 0.0)
+    plain, batches = Loader(len(samples), 3), train.Batches(cfg, prep, Loader(len(samples), 3))
+    seen = []
+    states = []
+    for step in range(cfg.steps):
+        seen.append(batches.take(step).input_ids)
+        nxt = batches.peek(step + 1)
+        assert (nxt is None) == (step + 1 == cfg.steps)
+        assert batches.peek(step + 1) is nxt  # drawn once, kept for take(step + 1)
+        plain.next(cfg.batch_size)
+        states.append(dict(batches.state()))
+        assert states[-1] == plain.state()
+    resumed_loader = Loader(len(samples), 3)
+    resumed_loader.load_state(json.loads(json.dumps(states[2])))  # as a checkpoint stores it
+    resumed = train.Batches(cfg, prep, resumed_loader)
+    for step in range(3, cfg.steps):
+        resumed.peek(step)
+        assert torch.equal(resumed.take(step).input_ids, seen[step])
