@@ -16,8 +16,10 @@ x block 16 (4 batches of different tokens and anchors, rotated).
 
 The step is the trainer's: replicas built by `trainer.step.build_replica` in the worker threads of
 `trainer.workers.ThreadEngine` (one worker per device by default, started as train.py starts them,
-without the first-step eager guard), each step `engine.compute(batch)` then `engine.update(...)`,
-which is what `ThreadEngine.step` runs. Timing: the host clock around the whole step with every
+without the first-step eager guard), each step `engine.compute(batch, ahead=next batch)` then
+`engine.update(...)`, which is what `ThreadEngine.step` runs: with --lookahead on (as the trainer)
+a step makes the NEXT step's target features during its gradient sum, so the forward timed in a
+step is the next one's (one a step either way). Timing: the host clock around the whole step with every
 device synchronised before and after (the step's wall time); the target forward with CUDA events
 around `Target.features` in each worker (the host clock on the CPU). Per step and worker:
 features = that forward, drafter = step wall time - features (the drafter's forward + backward,
@@ -220,6 +222,9 @@ def _run(args, emit, res: dict, where: Placement) -> None:
 
     updates = {r.index: r.update for r in engine.replicas}  # CompiledUpdate or None, as built
 
+    def case_at(i: int) -> dict:
+        return args.cases[(i // args.case_steps) % len(args.cases)]
+
     def use(case: dict) -> None:
         """Set up the next step as `case` says (between steps, while the workers are idle)."""
         if not procs:  # the ranks' sum is DDP's, into gradients it owns
@@ -241,7 +246,10 @@ def _run(args, emit, res: dict, where: Placement) -> None:
         start = time.perf_counter()
         for i in range(args.warmup + args.steps):
             batch = batches[i % len(batches)]
-            case = args.cases[i % len(args.cases)]  # warm-up steps cycle too: each case runs once untimed
+            case = case_at(i)  # warm-up steps cycle too: each case runs once untimed
+            # as the trainer's loop: the next batch, when the next step is this case's too (the last
+            # step prefetches for a step that never comes: each step runs the target once)
+            ahead = batches[(i + 1) % len(batches)] if case["lookahead"] == "on" and case_at(i + 1) is case else None
             use(case)
             allreduce = case["allreduce"]
             sync()
@@ -249,7 +257,7 @@ def _run(args, emit, res: dict, where: Placement) -> None:
                 for d in dict.fromkeys(devices):
                     torch.cuda.reset_peak_memory_stats(d)
             t0 = time.perf_counter()
-            stats = engine.compute(batch, host=False)  # as ThreadEngine.step: read after the update is queued
+            stats = engine.compute(batch, host=False, ahead=ahead)  # as ThreadEngine.step: read after the update
             t1 = time.perf_counter()
             norm = engine.update(1e-5, 1.0, i)
             stats = [s.to_host() for s in stats]
@@ -327,6 +335,13 @@ def main(argv=None) -> int:
                          "alternate")
     ap.add_argument("--update", default="auto",
                     help="the optimizer update: auto (as the trainer), fused or compiled; several comma-separated alternate")
+    ap.add_argument("--lookahead", default="on",
+                    help="on (as the trainer): each step also makes the next step's target features, during the "
+                         "gradient sum; off: each step its own; on,off alternates (see --case-steps)")
+    ap.add_argument("--case-steps", type=int, default=0,
+                    help="steps in a row per case (default 1; 4 when --lookahead has both values: a look-ahead "
+                         "step prefetches only for a next step of its own case, so a block's middle steps are "
+                         "its steady state)")
     ap.add_argument("--profile", action="store_true", help="after timing, profile 2 steps (GPU only): kernel ms by category")
     ap.add_argument("--trace", action="store_true",
                     help="with the profile, keep its timeline (OUT/trace.json.gz) and attribute the GPU's idle gaps")
@@ -340,11 +355,13 @@ def main(argv=None) -> int:
     args.allreduce = list(dict.fromkeys(args.allreduce.split(",")))
     args.grads = list(dict.fromkeys(args.grads.split(",")))
     args.update = list(dict.fromkeys(args.update.split(",")))
+    args.lookahead = list(dict.fromkeys(args.lookahead.split(",")))
     bad = ([m for m in args.modes if m not in MODES] + [a for a in args.allreduce if a not in ("auto", "copy", "nccl")]
-           + [g for g in args.grads if g not in GRADS] + [u for u in args.update if u not in UPDATES])
+           + [g for g in args.grads if g not in GRADS] + [u for u in args.update if u not in UPDATES]
+           + [x for x in args.lookahead if x not in ("on", "off")])
     if bad:
-        ap.error(f"--target-mode/--allreduce/--grads/--update {bad[0]!r}: choose from {', '.join(MODES)} / "
-                 f"auto, copy, nccl / {', '.join(GRADS)} / {', '.join(UPDATES)}")
+        ap.error(f"--target-mode/--allreduce/--grads/--update/--lookahead {bad[0]!r}: choose from {', '.join(MODES)} / "
+                 f"auto, copy, nccl / {', '.join(GRADS)} / {', '.join(UPDATES)} / on, off")
     args.workers = args.workers or (1 if args.tiny else args.gpus)
     procs = args.topology == "processes"
     if procs and (args.allreduce != ["auto"] or args.grads != ["auto"]):
@@ -356,8 +373,11 @@ def main(argv=None) -> int:
         print(f"[train_step_bench] torchrun: {' '.join(cmd[1:])}", flush=True)
         return subprocess.call(cmd)
     rank = int(os.environ.get("RANK", "0")) if procs else 0
-    args.cases = cases(mode=args.modes, allreduce=args.allreduce, grads=args.grads, update=args.update)
-    args.warmup = max(len(args.cases), args.warmup)  # the first step compiles; each case runs once untimed
+    args.cases = cases(mode=args.modes, allreduce=args.allreduce, grads=args.grads, update=args.update,
+                       lookahead=args.lookahead)
+    args.case_steps = args.case_steps or (4 if len(args.lookahead) > 1 else 1)
+    # the first step compiles; each case runs once untimed (a whole block of it)
+    args.warmup = max(len(args.cases) * args.case_steps, args.warmup)
 
     def emit(text: str) -> None:
         if rank == 0:  # with several ranks, rank 0 speaks for the job

@@ -8,15 +8,17 @@
 # 1. one GPU, threads: the trainer's step now (it also warms the compile cache for the rest);
 # 2. two GPUs, threads: the CUDA-graph target forward against the launched one (--graph-target);
 # 3. two GPUs, processes: one torchrun rank per GPU (no interpreter shared).
-# Then the per-GPU throughput of each two-GPU case against the one-GPU step of this same call.
+# Each with the look-ahead (the next step's target forward during the gradient sum) on and off, in
+# blocks of 4 steps. Then the per-GPU throughput of each two-GPU case against the one-GPU step
+# (look-ahead on) of this same call.
 set -u
 OUT=${OUT:-out/speed_check}
 EXTRA=${EXTRA:-}
 export PYTHONUNBUFFERED=1
 bench() { timeout "$1" "${PYTHON:-python3}" benchmarks/train_step_bench.py $EXTRA "${@:2}" 2>&1 | grep -v '^USDT'; }
-bench 300 --out "$OUT/one" --target-mode compiled --steps 16 --warmup 2
-bench 300 --out "$OUT/threads" --gpus 2 --workers 2 --target-mode graphed,compiled --steps 16 --warmup 2
-bench 300 --out "$OUT/processes" --gpus 2 --workers 2 --topology processes --target-mode compiled --steps 16 --warmup 2
+bench 300 --out "$OUT/one" --target-mode compiled --lookahead on,off --steps 24 --warmup 8
+bench 300 --out "$OUT/threads" --gpus 2 --workers 2 --target-mode graphed,compiled --lookahead on,off --steps 48 --warmup 16
+bench 300 --out "$OUT/processes" --gpus 2 --workers 2 --topology processes --target-mode compiled --lookahead on,off --steps 24 --warmup 8
 "${PYTHON:-python3}" - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
@@ -27,7 +29,7 @@ def modes(name):
         return json.loads((out / name / "results.json").read_text()).get("modes") or {}
     except (OSError, ValueError):
         return {}
-one = modes("one").get("compiled", {}).get("total_ms_per_sample")
+one = modes("one").get("compiled+on", {}).get("total_ms_per_sample")
 print(f"one GPU, threads: {one} ms/sample")
 for name in ("threads", "processes"):
     for mode, m in modes(name).items():
