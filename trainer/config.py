@@ -128,8 +128,9 @@ HELP = {
                       "--compile-policy is not eager",
     "graph_target": "on | off: with the target compiled and several worker threads each on its own GPU, replay "
                     "the target's forward as a CUDA graph (the workers share one Python interpreter; a graph "
-                    "spares each the launches of the target's layers). Same features bit for bit; its speed is "
-                    "not measured yet (docs/benchmarks.md), hence off by default",
+                    "spares each the launches of the target's layers). Same features bit for bit; off by default: "
+                    "with the look-ahead (the next step's target forward during the gradient sum) it measured "
+                    "no faster on two H200s (docs/benchmarks.md)",
     "draft_layers": "drafter layers",
     "block_size": "tokens per block: the anchor plus block_size-1 predicted tokens",
     "anchors": "anchors (blocks) per sequence per step, at most",
