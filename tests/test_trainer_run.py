@@ -31,15 +31,15 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert train(straight, "--steps", "10") == 0
 
-    # The same run, stopped by SIGTERM after step 5 (raised in-process at the 6th batch's creation
-    # would be one step late, so raise it while building batch index 4: the loop stops after step 5).
+    # The same run, stopped by SIGTERM after step 5: the loop draws each batch one step early (the
+    # look-ahead), so batch index 5 is built during the 5th step, and the loop stops after it.
     import trainer.train as tt
 
     real = tt.make_batch
 
     def make_batch_then_sigterm(*a, **kw):
         batch = real(*a, **kw)
-        if kw["step"] == 4:
+        if kw["step"] == 5:
             signal.raise_signal(signal.SIGTERM)
         return batch
 
