@@ -2,13 +2,16 @@
 
 Both topologies run the same step on each replica's shard of one global batch:
 
-    threads (trainer/workers.py), the coordinator drives three phases over N worker threads:
+    threads (trainer/workers.py), the coordinator drives four phases over N worker threads:
         compute_grads(replica_i, batch.shard(i, N))       # forward + backward, in worker i
         nccl_all_reduce(replicas)    # sum grads: one GPU per worker (else, in every worker, over
         reduce_own_chunk(replicas, i); gather_chunks(replicas, i)   #  FlatGrads: reduce-scatter +
-        apply_update(replica_i, lr, clip)                  #  all-gather); the same update everywhere
+                                                           #  all-gather)
+        prefetch_features(replica_i, next_batch.shard(i, N))  # the next step's target forward, while
+                                                           #  the NCCL sum runs on side streams
+        apply_update(replica_i, lr, clip)                  # the same update everywhere
     processes (trainer/distributed.py), one replica per rank, DDP sums grads during backward:
-        compute_grads(replica, batch.shard(rank, N)); apply_update(replica, lr, clip)
+        compute_grads(replica, batch.shard(rank, N)); prefetch_features(...); apply_update(replica, lr, clip)
 
 Every shard divides its loss by the weight of the WHOLE batch (`Batch.weight_total`), so summed
 shard gradients are exactly the gradient of the global loss: N workers and one worker with the
