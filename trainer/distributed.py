@@ -295,11 +295,12 @@ class RankEngine:
         stats stay on the device (ShardStats.to_host) after the warm-up. ahead: the next step's
         batch, whose target features this rank then makes (step.prefetch_features)."""
         shard = batch.shard(self.rank, self.size)
-        if self._warm:
-            st = compute_grads(self.replica, shard, host)
-            if ahead is not None:
-                prefetch_features(self.replica, ahead.shard(self.rank, self.size))
-            return [st]
+        st = compute_grads(self.replica, shard, host) if self._warm else self._warm_up(shard)
+        if ahead is not None:
+            prefetch_features(self.replica, ahead.shard(self.rank, self.size))
+        return [st]
+
+    def _warm_up(self, shard) -> ShardStats:
         warmup_test_hook(self.rank)
         with heartbeat(self.log, f"compiling rank {self.rank}"):
             st = compute_grads(self.replica, shard)
@@ -307,9 +308,7 @@ class RankEngine:
         if self.guard and self.replica.compiled:
             check = guard_first_step(self.replica, shard, st.loss_sum, reduce=dist.all_reduce)
             log_guard(self.log, f"rank {self.rank}", self.rank, check)
-        if ahead is not None:
-            prefetch_features(self.replica, ahead.shard(self.rank, self.size))
-        return [st]
+        return st
 
     def update(self, lr: float, grad_clip: float, step: int) -> float:
         return apply_update(self.replica, lr, grad_clip, step)

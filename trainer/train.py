@@ -281,19 +281,18 @@ class Batches:
         self._next: tuple[int, object, dict] | None = None  # (step, batch, loader state after it)
 
     def take(self, step: int):
-        if self._next is None or self._next[0] != step:
-            self._next = self._draw(step)
-        _, batch, self._state = self._next
+        _, batch, self._state = self._drawn(step)
         self._next = None
         return batch
 
     def peek(self, step: int):
         """The batch of `step`, drawn now and kept for take(step); None past the last step."""
-        if step >= self.cfg.steps:
-            return None
+        return self._drawn(step)[1] if step < self.cfg.steps else None
+
+    def _drawn(self, step: int):
         if self._next is None or self._next[0] != step:
             self._next = self._draw(step)
-        return self._next[1]
+        return self._next
 
     def state(self) -> dict:
         return self._state
