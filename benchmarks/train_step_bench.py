@@ -232,7 +232,6 @@ def _run(args, emit, res: dict, where: Placement) -> None:
             engine.allreduce, engine.grads = case["allreduce"], "flat" if case["grads"] == "flat" else "auto"
         for r in engine.replicas:
             r.update = None if case["update"] == "fused" else updates[r.index]
-            r.ahead_beside = case["lookahead"] == "beside"
         for t in targets.values():
             t.truncate = case["mode"] != "full"
             t.compiled = case["mode"].startswith("compiled") or case["mode"] == "graphed"
@@ -250,7 +249,7 @@ def _run(args, emit, res: dict, where: Placement) -> None:
             case = case_at(i)  # warm-up steps cycle too: each case runs once untimed
             # as the trainer's loop: the next batch, when the next step is this case's too (the last
             # step prefetches for a step that never comes: each step runs the target once)
-            ahead = batches[(i + 1) % len(batches)] if case["lookahead"] != "off" and case_at(i + 1) is case else None
+            ahead = batches[(i + 1) % len(batches)] if case["lookahead"] == "on" and case_at(i + 1) is case else None
             use(case)
             allreduce = case["allreduce"]
             sync()
@@ -338,8 +337,7 @@ def main(argv=None) -> int:
                     help="the optimizer update: auto (as the trainer), fused or compiled; several comma-separated alternate")
     ap.add_argument("--lookahead", default="on",
                     help="on (as the trainer): each step also makes the next step's target features, during the "
-                         "gradient sum; beside: the same on a side stream, beside the update too (GPU; "
-                         "Replica.ahead_beside); off: each step its own; on,off alternates (see --case-steps)")
+                         "gradient sum; off: each step its own; on,off alternates (see --case-steps)")
     ap.add_argument("--case-steps", type=int, default=0,
                     help="steps in a row per case (default 1; 4 when --lookahead has both values: a look-ahead "
                          "step prefetches only for a next step of its own case, so a block's middle steps are "
@@ -360,10 +358,10 @@ def main(argv=None) -> int:
     args.lookahead = list(dict.fromkeys(args.lookahead.split(",")))
     bad = ([m for m in args.modes if m not in MODES] + [a for a in args.allreduce if a not in ("auto", "copy", "nccl")]
            + [g for g in args.grads if g not in GRADS] + [u for u in args.update if u not in UPDATES]
-           + [x for x in args.lookahead if x not in ("on", "beside", "off")])
+           + [x for x in args.lookahead if x not in ("on", "off")])
     if bad:
         ap.error(f"--target-mode/--allreduce/--grads/--update/--lookahead {bad[0]!r}: choose from {', '.join(MODES)} / "
-                 f"auto, copy, nccl / {', '.join(GRADS)} / {', '.join(UPDATES)} / on, beside, off")
+                 f"auto, copy, nccl / {', '.join(GRADS)} / {', '.join(UPDATES)} / on, off")
     args.workers = args.workers or (1 if args.tiny else args.gpus)
     procs = args.topology == "processes"
     if procs and (args.allreduce != ["auto"] or args.grads != ["auto"]):

@@ -107,10 +107,8 @@ class Replica:
                                     # parameter owns the gradient backward hands it (DDP's, processes)
     scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # receive buffers for the reduce
     update: CompiledUpdate | None = None  # the clip + AdamW compiled over `optimizer`'s state (adamw.py)
-    ahead: tuple | None = None     # (host input ids, target features, ready event or None) made
+    ahead: tuple[torch.Tensor, torch.Tensor] | None = None  # (host input ids, target features) made
                                    # early by prefetch_features for the next step's shard
-    ahead_beside: bool = False     # a GPU's prefetch runs on `ahead_stream`, beside the update (prefetch_features)
-    ahead_stream: torch.cuda.Stream | None = None
     comm: torch.cuda.Stream | None = None  # the gradient sum's stream when it overlaps (nccl_all_reduce)
     summed: torch.cuda.Event | None = None  # recorded on `comm` after the sum; prefetch_features waits for it
 
@@ -223,26 +221,9 @@ def prefetch_features(r: Replica, shard: Batch) -> None:
     on the update, and on a GPU its forward then runs while the gradient sum does (nccl_all_reduce
     with side streams), instead of after the update. The next _forward_backward on the same input
     ids takes them. Afterwards this replica's stream waits for the sum (`summed`), so what follows
-    (the update) reads summed gradients.
-
-    With `ahead_beside` (a GPU): the forward goes on the replica's `ahead_stream`, after the
-    backward queued so far, so it also runs beside the optimizer update that follows on the
-    replica's own stream (compute-bound matmuls beside a memory-bound update); the next step's
-    forward waits for it (_take_ahead)."""
+    (the update) reads summed gradients."""
     ids = shard.input_ids
-    ready = None
-    if r.ahead_beside and r.device.type == "cuda":
-        own = torch.cuda.current_stream(r.device)
-        if r.ahead_stream is None:
-            r.ahead_stream = torch.cuda.Stream(r.device)
-        r.ahead_stream.wait_stream(own)
-        with torch.cuda.stream(r.ahead_stream):
-            feats = r.target.features(ids.to(r.device, non_blocking=True))
-            ready = torch.cuda.Event()
-            ready.record(r.ahead_stream)
-    else:
-        feats = r.target.features(ids.to(r.device, non_blocking=True))
-    r.ahead = (ids, feats, ready)
+    r.ahead = (ids, r.target.features(ids.to(r.device, non_blocking=True)))
     if r.summed is not None:
         torch.cuda.current_stream(r.device).wait_event(r.summed)
         r.summed = None
@@ -250,19 +231,11 @@ def prefetch_features(r: Replica, shard: Batch) -> None:
 
 def _take_ahead(r: Replica, shard: Batch) -> torch.Tensor | None:
     """The prefetched features when they are this shard's (same input ids), else None; either way
-    they are dropped (a shard that is not the prefetched one is computed afresh). Features made on
-    `ahead_stream` are waited for, and their memory is not reused before this stream is done with it."""
+    they are dropped (a shard that is not the prefetched one is computed afresh)."""
     ahead, r.ahead = r.ahead, None
-    if ahead is None:
+    if ahead is None or not torch.equal(ahead[0], shard.input_ids):
         return None
-    ids, feats, ready = ahead
-    if ready is not None:
-        own = torch.cuda.current_stream(r.device)
-        own.wait_event(ready)  # also when unused: nothing of the side stream's is left running behind
-        feats.record_stream(own)
-    if not torch.equal(ids, shard.input_ids):
-        return None
-    return feats
+    return ahead[1]
 
 
 @torch.no_grad()
