@@ -16,17 +16,21 @@ x block 16 (4 batches of different tokens and anchors, rotated).
 
 The step is the trainer's: replicas built by `trainer.step.build_replica` in the worker threads of
 `trainer.workers.ThreadEngine` (one worker per device by default, started as train.py starts them,
-without the first-step eager guard), each step `engine.compute(batch, ahead=next batch)` then
-`engine.update(...)`, which is what `ThreadEngine.step` runs: with --lookahead on (as the trainer)
-a step makes the NEXT step's target features during its gradient sum, so the forward timed in a
-step is the next one's (one a step either way). Timing: the host clock around the whole step with every
-device synchronised before and after (the step's wall time); the target forward with CUDA events
-around `Target.features` in each worker (the host clock on the CPU). Per step and worker:
-features = that forward, drafter = step wall time - features (the drafter's forward + backward,
-the gradient sum when there are several workers, clip + AdamW). ms/sample = median over the
-timed steps / the global batch (workers run at once, so a worker's forward counts once). With
-several workers on ONE GPU the split is approximate (their kernels share the device); the total
-is exact. Peak memory: max_memory_allocated per GPU over the timed steps.
+without the first-step eager guard), each step `engine.step(batch, ahead=next batch)` as the
+trainer's loop runs it: with --lookahead on (as the trainer) a step makes the NEXT step's target
+features during its gradient sum, so the forward timed in a step is the next one's (one a step
+either way); with --host ahead (as the trainer) the host queues the next step before the devices
+have finished this one (ThreadEngine.step returns at once; the results are read a step later),
+--host sync waits for each step's results first (the trainer before 2026-12-01). Timing: steps run
+in blocks of --case-steps of one case; the host clock around a whole block, every device
+synchronised before and after, divided by its steps, is each of its steps' total; the target
+forward with CUDA events around `Target.features` in each worker (the host clock on the CPU),
+summed over the block and divided likewise. Per step and worker: features = that forward, drafter
+= total - features (the drafter's forward + backward, the gradient sum when there are several
+workers, clip + AdamW). ms/sample = median over the timed steps / the global batch (workers run
+at once, so a worker's forward counts once). With several workers on ONE GPU the split is
+approximate (their kernels share the device); the total is exact. Peak memory:
+max_memory_allocated per GPU over the timed blocks.
 
 --target-mode: `truncated` (the trainer's default: the target stops after its last tapped layer),
 `full` (the whole base model with every hidden state, as before issue 14), `inference` (truncated,
@@ -41,9 +45,8 @@ steps: a fair A/B); each mode gets its own medians. --allreduce (copy, nccl) and
 FlatGrads buffers; own: each parameter keeps backward's gradient, what the trainer does unless the
 copy-sum needs the buffers) and --update (fused: torch's fused AdamW with the clip folded in;
 compiled: clip + AdamW as one inductor-compiled function, trainer/adamw.py) alternate the same
-way: one case per combination, named MODE[+ALLREDUCE][+GRADS][+UPDATE] where a list has several.
-The step is ThreadEngine.step's: the shards' loss and counts are read after the update is queued,
-so "compute" and "update" split the host's time (compute = queuing forward + backward), not the GPU's.
+way (and --lookahead, --host): one case per combination, named MODE[+ALLREDUCE][+GRADS][+UPDATE]...
+where a list has several.
 
 Before timing, one batch's truncated features are compared with the whole forward's (torch.equal,
 on this machine's transformers): `truncated_equals_full` in the results. With `compiled`, the
@@ -146,7 +149,7 @@ def _run(args, emit, res: dict, where: Placement) -> None:
     cuda, procs, rank, devices = where.cuda, where.procs, where.rank, where.devices
     res.update({"ok": False, "shape": args.shape, "policy": args.policy, "topology": args.topology,
                 "target_modes": [c["name"] for c in args.cases], "allreduce": args.allreduce, "grads": args.grads,
-                "update": args.update,
+                "update": args.update, "host": args.host, "case_steps": args.case_steps,
                 "workers": args.workers, "gpus": args.gpus if cuda else 0, "devices": where.all_devices,
                 "batch_per_worker": sh["batch"], "global_batch": sh["batch"] * args.workers, "seq": sh["seq"],
                 "anchors": sh["anchors"], "block": sh["block"], "torch": torch.__version__,
@@ -244,52 +247,51 @@ def _run(args, emit, res: dict, where: Placement) -> None:
         emit(f"{engine.size} replica(s) built in {res['build_s']} s ({res['trainable_params'] / 1e9:.2f} B trainable "
              f"each, backends {res['backends']}); step 1 compiles under {args.policy}, one worker at a time ...")
         start = time.perf_counter()
-        for i in range(args.warmup + args.steps):
-            batch = batches[i % len(batches)]
-            case = case_at(i)  # warm-up steps cycle too: each case runs once untimed
-            # as the trainer's loop: the next batch, when the next step is this case's too (the last
-            # step prefetches for a step that never comes: each step runs the target once)
-            ahead = batches[(i + 1) % len(batches)] if case["lookahead"] == "on" and case_at(i + 1) is case else None
-            use(case)
-            allreduce = case["allreduce"]
-            sync()
+        for block in blocks(args):
+            case = case_at(block[0])
+            use(case)  # the workers are idle: the last block ended with a synchronize
             if cuda:
                 for d in dict.fromkeys(devices):
                     torch.cuda.reset_peak_memory_stats(d)
+            outs = []
             t0 = time.perf_counter()
-            stats = engine.compute(batch, host=False, ahead=ahead)  # as ThreadEngine.step: read after the update
-            t1 = time.perf_counter()
-            norm = engine.update(1e-5, 1.0, i)
-            stats = [s.to_host() for s in stats]
+            for i in block:
+                batch = batches[i % len(batches)]
+                # as the trainer's loop: the next batch, when the next step is in this block (the last
+                # step prefetches for a step that never comes: each step runs the target once)
+                ahead = batches[(i + 1) % len(batches)] if case["lookahead"] == "on" and i != block[-1] else None
+                out = engine.step(batch, i, 1e-5, 1.0, ahead=ahead)
+                if case["host"] == "sync":  # the host waits for each step before it queues the next
+                    out.result()
+                outs.append(out)
+            engine.settle()
             sync()
-            t2 = time.perf_counter()
-            feats = clock.take()
-            B = len(batch)
-            loss_sum = sum(s.loss_sum for s in stats)
-            if procs:  # the global batch's loss (untimed): every rank's shard
-                t = torch.tensor([loss_sum], dtype=torch.float64, device=devices[0])
-                torch.distributed.all_reduce(t)
-                loss_sum = float(t)
-            rec = {"step": i, "mode": case["name"], "allreduce": allreduce, "grads": case["grads"], "update": case["update"], "timed": i >= args.warmup, "total_ms": (t2 - t0) * 1e3,
-                   "compute_ms": (t1 - t0) * 1e3, "update_ms": (t2 - t1) * 1e3, "features_ms": feats,
-                   "features_mean_ms": statistics.mean(feats.values()) if feats else 0.0,
-                   "loss": loss_sum / batch.weight_total, "grad_norm": norm}
-            rec["drafter_ms"] = rec["total_ms"] - rec["features_mean_ms"]
-            if cuda:
-                rec["peak_gb"] = {str(d): torch.cuda.max_memory_allocated(d) / 1e9 for d in dict.fromkeys(devices)}
-            res["steps"].append(rec)
-            if i == 0:
-                res["first_step_s"] = round(rec["total_ms"] / 1e3, 1)
-            emit(f"step {i + 1}/{args.warmup + args.steps} [{case['name']}]{'' if rec['timed'] else ' (warm-up)'}: "
-                 f"{rec['total_ms'] / B:.1f} ms/sample (target {rec['features_mean_ms'] / B:.1f}, "
-                 f"drafter {rec['drafter_ms'] / B:.1f}), loss {rec['loss']:.4f}, grad norm {norm:.3f}"
-                 + (f", peak {max(rec['peak_gb'].values()):.1f} GB" if cuda else ""))
+            wall = (time.perf_counter() - t0) * 1e3 / len(block)
+            feats = {who: ms / len(block) for who, ms in clock.take().items()}
+            for i, out in zip(block, outs):
+                st = out.result()
+                B = len(batches[i % len(batches)])
+                rec = {"step": i, "mode": case["name"], "allreduce": case["allreduce"], "grads": case["grads"],
+                       "update": case["update"], "timed": i >= args.warmup, "block": len(block),
+                       "total_ms": wall, "features_ms": feats,
+                       "features_mean_ms": statistics.mean(feats.values()) if feats else 0.0,
+                       "loss": st.loss_sum / batches[i % len(batches)].weight_total, "grad_norm": st.grad_norm}
+                rec["drafter_ms"] = rec["total_ms"] - rec["features_mean_ms"]
+                if cuda:
+                    rec["peak_gb"] = {str(d): torch.cuda.max_memory_allocated(d) / 1e9 for d in dict.fromkeys(devices)}
+                res["steps"].append(rec)
+                if i == 0:
+                    res["first_step_s"] = round(rec["total_ms"] / 1e3, 1)
+                emit(f"step {i + 1}/{args.warmup + args.steps} [{case['name']}]{'' if rec['timed'] else ' (warm-up)'}: "
+                     f"{rec['total_ms'] / B:.1f} ms/sample (target {rec['features_mean_ms'] / B:.1f}, "
+                     f"drafter {rec['drafter_ms'] / B:.1f}; a block of {len(block)}), loss {rec['loss']:.4f}, "
+                     f"grad norm {st.grad_norm:.3f}" + (f", peak {max(rec['peak_gb'].values()):.1f} GB" if cuda else ""))
             summarise(res)
             if rank == 0:
                 write(args.out, res)
             # every rank stops at the same step (RankEngine.agree: any rank's flag)
-            if engine.agree(time.perf_counter() - start > args.deadline) and i + 1 < args.warmup + args.steps:
-                res["stopped_early"] = f"--deadline {args.deadline:g} s reached after step {i + 1}"
+            if engine.agree(time.perf_counter() - start > args.deadline) and block[-1] + 1 < args.warmup + args.steps:
+                res["stopped_early"] = f"--deadline {args.deadline:g} s reached after step {block[-1] + 1}"
                 emit(res["stopped_early"])
                 break
         if args.profile or args.trace:  # on the CPU the tables are empty (CUDA only): the code path still runs
@@ -310,6 +312,20 @@ def _run(args, emit, res: dict, where: Placement) -> None:
     finally:
         engine.close()
     res["ok"] = bool(res.get("timed_steps"))
+
+
+def blocks(args) -> list[list[int]]:
+    """The steps in the order they run: step 0 alone (it compiles), then runs of --case-steps steps
+    of one case each (case_at), each timed as a whole: the host queues a block's steps as the
+    trainer's loop does (ThreadEngine.step returns before the devices have run the step) and the
+    block ends with every device synchronised."""
+    n = args.warmup + args.steps
+    out = [[0]]
+    for i in range(1, n):
+        if len(out) == 1 or i // args.case_steps != out[-1][-1] // args.case_steps:
+            out.append([])
+        out[-1].append(i)
+    return out
 
 
 def main(argv=None) -> int:
@@ -338,10 +354,12 @@ def main(argv=None) -> int:
     ap.add_argument("--lookahead", default="on",
                     help="on (as the trainer): each step also makes the next step's target features, during the "
                          "gradient sum; off: each step its own; on,off alternates (see --case-steps)")
-    ap.add_argument("--case-steps", type=int, default=0,
-                    help="steps in a row per case (default 1; 4 when --lookahead has both values: a look-ahead "
-                         "step prefetches only for a next step of its own case, so a block's middle steps are "
-                         "its steady state)")
+    ap.add_argument("--host", default="ahead",
+                    help="ahead (as the trainer): the host queues the next step before the devices finish this "
+                         "one; sync: the host waits for each step's results first; ahead,sync alternates")
+    ap.add_argument("--case-steps", type=int, default=8,
+                    help="steps in a row per case, timed as one block (default 8): within a block the host runs "
+                         "ahead, and a look-ahead step prefetches only for a next step of its own block")
     ap.add_argument("--profile", action="store_true", help="after timing, profile 2 steps (GPU only): kernel ms by category")
     ap.add_argument("--trace", action="store_true",
                     help="with the profile, keep its timeline (OUT/trace.json.gz) and attribute the GPU's idle gaps")
@@ -356,12 +374,13 @@ def main(argv=None) -> int:
     args.grads = list(dict.fromkeys(args.grads.split(",")))
     args.update = list(dict.fromkeys(args.update.split(",")))
     args.lookahead = list(dict.fromkeys(args.lookahead.split(",")))
+    args.host = list(dict.fromkeys(args.host.split(",")))
     bad = ([m for m in args.modes if m not in MODES] + [a for a in args.allreduce if a not in ("auto", "copy", "nccl")]
            + [g for g in args.grads if g not in GRADS] + [u for u in args.update if u not in UPDATES]
-           + [x for x in args.lookahead if x not in ("on", "off")])
+           + [x for x in args.lookahead if x not in ("on", "off")] + [x for x in args.host if x not in ("ahead", "sync")])
     if bad:
-        ap.error(f"--target-mode/--allreduce/--grads/--update/--lookahead {bad[0]!r}: choose from {', '.join(MODES)} / "
-                 f"auto, copy, nccl / {', '.join(GRADS)} / {', '.join(UPDATES)} / on, off")
+        ap.error(f"--target-mode/--allreduce/--grads/--update/--lookahead/--host {bad[0]!r}: choose from "
+                 f"{', '.join(MODES)} / auto, copy, nccl / {', '.join(GRADS)} / {', '.join(UPDATES)} / on, off / ahead, sync")
     args.workers = args.workers or (1 if args.tiny else args.gpus)
     procs = args.topology == "processes"
     if procs and (args.allreduce != ["auto"] or args.grads != ["auto"]):
@@ -374,10 +393,13 @@ def main(argv=None) -> int:
         return subprocess.call(cmd)
     rank = int(os.environ.get("RANK", "0")) if procs else 0
     args.cases = cases(mode=args.modes, allreduce=args.allreduce, grads=args.grads, update=args.update,
-                       lookahead=args.lookahead)
-    args.case_steps = args.case_steps or (4 if len(args.lookahead) > 1 else 1)
-    # the first step compiles; each case runs once untimed (a whole block of it)
-    args.warmup = max(len(args.cases) * args.case_steps, args.warmup)
+                       lookahead=args.lookahead, host=args.host)
+    if args.case_steps < 1:
+        ap.error("--case-steps must be at least 1")
+    # the first step compiles; each case runs once untimed (a whole block of it); blocks are timed
+    # or not as a whole
+    k = args.case_steps
+    args.warmup = -(-max(len(args.cases) * k, args.warmup) // k) * k
 
     def emit(text: str) -> None:
         if rank == 0:  # with several ranks, rank 0 speaks for the job

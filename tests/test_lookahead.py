@@ -6,6 +6,10 @@ change nothing: the same losses and weights, bit for bit, as steps without look-
 runs once a step, not twice; a prefetched shard that is not the one trained next is recomputed,
 never used; and the loop's checkpoints record the loader's position without the look-ahead, so a
 resumed run trains on exactly the batches an uninterrupted one does.
+
+The host runs ahead too: ThreadEngine.step returns before the devices have run the step
+(PendingStep), the loop reads a step's results after queuing the next, and a non-finite gradient
+norm is caught before the NEXT update is queued, so it still leaves the weights as they were.
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ from trainer.config import TrainConfig
 from trainer.data import Loader, Sample, make_batch
 from trainer.log import RunLog
 from trainer.model import Drafter
+from trainer.adamw import CompiledUpdate
+from trainer.errors import TrainerError
 from trainer.step import build_replica
 from trainer.target import load_target
 from trainer.workers import ThreadEngine
@@ -37,9 +43,10 @@ def _batches(vocab: int, workers: int, pw, n: int = STEPS, seed: int = 1):
     return out
 
 
-def _train(lookahead: bool, workers: int = 1, swap_last: bool = False):
+def _train(lookahead: bool, workers: int = 1, swap_last: bool = False, read_late: bool = False):
     """STEPS steps; with lookahead each step is given the next batch. swap_last: the batch prefetched
-    for the last step is not the one that step trains on."""
+    for the last step is not the one that step trains on. read_late: every step's results are read
+    after the last step is queued (else each right after its own step)."""
     torch.manual_seed(0)
     target = load_target("tiny", device=torch.device("cpu"), dtype=torch.float32)
     dcfg = target.drafter_config(num_layers=2, block_size=16, mask_token_id=None)
@@ -63,13 +70,16 @@ def _train(lookahead: bool, workers: int = 1, swap_last: bool = False):
     batches = _batches(dcfg.vocab_size, workers, pw)
     decoy = _batches(dcfg.vocab_size, workers, pw, n=1, seed=99)[0]
     engine = ThreadEngine.start([torch.device("cpu")] * workers, build, RunLog(None), 60.0, guard=False)
-    losses = []
+    pending = []
     try:
         for step, batch in enumerate(batches):
             ahead = None
             if lookahead and step + 1 < STEPS:
                 ahead = decoy if swap_last and step + 2 == STEPS else batches[step + 1]
-            losses.append(engine.step(batch, step, 1e-3, 1.0, ahead=ahead).loss_sum)
+            pending.append(engine.step(batch, step, 1e-3, 1.0, ahead=ahead))
+            if not read_late:
+                pending[-1].result()
+        losses = [p.result().loss_sum for p in pending]
         engine.check_replicas(STEPS)
         return start, [p.detach().clone() for p in engine.primary.params], losses, len(calls)
     finally:
@@ -116,3 +126,53 @@ def test_batches_state_has_no_lookahead():
     for step in range(3, cfg.steps):
         resumed.peek(step)
         assert torch.equal(resumed.take(step).input_ids, seen[step])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_results_read_a_step_late_are_the_same(workers):
+    start, now, loss_now, _ = _train(True, workers)
+    _, late, loss_late, _ = _train(True, workers, read_late=True)
+    assert loss_late == loss_now and len(set(loss_now)) == STEPS
+    assert all(torch.equal(a, b) for a, b in zip(now, late))
+    assert min(float((a - s).abs().max()) for a, s in zip(late, start)) > 0, "nothing trained: equality proves nothing"
+
+
+def test_a_non_finite_norm_raises_before_the_next_update_and_changes_nothing():
+    """The update whose norm stays on the device (the compiled update, uncompiled here) skips
+    itself when the norm is not finite; the host learns of it at the next step, which raises after
+    queuing its forward and backward but before its update: the weights and the optimizer's state
+    are those of the last good step."""
+    torch.manual_seed(0)
+    target = load_target("tiny", device=torch.device("cpu"), dtype=torch.float32)
+    dcfg = target.drafter_config(num_layers=2, block_size=16, mask_token_id=None)
+    pw = masks.position_weights(16, masks.default_gamma(16))
+    poison = {"on": False}
+
+    def build(i, dev):
+        r = build_replica(i, dev, Drafter(dcfg), target, policy="eager", n_devices=1, lr=1e-3, weight_decay=0.1,
+                          pos_weights=pw)
+        r.update = CompiledUpdate(r.optimizer, r.params, compiled=False)
+        r.params[0].register_hook(lambda g: g * float("nan") if poison["on"] else g)
+        return r
+
+    batches = _batches(dcfg.vocab_size, 1, pw, n=3)
+    engine = ThreadEngine.start([torch.device("cpu")], build, RunLog(None), 60.0, guard=False)
+    try:
+        r = engine.primary
+        engine.step(batches[0], 0, 1e-3, 1.0).result()
+        good = [p.detach().clone() for p in r.params]
+        state = copy.deepcopy(r.optimizer.state_dict())
+        poison["on"] = True
+        bad = engine.step(batches[1], 1, 1e-3, 1.0)  # queued; its update skipped itself
+        poison["on"] = False
+        with pytest.raises(TrainerError, match="gradient norm is nan at step 1"):
+            engine.step(batches[2], 2, 1e-3, 1.0)
+        with pytest.raises(TrainerError, match="at step 1"):
+            bad.result()  # the same error for whoever reads the step
+        assert all(torch.equal(p.detach(), w) for p, w in zip(r.params, good))
+        after = r.optimizer.state_dict()["state"]
+        for k, v in state["state"].items():
+            for name, t in v.items():
+                assert torch.equal(after[k][name], t), (k, name)
+    finally:
+        engine.close()

@@ -38,17 +38,19 @@ def _check(res: dict, steps: int) -> None:
             assert m[key] > 0
     for s in res["steps"]:
         assert len(s["features_ms"]) == res["workers"]  # every worker ran the target once per step
-        assert s["total_ms"] >= s["compute_ms"] > 0 and torch.isfinite(torch.tensor(s["loss"]))
+        assert s["total_ms"] > 0 and s["block"] >= 1 and torch.isfinite(torch.tensor(s["loss"]))
 
 
 def test_tiny_runs_end_to_end_from_the_command_line(tmp_path):
     p = subprocess.run([sys.executable, str(BENCH), "--tiny", "--policy", "eager", "--steps", "2", "--warmup", "1",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=REPO)
+                        "--case-steps", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.loads((tmp_path / "results.json").read_text())
     _check(res, 2)
     assert res["target_modes"] == ["truncated"] and res["layer_ids"] == [1, 2, 3, 4, 5]
-    assert "step 3/3 [truncated]" in p.stdout and "| truncated | 2 |" in p.stdout
+    # step 1 alone (it compiles), then blocks of 2: the warm-up is rounded up to whole blocks
+    assert [s["block"] for s in res["steps"]] == [1, 1, 2, 2]
+    assert "step 4/4 [truncated]" in p.stdout and "| truncated | 2 |" in p.stdout
 
 
 def test_the_8b_code_path_with_two_workers_and_every_target_mode(tmp_path, monkeypatch):
@@ -59,7 +61,7 @@ def test_the_8b_code_path_with_two_workers_and_every_target_mode(tmp_path, monke
     monkeypatch.setitem(bench.SHAPES, "8b", dict(bench.SHAPES["8b"], layers=(0, 2), draft_layers=1, seq=64,
                                                   anchors=4))
     assert bench.main(["--cpu", "--workers", "2", "--policy", "eager", "--target-mode", "truncated,full,inference",
-                       "--steps", "3", "--warmup", "1", "--out", str(tmp_path)]) == 0
+                       "--steps", "3", "--warmup", "1", "--case-steps", "1", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "results.json").read_text())
     _check(res, 3)
     assert res["shape"] == "8b" and res["global_batch"] == 4 and res["target_layers"] == 4
@@ -83,7 +85,7 @@ def test_an_error_is_recorded_in_the_results(tmp_path, monkeypatch):
 def test_cases_alternate_and_the_trace_is_kept(tmp_path):
     """--grads and --update alternate like target modes (one case per combination); --trace keeps the
     profiled steps' timeline and its gap report (CPU ops recorded in the worker's thread)."""
-    p = subprocess.run([sys.executable, str(BENCH), "--tiny", "--policy", "eager", "--steps", "4", "--warmup", "1",
+    p = subprocess.run([sys.executable, str(BENCH), "--tiny", "--policy", "eager", "--steps", "4", "--warmup", "1", "--case-steps", "1",
                         "--grads", "flat,own", "--update", "fused,compiled", "--trace", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
@@ -104,7 +106,7 @@ def test_processes_train_the_same_steps_as_threads(tmp_path):
     for topology in ("threads", "processes"):
         out = tmp_path / topology
         p = subprocess.run([sys.executable, str(BENCH), "--tiny", "--policy", "eager", "--workers", "2", "--steps", "2",
-                            "--warmup", "1", "--topology", topology, "--out", str(out)],
+                            "--warmup", "1", "--case-steps", "1", "--topology", topology, "--out", str(out)],
                            capture_output=True, text=True, timeout=300, cwd=REPO)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
         res = json.loads((out / "results.json").read_text())
@@ -115,3 +117,21 @@ def test_processes_train_the_same_steps_as_threads(tmp_path):
         losses[topology] = [s["loss"] for s in res["steps"]]
     assert losses["processes"] == pytest.approx(losses["threads"], rel=1e-5)
     assert len(set(round(x, 3) for x in losses["threads"])) > 1  # the steps trained on different batches
+
+
+def test_the_host_running_ahead_trains_the_same_steps_as_waiting(tmp_path):
+    """--host ahead (the trainer: the next step is queued before this one's results are read) and
+    --host sync give the same losses on the same steps: the run-ahead changes when the host reads,
+    not what the devices compute."""
+    losses = {}
+    for host in ("ahead", "sync"):
+        out = tmp_path / host
+        p = subprocess.run([sys.executable, str(BENCH), "--tiny", "--policy", "eager", "--steps", "4", "--warmup", "1",
+                            "--case-steps", "4", "--host", host, "--out", str(out)],
+                           capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        res = json.loads((out / "results.json").read_text())
+        _check(res, 4)
+        losses[host] = [(s["loss"], s["grad_norm"]) for s in res["steps"]]
+    assert losses["ahead"] == losses["sync"]
+    assert len(set(round(x, 3) for x, _ in losses["ahead"])) > 1  # the steps trained on different batches

@@ -289,6 +289,9 @@ class RankEngine:
         return StepOut(float(packed[0]), packed[1: 1 + n].to(st.correct.dtype),
                        packed[1 + n:].to(st.count.dtype), norm)
 
+    def settle(self) -> None:
+        """step() returns its results read (StepOut): nothing is left pending."""
+
     def compute(self, batch, host: bool = True, ahead=None) -> list[ShardStats]:
         """This rank's shard, forward + backward; DDP sums the gradients over the ranks in backward.
         The first call is the warm-up, checked against eager when the guard is on. host=False: the

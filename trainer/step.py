@@ -333,26 +333,36 @@ def gather_chunks(replicas: list[Replica], i: int) -> None:
 
 
 def apply_update(r: Replica, lr: float, grad_clip: float, step: int) -> float:
-    """Clip to the global norm and step the optimizer; returns the pre-clip gradient norm.
+    """Clip to the global norm and step the optimizer; returns the pre-clip gradient norm, read on
+    the host (queue_update, then settle_norm).
 
-    A non-finite norm raises TrainerError and leaves the weights and optimizer state untouched.
+    A non-finite norm raises TrainerError and leaves the weights and optimizer state untouched."""
+    return settle_norm(queue_update(r, lr, grad_clip, step), step)
+
+
+def queue_update(r: Replica, lr: float, grad_clip: float, step: int) -> torch.Tensor | float:
+    """apply_update without the host's wait: returns the pre-clip norm as a device tensor where the
+    update itself leaves everything untouched on the device when the norm is not finite, else a
+    float already checked. A device norm must go through settle_norm before anything else changes
+    the weights (ThreadEngine.step settles the previous step's before it queues the next update).
+
     With a CompiledUpdate (a GPU under a compiled policy) clip and AdamW are one compiled function
     (trainer/adamw.py). Else, with the fused AdamW (CUDA), the clip is folded into the optimizer's kernel: it divides every
     gradient by `grad_scale` = 1 / clip_grad_norm_'s coefficient as it reads it, and skips the
     whole update on the device when `found_inf` is set, so the gradients are not rewritten in a
-    separate pass (8 bytes per parameter: 8.4 GB a step for a 1B drafter) and the host waits for
-    the norm only after the update has been queued.
+    separate pass (8 bytes per parameter: 8.4 GB a step for a 1B drafter). Else (the CPU) the
+    norm is read before the step, which a non-finite norm skips.
     """
     for g in r.optimizer.param_groups:
         g["lr"] = lr
     if r.update is not None:
         try:
-            norm = float(r.update(lr, grad_clip))
+            norm = r.update(lr, grad_clip)
         except CompileFailed as e:  # torch's own AdamW below does the same update
             warnings.warn(f"the compiled optimizer update failed to compile ({e}); using torch's AdamW "
                           "(--compile-update off skips the attempt)", RuntimeWarning, stacklevel=2)
             r.update = None
-            return apply_update(r, lr, grad_clip, step)
+            return queue_update(r, lr, grad_clip, step)
     elif r.optimizer.defaults.get("fused"):
         total = _total_norm([p.grad for p in r.params])  # every parameter has one (_forward_backward)
         # clip_grad_norm_'s coefficient is grad_clip / (norm + 1e-6), clamped to at most 1.
@@ -362,15 +372,67 @@ def apply_update(r: Replica, lr: float, grad_clip: float, step: int) -> float:
             r.optimizer.step()
         finally:
             r.optimizer.grad_scale = r.optimizer.found_inf = None
-        norm = float(total)
+        norm = total
     else:
-        norm = float(torch.nn.utils.clip_grad_norm_(r.params, grad_clip))
-        if math.isfinite(norm):
-            r.optimizer.step()
-    if not math.isfinite(norm):
-        raise TrainerError(f"gradient norm is {norm} at step {step}: the loss diverged (try a lower --lr)")
+        norm = settle_norm(torch.nn.utils.clip_grad_norm_(r.params, grad_clip), step)
+        r.optimizer.step()
     _test_diverge(r.index, step + 1, r)
     return norm
+
+
+def settle_norm(norm: torch.Tensor | float, step: int) -> float:
+    """The norm on the host; raises TrainerError when it is not finite (the update skipped itself)."""
+    norm = float(norm)
+    if not math.isfinite(norm):
+        raise TrainerError(f"gradient norm is {norm} at step {step}: the loss diverged (try a lower --lr)")
+    return norm
+
+
+class OnHost:
+    """Device tensors copied to the host without the host waiting: the copies are queued now on the
+    device's current stream (into pinned memory), so wait() waits for the work queued before
+    them, not for what the host queues afterwards. On the CPU they are the tensors themselves."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.done = None
+        if not tensors or not tensors[0].is_cuda:
+            self.host = [t.detach() for t in tensors]
+            return
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for h, t in zip(self.host, tensors):
+            h.copy_(t.detach(), non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record(torch.cuda.current_stream(tensors[0].device))
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.done is not None:
+            self.done.synchronize()
+            self.done = None
+        return self.host
+
+
+class StepEnd:
+    """One replica's step after its update was queued: its shard's stats and the pre-clip norm, on
+    their way to the host (OnHost). read() waits for them and checks the norm (settle_norm)."""
+
+    def __init__(self, stats: ShardStats, norm: torch.Tensor | float, step: int):
+        self.samples, self.tokens, self.step = stats.samples, stats.tokens, step
+        vals = [stats.loss_sum, stats.correct, stats.count, norm]
+        dev = [v for v in vals if isinstance(v, torch.Tensor) and v.is_cuda]
+        self._host = OnHost(dev)
+        self._vals = vals
+
+    def read(self) -> tuple[ShardStats, float]:
+        host = iter(self._host.wait())
+        loss_sum, correct, count, norm = [next(host) if isinstance(v, torch.Tensor) and v.is_cuda else v
+                                          for v in self._vals]
+        norm = settle_norm(norm, self.step)
+        return ShardStats(float(loss_sum), correct, count, self.samples, self.tokens), norm
+
+
+def update_async(r: Replica, stats: ShardStats, lr: float, grad_clip: float, step: int) -> StepEnd:
+    """queue_update, then the step's stats and norm start for the host (StepEnd): nothing waits."""
+    return StepEnd(stats, queue_update(r, lr, grad_clip, step), step)
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -225,34 +225,56 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
         _eval(cfg, log, engine, prep.eval_prompts, step)
 
     last_loss = None
-    while step < cfg.steps:
-        if engine.agree(stop.is_set()):
-            return _stopped(cfg, log, out, engine, batches, step)
-        t = time.perf_counter()
-        batch = batches.take(step)
-        lr = lr_at(step, steps=cfg.steps, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup)
-        res = engine.step(batch, step, lr, cfg.grad_clip, ahead=batches.peek(step + 1))
-        step += 1
-        dt = time.perf_counter() - t
+    # The step queued last, logged once the next one is queued (engine.step returns before the
+    # devices have run it), or at a step boundary that needs its results.
+    pending = None
 
+    def finish(until: float | None = None) -> None:
+        """Read and log the pending step (waits for its update; a non-finite norm raises). Its
+        time runs from its start to `until`, the next step's start, or to now."""
+        nonlocal pending, last_loss
+        if pending is None:
+            return
+        n, handle, batch, lr, t = pending
+        pending = None
+        res = handle.result()
+        dt = (until if until is not None else time.perf_counter()) - t
         last_loss = res.loss_sum / max(batch.weight_total, 1e-12)
-        if step % cfg.log_every == 0 or step == cfg.steps:
+        if n % cfg.log_every == 0 or n == cfg.steps:
             correct, count = res.correct.float(), res.count.float()
             per_pos = (correct / count.clamp(min=1))[1:].tolist()  # block positions 1..B-1
-            m = {"step": step, "loss": last_loss, "accuracy": float(correct.sum() / count.sum().clamp(min=1)),
+            m = {"step": n, "loss": last_loss, "accuracy": float(correct.sum() / count.sum().clamp(min=1)),
                  "acc_per_position": per_pos, "lr": lr, "grad_norm": res.grad_norm,
                  "tokens_per_s": batch.tokens / dt, "samples_per_s": len(batch) / dt, "step_s": dt}
             if peak:
                 m["mfu"] = prep.flops * len(batch) / dt / peak
             log.info(step_line(m, cfg.steps))
             log.metrics(m)
-        if cfg.checksum_every and step % cfg.checksum_every == 0 and step < cfg.steps:
+
+    while step < cfg.steps:
+        if engine.agree(stop.is_set()):
+            finish()
+            return _stopped(cfg, log, out, engine, batches, step)
+        t = time.perf_counter()
+        batch = batches.take(step)
+        lr = lr_at(step, steps=cfg.steps, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup)
+        res = engine.step(batch, step, lr, cfg.grad_clip, ahead=batches.peek(step + 1))
+        finish(until=t)
+        step += 1
+        pending = (step, res, batch, lr, t)
+        checksum = cfg.checksum_every and step % cfg.checksum_every == 0 and step < cfg.steps
+        save = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps
+        evaluate = cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and prep.eval_prompts
+        if checksum or save or evaluate:
+            finish()
+        if checksum:
             engine.check_replicas(step)
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
+        if save:
             _save(cfg, log, out, engine, batches, step)
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and prep.eval_prompts:
+        if evaluate:
             _eval(cfg, log, engine, prep.eval_prompts, step)
 
+    finish()
     engine.check_replicas(step)
     _save(cfg, log, out, engine, batches, step)
     if engine.agree(stop.is_set()):
@@ -375,6 +397,7 @@ def _read_samples(path: str, cfg, target):
 
 
 def _save(cfg, log, out, engine, batches, step) -> None:
+    engine.settle()  # the last step's update has run and its norm is finite
     if not engine.saver:     # rank 0, and under several nodes the first rank of each node
         return
     t = time.time()

@@ -35,9 +35,9 @@ import torch
 from trainer.log import heartbeat
 from trainer.errors import TrainerError
 from trainer.numerics import guard_first_step
-from trainer.step import (FlatGrads, Replica, ShardStats, apply_update, compute_grads, gather_chunks,
-                          nccl_all_reduce, nccl_usable, prefetch_features, reduce_own_chunk, warmup_test_hook,
-                          weight_checksum)
+from trainer.step import (FlatGrads, Replica, ShardStats, StepEnd, apply_update, compute_grads, gather_chunks,
+                          nccl_all_reduce, nccl_usable, prefetch_features, reduce_own_chunk, update_async,
+                          warmup_test_hook, weight_checksum)
 
 
 class WorkerFailed(TrainerError):
@@ -135,6 +135,32 @@ class StepOut:
     count: torch.Tensor     # (Bs,)
     grad_norm: float
 
+    def result(self) -> "StepOut":
+        return self
+
+
+class PendingStep:
+    """A step whose work is queued: result() waits for its update (not for what was queued after
+    it), checks its norm and sums its shards' stats; the first call does it, later ones return the
+    same StepOut (or raise the same error)."""
+
+    def __init__(self, ends: list[StepEnd]):
+        self._ends, self._out, self._error = ends, None, None
+
+    def result(self) -> StepOut:
+        if self._error is not None:
+            raise self._error
+        if self._out is None:
+            try:
+                read = [e.read() for e in self._ends]
+            except TrainerError as e:
+                self._error = e
+                raise
+            stats = [st for st, _ in read]
+            self._out = StepOut(sum(s.loss_sum for s in stats), sum(s.correct for s in stats),
+                                sum(s.count for s in stats), read[0][1])
+        return self._out
+
 
 class ThreadEngine:
     """N replicas, one per worker thread, driven step by step from the main thread."""
@@ -157,6 +183,7 @@ class ThreadEngine:
         self._hung: set[int] = set()
         self._nccl: bool | None = None  # nccl_usable(replicas), decided at the first gradient sum
         self._flat: dict[int, FlatGrads] = {}  # each replica's FlatGrads, once made
+        self._pending: PendingStep | None = None  # the last step, until settle()
 
     @classmethod
     def start(cls, devices: list[torch.device], build: Callable[[int, torch.device], Replica], log,
@@ -186,16 +213,29 @@ class ThreadEngine:
     def size(self) -> int:
         return len(self.replicas)
 
-    def step(self, batch, step: int, lr: float, grad_clip: float, ahead=None) -> StepOut:
-        """One training step on `batch`. `ahead`: the next step's batch, whose target features are
-        made during this step's gradient sum (compute)."""
-        # The shards' stats are read after the update is queued: the host never waits between the
-        # backward and the update (the update's norm read waits for both).
+    def step(self, batch, step: int, lr: float, grad_clip: float, ahead=None) -> PendingStep:
+        """One training step on `batch`, queued: returns before the GPUs have run it (PendingStep;
+        its result() waits). `ahead`: the next step's batch, whose target features are made
+        during this step's gradient sum (compute).
+
+        The host runs one step ahead of the devices: it queues this step's forward and backward
+        while they still run the previous step's update, then settles that update's norm (a
+        non-finite one raises TrainerError here, before this step's update is queued, so the
+        weights stay as they were before it), then queues this step's update. So the devices do not
+        sit idle while the host reads a step's results and prepares the next one."""
         stats = self.compute(batch, host=False, ahead=ahead)
-        norm = self.update(lr, grad_clip, step)
-        stats = [s.to_host() for s in stats]
-        return StepOut(sum(s.loss_sum for s in stats), sum(s.correct for s in stats),
-                       sum(s.count for s in stats), norm)
+        self.settle()
+        ends = run_all(self.workers, update_async, [(r, st, lr, grad_clip, step)
+                                                    for r, st in zip(self.replicas, stats)])
+        self._pending = PendingStep(ends)
+        return self._pending
+
+    def settle(self) -> None:
+        """Wait for the last step's update and check its norm (TrainerError when not finite). Call
+        before anything that reads or changes the weights outside step() (checkpoints, checks)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def compute(self, batch, host: bool = True, ahead=None) -> list[ShardStats]:
         """Forward + backward of every worker's shard, then the cross-replica sum: afterwards every
@@ -243,10 +283,12 @@ class ThreadEngine:
 
     def update(self, lr: float, grad_clip: float, step: int) -> float:
         """The same optimizer update in every worker; returns the pre-clip gradient norm."""
+        self.settle()
         return run_all(self.workers, apply_update, [(r, lr, grad_clip, step) for r in self.replicas])[0]
 
     def run_each(self, fn: Callable, per_worker_args: list[tuple]) -> list:
-        """fn(replica_i, *args_i) in worker i's thread, for every worker."""
+        """fn(replica_i, *args_i) in worker i's thread, for every worker (after settle())."""
+        self.settle()
         return run_all(self.workers, fn, [(r, *a) for r, a in zip(self.replicas, per_worker_args)])
 
     def _warm_up(self, w: Worker, shard):
@@ -284,6 +326,7 @@ class ThreadEngine:
 
     def check_replicas(self, step: int) -> None:
         """Every replica's weights must equal replica 0's, bit for bit; a divergence ends the run."""
+        self.settle()
         if len(self.replicas) == 1:
             return
         sums = run_all(self.workers, weight_checksum, [(r,) for r in self.replicas])
@@ -298,7 +341,8 @@ class ThreadEngine:
         self.log.metrics({"event": "checksum", "step": step, "replicas": len(sums)})
 
     def on_primary(self, fn: Callable, *args, **kwargs):
-        """Run fn in worker 0's thread (it owns device 0 and the replica eval and saving use)."""
+        """Run fn in worker 0's thread (it owns device 0 and the replica eval and saving use), after settle()."""
+        self.settle()
         return self.workers[0].submit(fn, *args, **kwargs).result()
 
     def agree(self, flag: bool) -> bool:
