@@ -24,6 +24,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from trainer import ce_kernel
+
 # Rows per chunk: the largest power of two whose fp32 logits stay under this many bytes.
 CHUNK_BYTES = 1 << 30
 
@@ -53,10 +55,33 @@ _core_lock = threading.Lock()
 fallback_reason: str | None = None
 
 
+def _kernel(logits, labels, weights):
+    """ce_kernel.ce_core (a GPU with Triton): the core in one Triton kernel, two passes per row.
+    Outside torch.compile a failure (a GPU Triton cannot build for) falls back to _compiled, once."""
+    global kernel_failed
+    if kernel_failed is None:
+        if torch.compiler.is_compiling():
+            return ce_kernel.ce_core(logits, labels, weights)
+        try:
+            return ce_kernel.ce_core(logits, labels, weights)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the same core in torch is always right
+            kernel_failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            warnings.warn(f"the Triton cross-entropy kernel failed ({kernel_failed}); using the torch core "
+                          "(DFLASH_CE_KERNEL=0 skips the attempt)", RuntimeWarning, stacklevel=2)
+    return _compiled(logits, labels, weights)
+
+
+kernel_failed: str | None = None
+
+
 def _compiled(logits, labels, weights):
     """_ce_core compiled on its own where nothing around it is (eager policy on CUDA): one fused
     reduction and one fused pointwise pass over each chunk instead of ~8 separate eager passes."""
     global _compiled_core, fallback_reason
+    if torch.compiler.is_compiling():
+        return _ce_core(logits, labels, weights)
     if fallback_reason is None:
         with _core_lock:
             if _compiled_core is None:
@@ -81,7 +106,8 @@ class _LinearCE(torch.autograd.Function):
         want_grad = ctx.needs_input_grad[0]
         want_norm = ctx.needs_input_grad[1]
         dnorm = torch.zeros(norm_w.shape, dtype=torch.float32, device=h.device) if want_norm else None
-        core = _compiled if h.device.type == "cuda" and not torch.compiler.is_compiling() else _ce_core
+        core = (_kernel if ce_kernel.available(h.device) else
+                _compiled if h.device.type == "cuda" else _ce_core)
         loss = h.new_zeros((), dtype=torch.float32)
         preds, grads = [], []
         for s in range(0, h.shape[0], rows):
