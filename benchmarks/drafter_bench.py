@@ -7,8 +7,11 @@ A Qwen3-8B-shaped drafter (5 layers, hidden 4096, intermediate 12288, 32 q / 8 k
 vocab 151936) on synthetic target features: batch 2, context 768, 256 anchors x block 16. Each
 variant (POLICY/ATTENTION/LOSS[@SHAPE]) runs in its own process, under a time limit, with the step
 in a threading.Thread that calls policies.configure_thread and torch.cuda.set_device, as the
-trainer's workers do: trainer-equivalent step (zero_grad, autocast bf16 forward, backward of
-loss / batch weight, clip 1.0, fused AdamW). Reports ms/sample (median step / batch), TFLOP/s and
+trainer's workers do: the trainer's step (zero_grad, autocast bf16 forward, backward of
+loss / batch weight, then with --update trainer (the default) the trainer's own update,
+trainer.step.apply_update: clip 1.0 + AdamW as one compiled function on a GPU under a compiled
+policy (trainer/adamw.py), else fused AdamW with the clip folded in; --update clip+fused:
+clip_grad_norm_ then torch's fused AdamW, what this benchmark ran until 2026-12-01). Reports ms/sample (median step / batch), TFLOP/s and
 MFU (of 989 TFLOP/s bf16) by two counts, peak memory of the steady-state steps, the first step's
 seconds (compile included) and the step-0 loss and gradient norm (same seed, weights and batch in
 every variant: the fast paths must give the dense paths' numbers). Writes DIR/results.json,
@@ -171,6 +174,15 @@ def run_one(args) -> dict:
         res["trainable_params"] = sum(p.numel() for p in params)
         opt = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0,
                                 **({"fused": True} if cuda else {}))
+        res["update"] = args.update
+        if args.update == "trainer":  # as build_replica + apply_update do it
+            from types import SimpleNamespace
+
+            from trainer.adamw import CompiledUpdate
+            from trainer.step import apply_update
+
+            replica = SimpleNamespace(index=0, params=params, optimizer=opt, update=CompiledUpdate(opt, params)
+                                      if policies.compiled_part("auto", policy, torch.device(dev)) else None)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
         def step(i):
@@ -180,8 +192,11 @@ def run_one(args) -> dict:
             with autocast:
                 loss_sum, _, _ = fn(*tensors)
             (loss_sum / wt).backward()
-            gn = torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            if args.update == "trainer":
+                gn = apply_update(replica, 1e-5, 1.0, i)
+            else:
+                gn = torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
             return float(loss_sum.detach()) / wt, float(gn)
 
         sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -255,7 +270,7 @@ def _run_child(variant: str, args, out: Path, limit: float) -> dict:
     log = out / (variant.replace("/", "_").replace("@", "_at_") + ".log")
     js = out / (log.stem + ".json")
     cmd = [sys.executable, __file__, "--one", variant, "--json", str(js), "--steps", str(args.steps),
-           "--warmup", str(args.warmup)] + (["--tiny"] if args.tiny else []) + \
+           "--warmup", str(args.warmup), "--update", args.update] + (["--tiny"] if args.tiny else []) + \
           ["--profile", variant if variant in args.profile else ""]
     t0 = time.time()
     with open(log, "w") as f:
@@ -330,6 +345,8 @@ def main(argv=None) -> int:
                     help="seconds per variant (a compile policy with flex needed more than 69 s on the H200)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--update", default="trainer", choices=("trainer", "clip+fused"),
+                    help="the optimizer update: the trainer's (apply_update; default) or clip_grad_norm_ + fused AdamW")
     ap.add_argument("--profile", default="inductor/flex/chunked", help="variants to profile (comma-separated)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
