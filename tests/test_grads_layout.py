@@ -7,48 +7,26 @@ equality alone). Two CPU workers share the CPU, so their sum is the copy-based o
 the flat buffers: the engine gives them whatever `grads` says."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from trainer import masks
-from trainer.data import Sample, make_batch
-from trainer.log import RunLog
-from trainer.model import Drafter
-from trainer.step import FlatGrads, build_replica
-from trainer.target import load_target
-from trainer.workers import ThreadEngine
+from tiny_engine import tiny_engine
+from trainer.step import FlatGrads
 
 STEPS = 3
 
 
 def _train(grads: str, workers: int = 1):
-    torch.manual_seed(0)
-    target = load_target("tiny", device=torch.device("cpu"), dtype=torch.float32)
-    dcfg = target.drafter_config(num_layers=2, block_size=16, mask_token_id=None)
-    drafter = Drafter(dcfg)
-    start = [p.detach().clone() for _, p in drafter.trainable_parameters()]
-    copies = [drafter] + [copy.deepcopy(drafter) for _ in range(workers - 1)]
-    pw = masks.position_weights(16, masks.default_gamma(16))
-
-    def build(i, device):
-        return build_replica(i, device, copies[i], target, policy="eager", n_devices=workers, lr=1e-3,
-                             weight_decay=0.1, pos_weights=pw)
-
-    g = torch.Generator().manual_seed(1)
-    engine = ThreadEngine.start([torch.device("cpu")] * workers, build, RunLog(None), 60.0, guard=False)
+    tiny = tiny_engine(workers)
+    engine = tiny.engine
     engine.grads = grads  # "flat" or "auto" (each parameter's own gradient unless the copy-sum needs flat)
     layouts = []
     try:
-        for step in range(STEPS):
-            ids = torch.randint(0, dcfg.vocab_size - 1, (2 * workers, 64), generator=g).tolist()
-            batch = make_batch([Sample(tuple(r), (1,) * 64) for r in ids], pad_len=64, pad_id=0, step=step, seed=0,
-                               block_size=16, anchors=4, pos_weights=pw)
+        for step, batch in enumerate(tiny.batches(STEPS)):
             engine.step(batch, step, 1e-3, 1.0)
             layouts.append([r.grads for r in engine.replicas])
         engine.check_replicas(STEPS)
-        return start, [p.detach().clone() for p in engine.primary.params], engine.primary, layouts
+        return tiny.start, tiny.weights(), engine.primary, layouts
     finally:
         engine.close()
 

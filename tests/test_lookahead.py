@@ -19,57 +19,35 @@ import json
 import pytest
 import torch
 
+from tiny_engine import tiny_engine
 from trainer import masks, train
-from trainer.config import TrainConfig
-from trainer.data import Loader, Sample, make_batch
-from trainer.log import RunLog
-from trainer.model import Drafter
 from trainer.adamw import CompiledUpdate
+from trainer.config import TrainConfig
+from trainer.data import Loader, Sample
 from trainer.errors import TrainerError
-from trainer.step import build_replica
-from trainer.target import load_target
-from trainer.workers import ThreadEngine
 
 STEPS = 4
-
-
-def _batches(vocab: int, workers: int, pw, n: int = STEPS, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for step in range(n):
-        ids = torch.randint(0, vocab - 1, (2 * workers, 64), generator=g).tolist()
-        out.append(make_batch([Sample(tuple(r), (1,) * 64) for r in ids], pad_len=64, pad_id=0, step=step, seed=0,
-                              block_size=16, anchors=4, pos_weights=pw))
-    return out
 
 
 def _train(lookahead: bool, workers: int = 1, swap_last: bool = False, read_late: bool = False):
     """STEPS steps; with lookahead each step is given the next batch. swap_last: the batch prefetched
     for the last step is not the one that step trains on. read_late: every step's results are read
     after the last step is queued (else each right after its own step)."""
-    torch.manual_seed(0)
-    target = load_target("tiny", device=torch.device("cpu"), dtype=torch.float32)
-    dcfg = target.drafter_config(num_layers=2, block_size=16, mask_token_id=None)
-    drafter = Drafter(dcfg)
-    start = [p.detach().clone() for _, p in drafter.trainable_parameters()]
-    copies = [drafter] + [copy.deepcopy(drafter) for _ in range(workers - 1)]
-    pw = masks.position_weights(16, masks.default_gamma(16))
     calls = []
-    features = target.features
 
-    def counted(ids, **kw):
-        calls.append(tuple(ids.shape))
-        return features(ids, **kw)
+    def count_forwards(target):
+        features = target.features
 
-    target.features = counted
+        def counted(ids, **kw):
+            calls.append(tuple(ids.shape))
+            return features(ids, **kw)
 
-    def build(i, device):
-        return build_replica(i, device, copies[i], target, policy="eager", n_devices=workers, lr=1e-3,
-                             weight_decay=0.1, pos_weights=pw)
+        target.features = counted
 
-    batches = _batches(dcfg.vocab_size, workers, pw)
-    decoy = _batches(dcfg.vocab_size, workers, pw, n=1, seed=99)[0]
-    engine = ThreadEngine.start([torch.device("cpu")] * workers, build, RunLog(None), 60.0, guard=False)
+    tiny = tiny_engine(workers, target_hook=count_forwards)
+    engine = tiny.engine
+    batches = tiny.batches(STEPS)
+    decoy = tiny.batches(1, seed=99)[0]
     pending = []
     try:
         for step, batch in enumerate(batches):
@@ -81,7 +59,7 @@ def _train(lookahead: bool, workers: int = 1, swap_last: bool = False, read_late
                 pending[-1].result()
         losses = [p.result().loss_sum for p in pending]
         engine.check_replicas(STEPS)
-        return start, [p.detach().clone() for p in engine.primary.params], losses, len(calls)
+        return tiny.start, tiny.weights(), losses, len(calls)
     finally:
         engine.close()
 
@@ -142,21 +120,15 @@ def test_a_non_finite_norm_raises_before_the_next_update_and_changes_nothing():
     itself when the norm is not finite; the host learns of it at the next step, which raises after
     queuing its forward and backward but before its update: the weights and the optimizer's state
     are those of the last good step."""
-    torch.manual_seed(0)
-    target = load_target("tiny", device=torch.device("cpu"), dtype=torch.float32)
-    dcfg = target.drafter_config(num_layers=2, block_size=16, mask_token_id=None)
-    pw = masks.position_weights(16, masks.default_gamma(16))
     poison = {"on": False}
 
-    def build(i, dev):
-        r = build_replica(i, dev, Drafter(dcfg), target, policy="eager", n_devices=1, lr=1e-3, weight_decay=0.1,
-                          pos_weights=pw)
+    def configure(r):
         r.update = CompiledUpdate(r.optimizer, r.params, compiled=False)
         r.params[0].register_hook(lambda g: g * float("nan") if poison["on"] else g)
-        return r
 
-    batches = _batches(dcfg.vocab_size, 1, pw, n=3)
-    engine = ThreadEngine.start([torch.device("cpu")], build, RunLog(None), 60.0, guard=False)
+    tiny = tiny_engine(configure=configure)
+    engine = tiny.engine
+    batches = tiny.batches(3, rows=2)
     try:
         r = engine.primary
         engine.step(batches[0], 0, 1e-3, 1.0).result()
