@@ -15,6 +15,10 @@ same two per chunk (forward and d input) that autograd would run.
 
 Same interface, arithmetic and dtypes as masks.block_loss(drafter.logits(hidden), ...):
 tests/test_trainer_kernels.py checks value and gradient against it.
+
+The per-chunk core (CE, argmax, d CE / d logits) is, on a GPU with Triton, one Triton kernel
+(trainer/ce_kernel.py: two passes over the logits; tests/test_ce_kernel.py); else _ce_core, run
+compiled on its own outside torch.compile (eager policy on CUDA) and as torch ops inside it.
 """
 from __future__ import annotations
 
