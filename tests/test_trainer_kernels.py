@@ -135,13 +135,35 @@ def test_a_failing_ce_core_compile_runs_the_core_eagerly(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("InductorError: simulated")
 
-    monkeypatch.setattr(fused_ce, "_compiled_core", broken)
-    monkeypatch.setattr(fused_ce, "fallback_reason", None)
+    monkeypatch.setattr(fused_ce._compiled, "fn", broken)
+    monkeypatch.setattr(fused_ce._compiled, "reason", None)
     logits, labels, w = torch.randn(4, 10), torch.tensor([1, 2, 3, 4]), torch.ones(4)
     with pytest.warns(RuntimeWarning, match="simulated"):
         got = fused_ce._compiled(logits, labels, w)
     ref = fused_ce._ce_core(logits, labels, w)
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert "simulated" in fused_ce._compiled.reason
+
+
+def test_a_failing_triton_kernel_runs_the_torch_core(monkeypatch):
+    """Where Triton cannot build the kernel (an unsupported GPU, say), the loss goes on with the torch
+    core: one warning, the same numbers, and the kernel is not tried again."""
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("triton: simulated")
+
+    monkeypatch.setattr(fused_ce._kernel, "fn", broken)
+    monkeypatch.setattr(fused_ce._kernel, "reason", None)
+    monkeypatch.setattr(fused_ce._compiled, "reason", "not under test")  # its fallback: the eager core
+    logits, labels, w = torch.randn(4, 10), torch.tensor([1, 2, 3, 4]), torch.ones(4)
+    ref = fused_ce._ce_core(logits, labels, w)
+    with pytest.warns(RuntimeWarning, match="Triton cross-entropy kernel failed .*simulated"):
+        got = fused_ce._kernel(logits, labels, w)
+    again = fused_ce._kernel(logits, labels, w)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref)) and all(torch.equal(a, b) for a, b in zip(again, ref))
+    assert calls == [1]
 
 
 def _head(H=32, V=100, seed=0):

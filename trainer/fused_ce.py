@@ -53,52 +53,43 @@ def _ce_core(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
     return loss, logits.argmax(-1), grad
 
 
-_compiled_core = None
-_core_lock = threading.Lock()
-# Why the compiled core is not used, once it failed (process-wide; the eager core is the same function).
-fallback_reason: str | None = None
+class _TriedOnce:
+    """A faster way to run _ce_core's math, used until it fails once outside torch.compile
+    (process-wide); from then on `fallback`, after one warning that says why (`reason`). Under
+    torch.compile the graph gets `traced`, the same math as plain ops (or ops torch.compile takes).
+    `make` builds the fast function at its first call, in the calling thread."""
+
+    def __init__(self, what: str, make, traced, fallback, instead: str):
+        self.what, self.make, self.traced, self.fallback, self.instead = what, make, traced, fallback, instead
+        self.fn = None
+        self.reason: str | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, logits, labels, weights):
+        if self.reason is None:
+            if torch.compiler.is_compiling():
+                return self.traced(logits, labels, weights)
+            with self._lock:
+                if self.fn is None:
+                    self.fn = self.make()
+            try:
+                return self.fn(logits, labels, weights)
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the fallback computes the same; training must go on
+                self.reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                warnings.warn(f"{self.what} failed ({self.reason}); {self.instead}", RuntimeWarning, stacklevel=2)
+        return self.fallback(logits, labels, weights)
 
 
-def _kernel(logits, labels, weights):
-    """ce_kernel.ce_core (a GPU with Triton): the core in one Triton kernel, two passes per row.
-    Outside torch.compile a failure (a GPU Triton cannot build for) falls back to _compiled, once."""
-    global kernel_failed
-    if kernel_failed is None:
-        if torch.compiler.is_compiling():
-            return ce_kernel.ce_core(logits, labels, weights)
-        try:
-            return ce_kernel.ce_core(logits, labels, weights)
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the same core in torch is always right
-            kernel_failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-            warnings.warn(f"the Triton cross-entropy kernel failed ({kernel_failed}); using the torch core "
-                          "(DFLASH_CE_KERNEL=0 skips the attempt)", RuntimeWarning, stacklevel=2)
-    return _compiled(logits, labels, weights)
-
-
-kernel_failed: str | None = None
-
-
-def _compiled(logits, labels, weights):
-    """_ce_core compiled on its own where nothing around it is (eager policy on CUDA): one fused
-    reduction and one fused pointwise pass over each chunk instead of ~8 separate eager passes."""
-    global _compiled_core, fallback_reason
-    if torch.compiler.is_compiling():
-        return _ce_core(logits, labels, weights)
-    if fallback_reason is None:
-        with _core_lock:
-            if _compiled_core is None:
-                _compiled_core = torch.compile(_ce_core, dynamic=False)
-        try:
-            return _compiled_core(logits, labels, weights)
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a compile failure: the eager policy must keep working
-            fallback_reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-            warnings.warn(f"compiled cross-entropy core failed ({fallback_reason}); running it eagerly",
-                          RuntimeWarning, stacklevel=2)
-    return _ce_core(logits, labels, weights)
+# _ce_core compiled on its own where nothing around it is (eager policy on CUDA): one fused
+# reduction and one fused pointwise pass over each chunk instead of ~8 separate eager passes.
+_compiled = _TriedOnce("compiled cross-entropy core", lambda: torch.compile(_ce_core, dynamic=False),
+                       traced=_ce_core, fallback=_ce_core, instead="running it eagerly")
+# The core in one Triton kernel, two passes per row (a GPU with Triton, ce_kernel.available); it
+# falls back to the torch core where Triton cannot build it.
+_kernel = _TriedOnce("the Triton cross-entropy kernel", lambda: ce_kernel.ce_core, traced=ce_kernel.ce_core,
+                     fallback=_compiled, instead="using the torch core (DFLASH_CE_KERNEL=0 skips the attempt)")
 
 
 class _LinearCE(torch.autograd.Function):
