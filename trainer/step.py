@@ -389,26 +389,30 @@ def settle_norm(norm: torch.Tensor | float, step: int) -> float:
 
 
 class OnHost:
-    """Device tensors copied to the host without the host waiting: the copies are queued now on the
-    device's current stream (into pinned memory), so wait() waits for the work queued before
-    them, not for what the host queues afterwards. On the CPU they are the tensors themselves."""
+    """Values on their way to the host without the host waiting: each CUDA tensor is copied now, on
+    its device's current stream, into pinned memory, so wait() waits for the work queued before the
+    copies, not for what the host queues afterwards. Anything else (CPU tensors, floats) passes
+    through as it is. All CUDA tensors are on one device (a replica's)."""
 
-    def __init__(self, tensors: list[torch.Tensor]):
+    def __init__(self, values: list):
+        on_gpu = [v for v in values if isinstance(v, torch.Tensor) and v.is_cuda]
+        self.values = [_pinned_copy(v) if isinstance(v, torch.Tensor) and v.is_cuda else v for v in values]
         self.done = None
-        if not tensors or not tensors[0].is_cuda:
-            self.host = [t.detach() for t in tensors]
-            return
-        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-        for h, t in zip(self.host, tensors):
-            h.copy_(t.detach(), non_blocking=True)
-        self.done = torch.cuda.Event()
-        self.done.record(torch.cuda.current_stream(tensors[0].device))
+        if on_gpu:
+            self.done = torch.cuda.Event()
+            self.done.record(torch.cuda.current_stream(on_gpu[0].device))
 
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self) -> list:
         if self.done is not None:
             self.done.synchronize()
             self.done = None
-        return self.host
+        return self.values
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t.detach(), non_blocking=True)
+    return host
 
 
 class StepEnd:
@@ -417,17 +421,11 @@ class StepEnd:
 
     def __init__(self, stats: ShardStats, norm: torch.Tensor | float, step: int):
         self.samples, self.tokens, self.step = stats.samples, stats.tokens, step
-        vals = [stats.loss_sum, stats.correct, stats.count, norm]
-        dev = [v for v in vals if isinstance(v, torch.Tensor) and v.is_cuda]
-        self._host = OnHost(dev)
-        self._vals = vals
+        self._host = OnHost([stats.loss_sum, stats.correct, stats.count, norm])
 
     def read(self) -> tuple[ShardStats, float]:
-        host = iter(self._host.wait())
-        loss_sum, correct, count, norm = [next(host) if isinstance(v, torch.Tensor) and v.is_cuda else v
-                                          for v in self._vals]
-        norm = settle_norm(norm, self.step)
-        return ShardStats(float(loss_sum), correct, count, self.samples, self.tokens), norm
+        loss_sum, correct, count, norm = self._host.wait()
+        return ShardStats(float(loss_sum), correct, count, self.samples, self.tokens), settle_norm(norm, self.step)
 
 
 def update_async(r: Replica, stats: ShardStats, lr: float, grad_clip: float, step: int) -> StepEnd:
