@@ -213,20 +213,21 @@ def run_one(args) -> dict:
         sync()
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
-        times = []
+        times, losses = [], []
         for i in range(args.steps):
             if cuda:
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
-                step(i)
+                losses.append(step(i)[0])
                 e1.record()
                 e1.synchronize()
                 times.append(e0.elapsed_time(e1))
             else:
                 t = time.perf_counter()
-                step(i)
+                losses.append(step(i)[0])
                 times.append((time.perf_counter() - t) * 1e3)
         res["step_ms"] = [round(t, 2) for t in times]
+        res["step_losses"] = losses  # the timed steps' losses: they follow from the updates before them
         res["peak_gb"] = round(torch.cuda.max_memory_allocated(dev) / 1e9, 2) if cuda else None
         ms = statistics.median(times) / B
         res["ms_per_sample"] = round(ms, 2)

@@ -269,13 +269,13 @@ def _run(args, emit, res: dict, where: Placement) -> None:
             wall = (time.perf_counter() - t0) * 1e3 / len(block)
             feats = {who: ms / len(block) for who, ms in clock.take().items()}
             for i, out in zip(block, outs):
-                st = out.result()
-                B = len(batches[i % len(batches)])
+                st, batch = out.result(), batches[i % len(batches)]
+                B = len(batch)
                 rec = {"step": i, "mode": case["name"], "allreduce": case["allreduce"], "grads": case["grads"],
                        "update": case["update"], "timed": i >= args.warmup, "block": len(block),
                        "total_ms": wall, "features_ms": feats,
                        "features_mean_ms": statistics.mean(feats.values()) if feats else 0.0,
-                       "loss": st.loss_sum / batches[i % len(batches)].weight_total, "grad_norm": st.grad_norm}
+                       "loss": st.loss_sum / batch.weight_total, "grad_norm": st.grad_norm}
                 rec["drafter_ms"] = rec["total_ms"] - rec["features_mean_ms"]
                 if cuda:
                     rec["peak_gb"] = {str(d): torch.cuda.max_memory_allocated(d) / 1e9 for d in dict.fromkeys(devices)}
