@@ -67,12 +67,30 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """positions (B, T) int -> cos, sin (B, 1, T, head_dim), HF's half-rotation layout."""
+@torch.library.custom_op("dflash::rope_cos_sin", mutates_args=())
+def _rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     freqs = positions.float()[..., None] * inv_freq  # (B, T, hd/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, hd)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    return emb.cos(), emb.sin()
+
+
+@_rope_tables.register_fake
+def _(positions, head_dim, theta):
+    shape = (*positions.shape, head_dim)
+    return positions.new_empty(shape, dtype=torch.float32), positions.new_empty(shape, dtype=torch.float32)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """positions (B, T) int -> cos, sin (B, 1, T, head_dim), HF's half-rotation layout.
+
+    One opaque op: under torch.compile the tables are computed once per step and saved for the
+    backward. As plain pointwise math, inductor inlined pow/sin/cos into every q/k norm + RoPE
+    kernel and recomputed them in the backward, which made those kernels compute-bound (2.3 of
+    63.6 ms/sample at the 8B shape; docs/benchmarks.md). Eager computes the same values as before.
+    """
+    cos, sin = _rope_tables(positions, head_dim, float(theta))
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
