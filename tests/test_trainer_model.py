@@ -177,3 +177,21 @@ def test_flop_count_matches_the_dense_yardstick_of_docs_benchmarks():
     cfg = DrafterConfig(hidden_size=4096, vocab_size=151936, mask_token_id=0, num_layers=5, num_heads=32,
                         num_kv_heads=8, head_dim=128, intermediate_size=12288)
     assert flops_per_sample(cfg, 768, 256 * 16) / 1e12 == pytest.approx(45, rel=0.05)
+
+
+def test_rope_tables_are_the_formulas_values_in_eager_and_compiled():
+    """rope_cos_sin is one opaque op (so inductor saves the tables instead of recomputing sin/cos in
+    every kernel); its values are HF's half-rotation formula, to the bit, in eager and compiled."""
+    import torch
+
+    from trainer.model import rope_cos_sin
+
+    pos = torch.randint(0, 4096, (2, 37))
+    inv = 1.0 / (1e6 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    f = pos.float()[..., None] * inv
+    emb = torch.cat([f, f], -1)
+    cos, sin = rope_cos_sin(pos, 64, 1e6, torch.float32)
+    assert cos.shape == (2, 1, 37, 64)
+    assert torch.equal(cos, emb.cos()[:, None]) and torch.equal(sin, emb.sin()[:, None])
+    c2, s2 = torch.compile(lambda p: rope_cos_sin(p, 64, 1e6, torch.bfloat16), fullgraph=True)(pos)
+    assert torch.equal(c2, emb.cos().to(torch.bfloat16)[:, None]) and torch.equal(s2, emb.sin().to(torch.bfloat16)[:, None])
