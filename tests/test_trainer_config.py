@@ -52,6 +52,15 @@ def test_missing_config_file_and_bad_flags():
         parse(["--workers", "2", "--batch-size", "3"])
 
 
+def test_a_bad_flex_tiles_variable_is_a_usage_error(monkeypatch):
+    monkeypatch.setenv("DFLASH_FLEX_BWD_TILES", "64-64")
+    with pytest.raises(UsageError, match="DFLASH_FLEX_BWD_TILES: .* M1-N1-M2-N2-STAGES-WARPS"):
+        parse(["--steps", "3"])
+    for good in ("default", "32-64-64-32-3-4"):
+        monkeypatch.setenv("DFLASH_FLEX_BWD_TILES", good)
+        parse(["--steps", "3"])
+
+
 def test_config_and_package_do_not_import_torch():
     code = ("import sys, trainer, trainer.config, trainer.cli; "
             "trainer.config.parse(['--steps', '3']); assert 'torch' not in sys.modules, 'torch imported'")

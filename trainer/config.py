@@ -295,6 +295,13 @@ def validate(c: TrainConfig) -> None:
         need(all(x.strip().isdigit() for x in c.target_layers.split(",")),
              f"--target-layers {c.target_layers!r}: expected comma-separated layer ids, e.g. 1,9,17,25,33")
     chat_template_options(c)
+    tiles = os.environ.get("DFLASH_FLEX_BWD_TILES")
+    if tiles is not None:
+        from trainer.attention import parse_tiles  # imports torch: only when the variable is set
+        try:
+            parse_tiles(tiles)
+        except ValueError as e:
+            raise UsageError(f"DFLASH_FLEX_BWD_TILES: {e}") from None
     if c.data != "synthetic":
         need(Path(c.data).is_file(), f"--data {c.data}: no such file")
     check_target_spec(c.target)

@@ -1,0 +1,51 @@
+"""benchmarks/flex_bench.py and the FlexAttention tile choice it measures (trainer/attention.py).
+
+The timing needs a GPU (FlexAttention has no CPU backward); here: the choice's parsing, where it
+applies, and the script's one-line refusals.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import attention
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tiles_parse_to_backward_kernel_options():
+    assert attention.parse_tiles("default") is None
+    assert attention.parse_tiles("32-64-64-32-3-4") == {
+        "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+        "bwd_num_stages": 3, "bwd_num_warps": 4}
+    for bad in ("", "32-64", "32-64-64-32-3-x", "0-64-64-32-3-4"):
+        with pytest.raises(ValueError, match="M1-N1-M2-N2-STAGES-WARPS"):
+            attention.parse_tiles(bad)
+
+
+def test_the_tuned_tiles_apply_to_cuda_only_and_the_variable_overrides(monkeypatch):
+    monkeypatch.delenv("DFLASH_FLEX_BWD_TILES", raising=False)
+    assert attention.kernel_options(torch.device("cpu")) is None
+    for text in attention.TUNED_BWD_TILES.values():
+        attention.parse_tiles(text)
+    monkeypatch.setenv("DFLASH_FLEX_BWD_TILES", "64-64-64-64-3-4")
+    assert attention.kernel_options(torch.device("cpu"))["bwd_BLOCK_M1"] == 64
+    monkeypatch.setenv("DFLASH_FLEX_BWD_TILES", "default")
+    assert attention.kernel_options(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--configs", "default,1-2"], "flex_bench: FlexAttention tiles '1-2'"),
+    (["--configs", "default"], "flex_bench: needs a CUDA GPU"),
+])
+def test_the_script_refuses_in_one_line(args, needle, tmp_path):
+    if needle.endswith("GPU") and torch.cuda.is_available():
+        pytest.skip("a GPU is here: the script would run")
+    r = subprocess.run([sys.executable, "benchmarks/flex_bench.py", "--out", str(tmp_path), *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and needle in r.stderr
