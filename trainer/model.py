@@ -14,6 +14,7 @@ Shapes: B batch, Tq query (block) tokens, Tc context tokens, H hidden, V vocab, 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -102,15 +103,66 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def _has_mm_out_dtype() -> bool:
+    try:
+        return torch.ops.aten.mm.dtype is not None  # bf16 x bf16 -> fp32 matmul (CUDA), torch 2.8+
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# DFLASH_FP32_WGRAD=0 turns the fp32 weight gradient off (autocast's bf16 one then, as before).
+_MM_OUT_DTYPE = _has_mm_out_dtype() and os.environ.get("DFLASH_FP32_WGRAD", "1") != "0"
+
+
+class _Bf16LinearFp32Grad(torch.autograd.Function):
+    """F.linear as CUDA bf16 autocast computes it, with the weight's gradient leaving the matmul in fp32.
+
+    Forward and input gradient are autocast's to the bit (both operands cast to bf16, bf16 out, the
+    input gradient cast back to the input's dtype). Autocast's weight gradient is a bf16 matmul output
+    that a separate pass then casts to the fp32 master weight's dtype; here cuBLAS writes fp32 itself
+    (aten.mm.dtype): one pass less over every weight's gradient, and no bf16 rounding of it.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w):
+        xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+        ctx.save_for_backward(xb, wb)
+        ctx.x_dtype = x.dtype
+        return F.linear(xb, wb)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xb, wb = ctx.saved_tensors
+        dy = dy.to(torch.bfloat16)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (dy @ wb).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = torch.mm(dy.reshape(-1, dy.shape[-1]).t(), xb.reshape(-1, xb.shape[-1]), out_dtype=torch.float32)
+        return dx, dw
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state dict) whose fp32 weight gets its gradient in fp32 straight
+    from the matmul when it trains under CUDA bf16 autocast; everywhere else plain nn.Linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (_MM_OUT_DTYPE and self.bias is None and x.is_cuda and self.weight.dtype == torch.float32
+                and self.weight.requires_grad and torch.is_grad_enabled()
+                and torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16):
+            return _Bf16LinearFp32Grad.apply(x, self.weight)
+        return super().forward(x)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         H = cfg.hidden_size
-        self.q_proj = nn.Linear(H, self.nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.hd, H, bias=False)
+        self.q_proj = Linear(H, self.nh * self.hd, bias=False)
+        self.k_proj = Linear(H, self.nkv * self.hd, bias=False)
+        self.v_proj = Linear(H, self.nkv * self.hd, bias=False)
+        self.o_proj = Linear(self.nh * self.hd, H, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_eps)
 
@@ -133,9 +185,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         H, I = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(H, I, bias=False)
-        self.up_proj = nn.Linear(H, I, bias=False)
-        self.down_proj = nn.Linear(I, H, bias=False)
+        self.gate_proj = Linear(H, I, bias=False)
+        self.up_proj = Linear(H, I, bias=False)
+        self.down_proj = Linear(I, H, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -159,7 +211,7 @@ class Drafter(nn.Module):
         super().__init__()
         self.cfg = cfg
         H = cfg.hidden_size
-        self.fc = nn.Linear(cfg.num_target_layers * H, H, bias=False)
+        self.fc = Linear(cfg.num_target_layers * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         # Borrowed from the target by `borrow_target_head`; placeholders on the meta device until then

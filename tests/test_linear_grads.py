@@ -1,0 +1,84 @@
+"""trainer/model.py Linear: the drafter's matmuls with the weight gradient written in fp32 by cuBLAS.
+
+Under CUDA bf16 autocast, Linear must compute autocast's forward and input gradient to the bit, and a
+weight gradient that is the same fp32 accumulation without the bf16 rounding: checked against
+float64 on identical inputs, with autocast's own weight gradient (nn.Linear) as the yardstick of
+rounding. The fast path needs CUDA (aten.mm.dtype has no CPU kernel); the CPU part checks that
+Linear is nn.Linear everywhere else.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from trainer import model
+from trainer.model import Linear
+
+cuda = pytest.mark.skipif(not (torch.cuda.is_available() and model._MM_OUT_DTYPE),
+                          reason="the fp32 weight gradient needs CUDA and aten.mm.dtype")
+
+
+def _pair(n_in: int, n_out: int, device: str, seed: int = 0):
+    torch.manual_seed(seed)
+    ref = nn.Linear(n_in, n_out, bias=False).to(device)
+    new = Linear(n_in, n_out, bias=False).to(device)
+    new.load_state_dict(ref.state_dict())
+    return ref, new
+
+
+def _grads(layer, x, dy, amp: bool):
+    x = x.clone().requires_grad_()
+    layer.weight.grad = None
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if amp else torch.autocast("cpu", enabled=False)
+    with ctx:
+        y = layer(x)
+    y.backward(dy)
+    return y.detach(), x.grad, layer.weight.grad
+
+
+def test_linear_is_nn_linear_off_the_fast_path():
+    ref, new = _pair(16, 8, "cpu")
+    assert set(new.state_dict()) == set(ref.state_dict())
+    x, dy = torch.randn(3, 5, 16), torch.randn(3, 5, 8)
+    for a, b in zip(_grads(ref, x, dy, False), _grads(new, x, dy, False)):
+        assert torch.equal(a, b)
+
+
+@cuda
+@pytest.mark.parametrize("shape", [(2, 384, 512, 256), (1, 1000, 256, 768)])
+def test_forward_and_input_gradient_are_autocasts_and_the_weight_gradient_loses_no_bits(shape):
+    B, T, n_in, n_out = shape
+    ref, new = _pair(n_in, n_out, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(B, T, n_in, device="cuda", generator=g)
+    dy = torch.randn(B, T, n_out, device="cuda", generator=g).to(torch.bfloat16)
+    y0, dx0, dw0 = _grads(ref, x, dy, True)
+    y1, dx1, dw1 = _grads(new, x, dy, True)
+    assert y1.dtype == torch.bfloat16 and dx1.dtype == torch.float32 and dw1.dtype == torch.float32
+    assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
+    # float64 of the same bf16 operands: what both weight gradients approximate
+    want = dy.double().reshape(-1, n_out).t() @ x.to(torch.bfloat16).double().reshape(-1, n_in)
+    scale = want.abs().max()
+    err_new = float((dw1.double() - want).abs().max() / scale)
+    err_old = float((dw0.double() - want).abs().max() / scale)
+    assert err_new < 1e-5, err_new           # fp32 accumulation noise
+    assert err_old > 10 * err_new, (err_old, err_new)   # autocast's bf16 rounding is far larger
+    # and autocast's gradient is this one rounded to bf16 (up to the accumulation order)
+    close = (dw1.to(torch.bfloat16) == dw0.to(torch.bfloat16)).float().mean()
+    assert close > 0.99, float(close)
+
+
+@cuda
+def test_compiled_linear_gives_eagers_weight_gradient():
+    torch._dynamo.reset()
+    _, new = _pair(512, 256, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(2, 256, 512, device="cuda", generator=g)
+    dy = torch.randn(2, 256, 256, device="cuda", generator=g).to(torch.bfloat16)
+    y0, dx0, dw0 = _grads(new, x, dy, True)
+    compiled = torch.compile(new)
+    y1, dx1, dw1 = _grads(compiled, x, dy, True)
+    assert dw1.dtype == torch.float32
+    for a, b, tol in ((y1, y0, 1e-2), (dx1, dx0, 1e-2), (dw1, dw0, 1e-5)):  # bf16 ulp / fp32 noise
+        assert float((a.float() - b.float()).abs().max() / b.float().abs().max()) < tol
