@@ -11,13 +11,13 @@
 # Each with the look-ahead (the next step's target forward during the gradient sum) on and off, in
 # blocks of 8 steps (the host runs ahead within a block, as the trainer's loop). Then the per-GPU
 # throughput of each two-GPU case against the one-GPU step (look-ahead on) of this same call.
-# First, the tests that only a GPU runs (the Triton cross-entropy kernel; ~30 s).
+# First, the tests that only a GPU runs (the Triton cross-entropy kernel, the fp32 weight gradients; ~40 s).
 set -u
 OUT=${OUT:-out/speed_check}
 EXTRA=${EXTRA:-}
 export PYTHONUNBUFFERED=1
 bench() { timeout "$1" "${PYTHON:-python3}" benchmarks/train_step_bench.py $EXTRA "${@:2}" 2>&1 | grep -v '^USDT'; }
-[ -z "$EXTRA" ] && timeout 120 "${PYTHON:-python3}" -m pytest -q -p no:cacheprovider tests/test_ce_kernel.py 2>&1 | tail -3
+[ -z "$EXTRA" ] && timeout 150 "${PYTHON:-python3}" -m pytest -q -p no:cacheprovider tests/test_ce_kernel.py tests/test_linear_grads.py 2>&1 | tail -3
 bench 300 --out "$OUT/one" --target-mode compiled --lookahead on,off --steps 24 --warmup 8
 bench 300 --out "$OUT/threads" --gpus 2 --workers 2 --target-mode graphed,compiled --lookahead on,off --steps 48 --warmup 16
 bench 300 --out "$OUT/processes" --gpus 2 --workers 2 --topology processes --target-mode compiled --lookahead on,off --steps 24 --warmup 8
