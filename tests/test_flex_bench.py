@@ -38,8 +38,22 @@ def test_the_tuned_tiles_apply_to_cuda_only_and_the_variable_overrides(monkeypat
     assert attention.kernel_options(torch.device("cpu")) is None
 
 
+def test_a_choice_may_expand_kv_to_the_query_heads():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import flex_bench
+
+    assert flex_bench.parse_choice("default") == (None, False)
+    assert flex_bench.parse_choice("default+kv") == (None, True)
+    assert flex_bench.parse_choice("32-64-64-32-3-4+kv")[0]["bwd_BLOCK_N1"] == 64
+    with pytest.raises(ValueError, match=r"only suffix is \+kv"):
+        flex_bench.parse_choice("default+gqa")
+    for choice in flex_bench.DEFAULT_CONFIGS.split(","):
+        flex_bench.parse_choice(choice)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--configs", "default,1-2"], "flex_bench: FlexAttention tiles '1-2'"),
+    (["--configs", "default+q"], "flex_bench: choice 'default+q'"),
     (["--configs", "default"], "flex_bench: needs a CUDA GPU"),
 ])
 def test_the_script_refuses_in_one_line(args, needle, tmp_path):
