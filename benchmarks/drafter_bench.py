@@ -243,7 +243,7 @@ def run_one(args) -> dict:
                 for i in range(2):
                     step(i)
                 sync()
-            res["profile"] = _kernel_table(prof)
+            res["profile"] = _kernel_table(prof, top=args.profile_top)
             res["profile"]["steps"] = 2
             print(json.dumps(res["profile"], indent=1), flush=True)
         res["ok"] = True
@@ -272,7 +272,7 @@ def _run_child(variant: str, args, out: Path, limit: float) -> dict:
     js = out / (log.stem + ".json")
     cmd = [sys.executable, __file__, "--one", variant, "--json", str(js), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--update", args.update] + (["--tiny"] if args.tiny else []) + \
-          ["--profile", variant if variant in args.profile else ""]
+          ["--profile", variant if variant in args.profile else "", "--profile-top", str(args.profile_top)]
     t0 = time.time()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
@@ -349,6 +349,7 @@ def main(argv=None) -> int:
     ap.add_argument("--update", default="trainer", choices=("trainer", "clip+fused"),
                     help="the optimizer update: the trainer's (apply_update; default) or clip_grad_norm_ + fused AdamW")
     ap.add_argument("--profile", default="inductor/flex/chunked", help="variants to profile (comma-separated)")
+    ap.add_argument("--profile-top", type=int, default=25, help="kernels a profile lists by name (the rest only in its categories)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
