@@ -9,8 +9,9 @@ forward keeps its own). The shape is the drafter's at the 8B benchmark shape (ba
 over 8 KV heads of 128, 768 context tokens, 256 anchors x 16), with anchors drawn as the trainer draws
 them, so the tiles skipped are the trainer's.
 
-A `+kv` suffix (`default+kv`, `32-64-64-32-3-4+kv`) expands K/V to one head per query head before
-the call (the expansion and the sum of its gradient are timed too). With grouped-query attention
+A `+kv` suffix (`default+kv`, `32-64-64-32-3-4+kv`) expands K/V to one head per query head in the
+call (the expansion and the sum of its gradient are timed too). A choice is written as the trainer's
+DFLASH_FLEX_BWD_TILES takes it (trainer/attention.py parse_tiles). With grouped-query attention
 the backward's dK/dV programs run per KV head, each looping over its 4 query heads: expanded, there
 are 4x as many programs, each 4x shorter (the context tiles that every block attends to are where
 the backward's time goes).
@@ -35,16 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 DEFAULT_CONFIGS = ("default,32-64-64-32-3-4,32-64-64-32-4-4,64-64-64-64-3-4,"
                    "default+kv,32-64-64-32-3-4+kv,64-128-128-64-3-8+kv")
 SHAPE = dict(batch=2, heads=32, kv=8, hd=128, seq=768, anchors=256, block=16)
-
-
-def parse_choice(name: str) -> tuple[dict | None, bool]:
-    """'TILES' or 'TILES+kv' -> (the backward's kernel_options, whether K/V are expanded to the query heads)."""
-    from trainer import attention
-
-    tiles, plus, mode = name.partition("+")
-    if plus and mode != "kv":
-        raise ValueError(f"choice {name!r}: the only suffix is +kv (K/V expanded to the query heads)")
-    return attention.parse_tiles(tiles), bool(plus)
 
 
 def run(configs: list[str], steps: int, seed: int = 0) -> list[dict]:
@@ -78,16 +69,10 @@ def run(configs: list[str], steps: int, seed: int = 0) -> list[dict]:
     args = (sm.anchors, sm.kv_num, sm.kv_idx, sm.full_num, sm.full_idx, S, Bs)
     results = []
     for name in configs:
-        opts, expand = parse_choice(name)
-
-        def call(q, k, v, opts=opts, expand=expand):
-            if expand:  # one KV head per query head: the GQA sum moves out of the kernel's dK/dV loop
-                k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
-            return attention._flex_sparse(q, k, v, *args, tiles=opts or {})
-
+        choice = attention.parse_tiles(name)
         torch._dynamo.reset()
-        fn = torch.compile(call, dynamic=False)
-        res = {"config": name, "kernel_options": opts}
+        fn = torch.compile(lambda q, k, v: attention._flex_sparse(q, k, v, *args, choice=choice), dynamic=False)
+        res = {"config": name, "kernel_options": choice.options, "expand_kv": choice.expand_kv}
         try:
             qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
             out = fn(qg, kg, vg)
@@ -142,10 +127,12 @@ def main(argv=None) -> int:
                     help="comma-separated: default or M1-N1-M2-N2-STAGES-WARPS, each optionally +kv")
     ap.add_argument("--steps", type=int, default=50, help="timed calls per choice, in runs of 10")
     args = ap.parse_args(argv)
+    from trainer import attention
+
     try:
         configs = args.configs.split(",")
         for c in configs:
-            parse_choice(c)
+            attention.parse_tiles(c)
     except ValueError as e:
         print(f"flex_bench: {e}", file=sys.stderr)
         return 2

@@ -17,43 +17,38 @@ from trainer import attention
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_tiles_parse_to_backward_kernel_options():
-    assert attention.parse_tiles("default") is None
-    assert attention.parse_tiles("32-64-64-32-3-4") == {
+def test_choices_parse_to_backward_kernel_options_and_kv_expansion():
+    assert attention.parse_tiles("default") == attention.FlexChoice(None, False)
+    assert attention.parse_tiles("default+kv") == attention.FlexChoice(None, True)
+    assert attention.parse_tiles("32-64-64-32-3-4").options == {
         "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
         "bwd_num_stages": 3, "bwd_num_warps": 4}
-    for bad in ("", "32-64", "32-64-64-32-3-x", "0-64-64-32-3-4"):
-        with pytest.raises(ValueError, match="M1-N1-M2-N2-STAGES-WARPS"):
+    assert attention.parse_tiles("32-64-64-32-3-4+kv").expand_kv
+    for bad in ("", "32-64", "32-64-64-32-3-x", "0-64-64-32-3-4", "default+gqa"):
+        with pytest.raises(ValueError, match=r"M1-N1-M2-N2-STAGES-WARPS|only suffix is \+kv"):
             attention.parse_tiles(bad)
-
-
-def test_the_tuned_tiles_apply_to_cuda_only_and_the_variable_overrides(monkeypatch):
-    monkeypatch.delenv("DFLASH_FLEX_BWD_TILES", raising=False)
-    assert attention.kernel_options(torch.device("cpu")) is None
-    for text in attention.TUNED_BWD_TILES.values():
-        attention.parse_tiles(text)
-    monkeypatch.setenv("DFLASH_FLEX_BWD_TILES", "64-64-64-64-3-4")
-    assert attention.kernel_options(torch.device("cpu"))["bwd_BLOCK_M1"] == 64
-    monkeypatch.setenv("DFLASH_FLEX_BWD_TILES", "default")
-    assert attention.kernel_options(torch.device("cpu")) is None
-
-
-def test_a_choice_may_expand_kv_to_the_query_heads():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import flex_bench
 
-    assert flex_bench.parse_choice("default") == (None, False)
-    assert flex_bench.parse_choice("default+kv") == (None, True)
-    assert flex_bench.parse_choice("32-64-64-32-3-4+kv")[0]["bwd_BLOCK_N1"] == 64
-    with pytest.raises(ValueError, match=r"only suffix is \+kv"):
-        flex_bench.parse_choice("default+gqa")
     for choice in flex_bench.DEFAULT_CONFIGS.split(","):
-        flex_bench.parse_choice(choice)
+        attention.parse_tiles(choice)
+
+
+def test_the_tuned_choice_applies_to_cuda_only_and_the_variable_overrides(monkeypatch):
+    monkeypatch.delenv("DFLASH_FLEX_BWD_TILES", raising=False)
+    assert attention.flex_choice(torch.device("cpu")) == attention.FlexChoice()
+    for text in attention.TUNED_BWD_TILES.values():
+        attention.parse_tiles(text)
+    monkeypatch.setenv("DFLASH_FLEX_BWD_TILES", "64-64-64-64-3-4+kv")
+    got = attention.flex_choice(torch.device("cpu"))
+    assert got.options["bwd_BLOCK_M1"] == 64 and got.expand_kv
+    monkeypatch.setenv("DFLASH_FLEX_BWD_TILES", "default")
+    assert attention.flex_choice(torch.device("cpu")) == attention.FlexChoice()
 
 
 @pytest.mark.parametrize("args, needle", [
     (["--configs", "default,1-2"], "flex_bench: FlexAttention tiles '1-2'"),
-    (["--configs", "default+q"], "flex_bench: choice 'default+q'"),
+    (["--configs", "default+q"], "flex_bench: FlexAttention choice 'default+q'"),
     (["--configs", "default"], "flex_bench: needs a CUDA GPU"),
 ])
 def test_the_script_refuses_in_one_line(args, needle, tmp_path):

@@ -115,6 +115,22 @@ def test_compiled_flex_honours_the_tiles_and_equals_sdpa():
 
 
 @needs_flex
+def test_flex_with_kv_expanded_to_the_query_heads_is_the_same_attention():
+    """DFLASH_FLEX_BWD_TILES=...+kv repeats K/V to the query heads inside the flex call (for the
+    backward's work split); the function stays the same. (No flex backward on CPU: the gradients are
+    checked against an fp32 reference by benchmarks/flex_bench.py on a GPU.)"""
+    S, block, n = 300, 16, 12
+    anchors, _ = _anchors(2, S, block, n, seed=3)
+    q, k, v = _qkv(2, n * block, S + n * block, seed=2)
+    sm = attention.sparse_mask(anchors, S, block)
+    args = (sm.anchors, sm.kv_num, sm.kv_idx, sm.full_num, sm.full_idx, S, block)
+    ref = attention.attend(q, k, v, masks.attention_mask(anchors, S, block))
+    fn = torch.compile(attention._flex_sparse, dynamic=False)
+    for choice in (attention.FlexChoice(), attention.FlexChoice(expand_kv=True)):
+        torch.testing.assert_close(fn(q, k, v, *args, choice=choice), ref, atol=2e-6, rtol=1e-5)
+
+
+@needs_flex
 def test_a_failing_flex_compile_falls_back_to_dense_sdpa(monkeypatch):
     """The eager policy must keep working where torch.compile does not."""
     def broken(*a, **k):

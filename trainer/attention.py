@@ -110,47 +110,60 @@ def mask_mod(anchors: torch.Tensor, n_queries: int, ctx_len: int, block_size: in
     return rule
 
 
-# FlexAttention's backward tiles (its `kernel_options`), as measured on the H200 (sm90, torch 2.11,
+# How the flex call runs: FlexAttention's backward tiles (its `kernel_options`), and whether K/V are
+# expanded to one head per query head first. Measured on the H200 (sm90, torch 2.11,
 # benchmarks/flex_bench.py, docs/benchmarks.md): with 128-row KV tiles the few context tiles that
 # every block attends to make a few long-running programs; 32 x 64 tiles spread them over the SMs.
-# Elsewhere torch's own choice stands. DFLASH_FLEX_BWD_TILES=default|M1-N1-M2-N2-STAGES-WARPS
-# overrides both (read when a call is traced).
+# Elsewhere torch's own choice stands. DFLASH_FLEX_BWD_TILES=default|M1-N1-M2-N2-STAGES-WARPS, either
+# optionally +kv, overrides both (read when a call is traced).
 TUNED_BWD_TILES = {(9, 0): "32-64-64-32-3-4"}
 _TILE_KEYS = ("bwd_BLOCK_M1", "bwd_BLOCK_N1", "bwd_BLOCK_M2", "bwd_BLOCK_N2", "bwd_num_stages", "bwd_num_warps")
 
 
-def parse_tiles(text: str) -> dict | None:
-    """'default' -> None; 'M1-N1-M2-N2-STAGES-WARPS' -> FlexAttention kernel_options for the backward."""
-    if text == "default":
-        return None
-    parts = text.split("-")
+@dataclass(frozen=True)
+class FlexChoice:
+    options: dict | None = None   # FlexAttention kernel_options (the backward's tiles); None = torch's
+    expand_kv: bool = False       # repeat K/V to the query heads: GQA's sum leaves the kernel's dK/dV loop
+
+
+def parse_tiles(text: str) -> FlexChoice:
+    """'default' or 'M1-N1-M2-N2-STAGES-WARPS', either optionally '+kv' -> a FlexChoice."""
+    tiles, plus, mode = text.partition("+")
+    if plus and mode != "kv":
+        raise ValueError(f"FlexAttention choice {text!r}: the only suffix is +kv (K/V expanded to the query heads)")
+    if tiles == "default":
+        return FlexChoice(None, bool(plus))
+    parts = tiles.split("-")
     if len(parts) != len(_TILE_KEYS) or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"FlexAttention tiles {text!r}: give 'default' or M1-N1-M2-N2-STAGES-WARPS, "
+        raise ValueError(f"FlexAttention tiles {tiles!r}: give 'default' or M1-N1-M2-N2-STAGES-WARPS, "
                          f"e.g. 32-64-64-32-3-4")
-    return dict(zip(_TILE_KEYS, map(int, parts)))
+    return FlexChoice(dict(zip(_TILE_KEYS, map(int, parts))), bool(plus))
 
 
-def kernel_options(device: torch.device) -> dict | None:
-    """The kernel_options the flex call on `device` uses: DFLASH_FLEX_BWD_TILES, else the tuned ones."""
+def flex_choice(device: torch.device) -> FlexChoice:
+    """How the flex call on `device` runs: DFLASH_FLEX_BWD_TILES, else the tuned choice, else torch's."""
     text = os.environ.get("DFLASH_FLEX_BWD_TILES")
     if text is None:
         if device.type != "cuda":
-            return None
+            return FlexChoice()
         text = TUNED_BWD_TILES.get(torch.cuda.get_device_capability(device), "default")
     return parse_tiles(text)
 
 
 def _flex_sparse(q, k, v, anchors, kv_num, kv_idx, full_num, full_idx, ctx_len: int, block_size: int,
-                 tiles: dict | None = None):
+                 choice: FlexChoice | None = None):
     """FlexAttention over the DFlash mask. Plain tensors and ints in, so that it compiles on its own."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+    choice = flex_choice(q.device) if choice is None else choice
+    if choice.expand_kv and k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     Tq, Tk = q.shape[-2], k.shape[-2]
     bm = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE,
                                   mask_mod=mask_mod(anchors, Tq, ctx_len, block_size), seq_lengths=(Tq, Tk))
-    options = kernel_options(q.device) if tiles is None else tiles
-    return flex_attention(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1],
-                          kernel_options=dict(options) if options and q.is_cuda else None)
+    options = dict(choice.options) if choice.options and q.is_cuda else None
+    return flex_attention(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1], kernel_options=options)
 
 
 _compiled = None
