@@ -40,7 +40,6 @@ SHAPE = dict(batch=2, heads=32, kv=8, hd=128, seq=768, anchors=256, block=16)
 
 def run(configs: list[str], steps: int, seed: int = 0) -> list[dict]:
     import torch
-    import torch.nn.functional as F
 
     from trainer import attention, masks
 
@@ -56,14 +55,12 @@ def run(configs: list[str], steps: int, seed: int = 0) -> list[dict]:
     do = torch.randn(B, nh, Tq, hd, generator=g).to(dev, torch.bfloat16)
     sm = attention.sparse_mask(anchors, S, Bs)
 
-    # fp32 reference: dense mask, explicit GQA repeat
+    # fp32 reference: the trainer's dense path (SDPA over the bool mask) on the same inputs
     qr, kr, vr = (t.float().requires_grad_() for t in (q, k, v))
-    dense = masks.attention_mask(anchors, S, Bs)[:, None]
-    ref = F.scaled_dot_product_attention(qr, kr.repeat_interleave(nh // nkv, 1), vr.repeat_interleave(nh // nkv, 1),
-                                         attn_mask=dense)
+    ref = attention.attend(qr, kr, vr, masks.attention_mask(anchors, S, Bs))
     ref.backward(do.float())
     want = {"out": ref.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
-    del qr, kr, vr, ref, dense
+    del qr, kr, vr, ref
     torch.cuda.empty_cache()
 
     args = (sm.anchors, sm.kv_num, sm.kv_idx, sm.full_num, sm.full_idx, S, Bs)

@@ -15,6 +15,8 @@ import torch
 from trainer import attention
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import flex_bench  # noqa: E402
 
 
 def test_choices_parse_to_backward_kernel_options_and_kv_expansion():
@@ -27,9 +29,6 @@ def test_choices_parse_to_backward_kernel_options_and_kv_expansion():
     for bad in ("", "32-64", "32-64-64-32-3-x", "0-64-64-32-3-4", "default+gqa"):
         with pytest.raises(ValueError, match=r"M1-N1-M2-N2-STAGES-WARPS|only suffix is \+kv"):
             attention.parse_tiles(bad)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import flex_bench
-
     for choice in flex_bench.DEFAULT_CONFIGS.split(","):
         attention.parse_tiles(choice)
 
