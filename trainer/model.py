@@ -110,8 +110,9 @@ def _has_mm_out_dtype() -> bool:
         return False
 
 
-# DFLASH_FP32_WGRAD=0 turns the fp32 weight gradient off (autocast's bf16 one then, as before).
-_MM_OUT_DTYPE = _has_mm_out_dtype() and os.environ.get("DFLASH_FP32_WGRAD", "1") != "0"
+# Whether Linear takes its fp32 weight-gradient path under CUDA bf16 autocast: this torch has the op,
+# and DFLASH_FP32_WGRAD=0 does not turn it off (autocast's bf16 gradient then, as before).
+FP32_WGRAD = _has_mm_out_dtype() and os.environ.get("DFLASH_FP32_WGRAD", "1") != "0"
 
 
 class _Bf16LinearFp32Grad(torch.autograd.Function):
@@ -147,7 +148,7 @@ class Linear(nn.Linear):
     from the matmul when it trains under CUDA bf16 autocast; everywhere else plain nn.Linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (_MM_OUT_DTYPE and self.bias is None and x.is_cuda and self.weight.dtype == torch.float32
+        if (FP32_WGRAD and self.bias is None and x.is_cuda and self.weight.dtype == torch.float32
                 and self.weight.requires_grad and torch.is_grad_enabled()
                 and torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16):
             return _Bf16LinearFp32Grad.apply(x, self.weight)
