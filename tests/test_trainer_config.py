@@ -61,6 +61,15 @@ def test_a_bad_flex_tiles_variable_is_a_usage_error(monkeypatch):
         parse(["--steps", "3"])
 
 
+def test_a_bad_ce_rows_variable_is_a_usage_error(monkeypatch):
+    for bad in ("0", "-5", "lots"):
+        monkeypatch.setenv("DFLASH_CE_ROWS", bad)
+        with pytest.raises(UsageError, match="DFLASH_CE_ROWS=.*positive number of rows"):
+            parse(["--steps", "3"])
+    monkeypatch.setenv("DFLASH_CE_ROWS", "2048")
+    parse(["--steps", "3"])
+
+
 def test_config_and_package_do_not_import_torch():
     code = ("import sys, trainer, trainer.config, trainer.cli; "
             "trainer.config.parse(['--steps', '3']); assert 'torch' not in sys.modules, 'torch imported'")

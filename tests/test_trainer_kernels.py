@@ -265,6 +265,25 @@ def test_chunk_rows_keep_a_chunk_of_fp32_logits_under_a_gib():
     assert fused_ce.chunk_rows(24, 100) == 16
 
 
+def test_ce_rows_from_the_environment_set_the_chunks(monkeypatch):
+    """DFLASH_CE_ROWS fixes the chunk (a benchmark's A/B); the loss is the same function of the rows."""
+    norm, W = _head()
+    torch.manual_seed(0)
+    h, labels, w = torch.randn(1, 24, 32), torch.randint(0, W.shape[0], (1, 24)), torch.rand(1, 24)
+    seen = []
+    real = fused_ce._LinearCE.apply
+    monkeypatch.setattr(fused_ce._LinearCE, "apply", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setenv("DFLASH_CE_ROWS", "5")
+    five = fused_ce.block_loss(h, norm, W, labels, w, 6)[0]
+    monkeypatch.delenv("DFLASH_CE_ROWS")
+    default = fused_ce.block_loss(h, norm, W, labels, w, 6)[0]
+    assert seen == [5, 16]
+    torch.testing.assert_close(five, default)
+    monkeypatch.setenv("DFLASH_CE_ROWS", "0")
+    with pytest.raises(ValueError, match="positive number of rows"):
+        fused_ce.rows_from_env()
+
+
 @pytest.fixture(scope="module")
 def tiny():
     torch.set_num_threads(1)

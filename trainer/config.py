@@ -302,6 +302,12 @@ def validate(c: TrainConfig) -> None:
             parse_tiles(tiles)
         except ValueError as e:
             raise UsageError(f"DFLASH_FLEX_BWD_TILES: {e}") from None
+    if os.environ.get("DFLASH_CE_ROWS") is not None:
+        from trainer.fused_ce import rows_from_env  # imports torch: only when the variable is set
+        try:
+            rows_from_env()
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if c.data != "synthetic":
         need(Path(c.data).is_file(), f"--data {c.data}: no such file")
     check_target_spec(c.target)

@@ -22,6 +22,7 @@ compiled on its own outside torch.compile (eager policy on CUDA) and as torch op
 """
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 
@@ -30,8 +31,13 @@ import torch.nn.functional as F
 
 from trainer import ce_kernel
 
-# Rows per chunk: the largest power of two whose fp32 logits stay under this many bytes.
+# Rows per chunk: the largest power of two whose fp32 logits stay under this many bytes (1024 at
+# the 8B shape). Longer chunks measured no faster on the H200: the lm_head's GEMMs take the same
+# time from 1024 to 7680 rows, and the drafter step was 0.4 ms/sample slower with 2048
+# (benchmarks/gemm_bench.py, docs/benchmarks.md). DFLASH_CE_ROWS=N fixes the rows instead (for
+# such an A/B; config.validate checks it).
 CHUNK_BYTES = 1 << 30
+ROWS_ENV = "DFLASH_CE_ROWS"
 
 
 def chunk_rows(n_rows: int, vocab: int) -> int:
@@ -39,6 +45,16 @@ def chunk_rows(n_rows: int, vocab: int) -> int:
     while rows * 2 * vocab * 4 <= CHUNK_BYTES and rows * 2 <= n_rows:
         rows *= 2
     return rows
+
+
+def rows_from_env() -> int | None:
+    """DFLASH_CE_ROWS as a positive int, None when unset; ValueError when it is not one."""
+    text = os.environ.get(ROWS_ENV)
+    if text is None:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{ROWS_ENV}={text!r}: expected a positive number of rows, e.g. 2048")
+    return int(text)
 
 
 def _ce_core(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
@@ -151,7 +167,7 @@ def block_loss(hidden: torch.Tensor, norm, lm_weight: torch.Tensor, labels: torc
                          "freeze it (the target's) or use masks.block_loss")
     h = hidden.flatten(0, 1)  # (T, H)
     T, V = h.shape[0], lm_weight.shape[0]
-    rows = rows or chunk_rows(T, V)
+    rows = rows or rows_from_env() or chunk_rows(T, V)
     loss_sum, pred = _LinearCE.apply(h, norm.weight, lm_weight, labels.flatten(), weights.flatten(),
                                      norm.eps, rows)
     live = (weights > 0).view(weights.shape[0], -1, block_size)  # (B, N, Bs)
