@@ -14,7 +14,10 @@ policy (trainer/adamw.py), else fused AdamW with the clip folded in; --update cl
 clip_grad_norm_ then torch's fused AdamW, what this benchmark ran until 2026-12-01). Reports ms/sample (median step / batch), TFLOP/s and
 MFU (of 989 TFLOP/s bf16) by two counts, peak memory of the steady-state steps, the first step's
 seconds (compile included) and the step-0 loss and gradient norm (same seed, weights and batch in
-every variant: the fast paths must give the dense paths' numbers). Writes DIR/results.json,
+every variant: the fast paths must give the dense paths' numbers). The policy `fp32` (variant
+fp32/sdpa/dense) is the reference for those numbers: eager, no autocast, no TF32, on the same
+bf16-valued weights and features; with it in the list the summary also gives each variant's distance
+from it, to set against the bf16 dense path's own. Writes DIR/results.json,
 DIR/summary.md and DIR/<variant>.log; prints the summary last.
 
 FLOP counts (trainer.model): "dense" = flops_per_sample, SpecForge-style (every matmul 3x, dense
@@ -125,6 +128,12 @@ def run_one(args) -> dict:
     policy, att, loss, shape = parse_variant(args.one, "tiny" if args.tiny else "8b")
     sh = SHAPES[shape]
     cuda = torch.cuda.is_available() and not args.tiny
+    # "fp32": the reference for the step-0 numbers, eager with no autocast and no TF32 (full fp32
+    # matmuls), on the same bf16-valued head weights and features upcast exactly
+    reference = policy == "fp32"
+    if reference:
+        policy = "eager"
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     B, S, N, Bs = sh["batch"], sh["seq"], sh["anchors"], sh["block"]
     cfg = DrafterConfig(hidden_size=sh["hidden"], vocab_size=sh["vocab"], mask_token_id=sh["vocab"] - 1,
@@ -166,7 +175,8 @@ def run_one(args) -> dict:
             embed = torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02
             lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02
             norm = torch.ones(cfg.hidden_size)
-        drafter.borrow_target_head(embed.to(head_dtype), norm.to(head_dtype), lm_head.to(head_dtype))
+        up = (lambda t: t.to(head_dtype).float()) if reference else (lambda t: t.to(head_dtype))
+        drafter.borrow_target_head(up(embed), up(norm), up(lm_head))
         module = DraftLoss(drafter, pw, attention=att, loss=loss).to(dev)
         res["backends"] = module.backends(dev)
         fn = policies.compile_module(module, policy, n_devices=1)
@@ -183,10 +193,13 @@ def run_one(args) -> dict:
 
             replica = SimpleNamespace(index=0, params=params, optimizer=opt, update=CompiledUpdate(opt, params)
                                       if policies.compiled_part("auto", policy, torch.device(dev)) else None)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and not reference else \
+            torch.autocast(dev.type, enabled=False)
 
         def step(i):
             tensors, wt = batches[i % len(batches)]
+            if reference:
+                tensors = [tensors[0].float(), *tensors[1:]]
             policies.step_begin(policy)
             opt.zero_grad(set_to_none=True)
             with autocast:
@@ -301,16 +314,19 @@ def _run_child(variant: str, args, out: Path, limit: float) -> dict:
     return res
 
 
-def _fmt_row(r: dict, ref: dict | None) -> str:
+def _fmt_row(r: dict, ref: dict | None, fp32: dict | None = None) -> str:
     name = r["variant"]
     if not r.get("ok"):
         why = r.get("signature") or (r.get("error") or "failed").splitlines()[0][:90]
-        return f"| {name} | failed: {why} | | | | | | |"
-    num = ""
-    if ref and ref is not r and ref.get("ok") and ref.get("shape") == r.get("shape"):
+        return f"| {name} | failed: {why} | | | | | | |" + (" |" if fp32 else "")
+    def diff(ref):
+        if not (ref and ref is not r and ref.get("ok") and ref.get("shape") == r.get("shape")):
+            return ""
         dl = abs(r["loss0"] - ref["loss0"]) / abs(ref["loss0"])
         dg = abs(r["gradnorm0"] - ref["gradnorm0"]) / abs(ref["gradnorm0"])
-        num = f"{dl:.1e} / {dg:.1e}"
+        return f"{dl:.1e} / {dg:.1e}"
+
+    num = diff(ref) + (f" | {diff(fp32)}" if fp32 else "")
     shape = "" if r.get("shape") in ("8b", "tiny") else f" ({r['shape']} shape)"
     peak = "-" if r.get("peak_gb") is None else f"{r['peak_gb']:.1f}"
     return (f"| {name}{shape} | {r['ms_per_sample']:.1f} | {r['tflops_needed']:.0f} / {r['tflops_dense']:.0f} | "
@@ -320,7 +336,9 @@ def _fmt_row(r: dict, ref: dict | None) -> str:
 
 def summarize(results: list[dict]) -> str:
     ref = next((r for r in results if r.get("ok") and r.get("attention") == "sdpa" and r.get("loss") == "dense"
-                and r.get("shape") in ("8b", "tiny")), None)
+                and r.get("shape") in ("8b", "tiny") and not r["variant"].startswith("fp32/")), None)
+    fp32 = next((r for r in results if r.get("ok") and r["variant"].startswith("fp32/")
+                 and r.get("shape") in ("8b", "tiny")), None)
     first = next((r for r in results if "flops_dense" in r and r.get("shape") in ("8b", "tiny")), {})
     lines = [
         f"torch {first.get('torch', '?')}, {first.get('device', '?')}; "
@@ -329,10 +347,11 @@ def summarize(results: list[dict]) -> str:
         f"flex computes {first.get('attention_tiles_computed')} of the 128x128 attention tiles",
         "",
         "| variant (policy/attention/loss) | ms/sample | TFLOP/s needed / dense | MFU needed / dense | "
-        "peak GB | first step s | step-0 loss | vs dense: loss / grad-norm rel. diff |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "peak GB | first step s | step-0 loss | vs dense: loss / grad-norm rel. diff |"
+        + (" vs fp32 (the reference): loss / grad-norm |" if fp32 else ""),
+        "| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if fp32 else ""),
     ]
-    lines += [_fmt_row(r, ref) for r in results]
+    lines += [_fmt_row(r, ref, fp32) for r in results]
     return "\n".join(lines)
 
 

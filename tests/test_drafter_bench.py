@@ -31,3 +31,19 @@ def test_both_updates_run_and_start_from_the_same_loss(tmp_path):
     # the same start; and on the CPU the trainer's update (clip_grad_norm_ + torch's AdamW, in
     # apply_update) is clip_grad_norm_ + AdamW: the same later losses, bit for bit
     assert got["trainer"] == got["clip+fused"]
+
+
+def test_the_fp32_reference_runs_without_autocast_and_is_compared_against(tmp_path):
+    """fp32/sdpa/dense is the reference for the step-0 numbers: on the CPU (fp32 anyway) it gives the
+    eager dense path's numbers exactly, and the summary gains a column of distances from it."""
+    out = tmp_path / "ref"
+    p = subprocess.run([sys.executable, str(BENCH), "--tiny", "--variants", "fp32/sdpa/dense,eager/sdpa/dense",
+                        "--steps", "1", "--warmup", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    ref, dense = json.loads((out / "results.json").read_text())
+    assert ref["ok"] and dense["ok"] and ref["policy"] == "eager"
+    assert (ref["loss0"], ref["gradnorm0"]) == (dense["loss0"], dense["gradnorm0"])
+    summary = (out / "summary.md").read_text()
+    assert "vs fp32 (the reference)" in summary
+    assert "| eager/sdpa/dense |" in summary and summary.count("0.0e+00 / 0.0e+00") == 2

@@ -83,3 +83,43 @@ def test_compiled_linear_gives_eagers_weight_gradient():
     assert dw1.dtype == torch.float32
     for a, b, tol in ((y1, y0, 1e-2), (dx1, dx0, 1e-2), (dw1, dw0, 1e-5)):  # bf16 ulp / fp32 noise
         assert float((a.float() - b.float()).abs().max() / b.float().abs().max()) < tol
+
+
+@cuda
+@pytest.mark.parametrize("compiled", [False, True])
+def test_block_rows_linear_matches_linear_on_the_full_stream(compiled):
+    """The drafter's first layer on its distinct rows (model.block_rows_linear) under bf16 autocast:
+    the expanded output is Linear's on the full stream (bf16 products summed in fp32: equal up to the
+    accumulation order), and its weight gradient is at least as close to float64 as Linear's. The
+    repeated row's gradient sum stays in fp32: rounding it to bf16 would be ~1e-3 off."""
+    from trainer.model import block_rows_linear, expand_blocks
+
+    torch._dynamo.reset()
+    lead, n, bs, n_in, n_out = 96, 64, 16, 512, 384
+    _, layer = _pair(n_in, n_out, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    xc = torch.randn(2, lead + n + 1, n_in, device="cuda", generator=g)
+    dy = torch.randn(2, lead + n * bs, n_out, device="cuda", generator=g).to(torch.bfloat16)
+    fn = (lambda x: block_rows_linear(layer, x, lead, n, bs))
+    fn = torch.compile(fn) if compiled else fn
+    x1 = xc.clone().requires_grad_()
+    layer.weight.grad = None
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y1 = fn(x1)
+    y1.backward(dy)
+    dw1 = layer.weight.grad
+    y0, dx0, dw0 = _grads(layer, expand_blocks(xc, lead, n, bs), dy, True)
+    assert y1.dtype == torch.bfloat16 and dw1.dtype == torch.float32
+    assert float((y1.float() - y0.float()).abs().max() / y0.float().abs().max()) < 1e-2  # bf16 ulp at most
+    xb = expand_blocks(xc, lead, n, bs).to(torch.bfloat16).double().reshape(-1, n_in)
+    want = dy.double().reshape(-1, n_out).t() @ xb
+    scale = want.abs().max()
+    err_rows = float((dw1.double() - want).abs().max() / scale)
+    err_full = float((dw0.double() - want).abs().max() / scale)
+    assert err_rows < max(2 * err_full, 1e-6), (err_rows, err_full)
+    # the compact rows' input gradient: each repeated row's copies summed
+    want_dx = (dy.double() @ layer.weight.to(torch.bfloat16).double())  # (B, lead + n*bs, n_in)
+    blocks = want_dx[:, lead:].view(2, n, bs, n_in)
+    want_c = torch.cat([want_dx[:, :lead], blocks[:, :, 0], blocks[:, :, 1:].sum((1, 2))[:, None]], 1)
+    err_dx = float((x1.grad.double() - want_c).abs().max() / want_c.abs().max())
+    assert err_dx < 1e-2, err_dx

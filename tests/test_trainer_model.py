@@ -195,3 +195,55 @@ def test_rope_tables_are_the_formulas_values_in_eager_and_compiled():
     assert torch.equal(cos, emb.cos()[:, None]) and torch.equal(sin, emb.sin()[:, None])
     c2, s2 = torch.compile(lambda p: rope_cos_sin(p, 64, 1e6, torch.bfloat16), fullgraph=True)(pos)
     assert torch.equal(c2, emb.cos().to(torch.bfloat16)[:, None]) and torch.equal(s2, emb.sin().to(torch.bfloat16)[:, None])
+
+
+def test_first_layer_on_the_distinct_rows_is_the_same_function(tiny):
+    """masked_blocks: the first layer's norm and q/k/v projections run on the anchors' rows and the
+    one MASK row instead of every block row. Same hidden states and the same gradient for every
+    trainable weight as the full stream (fp32, CPU: to rounding)."""
+    target, drafter = tiny
+    g = torch.Generator().manual_seed(5)
+    S = 40
+    ids = torch.randint(0, 256, (2, S), generator=g)
+    anchors = torch.tensor([[0, 7, 20, 33], [3, 4, 15, 30]])
+    feats = target.features(ids)
+    args = (masks.block_inputs(ids, anchors, BLOCK, drafter.cfg.mask_token_id), masks.block_positions(anchors, BLOCK),
+            feats, torch.arange(S).expand(2, S), masks.attention_mask(anchors, S, BLOCK))
+    probe = torch.randn(2, anchors.shape[1] * BLOCK, drafter.cfg.hidden_size, generator=g)
+    got = {}
+    for compact in (False, True):
+        drafter.zero_grad(set_to_none=True)
+        hidden = drafter(*args, masked_blocks=compact)
+        (hidden * probe).sum().backward()
+        got[compact] = hidden.detach(), {k: p.grad.clone() for k, p in drafter.trainable_parameters()
+                                         if p.grad is not None}  # the final norm is not in `hidden`
+    torch.testing.assert_close(got[True][0], got[False][0], atol=1e-5, rtol=1e-5)
+    assert got[True][1].keys() == got[False][1].keys() and len(got[False][1]) > 10
+    for k, full in got[False][1].items():
+        torch.testing.assert_close(got[True][1][k], full, atol=1e-5, rtol=1e-4, msg=k)
+    first = "layers.0.self_attn.q_proj.weight"
+    assert got[False][1][first].abs().max() > 1e-3, "the first layer's projections got no gradient to compare"
+    drafter.zero_grad(set_to_none=True)
+
+
+def test_block_rows_linear_sums_the_repeated_rows_gradient():
+    """_BlockRowsLinear against nn.Linear on the expanded rows, the leading (context) rows included:
+    output, weight gradient, and the compact rows' gradient (a repeated row's is the sum of its copies')."""
+    from trainer.model import Linear, block_rows_linear, expand_blocks
+
+    torch.manual_seed(0)
+    lead, n, bs = 3, 4, 5
+    layer = Linear(6, 7, bias=False)
+    xc = torch.randn(2, lead + n + 1, 6, requires_grad=True)
+    dy = torch.randn(2, lead + n * bs, 7)
+    y = block_rows_linear(layer, xc, lead, n, bs)
+    (y * dy).sum().backward()
+    dw, dxc = layer.weight.grad.clone(), xc.grad.clone()
+    layer.weight.grad, xc.grad = None, None
+    ref = layer(expand_blocks(xc, lead, n, bs))
+    (ref * dy).sum().backward()
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(dw, layer.weight.grad)
+    torch.testing.assert_close(dxc, xc.grad)
+    assert torch.equal(expand_blocks(torch.arange(2 * 5)[None, :, None].view(1, 10, 1)[:, :lead + n + 1], lead, n, bs)[0, :, 0],
+                       torch.tensor([0, 1, 2, 3, 7, 7, 7, 7, 4, 7, 7, 7, 7, 5, 7, 7, 7, 7, 6, 7, 7, 7, 7]))

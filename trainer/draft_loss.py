@@ -66,7 +66,7 @@ class DraftLoss(nn.Module):
         else:
             mask = masks.attention_mask(anchors, S, cfg.block_size)  # (B, Tq, S + Tq)
         ctx_pos = torch.arange(S, device=input_ids.device).expand(B, S)
-        hidden = self.drafter(block_ids, block_pos, feats, ctx_pos, mask)  # (B, Tq, H)
+        hidden = self.drafter(block_ids, block_pos, feats, ctx_pos, mask, masked_blocks=True)  # (B, Tq, H)
         # Block position 0 is the anchor, given as input: weight 0, nothing to predict. The head
         # (a 4096 x 151936 matmul per token at the 8B shape) sees positions 1..Bs-1 only.
         bs, n = cfg.block_size, block_ids.shape[1] // cfg.block_size

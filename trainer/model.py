@@ -143,16 +143,81 @@ class _Bf16LinearFp32Grad(torch.autograd.Function):
         return dx, dw
 
 
+def _bf16_fp32_grad(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a matmul of x by the fp32 weight w trains as _Bf16LinearFp32Grad computes it: CUDA bf16
+    autocast, and FP32_WGRAD."""
+    return (FP32_WGRAD and x.is_cuda and w.dtype == torch.float32 and w.requires_grad and torch.is_grad_enabled()
+            and torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16)
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state dict) whose fp32 weight gets its gradient in fp32 straight
     from the matmul when it trains under CUDA bf16 autocast; everywhere else plain nn.Linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (FP32_WGRAD and self.bias is None and x.is_cuda and self.weight.dtype == torch.float32
-                and self.weight.requires_grad and torch.is_grad_enabled()
-                and torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16):
+        if self.bias is None and _bf16_fp32_grad(x, self.weight):
             return _Bf16LinearFp32Grad.apply(x, self.weight)
         return super().forward(x)
+
+
+def expand_blocks(t: torch.Tensor, lead: int, n_blocks: int, block_size: int) -> torch.Tensor:
+    """Compact rows -> the stream they stand for. t (B, lead + n + 1, ...): `lead` rows kept as they are,
+    then one row per block (its position 0) and the row that every block repeats at positions
+    1..block_size-1. Returns (B, lead + n * block_size, ...)."""
+    B, n = t.shape[0], n_blocks
+    first = t[:, lead:lead + n, None]
+    shared = t[:, lead + n:lead + n + 1, None].expand(B, n, block_size - 1, *t.shape[2:])
+    blocks = torch.cat([first, shared], dim=2).flatten(1, 2)
+    return torch.cat([t[:, :lead], blocks], dim=1) if lead else blocks
+
+
+class _BlockRowsLinear(torch.autograd.Function):
+    """x @ w.T over a stream whose blocks repeat one row, computed on its distinct rows only.
+
+    x (B, lead + n + 1, K) compact rows (expand_blocks' layout), w (N, K) fp32. Returns
+    expand_blocks(x @ w.T): (B, lead + n * block_size, N), the same values as Linear on the full
+    stream (under CUDA bf16 autocast: bf16 operands and output, as _Bf16LinearFp32Grad; else in
+    x's dtype). The backward sums the repeated rows' output gradient in fp32 and applies that sum
+    in fp32 (an outer product for w's gradient, a matrix-vector product for the shared row's): the
+    full stream's matmuls add the same products in fp32, with no rounding of the sum in between
+    (tests/test_linear_grads.py, eager and compiled, on a GPU).
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, lead: int, n_blocks: int, block_size: int, bf16: bool):
+        xc, wc = (x.to(torch.bfloat16), w.to(torch.bfloat16)) if bf16 else (x, w.to(x.dtype))
+        ctx.save_for_backward(xc, wc, w)
+        ctx.shape = (lead, n_blocks, block_size, bf16, x.dtype)
+        return expand_blocks(F.linear(xc, wc), lead, n_blocks, block_size)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, wc, w = ctx.saved_tensors
+        lead, n, bs, bf16, x_dtype = ctx.shape
+        B = dy.shape[0]
+        dy = dy.to(wc.dtype)
+        blocks = dy[:, lead:].view(B, n, bs, dy.shape[-1])
+        rows = torch.cat([dy[:, :lead], blocks[:, :, 0]], dim=1)  # (B, lead + n, N): one output row each
+        shared = blocks[:, :, 1:].sum(dim=(1, 2), dtype=torch.float32)  # (B, N): the repeated row's, summed
+        x_rows, x_shared = xc[:, :lead + n].flatten(0, 1), xc[:, lead + n].float()  # (B*(lead+n), K), (B, K)
+        flat = rows.flatten(0, 1)
+        dw = torch.mm(flat.t(), x_rows, out_dtype=torch.float32) if bf16 else flat.t() @ x_rows
+        # The shared row's terms as products and sums, not matmuls: torch.compile traces this backward
+        # under the forward's autocast (torch 2.11: functorch's backward_pass_autocast
+        # "same_as_forward"), which would run an fp32 matmul here in bf16 (measured: 5e-3 off).
+        dw = dw.float() + (shared[:, :, None] * x_shared[:, None, :]).sum(0)  # sum_b shared_b (x) x_shared_b
+        d_shared = (shared[:, :, None] * w.float()[None]).sum(1)  # (B, K): shared_b @ w, in fp32
+        dx = torch.cat([(rows @ wc).to(x_dtype), d_shared.to(x_dtype)[:, None]], dim=1)
+        return dx, dw.to(w.dtype), None, None, None, None
+
+
+def block_rows_linear(layer: nn.Linear, x: torch.Tensor, lead: int, n_blocks: int, block_size: int) -> torch.Tensor:
+    """`layer` (bias-free) on the stream that the compact rows x stand for (expand_blocks' layout):
+    its matmuls run on lead + n + 1 rows per sample instead of lead + n * block_size."""
+    bf16 = _bf16_fp32_grad(x, layer.weight)
+    if not bf16 and torch.is_autocast_enabled(x.device.type):
+        return expand_blocks(layer(x), lead, n_blocks, block_size)  # another autocast: as Linear computes it
+    return _BlockRowsLinear.apply(x, layer.weight, lead, n_blocks, block_size, bf16)
 
 
 class Attention(nn.Module):
@@ -167,15 +232,22 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_eps)
 
-    def forward(self, x, ctx, rope_q, rope_k, mask):
+    def forward(self, x, ctx, rope_q, rope_k, mask, block_size: int = 0):
         # x (B, Tq, H) block stream; ctx (B, Tc, H) projected target features;
-        # mask (B, Tq, Tc+Tq) bool, or the same rule as an attention.SparseMask
-        B, Tq, _ = x.shape
-        kv_in = torch.cat([ctx, x], dim=1)  # (B, Tk, H), Tk = Tc + Tq
-        Tk = kv_in.shape[1]
-        q = self.q_norm(self.q_proj(x).view(B, Tq, self.nh, self.hd)).transpose(1, 2)  # (B, nh, Tq, hd)
-        k = self.k_norm(self.k_proj(kv_in).view(B, Tk, self.nkv, self.hd)).transpose(1, 2)  # (B, nkv, Tk, hd)
-        v = self.v_proj(kv_in).view(B, Tk, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, Tk, hd)
+        # mask (B, Tq, Tc+Tq) bool, or the same rule as an attention.SparseMask.
+        # block_size > 0: x is the stream's compact rows instead (B, n + 1, H), expand_blocks' layout.
+        kv_in = torch.cat([ctx, x], dim=1)  # (B, Tk, H), Tk = Tc + Tq (compact: Tc + n + 1)
+        if block_size:
+            B, Tc, n = x.shape[0], ctx.shape[1], x.shape[1] - 1
+            q, k, v = (block_rows_linear(proj, inp, lead, n, block_size)
+                       for proj, inp, lead in ((self.q_proj, x, 0), (self.k_proj, kv_in, Tc), (self.v_proj, kv_in, Tc)))
+            Tq, Tk = n * block_size, Tc + n * block_size
+        else:
+            B, Tq, Tk = x.shape[0], x.shape[1], kv_in.shape[1]
+            q, k, v = self.q_proj(x), self.k_proj(kv_in), self.v_proj(kv_in)
+        q = self.q_norm(q.view(B, Tq, self.nh, self.hd)).transpose(1, 2)  # (B, nh, Tq, hd)
+        k = self.k_norm(k.view(B, Tk, self.nkv, self.hd)).transpose(1, 2)  # (B, nkv, Tk, hd)
+        v = v.view(B, Tk, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, Tk, hd)
         q = apply_rope(q, *rope_q)
         k = apply_rope(k, *rope_k)
         o = attention.attend(q, k, v, mask)  # (B, nh, Tq, hd): dense SDPA or block-sparse flex
@@ -202,8 +274,16 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, ctx, rope_q, rope_k, mask):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask)
+    def forward(self, x, ctx, rope_q, rope_k, mask, block_size: int = 0):
+        # block_size > 0: every block of x is [its own row, one row repeated] (masked_blocks): the
+        # norm and the q/k/v projections run on the distinct rows only
+        if block_size:
+            B, T, H = x.shape
+            blocks = x.view(B, T // block_size, block_size, H)
+            h = self.input_layernorm(torch.cat([blocks[:, :, 0], blocks[:, :1, 1]], dim=1))  # (B, n + 1, H)
+        else:
+            h = self.input_layernorm(x)
+        x = x + self.self_attn(h, ctx, rope_q, rope_k, mask, block_size)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -286,18 +366,23 @@ class Drafter(nn.Module):
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(k, p) for k, p in self.named_parameters() if not k.startswith(self.frozen_prefixes)]
 
-    def forward(self, block_ids, block_pos, ctx_feats, ctx_pos, mask) -> torch.Tensor:
+    def forward(self, block_ids, block_pos, ctx_feats, ctx_pos, mask, masked_blocks: bool = False) -> torch.Tensor:
         # block_ids, block_pos (B, Tq) int; ctx_feats (B, Tc, n*H); ctx_pos (B, Tc) int;
         # mask (B, Tq, Tc+Tq) bool, True = may attend (or an attention.SparseMask). Returns hidden (B, Tq, H).
         # The residual stream runs in the drafter's own dtype (fp32 master weights; matmuls follow autocast),
         # even where the borrowed embedding is bf16.
+        # masked_blocks: block_ids are masks.block_inputs' blocks, [anchor, MASK x (Bs-1)] each. Then
+        # the first layer's input repeats one row Bs-1 times per block, and its norm and q/k/v
+        # projections run on the anchors' rows and that row only (15/16 of their matmuls skipped at
+        # Bs 16); every later layer sees distinct rows. Same function (tests/test_trainer_model.py).
         x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)  # (B, Tq, H)
         ctx = self.hidden_norm(self.fc(ctx_feats.to(self.fc.weight.dtype)))  # (B, Tc, H)
         hd, theta = self.cfg.head_dim, self.cfg.rope_theta
         rope_q = rope_cos_sin(block_pos, hd, theta, x.dtype)
         rope_k = rope_cos_sin(torch.cat([ctx_pos, block_pos], dim=1), hd, theta, x.dtype)
-        for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_k, mask)
+        bs = self.cfg.block_size if masked_blocks and self.cfg.block_size > 1 else 0
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, rope_q, rope_k, mask, bs if i == 0 else 0)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
