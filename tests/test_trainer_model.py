@@ -43,21 +43,29 @@ def test_tiny_target_is_deterministic():
     assert a.fingerprint == b.fingerprint != c.fingerprint
 
 
-def test_training_forward_equals_one_block_at_a_time(tiny):
-    """Each block of a multi-anchor training pass must equal decoding it alone with context < anchor.
+def _training_pass(tiny, S: int, anchors: torch.Tensor, g: torch.Generator):
+    """Random ids (B, S) and the target's features; the drafter's arguments for a training pass over
+    `anchors` (B, N): block inputs and positions, features, context positions, dense mask."""
+    target, drafter = tiny
+    ids = torch.randint(0, 256, (anchors.shape[0], S), generator=g)
+    feats = target.features(ids)
+    return ids, feats, (masks.block_inputs(ids, anchors, BLOCK, drafter.cfg.mask_token_id),
+                        masks.block_positions(anchors, BLOCK), feats, torch.arange(S).expand(anchors.shape[0], S),
+                        masks.attention_mask(anchors, S, BLOCK))
+
+
+@pytest.mark.parametrize("masked_blocks", [False, True])
+def test_training_forward_equals_one_block_at_a_time(tiny, masked_blocks):
+    """Each block of a multi-anchor training pass must equal decoding it alone with context < anchor,
+    also where training runs the first layer on the blocks' distinct rows (masked_blocks, DraftLoss).
 
     This is the train/eval coupling that, when wrong (`<=` or an off-by-one label), trains to high
     accuracy and terrible acceptance.
     """
     target, drafter = tiny
-    g = torch.Generator().manual_seed(0)
-    S = 40
-    ids = torch.randint(0, 256, (2, S), generator=g)
-    anchors = torch.tensor([[0, 7, 20, 34], [3, 4, 15, 30]])
-    feats = target.features(ids)
-    mask = masks.attention_mask(anchors, S, BLOCK)
-    hidden = drafter(masks.block_inputs(ids, anchors, BLOCK, drafter.cfg.mask_token_id),
-                     masks.block_positions(anchors, BLOCK), feats, torch.arange(S).expand(2, S), mask)
+    S, anchors = 40, torch.tensor([[0, 7, 20, 34], [3, 4, 15, 30]])
+    ids, feats, args = _training_pass(tiny, S, anchors, torch.Generator().manual_seed(0))
+    hidden = drafter(*args, masked_blocks=masked_blocks)
     for b in range(2):
         for n, a in enumerate(anchors[b].tolist()):
             block = torch.tensor([[int(ids[b, a])] + [drafter.cfg.mask_token_id] * (BLOCK - 1)])
@@ -201,14 +209,10 @@ def test_first_layer_on_the_distinct_rows_is_the_same_function(tiny):
     """masked_blocks: the first layer's norm and q/k/v projections run on the anchors' rows and the
     one MASK row instead of every block row. Same hidden states and the same gradient for every
     trainable weight as the full stream (fp32, CPU: to rounding)."""
-    target, drafter = tiny
+    _, drafter = tiny
     g = torch.Generator().manual_seed(5)
-    S = 40
-    ids = torch.randint(0, 256, (2, S), generator=g)
     anchors = torch.tensor([[0, 7, 20, 33], [3, 4, 15, 30]])
-    feats = target.features(ids)
-    args = (masks.block_inputs(ids, anchors, BLOCK, drafter.cfg.mask_token_id), masks.block_positions(anchors, BLOCK),
-            feats, torch.arange(S).expand(2, S), masks.attention_mask(anchors, S, BLOCK))
+    _, _, args = _training_pass(tiny, 40, anchors, g)
     probe = torch.randn(2, anchors.shape[1] * BLOCK, drafter.cfg.hidden_size, generator=g)
     got = {}
     for compact in (False, True):
