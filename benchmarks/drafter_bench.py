@@ -23,7 +23,9 @@ DIR/summary.md and DIR/<variant>.log; prints the summary last.
 FLOP counts (trainer.model): "dense" = flops_per_sample, SpecForge-style (every matmul 3x, dense
 attention over all S + Tq keys, lm_head included with a weight gradient): 44.5 TFLOP/sample here.
 "needed" = flops_needed: lm_head frozen (2x) and skipped on the anchor position, attention over
-the pairs the mask allows only: ~34.2 TFLOP/sample here (34.9 before the anchor rows were skipped).
+the pairs the mask allows only, the fc without an input gradient, the first layer's q/k/v on the
+distinct rows: ~33.5 TFLOP/sample here (34.2 before the last two were counted, 34.9 before the
+anchor rows were skipped).
 """
 from __future__ import annotations
 

@@ -10,9 +10,11 @@ and reports its TFLOP/s and its share of a step: a GEMM well below the others is
 It also times the groupings the drafter could use instead: k_proj + v_proj as one GEMM (they read
 the same input), gate_proj + up_proj as one, and the lm_head's chunk of rows at other sizes.
 
-Shapes (batch 2, context 768, 256 anchors x 16): block tokens Tq = 8192, keys Tk = 9728 (context +
-block), context rows 1536; the lm_head runs on the 7680 rows that have a loss, in chunks
-(trainer/fused_ce.py chunk_rows: 1024).
+Shapes (drafter_bench.py's 8B shape: batch 2, context 768, 256 anchors x 16): block tokens Tq = 8192,
+keys Tk = 9728 (context + block), context rows 1536; the first layer's q/k/v on the block's 514
+distinct rows (the anchors' and the MASK row, per sample); the lm_head on the 7680 rows that have a
+loss, in chunks (trainer/fused_ce.py chunk_rows: 1024). Together they are the matmul FLOPs that
+trainer.model.flops_needed counts (tests/test_gemm_bench.py checks it).
 """
 from __future__ import annotations
 
@@ -22,24 +24,37 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-H, I, Q, KV, V, N_TARGET, LAYERS = 4096, 12288, 4096, 1024, 151936, 5, 5
-TQ, TK, TC, HEAD_ROWS, BATCH = 8192, 9728, 1536, 7680, 2
+from drafter_bench import SHAPES  # noqa: E402  (no torch at import)
+
+_S = SHAPES["8b"]
+H, I, V, LAYERS, BATCH = _S["hidden"], _S["inter"], _S["vocab"], _S["layers"], _S["batch"]
+Q, KV, N_TARGET = _S["heads"] * _S["hd"], _S["kv"] * _S["hd"], 5  # DrafterConfig.num_target_layers
+N_BLOCKS = BATCH * _S["anchors"]
+TQ, TC = N_BLOCKS * _S["block"], BATCH * _S["seq"]     # block tokens, context rows
+TK = TC + TQ                                         # keys: context + block
+HEAD_ROWS = N_BLOCKS * (_S["block"] - 1)             # rows with a loss (not the anchors')
+FIRST = BATCH + N_BLOCKS                             # the first layer's distinct block rows (anchors + MASK)
 
 
 def gemms(head_chunk: int = 1024) -> list[dict]:
-    """The step's GEMMs: name, kind (fwd: x @ W.T; dgrad: dy @ W; wgrad: dy.T @ x in fp32), M rows,
-    N outputs, K inner, how many per step, and the group (what a fused alternative replaces)."""
+    """The step's GEMMs: name, kind (fwd: x @ W.T; dgrad: dy @ W; wgrad: dy.T @ x in fp32), rows,
+    inputs, outputs, how many per step, and the group (what a fused alternative replaces). The first
+    layer's q/k/v run on the block's distinct rows (trainer.model block_rows_linear)."""
     out = []
 
     def linear(name, rows, n_in, n_out, count, kinds=("fwd", "dgrad", "wgrad"), group=None):
         for kind in kinds:
             out.append(dict(name=name, kind=kind, rows=rows, n_in=n_in, n_out=n_out, count=count, group=group))
 
-    linear("fc", TC, N_TARGET * H, H, 1, kinds=("fwd", "wgrad"))
-    linear("q_proj", TQ, H, Q, LAYERS)
-    linear("k_proj", TK, H, KV, LAYERS, group="kv")
-    linear("v_proj", TK, H, KV, LAYERS, group="kv")
+    linear("fc", TC, N_TARGET * H, H, 1, kinds=("fwd", "wgrad"))  # the target's features need no gradient
+    linear("q_proj", TQ, H, Q, LAYERS - 1)
+    linear("k_proj", TK, H, KV, LAYERS - 1, group="kv")
+    linear("v_proj", TK, H, KV, LAYERS - 1, group="kv")
+    linear("q_proj, first layer", FIRST, H, Q, 1)
+    linear("k_proj, first layer", TC + FIRST, H, KV, 1)
+    linear("v_proj, first layer", TC + FIRST, H, KV, 1)
     linear("o_proj", TQ, Q, H, LAYERS)
     linear("gate_proj", TQ, H, I, LAYERS, group="gate_up")
     linear("up_proj", TQ, H, I, LAYERS, group="gate_up")
@@ -55,7 +70,7 @@ def alternatives() -> list[dict]:
     """Fused groupings of the same math, to set against the sum of the GEMMs they replace."""
     out = []
     for kind in ("fwd", "dgrad", "wgrad"):
-        out.append(dict(name="kv fused", kind=kind, rows=TK, n_in=H, n_out=2 * KV, count=LAYERS, replaces="kv"))
+        out.append(dict(name="kv fused", kind=kind, rows=TK, n_in=H, n_out=2 * KV, count=LAYERS - 1, replaces="kv"))
         out.append(dict(name="gate_up fused", kind=kind, rows=TQ, n_in=H, n_out=2 * I, count=LAYERS,
                         replaces="gate_up"))
     return out

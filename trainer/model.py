@@ -410,19 +410,25 @@ def flops_per_sample(cfg: DrafterConfig, seq_len: int, query_tokens: int) -> flo
 def flops_needed(cfg: DrafterConfig, seq_len: int, query_tokens: int, attended_pairs: float | None = None) -> float:
     """Training FLOPs of one sample that the work actually requires (compare flops_per_sample).
 
-    Three differences from the dense count: the lm_head is frozen, so its backward is the input
+    The differences from the dense count: the lm_head is frozen, so its backward is the input
     gradient only (2x its forward, not 3x); it runs on block positions 1..Bs-1 only (position 0 is
-    the anchor, with no loss: trainer/draft_loss.py); and attention counts only the (query, key)
-    pairs the mask allows, `attended_pairs` per sample (attention.attended_pairs / batch), dense if
-    None. For the 8B shape (S 768, 256 anchors x 16, ~390 keys per query) this gives ~34.2 TFLOP
-    (~34.9 before the anchor rows were skipped).
+    the anchor, with no loss: trainer/draft_loss.py); attention counts only the (query, key) pairs
+    the mask allows, `attended_pairs` per sample (attention.attended_pairs / batch), dense if None;
+    the fc projection of the frozen target's features has no input gradient (2x); and the first
+    layer's q/k/v projections of the block run on its distinct rows only, the anchors' and the MASK
+    row (Drafter.forward masked_blocks). For the 8B shape (S 768, 256 anchors x 16, ~390 keys per
+    query) this gives ~33.5 TFLOP (~34.2 before the last two were counted, ~34.9 before the anchor
+    rows were skipped).
     """
     H, S, Tq = cfg.hidden_size, seq_len, query_tokens
-    q_dim = cfg.num_heads * cfg.head_dim
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     dense_pairs = Tq * (S + Tq)
     pairs = dense_pairs if attended_pairs is None else attended_pairs
     head = 2 * H * cfg.vocab_size * Tq
     attn_dense = cfg.num_layers * 2 * 2 * q_dim * dense_pairs
     attn = cfg.num_layers * 2 * 2 * q_dim * pairs
+    fc = 2 * cfg.num_target_layers * H * H * S
+    repeated = Tq - Tq // cfg.block_size - 1 if cfg.block_size > 1 else 0  # first-layer rows not computed
+    first = (2 * H * q_dim + 2 * 2 * H * kv_dim) * repeated
     rest = flops_per_sample(cfg, seq_len, query_tokens) / 3.0 - head - attn_dense
-    return 3.0 * (rest + attn) + 2.0 * head * (cfg.block_size - 1) / cfg.block_size
+    return 3.0 * (rest + attn - first) - fc + 2.0 * head * (cfg.block_size - 1) / cfg.block_size
