@@ -187,13 +187,13 @@ class _BlockRowsLinear(torch.autograd.Function):
     def forward(ctx, x, w, lead: int, n_blocks: int, block_size: int, bf16: bool):
         xc, wc = (x.to(torch.bfloat16), w.to(torch.bfloat16)) if bf16 else (x, w.to(x.dtype))
         ctx.save_for_backward(xc, wc, w)
-        ctx.shape = (lead, n_blocks, block_size, bf16, x.dtype)
+        ctx.layout = (lead, n_blocks, block_size, bf16, x.dtype)
         return expand_blocks(F.linear(xc, wc), lead, n_blocks, block_size)
 
     @staticmethod
     def backward(ctx, dy):
         xc, wc, w = ctx.saved_tensors
-        lead, n, bs, bf16, x_dtype = ctx.shape
+        lead, n, bs, bf16, x_dtype = ctx.layout
         B = dy.shape[0]
         dy = dy.to(wc.dtype)
         blocks = dy[:, lead:].view(B, n, bs, dy.shape[-1])
@@ -206,8 +206,10 @@ class _BlockRowsLinear(torch.autograd.Function):
         # under the forward's autocast (torch 2.11: functorch's backward_pass_autocast
         # "same_as_forward"), which would run an fp32 matmul here in bf16 (measured: 5e-3 off).
         dw = dw.float() + (shared[:, :, None] * x_shared[:, None, :]).sum(0)  # sum_b shared_b (x) x_shared_b
-        d_shared = (shared[:, :, None] * w.float()[None]).sum(1)  # (B, K): shared_b @ w, in fp32
-        dx = torch.cat([(rows @ wc).to(x_dtype), d_shared.to(x_dtype)[:, None]], dim=1)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            d_shared = (shared[:, :, None] * w.float()[None]).sum(1)  # (B, K): shared_b @ w, in fp32
+            dx = torch.cat([(rows @ wc).to(x_dtype), d_shared.to(x_dtype)[:, None]], dim=1)
         return dx, dw.to(w.dtype), None, None, None, None
 
 
