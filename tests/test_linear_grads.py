@@ -29,11 +29,12 @@ def _pair(n_in: int, n_out: int, device: str, seed: int = 0):
     return ref, new
 
 
-def _grads(layer, x, dy, amp: bool):
+def _grads(layer, x, dy, amp: bool, call=None):
+    """y, dx, dw of `call` (default: the layer itself) on x, backward from dy; dw is the layer's."""
     x = x.clone().requires_grad_()
     layer.weight.grad = None
     with torch.autocast("cuda", dtype=torch.bfloat16) if amp else contextlib.nullcontext():
-        y = layer(x)
+        y = (call or layer)(x)
     y.backward(dy)
     return y.detach(), x.grad, layer.weight.grad
 
@@ -101,13 +102,7 @@ def test_block_rows_linear_matches_linear_on_the_full_stream(compiled):
     xc = torch.randn(2, lead + n + 1, n_in, device="cuda", generator=g)
     dy = torch.randn(2, lead + n * bs, n_out, device="cuda", generator=g).to(torch.bfloat16)
     fn = (lambda x: block_rows_linear(layer, x, lead, n, bs))
-    fn = torch.compile(fn) if compiled else fn
-    x1 = xc.clone().requires_grad_()
-    layer.weight.grad = None
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        y1 = fn(x1)
-    y1.backward(dy)
-    dw1 = layer.weight.grad
+    y1, dx1, dw1 = _grads(layer, xc, dy, True, call=torch.compile(fn) if compiled else fn)
     y0, dx0, dw0 = _grads(layer, expand_blocks(xc, lead, n, bs), dy, True)
     assert y1.dtype == torch.bfloat16 and dw1.dtype == torch.float32
     assert float((y1.float() - y0.float()).abs().max() / y0.float().abs().max()) < 1e-2  # bf16 ulp at most
@@ -121,5 +116,9 @@ def test_block_rows_linear_matches_linear_on_the_full_stream(compiled):
     want_dx = (dy.double() @ layer.weight.to(torch.bfloat16).double())  # (B, lead + n*bs, n_in)
     blocks = want_dx[:, lead:].view(2, n, bs, n_in)
     want_c = torch.cat([want_dx[:, :lead], blocks[:, :, 0], blocks[:, :, 1:].sum((1, 2))[:, None]], 1)
-    err_dx = float((x1.grad.double() - want_c).abs().max() / want_c.abs().max())
-    assert err_dx < 1e-2, err_dx
+    err_dx = float((dx1.double() - want_c).abs().max() / want_c.abs().max())
+    assert err_dx < 1e-2, err_dx   # the distinct rows: a bf16 matmul output each, as Linear's
+    # the repeated row's: its copies' gradients summed and applied in fp32 on the forward's bf16
+    # weight, so no bf16 rounding (~2e-3) of either the sum or the weight
+    err_shared = float((dx1[:, -1].double() - want_c[:, -1]).abs().max() / want_c[:, -1].abs().max())
+    assert err_shared < 1e-4, err_shared

@@ -186,31 +186,33 @@ class _BlockRowsLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, lead: int, n_blocks: int, block_size: int, bf16: bool):
         xc, wc = (x.to(torch.bfloat16), w.to(torch.bfloat16)) if bf16 else (x, w.to(x.dtype))
-        ctx.save_for_backward(xc, wc, w)
-        ctx.layout = (lead, n_blocks, block_size, bf16, x.dtype)
+        ctx.save_for_backward(xc, wc)
+        ctx.layout = (lead, n_blocks, block_size, bf16, x.dtype, w.dtype)
         return expand_blocks(F.linear(xc, wc), lead, n_blocks, block_size)
 
     @staticmethod
     def backward(ctx, dy):
-        xc, wc, w = ctx.saved_tensors
-        lead, n, bs, bf16, x_dtype = ctx.layout
+        xc, wc = ctx.saved_tensors
+        lead, n, bs, bf16, x_dtype, w_dtype = ctx.layout
         B = dy.shape[0]
         dy = dy.to(wc.dtype)
         blocks = dy[:, lead:].view(B, n, bs, dy.shape[-1])
         rows = torch.cat([dy[:, :lead], blocks[:, :, 0]], dim=1)  # (B, lead + n, N): one output row each
         shared = blocks[:, :, 1:].sum(dim=(1, 2), dtype=torch.float32)  # (B, N): the repeated row's, summed
-        x_rows, x_shared = xc[:, :lead + n].flatten(0, 1), xc[:, lead + n].float()  # (B*(lead+n), K), (B, K)
-        flat = rows.flatten(0, 1)
-        dw = torch.mm(flat.t(), x_rows, out_dtype=torch.float32) if bf16 else flat.t() @ x_rows
         # The shared row's terms as products and sums, not matmuls: torch.compile traces this backward
         # under the forward's autocast (torch 2.11: functorch's backward_pass_autocast
         # "same_as_forward"), which would run an fp32 matmul here in bf16 (measured: 5e-3 off).
-        dw = dw.float() + (shared[:, :, None] * x_shared[:, None, :]).sum(0)  # sum_b shared_b (x) x_shared_b
-        dx = None
+        # Both use the operands the forward used (xc, wc), exactly, in fp32.
+        dx = dw = None
         if ctx.needs_input_grad[0]:
-            d_shared = (shared[:, :, None] * w.float()[None]).sum(1)  # (B, K): shared_b @ w, in fp32
+            d_shared = (shared[:, :, None] * wc.float()[None]).sum(1)  # (B, K): shared_b @ wc
             dx = torch.cat([(rows @ wc).to(x_dtype), d_shared.to(x_dtype)[:, None]], dim=1)
-        return dx, dw.to(w.dtype), None, None, None, None
+        if ctx.needs_input_grad[1]:
+            flat, x_rows = rows.flatten(0, 1), xc[:, :lead + n].flatten(0, 1)  # (B*(lead+n), N), (.., K)
+            dw = torch.mm(flat.t(), x_rows, out_dtype=torch.float32) if bf16 else flat.t() @ x_rows
+            dw = dw.float() + (shared[:, :, None] * xc[:, None, lead + n].float()).sum(0)  # + sum_b shared_b (x) x_b
+            dw = dw.to(w_dtype)
+        return dx, dw, None, None, None, None
 
 
 def block_rows_linear(layer: nn.Linear, x: torch.Tensor, lead: int, n_blocks: int, block_size: int) -> torch.Tensor:
