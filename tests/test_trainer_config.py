@@ -64,7 +64,7 @@ def test_a_bad_flex_tiles_variable_is_a_usage_error(monkeypatch):
 def test_a_bad_ce_rows_variable_is_a_usage_error(monkeypatch):
     for bad in ("0", "-5", "lots"):
         monkeypatch.setenv("DFLASH_CE_ROWS", bad)
-        with pytest.raises(UsageError, match="DFLASH_CE_ROWS=.*positive number of rows"):
+        with pytest.raises(UsageError, match="DFLASH_CE_ROWS: .*positive number of rows"):
             parse(["--steps", "3"])
     monkeypatch.setenv("DFLASH_CE_ROWS", "2048")
     parse(["--steps", "3"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 from dataclasses import dataclass, fields
@@ -241,6 +242,12 @@ def _coerce(path: str, key, value, typ: str):
     return {"float": float, "str": str}.get(typ, lambda v: v)(value)
 
 
+# Environment variables that choose how the drafter's step runs on a GPU (docs/benchmarks.md): the
+# variable, and the module and function that parse its value (ValueError when it is bad).
+ENV_CHOICES = (("DFLASH_FLEX_BWD_TILES", "trainer.attention", "parse_tiles"),
+               ("DFLASH_CE_ROWS", "trainer.fused_ce", "parse_rows"))
+
+
 def validate(c: TrainConfig) -> None:
     def need(cond: bool, msg: str):
         if not cond:
@@ -295,19 +302,13 @@ def validate(c: TrainConfig) -> None:
         need(all(x.strip().isdigit() for x in c.target_layers.split(",")),
              f"--target-layers {c.target_layers!r}: expected comma-separated layer ids, e.g. 1,9,17,25,33")
     chat_template_options(c)
-    tiles = os.environ.get("DFLASH_FLEX_BWD_TILES")
-    if tiles is not None:
-        from trainer.attention import parse_tiles  # imports torch: only when the variable is set
-        try:
-            parse_tiles(tiles)
-        except ValueError as e:
-            raise UsageError(f"DFLASH_FLEX_BWD_TILES: {e}") from None
-    if os.environ.get("DFLASH_CE_ROWS") is not None:
-        from trainer.fused_ce import rows_from_env  # imports torch: only when the variable is set
-        try:
-            rows_from_env()
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+    for var, module, parser in ENV_CHOICES:
+        text = os.environ.get(var)
+        if text is not None:  # the parsers' modules import torch: only when the variable is set
+            try:
+                getattr(importlib.import_module(module), parser)(text)
+            except ValueError as e:
+                raise UsageError(f"{var}: {e}") from None
     if c.data != "synthetic":
         need(Path(c.data).is_file(), f"--data {c.data}: no such file")
     check_target_spec(c.target)

@@ -47,14 +47,22 @@ def chunk_rows(n_rows: int, vocab: int) -> int:
     return rows
 
 
+def parse_rows(text: str) -> int:
+    """A DFLASH_CE_ROWS value -> rows per chunk; ValueError unless a positive integer."""
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"expected a positive number of rows, e.g. 2048, got {text!r}")
+    return int(text)
+
+
 def rows_from_env() -> int | None:
-    """DFLASH_CE_ROWS as a positive int, None when unset; ValueError when it is not one."""
+    """DFLASH_CE_ROWS as rows per chunk, None when unset (config.validate has refused a bad value)."""
     text = os.environ.get(ROWS_ENV)
     if text is None:
         return None
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"{ROWS_ENV}={text!r}: expected a positive number of rows, e.g. 2048")
-    return int(text)
+    try:
+        return parse_rows(text)
+    except ValueError as e:
+        raise ValueError(f"{ROWS_ENV}: {e}") from None
 
 
 def _ce_core(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
