@@ -74,6 +74,14 @@ CPU_VARIANTS = ["eager/sdpa/dense", "eager/sdpa/chunked", "inductor/sdpa/chunked
                 "reduce-overhead/sdpa/dense"]
 
 
+# The policy of the reference variant (fp32/sdpa/dense): eager with no autocast and no TF32.
+REFERENCE = "fp32"
+
+
+def is_reference(variant: str) -> bool:
+    return variant.split("/")[0] == REFERENCE
+
+
 def parse_variant(v: str, default_shape: str) -> tuple[str, str, str, str]:
     spec, _, shape = v.partition("@")
     policy, att, loss = spec.split("/")
@@ -133,7 +141,7 @@ def run_one(args) -> dict:
     cuda = torch.cuda.is_available() and not args.tiny
     # "fp32": the reference for the step-0 numbers, eager with no autocast and no TF32 (full fp32
     # matmuls), on the same bf16-valued head weights and features upcast exactly
-    reference = policy == "fp32"
+    reference = policy == REFERENCE
     if reference:
         policy = "eager"
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -339,8 +347,8 @@ def _fmt_row(r: dict, ref: dict | None, fp32: dict | None = None) -> str:
 
 def summarize(results: list[dict]) -> str:
     ref = next((r for r in results if r.get("ok") and r.get("attention") == "sdpa" and r.get("loss") == "dense"
-                and r.get("shape") in ("8b", "tiny") and not r["variant"].startswith("fp32/")), None)
-    fp32 = next((r for r in results if r.get("ok") and r["variant"].startswith("fp32/")
+                and r.get("shape") in ("8b", "tiny") and not is_reference(r["variant"])), None)
+    fp32 = next((r for r in results if r.get("ok") and is_reference(r["variant"])
                  and r.get("shape") in ("8b", "tiny")), None)
     first = next((r for r in results if "flops_dense" in r and r.get("shape") in ("8b", "tiny")), {})
     lines = [

@@ -249,5 +249,6 @@ def test_block_rows_linear_sums_the_repeated_rows_gradient():
     torch.testing.assert_close(y, ref)
     torch.testing.assert_close(dw, layer.weight.grad)
     torch.testing.assert_close(dxc, xc.grad)
-    assert torch.equal(expand_blocks(torch.arange(2 * 5)[None, :, None].view(1, 10, 1)[:, :lead + n + 1], lead, n, bs)[0, :, 0],
+    # the layout the reference above relies on: 3 lead rows, then per block its row and row 7 x 4
+    assert torch.equal(expand_blocks(torch.arange(lead + n + 1).view(1, -1, 1), lead, n, bs)[0, :, 0],
                        torch.tensor([0, 1, 2, 3, 7, 7, 7, 7, 4, 7, 7, 7, 7, 5, 7, 7, 7, 7, 6, 7, 7, 7, 7]))
