@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +37,9 @@ from .transport import Result, Transport
 RELEASE = "release_agent"     # deploy: manifest, apply, install-deps
 RUNS = "runs_agent"           # launch, status, follow, stop, metrics, export, probe
 MAX_WORKERS = 16
+# ast.parse is not thread-safe in CPython 3.11 ("SystemError: AST constructor recursion depth
+# mismatch" when two fan-out threads build the agent's source at once): one builder at a time.
+_BUILDING = threading.Lock()
 
 
 # --- the remote program -------------------------------------------------------------------------
@@ -70,10 +74,15 @@ def parts(entry: str) -> tuple[str, ...]:
     return tuple(order)
 
 
-@lru_cache(maxsize=None)
 def source(entry: str) -> str:
     """Program `entry` as one `python -c` source: its parts joined, their `from .X import` lines
     removed (the names they import are defined earlier in the same source)."""
+    with _BUILDING:
+        return _joined(entry)
+
+
+@lru_cache(maxsize=None)
+def _joined(entry: str) -> str:
     texts = []
     for name in parts(entry):
         text = _module_text(name)

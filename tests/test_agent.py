@@ -78,3 +78,54 @@ def test_each_program_is_its_entry_after_what_it_imports():
     assert runs.index("runs_common") < runs.index("runs_locks") < runs.index("runs_supervisor")
     assert "release_store" in runs                 # the live release: one helper, both programs
     assert agent.argv(Target(name="t", python="/py"), agent.RUNS, ["status", "/w"])[:2] == ["/py", "-c"]
+
+
+def test_two_threads_building_the_agent_source_do_not_break_each_others_parse(monkeypatch):
+    """CPython 3.11's ast.parse raises "SystemError: AST constructor recursion depth mismatch" when
+    another thread parses while it builds its tree (a garbage collection inside the build can run a
+    finalizer, and a finalizer can hand the GIL over). It broke a two-target deploy's fan-out. Here
+    the first thread's first collection inside its parse deterministically lets a second thread build
+    the source: that thread must wait its turn instead."""
+    import ast
+    import gc
+
+    errors, first = [], threading.current_thread()
+    second = threading.Thread(target=lambda: _build(errors))
+
+    class HandOver:
+        def __del__(self):
+            if threading.current_thread() is first and not second.is_alive() and second.ident is None:
+                second.start()
+                second.join(0.5)                   # a second thread free to parse finishes well within
+
+    real_parse = ast.parse
+
+    def parse(text, *a, **k):                      # garbage that the next collection, in the tree's
+        if threading.current_thread() is first and second.ident is None:  # build, finalizes
+            h = HandOver()
+            h.cycle = h
+            del h
+            gc.set_threshold(1)
+        try:
+            return real_parse(text, *a, **k)
+        finally:
+            gc.set_threshold(*thresholds)
+
+    thresholds = gc.get_threshold()
+    monkeypatch.setattr(agent.ast, "parse", parse)
+    agent._joined.cache_clear(), agent.parts.cache_clear()
+    try:
+        _build(errors)
+        second.join(30)
+    finally:
+        gc.set_threshold(*thresholds)
+        agent._joined.cache_clear(), agent.parts.cache_clear()
+    assert second.ident is not None, "the hand-over never ran: the test no longer exercises the race"
+    assert errors == []
+
+
+def _build(errors: list) -> None:
+    try:
+        agent.source(agent.RUNS)
+    except Exception as e:  # noqa: BLE001 - the assertion shows it
+        errors.append(repr(e))
