@@ -424,4 +424,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.cli import leave  # a torchrun rank ends without finalization (see leave)
+
+    leave(main())

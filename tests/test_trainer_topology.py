@@ -221,3 +221,24 @@ def test_a_warm_up_failure_is_named_by_the_failure_catalog(tmp_path):
         err = WorkerFailed(1, "cuda:1", e, phase="warmup")
     assert err.signature == "cudagraph-trees-tls"
     assert str(err) == "worker 1 (cuda:1) failed during warm-up: AssertionError [signature cudagraph-trees-tls]"
+
+
+LEAVE = """
+import atexit, sys
+from trainer.cli import leave
+atexit.register(lambda: print("finalized", flush=True))
+print("done", end="")  # unflushed: leave flushes it
+leave(3)
+"""
+
+
+@pytest.mark.parametrize("rank_env, finalized", [({}, True), ({"LOCAL_RANK": "0", "WORLD_SIZE": "2"}, False)])
+def test_a_rank_leaves_without_finalization(rank_env, finalized):
+    """A torchrun rank's exit skips interpreter finalization, where Gloo's threads could still free a
+    collective's tensors and abort the rank after its work (SIGABRT, about one CPU run in ten); its
+    output is flushed and its status kept. Outside a rank, the exit is the usual sys.exit."""
+    env = {k: v for k, v in subprocess_env().items() if k not in ("LOCAL_RANK", "WORLD_SIZE")}
+    p = subprocess.run([sys.executable, "-c", LEAVE], cwd=ROOT, env={**env, **rank_env}, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 3, p.stderr
+    assert p.stdout == ("donefinalized\n" if finalized else "done")

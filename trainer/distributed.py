@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainer import checkpoint, policies, train
+from trainer.cli import in_rank
 from trainer.config import TrainConfig
 from trainer.errors import UsageError
 from trainer.log import QuietLog, RunLog, heartbeat
@@ -65,11 +66,6 @@ SHUTDOWN_TIMEOUT_S = "300"
 
 def main(cfg: TrainConfig) -> int:
     return rank_main(cfg) if in_rank() else launch(cfg)
-
-
-def in_rank() -> bool:
-    """True in a process torchrun started (it sets LOCAL_RANK and WORLD_SIZE)."""
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 # ---- the launcher ---------------------------------------------------------------------------------
