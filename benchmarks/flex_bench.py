@@ -4,8 +4,10 @@
     python3 benchmarks/flex_bench.py --out OUT --configs default,64-64-64-64-3-4
 
 A choice is `default` (torch's tiles) or the backward's tiles M1-N1-M2-N2-STAGES-WARPS (FlexAttention's
-`bwd_BLOCK_M1`, `bwd_BLOCK_N1`, `bwd_BLOCK_M2`, `bwd_BLOCK_N2`, `bwd_num_stages`, `bwd_num_warps`; the
-forward keeps its own). The shape is the drafter's at the 8B benchmark shape (batch 2, 32 query heads
+`bwd_BLOCK_M1`, `bwd_BLOCK_N1`, `bwd_BLOCK_M2`, `bwd_BLOCK_N2`, `bwd_num_stages`, `bwd_num_warps`),
+optionally followed by `/M-N-STAGES-WARPS`, the forward's (`fwd_BLOCK_M`, `fwd_BLOCK_N`,
+`fwd_num_stages`, `fwd_num_warps`; without it the forward keeps torch's). M and N must divide the
+block mask's 128-row tiles. The shape is the drafter's at the 8B benchmark shape (batch 2, 32 query heads
 over 8 KV heads of 128, 768 context tokens, 256 anchors x 16), with anchors drawn as the trainer draws
 them, so the tiles skipped are the trainer's.
 
@@ -32,9 +34,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# The finalists of three sweeps (docs/benchmarks.md lists the rest), and the same with K/V expanded.
+# The finalists of three sweeps (docs/benchmarks.md lists the rest), the same with K/V expanded, and
+# the tuned backward with other forward tiles (128-64-3-8 is torch's own forward on sm90 at hd 128).
 DEFAULT_CONFIGS = ("default,32-64-64-32-3-4,32-64-64-32-4-4,64-64-64-64-3-4,"
-                   "default+kv,32-64-64-32-3-4+kv,64-128-128-64-3-8+kv")
+                   "default+kv,32-64-64-32-3-4+kv,64-128-128-64-3-8+kv,"
+                   "32-64-64-32-3-4/128-64-3-8,32-64-64-32-3-4/64-64-3-4,32-64-64-32-3-4/128-128-3-8,"
+                   "32-64-64-32-3-4/64-128-3-4,32-64-64-32-3-4/128-32-3-4")
 SHAPE = dict(batch=2, heads=32, kv=8, hd=128, seq=768, anchors=256, block=16)
 
 

@@ -26,8 +26,18 @@ def test_choices_parse_to_backward_kernel_options_and_kv_expansion():
         "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
         "bwd_num_stages": 3, "bwd_num_warps": 4}
     assert attention.parse_tiles("32-64-64-32-3-4+kv").expand_kv
+    both = attention.parse_tiles("32-64-64-32-3-4/64-128-2-8+kv")
+    assert both.expand_kv and both.options == {
+        "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+        "bwd_num_stages": 3, "bwd_num_warps": 4,
+        "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_stages": 2, "fwd_num_warps": 8}
+    assert attention.parse_tiles("default/128-64-3-8").options == {
+        "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 8}
     for bad in ("", "32-64", "32-64-64-32-3-x", "0-64-64-32-3-4", "default+gqa"):
         with pytest.raises(ValueError, match=r"M1-N1-M2-N2-STAGES-WARPS|only suffix is \+kv"):
+            attention.parse_tiles(bad)
+    for bad in ("default/", "default/64-64-3", "32-64-64-32-3-4/64-64-3-x", "default/0-64-3-4"):
+        with pytest.raises(ValueError, match=r"the forward's as M-N-STAGES-WARPS"):
             attention.parse_tiles(bad)
     for choice in flex_bench.DEFAULT_CONFIGS.split(","):
         attention.parse_tiles(choice)

@@ -110,34 +110,43 @@ def mask_mod(anchors: torch.Tensor, n_queries: int, ctx_len: int, block_size: in
     return rule
 
 
-# How the flex call runs: FlexAttention's backward tiles (its `kernel_options`), and whether K/V are
-# expanded to one head per query head first. Measured on the H200 (sm90, torch 2.11,
-# benchmarks/flex_bench.py, docs/benchmarks.md): with 128-row KV tiles the few context tiles that
-# every block attends to make a few long-running programs; 32 x 64 tiles spread them over the SMs.
-# Elsewhere torch's own choice stands. DFLASH_FLEX_BWD_TILES=default|M1-N1-M2-N2-STAGES-WARPS, either
-# optionally +kv, overrides both (read when a call is traced).
+# How the flex call runs: FlexAttention's backward tiles (its `kernel_options`), optionally its
+# forward's, and whether K/V are expanded to one head per query head first. Measured on the H200
+# (sm90, torch 2.11, benchmarks/flex_bench.py, docs/benchmarks.md): with 128-row KV tiles the few
+# context tiles that every block attends to make a few long-running programs; 32 x 64 tiles spread
+# them over the SMs. Elsewhere torch's own choice stands.
+# DFLASH_FLEX_BWD_TILES=BWD[/FWD][+kv] overrides both (read when a call is traced): BWD is `default`
+# or M1-N1-M2-N2-STAGES-WARPS, FWD is M-N-STAGES-WARPS (the forward keeps torch's without it).
 TUNED_BWD_TILES = {(9, 0): "32-64-64-32-3-4"}
 _TILE_KEYS = ("bwd_BLOCK_M1", "bwd_BLOCK_N1", "bwd_BLOCK_M2", "bwd_BLOCK_N2", "bwd_num_stages", "bwd_num_warps")
+_FWD_KEYS = ("fwd_BLOCK_M", "fwd_BLOCK_N", "fwd_num_stages", "fwd_num_warps")
 
 
 @dataclass(frozen=True)
 class FlexChoice:
-    options: dict | None = None   # FlexAttention kernel_options (the backward's tiles); None = torch's
+    options: dict | None = None   # FlexAttention kernel_options (the tiles); None = torch's
     expand_kv: bool = False       # repeat K/V to the query heads: GQA's sum leaves the kernel's dK/dV loop
 
 
+def _numbers(text: str, keys: tuple[str, ...], what: str, example: str) -> dict:
+    parts = text.split("-")
+    if len(parts) != len(keys) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"FlexAttention tiles {text!r}: give {what}, e.g. {example}")
+    return dict(zip(keys, map(int, parts)))
+
+
 def parse_tiles(text: str) -> FlexChoice:
-    """'default' or 'M1-N1-M2-N2-STAGES-WARPS', either optionally '+kv' -> a FlexChoice."""
+    """'BWD[/FWD][+kv]' -> a FlexChoice. BWD: 'default' or 'M1-N1-M2-N2-STAGES-WARPS' (the
+    backward's tiles); FWD: 'M-N-STAGES-WARPS' (the forward's); +kv: K/V expanded to the query heads."""
     tiles, plus, mode = text.partition("+")
     if plus and mode != "kv":
         raise ValueError(f"FlexAttention choice {text!r}: the only suffix is +kv (K/V expanded to the query heads)")
-    if tiles == "default":
-        return FlexChoice(None, bool(plus))
-    parts = tiles.split("-")
-    if len(parts) != len(_TILE_KEYS) or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"FlexAttention tiles {tiles!r}: give 'default' or M1-N1-M2-N2-STAGES-WARPS, "
-                         f"e.g. 32-64-64-32-3-4")
-    return FlexChoice(dict(zip(_TILE_KEYS, map(int, parts))), bool(plus))
+    bwd, slash, fwd = tiles.partition("/")
+    options = {} if bwd == "default" else _numbers(bwd, _TILE_KEYS, "'default' or M1-N1-M2-N2-STAGES-WARPS",
+                                                   "32-64-64-32-3-4")
+    if slash:
+        options.update(_numbers(fwd, _FWD_KEYS, "the forward's as M-N-STAGES-WARPS after '/'", "32-64-64-32-3-4/64-64-3-4"))
+    return FlexChoice(options or None, bool(plus))
 
 
 def flex_choice(device: torch.device) -> FlexChoice:
