@@ -24,8 +24,9 @@ FLOP counts (trainer.model): "dense" = flops_per_sample, SpecForge-style (every 
 attention over all S + Tq keys, lm_head included with a weight gradient): 44.5 TFLOP/sample here.
 "needed" = flops_needed: lm_head frozen (2x) and skipped on the anchor position, attention over
 the pairs the mask allows only, the fc without an input gradient, the first layer's q/k/v on the
-distinct rows: ~33.5 TFLOP/sample here (34.2 before the last two were counted, 34.9 before the
-anchor rows were skipped).
+distinct rows, the last layer's o_proj and MLP without the anchor rows: ~33.3 TFLOP/sample here
+(33.5 before the last one, 34.2 before the two before it, 34.9 before the anchor rows were skipped
+at the head).
 """
 from __future__ import annotations
 

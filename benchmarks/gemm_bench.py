@@ -12,8 +12,8 @@ the same input), gate_proj + up_proj as one, and the lm_head's chunk of rows at 
 
 Shapes (drafter_bench.py's 8B shape: batch 2, context 768, 256 anchors x 16): block tokens Tq = 8192,
 keys Tk = 9728 (context + block), context rows 1536; the first layer's q/k/v on the block's 514
-distinct rows (the anchors' and the MASK row, per sample); the lm_head on the 7680 rows that have a
-loss, in chunks (trainer/fused_ce.py chunk_rows: 1024). Together they are the matmul FLOPs that
+distinct rows (the anchors' and the MASK row, per sample); the last layer's o_proj and MLP, and the
+lm_head, on the 7680 rows that have a loss (not the anchors'), the lm_head in chunks (trainer/fused_ce.py chunk_rows: 1024). Together they are the matmul FLOPs that
 trainer.model.flops_needed counts (tests/test_gemm_bench.py checks it).
 """
 from __future__ import annotations
@@ -55,10 +55,14 @@ def gemms(head_chunk: int = 1024) -> list[dict]:
     linear("q_proj, first layer", FIRST, H, Q, 1)
     linear("k_proj, first layer", TC + FIRST, H, KV, 1)
     linear("v_proj, first layer", TC + FIRST, H, KV, 1)
-    linear("o_proj", TQ, Q, H, LAYERS)
-    linear("gate_proj", TQ, H, I, LAYERS, group="gate_up")
-    linear("up_proj", TQ, H, I, LAYERS, group="gate_up")
-    linear("down_proj", TQ, I, H, LAYERS)
+    linear("o_proj", TQ, Q, H, LAYERS - 1)
+    linear("gate_proj", TQ, H, I, LAYERS - 1, group="gate_up")
+    linear("up_proj", TQ, H, I, LAYERS - 1, group="gate_up")
+    linear("down_proj", TQ, I, H, LAYERS - 1)
+    linear("o_proj, last layer", HEAD_ROWS, Q, H, 1)
+    linear("gate_proj, last layer", HEAD_ROWS, H, I, 1)
+    linear("up_proj, last layer", HEAD_ROWS, H, I, 1)
+    linear("down_proj, last layer", HEAD_ROWS, I, H, 1)
     full, rest = divmod(HEAD_ROWS, head_chunk)
     linear(f"lm_head x{head_chunk}", head_chunk, H, V, full, kinds=("fwd", "dgrad"))
     if rest:
@@ -71,7 +75,7 @@ def alternatives() -> list[dict]:
     out = []
     for kind in ("fwd", "dgrad", "wgrad"):
         out.append(dict(name="kv fused", kind=kind, rows=TK, n_in=H, n_out=2 * KV, count=LAYERS - 1, replaces="kv"))
-        out.append(dict(name="gate_up fused", kind=kind, rows=TQ, n_in=H, n_out=2 * I, count=LAYERS,
+        out.append(dict(name="gate_up fused", kind=kind, rows=TQ, n_in=H, n_out=2 * I, count=LAYERS - 1,
                         replaces="gate_up"))
     return out
 

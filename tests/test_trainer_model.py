@@ -230,6 +230,36 @@ def test_first_layer_on_the_distinct_rows_is_the_same_function(tiny):
     drafter.zero_grad(set_to_none=True)
 
 
+def test_the_last_layer_on_the_predicted_rows_is_the_same_function(tiny):
+    """predicted_only (DraftLoss): the last layer's o_proj, residual and MLP run on block positions
+    1..Bs-1 only, and the hidden states returned are those rows. They and every trainable weight's
+    gradient equal the full stream's on the same rows (fp32, CPU: to rounding); the rows are picked
+    here by index, not by the code under test."""
+    _, drafter = tiny
+    g = torch.Generator().manual_seed(6)
+    anchors = torch.tensor([[0, 7, 20, 33], [3, 4, 15, 30]])
+    _, _, args = _training_pass(tiny, 40, anchors, g)
+    T = anchors.shape[1] * BLOCK
+    rows = torch.tensor([i for i in range(T) if i % BLOCK])
+    probe = torch.randn(2, len(rows), drafter.cfg.hidden_size, generator=g)
+    got = {}
+    for predicted_only in (False, True):
+        drafter.zero_grad(set_to_none=True)
+        hidden = drafter(*args, masked_blocks=True, predicted_only=predicted_only)
+        hidden = hidden if predicted_only else hidden[:, rows]
+        (hidden * probe).sum().backward()
+        got[predicted_only] = hidden.detach(), {k: p.grad.clone() for k, p in drafter.trainable_parameters()
+                                                if p.grad is not None}
+    assert got[True][0].shape == (2, len(rows), drafter.cfg.hidden_size)
+    torch.testing.assert_close(got[True][0], got[False][0], atol=1e-5, rtol=1e-5)
+    assert got[True][1].keys() == got[False][1].keys() and len(got[False][1]) > 10
+    for k, full in got[False][1].items():
+        torch.testing.assert_close(got[True][1][k], full, atol=1e-5, rtol=1e-4, msg=k)
+    last = f"layers.{drafter.cfg.num_layers - 1}.mlp.down_proj.weight"
+    assert got[False][1][last].abs().max() > 1e-3, "the last layer's MLP got no gradient to compare"
+    drafter.zero_grad(set_to_none=True)
+
+
 def test_block_rows_linear_sums_the_repeated_rows_gradient():
     """_BlockRowsLinear against nn.Linear on the expanded rows, the leading (context) rows included:
     output, weight gradient, and the compact rows' gradient (a repeated row's is the sum of its copies')."""

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from trainer import attention, fused_ce, masks
-from trainer.model import Drafter
+from trainer.model import Drafter, predicted_rows
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 LOSS_BACKENDS = ("auto", "chunked", "dense")
@@ -66,13 +66,13 @@ class DraftLoss(nn.Module):
         else:
             mask = masks.attention_mask(anchors, S, cfg.block_size)  # (B, Tq, S + Tq)
         ctx_pos = torch.arange(S, device=input_ids.device).expand(B, S)
-        hidden = self.drafter(block_ids, block_pos, feats, ctx_pos, mask, masked_blocks=True)  # (B, Tq, H)
         # Block position 0 is the anchor, given as input: weight 0, nothing to predict. The head
-        # (a 4096 x 151936 matmul per token at the 8B shape) sees positions 1..Bs-1 only.
-        bs, n = cfg.block_size, block_ids.shape[1] // cfg.block_size
-        hidden = hidden.view(B, n, bs, -1)[:, :, 1:].reshape(B, n * (bs - 1), -1)
-        labels = labels.view(B, n, bs)[:, :, 1:].reshape(B, -1)
-        weights = weights.view(B, n, bs)[:, :, 1:].reshape(B, -1)
+        # (a 4096 x 151936 matmul per token at the 8B shape) and the last layer's o_proj and MLP see
+        # positions 1..Bs-1 only.
+        bs = cfg.block_size
+        hidden = self.drafter(block_ids, block_pos, feats, ctx_pos, mask, masked_blocks=True,
+                              predicted_only=True)  # (B, n * (Bs-1), H)
+        labels, weights = predicted_rows(labels, bs), predicted_rows(weights, bs)
         if loss == "chunked":
             loss_sum, correct, count = fused_ce.block_loss(hidden, self.drafter.norm, self.drafter.lm_head.weight,
                                                            labels, weights, bs - 1)

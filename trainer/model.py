@@ -171,6 +171,14 @@ def expand_blocks(t: torch.Tensor, lead: int, n_blocks: int, block_size: int) ->
     return torch.cat([t[:, :lead], blocks], dim=1) if lead else blocks
 
 
+def predicted_rows(t: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(B, n * block_size, ...) -> (B, n * (block_size - 1), ...): each block without its position 0
+    (the anchor's row, which has nothing to predict)."""
+    B, T = t.shape[:2]
+    blocks = t.view(B, T // block_size, block_size, *t.shape[2:])
+    return blocks[:, :, 1:].reshape(B, (T // block_size) * (block_size - 1), *t.shape[2:])
+
+
 class _BlockRowsLinear(torch.autograd.Function):
     """x @ w.T over a stream whose blocks repeat one row, computed on its distinct rows only.
 
@@ -236,10 +244,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_eps)
 
-    def forward(self, x, ctx, rope_q, rope_k, mask, block_size: int = 0):
+    def forward(self, x, ctx, rope_q, rope_k, mask, block_size: int = 0, predicted: int = 0):
         # x (B, Tq, H) block stream; ctx (B, Tc, H) projected target features;
         # mask (B, Tq, Tc+Tq) bool, or the same rule as an attention.SparseMask.
         # block_size > 0: x is the stream's compact rows instead (B, n + 1, H), expand_blocks' layout.
+        # predicted > 0 (the block size): o_proj runs on, and the output holds, predicted_rows only.
         kv_in = torch.cat([ctx, x], dim=1)  # (B, Tk, H), Tk = Tc + Tq (compact: Tc + n + 1)
         if block_size:
             B, Tc, n = x.shape[0], ctx.shape[1], x.shape[1] - 1
@@ -255,7 +264,8 @@ class Attention(nn.Module):
         q = apply_rope(q, *rope_q)
         k = apply_rope(k, *rope_k)
         o = attention.attend(q, k, v, mask)  # (B, nh, Tq, hd): dense SDPA or block-sparse flex
-        return self.o_proj(o.transpose(1, 2).reshape(B, Tq, self.nh * self.hd))
+        o = o.transpose(1, 2).reshape(B, Tq, self.nh * self.hd)
+        return self.o_proj(predicted_rows(o, predicted) if predicted else o)
 
 
 class MLP(nn.Module):
@@ -278,16 +288,19 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, ctx, rope_q, rope_k, mask, block_size: int = 0):
+    def forward(self, x, ctx, rope_q, rope_k, mask, block_size: int = 0, predicted: int = 0):
         # block_size > 0: every block of x is [its own row, one row repeated] (masked_blocks): the
-        # norm and the q/k/v projections run on the distinct rows only
+        # norm and the q/k/v projections run on the distinct rows only.
+        # predicted > 0 (the block size): after attention, which reads every row's K/V, the layer
+        # goes on with predicted_rows only (o_proj, residual, MLP) and returns those.
         if block_size:
             B, T, H = x.shape
             blocks = x.view(B, T // block_size, block_size, H)
             h = self.input_layernorm(torch.cat([blocks[:, :, 0], blocks[:, :1, 1]], dim=1))  # (B, n + 1, H)
         else:
             h = self.input_layernorm(x)
-        x = x + self.self_attn(h, ctx, rope_q, rope_k, mask, block_size)
+        a = self.self_attn(h, ctx, rope_q, rope_k, mask, block_size, predicted)
+        x = (predicted_rows(x, predicted) if predicted else x) + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -370,7 +383,8 @@ class Drafter(nn.Module):
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(k, p) for k, p in self.named_parameters() if not k.startswith(self.frozen_prefixes)]
 
-    def forward(self, block_ids, block_pos, ctx_feats, ctx_pos, mask, masked_blocks: bool = False) -> torch.Tensor:
+    def forward(self, block_ids, block_pos, ctx_feats, ctx_pos, mask, masked_blocks: bool = False,
+                predicted_only: bool = False) -> torch.Tensor:
         # block_ids, block_pos (B, Tq) int; ctx_feats (B, Tc, n*H); ctx_pos (B, Tc) int;
         # mask (B, Tq, Tc+Tq) bool, True = may attend (or an attention.SparseMask). Returns hidden (B, Tq, H).
         # The residual stream runs in the drafter's own dtype (fp32 master weights; matmuls follow autocast),
@@ -379,14 +393,21 @@ class Drafter(nn.Module):
         # the first layer's input repeats one row Bs-1 times per block, and its norm and q/k/v
         # projections run on the anchors' rows and that row only (15/16 of their matmuls skipped at
         # Bs 16); every later layer sees distinct rows. Same function (tests/test_trainer_model.py).
+        # predicted_only: return the hidden states of block positions 1..Bs-1 only, (B, n * (Bs-1), H)
+        # (predicted_rows; position 0 is the anchor, with nothing to predict). The last layer then
+        # runs its o_proj, residual and MLP on those rows only (1/Bs of its o_proj + MLP skipped).
         x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)  # (B, Tq, H)
         ctx = self.hidden_norm(self.fc(ctx_feats.to(self.fc.weight.dtype)))  # (B, Tc, H)
         hd, theta = self.cfg.head_dim, self.cfg.rope_theta
         rope_q = rope_cos_sin(block_pos, hd, theta, x.dtype)
         rope_k = rope_cos_sin(torch.cat([ctx_pos, block_pos], dim=1), hd, theta, x.dtype)
         bs = self.cfg.block_size if masked_blocks and self.cfg.block_size > 1 else 0
+        if predicted_only and self.cfg.block_size < 2:
+            raise ValueError("predicted_only needs blocks of 2 or more positions")
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, rope_q, rope_k, mask, bs if i == 0 else 0)
+            x = layer(x, ctx, rope_q, rope_k, mask, bs if i == 0 else 0,
+                      self.cfg.block_size if predicted_only and i == last else 0)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -420,9 +441,10 @@ def flops_needed(cfg: DrafterConfig, seq_len: int, query_tokens: int, attended_p
     the mask allows, `attended_pairs` per sample (attention.attended_pairs / batch), dense if None;
     the fc projection of the frozen target's features has no input gradient (2x); and the first
     layer's q/k/v projections of the block run on its distinct rows only, the anchors' and the MASK
-    row (Drafter.forward masked_blocks). For the 8B shape (S 768, 256 anchors x 16, ~390 keys per
-    query) this gives ~33.5 TFLOP (~34.2 before the last two were counted, ~34.9 before the anchor
-    rows were skipped).
+    row (Drafter.forward masked_blocks); the last layer's o_proj and MLP run on positions 1..Bs-1
+    only (Drafter.forward predicted_only). For the 8B shape (S 768, 256 anchors x 16, ~390 keys per
+    query) this gives ~33.3 TFLOP (33.5 before the last layer's rows were counted, ~34.2 before the
+    first layer's and the fc's, ~34.9 before the anchor rows were skipped at the head).
     """
     H, S, Tq = cfg.hidden_size, seq_len, query_tokens
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -434,5 +456,7 @@ def flops_needed(cfg: DrafterConfig, seq_len: int, query_tokens: int, attended_p
     fc = 2 * cfg.num_target_layers * H * H * S
     repeated = Tq - Tq // cfg.block_size - 1 if cfg.block_size > 1 else 0  # first-layer rows not computed
     first = (2 * H * q_dim + 2 * 2 * H * kv_dim) * repeated
+    anchors = Tq // cfg.block_size if cfg.block_size > 1 else 0     # last-layer rows not computed
+    last = (2 * q_dim * H + 3 * 2 * H * cfg.intermediate_size) * anchors
     rest = flops_per_sample(cfg, seq_len, query_tokens) / 3.0 - head - attn_dense
-    return 3.0 * (rest + attn - first) - fc + 2.0 * head * (cfg.block_size - 1) / cfg.block_size
+    return 3.0 * (rest + attn - first - last) - fc + 2.0 * head * (cfg.block_size - 1) / cfg.block_size
