@@ -128,6 +128,7 @@ def inventory_doc(nodes, **target_overrides) -> dict:
 class Cluster:
     def __init__(self, nodes, path: Path, cfg: Path):
         self.nodes, self.path, self.cfg = nodes, path, cfg
+        self.launched: list[str] = []
 
     def cli(self, *args, timeout: float = 180, inventory: Path | None = None):
         return subprocess.run([sys.executable, "-c", CLI_MAIN, "-i", str(inventory or self.path),
@@ -137,7 +138,14 @@ class Cluster:
         r = self.cli("launch", targets, "--topology", "processes", "--gpus", "0", "--workers", "1",
                      "--policy", "eager", "--config", self.cfg, *args)
         assert r.returncode == 0, r.stderr.decode()[-3000:]
-        return r.stdout.decode().strip()
+        self.launched.append(r.stdout.decode().strip())
+        return self.launched[-1]
+
+    def stop_leftovers(self) -> None:
+        """Kill whatever a failed test left running, so that the next test's launch is not refused
+        for a busy slot (one failure stays one)."""
+        while self.launched:
+            self.cli("stop", "pair", self.launched.pop(), "--force", timeout=120)
 
     def record(self, node, run) -> dict:
         return json.loads((node.rundir(run) / "run.json").read_text())
@@ -161,6 +169,13 @@ def cluster(nodes, tmp_path_factory):
     res = deploy.deploy(inventory.load(str(path)), ["ct200", "ct300"], source=str(source))
     assert all(r.ok for r in res.values()), {k: r.error for k, r in res.items()}
     return Cluster(nodes, path, cfg)
+
+
+@pytest.fixture(autouse=True)
+def _no_run_left_behind(request):
+    yield
+    if "cluster" in request.fixturenames:
+        request.getfixturevalue("cluster").stop_leftovers()
 
 
 def reference_run(tmp: Path, cfg: Path) -> Path:
