@@ -9,6 +9,7 @@ The failure paths use the trainer's test-only hooks (trainer/step.py: DFLASH_TRA
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -176,6 +177,53 @@ def test_sigterm_to_the_launcher_checkpoints_on_rank_0_and_exits_143(tmp_path):
     assert len(stopped) == 1
     latest = checkpoint.find_latest(out)
     assert latest is not None and latest.name == f"step-{stopped[0]['step']:08d}"
+
+
+def test_a_sigterm_after_the_ranks_stopped_on_their_own_does_not_kill_the_launcher(tmp_path):
+    """With several nodes, a stop that reaches another node first ends this node's ranks too (all
+    ranks agree on it at a step boundary and exit 143); this node's own SIGTERM may then land after
+    torchrun has returned. Here the ranks get SIGTERM directly, then the launcher one every 10 ms
+    until it ends: wherever one lands, the launcher exits 143, not killed by the signal."""
+    import os
+    import signal
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *QUICK, "--out", str(out), "--steps", "100000",
+                             "--workers", "2", "--topology", "processes"], cwd=ROOT, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("{") and json.loads(line).get("step", 0) >= 3:
+                break
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, ranks
+        for pid in ranks:
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 90
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                os.kill(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                break
+            time.sleep(0.01)
+        rest, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert len(events(out, "stopped")) == 1 and checkpoint.find_latest(out) is not None
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
 
 
 # ---- settings --------------------------------------------------------------------------------------

@@ -96,17 +96,29 @@ def launch(cfg: TrainConfig) -> int:
     # torchrun installs its own handlers (SIGTERM -> forward to the ranks); put ours back after.
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
     try:
-        torchrun.run(torchrun.parse_args(args))
-        return 0
+        try:
+            torchrun.run(torchrun.parse_args(args))
+            return 0
+        finally:
+            # From here on a SIGTERM must not kill the launcher. With several nodes, a stop that
+            # reaches another node first ends this node's ranks too (all ranks agree on it at a step
+            # boundary and exit 143), torchrun returns, and this node's own SIGTERM lands after it:
+            # dying of it would record the run's end as a signal instead of the ranks' 143.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except SignalException as e:
         print(f"[trainer] {e.sigval.name}: the ranks were told to checkpoint and stop", flush=True)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        print(str(e), file=sys.stderr, flush=True)
-        return child_exit_code([f.exitcode for f in e.failures.values()], e.get_first_failure()[1].exitcode)
+        code = child_exit_code([f.exitcode for f in e.failures.values()], e.get_first_failure()[1].exitcode)
+        if code == 143:   # a stop that reached another node first (above): not a failure
+            print("[trainer] SIGTERM on another node: the ranks checkpointed and stopped", flush=True)
+        else:
+            print(str(e), file=sys.stderr, flush=True)
+        return code
     finally:
         for s, h in saved.items():
-            signal.signal(s, h)
+            if s != signal.SIGTERM or not train.owns_process():   # a late SIGTERM stays harmless to the end
+                signal.signal(s, h)
 
 
 def rendezvous_argv(cfg: TrainConfig) -> list[str]:

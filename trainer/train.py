@@ -61,7 +61,7 @@ def main(cfg: TrainConfig) -> int:
     try:
         return _main(cfg, stop)
     except (WorkerFailed, WorkerHung) as e:
-        if (isinstance(e, WorkerHung) or e.phase == "warmup") and _owns_process():
+        if (isinstance(e, WorkerHung) or e.phase == "warmup") and owns_process():
             _exit_now(e)  # a hung thread cannot be stopped, and a failed compile may leave native state behind
         raise
     finally:
@@ -435,7 +435,7 @@ def _peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
-def _owns_process() -> bool:
+def owns_process() -> bool:
     """True when this process is `python -m trainer` (not a test or a library calling main())."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     return getattr(spec, "name", None) in ("trainer", "trainer.__main__")
