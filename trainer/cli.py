@@ -4,7 +4,8 @@ UsageError and policy errors (bad input) -> one line on stderr, exit 2, no trace
 TrainerError -> one line, exit 1. Anything else -> its traceback (the log is scanned for failure
 signatures, so tracebacks of real crashes are kept), exit 1.
 
-`leave` ends the process with that status; a torchrun rank ends without interpreter finalization.
+`leave` ends the process with that status; a torchrun rank ends without interpreter finalization
+(`exit_now`: flush, then os._exit, as every path of the trainer that must skip it).
 """
 from __future__ import annotations
 
@@ -59,6 +60,12 @@ def leave(code: int) -> NoReturn:
     """
     if not in_rank():
         sys.exit(code)
+    exit_now(code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush stdout and stderr, then exit with `code` without interpreter finalization (no atexit
+    handlers, no finalizers: where those could crash or hang after the outcome is known)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

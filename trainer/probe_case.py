@@ -36,6 +36,7 @@ from datetime import timedelta
 import torch
 
 from trainer import masks, policies
+from trainer.cli import exit_now
 from trainer.data import Sample, make_batch
 from trainer.draft_loss import DraftLoss
 from trainer.log import QuietLog
@@ -295,10 +296,9 @@ def case_main(args) -> int:
     except BaseException as e:  # noqa: BLE001 - the failure is the case's result
         traceback.print_exc()
         out = {"ok": False, "error": _one_line(e)}
-    sys.stderr.flush()
+    sys.stderr.flush()   # the case's traceback before its result line
     if rank == 0:
         sys.stdout.write(CASE_MARK + json.dumps(out) + "\n")
-        sys.stdout.flush()
     # Skip interpreter teardown: the result is out, and a crash while freeing CUDA graphs or
     # compile workers after it would only blur what the case measured.
-    os._exit(0 if out["ok"] else 1)
+    exit_now(0 if out["ok"] else 1)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import faulthandler
 import json
-import os
 import signal
 import sys
 import threading
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from trainer import checkpoint, masks, policies
+from trainer.cli import exit_now
 from trainer.config import RUN_CONFIG, TrainConfig, chat_template_options, layer_ids
 from trainer.data import (Loader, check_samples, encode_rows, make_batch, random_prompts, prompt_vocab, read_rows,
                           split_eval, synthetic)
@@ -62,7 +62,7 @@ def main(cfg: TrainConfig) -> int:
         return _main(cfg, stop)
     except (WorkerFailed, WorkerHung) as e:
         if (isinstance(e, WorkerHung) or e.phase == "warmup") and owns_process():
-            _exit_now(e)  # a hung thread cannot be stopped, and a failed compile may leave native state behind
+            _fail_now(e)  # a hung thread cannot be stopped, and a failed compile may leave native state behind
         raise
     finally:
         if not fault_was_on:
@@ -441,19 +441,18 @@ def owns_process() -> bool:
     return getattr(spec, "name", None) in ("trainer", "trainer.__main__")
 
 
-def _exit_now(e: WorkerFailed | WorkerHung) -> None:
+def _fail_now(e: WorkerFailed | WorkerHung) -> None:
     """Report a warm-up failure the way trainer.cli would, then leave without running finalizers.
 
     A worker thread stuck in a compile cannot be stopped or joined, and a failed CUDA-graph warm-up
     has crashed the interpreter on the way out (docs/probe-h200.md: AssertionError, then SIGSEGV):
-    os._exit makes the exit status the one reported here.
+    exiting without finalization makes the exit status the one reported here.
     """
     try:
         if e.__cause__ is not None:
             traceback.print_exception(e.__cause__, file=sys.stderr)
         if getattr(e, "stack", ""):
             print(f"worker {e.index} was here when the run gave up on it:\n{e.stack}", file=sys.stderr)
-        print(f"trainer: error: {e}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
+        print(f"trainer: error: {e}", file=sys.stderr)
     finally:
-        os._exit(e.exit_code)
+        exit_now(e.exit_code)
