@@ -98,7 +98,7 @@ def test_two_threads_building_the_agent_source_do_not_break_each_others_parse(mo
                 second.start()
                 second.join(0.5)                   # a second thread free to parse finishes well within
 
-    real_parse = ast.parse
+    real_parse, thresholds = ast.parse, gc.get_threshold()
 
     def parse(text, *a, **k):                      # garbage that the next collection, in the tree's
         if threading.current_thread() is first and second.ident is None:  # build, finalizes
@@ -111,7 +111,6 @@ def test_two_threads_building_the_agent_source_do_not_break_each_others_parse(mo
         finally:
             gc.set_threshold(*thresholds)
 
-    thresholds = gc.get_threshold()
     monkeypatch.setattr(agent.ast, "parse", parse)
     agent._joined.cache_clear(), agent.parts.cache_clear()
     try:

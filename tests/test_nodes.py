@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from conftest import install_fakepct, sshd_module
-from trainer_quick import CLI_MAIN, copy_trainer, tiny_run_config, wait_for
+from trainer_quick import CLI_MAIN, children, copy_trainer, tiny_run_config, wait_for
 
 WORKDIR = "/srv/ct/dflash"
 STEPS = 6
@@ -243,19 +243,6 @@ def test_two_nodes_train_one_job_to_the_weights_of_one_node(cluster, tmp_path):
     assert json.loads(r.stdout)["target"] == rank0
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                stat = Path(f"/proc/{name}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(name))
-    return kids
-
-
 def _steps(node, run) -> list[int]:
     path = node.rundir(run) / "train.log"
     text = path.read_text(errors="replace") if path.exists() else ""
@@ -298,7 +285,7 @@ def test_stop_ends_both_nodes_with_a_checkpoint_the_run_resumes_and_a_killed_nod
     assert '{"event": "checksum", "step": ' in after and "diverged" not in after
     assert cluster.record(b, run)["attempt"] == 2
 
-    ranks = _children(cluster.record(b, run)["pid"])             # node B's launcher's rank process
+    ranks = children(cluster.record(b, run)["pid"])             # node B's launcher's rank process
     assert ranks, "node B's rank process"
     for pid in ranks:
         os.kill(pid, signal.SIGKILL)

@@ -205,6 +205,28 @@ def test_rope_tables_are_the_formulas_values_in_eager_and_compiled():
     assert torch.equal(c2, emb.cos().to(torch.bfloat16)[:, None]) and torch.equal(s2, emb.sin().to(torch.bfloat16)[:, None])
 
 
+def _hidden_and_grads(drafter, args, probe, select=None, **flags):
+    """The drafter's hidden states under `flags` (rows picked by `select`) and every trainable
+    weight's gradient of their product with `probe`."""
+    drafter.zero_grad(set_to_none=True)
+    hidden = drafter(*args, **flags)
+    hidden = hidden if select is None else select(hidden)
+    (hidden * probe).sum().backward()
+    grads = {k: p.grad.clone() for k, p in drafter.trainable_parameters()
+             if p.grad is not None}  # the final norm is not in `hidden`
+    drafter.zero_grad(set_to_none=True)
+    return hidden.detach(), grads
+
+
+def _assert_same_function(got, want, must_train: str):
+    """Hidden states and gradients equal to rounding (fp32, CPU); `must_train` got a real gradient."""
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    assert got[1].keys() == want[1].keys() and len(want[1]) > 10
+    for k, full in want[1].items():
+        torch.testing.assert_close(got[1][k], full, atol=1e-5, rtol=1e-4, msg=k)
+    assert want[1][must_train].abs().max() > 1e-3, f"{must_train} got no gradient to compare"
+
+
 def test_first_layer_on_the_distinct_rows_is_the_same_function(tiny):
     """masked_blocks: the first layer's norm and q/k/v projections run on the anchors' rows and the
     one MASK row instead of every block row. Same hidden states and the same gradient for every
@@ -214,20 +236,9 @@ def test_first_layer_on_the_distinct_rows_is_the_same_function(tiny):
     anchors = torch.tensor([[0, 7, 20, 33], [3, 4, 15, 30]])
     _, _, args = _training_pass(tiny, 40, anchors, g)
     probe = torch.randn(2, anchors.shape[1] * BLOCK, drafter.cfg.hidden_size, generator=g)
-    got = {}
-    for compact in (False, True):
-        drafter.zero_grad(set_to_none=True)
-        hidden = drafter(*args, masked_blocks=compact)
-        (hidden * probe).sum().backward()
-        got[compact] = hidden.detach(), {k: p.grad.clone() for k, p in drafter.trainable_parameters()
-                                         if p.grad is not None}  # the final norm is not in `hidden`
-    torch.testing.assert_close(got[True][0], got[False][0], atol=1e-5, rtol=1e-5)
-    assert got[True][1].keys() == got[False][1].keys() and len(got[False][1]) > 10
-    for k, full in got[False][1].items():
-        torch.testing.assert_close(got[True][1][k], full, atol=1e-5, rtol=1e-4, msg=k)
-    first = "layers.0.self_attn.q_proj.weight"
-    assert got[False][1][first].abs().max() > 1e-3, "the first layer's projections got no gradient to compare"
-    drafter.zero_grad(set_to_none=True)
+    _assert_same_function(_hidden_and_grads(drafter, args, probe, masked_blocks=True),
+                          _hidden_and_grads(drafter, args, probe, masked_blocks=False),
+                          must_train="layers.0.self_attn.q_proj.weight")
 
 
 def test_the_last_layer_on_the_predicted_rows_is_the_same_function(tiny):
@@ -239,25 +250,12 @@ def test_the_last_layer_on_the_predicted_rows_is_the_same_function(tiny):
     g = torch.Generator().manual_seed(6)
     anchors = torch.tensor([[0, 7, 20, 33], [3, 4, 15, 30]])
     _, _, args = _training_pass(tiny, 40, anchors, g)
-    T = anchors.shape[1] * BLOCK
-    rows = torch.tensor([i for i in range(T) if i % BLOCK])
+    rows = torch.tensor([i for i in range(anchors.shape[1] * BLOCK) if i % BLOCK])
     probe = torch.randn(2, len(rows), drafter.cfg.hidden_size, generator=g)
-    got = {}
-    for predicted_only in (False, True):
-        drafter.zero_grad(set_to_none=True)
-        hidden = drafter(*args, masked_blocks=True, predicted_only=predicted_only)
-        hidden = hidden if predicted_only else hidden[:, rows]
-        (hidden * probe).sum().backward()
-        got[predicted_only] = hidden.detach(), {k: p.grad.clone() for k, p in drafter.trainable_parameters()
-                                                if p.grad is not None}
-    assert got[True][0].shape == (2, len(rows), drafter.cfg.hidden_size)
-    torch.testing.assert_close(got[True][0], got[False][0], atol=1e-5, rtol=1e-5)
-    assert got[True][1].keys() == got[False][1].keys() and len(got[False][1]) > 10
-    for k, full in got[False][1].items():
-        torch.testing.assert_close(got[True][1][k], full, atol=1e-5, rtol=1e-4, msg=k)
-    last = f"layers.{drafter.cfg.num_layers - 1}.mlp.down_proj.weight"
-    assert got[False][1][last].abs().max() > 1e-3, "the last layer's MLP got no gradient to compare"
-    drafter.zero_grad(set_to_none=True)
+    got = _hidden_and_grads(drafter, args, probe, masked_blocks=True, predicted_only=True)
+    assert got[0].shape == (2, len(rows), drafter.cfg.hidden_size)
+    _assert_same_function(got, _hidden_and_grads(drafter, args, probe, lambda h: h[:, rows], masked_blocks=True),
+                          must_train=f"layers.{drafter.cfg.num_layers - 1}.mlp.down_proj.weight")
 
 
 def test_block_rows_linear_sums_the_repeated_rows_gradient():

@@ -9,7 +9,6 @@ The failure paths use the trainer's test-only hooks (trainer/step.py: DFLASH_TRA
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trainer import checkpoint  # noqa: E402
-from trainer_quick import (QUICK, ROOT, metrics, sigterm_once_training, step_losses,  # noqa: E402
+from trainer_quick import (QUICK, ROOT, children, metrics, sigterm_once_training, step_losses,  # noqa: E402
                            subprocess_env, train)
 from trainer.step import DIVERGE_ENV, FAIL_WORKER_ENV, FlatGrads, gather_chunks, reduce_own_chunk  # noqa: E402
 
@@ -187,43 +186,22 @@ def test_a_sigterm_after_the_ranks_stopped_on_their_own_does_not_kill_the_launch
     import os
     import signal
 
-    out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", *QUICK, "--out", str(out), "--steps", "100000",
-                             "--workers", "2", "--topology", "processes"], cwd=ROOT, env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        for line in proc.stdout:
-            if line.startswith("{") and json.loads(line).get("step", 0) >= 3:
-                break
-        ranks = _children(proc.pid)
+    def ranks_first_then_the_launcher_until_it_ends(proc):
+        ranks = children(proc.pid)
         assert len(ranks) == 2, ranks
         for pid in ranks:
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 90
         while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                os.kill(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                break
+            proc.send_signal(signal.SIGTERM)
             time.sleep(0.01)
-        rest, err = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-    assert proc.returncode == 143, err[-3000:]
+
+    out = tmp_path / "run"
+    code, _, err = sigterm_once_training(
+        [sys.executable, "-m", "trainer", *QUICK, "--out", str(out), "--steps", "100000", "--workers", "2",
+         "--topology", "processes"], timeout=30, stop=ranks_first_then_the_launcher_until_it_ends)
+    assert code == 143, err[-3000:]
     assert len(events(out, "stopped")) == 1 and checkpoint.find_latest(out) is not None
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(entry.name))
-    return kids
 
 
 # ---- settings --------------------------------------------------------------------------------------

@@ -35,9 +35,10 @@ def subprocess_env(**extra) -> dict:
     return env
 
 
-def sigterm_once_training(cmd: list[str], *, after_step: int = 3, timeout: float = 60):
-    """Start `cmd` (a trainer), SIGTERM it once a step >= after_step is logged; returns
-    (exit status, the rest of stdout, stderr). The process is killed if it outlives `timeout`."""
+def sigterm_once_training(cmd: list[str], *, after_step: int = 3, timeout: float = 60, stop=None):
+    """Start `cmd` (a trainer), SIGTERM it once a step >= after_step is logged (or call `stop(proc)`
+    then instead); returns (exit status, the rest of stdout, stderr). The process is killed if it
+    outlives `timeout`."""
     import signal
     import subprocess
 
@@ -47,11 +48,28 @@ def sigterm_once_training(cmd: list[str], *, after_step: int = 3, timeout: float
         for line in proc.stdout:  # wait until it is really training
             if line.startswith("{") and json.loads(line).get("step", 0) >= after_step:
                 break
-        proc.send_signal(signal.SIGTERM)
+        if stop is None:
+            proc.send_signal(signal.SIGTERM)
+        else:
+            stop(proc)
         rest, err = proc.communicate(timeout=timeout)
     finally:
         proc.kill()
     return proc.returncode, rest, err
+
+
+def children(pid: int) -> list[int]:
+    """The pids of `pid`'s child processes (a launcher's torchrun ranks), from /proc."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
 
 
 # ---- a trainer launched through dflash-ops (tests against the sshd + pct stand-in) ----------------
