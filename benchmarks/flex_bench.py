@@ -7,8 +7,8 @@ A choice is `default` (torch's tiles) or the backward's tiles M1-N1-M2-N2-STAGES
 `bwd_BLOCK_M1`, `bwd_BLOCK_N1`, `bwd_BLOCK_M2`, `bwd_BLOCK_N2`, `bwd_num_stages`, `bwd_num_warps`),
 optionally followed by `/M-N-STAGES-WARPS`, the forward's (`fwd_BLOCK_M`, `fwd_BLOCK_N`,
 `fwd_num_stages`, `fwd_num_warps`; without it the forward keeps torch's). M and N must divide the
-block mask's 128-row tiles. The shape is the drafter's at the 8B benchmark shape (batch 2, 32 query heads
-over 8 KV heads of 128, 768 context tokens, 256 anchors x 16), with anchors drawn as the trainer draws
+block mask's 128-row tiles. The shape is the drafter's at the 8B benchmark shape (batch 2, 32 query
+heads over 8 KV heads of 128, 768 context tokens, 256 anchors x 16), with anchors drawn as the trainer draws
 them, so the tiles skipped are the trainer's.
 
 A `+kv` suffix (`default+kv`, `32-64-64-32-3-4+kv`) expands K/V to one head per query head in the

@@ -13,7 +13,8 @@ the same input), gate_proj + up_proj as one, and the lm_head's chunk of rows at 
 Shapes (drafter_bench.py's 8B shape: batch 2, context 768, 256 anchors x 16): block tokens Tq = 8192,
 keys Tk = 9728 (context + block), context rows 1536; the first layer's q/k/v on the block's 514
 distinct rows (the anchors' and the MASK row, per sample); the last layer's o_proj and MLP, and the
-lm_head, on the 7680 rows that have a loss (not the anchors'), the lm_head in chunks (trainer/fused_ce.py chunk_rows: 1024). Together they are the matmul FLOPs that
+lm_head, on the 7680 rows that have a loss (not the anchors'), the lm_head in chunks
+(trainer/fused_ce.py chunk_rows: 1024). Together they are the matmul FLOPs that
 trainer.model.flops_needed counts (tests/test_gemm_bench.py checks it).
 """
 from __future__ import annotations

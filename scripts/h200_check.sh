@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What issue 14 still needs measured on ONE H200 (docs/benchmarks.md, "Still to measure" 7 and 8),
-# in two device calls of under 10 minutes each (a cold compile of the drafter costs ~2 minutes):
+# in three device calls of under 10 minutes each (a cold compile of the drafter costs ~2 minutes):
 #
 #     git archive -o .scratch/old.tar BASE trainer benchmarks        # here first: the tree to compare with
 #     STAGES="tests ab" OUT=$OUT OLD=.scratch/old.tar bash scripts/h200_check.sh    # device, carry .scratch
@@ -59,13 +59,9 @@ for stage in $STAGES; do
             --steps 3 --warmup 1 --variants fp32/sdpa/dense,eager/sdpa/dense 2>&1 | tail -5
         ;;
     step)
-        if [ -n "$EXTRA" ]; then
-            timeout 260 "$PY" benchmarks/train_step_bench.py $EXTRA --policy eager --out "$OUT/step" --steps 4 --warmup 1 \
-                2>&1 | tail -4
-        else
-            timeout 260 "$PY" benchmarks/train_step_bench.py --out "$OUT/step" --target-mode compiled --steps 24 \
-                --warmup 8 2>&1 | tail -4
-        fi
+        if [ -n "$EXTRA" ]; then args="--policy eager --steps 4 --warmup 1"
+        else args="--target-mode compiled --steps 24 --warmup 8"; fi
+        timeout 260 "$PY" benchmarks/train_step_bench.py $EXTRA $args --out "$OUT/step" 2>&1 | tail -4
         ;;
     flex)
         if [ -n "$EXTRA" ]; then echo "(needs CUDA: skipped)"; continue; fi

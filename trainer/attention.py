@@ -145,7 +145,8 @@ def parse_tiles(text: str) -> FlexChoice:
     options = {} if bwd == "default" else _numbers(bwd, _TILE_KEYS, "'default' or M1-N1-M2-N2-STAGES-WARPS",
                                                    "32-64-64-32-3-4")
     if slash:
-        options.update(_numbers(fwd, _FWD_KEYS, "the forward's as M-N-STAGES-WARPS after '/'", "32-64-64-32-3-4/64-64-3-4"))
+        options.update(_numbers(fwd, _FWD_KEYS, "the forward's as M-N-STAGES-WARPS after '/'",
+                                "32-64-64-32-3-4/64-64-3-4"))
     return FlexChoice(options or None, bool(plus))
 
 
