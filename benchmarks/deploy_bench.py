@@ -51,8 +51,9 @@ def main() -> None:
         subprocess.run(["mkdir", "-p", str(pct.private(200) / "rsync-copy")], check=True)
 
         # Connections and round trips of ours, counted by the library's own session.
-        from orchestrator import deploy, inventory
-        from orchestrator.session import Session
+        from orchestrator import inventory
+        from orchestrator.deploy import sync as deploy
+        from orchestrator.ssh.session import Session
 
         def counted() -> tuple[int, int]:
             i = inventory.load(str(inv))

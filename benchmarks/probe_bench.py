@@ -19,7 +19,9 @@ def main() -> None:
     ap.add_argument("--policies", default="eager")
     ap.add_argument("--targets", type=int, default=4)
     args = ap.parse_args()
-    from orchestrator import deploy, inventory, probe
+    from orchestrator import inventory
+    from orchestrator.deploy import sync as deploy
+    from orchestrator.probe import run as probe
 
     names = [f"ct{200 + i}" for i in range(args.targets)]
     with loopback_node({n: 200 + i for i, n in enumerate(names)}, prefix="dflash-probe-bench-") as node:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, Mapping
 
-from .errors import UsageError
+from orchestrator.errors import UsageError
 
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # A name containing one of these holds a credential: its value is never printed or recorded.

@@ -1,11 +1,41 @@
-"""Rendering for people: tables, progress bars, colour. No library logic here."""
+"""What command bodies share: the invocation's State, --json and emit, tables, progress bars,
+colour. No library logic here."""
 from __future__ import annotations
 
+import json
 import sys
 import threading
 from typing import Callable, Sequence
 
+import click
+
+from orchestrator import inventory as inv_mod
+
 LARGE_TRANSFER = 4 << 20   # show a progress bar past 4 MiB
+
+
+class State:
+    def __init__(self, inventory: str | None, debug: bool, ssh_config: str | None = None):
+        self.inventory_path, self.debug, self.ssh_config = inventory, debug, ssh_config
+        self._inv = None
+
+    @property
+    def inv(self) -> inv_mod.Inventory:
+        if self._inv is None:
+            self._inv = inv_mod.load(self.inventory_path, ssh_config=self.ssh_config)
+        return self._inv
+
+
+def json_option(f):
+    """Every command takes --json: one JSON document on stdout, nothing else there."""
+    return click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")(f)
+
+
+def emit(as_json: bool, doc, text: str) -> None:
+    if as_json:
+        click.echo(json.dumps(doc, indent=2, default=str))
+    else:
+        click.echo(text)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

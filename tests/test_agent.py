@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from orchestrator import agent
+from orchestrator.ssh import agent
 from orchestrator.errors import OpsError, TargetsFailed
 from orchestrator.inventory import Target
 
@@ -72,11 +72,11 @@ def test_a_refusal_is_a_typed_error_and_anything_else_the_document():
 
 
 def test_each_program_is_its_entry_after_what_it_imports():
-    assert agent.parts(agent.RELEASE) == ("common", "release_store", "release_agent")
+    assert agent.parts(agent.RELEASE) == ("common", "release.store", "release.agent")
     runs = agent.parts(agent.RUNS)
-    assert runs[0] == "common" and runs[-1] == "runs_agent"
-    assert runs.index("runs_common") < runs.index("runs_locks") < runs.index("runs_supervisor")
-    assert "release_store" in runs                 # the live release: one helper, both programs
+    assert runs[0] == "common" and runs[-1] == "runs.agent"
+    assert runs.index("runs.common") < runs.index("runs.locks") < runs.index("runs.supervisor")
+    assert "release.store" in runs                 # the live release: one helper, both programs
     assert agent.argv(Target(name="t", python="/py"), agent.RUNS, ["status", "/w"])[:2] == ["/py", "-c"]
 
 

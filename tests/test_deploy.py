@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import deploy, inventory
-from orchestrator.agent import RELEASE, source as agent_source
-from orchestrator.session import Session
+from orchestrator import inventory
+from orchestrator.deploy import sync as deploy
+from orchestrator.ssh.agent import RELEASE, source as agent_source
+from orchestrator.ssh.session import Session
 
 WORKDIR = "/srv/ct/dflash"
 
@@ -191,7 +192,7 @@ def test_agent_reads_installed_versions_as_importlib_metadata_does():
 
 def test_paramiko_is_imported_without_invoke_and_invoke_still_imports_after():
     # from 8 threads at once, as parallel targets connect: each gets the whole module
-    code = ("import sys, threading; from orchestrator import transport; got = []\n"
+    code = ("import sys, threading; from orchestrator.ssh import transport; got = []\n"
             "ts = [threading.Thread(target=lambda: got.append(transport._paramiko().SSHClient)) for _ in range(8)]\n"
             "[t.start() for t in ts]; [t.join() for t in ts]\n"
             "assert len(got) == 8 and 'invoke' not in sys.modules; import invoke; print('ok')")

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from trainer_quick import wait_for
 
-from orchestrator import deploy, inventory
-from orchestrator.agent import RELEASE, source as agent_source
-from orchestrator.session import Session
+from orchestrator import inventory
+from orchestrator.deploy import sync as deploy
+from orchestrator.ssh.agent import RELEASE, source as agent_source
+from orchestrator.ssh.session import Session
 
 WORKDIR = "/srv/ct/dflash"
 

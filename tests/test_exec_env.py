@@ -7,9 +7,10 @@ import time
 
 import pytest
 
-from orchestrator import deploy, envvars, inventory
+from orchestrator import envvars, inventory
+from orchestrator.deploy import sync as deploy
 from orchestrator.errors import UsageError
-from orchestrator.transport import pct_exec_argv
+from orchestrator.ssh.transport import pct_exec_argv
 
 MAIN = "from orchestrator.cli import main; main()"
 WORKDIR = "/srv/ct/dflash"

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from trainer_quick import CLI_MAIN, copy_trainer, tiny_run_config
 
-from orchestrator import deploy, export, inventory
+from orchestrator import inventory
+from orchestrator.deploy import sync as deploy
+from orchestrator.runs import export
 
 REPO = Path(__file__).resolve().parent.parent
 WORKDIR = "/srv/ct/dflash"
@@ -128,7 +130,7 @@ def test_a_damaged_stream_never_reaches_the_destination(tmp_path):
 
 
 def test_the_joined_runs_agent_with_export_is_python_38():
-    from orchestrator import agent
+    from orchestrator.ssh import agent
 
-    assert "runs_export" in agent.parts(agent.RUNS)
+    assert "runs.export" in agent.parts(agent.RUNS)
     ast.parse(agent.source(agent.RUNS), feature_version=(3, 8))

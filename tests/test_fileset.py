@@ -1,7 +1,7 @@
 """Which files a deploy ships: gitignore semantics as pure functions, then a real tree."""
 import pytest
 
-from orchestrator import deploy, fileset
+from orchestrator.deploy import fileset, sync as deploy
 
 
 def ignored(patterns, path, is_dir=False, base=""):

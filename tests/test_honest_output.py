@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import inventory, targets
-from orchestrator.transport import node_noise_removed
+from orchestrator import inventory
+from orchestrator.targets import check as targets
+from orchestrator.ssh.transport import node_noise_removed
 
 MAIN = "from orchestrator.cli import main; main()"
 REPO = Path(__file__).resolve().parent.parent

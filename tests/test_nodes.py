@@ -158,7 +158,8 @@ class Cluster:
 def cluster(nodes, tmp_path_factory):
     import yaml
 
-    from orchestrator import deploy, inventory
+    from orchestrator import inventory
+    from orchestrator.deploy import sync as deploy
 
     tmp = tmp_path_factory.mktemp("cluster")
     path = tmp / "hosts.yaml"

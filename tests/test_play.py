@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from trainer_quick import CLI_MAIN
 
-from orchestrator import playbook as pb
-from orchestrator import templating as tpl
+from orchestrator.play import playbook as pb
+from orchestrator.play import templating as tpl
 from orchestrator.errors import FileError, UsageError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -174,7 +174,7 @@ def test_a_failing_step_stops_its_target_only_is_named_and_from_resumes_there(tm
 
 def test_variables_file_then_target_keys_then_var():
     from orchestrator.inventory import Target
-    from orchestrator.play import variables
+    from orchestrator.play.run import variables
 
     book = pb.parse("vars: {gpus: 1, config: a.yaml, out: 'x-{{ target }}'}\nsteps:\n  - name: s\n    deploy: {}\n",
                     "p.yaml", {"config": "b.yaml"})

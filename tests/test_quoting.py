@@ -5,7 +5,7 @@ import subprocess
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orchestrator.transport import bash_argv, pct_exec_argv, pct_status_argv, shell_join
+from orchestrator.ssh.transport import bash_argv, pct_exec_argv, pct_status_argv, shell_join
 
 ARG = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
               max_size=40)
@@ -47,7 +47,7 @@ def test_scripts_run_under_bash_c():
 
 def test_probe_is_a_runs_agent_command_with_its_arguments_after_double_dash():
     from orchestrator.inventory import Target
-    from orchestrator.probe import probe_args
+    from orchestrator.probe.run import probe_args
     t = Target(name="t", python="/opt/py thon", workdir="/root/it's here", expect={"torch": ">=2.5"})
     args = probe_args(t, 4, policies=["eager", "inductor"])
     assert args[:3] == ["probe", "/root/it's here", "--"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from trainer_quick import wait_for
 
-from orchestrator import agent as agent_mod
+from orchestrator.ssh import agent as agent_mod
 
 REMOTE = Path(__file__).resolve().parent.parent / "orchestrator" / "remote"
 SOURCE = agent_mod.source(agent_mod.RUNS)   # what the controller sends: `python -c SOURCE CMD ...`
@@ -59,15 +59,15 @@ def test_every_part_says_where_each_name_comes_from(program):
     imports; no two parts of a program define the same name (they share one namespace)."""
     defined_by: dict = {}
     for name in agent_mod.parts(program):
-        text = (REMOTE / f"{name}.py").read_text()
+        text = (REMOTE / agent_mod.part_file(name)).read_text()
         tree = ast.parse(text, feature_version=(3, 8))
         imported = set()
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                part = agent_mod.imported_part(name, node)
                 for a in node.names:
                     assert a.asname is None, f"{name}: `as` would not survive the join"
-                    assert defined_by.get(a.name) == node.module, \
-                        f"{name}: {a.name} is not defined by {node.module}"
+                    assert defined_by.get(a.name) == part, f"{name}: {a.name} is not defined by {part}"
                     imported.add(a.name)
             elif isinstance(node, ast.ImportFrom):
                 assert node.module != "__future__", f"{name}: `from __future__` is only legal first"

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from trainer_quick import CLI_MAIN, copy_trainer, tiny_run_config, wait_for
 
-from orchestrator import deploy, inventory, runs
+from orchestrator import inventory
+from orchestrator.deploy import sync as deploy
+from orchestrator.runs import launch as runs
 
 REPO = Path(__file__).resolve().parent.parent
 WORKDIR = "/srv/ct/dflash"

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator import follow, inventory, report, runs
+from orchestrator import inventory
+from orchestrator.runs import follow, report, launch as runs
 from orchestrator.errors import UsageError
 from trainer.signatures import load_catalog
 
@@ -146,7 +147,7 @@ def test_a_job_over_nodes_is_one_status_row_with_rank_0s_numbers():
 
 
 def test_node_lines_are_led_by_target_and_rank():
-    from orchestrator.cli_runs import _prefixed
+    from orchestrator.runs.commands import _prefixed
 
     assert _prefixed("ct300", b"[rank3]: Traceback\n") == b"[ct300/rank3] Traceback\n"
     assert _prefixed("ct200", b'{"step": 1}\n') == b'[ct200] {"step": 1}\n'
@@ -154,7 +155,7 @@ def test_node_lines_are_led_by_target_and_rank():
 
 
 def test_torchruns_root_cause_is_read_from_the_log_and_the_error_file(tmp_path):
-    from orchestrator.remote.runs_common import _root_cause
+    from orchestrator.remote.runs.common import _root_cause
 
     err = tmp_path / "error.json"
     err.write_text(json.dumps({"message": {"message": "RuntimeError: test hook\nmore",

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.errors import NotFound, UsageError
-from orchestrator.scan import scan_files
+from orchestrator.targets.scan import scan_files
 from trainer.signatures import (Catalog, CatalogError, Signature, WindowPattern, classify,
                                 load_catalog, parse_catalog, scan_text, version_in)
 
@@ -203,7 +203,7 @@ def test_catalog_is_frozen_data():
 
 
 def test_catalog_and_scan_need_no_torch():
-    code = ("import sys, trainer.signatures, orchestrator.scan; "
+    code = ("import sys, trainer.signatures, orchestrator.targets.scan; "
             "trainer.signatures.load_catalog(); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 

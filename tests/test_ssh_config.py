@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator import inventory
 from orchestrator.errors import HostKeyError, UsageError
-from orchestrator.session import Session
+from orchestrator.ssh.session import Session
 
 MAIN = "from orchestrator.cli import main; main()"
 

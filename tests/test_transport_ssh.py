@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from orchestrator import inventory
 from orchestrator.errors import ConnectError, ContainerError, HostKeyError
-from orchestrator.session import Session
-from orchestrator.transport import LocalTransport, PctTransport
+from orchestrator.ssh.session import Session
+from orchestrator.ssh.transport import LocalTransport, PctTransport
 
 ARG = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
               max_size=30)

@@ -1,0 +1,66 @@
+"""Click command deploy (thin: parse options, call deploy.sync, print)."""
+from __future__ import annotations
+
+import click
+
+from orchestrator.errors import TargetsFailed
+from orchestrator.ui import State, emit, json_option, progress_bars
+
+
+@click.command()
+@click.argument("names", nargs=-1, metavar="TARGET...")
+@click.option("--dry-run", is_flag=True, help="List what would change; send nothing.")
+@click.option("--source", metavar="DIR", help="Folder to ship (default: this checkout; required elsewhere).")
+@click.option("--install-deps", is_flag=True, help="pip-install the trainer's missing requirements (never torch).")
+@click.option("--verify", is_flag=True,
+              help="Hash every file of the live release (default: sizes and mtimes, hashes where they differ).")
+@json_option
+@click.pass_obj
+def deploy(state: State, names, dry_run, source, install_deps, verify, as_json):
+    """Sync code into WORKDIR/releases/ID on each target and flip WORKDIR/current atomically."""
+    from orchestrator.deploy import sync as deploy_mod
+
+    root, _ = deploy_mod.source_root(source)      # refuses outside a checkout without --source
+    shipping = f"{root} ({'--source' if source else 'this checkout'})"
+    results = deploy_mod.deploy(state.inv, list(names), source=source, dry_run=dry_run,
+                                install_deps=install_deps, verify=verify,
+                                progress=None if as_json else progress_bars(),
+                                on_line=lambda t, line: click.echo(f"[{t}] {line}", err=True))
+    doc = {"source": str(root), "targets": {n: r.as_json() for n, r in results.items()}}
+    lines = [f"shipping {shipping}"]
+    for r in results.values():
+        if not r.ok:
+            lines.append(f"{r.target}: FAILED: {r.error}")
+            continue
+        if r.dry_run:
+            lines.append(f"{r.target}: would send {r.files_sent} file(s) ({_size(r.bytes_sent)}), "
+                         f"delete {r.files_deleted}")
+            lines += [f"  + {p}" for p in r.changed] + [f"  - {p}" for p in r.deleted]
+        elif r.unchanged:
+            lines.append(f"{r.target}: up to date at {r.release} ({r.seconds:.2f} s)")
+        else:
+            lines.append(f"{r.target}: release {r.release}: sent {r.files_sent} file(s) "
+                         f"({_size(r.bytes_sent)}), deleted {r.files_deleted} ({r.seconds:.2f} s)")
+        if r.repaired:
+            lines.append(("  would repair" if r.dry_run else "  repaired")
+                         + f" {len(r.repaired)} missing or damaged file(s) of the live release: "
+                         + ", ".join(r.repaired[:5])
+                         + (" ..." if len(r.repaired) > 5 else ""))
+        lines.append(f"  python {r.python}, torch {r.torch or 'not installed'}")
+        if r.deps is not None:
+            installed = r.deps.get("changed") or []
+            lines.append(f"  requirements: installed {', '.join(installed)}" if installed
+                         else "  requirements: already installed")
+    emit(as_json, doc, "\n".join(lines))
+    failed = {r.target: r.error for r in results.values() if not r.ok}
+    if failed:
+        raise TargetsFailed(failed)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+

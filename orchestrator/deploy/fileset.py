@@ -1,0 +1,186 @@
+"""Which files a deploy ships: the source tree less what `.gitignore`, `.git/info/exclude` and
+`.dflashignore` exclude (as SkyPilot and Ray do, docs/background.md#ops-conventions), never `.git`, `.venv`, `__pycache__`.
+
+The matcher implements gitignore's rules (negation, directory-only `dir/`, anchored `/x`,
+`**`, per-directory files whose patterns are relative to their own folder) as pure functions.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.errors import UsageError
+
+ALWAYS_EXCLUDED = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".hypothesis",
+                   ".mypy_cache", ".ruff_cache", ".dflash-manifest.json", ".dflash-stat.json"}
+IGNORE_FILES = (".gitignore", ".dflashignore")
+MANIFEST_NAME = ".dflash-manifest.json"    # written into every release by the release agent
+
+
+@dataclass(frozen=True)
+class Rule:
+    regex: re.Pattern
+    negate: bool
+    dir_only: bool
+    base: str          # the folder (relative, '' for the root) the pattern file lives in
+
+
+def compile_pattern(pattern: str, base: str = "") -> Rule | None:
+    """One gitignore line -> a Rule, or None for blanks and comments."""
+    line = pattern.rstrip("\n")
+    if not line.strip() or line.startswith("#"):
+        return None
+    # Trailing spaces are ignored unless escaped.
+    while line.endswith(" ") and not line.endswith("\\ "):
+        line = line[:-1]
+    negate = line.startswith("!")
+    if negate:
+        line = line[1:]
+    if line.startswith("\\"):
+        line = line[1:]
+    dir_only = line.endswith("/")
+    line = line.rstrip("/")
+    anchored = "/" in line
+    line = line.lstrip("/")
+    regex = _translate(line)
+    if not anchored:
+        regex = "(?:.*/)?" + regex
+    return Rule(re.compile("^" + regex + "$", re.DOTALL), negate, dir_only, base)
+
+
+def _translate(glob: str) -> str:
+    out, i, n = [], 0, len(glob)
+    while i < n:
+        c = glob[i]
+        if glob.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif glob.startswith("/**", i) and i + 3 == n:
+            out.append("/.*")
+            i += 3
+        elif glob.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif c == "*":
+            out.append("[^/]*")
+            i += 1
+        elif c == "?":
+            out.append("[^/]")
+            i += 1
+        elif c == "[":
+            j = glob.find("]", i + 1)
+            if j == -1:
+                out.append(re.escape(c))
+                i += 1
+            else:
+                body = glob[i + 1:j].replace("\\", "\\\\")
+                if body.startswith("!"):
+                    body = "^" + body[1:]
+                out.append(f"[{body}]")
+                i = j + 1
+        elif c == "\\" and i + 1 < n:
+            out.append(re.escape(glob[i + 1]))
+            i += 2
+        else:
+            out.append(re.escape(c))
+            i += 1
+    return "".join(out)
+
+
+def is_ignored(rel: str, is_dir: bool, rules: list[Rule]) -> bool:
+    """gitignore semantics: the last matching rule wins."""
+    ignored = False
+    for rule in rules:
+        if rule.dir_only and not is_dir:
+            continue
+        if rule.base:
+            if not rel.startswith(rule.base + "/"):
+                continue
+            sub = rel[len(rule.base) + 1:]
+        else:
+            sub = rel
+        if rule.regex.match(sub):
+            ignored = not rule.negate
+    return ignored
+
+
+def _read_rules(path: Path, base: str) -> list[Rule]:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    return [r for r in (compile_pattern(line, base) for line in text.splitlines()) if r]
+
+
+class LinkError(UsageError):
+    """A symlink in the source that cannot ship: it loops, dangles or leaves the tree."""
+
+
+def _check_link(root: Path, path: Path, rel: str) -> bool:
+    """For a symlink at rel: True when it ships (a link to a file inside the tree, sent as that
+    file's content), False when it is skipped (a link to a folder inside the tree); raises
+    LinkError for a link that loops, dangles or points outside the tree."""
+    try:
+        real = path.resolve(strict=True)
+    except RuntimeError:             # Python < 3.13 reports a loop this way
+        raise LinkError(f"{root / rel}: symlink loop; remove it or list it in .dflashignore") from None
+    except OSError as e:
+        what = "symlink loop" if e.errno == errno.ELOOP else f"broken symlink ({e.strerror})"
+        raise LinkError(f"{root / rel}: {what}; remove it or list it in .dflashignore") from None
+    if real != root and root not in real.parents:
+        raise LinkError(f"{root / rel}: symlink points outside the source tree (to {real}); "
+                        f"copy the file in, or list the link in .dflashignore")
+    return real.is_file()
+
+
+def collect(root: Path) -> list[str]:
+    """Relative POSIX paths of every file to ship, sorted. Symlinks to files inside the tree are
+    followed (the file's content ships); symlinked folders inside it are skipped; a link that
+    leaves the tree, dangles or loops is an error naming it (it would ship someone else's files,
+    or nothing)."""
+    root = root.resolve()
+    rules = _read_rules(root / ".git" / "info" / "exclude", "")
+    files: list[str] = []
+
+    def walk(folder: Path, rel: str, rules: list[Rule]) -> None:
+        for name in IGNORE_FILES:
+            rules = rules + _read_rules(folder / name, rel)
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            return
+        for e in entries:
+            if e.name in ALWAYS_EXCLUDED:
+                continue
+            child = f"{rel}/{e.name}" if rel else e.name
+            is_dir = e.is_dir(follow_symlinks=False)
+            if is_ignored(child, is_dir, rules):
+                continue
+            if e.is_symlink():
+                if _check_link(root, Path(e.path), child):
+                    files.append(child)
+            elif is_dir:
+                walk(Path(e.path), child, rules)
+            elif e.is_file():
+                files.append(child)
+
+    walk(root, "", rules)
+    return sorted(files)
+
+
+def manifest(root: Path, files: list[str]) -> dict[str, list]:
+    """{path: [sha256, size, executable]} for the given files."""
+    out: dict[str, list] = {}
+    for rel in files:
+        p = root / rel
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        st = p.stat()
+        out[rel] = [h.hexdigest(), st.st_size, bool(st.st_mode & 0o111)]
+    return out

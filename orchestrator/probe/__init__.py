@@ -1,0 +1,1 @@
+"""`probe`: the runs agent's probe on each target and its document."""

@@ -1,0 +1,280 @@
+"""The release agent (entry `release_agent`): the deploy commands and main().
+
+Runs on the TARGET, under the target's own python, as `python -c SOURCE CMD ...`, SOURCE being
+this module and what it imports, joined by orchestrator/agent.py (`python -c` cannot import
+files on the target). Standard library only, Python >= 3.8, no `from __future__`, no rsync/tar
+binaries needed in the container.
+
+    manifest WORKDIR [--verify] [--tidy] [--no-files]
+                                -> JSON: python/torch versions, live release id and its manifest
+                                less the files found missing or damaged there (`damaged`);
+                                --verify hashes every file, --tidy clears leftovers of
+                                interrupted deploys when no deploy holds the lock,
+                                --no-files leaves the manifest out (versions and release only)
+    apply WORKDIR RELEASE BASE NEED BY
+                                stdin: a tar of the changed files plus .dflash-manifest.json;
+                                under the deploy lock, builds releases/RELEASE from release BASE
+                                (the one the controller read; "" for none) + the changes,
+                                verifies it, flips WORKDIR/current atomically, keeps the last KEEP.
+                                NEED: bytes the new files take; BY: who deploys (for the lock)
+    install-deps WORKDIR        pip-installs the live release's trainer/requirements.txt,
+                                with the installed torch pinned so pip never touches it
+"""
+import json
+import os
+import platform
+import sys
+
+from ..common import _dist_version, _dists, _fail, _out, _read_json, _write_json
+from .store import MANIFEST, STATS, _check, _clear_leftovers, _holder, _live, _read_manifest, _stat_key, _try_lock
+
+# hashlib, shutil, subprocess, tarfile and tempfile are imported where they are used: the
+# `manifest` command of every deploy needs none of them, and their imports were ~20 ms of it.
+
+KEEP = 5
+EXIT_BUSY, EXIT_STALE, EXIT_NO_SPACE = 4, 5, 6    # apply's refusals the controller tells apart
+
+
+def cmd_manifest(workdir, full=False, tidy=False, no_files=False):
+    """The live release's manifest, less the files that are missing or damaged there (so the
+    controller sends them again). With tidy, and no deploy running, clears leftovers first;
+    with no_files, only the versions and the release id (`targets --check`)."""
+    try:
+        lock = _try_lock(workdir) if tidy else None
+    except OSError:      # WORKDIR not writable yet: nothing to tidy, apply will say why
+        lock = None
+    try:
+        cleared = _clear_leftovers(workdir) if lock is not None else []
+        release, path = _live(workdir)
+        manifest = None if no_files else _read_manifest(path)
+        damaged = []
+        if no_files:
+            manifest = {}
+        elif manifest is None:
+            release, manifest = None, {}   # none, or a damaged live release: the next deploy sends everything
+        else:
+            known = _read_json(os.path.join(path, STATS))
+            good, damaged = _check(path, manifest, known or {}, full)
+            manifest = {rel: m for rel, m in manifest.items() if rel in good}
+            if known is None and lock is not None and not damaged:
+                # A release built before stat records existed: record them once, so the next
+                # deploy checks sizes and mtimes instead of hashing every file again.
+                try:
+                    _write_json(os.path.join(path, STATS), good)
+                except OSError:   # a full disk: hashed again next time, nothing lost
+                    pass
+    finally:
+        if lock is not None:
+            lock.close()
+    _out({"python": platform.python_version(), "executable": sys.executable,
+          "torch": _dist_version("torch"), "release": release, "manifest": manifest,
+          "damaged": damaged, "cleared": cleared, "workdir": workdir})
+
+
+def _safe_rel(name):
+    norm = os.path.normpath(name)
+    if norm.startswith(("/", "..")) or "/../" in "/" + norm + "/" or norm in (".", ""):
+        _fail("refusing unsafe path in stream: %r" % name)
+    return norm
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _free_bytes(path):
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _mb(n):
+    return "%.1f MB" % (n / 1e6)
+
+
+def cmd_apply(workdir, release, base, need, by):
+    """Build releases/RELEASE from the stream plus the unchanged files of release BASE (the one
+    the controller planned against; "" when it sends every file), verify it, flip `current`."""
+    import errno
+    import shutil
+    import time
+
+    lock = _try_lock(workdir)
+    if lock is None:
+        _fail("%s is deploying to %s; try again when it ends" % (_holder(workdir), workdir), EXIT_BUSY)
+    lock.write(json.dumps({"pid": os.getpid(), "by": by, "release": release,
+                           "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
+    lock.flush()
+
+    live, live_path = _live(workdir)
+    if base and live != base:
+        _fail("the live release changed to %s while this deploy was planned against %s"
+              % (live, base), EXIT_STALE)
+    releases = os.path.join(workdir, "releases")
+    os.makedirs(releases, exist_ok=True)
+    final = os.path.join(releases, release)
+    if os.path.exists(final):
+        _fail("release %s already exists" % release)
+    # Under the lock no other deploy is writing: every .partial is a leftover.
+    _clear_leftovers(workdir)
+    partial = final + ".partial"
+    free = _free_bytes(releases)
+    if need > free:
+        _fail("no space left in %s: the release needs %s, %s free" % (releases, _mb(need), _mb(free)),
+              EXIT_NO_SPACE)
+    try:
+        received, linked = _build(partial, live_path if base else None)
+    except BaseException as e:
+        # Whatever stopped the build (a refusal, a cut stream, a full disk), the partial release
+        # goes at once rather than at the next deploy: it may be what filled the disk.
+        shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            _fail("no space left in %s: the release needs %s, %s free after removing the partial "
+                  "release" % (releases, _mb(need), _mb(_free_bytes(releases))), EXIT_NO_SPACE)
+        raise
+    os.rename(partial, final)
+    _fsync_dir(releases)
+
+    # The flip: a new symlink renamed over `current` is atomic; readers see old or new, never none.
+    cur = os.path.join(workdir, "current")
+    tmp = os.path.join(workdir, ".current.%d" % os.getpid())
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    os.symlink(os.path.join("releases", release), tmp)
+    os.replace(tmp, cur)
+    _fsync_dir(workdir)
+
+    pruned = []
+    keep = sorted(n for n in os.listdir(releases) if not n.endswith(".partial"))
+    for name in keep[:-KEEP]:
+        if name != release:
+            shutil.rmtree(os.path.join(releases, name), ignore_errors=True)
+            pruned.append(name)
+    _out({"release": release, "received": received, "linked": linked, "pruned": pruned})
+
+
+def _build(partial, base_path):
+    """Fill `partial` from the tar on stdin and the base release, then check every file of the
+    manifest is there and intact. Returns (files received, files linked); fails on any gap."""
+    import hashlib
+    import shutil
+    import tarfile
+
+    os.makedirs(partial)
+    received = {}
+    new_manifest = None
+    with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tar:
+        for member in tar:
+            if member.name == MANIFEST:
+                new_manifest = json.load(tar.extractfile(member))
+                continue
+            if not member.isfile():
+                _fail("unexpected member type in stream: %r" % member.name)
+            rel = _safe_rel(member.name)
+            dest = os.path.join(partial, rel)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            digest = hashlib.sha256()
+            src = tar.extractfile(member)
+            with open(dest, "wb") as f:
+                for chunk in iter(lambda: src.read(1 << 16), b""):
+                    digest.update(chunk)
+                    f.write(chunk)
+            os.chmod(dest, 0o755 if member.mode & 0o111 else 0o644)
+            received[rel] = digest.hexdigest()
+    if new_manifest is None:
+        _fail("stream ended without a manifest (interrupted transfer?)")
+
+    old = _read_manifest(base_path) or {}
+    old_known = _read_json(os.path.join(base_path, STATS)) if base_path else None
+    known, linked = {}, 0
+    for rel, (sha, size, exe) in new_manifest.items():
+        rel = _safe_rel(rel)
+        dest = os.path.join(partial, rel)
+        if rel in received:
+            if received[rel] != sha:
+                _fail("%s changed while it was sent (its content does not match its hash); "
+                      "deploy again" % rel)
+            known[rel] = _stat_key(os.stat(dest))
+            continue
+        if not base_path or old.get(rel, [None])[0] != sha:
+            _fail("%s is neither sent nor in the live release" % rel)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        src = os.path.join(base_path, rel)
+        # Files are never written in place (a deploy always makes new files), so releases can
+        # share unchanged files as hard links; copy where links are not allowed.
+        try:
+            os.link(src, dest)
+        except FileNotFoundError:
+            _fail("%s went missing from the live release during this deploy; deploy again" % rel)
+        except OSError:
+            shutil.copy2(src, dest)
+        if old_known and rel in old_known:
+            known[rel] = old_known[rel]
+        linked += 1
+    # Verified before the flip: every file of the manifest, by size and mtime against what was
+    # recorded just now (received files) or when the base was built, hashed where they differ.
+    good, damaged = _check(partial, new_manifest, known, False)
+    if damaged:
+        _fail("the new release is incomplete (%d file(s) missing or damaged, e.g. %s); "
+              "deploy again" % (len(damaged), damaged[0]))
+    for name, doc in ((STATS, good), (MANIFEST, new_manifest)):
+        _write_json(os.path.join(partial, name), doc)
+    _fsync_dir(partial)
+    return len(received), linked
+
+
+def cmd_install_deps(workdir):
+    import subprocess
+    import tempfile
+
+    _, live = _live(workdir)
+    if not live:
+        _fail("no release deployed in %s" % workdir)
+    req = os.path.join(live, "trainer", "requirements.txt")
+    if not os.path.exists(req):
+        _out({"installed": False, "reason": "no trainer/requirements.txt"})
+        return
+    lines = []
+    with open(req) as f:
+        for line in f:
+            name = line.split("#")[0].strip()
+            if name and not name.lower().startswith("torch"):   # torch is the host's own build
+                lines.append(name)
+    torch = _dist_version("torch")
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as c:
+        if torch:
+            c.write("torch==%s\n" % torch)  # a constraint: pip may not up/downgrade it
+        constraints = c.name
+    try:
+        cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check",
+               "--upgrade-strategy", "only-if-needed", "-c", constraints] + lines
+        before = _dists()
+        proc = subprocess.run(cmd, stdout=sys.stderr)
+    finally:
+        os.unlink(constraints)
+    if proc.returncode != 0:
+        _fail("pip install exited %d" % proc.returncode, proc.returncode)
+    # What pip added or replaced (NAME-VERSION), so a second run can say it changed nothing.
+    changed = sorted(_dists() - before)
+    _out({"installed": True, "requirements": lines, "torch": _dist_version("torch"), "changed": changed})
+
+
+def main(argv):
+    if len(argv) < 2:
+        _fail("usage: agent manifest|apply|install-deps WORKDIR ...", 2)
+    cmd, workdir = argv[0], os.path.expanduser(argv[1])
+    if cmd == "manifest" and set(argv[2:]) <= {"--verify", "--tidy", "--no-files"}:
+        cmd_manifest(workdir, "--verify" in argv[2:], "--tidy" in argv[2:], "--no-files" in argv[2:])
+    elif cmd == "apply" and len(argv) == 6:
+        cmd_apply(workdir, argv[2], argv[3], int(argv[4]), argv[5])
+    elif cmd == "install-deps":
+        cmd_install_deps(workdir)
+    else:
+        _fail("unknown command %r" % cmd, 2)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,372 @@
+"""The runs agent (entry `runs_agent`): the run commands and main().
+
+Runs on the TARGET, under the target's own python, as `python -c SOURCE CMD ...`, SOURCE being
+this module and what it imports, joined by orchestrator/agent.py. Standard library only,
+Python >= 3.8. Every command prints one JSON document as its last stdout line (a refusal is
+`{"ok": false, "reason": R, ...}`, exit 0), except `follow` and `export`, whose stdout is a JSON
+header line followed by raw bytes.
+
+    launch WORKDIR            stdin: the launch spec (JSON). Checks the release, the probe result
+                              and the slot locks, then starts a detached supervisor (double fork,
+                              setsid, all three streams redirected: docs/background.md#pct) that starts the
+                              trainer and records its exit status whatever way it ends.
+    status WORKDIR [-- RUN...]
+                              the runs (all, or those named) with state, step, loss, tau
+    follow WORKDIR --offset OFFSET [--no-follow] [--tail N] -- RUN
+                              header line, then the log from byte OFFSET as it grows; ends once
+                              the run has ended and every byte is out. Control messages go to
+                              stderr as JSON lines: {"hb": T} every few seconds (so a dead
+                              connection is noticed on both ends) and {"end": STATUS} last.
+    stop WORKDIR [--force] [--timeout S] -- RUN
+                              SIGTERM (SIGKILL with --force) to the trainer's process group, then
+                              wait for it to checkpoint and exit (runs_stop.py)
+    metrics WORKDIR -- RUN    the log's JSON metric lines
+    export WORKDIR [--step N] [--dtype D] -- RUN
+                              the run's drafter as a DFlash folder, streamed (runs_export.py)
+    probe WORKDIR [--reuse] -- PROBE_ARGS...
+                              the live release's probe program, its document as the reply
+                              (runs_probe.py)
+    rm WORKDIR [--dry-run] -- RUN...    prune WORKDIR --keep N [--dry-run]
+                              remove ended runs, never a running one (runs_housekeeping.py)
+
+The launch spec may name GPUs ("gpu_ids": exactly those slots), a "name" (shown by status), and
+"resume": RUN, which continues a stopped or failed run in its own folder, with its own settings
+and the trainer's --resume, as attempt N+1 (run.json "attempts" keeps the earlier ones).
+
+Options come before `--`, values (run ids) after it: a run id is never read as an option.
+
+A run lives in WORKDIR/runs/RUN/: run.json (what was launched), train.log (the trainer's stdout
+and stderr), pid (the trainer's), exit.json (written by the supervisor when the trainer ends),
+stop.json (a stop was requested). RUN "latest" (or "") names the newest run.
+
+A run holds slots (a GPU each, or the one `cpu` slot) until it ends: runs_locks.py.
+The supervisor that starts the trainer and records its end: runs_supervisor.py.
+"""
+import errno
+import json
+import os
+import platform
+import shlex
+import socket
+import sys
+import time
+
+from ..common import _fail, _home, _now_iso, _out, _read_json, _write_json
+from .common import LOG, _metric, _resolve, _run_ids, _runs_dir, _state, _status
+from ..release.store import _live
+from .export import cmd_export
+from .follow import cmd_follow
+from .housekeeping import RESUMABLE, _end_attempt, _resume_spec, cmd_prune, cmd_rm
+from .locks import _Guard, _claim, _hold
+from .probe import cmd_probe
+from .stop import cmd_stop
+from .supervisor import _exit_record, _spawn_supervisor, cmd_supervise
+
+STOP_TIMEOUT_S = 120.0
+RUN_MIN_FREE = 64 * 10**6    # bytes a new run folder needs free: its log, config and first checkpoints
+
+
+def cmd_status(workdir, runs):
+    if runs:
+        out, missing = [], []
+        for r in runs:
+            rid = _resolve(workdir, r)
+            (out if rid else missing).append(_status(workdir, rid) if rid else r)
+        _out({"runs": out, "missing": missing})
+    else:
+        _out({"runs": [_status(workdir, r) for r in _run_ids(workdir)], "missing": []})
+
+
+# --- launch -------------------------------------------------------------------------------------
+
+def _refuse(reason, message, **extra):
+    doc = {"ok": False, "reason": reason, "message": message}
+    doc.update(extra)
+    _out(doc)
+    sys.exit(0)
+
+
+def _release_info(workdir):
+    release, path = _live(workdir)
+    if release is None or not os.path.isdir(path):
+        return None, None, None
+    commit = None
+    for name in (".git-commit", "GIT_COMMIT"):
+        try:
+            with open(os.path.join(path, name)) as f:
+                commit = f.read().strip() or None
+            break
+        except OSError:
+            pass
+    if commit is None:
+        man = _read_json(os.path.join(path, ".dflash-manifest.json")) or {}
+        meta = man.get(".dflash-release") if isinstance(man, dict) else None
+        if isinstance(meta, dict):
+            commit = meta.get("commit")
+    return os.path.basename(path), path, commit
+
+
+def _probe_policy(workdir, topology="threads"):
+    """(probe.json found, the policy it chose for that topology or None)."""
+    doc = _read_json(os.path.join(workdir, "probe.json"))
+    if doc is None:
+        return os.path.exists(os.path.join(workdir, "probe.json")), None
+    policy = doc.get("policy") if isinstance(doc, dict) else None
+    if topology == "processes" and isinstance(doc, dict) and doc.get("processes_policy"):
+        policy = doc["processes_policy"]
+    if isinstance(policy, dict):
+        policy = policy.get("name")
+    return True, policy if isinstance(policy, str) and policy else None
+
+
+def cmd_launch(workdir):
+    spec = json.load(sys.stdin)
+    prev = None
+    if spec.get("resume"):          # continue a stopped or failed run in place, with its settings
+        spec, prev = _resume_spec(workdir, spec, _refuse)
+    run = spec["run"]
+    release, release_path, commit = _release_info(workdir)
+    if release is None:
+        _refuse("no_release", "no release deployed in %s" % workdir)
+    policy = spec.get("policy") or "auto"
+    probe_choice = None
+    if policy == "auto":
+        found, probe_choice = _probe_policy(workdir, spec.get("topology") or "threads")
+        if not found:
+            _refuse("no_probe", "--policy auto needs a probe result and %s/probe.json does not exist"
+                    % workdir)
+    # `auto` goes to the trainer as is: it resolves it from DFLASH_OPS_WORKDIR/probe.json and
+    # refuses a choice probed under another torch build. The record keeps the probe's choice.
+    compile_policy = policy
+    gpus, total = int(spec.get("gpus") or 0), int(spec.get("target_gpus", 0))
+    want = spec.get("gpu_ids")
+    if want is not None:
+        bad = [i for i in want if not 0 <= i < total]
+        if bad or not want or len(set(want)) != len(want):
+            _refuse("bad_gpu_ids", "--gpu-ids %s: the target's GPUs are 0..%d, each named once"
+                    % (",".join(map(str, want)), total - 1))
+        gpus = len(want)
+    if gpus > total:
+        _refuse("too_many_gpus", "--gpus %d is more than the target's %d GPU(s)" % (gpus, total))
+    rundir = os.path.join(_runs_dir(workdir), run)
+    try:
+        os.makedirs(_runs_dir(workdir), exist_ok=True)
+        st = os.statvfs(_runs_dir(workdir))
+        free = st.f_bavail * st.f_frsize
+    except OSError as e:
+        _refuse("io", "cannot use %s: %s" % (_runs_dir(workdir), e.strerror or e))
+    if free < RUN_MIN_FREE:
+        _refuse("no_space", "%s has %.1f MB free; a run needs at least %d MB there for its log "
+                "and checkpoints" % (_runs_dir(workdir), free / 1e6, RUN_MIN_FREE // 10**6))
+    with _Guard(workdir) as guard:
+        if prev is not None:
+            state, _ = _state(rundir, prev)
+            if state not in RESUMABLE:
+                _refuse("not_resumable", "run %s is %s; only a stopped or failed run can be resumed"
+                        % (run, state), state=state)
+        chosen_slots, ids, busy, cleared = _claim(workdir, guard, gpus, total, want)
+        if chosen_slots is None:
+            holders = sorted({(h.get("run"), h.get("pid")) for h in busy.values()}, key=str)
+            _refuse("busy", "busy", busy={s: {"run": h.get("run"), "pid": h.get("pid")}
+                                          for s, h in busy.items()},
+                    holders=[{"run": r, "pid": p} for r, p in holders], cleared=cleared)
+        attempts = []
+        if prev is None:
+            try:
+                os.mkdir(rundir)
+            except FileExistsError:
+                _fail("run %s already exists" % run)
+        else:
+            prev["previous_state"], attempts = _end_attempt(rundir, prev)
+        try:
+            started, rec = _start_run(workdir, spec, run, rundir, release, release_path, commit,
+                                      policy, compile_policy, probe_choice, gpus, ids, chosen_slots,
+                                      prev, attempts)
+        except OSError as e:
+            # Out of space or any other write failure: no half-made run folder stays behind
+            # (a resumed run's folder is its own: it stays, its state read from its log).
+            import shutil
+            if prev is None:
+                shutil.rmtree(rundir, ignore_errors=True)
+            reason = "no_space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "io"
+            _refuse(reason, "cannot write the run folder %s: %s" % (rundir, e.strerror or e))
+        _hold(guard, run, chosen_slots, started, rec["started"])
+    _out({"ok": True, "run": run, "pid": started["pid"], "supervisor_pid": started["supervisor_pid"],
+          "release": release, "commit": commit, "compile_policy": compile_policy,
+          "probe_policy": probe_choice, "gpus": gpus,
+          "gpu_ids": ids, "slots": chosen_slots, "rundir": rundir, "log": os.path.join(rundir, LOG),
+          "cleared": cleared, "command_line": rec["command_line"], "name": rec.get("name"),
+          "attempt": rec["attempt"], "resumed_from": prev.get("previous_state") if prev else None})
+
+
+def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy, compile_policy,
+               probe_choice, gpus, ids, chosen_slots, prev=None, attempts=()):
+    """Write the run folder (log, config, run.json) and start its supervisor: (started, record).
+    prev: the record of the run this attempt continues (the trainer then gets --resume and the
+    run's own config file). A spawn failure is recorded in exit.json and refused here."""
+    # the log exists as soon as the run does, so `logs` right after launch reads an empty log
+    open(os.path.join(rundir, LOG), "ab").close()
+
+    config = None
+    if spec.get("config_text") is not None:
+        name = os.path.basename(spec.get("config_name") or "config.yaml")
+        config = os.path.join(rundir, name)
+        with open(config, "w") as f:
+            f.write(spec["config_text"])
+    elif spec.get("config_file"):
+        config = spec["config_file"]
+    python = sys.executable
+    argv = [python, "-m", "trainer", "--out", rundir, "--gpus", str(gpus),
+            "--topology", spec.get("topology") or "threads", "--compile-policy", compile_policy]
+    if spec.get("workers") is not None:
+        argv += ["--workers", str(spec["workers"])]
+    if config:
+        argv += ["--config", config]
+    if prev is not None:
+        argv += ["--resume"]        # the trainer continues from the last checkpoint in --out
+    nodes = spec.get("nodes")
+    if nodes:                       # one node of a job over several: torchrun's c10d rendezvous
+        argv += ["--nnodes", str(len(nodes["targets"])), "--rdzv-endpoint", nodes["endpoint"],
+                 "--rdzv-id", run, "--node-address", nodes["address"]]
+        if nodes["index"] == 0:
+            argv += ["--rdzv-host"]
+    argv += list(spec.get("extra") or [])
+    env = dict(os.environ)
+    env.update({"HOME": _home(), "PYTHONUNBUFFERED": "1",
+                "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in ids),
+                "DFLASH_OPS_WORKDIR": workdir, "DFLASH_OPS_RUN": run})
+    env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    env.setdefault("LANG", "C.UTF-8")
+    rec = {
+        "run": run, "target": spec.get("target"), "workdir": workdir, "rundir": rundir,
+        "release": release, "release_path": release_path, "commit": commit,
+        "command": argv, "cwd": release_path,
+        # the release `current` pointed at, so a deploy during the run changes nothing here
+        "command_line": "cd %s && exec %s" % (shlex.quote(release_path),
+                                             " ".join(shlex.quote(a) for a in argv)),
+        "env": {k: env[k] for k in ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "HOME")},
+        "config": prev.get("config") if prev is not None else
+        {"file": config, "source": spec.get("config_source"),
+         "text": spec.get("config_text")} if config else None,
+        "name": spec.get("name"), "attempt": len(attempts) + 1, "attempts": list(attempts),
+        "first_started": (prev.get("first_started") or prev.get("started")) if prev else None,
+        "policy": policy, "compile_policy": compile_policy, "probe_policy": probe_choice,
+        "gpus": gpus, "gpu_ids": ids,
+        "slots": chosen_slots, "topology": spec.get("topology") or "threads",
+        "workers": spec.get("workers"), "extra_args": list(spec.get("extra") or []),
+        "started": _now_iso(), "started_ts": time.time(), "python": python,
+        "python_version": platform.python_version(), "hostname": socket.gethostname(),
+        "controller": spec.get("controller"), "pid": None,
+        "user_env": spec.get("user_env") or {},   # hosts.yaml env: + launch --env, secrets masked
+        "nodes": nodes or None,     # {"targets": [...], "index": i, "endpoint", "address"}: a job over several nodes
+    }
+    _write_json(os.path.join(rundir, "run.json"), rec)
+    started = _spawn_supervisor(rundir, rec, env)
+    if "error" in started:
+        # Recorded at once, so the run is not taken for one still starting.
+        if not os.path.exists(os.path.join(rundir, "exit.json")):
+            _write_json(os.path.join(rundir, "exit.json"),
+                        _exit_record(rec, "failed", None, None, False, started["error"]))
+        _out({"ok": False, "reason": "spawn", "message": started["error"], "run": run})
+        sys.exit(0)
+    return started, rec
+
+
+# --- metrics ------------------------------------------------------------------------------------
+
+def cmd_metrics(workdir, run):
+    """The trainer's OUT/metrics.jsonl when it wrote one, else the log's JSON lines."""
+    rid = _resolve(workdir, run)
+    if rid is None:
+        _out({"ok": False, "reason": "not_found", "run": run})
+        return
+    rundir = os.path.join(_runs_dir(workdir), rid)
+    metrics = []
+    for name in ("metrics.jsonl", LOG):
+        try:
+            with open(os.path.join(rundir, name), "rb") as f:
+                for raw in f:
+                    doc = _metric(raw)
+                    if doc is not None:
+                        metrics.append(doc)
+        except OSError:
+            continue
+        if metrics:
+            break
+    _out({"found": True, "run": rid, "status": _status(workdir, rid), "metrics": metrics})
+
+
+# --- entry --------------------------------------------------------------------------------------
+
+def _split(args, flags=(), options=()):
+    """CMD WORKDIR [OPTIONS] -- [VALUES]: options only before `--`, every word after it a value
+    (a run id), so a value is never read as an option whatever it looks like."""
+    if "--" in args:
+        i = args.index("--")
+        head, values = args[:i], args[i + 1:]
+    else:
+        head, values = args, []
+    found = {}
+    while head:
+        word = head.pop(0)
+        if word in flags:
+            found[word] = True
+        elif word in options and head:
+            found[word] = head.pop(0)
+        else:
+            _fail("unexpected argument %r (values go after `--`)" % word, 2)
+    return found, values
+
+
+def main(argv):
+    if len(argv) < 2:
+        _fail("usage: runs_agent launch|status|follow|stop|metrics|export|probe|rm|prune WORKDIR [OPTIONS] -- [VALUE ...]", 2)
+    cmd, workdir, args = argv[0], os.path.expanduser(argv[1]), list(argv[2:])
+    try:
+        if cmd == "launch":
+            cmd_launch(workdir)
+        elif cmd == "status":
+            _, runs = _split(args)
+            cmd_status(workdir, runs)
+        elif cmd == "follow":
+            opts, values = _split(args, ("--no-follow",), ("--tail", "--offset"))
+            tail = opts.get("--tail")
+            cmd_follow(workdir, values[0] if values else "latest", int(opts.get("--offset", 0)),
+                       "--no-follow" not in opts, None if tail is None else int(tail))
+        elif cmd == "stop":
+            opts, values = _split(args, ("--force",), ("--timeout",))
+            cmd_stop(workdir, values[0] if values else "latest", "--force" in opts,
+                     float(opts.get("--timeout", STOP_TIMEOUT_S)))
+        elif cmd == "supervise":      # runs_supervisor._short_argv's exec: WORKDIR is the run's folder
+            cmd_supervise(workdir, int(args[0]))
+        elif cmd == "metrics":
+            _, values = _split(args)
+            cmd_metrics(workdir, values[0] if values else "latest")
+        elif cmd == "export":
+            opts, values = _split(args, (), ("--step", "--dtype"))
+            step = opts.get("--step")
+            cmd_export(workdir, values[0] if values else "latest",
+                       None if step is None else int(step), opts.get("--dtype", "bfloat16"))
+        elif cmd == "rm":
+            opts, values = _split(args, ("--dry-run",))
+            cmd_rm(workdir, values, "--dry-run" in opts)
+        elif cmd == "prune":
+            opts, _ = _split(args, ("--dry-run",), ("--keep",))
+            cmd_prune(workdir, int(opts.get("--keep", 0)), "--dry-run" in opts)
+        elif cmd == "probe":
+            opts, values = _split(args, ("--reuse",))
+            cmd_probe(workdir, values, "--reuse" in opts)
+        else:
+            _fail("unknown command %r" % cmd, 2)
+    except BrokenPipeError:
+        # The reader went away (the connection dropped, `| head`): nothing left to do.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        except OSError:
+            pass
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

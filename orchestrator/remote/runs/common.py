@@ -1,0 +1,268 @@
+"""Runs agent: run records, processes (pid + start-time liveness), a run's state and metrics.
+
+The runs agent runs on the TARGET under its own python as ONE program, `python -c SOURCE CMD ...`:
+orchestrator/agent.py joins runs_agent.py and the modules it imports into SOURCE, because
+`python -c` cannot import its parts on the target. So every part is standard library only,
+Python >= 3.8, has no `from __future__` line, and names what it takes from another part with
+`from .PART import NAME` (removed when joined). The commands: runs_agent.py.
+"""
+import json
+import os
+import re
+import time
+
+from ..common import _now_iso, _read_json
+
+LOG = "train.log"
+# What a run id may look like (launch makes `YYYYmmdd-HHMMSS-hex`): no path, never an option.
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+TAIL_SCAN = 1 << 16      # bytes read from a log's end at a time
+
+
+# --- processes ----------------------------------------------------------------------------------
+
+def _proc_start(pid):
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), or None when
+    it is gone or a zombie. Together with the pid it names one process, even after pid reuse."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            stat = f.read()
+    except (OSError, TypeError):
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def _alive(pid, start=None):
+    if not pid:
+        return False
+    if os.path.isdir("/proc/self"):
+        now = _proc_start(pid)
+        return now is not None and (start is None or now == start)
+    try:   # no /proc: the best we can do
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+# --- runs ---------------------------------------------------------------------------------------
+
+def _runs_dir(workdir):
+    return os.path.join(workdir, "runs")
+
+
+def _run_ids(workdir):
+    try:
+        names = os.listdir(_runs_dir(workdir))
+    except OSError:
+        return []
+    ids = []
+    for name in names:
+        if name.startswith("."):     # .rm-RUN-PID: a run being removed (runs_housekeeping.py)
+            continue
+        rec = _read_json(os.path.join(_runs_dir(workdir), name, "run.json"))
+        if rec is not None:
+            ids.append((rec.get("started_ts") or 0, name))
+    return [name for _, name in sorted(ids)]
+
+
+def _resolve(workdir, run):
+    """RUN, or the newest run for "latest"/""; None when there is no such run."""
+    if run in ("", "latest", None):
+        ids = _run_ids(workdir)
+        return ids[-1] if ids else None
+    if not _RUN_NAME.match(run):
+        return None
+    return run if os.path.isfile(os.path.join(_runs_dir(workdir), run, "run.json")) else None
+
+
+def _state(rundir, rec=None):
+    """(state, exit document). The supervisor's exit.json is the truth once it exists; before,
+    the run is running while its trainer (or its supervisor) lives; with neither alive and no
+    exit.json, the trainer's last log event decides (`done`: succeeded, `stopped`: stopped),
+    else the run was lost (killed -9 as a whole, container stopped): failed."""
+    ex = _read_json(os.path.join(rundir, "exit.json"))
+    if ex is not None:
+        return ex.get("state", "failed"), ex
+    rec = rec or _read_json(os.path.join(rundir, "run.json")) or {}
+    if _alive(rec.get("pid"), rec.get("pid_start")) or \
+            _alive(rec.get("supervisor_pid"), rec.get("supervisor_start")):
+        return "running", None
+    if rec.get("pid") is None and time.time() - rec.get("started_ts", 0) < 30 and \
+            not os.path.exists(os.path.join(rundir, "supervisor.failed")):
+        return "running", None   # the supervisor is still starting the trainer
+    # Every process of the run is gone and none recorded how it ended (the supervisor was killed
+    # -9, the container stopped). The trainer's own last event in its log still says whether it
+    # finished or checkpointed on SIGTERM; the log's last write is when the run ended.
+    log = os.path.join(rundir, LOG)
+    try:
+        ended = os.path.getmtime(log)
+    except OSError:
+        ended = rec.get("started_ts") or time.time()
+    post = {"ended": _now_iso(ended), "ended_ts": ended, "signal": None, "recorded_by": "status"}
+    event = _last_event(log)
+    if event == "done":
+        post.update(state="succeeded", exit_code=0, lost=False,
+                    reason="the supervisor is gone; the trainer's log ends with its `done` event")
+        return "succeeded", post
+    if event == "stopped":
+        post.update(state="stopped", exit_code=143, lost=False,
+                    reason="the supervisor is gone; the trainer's log ends with its `stopped` event "
+                           "(it checkpointed and exited)")
+        return "stopped", post
+    stopped = os.path.exists(os.path.join(rundir, "stop.json"))
+    post.update(lost=True, exit_code=None,
+                reason="the run's processes are gone and left no exit status "
+                       "(killed with SIGKILL, or the container stopped)")
+    return ("stopped" if stopped else "failed"), post
+
+
+# A rank's line under torchrun: `[rankN]: text` (with several nodes also rank 0's metrics).
+_RANK_PREFIX = re.compile(rb"^\[rank\d+\]: ")
+
+
+def _json_line(raw):
+    """The line without surrounding space and without a `[rankN]: ` prefix."""
+    return _RANK_PREFIX.sub(b"", raw.strip(), count=1)
+
+
+def _tail(log_path):
+    """The log's last TAIL_SCAN bytes; None if it cannot be read."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - TAIL_SCAN))
+            return f.read()
+    except OSError:
+        return None
+
+
+def _last_event(log_path):
+    """The `event` of the last JSON line in the log's tail that has one ("done", "stopped", ...)."""
+    tail = _tail(log_path)
+    if tail is None:
+        return None
+    lines = tail.split(b"\n")
+    for raw in reversed(lines):
+        raw = _json_line(raw)
+        if raw.startswith(b"{") and raw.endswith(b"}") and b'"event"' in raw:
+            try:
+                doc = json.loads(raw.decode("utf-8", "replace"))
+            except ValueError:
+                continue
+            if isinstance(doc, dict) and isinstance(doc.get("event"), str):
+                return doc["event"]
+    return None
+
+
+def _last_metrics(log_path):
+    """Last step and loss, last acceptance length, from the log's JSON lines (read from the end)."""
+    found = {}
+    try:
+        size = os.path.getsize(log_path)
+    except OSError:
+        return found
+    span = TAIL_SCAN
+    with open(log_path, "rb") as f:
+        while True:
+            start = max(0, size - span)
+            f.seek(start)
+            data = f.read(size - start)
+            lines = data.split(b"\n")
+            if start > 0:
+                lines = lines[1:]          # the first one is cut
+            for raw in reversed(lines):
+                doc = _metric(raw)
+                if doc is None:
+                    continue
+                if doc.get("step") is not None and "step" not in found:
+                    found["step"] = doc["step"]
+                if doc.get("loss") is not None and "loss" not in found:
+                    found["loss"] = doc["loss"]
+                if doc.get("acceptance_length") is not None and "tau" not in found:
+                    found["tau"] = doc["acceptance_length"]
+                if len(found) == 3:
+                    return found
+            if ("step" in found and "loss" in found) or start == 0 or span >= 1 << 24:
+                return found
+            span *= 8
+
+
+def _metric(raw):
+    raw = _json_line(raw)
+    if not raw.startswith(b"{") or not raw.endswith(b"}"):
+        return None
+    try:
+        doc = json.loads(raw.decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    if isinstance(doc, dict) and ("step" in doc or "acceptance_length" in doc):
+        return doc
+    return None
+
+
+def _status(workdir, run):
+    rundir = os.path.join(_runs_dir(workdir), run)
+    rec = _read_json(os.path.join(rundir, "run.json")) or {}
+    state, ex = _state(rundir, rec)
+    m = _last_metrics(os.path.join(rundir, LOG))
+    ended = (ex or {}).get("ended_ts")
+    started = rec.get("started_ts")
+    doc = {"run": run, "name": rec.get("name"), "attempt": rec.get("attempt") or 1, "state": state, "step": m.get("step"), "loss": m.get("loss"),
+           "tau": m.get("tau"), "started": rec.get("started"), "started_ts": started,
+           "ended": (ex or {}).get("ended"),
+           "elapsed_s": round((ended or time.time()) - started, 1) if started else None,
+           "pid": rec.get("pid"), "gpus": rec.get("gpus"), "slots": rec.get("slots"),
+           "policy": rec.get("probe_policy") or rec.get("compile_policy"),
+           "release": rec.get("release"),
+           "log": os.path.join(rundir, LOG), "exit": ex,
+           # a job over several nodes: the nodes, and which ranks this one ran (the trainer's node.json)
+           "nodes": (rec.get("nodes") or {}).get("targets"),
+           "node": _read_json(os.path.join(rundir, "node.json"))}
+    try:
+        doc["log_bytes"] = os.path.getsize(os.path.join(rundir, LOG))
+    except OSError:
+        doc["log_bytes"] = 0
+    return doc
+
+
+_CAUSE_KEYS = {"rank": "rank", "exitcode": "exitcode", "error_file": "error_file", "traceback": "error"}
+
+
+def _root_cause(log_path):
+    """torchrun's root cause of a failed run, from the last `Root Cause (first observed failure)`
+    block in the log's tail: {"rank", "exitcode", "error_file", "error"}. The error is the exception
+    line of the rank's error file (written by the trainer's @record) when there is one, else
+    torchrun's own words (`Signal 9 (SIGKILL) received by PID N`). None without the block."""
+    tail = _tail(log_path)
+    if tail is None:
+        return None
+    text = tail.decode("utf-8", "replace")
+    at = text.rfind("Root Cause (first observed failure)")
+    if at < 0:
+        return None
+    cause = {}
+    for line in text[at:].splitlines()[1:12]:
+        key, sep, value = line.strip().partition(":")
+        key = key.strip()
+        if sep and key in _CAUSE_KEYS and _CAUSE_KEYS[key] not in cause:
+            cause[_CAUSE_KEYS[key]] = value.strip()
+    rank = cause.get("rank", "").split(" ")[0]
+    cause["rank"] = int(rank) if rank.isdigit() else None
+    code = cause.get("exitcode", "").split(" ")[0]
+    cause["exitcode"] = int(code) if code.lstrip("-").isdigit() else None
+    path = cause.get("error_file")
+    doc = _read_json(path) if path and path.startswith("/") else None
+    if isinstance(doc, dict):
+        msg = doc.get("message")
+        msg = msg.get("message") if isinstance(msg, dict) else msg
+        if isinstance(msg, str) and msg.strip():
+            cause["error"] = msg.strip().splitlines()[-1] if msg.startswith("Traceback") else msg.strip().splitlines()[0]
+    else:
+        cause["error_file"] = None
+    return cause

@@ -1,0 +1,114 @@
+"""Runs agent: the `export` command. Standard library only, Python >= 3.8, no `from __future__`
+line (runs_common.py says why).
+
+    export WORKDIR [--step N] [--dtype D] -- RUN
+
+Runs `python -m trainer.export` of the live release (WORKDIR/current) on the run's folder, into a
+private temporary folder WORKDIR/exports/.tmp-PID, and sends the result over this one connection:
+stdout is one JSON header line
+
+    {"ok": true, "run", "step", "dtype", "checkpoint",
+     "files": [{"name", "size", "sha256"}, ...]}
+
+followed by the files' bytes back to back, in the header's order. The temporary folder is removed
+whatever happens (the reader going away, SIGHUP/SIGTERM); ones left by an agent killed with SIGKILL
+are removed by the next export. A refusal is a header with "ok": false (and exit status 0):
+"reason": "not_found" when there is no such run (RUN "latest" or "": the newest SUCCEEDED run), else
+"reason": "no_release" | "export" with "message" and, for "export", the trainer's "exit_code".
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+from ..common import _out, _sha256
+from .common import _alive, _resolve, _run_ids, _runs_dir, _state
+
+CHUNK = 1 << 20
+
+
+def _latest_succeeded(workdir):
+    for rid in reversed(_run_ids(workdir)):
+        if _state(os.path.join(_runs_dir(workdir), rid))[0] == "succeeded":
+            return rid
+    return None
+
+
+def _sweep(exports):
+    """Temporary folders of exports whose agent is gone (killed -9, container restarted)."""
+    try:
+        names = os.listdir(exports)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(".tmp-"):] if name.startswith(".tmp-") else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(exports, name), ignore_errors=True)
+
+
+def _interrupted(signum, frame):
+    raise SystemExit(128 + signum)   # runs the finally blocks: the temporary folder goes
+
+
+def cmd_export(workdir, run, step, dtype):
+    if run in ("", "latest", None):
+        rid = _latest_succeeded(workdir)
+    else:
+        rid = _resolve(workdir, run)
+    if rid is None:
+        _out({"ok": False, "reason": "not_found", "run": run or "latest", "any_runs": bool(_run_ids(workdir))})
+        return
+    rundir = os.path.join(_runs_dir(workdir), rid)
+    current = os.path.join(workdir, "current")
+    if not os.path.isfile(os.path.join(current, "trainer", "export.py")):
+        _out({"ok": False, "found": True, "run": rid, "reason": "no_release",
+              "message": "the live release in %s has no trainer/export.py" % workdir})
+        return
+    exports = os.path.join(workdir, "exports")
+    os.makedirs(exports, exist_ok=True)
+    _sweep(exports)
+    tmp = os.path.join(exports, ".tmp-%d" % os.getpid())
+    for sig in (signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, _interrupted)
+    proc = None
+    try:
+        os.mkdir(tmp)
+        folder = os.path.join(tmp, "draft")
+        argv = [sys.executable, "-m", "trainer.export", "--run", rundir, "-o", folder, "--dtype", dtype]
+        if step is not None:
+            argv += ["--step", str(step)]
+        env = dict(os.environ)
+        env.update({"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
+        proc = subprocess.Popen(argv, cwd=os.path.realpath(current), env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate()
+        if proc.returncode != 0:
+            lines = err.decode("utf-8", "replace").strip().splitlines() or ["(no message)"]
+            msg = lines[-1]
+            if msg.startswith("trainer: error: "):
+                msg = msg[len("trainer: error: "):]
+            _out({"ok": False, "found": True, "run": rid, "reason": "export", "message": msg,
+                  "exit_code": proc.returncode})
+            return
+        info = json.loads(out.decode("utf-8", "replace").strip().splitlines()[-1])
+        files = []
+        for name in sorted(os.listdir(folder)):
+            path = os.path.join(folder, name)
+            files.append({"name": name, "size": os.path.getsize(path), "sha256": _sha256(path)})
+        header = {"ok": True, "found": True, "run": rid, "step": info.get("step"), "dtype": dtype,
+                  "checkpoint": info.get("checkpoint"), "mask_token_id": info.get("mask_token_id"),
+                  "target_layer_ids": info.get("target_layer_ids"), "files": files}
+        stream = sys.stdout.buffer
+        stream.write((json.dumps(header) + "\n").encode())
+        for f in files:
+            with open(os.path.join(folder, f["name"]), "rb") as src:
+                for block in iter(lambda: src.read(CHUNK), b""):
+                    stream.write(block)
+        stream.flush()
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,96 @@
+"""Runs agent: slots and their locks.
+
+Slots: each GPU index is a slot `gpuN`; a CPU run (--gpus 0) takes the one slot `cpu`, so two CPU
+runs never compete for the same cores. A slot is a file WORKDIR/locks/SLOT.json naming the run and
+its supervisor's and trainer's pids (with their start times, so a recycled pid is not mistaken
+for the holder). It is free when the file is missing, or when its run has ended (exit.json) or
+none of its processes is alive any more (killed -9, container restarted): a stale lock, cleared.
+Slot files are only judged and changed under an flock on WORKDIR/locks/.guard.
+"""
+import os
+
+from ..common import _flock, _read_json, _write_json
+from .common import _alive, _runs_dir
+
+
+class _Guard:
+    """An flock on WORKDIR/locks/.guard: slot files are only judged and changed under it."""
+
+    def __init__(self, workdir):
+        self.dir = os.path.join(workdir, "locks")
+        os.makedirs(self.dir, exist_ok=True)
+        self.path = os.path.join(self.dir, ".guard")
+        self.f = None
+
+    def __enter__(self):
+        self.f = _flock(self.path)
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def _holder_live(workdir, lock):
+    rundir = os.path.join(_runs_dir(workdir), str(lock.get("run")))
+    if os.path.exists(os.path.join(rundir, "exit.json")):
+        return False
+    return _alive(lock.get("supervisor_pid"), lock.get("supervisor_start")) or \
+        _alive(lock.get("pid"), lock.get("pid_start"))
+
+
+def _busy_slots(workdir, guard, slots):
+    """{slot: holder} for the slots held by a live run; stale locks are removed on the way."""
+    busy, cleared = {}, []
+    for slot in slots:
+        path = os.path.join(guard.dir, slot + ".json")
+        lock = _read_json(path)
+        if lock is None:
+            if os.path.exists(path):      # unreadable: a crash mid-write; nothing holds it
+                os.unlink(path)
+            continue
+        if _holder_live(workdir, lock):
+            busy[slot] = lock
+        else:
+            os.unlink(path)
+            cleared.append({"slot": slot, "run": lock.get("run")})
+    return busy, cleared
+
+
+def _release_slots(workdir, run):
+    with _Guard(workdir) as guard:
+        for name in os.listdir(guard.dir):
+            if name.endswith(".json"):
+                path = os.path.join(guard.dir, name)
+                lock = _read_json(path)
+                if lock is not None and lock.get("run") == run:
+                    os.unlink(path)
+
+
+def _claim(workdir, guard, gpus, total, want=None):
+    """(slots, GPU ids, busy, cleared): the slots a run of `gpus` GPUs takes (the one `cpu` slot
+    for gpus=0; exactly the GPUs `want` when named); slots is None when not enough of them are
+    free."""
+    if want:
+        wanted = ["gpu%d" % i for i in want]
+        busy, cleared = _busy_slots(workdir, guard, wanted)
+        if busy:
+            return None, None, busy, cleared
+        return wanted, list(want), busy, cleared
+    wanted = ["cpu"] if gpus == 0 else ["gpu%d" % i for i in range(total)]
+    busy, cleared = _busy_slots(workdir, guard, wanted)
+    if gpus == 0:
+        slots, ids = (["cpu"], []) if not busy else (None, None)
+    else:
+        free = [i for i in range(total) if "gpu%d" % i not in busy]
+        slots = ["gpu%d" % i for i in free[:gpus]] if len(free) >= gpus else None
+        ids = free[:gpus]
+    return slots, ids, busy, cleared
+
+
+def _hold(guard, run, slots, started, since):
+    """Write the lock of each slot for the run whose supervisor reported `started`."""
+    for slot in slots:
+        _write_json(os.path.join(guard.dir, slot + ".json"), {
+            "run": run, "slot": slot, "pid": started["pid"], "pid_start": started["pid_start"],
+            "supervisor_pid": started["supervisor_pid"],
+            "supervisor_start": started["supervisor_start"], "since": since})

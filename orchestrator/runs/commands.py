@@ -1,0 +1,467 @@
+"""Click commands of the run lifecycle: launch, logs, status, stop, report, export.
+
+Thin: parse options, call one function of `runs.py` / `follow.py` /
+`report.py`, print.
+`logs` keeps stdout byte-for-byte the log, so `| grep`, `| head` and `> file` work; notes about
+signatures, reconnects and the closing summary go to stderr.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import click
+
+from trainer.policies import POLICY_NAMES   # names only: importing it does not import torch
+
+from orchestrator.errors import OpsError, TargetsFailed, UsageError
+from orchestrator.ui import State, emit, json_option, table
+
+SEVERITY_COLOUR = {"fatal": b"1;31", "warning": b"33"}
+
+
+def _isatty(stream) -> bool:
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def _note(text: str) -> None:
+    click.echo(f"dflash-ops: {text}", err=True)
+
+
+def _fmt_num(v, digits: int = 4) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def _fmt_tau(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _fmt_elapsed(seconds) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{seconds:.0f}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def _split_launch_args(state: State, args: tuple[str, ...]) -> tuple[list, list[str]]:
+    """`[TARGET|T1,T2|GROUP] [-- TRAINER_ARGS...]`: the first word names the target(s) unless it is
+    a flag; [] for the default target."""
+    if args and not args[0].startswith("-"):
+        return state.inv.expand(args[0]), list(args[1:])   # unknown: a clear error with a suggestion
+    return [], list(args)
+
+
+# --- launch --------------------------------------------------------------------------------------
+
+@click.command()
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[TARGET] [-- TRAINER_ARGS...]")
+@click.option("--gpus", type=click.IntRange(min=0), metavar="N",
+              help="GPUs to use (default: all of the target's; 0 = CPU).")
+@click.option("--gpu-ids", metavar="I,J", help="Exactly these GPUs of the target (e.g. 0,3); sets --gpus.")
+@click.option("--name", metavar="NAME", help="A label for the run, shown by status.")
+@click.option("--resume", metavar="RUN",
+              help="Continue this stopped or failed run from its last checkpoint (same run id, its own settings).")
+@click.option("--config", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Trainer YAML config; copied into the run's folder.")
+@click.option("--topology", type=click.Choice(["threads", "processes"]), default="threads",
+              show_default=True, help="One thread per device, or one process per device.")
+@click.option("--policy", default="auto", show_default=True, metavar="NAME|auto",
+              type=click.Choice(("auto", *POLICY_NAMES)),
+              help="Compile policy; auto = the probe's choice (run `dflash-ops probe` first).")
+@click.option("--workers", type=click.IntRange(min=1), metavar="K",
+              help="With --gpus 0: CPU worker threads.")
+@click.option("--follow", is_flag=True, help="Then follow the log, as `logs --follow` does.")
+@click.option("--env", "env", multiple=True, metavar="K=V",
+              help="Set a variable for the trainer (repeatable; over hosts.yaml env:).")
+@json_option
+@click.pass_obj
+def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, policy, workers, follow,
+           env, as_json):
+    """Start the trainer detached from this session; print the run id.
+
+    Trainer flags go after `--`, e.g. `dflash-ops launch ct200 --gpus 2 -- --steps 500`.
+    The run holds its GPUs (a CPU run, --gpus 0, holds the target's one CPU slot) until it ends.
+    """
+    from orchestrator.runs import nodes, launch as runs
+    from orchestrator.ssh.agent import session as open_session
+    from orchestrator.envvars import parse_assignments
+
+    targets, extra = _split_launch_args(state, args)
+    variables = parse_assignments(env)
+    with open_session(state.inv) as session:   # one connection for the launch and the follow
+        if len(targets) > 1:
+            res = nodes.launch(state.inv, targets, gpus=gpus, config=config, topology=topology, policy=policy,
+                               workers=workers, extra=extra, name=name, gpu_ids=gpu_ids, resume=resume,
+                               session=session, env=variables)
+            info = _nodes_info(res)
+        else:
+            res = runs.launch(state.inv, targets[0].name if targets else None, gpus=gpus, config=config,
+                              topology=topology, policy=policy, workers=workers, extra=extra, name=name,
+                              gpu_ids=gpu_ids, resume=resume, session=session, env=variables)
+            info = _launch_info(res)
+            for c in res.cleared:
+                _note(f"{res.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
+        if not follow:
+            if as_json:
+                emit(True, res.as_json(), "")
+            else:
+                click.echo(res.run)
+                _note(info + f"; follow it with `dflash-ops logs {res.target} {res.run}`")
+            return
+        if not as_json:
+            _note(info)
+        summary = _print_job(nodes.follow(state.inv, state.inv.target(res.target), res.run, session=session),
+                             as_json)
+    if as_json:
+        emit(True, {**res.as_json(), "logs": summary.as_json()}, "")
+    sys.exit(summary.exit_code)
+
+
+def _launch_info(res) -> str:
+    where = f"GPU {', '.join(map(str, res.gpu_ids))}" if res.gpu_ids else "CPU"
+    policy_text = res.compile_policy + (f" (probe chose {res.probe_policy})" if res.probe_policy else "")
+    what = (f"resumed run {res.run} (attempt {res.attempt}, was {res.resumed_from}; "
+            if res.attempt > 1 else f"launched run {res.run} (")
+    label = f"{res.name!r}, " if res.name else ""
+    return (f"{res.target}: {what}{label}pid {res.pid}, {where}, release {res.release}, policy {policy_text})"
+            + (", env " + " ".join(f"{k}={v}" for k, v in res.env.items()) if res.env else ""))
+
+
+def _nodes_info(res) -> str:
+    first = res.nodes[0]
+    verb = (f"resumed run {res.run} (attempt {first.attempt}, was {first.resumed_from})"
+            if first.attempt > 1 else f"launched run {res.run}")
+    return (f"{verb} on {len(res.nodes)} nodes, rendezvous at {res.endpoint} (on {first.target}): "
+            + ", ".join(f"{n.target} pid {n.pid}" for n in res.nodes))
+
+
+# --- logs ----------------------------------------------------------------------------------------
+
+@click.command()
+@click.argument("args", nargs=-1, metavar="[TARGET] [RUN]")
+@click.option("--follow/--no-follow", default=True, show_default=True,
+              help="Stream the log until the run ends, or print what is there now.")
+@click.option("--tail", type=click.IntRange(min=0), metavar="N", help="Start with the last N lines.")
+@json_option
+@click.pass_obj
+def logs(state: State, args, follow, tail, as_json):
+    """Print a run's log (default: the latest run) and name the failures in it.
+
+    Exit status: 0 succeeded, 100 failed, 101 still running (--no-follow), 102 not found,
+    103 stopped. stdout is the log itself; notes and the summary go to stderr.
+    """
+    from orchestrator.runs import nodes, launch as runs
+
+    target, run = runs.split_target_run(state.inv, args)
+    summary = _print_job(nodes.follow(state.inv, target, run, follow=follow, tail=tail), as_json)
+    if as_json:
+        emit(True, summary.as_json(), "")
+    sys.exit(summary.exit_code)
+
+
+def _print_job(events, as_json: bool):
+    """Write each line to stdout as it arrives; explain each signature once (per node) on stderr;
+    print the summary last and return it (a follow.Summary, or a nodes.JobSummary for a job).
+
+    A run on one node: its lines as they are (coloured on a terminal where a signature hit). A job
+    over several: each line led by `[target/rankN]` (rank 0 included: with several nodes its lines
+    carry `[rank0]: ` in the log too) or `[target]` (the node's launcher and torchrun), notes led
+    by the node, and one summary for the job."""
+    from orchestrator.runs.nodes import JobSummary, NodeEvent
+
+    first = next(events, None)
+    job = isinstance(first, (NodeEvent, JobSummary))
+    with contextlib.closing(events):
+        return _print_events(_chain(first, events), as_json, _node_of if job else _no_node,
+                             "the log streams ended without a summary" if job
+                             else "the log stream ended without a summary")
+
+
+def _no_node(ev):
+    """(None, the event): a run on one node, whose lines and notes carry no label."""
+    return None, ev
+
+
+def _node_of(ev):
+    """(its node's target, the node's event) of a nodes.NodeEvent."""
+    return ev.target, ev.event
+
+
+def _print_events(events, as_json: bool, label, ended: str):
+    """The printer of _print_job; `label(ev)` is (the target that labels the event or None, the
+    follow event itself)."""
+    from orchestrator.runs.follow import End, Line, Reconnecting, Resumed
+    from orchestrator.runs.nodes import JobSummary
+
+    out = sys.stdout.buffer
+    tty = _isatty(sys.stdout)
+    explained: set = set()
+    with contextlib.closing(events):
+        for ev in events:
+            if isinstance(ev, End):
+                if not as_json:
+                    _note(_summary_line(ev.summary))
+                return ev.summary
+            if isinstance(ev, JobSummary):
+                if not as_json:
+                    _note(_job_summary_line(ev))
+                return ev
+            t, e = label(ev)
+            at = f"{t}: " if t is not None else ""
+            if isinstance(e, Line):
+                if not as_json:
+                    data = _prefixed(t, e.data) if t is not None else _coloured(e) if tty else e.data
+                    try:
+                        out.write(data)
+                        out.flush()
+                    except BrokenPipeError:
+                        _reader_gone()
+                for sig in e.hits:
+                    if (t, sig.id) in explained or as_json:
+                        continue
+                    explained.add((t, sig.id))
+                    _note(f"{at}line {e.number}: `{sig.id}` ({sig.severity}): {sig.meaning}")
+                    click.echo(f"            what to do: {sig.remedy}", err=True)
+            elif isinstance(e, Reconnecting):
+                if not as_json:
+                    resuming = f", resuming at byte {max(e.offset, 0)}" if t is None else ""
+                    _note(f"{at}connection lost ({e.reason}); reconnecting in {e.delay:g} s "
+                          f"(attempt {e.attempt}{resuming})")
+            elif isinstance(e, Resumed):
+                if not as_json:
+                    _note(f"{at}reconnected after {e.down_s:.2f} s; resuming at byte {e.offset}")
+    raise OpsError(ended)
+
+
+def _coloured(line) -> bytes:
+    """A line with a signature hit, in its severity's colour (the line ending left outside)."""
+    data = line.data
+    if not line.hits:
+        return data
+    body = data.rstrip(b"\r\n")
+    code = SEVERITY_COLOUR.get(line.hits[0].severity, b"1")
+    return b"\x1b[" + code + b"m" + body + b"\x1b[0m" + data[len(body):]
+
+
+def _chain(first, rest):
+    if first is not None:
+        yield first
+    yield from rest
+
+
+def _prefixed(target: str, data: bytes) -> bytes:
+    """`[rank1]: text` -> `[target/rank1] text`; any other line -> `[target] line`."""
+    if data.startswith(b"[rank"):
+        head, sep, body = data.partition(b"]: ")
+        if sep and head[5:].isdigit():
+            return b"[" + target.encode() + b"/rank" + head[5:] + b"] " + body
+    return b"[" + target.encode() + b"] " + data
+
+
+def _job_summary_line(s) -> str:
+    nodes = ", ".join(f"{t} {n['state']}" + (f" (exit {(n.get('exit') or {}).get('exit_code')})"
+                                              if (n.get('exit') or {}).get('exit_code') not in (None, 0) else "")
+                      for t, n in s.nodes.items())
+    parts = [f"run {s.run}: {s.state} on {len(s.targets)} nodes ({nodes})", f"steps {_fmt_num(s.step)}",
+             f"last loss {_fmt_num(s.loss)}", f"tau {_fmt_tau(s.tau)}"]
+    rc = s.root_cause
+    if rc:
+        where = f"{rc['target']}" + (f"/rank{rc['rank']}" if rc.get("rank") is not None else "")
+        parts.append(f"first failure: {where}" + (f": {rc['error']}" if rc.get("error") else "")
+                     + (f" (signature {rc['signature']})" if rc.get("signature") else ""))
+    return "; ".join(parts)
+
+
+def _reader_gone() -> None:
+    """`logs | head`: the reader went away, which is not an error. Handled here because Click
+    turns EPIPE into exit 1 before cli.main could map it; stdout goes to /dev/null so the
+    interpreter's last flush stays quiet."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(0)
+
+
+def _summary_line(s) -> str:
+    ex = s.exit or {}
+    how = ""
+    if s.state == "running":
+        how = "still running"
+    elif ex.get("signal_name"):
+        how = f"{s.state} ({ex['signal_name']})"
+    elif ex.get("exit_code") is not None:
+        how = f"{s.state} (exit {ex['exit_code']})"
+    elif ex.get("lost"):
+        how = f"{s.state} (lost: {ex.get('reason')})"
+    else:
+        how = s.state
+    sigs = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in s.signatures.items()) or "none"
+    parts = [f"{s.target}: run {s.run}: {how}", f"steps {_fmt_num(s.step)}",
+             f"last loss {_fmt_num(s.loss)}", f"tau {_fmt_tau(s.tau)}",
+             f"elapsed {_fmt_elapsed(s.elapsed_s)}", f"signatures: {sigs}"]
+    if s.classified and s.state == "failed":
+        parts.append(f"cause: {s.classified}")
+    if s.reconnects:
+        parts.append(f"reconnects {s.reconnects}")
+    return "; ".join(parts)
+
+
+# --- status --------------------------------------------------------------------------------------
+
+@click.command()
+@click.argument("names", nargs=-1, metavar="[TARGET...]")
+@click.option("--all", "all_targets", is_flag=True, help="Every target of the inventory.")
+@json_option
+@click.pass_obj
+def status(state: State, names, all_targets, as_json):
+    """Table of runs on the targets (default: the default target)."""
+    from orchestrator.runs import launch as runs
+
+    rows, errors = runs.status(state.inv, list(names), all_targets=all_targets)
+    text = table(["RUN", "NAME", "TARGET", "STATE", "STEP", "LOSS", "TAU", "STARTED", "ELAPSED"],
+                 [[r["run"], r.get("name"), _where(r), _state_text(r), r.get("step"), _fmt_num(r.get("loss")),
+                   _fmt_tau(r.get("tau")), r.get("started"), _fmt_elapsed(r.get("elapsed_s"))]
+                  for r in rows]) if rows else ("" if errors else "no runs")
+    if rows or not errors or as_json:
+        emit(as_json, {"runs": rows, "errors": errors}, text)
+    if errors:
+        if not as_json:
+            for name, err in errors.items():
+                _note(err if err.startswith(f"{name}:") else f"{name}: {err}")
+        raise TargetsFailed(errors)
+
+
+def _where(r: dict) -> str:
+    """The target, or a job's nodes (rank 0's first once known): ct200,ct300."""
+    nodes = [n["target"] for n in r.get("nodes") or [] if isinstance(n, dict)]
+    return ",".join(sorted(nodes, key=lambda n: n != r["target"])) if nodes else r["target"]
+
+
+def _state_text(r: dict) -> str:
+    ex = r.get("exit") or {}
+    if r["state"] == "failed" and ex.get("signal_name"):
+        return f"failed ({ex['signal_name']})"
+    if r["state"] == "failed" and ex.get("exit_code") is not None:
+        return f"failed (exit {ex['exit_code']})"
+    if r["state"] == "failed" and ex.get("lost"):
+        return "failed (lost)"
+    return r["state"]
+
+
+# --- stop ----------------------------------------------------------------------------------------
+
+@click.command()
+@click.argument("args", nargs=-1, metavar="TARGET [RUN]")
+@click.option("--force", is_flag=True, help="SIGKILL the run's process group (no checkpoint).")
+@click.option("--timeout", type=click.FloatRange(min=1), default=120, show_default=True,
+              help="Seconds to wait for the trainer to checkpoint and exit.")
+@json_option
+@click.pass_obj
+def stop(state: State, args, force, timeout, as_json):
+    """SIGTERM the run (default: the latest): the trainer checkpoints and exits."""
+    from orchestrator.runs import nodes, launch as runs
+
+    target, run = runs.split_target_run(state.inv, args)
+    done = nodes.stop(state.inv, target, run, force=force, timeout=timeout)
+    if len(done) > 1:
+        rid = done[0][1]["run"]
+        emit(as_json, {"run": rid, "targets": [name for name, _ in done], "nodes": dict(done)},
+             "\n".join(_stop_line(name, doc) for name, doc in done))
+        late = [name for name, doc in done if doc.get("timed_out")]
+        if late:
+            raise OpsError(f"run {rid} still running {timeout:g} s after the signal on "
+                           f"{', '.join(late)}; kill it with `dflash-ops stop {late[0]} {rid} --force`")
+        return
+    doc = done[0][1]
+    if doc.get("already"):
+        emit(as_json, doc, f"{target.name}: run {doc['run']} already ended ({doc['state']}); "
+                           "nothing to stop")
+        return
+    if doc.get("timed_out"):
+        emit(as_json, doc, f"{target.name}: run {doc['run']}: {doc['signal']} sent")
+        raise OpsError(f"{target.name}: run {doc['run']} still running {timeout:g} s after "
+                       f"{doc['signal']}; kill it with `dflash-ops stop {target.name} {doc['run']} "
+                       f"--force`")
+    emit(as_json, doc, _stop_line(target.name, doc))
+
+
+def _stop_line(name: str, doc: dict) -> str:
+    if doc.get("already"):
+        return f"{name}: run {doc['run']} already ended ({doc['state']})"
+    ex = doc.get("exit") or {}
+    how = f"exit {ex['exit_code']}" if ex.get("exit_code") is not None else ex.get("signal_name") or "ended"
+    return f"{name}: run {doc['run']} {doc['state']} ({doc['signal']} -> {how}, {doc.get('waited_s', 0):.1f} s)"
+
+
+# --- report --------------------------------------------------------------------------------------
+
+@click.command()
+@click.argument("args", nargs=-1, metavar="[TARGET] [RUN]")
+@click.option("-o", "--out", type=click.Path(dir_okay=False), metavar="PATH",
+              help="Where to write the PNG (default: ./dflash-report-RUN.png).")
+@json_option
+@click.pass_obj
+def report(state: State, args, out, as_json):
+    """Fetch the run's metrics and write a PNG of loss, acceptance length and throughput."""
+    from orchestrator.runs import nodes, launch as runs
+    from orchestrator.runs import report as report_mod
+
+    target, run = runs.split_target_run(state.inv, args)
+    target = nodes.rank0_of(state.inv, target, run)    # a run over several nodes: rank 0's has the metrics
+    doc = runs.metrics(state.inv, target, run)
+    path = out or f"dflash-report-{doc['run']}.png"
+    st = doc.get("status") or {}
+    title = (f"{target.name} run {doc['run']}: {st.get('state')}\n"
+             f"policy {st.get('policy')}, release {st.get('release')}")
+    try:
+        written = report_mod.render(doc["metrics"], path, title=title)
+    except ValueError:
+        raise OpsError(f"{target.name}: run {doc['run']} has logged no metrics yet") from None
+    except OSError as e:
+        raise UsageError(f"--out {path}: cannot write: {e.strerror or e}") from None
+    emit(as_json, {"target": target.name, "run": doc["run"], "path": str(written),
+                   "points": len(doc["metrics"]), "state": st.get("state")}, str(written))
+
+
+# --- export --------------------------------------------------------------------------------------
+
+@click.command()
+@click.argument("args", nargs=-1, metavar="[TARGET] [RUN]")
+@click.option("-o", "--out", "output", type=click.Path(file_okay=False), metavar="DIR",
+              help="Where to write the folder (default: ./dflash-RUN-stepN).")
+@click.option("--step", type=click.IntRange(min=0), metavar="N",
+              help="The checkpoint of step N (default: the run's last).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
+              show_default=True, help="Weight dtype of the exported folder.")
+@click.option("--force", is_flag=True, help="Replace DIR if it exists.")
+@json_option
+@click.pass_obj
+def export(state: State, args, output, step, dtype, force, as_json):
+    """Bring a trained drafter home as a DFlash draft-model folder (SGLang, vLLM, z-lab's dflash).
+
+    RUN defaults to the target's newest succeeded run. The export runs on the target; the folder
+    comes back over the same connection, checked against sizes and sha256 hashes, and appears
+    at DIR only when complete.
+    """
+    from orchestrator.runs import export as export_mod
+    from orchestrator.runs import nodes, launch as runs
+    from orchestrator.ui import progress_bars
+
+    target, run = runs.split_target_run(state.inv, args)
+    if run != "latest":     # a run over several nodes: rank 0's node (RUN default: this target's newest succeeded)
+        target = nodes.rank0_of(state.inv, target, run)
+    res = export_mod.export(state.inv, target, run, output=output, step=step, dtype=dtype, force=force,
+                            progress=None if as_json else progress_bars())
+    size = f"{res.bytes / 2**20:.1f} MiB" if res.bytes >= 2**20 else f"{res.bytes} bytes"
+    emit(as_json, res.as_json(), f"{res.output}")
+    if not as_json:
+        _note(f"{target.name}: run {res.run} step {res.step} exported ({res.dtype}, {len(res.files)} files, "
+              f"{size}, {res.seconds:.1f} s); serve it with `--speculative-draft-model-path {res.output}`")

@@ -1,0 +1,233 @@
+"""`export`: bring a run's trained drafter from the target, as a DFlash draft-model folder.
+
+The export runs on the target (`python -m trainer.export`, through the runs agent's `export`
+verb, remote/runs_export.py) and the folder comes back over the same SSH connection as one stream: a
+header with each file's size and sha256, then the bytes. Here the files are written into a hidden
+folder beside the destination, checked against the header (sizes and hashes), and only then renamed
+to the destination: it is either absent or complete. Nothing is left on the target.
+Library function: returns data, never prints.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from orchestrator.ssh import agent
+from orchestrator.errors import NotFound, OpsError, StepFailed, UsageError
+from orchestrator.inventory import Inventory, Target
+from orchestrator.ssh.session import Session
+
+DTYPES = ("bfloat16", "float16", "float32")
+TIMEOUT_S = 3600.0
+Progress = Callable[[str, int], Callable[[int], None]]   # (label, total bytes) -> update(n)
+
+
+class TransferError(OpsError):
+    """The folder arrived incomplete or different from what the target sent (exit 1)."""
+
+
+@dataclass
+class ExportResult:
+    target: str
+    run: str
+    step: int
+    output: str
+    dtype: str
+    files: list[dict] = field(default_factory=list)
+    bytes: int = 0
+    checkpoint: str | None = None
+    mask_token_id: int | None = None
+    target_layer_ids: list[int] | None = None
+    seconds: float = 0.0
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+class _Receiver:
+    """The stdout sink: the header line, then each file's bytes into `folder`, hashed on the way."""
+
+    def __init__(self, folder: Path, progress: Progress | None, label: str):
+        self.folder, self.progress, self.label = folder, progress, label
+        self.buf = b""
+        self.header: dict | None = None
+        self.files: list[dict] = []
+        self.index, self.left = 0, 0
+        self.out = None
+        self.hash = None
+        self.got: list[dict] = []
+        self.update: Callable[[int], None] | None = None
+        self.extra = 0
+
+    def __call__(self, data: bytes) -> None:
+        if self.header is None:
+            self.buf += data
+            if b"\n" not in self.buf:
+                return
+            line, data = self.buf.split(b"\n", 1)
+            self.buf = b""
+            try:
+                self.header = json.loads(line.decode("utf-8", "replace"))
+            except ValueError:
+                raise TransferError(f"unreadable header from the export agent: {line[:200]!r}") from None
+            if not self.header.get("ok"):
+                return
+            self.files = list(self.header["files"])
+            self.folder.mkdir(parents=True)
+            if self.progress:
+                self.update = self.progress(self.label, sum(f["size"] for f in self.files))
+            self._next()
+        while data:
+            if self.out is None:
+                self.extra += len(data)   # more than the header announced: checked in finish()
+                return
+            take, data = data[: self.left], data[self.left:]
+            self.out.write(take)
+            self.hash.update(take)
+            self.left -= len(take)
+            if self.update:
+                self.update(len(take))
+            if self.left == 0:
+                self._close_file()
+                self._next()
+
+    def _next(self) -> None:
+        while self.index < len(self.files):
+            f = self.files[self.index]
+            name = f["name"]
+            if "/" in name or name in ("", ".", ".."):
+                raise TransferError(f"the target sent a file name that is not a plain name: {name!r}")
+            self.out = open(self.folder / name, "wb")
+            self.hash = hashlib.sha256()
+            self.left = int(f["size"])
+            if self.left > 0:
+                return
+            self._close_file()
+
+    def _close_file(self) -> None:
+        self.out.flush()
+        os.fsync(self.out.fileno())
+        self.out.close()
+        self.out = None
+        f = self.files[self.index]
+        self.got.append({"name": f["name"], "size": f["size"], "sha256": self.hash.hexdigest()})
+        self.index += 1
+
+    def close(self) -> None:
+        if self.out is not None:
+            self.out.close()
+            self.out = None
+
+    def check(self) -> None:
+        """Every announced file complete, with the announced hash, and nothing more."""
+        if len(self.got) != len(self.files):
+            raise TransferError(f"the stream ended after {len(self.got)} of {len(self.files)} files")
+        bad = [g["name"] for g, f in zip(self.got, self.files) if g["sha256"] != f["sha256"]]
+        if bad:
+            raise TransferError(f"sha256 mismatch for {', '.join(bad)}")
+        if self.extra:
+            raise TransferError(f"{self.extra} bytes more than the manifest announced")
+
+
+def default_output(run: str, step: int) -> str:
+    return f"dflash-{run}-step{step}"
+
+
+def export(inv: Inventory, target: Target, run: str = "latest", *, output: str | None = None,
+           step: int | None = None, dtype: str = "bfloat16", force: bool = False,
+           progress: Progress | None = None, session: Session | None = None) -> ExportResult:
+    """Export RUN (default: the newest succeeded run) at `step` (default: its last checkpoint) and
+    write the folder to `output` (default: ./dflash-RUN-stepN). Raises NotFound for no such run."""
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}")
+    if step is not None and step < 0:
+        raise UsageError("--step must be >= 0")
+    if output is not None:
+        _check_dest(Path(output), force)
+    where = Path(output).expanduser().resolve().parent if output else Path.cwd()
+    if not where.is_dir():
+        raise UsageError(f"-o {output}: the folder {where} does not exist")
+    partial = where / f".dflash-export.partial-{os.getpid()}-{time.monotonic_ns()}"
+    args = ["export", target.workdir] + (["--step", str(step)] if step is not None else []) + \
+        ["--dtype", dtype, "--", run]
+    start = time.monotonic()
+    recv = _Receiver(partial, progress, target.name)
+    try:
+        with agent.session(inv, session) as s:
+            r = agent.stream(s.transport(target), target, agent.RUNS, args, what="export the drafter",
+                             stdout=recv, timeout=TIMEOUT_S)
+        recv.close()
+        head = recv.header
+        if head is None:
+            raise StepFailed(target.name, "export the drafter", r.exit_code, "the agent sent no header")
+        try:
+            agent.reply(target, head)
+        except agent.Refused as e:
+            raise _refusal(target, run, e) from None
+        recv.check()
+        dest = Path(output).expanduser() if output else where / default_output(head["run"], head["step"])
+        _check_dest(dest, force)
+        _move_into_place(partial, dest)
+    finally:
+        recv.close()
+        shutil.rmtree(partial, ignore_errors=True)
+    return ExportResult(target=target.name, run=head["run"], step=head["step"], output=str(dest), dtype=dtype,
+                        files=recv.got, bytes=sum(f["size"] for f in recv.got), checkpoint=head.get("checkpoint"),
+                        mask_token_id=head.get("mask_token_id"), target_layer_ids=head.get("target_layer_ids"),
+                        seconds=round(time.monotonic() - start, 3))
+
+
+def _refusal(target: Target, run: str, refused: agent.Refused) -> OpsError:
+    t, head = target.name, refused.doc
+    if refused.reason == "not_found":
+        if run in ("", "latest"):
+            if head.get("any_runs"):
+                return NotFound(f"{t}: no succeeded run in {target.workdir}/runs to export; name one "
+                                f"(`dflash-ops status {t}`)")
+            return NotFound(f"{t}: no runs yet in {target.workdir}/runs; start one with `dflash-ops launch {t}`")
+        return NotFound(f"{t}: no run {run!r} (see `dflash-ops status {t}`)")
+    if refused.reason == "no_release":
+        return OpsError(f"{t}: {head.get('message')}; run `dflash-ops deploy {t}` first")
+    msg = f"{t}: run {head.get('run')}: cannot export: {head.get('message')}"
+    return UsageError(msg) if head.get("exit_code") == 2 else OpsError(msg)
+
+
+def _check_dest(dest: Path, force: bool) -> None:
+    dest = dest.expanduser()
+    if dest.exists() and not force and (not dest.is_dir() or any(dest.iterdir())):
+        raise UsageError(f"-o {dest}: already exists (pass --force to replace it)")
+
+
+def _move_into_place(partial: Path, dest: Path) -> None:
+    """Rename the checked folder to dest; an existing dest (--force) is moved aside first and
+    removed after, so dest is never a mix of the two."""
+    old = None
+    if dest.exists() or dest.is_symlink():
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        os.rename(dest, old)
+    os.rename(partial, dest)
+    _fsync_dir(dest.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+__all__ = ["export", "ExportResult", "TransferError", "default_output", "DTYPES"]

@@ -1,0 +1,394 @@
+"""The run lifecycle, controller side: launch, status, stop, metrics (`logs` is follow.py).
+
+Library functions: they return data, never print or exit. Everything that
+happens on the target is done by the runs agent (remote/runs_*.py, sent as one program), run
+with the target's python in one round trip per call; the run records live on the target
+(WORKDIR/runs/RUN/), so any controller can pick a run up later.
+"""
+from __future__ import annotations
+
+import getpass
+import hashlib
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from orchestrator.ssh import agent
+from orchestrator.envvars import user_env
+from orchestrator.errors import (EXIT_OK, EXIT_RUN_FAILED, EXIT_RUN_RUNNING, EXIT_RUN_STOPPED, NotFound, OpsError,
+                     StepFailed, UsageError)
+from orchestrator.inventory import Inventory, Target
+from orchestrator.ssh.session import Session
+
+TOPOLOGIES = ("threads", "processes")
+STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_RUN_FAILED, "running": EXIT_RUN_RUNNING,
+              "stopped": EXIT_RUN_STOPPED}
+STOP_TIMEOUT_S = 120.0
+RUN_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]+$")
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")   # what the runs agent accepts as a run id
+LABEL_RE = re.compile(r"^[^\x00-\x1f\x7f]{1,64}$")            # launch --name: one printable line
+
+
+class LaunchRefused(OpsError):
+    """launch said no: nothing deployed, not enough free GPUs, no probe result (exit 1)."""
+
+
+# --- pure helpers (unit-tested) -----------------------------------------------------------------
+
+def new_run_id(target: str, now: float | None = None) -> str:
+    """UTC time + a short hash: sorts by start time, unique across controllers."""
+    now = time.time() if now is None else now
+    salt = f"{target}:{now!r}:{os.getpid()}:{os.urandom(8).hex()}"
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime(now)) + "-" + \
+        hashlib.sha256(salt.encode()).hexdigest()[:6]
+
+
+def exit_code_for(state: str) -> int:
+    return STATE_EXIT.get(state, EXIT_RUN_FAILED)
+
+
+def resolve_target(inv: Inventory, name: str | None) -> Target:
+    return inv.target(name) if name else inv.default_target()
+
+
+def split_target_run(inv: Inventory, args: Sequence[str]) -> tuple[Target, str]:
+    """`[TARGET] [RUN]`: one word is a run of the default target when it looks like a run id
+    (or is `latest`), else a target (an unknown one is an error that suggests a near name)."""
+    args = list(args)
+    if len(args) > 2:
+        raise UsageError(f"expected [TARGET] [RUN], got {' '.join(args)}")
+    if len(args) == 2:     # TARGET may be T1,T2 or a group: a run over several nodes, found from the first
+        return inv.expand(args[0])[0], check_run(args[1])
+    if len(args) == 1:
+        if args[0] not in inv.targets and (args[0] == "latest" or RUN_ID_RE.match(args[0])):
+            return inv.default_target(), args[0]
+        return inv.expand(args[0])[0], "latest"
+    return inv.default_target(), "latest"
+
+
+def check_run(run: str) -> str:
+    """A run id as typed (or `latest`); anything else, an option after `--` included, is bad input."""
+    if run != "latest" and not RUN_NAME_RE.match(run):
+        raise UsageError(f"{run!r} is not a run id (they look like 20250101-120000-3fa9c1; "
+                         f"see `dflash-ops status`)")
+    return run
+
+
+def parse_gpu_ids(text: str, target: Target) -> list[int]:
+    """`--gpu-ids 0,3`: distinct indexes of the target's GPUs (hosts.yaml `gpus:`)."""
+    try:
+        ids = [int(w) for w in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--gpu-ids {text}: expected GPU indexes like 0,3") from None
+    bad = [i for i in ids if not 0 <= i < target.gpus]
+    if bad:
+        have = f"0..{target.gpus - 1}" if target.gpus else "none (gpus: 0)"
+        raise UsageError(f"--gpu-ids {text}: {target.name} has GPUs {have} (hosts.yaml `gpus:`)")
+    if len(set(ids)) != len(ids):
+        raise UsageError(f"--gpu-ids {text}: a GPU is named twice")
+    return ids
+
+
+def refusal_message(target: Target, doc: dict) -> str:
+    """The one line a refused launch prints, with what to do about it."""
+    t, reason = target.name, doc.get("reason")
+    if reason == "no_release":
+        return f"{t}: no release deployed in {target.workdir}; run `dflash-ops deploy {t}` first"
+    if reason == "no_probe":
+        return (f"{t}: --policy auto needs the probe's choice and {target.workdir}/probe.json does "
+                f"not exist; run `dflash-ops probe {t}` first (or pass --policy NAME)")
+    if reason in ("too_many_gpus", "no_space", "io", "bad_gpu_ids"):
+        return f"{t}: {doc.get('message')}"
+    if reason == "not_found":
+        return f"{t}: {doc.get('message')} (see `dflash-ops status {t}`)"
+    if reason == "not_resumable":
+        if doc.get("state") == "running":
+            return f"{t}: {doc.get('message')}; it is still going (`dflash-ops logs {t}` follows it)"
+        return f"{t}: {doc.get('message')}"
+    if reason == "busy":
+        holders = doc.get("holders") or []
+        who = ", ".join(f"run {h['run']} (pid {h['pid']})" for h in holders) or "another run"
+        busy = sorted(doc.get("busy") or {})
+        if busy == ["cpu"]:
+            what = "the CPU slot is"
+        else:
+            what = "GPU(s) " + ", ".join(s[3:] for s in busy) + " are"
+        first = holders[0]["run"] if holders else "RUN"
+        return (f"{t}: {what} in use by {who}; free them with `dflash-ops stop {t} {first}` "
+                f"or wait for it to end")
+    return f"{t}: launch failed: {doc.get('message')}"
+
+
+# --- launch -------------------------------------------------------------------------------------
+
+@dataclass
+class LaunchResult:
+    target: str
+    run: str
+    pid: int
+    supervisor_pid: int | None = None
+    release: str | None = None
+    commit: str | None = None
+    policy: str | None = None
+    compile_policy: str | None = None
+    probe_policy: str | None = None
+    gpus: int = 0
+    gpu_ids: list[int] = field(default_factory=list)
+    slots: list[str] = field(default_factory=list)
+    log: str | None = None
+    command_line: str | None = None
+    cleared: list[dict] = field(default_factory=list)
+    name: str | None = None
+    attempt: int = 1
+    resumed_from: str | None = None     # the state of the attempt this one continues
+    seconds: float = 0.0
+    env: dict = field(default_factory=dict)     # the variables set for the trainer, secrets masked
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
+           config: str | None = None, topology: str = "threads", policy: str = "auto",
+           workers: int | None = None, extra: Sequence[str] = (), name: str | None = None,
+           gpu_ids: str | None = None, resume: str | None = None,
+           session: Session | None = None, env: dict[str, str] | None = None) -> LaunchResult:
+    """Start the trainer detached on the target; returns once it runs (the run goes on alone).
+
+    gpu_ids ("0,3") names the GPUs (and their slots) instead of the first free ones; name labels
+    the run in status. resume continues that stopped or failed run in place (same run id, its own
+    config, trainer arguments, topology and policy, the trainer's --resume) as a new attempt.
+    env: variables for the trainer, over the inventory's host and target `env:`.
+    (Several targets, one job: nodes.launch.)"""
+    target = resolve_target(inv, target_name)
+    spec = launch_spec(inv, target, gpus=gpus, config=config, topology=topology, policy=policy,
+                       workers=workers, extra=extra, name=name, gpu_ids=gpu_ids, resume=resume, env=env)
+    with agent.session(inv, session) as s:
+        return launch_on(s, target, spec)
+
+
+@dataclass
+class LaunchSpec:
+    """What launch_on sends: `doc`, the runs agent's launch spec (JSON on its stdin, recorded in
+    run.json; its `user_env` masked), and `env`, the caller's variables unmasked, which only travel
+    in the launch command (EnvTransport) and are never sent as data or recorded."""
+    doc: dict
+    env: dict[str, str] | None = None
+
+
+def launch_spec(inv: Inventory, target: Target, *, gpus: int | None = None, config: str | None = None,
+                topology: str = "threads", policy: str = "auto", workers: int | None = None,
+                extra: Sequence[str] = (), name: str | None = None, gpu_ids: str | None = None,
+                resume: str | None = None, env: dict[str, str] | None = None, run: str | None = None) -> LaunchSpec:
+    """The runs agent's launch spec for `target` with the caller's variables (LaunchSpec), every option
+    checked (UsageError, LaunchRefused)."""
+    if name is not None and not LABEL_RE.match(name):
+        raise UsageError(f"--name {name!r}: one line of at most 64 printable characters")
+    ids = parse_gpu_ids(gpu_ids, target) if gpu_ids is not None else None
+    if ids is not None:
+        if gpus is not None and gpus != len(ids):
+            raise UsageError(f"--gpus {gpus} and --gpu-ids {gpu_ids} disagree; give one of them")
+        gpus = len(ids)
+    if resume is not None:
+        check_run(resume)
+        if config or extra or workers is not None:
+            raise UsageError("--resume continues the run with its own config and trainer arguments; "
+                             "drop --config, --workers and the arguments after `--`")
+    gpus = (None if resume is not None else target.gpus) if gpus is None else gpus
+    if gpus is not None and gpus < 0:
+        raise UsageError("--gpus must be >= 0")
+    if gpus is not None and gpus > target.gpus:
+        raise LaunchRefused(f"{target.name}: --gpus {gpus} is more than the target's "
+                            f"{target.gpus} GPU(s) (hosts.yaml `gpus:`)")
+    if topology not in TOPOLOGIES:
+        raise UsageError(f"--topology must be one of {', '.join(TOPOLOGIES)}")
+    for i, arg in enumerate(extra, 1):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:   # bytes the shell passed that are not UTF-8 (surrogate-escaped)
+            raise UsageError(f"trainer argument {i} is not UTF-8 text: {arg!r}") from None
+    spec = {"run": run or new_run_id(target.name), "target": target.name, "gpus": gpus,
+            "target_gpus": target.gpus, "topology": topology, "policy": policy or "auto",
+            "workers": workers, "extra": list(extra), "controller": _controller(), "name": name,
+            "gpu_ids": ids, "resume": resume,
+            "user_env": user_env(inv, target, env)}   # recorded in run.json, secrets masked
+    if config:
+        path = Path(config).expanduser()
+        try:
+            spec["config_text"] = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"--config {config}: cannot read: {e.strerror or e}") from None
+        spec["config_name"] = path.name
+        spec["config_source"] = str(path.resolve())
+    return LaunchSpec(spec, env)
+
+
+def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
+    """Send one launch spec to the target's runs agent; what it started."""
+    spec = launch.doc
+    start = time.monotonic()
+    try:
+        doc = agent.call(s.transport(target, env=launch.env), target, agent.RUNS, ["launch", target.workdir],
+                         stdin=json.dumps(spec).encode(), what="launch the trainer", timeout=120)
+    except agent.Refused as e:
+        if e.reason == "spawn":
+            raise StepFailed(target.name, "launch the trainer", 1, e.doc.get("message", "")) from None
+        raise LaunchRefused(refusal_message(target, e.doc)) from None
+    resume = spec.get("resume")
+    return LaunchResult(
+        target=target.name, run=doc["run"], pid=doc["pid"], supervisor_pid=doc.get("supervisor_pid"),
+        release=doc.get("release"), commit=doc.get("commit"), policy=spec["policy"] if resume is None else None,
+        compile_policy=doc.get("compile_policy"), probe_policy=doc.get("probe_policy"), gpus=doc.get("gpus", spec["gpus"]),
+        gpu_ids=doc.get("gpu_ids") or [], slots=doc.get("slots") or [], log=doc.get("log"), command_line=doc.get("command_line"),
+        cleared=doc.get("cleared") or [], name=doc.get("name"), attempt=doc.get("attempt") or 1,
+        resumed_from=doc.get("resumed_from"), seconds=round(time.monotonic() - start, 3),
+        env=spec["user_env"])
+
+
+def _controller() -> dict:
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no passwd entry in some containers
+        user = None
+    try:
+        from importlib.metadata import version
+        ver = version("dflash-ops")
+    except Exception:  # noqa: BLE001
+        ver = None
+    return {"user": user, "host": socket.gethostname(), "dflash_ops": ver}
+
+
+# --- status -------------------------------------------------------------------------------------
+
+def status(inv: Inventory, names: Sequence[str] = (), *, all_targets: bool = False,
+           runs: Sequence[str] = (), session: Session | None = None) -> tuple[list[dict], dict[str, str]]:
+    """(rows, errors): the runs of each target (default: the default target), fetched in
+    parallel; a row per run, oldest first per target; errors maps a target that could not be
+    read to why."""
+    targets = list(inv.targets.values()) if all_targets else inv.select(list(names))
+    with agent.session(inv, session) as s:
+        group = status_docs(s, targets, {t.name: runs for t in targets}, "read the runs")
+        rows, errors = [], group.failures
+        for name, outcome in group.items():
+            doc = outcome.value
+            if not outcome.ok:
+                continue
+            for r in doc["runs"]:
+                rows.append({"target": name, **r})
+            for r in doc.get("missing") or []:
+                errors[name] = f"{name}: no run {r!r}"
+        # A run over several nodes is shown once with all its nodes, those not asked about included.
+        asked = {t.name for t in targets}
+        more: dict[str, list[str]] = {}
+        for r in rows:
+            for n in r.get("nodes") or []:
+                if n not in asked and n in inv.targets and r["run"] not in more.setdefault(n, []):
+                    more[n].append(r["run"])
+        extra = status_docs(s, [inv.targets[n] for n in more], more, "read the runs")
+        for name, outcome in extra.items():
+            if outcome.ok:
+                rows.extend({"target": name, **r} for r in outcome.value["runs"])
+            else:
+                errors[name] = outcome.error.render()
+    return group_rows(rows), errors
+
+
+def status_docs(s: Session, targets: Sequence[Target], runs: Mapping[str, Sequence[str]],
+                what: str) -> agent.GroupResult:
+    """The runs agent's status document of each target about the runs `runs[target name]` names
+    (every run for []), read in parallel: {target: [runs]} -> GroupResult."""
+    return agent.fan_out(targets, lambda t: agent.call(s.transport(t), t, agent.RUNS,
+                                                       ["status", t.workdir, "--", *runs[t.name]],
+                                                       what=what, timeout=60))
+
+
+STATE_ORDER = ("failed", "running", "stopped", "succeeded")
+
+
+def job_state(states: Sequence[str]) -> str:
+    """One state for the job: failed if any node failed, else running while any runs, else stopped
+    if any stopped, else succeeded."""
+    for state in STATE_ORDER:
+        if state in states:
+            return state
+    return states[0] if states else "failed"
+
+
+def group_rows(rows: list[dict]) -> list[dict]:
+    """Status rows with the nodes of one job merged into one row (rank 0's step, loss, tau), with
+    `nodes`: [{target, state, node_rank, ranks, pid, exit}]."""
+    out: list[dict] = []
+    jobs: dict[str, dict] = {}
+    for r in rows:
+        if not r.get("nodes") or len(r["nodes"]) < 2:
+            out.append(r)
+            continue
+        job = jobs.get(r["run"])
+        node = {"target": r["target"], "state": r["state"], "node_rank": (r.get("node") or {}).get("node_rank"),
+                "ranks": (r.get("node") or {}).get("ranks"), "pid": r.get("pid"), "exit": r.get("exit")}
+        if job is None:
+            job = jobs[r["run"]] = dict(r, nodes=[], node=None)
+            out.append(job)
+        job["nodes"].append(node)
+        if (r.get("node") or {}).get("rank0"):
+            job.update({k: r.get(k) for k in ("target", "step", "loss", "tau", "exit", "log", "pid")})
+    for job in jobs.values():
+        job["state"] = job_state([n["state"] for n in job["nodes"]])
+    return out
+
+
+
+def not_found(target: Target, run: str) -> NotFound:
+    """The error for a run the agent did not find, saying where to look."""
+    if run in ("", "latest"):
+        return NotFound(f"{target.name}: no runs yet in {target.workdir}/runs; start one with "
+                        f"`dflash-ops launch {target.name}`")
+    return NotFound(f"{target.name}: no run {run!r} (see `dflash-ops status {target.name}`)")
+
+
+# --- stop ---------------------------------------------------------------------------------------
+
+def stop(inv: Inventory, target: Target, run: str = "latest", *, force: bool = False,
+         timeout: float = STOP_TIMEOUT_S, session: Session | None = None) -> dict:
+    """SIGTERM (SIGKILL with force) to the run's process group, wait for it to exit. Returns the
+    agent's document: {"run", "already": bool, "state", "timed_out": bool, ...}."""
+    args = ["stop", target.workdir, "--timeout", str(timeout)] + (["--force"] if force else []) + ["--", run]
+    return _one_run(inv, session, target, run, args, "stop the run", timeout + 60)
+
+
+# --- metrics ------------------------------------------------------------------------------------
+
+def metrics(inv: Inventory, target: Target, run: str = "latest", *,
+            session: Session | None = None) -> dict:
+    """{"run", "status": {...}, "metrics": [the log's JSON metric lines]}."""
+    return _one_run(inv, session, target, run, ["metrics", target.workdir, "--", run], "read the metrics", 300)
+
+
+def _one_run(inv: Inventory, session: Session | None, target: Target, run: str, args: list[str],
+             what: str, timeout: float) -> dict:
+    """An agent command about one run: its document with "target" added; NotFound without it."""
+    with agent.session(inv, session) as s:
+        doc = call_about_run(s, target, run, args, what, timeout)
+    doc["target"] = target.name
+    return doc
+
+
+def call_about_run(s: Session, target: Target, run: str, args: list[str], what: str, timeout: float) -> dict:
+    """The runs agent's reply to a command about one run; NotFound (saying where to look) when the
+    agent does not find the run."""
+    try:
+        return agent.call(s.transport(target), target, agent.RUNS, args, what=what, timeout=timeout)
+    except agent.Refused as e:
+        if e.reason == "not_found":
+            raise not_found(target, run) from None
+        raise
+
+
+__all__ = ["launch", "launch_spec", "launch_on", "LaunchSpec", "status", "stop", "metrics", "LaunchResult", "LaunchRefused", "new_run_id",
+           "split_target_run", "resolve_target", "exit_code_for", "job_state", "group_rows", "refusal_message", "not_found",
+           "status_docs", "call_about_run"]

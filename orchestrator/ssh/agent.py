@@ -1,0 +1,258 @@
+"""The one way commands reach their targets: the remote agent's source and call, the fan-out over
+targets, session ownership and the agent's typed replies.
+
+The agent is the package `orchestrator/remote/` (standard library only, Python >= 3.8): a
+program is an entry module there (`release.agent` for deploys, `runs.agent` for runs, probe and
+export) plus everything it imports, each part naming what it takes from another with a relative
+import (`from .common import _state`, `from ..common import _out`). `python -c` cannot import
+files on the target, so `source()` follows those imports and joins the parts, dependencies first,
+into one source without those lines: one round trip, one namespace.
+
+Two wire protocols, both on stdout:
+- a reply (`call`): the last line is one JSON document. `{"ok": false, "reason": R, ...}` is a
+  refusal and raises `Refused` (reason `not_found`, `no_release`, `busy`, ...), which the command
+  turns into its own words; a non-zero exit status is `StepFailed` with the agent's last stderr line.
+- a stream (`stream`): a JSON header line, then raw bytes (`follow`'s log, `export`'s files);
+  the same header refusals.
+
+Library code: returns data or raises OpsError; never prints.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Callable, Generic, Iterator, Sequence, TypeVar
+
+from orchestrator.errors import OpsError, StepFailed, TargetsFailed
+from orchestrator.inventory import Inventory, Target
+from orchestrator.ssh.session import Session
+from orchestrator.ssh.transport import Result, Transport
+
+RELEASE = "release.agent"     # deploy: manifest, apply, install-deps
+RUNS = "runs.agent"           # launch, status, follow, stop, metrics, export, probe
+MAX_WORKERS = 16
+# ast.parse is not thread-safe in CPython 3.11 ("SystemError: AST constructor recursion depth
+# mismatch" when two fan-out threads build the agent's source at once): one builder at a time.
+_BUILDING = threading.Lock()
+
+
+# --- the remote program -------------------------------------------------------------------------
+
+def part_file(name: str) -> str:
+    """The file of part `name` inside orchestrator/remote/: `runs.common` is `runs/common.py`."""
+    return name.replace(".", "/") + ".py"
+
+
+def _module_text(name: str) -> str:
+    *folders, module = name.split(".")
+    where = resources.files("orchestrator.remote")
+    for folder in folders:
+        where = where.joinpath(folder)
+    return where.joinpath(f"{module}.py").read_text(encoding="utf-8")
+
+
+def _local_imports(tree: ast.Module) -> list[ast.ImportFrom]:
+    """The part's relative imports, `from .X import ...` / `from ..X import ...` (top level only)."""
+    return [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.level]
+
+
+def imported_part(part: str, node: ast.ImportFrom) -> str:
+    """The part that a relative import of `part` names: in `runs.locks`, `.common` is
+    `runs.common` and `..common` is `common`."""
+    package = part.split(".")[:-1]
+    up = node.level - 1
+    if node.module is None or up > len(package):
+        raise ValueError(f"orchestrator/remote/{part_file(part)}:{node.lineno}: a part imports names "
+                         f"from another part of orchestrator/remote (`from .part import name`)")
+    return ".".join(package[:len(package) - up] + node.module.split("."))
+
+
+@lru_cache(maxsize=None)
+def parts(entry: str) -> tuple[str, ...]:
+    """The modules of program `entry`, each after every module it imports (entry last)."""
+    order: list[str] = []
+    visiting: set[str] = set()
+
+    def visit(name: str) -> None:
+        if name in order:
+            return
+        if name in visiting:
+            raise ValueError(f"orchestrator/remote: import cycle through {name}")
+        visiting.add(name)
+        for node in _local_imports(ast.parse(_module_text(name))):
+            visit(imported_part(name, node))
+        visiting.discard(name)
+        order.append(name)
+
+    visit(entry)
+    return tuple(order)
+
+
+def source(entry: str) -> str:
+    """Program `entry` as one `python -c` source: its parts joined, their relative import lines
+    removed (the names they import are defined earlier in the same source)."""
+    with _BUILDING:
+        return _joined(entry)
+
+
+@lru_cache(maxsize=None)
+def _joined(entry: str) -> str:
+    texts = []
+    for name in parts(entry):
+        text = _module_text(name)
+        lines = text.splitlines(keepends=True)
+        for node in reversed(_local_imports(ast.parse(text))):
+            del lines[node.lineno - 1:node.end_lineno]
+        texts.append(f"# ---- {part_file(name)} ----\n" + "".join(lines))
+    return "\n\n".join(texts)
+
+
+def argv(target: Target, program: str, args: Sequence[str]) -> list[str]:
+    return [target.python, "-c", source(program), *args]
+
+
+# --- typed replies ------------------------------------------------------------------------------
+
+class Refused(OpsError):
+    """The agent said no: a reply `{"ok": false, "reason": R, ...}` (no run, no release, busy...).
+    Commands catch it and say what to do in their own words; uncaught, it is one line, exit 1."""
+
+    def __init__(self, target: str, doc: dict):
+        self.target, self.doc = target, doc
+        self.reason = str(doc.get("reason") or "refused")
+        super().__init__(f"{target}: {doc.get('message') or self.reason.replace('_', ' ')}")
+
+
+def _exec_failed(target: Target, what: str, r: Result) -> StepFailed | None:
+    """The error for an agent that did not run or failed (None when it exited 0)."""
+    err = r.stderr.decode(errors="replace")
+    if r.exit_code == 126 or (r.exit_code == 255 and "Permission denied" in err):
+        return StepFailed(target.name, what, r.exit_code, f"python {target.python!r} cannot be executed on the "
+                          f"target (permission denied); check its mode, or set `python:` in hosts.yaml")
+    if r.exit_code == 127 or (r.exit_code == 255 and "No such file" in err):
+        return StepFailed(target.name, what, r.exit_code,
+                          f"python {target.python!r} not found on the target; set `python:` in hosts.yaml")
+    if r.exit_code != 0:
+        return StepFailed(target.name, what, r.exit_code, err)
+    return None
+
+
+def reply(target: Target, doc: dict) -> dict:
+    """The agent's document, or Refused when it is a refusal."""
+    if isinstance(doc, dict) and doc.get("ok") is False and doc.get("reason"):
+        raise Refused(target.name, doc)
+    return doc
+
+
+def call(t: Transport, target: Target, program: str, args: Sequence[str], *, what: str,
+         stdin=None, stderr: Callable[[bytes], None] | None = None,
+         timeout: float | None = None) -> dict:
+    """Run `program CMD ARGS...` with the target's python; its reply (the last stdout line).
+    stderr, when given, receives the agent's stderr as it comes (and StepFailed then carries
+    only its last line)."""
+    tail: list[bytes] = []
+
+    def keep(data: bytes) -> None:
+        tail.append(data)
+        del tail[:-64]
+        stderr(data)
+
+    r = t.run(argv(target, program, args), stdin=stdin, stderr=keep if stderr else None, timeout=timeout)
+    if stderr:
+        r = Result(r.exit_code, r.stdout, b"".join(tail))
+    failed = _exec_failed(target, what, r)
+    if failed:
+        raise failed
+    lines = r.stdout.decode(errors="replace").strip().splitlines()
+    try:
+        doc = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        raise StepFailed(target.name, what, r.exit_code, f"unreadable reply: {r.stdout[-200:]!r}") from None
+    return reply(target, doc)
+
+
+def stream(t: Transport, target: Target, program: str, args: Sequence[str], *, what: str,
+           stdout: Callable[[bytes], None], stderr: Callable[[bytes], None] | None = None,
+           timeout: float | None = None, check: bool = True) -> Result:
+    """Run a streaming command (header line + bytes): stdout goes to the sink as it comes.
+    check: a non-zero exit is StepFailed (follow checks for itself: a cut connection is not)."""
+    r = t.run(argv(target, program, args), stdout=stdout, stderr=stderr, timeout=timeout)
+    failed = _exec_failed(target, what, r) if check or r.exit_code in (126, 127) else None
+    if failed:
+        raise failed
+    return r
+
+
+# --- session ownership --------------------------------------------------------------------------
+
+@contextmanager
+def session(inv: Inventory, given: Session | None = None) -> Iterator[Session]:
+    """The caller's Session, or one opened for this call and closed after it."""
+    if given is not None:
+        yield given
+        return
+    own = Session(inv)
+    try:
+        yield own
+    finally:
+        own.close()
+
+
+# --- fan-out ------------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+@dataclass
+class Outcome(Generic[T]):
+    """One target's result: its value, or the error that stopped it."""
+    target: str
+    value: T | None = None
+    error: OpsError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class GroupResult(dict):
+    """{target name: Outcome}, in the order the targets were given (Fabric's GroupResult)."""
+
+    @property
+    def failures(self) -> dict[str, str]:
+        return {name: o.error.render() for name, o in self.items() if o.error is not None}
+
+    def raise_failures(self) -> None:
+        """TargetsFailed naming every target that failed, once all have been reported."""
+        if self.failures:
+            raise TargetsFailed(self.failures)
+
+
+def fan_out(targets: Sequence[Target], fn: Callable[[Target], T], *,
+            max_workers: int = MAX_WORKERS) -> GroupResult:
+    """fn(target) for every target in parallel. An OpsError stops only its own target (kept in
+    its Outcome); anything else is a bug and propagates."""
+
+    def one(target: Target) -> Outcome:
+        try:
+            return Outcome(target.name, value=fn(target))
+        except OpsError as e:
+            return Outcome(target.name, error=e)
+
+    group = GroupResult()
+    if not targets:
+        return group
+    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(targets)))) as pool:
+        for outcome in pool.map(one, targets):
+            group[outcome.target] = outcome
+    return group
+
+
+__all__ = ["RELEASE", "RUNS", "parts", "source", "argv", "call", "stream", "reply", "Refused",
+           "session", "fan_out", "Outcome", "GroupResult"]

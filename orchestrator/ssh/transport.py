@@ -1,0 +1,407 @@
+"""The one seam through which bytes reach a target.
+
+    LocalTransport          subprocess on this machine
+    SshTransport            one paramiko connection to a host (jump hosts, known_hosts, keepalive)
+    PctTransport(inner, v)  `pct exec V --keep-env 0 -- [env K=V..] ARGV` run through another transport
+    EnvTransport(inner, e)  `env K=V.. ARGV` through another transport (a target without vmid)
+
+Every transport runs an argv (or a bash script, `bash -c SOURCE`) with stdin streamed in and
+stdout/stderr streamed out separately, and returns the exit status. `shell_join` is the only
+place where a string is quoted for a shell: ssh hands the remote user's shell one command line,
+pct and lxc-attach pass argv straight through (docs/background.md, pct), so one quoting layer is all there is.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from typing import IO, Callable, Iterable, Mapping, Sequence, Union
+
+from orchestrator.envvars import env_argv
+from orchestrator.errors import ConnectError, ConnectionLost, ContainerError, HostKeyError, OpsError
+from orchestrator.inventory import Host, sshconfig
+from orchestrator.ssh.connect import _dial, _known_hosts_name, _reason, _Silent, _agent_keys, auth_options, fingerprint
+
+Stdin = Union[None, bytes, IO[bytes], Iterable[bytes]]
+Sink = Callable[[bytes], None]
+CHUNK = 1 << 16
+KEEPALIVE_S = 5          # as Ansible's proxmox_pct_remote does (docs/background.md, pct)
+CONNECT_TRIES = 3
+
+
+@dataclass(frozen=True)
+class Result:
+    exit_code: int
+    stdout: bytes = b""
+    stderr: bytes = b""
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+# --- pure functions (unit-tested) -----------------------------------------------------------
+
+def shell_join(argv: Sequence[str]) -> str:
+    """The one quoting function: argv -> a command line any POSIX shell splits back to argv."""
+    if not argv:
+        raise ValueError("empty command")
+    for a in argv:
+        if "\x00" in a:
+            raise ValueError("a command argument cannot contain a NUL byte")
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def bash_argv(script: str) -> list[str]:
+    return ["bash", "-c", script]
+
+
+def pct_exec_argv(pct: str, vmid: int, argv: Sequence[str], *, sudo: bool,
+                  env: Mapping[str, str] | None = None) -> list[str]:
+    """`pct exec VMID --keep-env 0 -- [env K=V...] ARGV`: the `--` is mandatory (pct parses options
+    over the whole list), `--keep-env 0` keeps the node's SSH environment out (it still defaults
+    to 1), so the variables the inventory asks for are set in the command itself."""
+    head = ["sudo", "-n"] if sudo else []
+    return [*head, pct, "exec", str(vmid), "--keep-env", "0", "--", *env_argv(env), *argv]
+
+
+def pct_status_argv(pct: str, vmid: int, *, sudo: bool) -> list[str]:
+    return [*(["sudo", "-n"] if sudo else []), pct, "status", str(vmid)]
+
+
+# --- the seam -------------------------------------------------------------------------------
+
+class Transport:
+    description = "transport"
+
+    def run(self, argv: Sequence[str], *, stdin: Stdin = None, stdout: Sink | None = None,
+            stderr: Sink | None = None, timeout: float | None = None) -> Result:
+        raise NotImplementedError
+
+    def script(self, source: str, **kw) -> Result:
+        return self.run(bash_argv(source), **kw)
+
+    def close(self) -> None:
+        pass
+
+
+def _chunks(stdin: Stdin) -> Iterable[bytes]:
+    if stdin is None:
+        return ()
+    if isinstance(stdin, (bytes, bytearray, memoryview)):
+        data = bytes(stdin)
+        return (data[i:i + CHUNK] for i in range(0, len(data), CHUNK))
+    if hasattr(stdin, "read"):
+        return iter(lambda: stdin.read(CHUNK), b"")
+    return stdin
+
+
+def _pump_both(sources, on_failure: Callable[[], None]):
+    """One daemon thread per (recv, sink) pair, moving chunks until EOF. The first exception (a
+    timeout, or a caller's sink raising) is kept and `on_failure()` stops the command, so the
+    other stream ends too. Returns (threads, failures)."""
+    failures: list[BaseException] = []
+
+    def pump(recv, sink):
+        try:
+            for data in iter(lambda: recv(CHUNK), b""):
+                sink(data)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the caller after the join
+            failures.append(e)
+            on_failure()
+
+    threads = [threading.Thread(target=pump, args=pair, daemon=True) for pair in sources]
+    for t in threads:
+        t.start()
+    return threads, failures
+
+
+class _Collector:
+    """A sink that either forwards to the caller or keeps the bytes for the Result."""
+
+    def __init__(self, sink: Sink | None):
+        self.sink, self.parts = sink, []
+
+    def __call__(self, data: bytes) -> None:
+        if self.sink is None:
+            self.parts.append(data)
+        else:
+            self.sink(data)
+
+    def value(self) -> bytes:
+        return b"".join(self.parts)
+
+
+class LocalTransport(Transport):
+    description = "local"
+
+    def run(self, argv, *, stdin=None, stdout=None, stderr=None, timeout=None) -> Result:
+        out, err = _Collector(stdout), _Collector(stderr)
+        try:
+            proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, bufsize=0)
+        except FileNotFoundError:
+            return Result(127, b"", f"{argv[0]}: command not found\n".encode())
+        except PermissionError:
+            return Result(126, b"", f"{argv[0]}: permission denied\n".encode())
+
+        # bufsize=0: raw pipes, whose read(n) returns what is there without waiting for n bytes.
+        readers, failures = _pump_both([(proc.stdout.read, out), (proc.stderr.read, err)], proc.kill)
+        try:
+            for chunk in _chunks(stdin):
+                proc.stdin.write(chunk)
+        except BrokenPipeError:
+            pass  # the command stopped reading; its exit status says why
+        finally:
+            try:
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise OpsError(f"local: {argv[0]} timed out after {timeout:.0f} s") from None
+        for t in readers:
+            t.join()
+        if failures:
+            raise failures[0]   # the caller's sink raised (e.g. its reader went away)
+        if code < 0:          # match what a shell / lxc-attach reports: 128 + signal
+            code = 128 - code
+        return Result(code, out.value(), err.value())
+
+
+# paramiko is imported on first use, without `invoke` (sshconfig.paramiko says why).
+_paramiko = sshconfig.paramiko
+
+
+class SshTransport(Transport):
+    """One paramiko connection to one host, reused for every command of a dflash-ops command."""
+
+    def __init__(self, host: Host, *, sock=None):
+        paramiko = _paramiko()
+        self.host = host
+        self.description = f"{host.user}@{host.address}:{host.port}"
+        client = paramiko.SSHClient()
+        known = host.known_hosts or os.path.expanduser("~/.ssh/known_hosts")
+        if os.path.exists(known):
+            client.load_host_keys(known)
+        # Never accept an unknown key silently: RejectPolicy, with a message that says how to trust it.
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        # One time budget for reaching the server, whatever the number of tries: a host that
+        # refuses is tried again (it may be rebooting), one that accepts TCP and never speaks
+        # SSH is not, and neither may take longer than connect_timeout in all.
+        auth = auth_options(host, _agent_keys())
+        start = time.monotonic()
+        deadline = start + host.connect_timeout
+        last: Exception | str | None = None
+        for attempt in range(CONNECT_TRIES):
+            try:
+                conn = sock if sock is not None else _dial(host, deadline)
+                client.connect(host.address, port=host.port, username=host.user,
+                               timeout=host.connect_timeout,
+                               banner_timeout=host.connect_timeout, auth_timeout=host.connect_timeout,
+                               sock=conn, **auth)
+                last = None
+                break
+            except _Silent as e:
+                client.close()
+                raise ConnectError(host.name, f"{e} (gave up after {time.monotonic() - start:.1f} s, "
+                                              f"connect_timeout {host.connect_timeout:g} s)") from None
+            except paramiko.BadHostKeyException as e:
+                client.close()
+                raise HostKeyError(host.name, (
+                    f"host key for {_known_hosts_name(host)} CHANGED (now {e.key.get_name()} "
+                    f"{fingerprint(e.key)}); if that is expected, remove the old entry with "
+                    f"`ssh-keygen -R '{_known_hosts_name(host)}' -f {known}`")) from None
+            except paramiko.AuthenticationException as e:
+                client.close()
+                raise ConnectError(host.name, f"authentication failed for {host.user}: {e}") from None
+            except paramiko.SSHException as e:
+                if "not found in known_hosts" in str(e):
+                    client.close()
+                    raise HostKeyError(host.name, (
+                        f"unknown host key for {_known_hosts_name(host)} (not in {known}); check its "
+                        f"fingerprint, then trust it with `ssh-keyscan -p {host.port} {host.address} "
+                        f">> {known}`")) from None
+                last = e
+            except (OSError, EOFError) as e:
+                last = e
+            pause = 0.5 * 2 ** attempt   # backoff: 0.5 s, 1 s
+            if sock is not None or attempt + 1 == CONNECT_TRIES or time.monotonic() + pause >= deadline:
+                break   # a jump channel cannot be redialled from here; the budget is spent
+            time.sleep(pause)
+        if last is not None:
+            client.close()
+            raise ConnectError(host.name, f"{_reason(last)} (gave up after {time.monotonic() - start:.1f} s, "
+                                          f"{attempt + 1} tries)") from None
+        self.client = client
+        self.runs = 0            # commands run over this connection (round trips)
+        self.transport = client.get_transport()
+        self.transport.set_keepalive(KEEPALIVE_S)
+
+    def open_tunnel(self, address: str, port: int):
+        """A direct-tcpip channel to address:port, used as the socket of the next hop."""
+        return self.transport.open_channel("direct-tcpip", (address, port), ("127.0.0.1", 0))
+
+    def run(self, argv, *, stdin=None, stdout=None, stderr=None, timeout=None) -> Result:
+        line = shell_join(argv)
+        out, err = _Collector(stdout), _Collector(stderr)
+        self.runs += 1
+        try:
+            chan = self.transport.open_session(timeout=self.host.connect_timeout)
+        except Exception as e:  # paramiko raises SSHException/EOFError/OSError here
+            raise ConnectionLost(self.host.name, f"cannot open a session: {_reason(e)}") from None
+        if timeout is not None:
+            chan.settimeout(timeout)
+        chan.exec_command(line)
+        readers, failure = _pump_both([(chan.recv, out), (chan.recv_stderr, err)], chan.close)
+        try:
+            for chunk in _chunks(stdin):
+                chan.sendall(chunk)
+            chan.shutdown_write()
+        except (OSError, EOFError):
+            pass  # remote stopped reading, or the connection broke: the checks below say which
+        for t in readers:
+            t.join()
+        if failure:
+            e = failure[0]
+            if isinstance(e, socket.timeout):
+                raise OpsError(f"{self.host.name}: {argv[0]} timed out after {timeout:.0f} s") from None
+            raise e
+        if not chan.status_event.wait(timeout or 60) or not chan.exit_status_ready():
+            raise ConnectionLost(self.host.name)
+        code = chan.recv_exit_status()
+        chan.close()
+        if code == -1:
+            # No exit-status: the connection broke, or the remote was killed by a signal
+            # (sshd sends exit-signal instead of exit-status).
+            if not self.transport.is_active():
+                raise ConnectionLost(self.host.name)
+            code = 255
+        return Result(code, out.value(), err.value())
+
+    def alive(self) -> bool:
+        return self.transport is not None and self.transport.is_active()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# What a node may print around pct's own words: pct is Perl, and a locale the node lacks (often
+# LANG/LC_* sent by the SSH client) makes perl warn on stderr before anything else.
+_NOISE = re.compile(r"^(perl: warning: .*|\s+(LANGUAGE|LC_ALL|LC_\w+|LANG) = .*|\s+are supported and installed "
+                    r"on your system\.|perl: warning: Falling back to .*|locale: Cannot set .*|"
+                    r"bash: warning: setlocale: .*|-bash: warning: setlocale: .*)$")
+
+
+def node_noise_removed(text: str) -> str:
+    """`text` less the node's locale warnings, which are never the answer to what was asked."""
+    return "\n".join(line for line in text.splitlines() if not _NOISE.match(line))
+
+
+STATUS_MARK = "dflash-ops pct-status:"
+# Runs on the node: the exec, and only when it exits 255 (pct's own refusal, or the command's own
+# status) -- or 1 under `sudo -n` (a password wanted) -- `pct status` to tell which. The common
+# case costs no extra pct start (a Perl program that takes a good part of a second on a node).
+_CHECKED = (
+    's=$1 p=$2 v=$3; shift 3\n'
+    '"$@"\n'
+    'rc=$?\n'
+    'case "$s:$rc" in *:255|1:1) ;; *) exit "$rc";; esac\n'
+    'if [ "$s" = 1 ]; then out=$(sudo -n "$p" status "$v" 2>&1); else out=$("$p" status "$v" 2>&1); fi\n'
+    'src=$?\n'
+    'case "$src:$out" in 0:*"status: running"*) exit "$rc";; esac\n'
+    "printf '%s %s %s\\n' '" + STATUS_MARK + "' \"$src\" \"$out\" >&2\n"
+    'exit 255\n'
+)
+
+
+def pct_checked_argv(pct: str, vmid: int, argv: Sequence[str], *, sudo: bool,
+                     env: Mapping[str, str] | None = None) -> list[str]:
+    """`pct exec VMID --keep-env 0 -- ARGV`, explained by `pct status VMID` when pct refuses."""
+    return ["sh", "-c", _CHECKED, "sh", "1" if sudo else "0", pct, str(vmid),
+            *pct_exec_argv(pct, vmid, argv, sudo=sudo, env=env)]
+
+
+class PctTransport(Transport):
+    """Wraps another transport (usually ssh to the node): `pct exec VMID --keep-env 0 -- ...`.
+
+    With `verify=True` the first command also checks `pct status` (same round trip), so a
+    stopped or unknown container is a clear ContainerError rather than pct's bare 255."""
+
+    def __init__(self, inner: Transport, vmid: int, *, pct: str = "/usr/sbin/pct", sudo: bool = False,
+                 target: str = "", verify: bool = False, env: Mapping[str, str] | None = None):
+        self.inner, self.vmid, self.pct, self.sudo = inner, vmid, pct, sudo
+        self.env = dict(env or {})
+        self.target = target or str(vmid)
+        self.description = f"{inner.description} pct {vmid}"
+        self._verify = verify
+
+    def _container_error(self, code: int, text: str) -> ContainerError:
+        text = node_noise_removed(text).strip()
+        if self.sudo and "password is required" in text:
+            return ContainerError(self.target, self.vmid,
+                                  f"`sudo -n {self.pct}` needs a password: allow it passwordless for this user")
+        if code != 0:
+            return ContainerError(self.target, self.vmid, text.splitlines()[-1] if text else
+                                  f"pct status exited {code}")
+        m = re.search(r"^status: (\S+)", text, re.M)
+        state = m.group(1) if m else "unknown"
+        return ContainerError(self.target, self.vmid,
+                              f"is {state}, not running; start it with `pct start {self.vmid}`")
+
+    def check(self) -> None:
+        """`pct status` on its own: a stopped or unknown container raises ContainerError."""
+        r = self.inner.run(pct_status_argv(self.pct, self.vmid, sudo=self.sudo))
+        text = (r.stdout + r.stderr).decode(errors="replace")
+        if r.exit_code != 0 or "status: running" not in text:
+            raise self._container_error(r.exit_code, text)
+        self._verify = False
+
+    def run(self, argv, **kw) -> Result:
+        if not self._verify:
+            return self.inner.run(pct_exec_argv(self.pct, self.vmid, argv, sudo=self.sudo, env=self.env), **kw)
+        sink = kw.get("stderr")
+        mark = STATUS_MARK.encode()
+        kept: list[bytes] = []   # all of stderr when the caller keeps it, else a tail to find the mark in
+
+        def watch(data: bytes) -> None:
+            kept.append(data)
+            if sink is None:
+                return
+            del kept[:-8]
+            if mark in data:           # printed last, on its own line: never the caller's business
+                data = data[:data.index(mark)]
+            if data:
+                sink(data)
+
+        kw["stderr"] = watch
+        r = self.inner.run(pct_checked_argv(self.pct, self.vmid, argv, sudo=self.sudo, env=self.env), **kw)
+        err = b"".join(kept)
+        if r.exit_code == 255 and mark in err:
+            code, _, text = err[err.index(mark) + len(mark):].decode(errors="replace").strip().partition(" ")
+            raise self._container_error(int(code) if code.isdigit() else 1, text)
+        self._verify = False
+        return r if sink is not None else Result(r.exit_code, r.stdout, err)
+
+
+class EnvTransport(Transport):
+    """Another transport whose commands run as `env K=V ... ARGV`: a target without vmid (the node
+    itself, or this machine) gets its variables exactly as a container does."""
+
+    def __init__(self, inner: Transport, env: Mapping[str, str]):
+        self.inner, self.env = inner, dict(env)
+        self.description = inner.description
+
+    def run(self, argv, **kw) -> Result:
+        return self.inner.run([*env_argv(self.env), *argv], **kw)
+
+    def __getattr__(self, name):   # alive(), open_tunnel(), host ... of the wrapped transport
+        return getattr(self.inner, name)

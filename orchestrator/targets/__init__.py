@@ -1,0 +1,2 @@
+"""The targets themselves: `targets` (listing, --check), `exec` (a command per target), `scan`
+(saved logs, offline)."""

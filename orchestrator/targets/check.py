@@ -1,0 +1,68 @@
+"""`targets --check`: reach every target in parallel and report what is there."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from orchestrator.ssh import agent
+from orchestrator.errors import ConnectError, ContainerError, OpsError
+from orchestrator.inventory import Inventory, Target
+from orchestrator.ssh.session import Session
+
+
+@dataclass
+class Check:
+    target: str
+    where: str
+    ok: bool = False
+    reachable: bool | None = None
+    container: str | None = None     # "running" | "stopped/unknown: ..." | None (no pct)
+    python: str | None = None
+    torch: str | None = None
+    release: str | None = None
+    seconds: float = 0.0
+    error: str | None = None
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+def describe(inv: Inventory, t: Target) -> str:
+    if t.host is None:
+        where = "this machine"
+    else:
+        h = inv.hosts[t.host]
+        where = f"{h.user}@{h.address}:{h.port}" + (f" via {h.jump}" if h.jump else "")
+    return where + (f" CT {t.vmid}" if t.vmid is not None else "")
+
+
+def check_one(session: Session, inv: Inventory, t: Target) -> Check:
+    c = Check(t.name, describe(inv, t))
+    start = time.monotonic()
+    try:
+        transport = session.transport(t, check=False)
+        c.reachable = True
+        if t.vmid is not None:
+            transport.check()
+            c.container = "running"
+        live = agent.call(transport, t, agent.RELEASE, ["manifest", t.workdir, "--no-files"],
+                          what="check python")
+        c.python, c.torch, c.release = live["python"], live["torch"], live["release"]
+        c.ok = True
+    except ContainerError as e:
+        c.container, c.error = e.message, e.render()
+    except ConnectError as e:
+        c.reachable, c.error = False, e.render()
+    except OpsError as e:
+        c.error = e.render()
+    c.seconds = round(time.monotonic() - start, 3)
+    return c
+
+
+def check(inv: Inventory, names: list[str] | None = None) -> list[Check]:
+    """Every target (or those named) reached in parallel; a Check each, failures included."""
+    targets = inv.select(names) if names else list(inv.targets.values())
+    with agent.session(inv) as session:
+        group = agent.fan_out(targets, lambda t: check_one(session, inv, t))
+    return [o.value if o.ok else Check(name, describe(inv, inv.target(name)), error=o.error.render())
+            for name, o in group.items()]

@@ -1,0 +1,117 @@
+"""Click commands targets, exec and scan (thin: parse options, call the library, print)."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from orchestrator.errors import OpsError, TargetsFailed
+from orchestrator.ui import State, emit, json_option, table
+
+
+@click.command()
+@click.option("--check", is_flag=True, help="Connect to each target in parallel and report what is there.")
+@click.argument("names", nargs=-1)
+@json_option
+@click.pass_obj
+def targets(state: State, check, names, as_json):
+    """List targets; --check reaches each (container state, python, torch)."""
+    from orchestrator.targets import check as targets_mod
+
+    inv = state.inv
+    if not check:
+        rows = [{"target": t.name, "where": targets_mod.describe(inv, t), "python": t.python,
+                 "workdir": t.workdir, "gpus": t.gpus, "default": t.name == inv.default_target().name}
+                for t in (inv.select(names) if names else inv.targets.values())]
+        emit(as_json, {"targets": rows},
+             table(["TARGET", "WHERE", "GPUS", "WORKDIR", "PYTHON"],
+                   [[r["target"] + (" *" if r["default"] else ""), r["where"], r["gpus"], r["workdir"],
+                     r["python"]] for r in rows]))
+        return
+    checks = targets_mod.check(inv, list(names))
+    emit(as_json, {"targets": {c.target: c.as_json() for c in checks}},
+         table(["TARGET", "OK", "WHERE", "CONTAINER", "PYTHON", "TORCH", "RELEASE", "ERROR"],
+               [[c.target, "yes" if c.ok else "NO", c.where, c.container, c.python, c.torch,
+                 c.release, c.error] for c in checks]))
+    failed = {c.target: c.error or "failed" for c in checks if not c.ok}
+    if failed:
+        raise TargetsFailed(failed)
+
+
+
+class _CommandAfterDashes(click.Command):
+    """Everything after the first `--` is the remote command, kept verbatim (click would drop
+    the `--` itself and leave no way to tell targets from the command's words)."""
+
+    def parse_args(self, ctx, args):
+        if "--" in args:
+            i = args.index("--")
+            ctx.meta["command"] = list(args[i + 1:])
+            args = args[:i]
+        else:
+            ctx.meta["command"] = []
+        return super().parse_args(ctx, args)
+
+
+@click.command("exec", cls=_CommandAfterDashes)
+@click.argument("names", nargs=-1, metavar="TARGET...")
+@click.option("--all", "all_targets", is_flag=True,
+              help="Every target hosts.yaml defines (the built-in local only when it is the only one).")
+@click.option("--env", "env", multiple=True, metavar="K=V", help="Set a variable for the command (repeatable).")
+@json_option
+@click.pass_context
+def exec_(ctx, names, all_targets, env, as_json):
+    """Run a command in each target's container (the node itself for a target without vmid).
+
+    `dflash-ops exec ct200 -- nvidia-smi`: output streams as it comes and the exit status is the
+    command's; several targets run in parallel, each line led by `[target]`, exit 1 if any failed.
+    """
+    from orchestrator.targets import exec as exec_mod
+    from orchestrator.envvars import parse_assignments
+
+    state: State = ctx.obj
+    argv = exec_mod.check_command(ctx.meta["command"])
+    variables = parse_assignments(env)
+    targets = exec_mod.select(state.inv, names, all_targets)
+    if as_json:
+        results = exec_mod.exec_command(state.inv, targets, argv, env=variables)
+        emit(True, {"targets": {r.target: r.as_json() for r in results}}, "")
+        sys.exit(exec_mod.exit_status(results))
+    streams = exec_mod.Streams([t.name for t in targets], sys.stdout.buffer, sys.stderr.buffer)
+    results = exec_mod.exec_command(state.inv, targets, argv, env=variables,
+                                    out=streams.sink("out"), err=streams.sink("err"))
+    streams.flush()
+    if len(results) == 1 and results[0].error:
+        raise OpsError(results[0].error)
+    for r in results:
+        if r.error:
+            click.echo(f"[{r.target}] dflash-ops: {r.error}", err=True)
+        elif len(results) > 1 and not r.ok:
+            click.echo(f"[{r.target}] dflash-ops: exit status {r.exit_code}", err=True)
+    sys.exit(exec_mod.exit_status(results))
+
+
+# --- scan ------------------------------------------------------------------------------------
+
+@click.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@json_option
+def scan(files, as_json):
+    """Scan saved log files for failure signatures, offline (exit 100 when one is fatal)."""
+    from orchestrator.targets.scan import scan_files
+    from orchestrator.errors import EXIT_RUN_FAILED
+
+    doc = scan_files(list(files))
+    lines, fatal = [], False
+    for path, hits in doc["files"].items():
+        for h in hits:
+            fatal |= h["severity"] == "fatal"
+            lines.append(f"{path}:{h['line']}: {h['severity']}: {h['signature']}: {h.get('meaning', '')}")
+            if h.get("remedy"):
+                lines.append(f"    what to do: {h['remedy']}")
+    if not lines:
+        lines.append("no failure signatures found")
+    emit(as_json, doc, "\n".join(lines))
+    if fatal:
+        sys.exit(EXIT_RUN_FAILED)
+

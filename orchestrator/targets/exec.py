@@ -1,0 +1,148 @@
+"""`exec`: run one command in each target's container (or on the node, for a target without
+vmid), output streamed as it comes, exit status passed through.
+
+The command travels as an argv, quoted once (transport.shell_join) for the node's shell; pct
+hands it to lxc-attach as argv, so no shell runs inside the container unless the command is
+one (`-- bash -lc 'nvidia-smi | head'`). The target's `env:` applies, as for every command.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from orchestrator.ssh import agent
+from orchestrator.errors import OpsError, UsageError
+from orchestrator.inventory import Inventory, Target
+from orchestrator.ssh.session import Session
+from orchestrator.ssh.transport import PctTransport
+
+Write = Callable[[str, bytes], None]    # (target, bytes) -> None
+
+
+@dataclass
+class ExecResult:
+    target: str
+    exit_code: int | None = None        # None: the command did not run (error says why)
+    error: str | None = None
+    stdout: bytes = b""
+    stderr: bytes = b""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def as_json(self) -> dict:
+        return {"ok": self.ok, "exit_code": self.exit_code, "error": self.error,
+                "stdout": self.stdout.decode(errors="replace"),
+                "stderr": self.stderr.decode(errors="replace"), "seconds": self.seconds}
+
+
+class LinePrefixer:
+    """A sink that writes whole lines, each led by `prefix`; a partial line waits for its end
+    (or for flush()), so lines of parallel targets never interleave mid-line."""
+
+    def __init__(self, prefix: bytes, write: Callable[[bytes], None]):
+        self.prefix, self.write, self.pending = prefix, write, b""
+
+    def __call__(self, data: bytes) -> None:
+        data = self.pending + data
+        *lines, self.pending = data.split(b"\n")
+        if lines:
+            self.write(b"".join(self.prefix + line + b"\n" for line in lines))
+
+    def flush(self) -> None:
+        if self.pending:
+            self.write(self.prefix + self.pending + b"\n")
+            self.pending = b""
+
+
+def select(inv: Inventory, names: Sequence[str], all_targets: bool) -> list[Target]:
+    if all_targets:
+        if names:
+            raise UsageError("give target names or --all, not both")
+        return [t for t in inv.targets.values() if t.name != "local" or len(inv.targets) == 1]
+    return inv.select(list(names))
+
+
+def check_command(argv: Sequence[str]) -> list[str]:
+    if not argv:
+        raise UsageError("no command: put it after `--`, e.g. `dflash-ops exec ct200 -- nvidia-smi`")
+    for i, a in enumerate(argv, 1):
+        if "\x00" in a:
+            raise UsageError(f"command argument {i} contains a NUL byte")
+        try:
+            a.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError(f"command argument {i} is not UTF-8 text: {a!r}") from None
+    return list(argv)
+
+
+def run_one(session: Session, target: Target, argv: Sequence[str], *, out: Write | None = None,
+            err: Write | None = None, env: Mapping[str, str] | None = None) -> ExecResult:
+    """The command on one target. With out/err the output is streamed there, else kept."""
+    res = ExecResult(target.name)
+    start = time.monotonic()
+    try:
+        # The container's state first, on its own: pct's refusal must not reach the user's
+        # stream as if the command had printed it.
+        t = session.transport(target, env=env, check=False)
+        if isinstance(t, PctTransport):
+            t.check()
+        r = t.run(list(argv), stdout=(lambda b: out(target.name, b)) if out else None,
+                  stderr=(lambda b: err(target.name, b)) if err else None)
+        res.exit_code, res.stdout, res.stderr = r.exit_code, r.stdout, r.stderr
+    except OpsError as e:
+        res.error = e.render()
+    res.seconds = round(time.monotonic() - start, 3)
+    return res
+
+
+def exec_command(inv: Inventory, targets: list[Target], argv: Sequence[str], *, out: Write | None = None,
+                 err: Write | None = None, env: Mapping[str, str] | None = None) -> list[ExecResult]:
+    """Run argv on every target in parallel; one result per target, in the order given."""
+    argv = check_command(argv)
+    with agent.session(inv) as session:
+        group = agent.fan_out(targets, lambda t: run_one(session, t, argv, out=out, err=err, env=env))
+    return [group[t.name].value for t in targets]   # run_one keeps its own errors: every outcome has a value
+
+
+def exit_status(results: list[ExecResult]) -> int:
+    """One target: its command's exit status (1 when it could not run); several: 1 if any failed."""
+    if len(results) == 1:
+        r = results[0]
+        return r.exit_code if r.exit_code is not None else 1
+    return 0 if all(r.ok for r in results) else 1
+
+
+class Streams:
+    """The writers for exec's live output: raw bytes for one target, `[target] ` line prefixes
+    (whole lines, under one lock) for several."""
+
+    def __init__(self, names: list[str], stdout, stderr):
+        self.lock = threading.Lock()
+        self.several = len(names) > 1
+        self.files = {"out": stdout, "err": stderr}
+        self.prefixers = {(n, s): LinePrefixer(f"[{n}] ".encode(), self._writer(s))
+                          for n in names for s in ("out", "err")} if self.several else {}
+
+    def _writer(self, stream: str) -> Callable[[bytes], None]:
+        f = self.files[stream]
+
+        def write(data: bytes) -> None:
+            with self.lock:
+                f.write(data)
+                f.flush()
+        return write
+
+    def sink(self, stream: str) -> Write:
+        if not self.several:
+            direct = self._writer(stream)
+            return lambda _target, data: direct(data)
+        return lambda target, data: self.prefixers[(target, stream)](data)
+
+    def flush(self) -> None:
+        for p in self.prefixers.values():
+            p.flush()
