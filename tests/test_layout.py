@@ -1,0 +1,174 @@
+"""The house's layout, read from the source with `ast` (nothing is imported): no import circle
+between modules, none between a top package's first-level packages (orchestrator's cli, ui,
+inventory, ssh, runs, ...; trainer's likewise), no product file over 450 lines, and the
+controller never imports torch."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TOPS = ("orchestrator", "trainer")
+MAX_LINES = 450
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the top packages by dotted name (a package by its __init__.py)."""
+    found = {}
+    for top in TOPS:
+        for path in sorted((REPO / top).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _in_function(tree: ast.Module) -> set[int]:
+    """ids of the import nodes inside a function body (they run when called, not at import)."""
+    inside = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            inside.update(id(n) for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)))
+    return inside
+
+
+def _imports(name: str) -> list[tuple[str, bool]]:
+    """(imported module, at module level?) for every import statement of module `name`, absolute
+    or relative, at any depth. `from pkg import x` names the module pkg.x when there is one, else
+    pkg; `import a.b.c` names a.b.c. Names outside the top packages are kept as written."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    late = _in_function(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, id(node) not in late) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                found.append((full if full in MODULES else base, id(node) not in late))
+    return found
+
+
+def _graph(top: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same top package it imports (itself left out)."""
+    return {name: {m for m, _ in _imports(name) if m in MODULES and m != name and _top(m) == top}
+            for name in MODULES if _top(name) == top}
+
+
+def _top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def _first_level(name: str) -> str:
+    """orchestrator.runs.launch -> orchestrator.runs; orchestrator.cli -> orchestrator.cli."""
+    return ".".join(name.split(".")[:2])
+
+
+def _circles(graph: dict[str, set[str]]) -> list[tuple[list[str], set[str]]]:
+    """Per strongly connected part of the graph with more than one node: one circle in it
+    (a -> ... -> a) and all its nodes."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    parts: list[set[str]] = []
+
+    def connect(v: str) -> None:            # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                part.add(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                parts.append(part)
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return [(_one_circle(graph, part), part) for part in parts]
+
+
+def _one_circle(graph: dict[str, set[str]], part: set[str]) -> list[str]:
+    """A shortest path from the part's first node back to itself, through the part."""
+    start = min(part)
+    paths = {w: [start, w] for w in graph[start] if w in part}
+    while start not in paths:
+        paths = {w: path + [w] for v, path in sorted(paths.items()) for w in sorted(graph[v])
+                 if w in part and w not in path[1:]} | paths
+    return paths[start]
+
+
+def _show(circles: list[tuple[list[str], set[str]]]) -> str:
+    return "\n".join(f"{' -> '.join(circle)}   (all tied up: {', '.join(sorted(part))})"
+                     for circle, part in circles)
+
+
+@pytest.mark.parametrize("top", TOPS)
+def test_no_import_circle_between_modules(top):
+    circles = _circles(_graph(top))
+    assert not circles, f"import circles in {top}/:\n{_show(circles)}"
+
+
+@pytest.mark.parametrize("top", TOPS)
+def test_no_import_circle_between_first_level_packages(top):
+    """Arrows between orchestrator's (trainer's) first-level packages and modules go one way."""
+    packages: dict[str, set[str]] = {}
+    for name, imported in _graph(top).items():
+        packages.setdefault(_first_level(name), set()).update(
+            _first_level(m) for m in imported if _first_level(m) != _first_level(name))
+    circles = _circles(packages)
+    assert not circles, f"import circles between {top}'s packages:\n{_show(circles)}"
+
+
+@pytest.mark.parametrize("top", TOPS)
+def test_no_product_file_over_450_lines(top):
+    long = {str(path.relative_to(REPO)): n for name, path in MODULES.items() if _top(name) == top
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines (split by job): {long}"
+
+
+def test_the_controller_never_imports_torch():
+    """No orchestrator module imports torch, anywhere in it; and nothing orchestrator imports at
+    module level (trainer.policies, trainer.signatures, and their packages) does at module level."""
+    direct = sorted(name for name in MODULES if _top(name) == "orchestrator"
+                    if any(_top(m) == "torch" for m, _ in _imports(name)))
+    assert not direct, f"import torch: {direct}"
+    seen, todo, chains = set(), [(n, [n]) for n in MODULES if _top(n) == "orchestrator"], []
+    while todo:
+        name, chain = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for m, at_import in _imports(name):
+            if not at_import:
+                continue
+            if _top(m) == "torch":
+                chains.append(" -> ".join(chain + [m]))
+            parents = [".".join(m.split(".")[:i]) for i in range(1, m.count(".") + 2)]
+            todo += [(p, chain + [p]) for p in parents if p in MODULES]   # a package runs its __init__
+    assert not chains, "the controller imports torch through:\n" + "\n".join(chains)
