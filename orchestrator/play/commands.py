@@ -1,4 +1,4 @@
-"""Click command `play`: run a playbook (playbook.py, play.py) and print a table per target and step.
+"""Click command `play`: run a playbook (playbook.py, run.py) and print a table per target and step.
 
 Live lines (each step's start and end, its output, the log it follows) go to stderr led by
 `[target] `; stdout holds the summary table, or with --json one document.

@@ -1,5 +1,5 @@
 """A playbook: a YAML file of named steps, each one dflash-ops action with its options, run in
-order on every target (play.py runs it). Loaded and checked here, before anything connects:
+order on every target (run.py runs it). Loaded and checked here, before anything connects:
 every mistake is one line `FILE:LINE: KEY: message`, exit 2, as for hosts.yaml (yamlnodes.py).
 
     description: deploy, probe, train, export

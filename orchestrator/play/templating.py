@@ -1,5 +1,5 @@
 """`{{ }}` templates of a playbook and the values of step options: pure functions (playbook.py
-checks a file with them, play.py renders each step with them on each target).
+checks a file with them, run.py renders each step with them on each target).
 
 `{{ NAME }}` is a variable, `{{ steps.STEP.KEY... }}` a key of an earlier step's JSON result;
 filters `| dirname`, `| basename`, `| words`. A string that is one template keeps the value's type;

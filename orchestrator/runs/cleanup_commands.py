@@ -1,4 +1,4 @@
-"""Click commands of run housekeeping: rm, prune (thin, like cli.py)."""
+"""Click commands of run housekeeping: rm, prune (thin: parse options, call housekeeping, print)."""
 from __future__ import annotations
 
 import click

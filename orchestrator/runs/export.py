@@ -1,7 +1,7 @@
 """`export`: bring a run's trained drafter from the target, as a DFlash draft-model folder.
 
 The export runs on the target (`python -m trainer.export`, through the runs agent's `export`
-verb, remote/runs_export.py) and the folder comes back over the same SSH connection as one stream: a
+verb, remote/runs/export.py) and the folder comes back over the same SSH connection as one stream: a
 header with each file's size and sha256, then the bytes. Here the files are written into a hidden
 folder beside the destination, checked against the header (sizes and hashes), and only then renamed
 to the destination: it is either absent or complete. Nothing is left on the target.

@@ -2,7 +2,7 @@
 
 A running run is never removed: `rm` refuses it (naming how to stop it), `prune` keeps it. Both
 say what they freed, in bytes. The judging and removing happen on the target, in one agent call
-per target, under the runs' slot guard (remote/runs_housekeeping.py). Library code: returns data.
+per target, under the runs' slot guard (remote/runs/housekeeping.py). Library code: returns data.
 """
 from __future__ import annotations
 
