@@ -28,6 +28,7 @@ from typing import Any, Mapping
 from . import yamlnodes as yn
 from .envvars import NAME_RE
 from .errors import FileError, UsageError
+from .launch_options import POLICIES, TOPOLOGIES
 from .templating import ASSERT_TESTS, _templated, convert, expressions, parse_expr
 
 TARGET_KEYS = ("target", "host", "vmid", "python", "workdir", "gpus")
@@ -42,7 +43,7 @@ ACTIONS: dict[str, dict[str, Any]] = {
     "deploy": {"source": "str", "install_deps": "bool", "verify": "bool"},
     "probe": {"gpus": "int", "policies": "list", "topologies": "list", "case_timeout": "int", "reuse": "bool"},
     "launch": {"gpus": "int", "gpu_ids": "str", "name": "str", "config": "str",
-               "topology": ("threads", "processes"), "policy": "str", "workers": "int", "env": "map",
+               "topology": TOPOLOGIES, "policy": POLICIES, "workers": "int", "env": "map",
                "args": "list"},
     "logs": {"run": "str"},
     "export": {"run": "str", "step": "int", "output": "str",

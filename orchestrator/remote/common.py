@@ -105,8 +105,8 @@ def _dist_version(name):
     """The installed version of distribution NAME, without importing it (torch takes seconds).
 
     First the `NAME-VERSION.dist-info` folder on sys.path, in sys.path order as importlib.metadata
-    searches; that is a listdir per path entry, where importlib.metadata's own import costs ~40 ms
-    of every deploy. Anything else (egg-info, odd layouts) goes to importlib.metadata."""
+    searches: a listdir per path entry, cheaper than importing importlib.metadata in every
+    deploy. Anything else (egg-info, odd layouts) goes to importlib.metadata."""
     want = name.lower().replace("-", "_")
     for entry in sys.path:
         try:

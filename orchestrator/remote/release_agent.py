@@ -31,7 +31,7 @@ from .common import _dist_version, _dists, _fail, _out, _read_json, _write_json,
 from .release_store import MANIFEST, STATS, _check, _clear_leftovers, _holder, _live, _read_manifest, _stat_key, _try_lock
 
 # hashlib, shutil, subprocess, tarfile and tempfile are imported where they are used: the
-# `manifest` command of every deploy needs none of them, and their imports were ~20 ms of it.
+# `manifest` command of every deploy needs none of them, and importing them is a good part of its time.
 
 KEEP = 5
 
