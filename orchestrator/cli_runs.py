@@ -90,7 +90,7 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
     Trainer flags go after `--`, e.g. `dflash-ops launch ct200 --gpus 2 -- --steps 500`.
     The run holds its GPUs (a CPU run, --gpus 0, holds the target's one CPU slot) until it ends.
     """
-    from . import nodes, runs
+    from . import nodes
     from .agent import session as open_session
     from .envvars import parse_assignments
     from .launch_options import LaunchOptions
@@ -100,14 +100,11 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
                                workers=workers, extra=extra, name=name, resume=resume,
                                env=parse_assignments(env))
     with open_session(state.inv) as session:   # one connection for the launch and the follow
-        if len(targets) > 1:
-            res = nodes.launch(state.inv, targets, opts, session=session)
-            info = _nodes_info(res)
-        else:
-            res = runs.launch(state.inv, targets[0].name if targets else None, opts, session=session)
-            info = _launch_info(res)
-            for c in res.cleared:
-                _note(f"{res.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
+        res = nodes.launch(state.inv, targets or [state.inv.default_target()], opts, session=session)
+        info = _nodes_info(res) if len(res.nodes) > 1 else _launch_info(res.nodes[0])
+        for n in res.nodes:
+            for c in n.cleared:
+                _note(f"{n.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
         if not follow:
             if as_json:
                 emit(True, res.as_json(), "")

@@ -1,5 +1,6 @@
-"""A run over several nodes: one DDP job, one torchrun per target, joined by torchrun's c10d
-rendezvous (docs/architecture.md, "Several nodes").
+"""A run as a job of one or more nodes: launch, follow and stop go through here whatever the
+number of nodes. Over several nodes it is one DDP job, one torchrun per target, joined by
+torchrun's c10d rendezvous (docs/architecture.md, "Several nodes").
 
 `launch` starts the same run id on every target at once (agent.fan_out), the first target
 hosting the rendezvous at its `train_address:train_port`; when any target refuses or fails, the
@@ -37,16 +38,20 @@ class NodesFailed(OpsError):
 
 @dataclass
 class NodesLaunch:
+    """A launched job: its run id, what each node started, the rendezvous (None on one node)."""
     run: str
     nodes: list[LaunchResult]
-    endpoint: str
+    endpoint: str | None
 
     @property
     def target(self) -> str:
         return self.nodes[0].target
 
     def as_json(self) -> dict:
+        """One node: its LaunchResult's document; several: the job's, each node's inside."""
         first = self.nodes[0]
+        if len(self.nodes) == 1:
+            return first.as_json()
         return {"target": first.target, "run": self.run, "pid": first.pid, "endpoint": self.endpoint,
                 "targets": [n.target for n in self.nodes], "nodes": [n.as_json() for n in self.nodes]}
 
@@ -69,17 +74,23 @@ def check_targets(targets: Sequence[Target], opts: LaunchOptions) -> str:
 
 def launch(inv: Inventory, targets: Sequence[Target], opts: LaunchOptions, *,
            session: Session | None = None) -> NodesLaunch:
-    """One job over `targets` (at least 2): torchrun on each with the same run id."""
-    endpoint = check_targets(targets, opts)
+    """One job over `targets`, all started at once with the same run id: one node, or torchrun on
+    each of several, joined at the first one's rendezvous endpoint. A failure on one of several
+    undoes the others (NodesFailed); on one node its own error is raised."""
+    several = len(targets) > 1
+    endpoint = check_targets(targets, opts) if several else None
     run = opts.resume or new_run_id(targets[0].name)
     names = [t.name for t in targets]
     specs = {}
     for i, t in enumerate(targets):
         spec = launch_spec(inv, t, opts, run=run)
-        spec.doc["nodes"] = {"targets": names, "index": i, "endpoint": endpoint, "address": t.train_address}
+        if several:
+            spec.doc["nodes"] = {"targets": names, "index": i, "endpoint": endpoint, "address": t.train_address}
         specs[t.name] = spec
     with agent.session(inv, session) as s:
         group = agent.fan_out(targets, lambda t: launch_on(s, t, specs[t.name]))
+        if group.failures and not several:
+            raise group[names[0]].error
         if group.failures:
             started = [t for t in targets if group[t.name].ok]
             undo = _undo(s, started, run, fresh=opts.resume is None)

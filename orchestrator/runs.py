@@ -137,7 +137,7 @@ class LaunchResult:
 def launch(inv: Inventory, target_name: str | None, opts: LaunchOptions, *,
            session: Session | None = None) -> LaunchResult:
     """Start the trainer detached on the target; returns once it runs (the run goes on alone).
-    (Several targets, one job: nodes.launch.)"""
+    (The CLI launches a job of one or more targets: nodes.launch.)"""
     target = resolve_target(inv, target_name)
     spec = launch_spec(inv, target, opts)
     with agent.session(inv, session) as s:
