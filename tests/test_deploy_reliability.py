@@ -294,7 +294,8 @@ def test_a_full_disk_is_named_and_left_as_it_was(small_disk, tmp_path):
     with open(tar, "rb") as f:
         p = subprocess.run([sys.executable, "-c", agent, "apply", str(wd), "r1", "", "0", "test"],
                            stdin=f, capture_output=True, text=True)
-    assert p.returncode == 6 and "no space left in" in p.stderr, p.stderr
+    doc = json.loads(p.stdout.splitlines()[-1])
+    assert p.returncode == 0 and doc["reason"] == "no_space" and "no space left in" in doc["message"], p.stderr
     assert not partials(wd) and free_bytes(wd) == before
     assert_complete(wd)
 

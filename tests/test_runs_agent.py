@@ -6,6 +6,7 @@ import builtins
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from trainer_quick import wait_for
 from orchestrator.ssh import agent as agent_mod
 
 REMOTE = Path(__file__).resolve().parent.parent / "orchestrator" / "remote"
+POLICIES = Path(__file__).resolve().parent.parent / "trainer" / "policies.py"
 SOURCE = agent_mod.source(agent_mod.RUNS)   # what the controller sends: `python -c SOURCE CMD ...`
 
 
@@ -141,6 +143,7 @@ def wd(tmp_path):
     rel = tmp_path / "wd" / "releases" / "r1"
     (rel / "trainer").mkdir(parents=True)
     (rel / "trainer" / "__main__.py").write_text(STUB)
+    shutil.copy(POLICIES, rel / "trainer" / "policies.py")     # `auto`'s rule: the release's own
     (rel / ".git-commit").write_text("abc1234\n")
     os.symlink("releases/r1", tmp_path / "wd" / "current")
     yield tmp_path / "wd"
@@ -317,15 +320,22 @@ def test_follow_protocol_offsets_tail_and_end(wd):
     agent("stop", wd, "--force", "--", "f-b")
 
 
-def test_auto_records_the_probe_choice_for_the_topology(tmp_path):
-    space = {"__name__": "not_main"}
-    exec(compile(SOURCE, "runs_agent", "exec"), space)
-    assert space["_probe_policy"](str(tmp_path)) == (False, None)
-    (tmp_path / "probe.json").write_text(json.dumps({"policy": "inductor", "processes_policy": "reduce-overhead"}))
-    assert space["_probe_policy"](str(tmp_path)) == (True, "inductor")
-    assert space["_probe_policy"](str(tmp_path), "processes") == (True, "reduce-overhead")
-    (tmp_path / "probe.json").write_text(json.dumps({"policy": "inductor"}))   # a probe from before
-    assert space["_probe_policy"](str(tmp_path), "processes") == (True, "inductor")
+def test_auto_records_the_probe_choice_for_the_topology(wd):
+    """`auto`'s rule is trainer.policies.resolve, run from the live release: the agent records what
+    the trainer will run, and refuses what the trainer would refuse."""
+    (wd / "probe.json").write_text(json.dumps({"policy": "inductor", "processes_policy": "reduce-overhead"}))
+    assert launch(wd, "a-t", policy="auto", extra=["--steps", "1"])["probe_policy"] == "inductor"
+    assert launch(wd, "a-p", policy="auto", topology="processes", extra=["--steps", "1"])["probe_policy"] \
+        == "reduce-overhead"
+    ended(wd, "a-t")
+    ended(wd, "a-p")
+    (wd / "probe.json").write_text(json.dumps({"policy": "inductor"}))   # a probe from before
+    assert launch(wd, "a-q", policy="auto", topology="processes", extra=["--steps", "1"])["probe_policy"] \
+        == "inductor"
+    ended(wd, "a-q")
+    (wd / "probe.json").write_text(json.dumps({"policy": {"name": "inductor"}}))
+    refused = launch(wd, "a-d", policy="auto")
+    assert refused["reason"] == "bad_probe" and "not a known policy" in refused["message"]
 
 
 def test_launch_refusals(wd, tmp_path):
@@ -347,7 +357,7 @@ def test_a_run_id_is_never_read_as_an_option(wd):
     launch(wd, "o-a", extra=["--steps", "5000"])
     for word in ("--force", "--no-follow", "-1", "../o-a"):
         doc = json.loads(agent("stop", wd, "--", word).stdout)
-        assert doc == {"ok": False, "reason": "not_found", "run": word}
+        assert {k: doc[k] for k in ("ok", "reason", "run")} == {"ok": False, "reason": "not_found", "run": word}
         header, body, _ = _follow(wd, word, 0, "--no-follow")
         assert header["reason"] == "not_found" and body == b""
     assert state(wd, "o-a")["state"] == "running"          # nothing was killed

@@ -24,7 +24,7 @@ from typing import Callable
 
 from orchestrator.ssh import agent
 from orchestrator.deploy import fileset
-from orchestrator.errors import OpsError, StepFailed, UsageError
+from orchestrator.errors import OpsError, UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.lines import LineBuffer
 from orchestrator.ssh.session import Session
@@ -180,10 +180,6 @@ class TargetResult:
         return asdict(self)
 
 
-# Exit statuses of the release agent's `apply` that are refusals, not failures (release_agent.py).
-AGENT_BUSY, AGENT_STALE, AGENT_NO_SPACE = 4, 5, 6
-
-
 def deploy_target(session: Session, target: Target, get_source: Callable[[], Source], *,
                   dry_run: bool = False, install_deps: bool = False, verify: bool = False,
                   progress: Progress | None = None,
@@ -213,8 +209,8 @@ def deploy_target(session: Session, target: Target, get_source: Callable[[], Sou
         else:
             try:
                 out = _apply(t, target, source, changed, live["release"] or "", res.bytes_sent, progress)
-            except StepFailed as e:
-                if e.exit_code_remote == AGENT_STALE and attempt == 1:
+            except agent.Refused as e:
+                if e.reason == "moved" and attempt == 1:
                     continue
                 raise
             res.release, res.pruned, res.ok = out["release"], out["pruned"], True
@@ -239,10 +235,9 @@ def _apply(t: Transport, target: Target, source: Source, changed: list[str], bas
         try:
             return agent.call(t, target, agent.RELEASE, ["apply", target.workdir, rid, base, str(need), _who()],
                               stdin=_Counting(spool, update), what="build the release")
-        except StepFailed as e:
-            if e.exit_code_remote in (AGENT_BUSY, AGENT_NO_SPACE):   # a refusal: its own words
-                lines = e.stderr_tail.strip().splitlines() or [str(e)]
-                raise DeployRefused(f"{target.name}: {lines[-1].removeprefix('agent: ')}") from None
+        except agent.Refused as e:
+            if e.reason in ("locked", "no_space"):   # in the agent's own words
+                raise DeployRefused(f"{target.name}: {e.doc.get('message')}") from None
             raise
 
 

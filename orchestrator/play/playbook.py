@@ -29,6 +29,7 @@ from orchestrator.inventory import yamlnodes as yn
 from orchestrator.envvars import NAME_RE
 from orchestrator.errors import FileError, UsageError
 from orchestrator.play.templating import ASSERT_TESTS, _templated, convert, expressions, parse_expr
+from orchestrator.runs.options import POLICIES, TOPOLOGIES
 
 TARGET_KEYS = ("target", "host", "vmid", "python", "workdir", "gpus")
 BUILTINS = ("playbook_dir",)
@@ -42,7 +43,7 @@ ACTIONS: dict[str, dict[str, Any]] = {
     "deploy": {"source": "str", "install_deps": "bool", "verify": "bool"},
     "probe": {"gpus": "int", "policies": "list", "topologies": "list", "case_timeout": "int", "reuse": "bool"},
     "launch": {"gpus": "int", "gpu_ids": "str", "name": "str", "config": "str",
-               "topology": ("threads", "processes"), "policy": "str", "workers": "int", "env": "map",
+               "topology": TOPOLOGIES, "policy": POLICIES, "workers": "int", "env": "map",
                "args": "list"},
     "logs": {"run": "str"},
     "export": {"run": "str", "step": "int", "output": "str",

@@ -261,11 +261,12 @@ def _probe(run: Run, o: dict):
 
 def _launch(run: Run, o: dict):
     from orchestrator.runs import launch as runs
+    from orchestrator.runs.options import LaunchOptions
 
-    res = runs.launch(run.inv, run.target.name, gpus=o.get("gpus"), config=o.get("config"),
-                      topology=o.get("topology", "threads"), policy=o.get("policy", "auto"),
-                      workers=o.get("workers"), extra=o.get("args", []), name=o.get("name"),
-                      gpu_ids=o.get("gpu_ids"), session=run.session, env=o.get("env"))
+    opts = LaunchOptions.build(gpus=o.get("gpus"), gpu_ids=o.get("gpu_ids"), config=o.get("config"),
+                               topology=o.get("topology"), policy=o.get("policy"), workers=o.get("workers"),
+                               extra=o.get("args", []), name=o.get("name"), env=o.get("env"))
+    res = runs.launch(run.inv, run.target.name, opts, session=run.session)
     return True, res.as_json(), f"run {res.run} (pid {res.pid}, policy {res.compile_policy})"
 
 

@@ -1,5 +1,5 @@
-"""Helpers every remote agent uses: JSON replies and records, the exit of a refused command,
-flocks, hashing. Runs on the TARGET under its own python: standard library only, Python >= 3.8.
+"""Helpers every remote agent uses: JSON replies and records, the refusal (`refuse`), the
+exit of a failed command, flocks, hashing. Runs on the TARGET under its own python: standard library only, Python >= 3.8.
 
 The parts of this package import from each other as any package does
 (`from .common import _out`); orchestrator/agent.py follows those imports and joins the parts
@@ -16,6 +16,15 @@ def _out(doc):
     """The reply: one JSON document, the last line on stdout."""
     sys.stdout.write(json.dumps(doc) + "\n")
     sys.stdout.flush()
+
+
+def refuse(reason, message, **extra):
+    """Say no and end the command: the reply `{"ok": false, "reason": R, "message": M, ...extra}`,
+    exit 0 (the controller's agent.call raises agent.Refused). Every refusal of every agent."""
+    doc = {"ok": False, "reason": reason, "message": message}
+    doc.update(extra)
+    _out(doc)
+    sys.exit(0)
 
 
 def _fail(msg, code=3):
@@ -96,8 +105,8 @@ def _dist_version(name):
     """The installed version of distribution NAME, without importing it (torch takes seconds).
 
     First the `NAME-VERSION.dist-info` folder on sys.path, in sys.path order as importlib.metadata
-    searches; that is a listdir per path entry, where importlib.metadata's own import costs ~40 ms
-    of every deploy. Anything else (egg-info, odd layouts) goes to importlib.metadata."""
+    searches: a listdir per path entry, cheaper than importing importlib.metadata in every
+    deploy. Anything else (egg-info, odd layouts) goes to importlib.metadata."""
     want = name.lower().replace("-", "_")
     for entry in sys.path:
         try:

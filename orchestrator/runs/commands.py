@@ -91,25 +91,21 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
     Trainer flags go after `--`, e.g. `dflash-ops launch ct200 --gpus 2 -- --steps 500`.
     The run holds its GPUs (a CPU run, --gpus 0, holds the target's one CPU slot) until it ends.
     """
-    from orchestrator.runs import nodes, launch as runs
+    from orchestrator.runs import nodes
     from orchestrator.ssh.agent import session as open_session
     from orchestrator.envvars import parse_assignments
+    from orchestrator.runs.options import LaunchOptions
 
     targets, extra = _split_launch_args(state, args)
-    variables = parse_assignments(env)
+    opts = LaunchOptions.build(gpus=gpus, gpu_ids=gpu_ids, config=config, topology=topology, policy=policy,
+                               workers=workers, extra=extra, name=name, resume=resume,
+                               env=parse_assignments(env))
     with open_session(state.inv) as session:   # one connection for the launch and the follow
-        if len(targets) > 1:
-            res = nodes.launch(state.inv, targets, gpus=gpus, config=config, topology=topology, policy=policy,
-                               workers=workers, extra=extra, name=name, gpu_ids=gpu_ids, resume=resume,
-                               session=session, env=variables)
-            info = _nodes_info(res)
-        else:
-            res = runs.launch(state.inv, targets[0].name if targets else None, gpus=gpus, config=config,
-                              topology=topology, policy=policy, workers=workers, extra=extra, name=name,
-                              gpu_ids=gpu_ids, resume=resume, session=session, env=variables)
-            info = _launch_info(res)
-            for c in res.cleared:
-                _note(f"{res.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
+        res = nodes.launch(state.inv, targets or [state.inv.default_target()], opts, session=session)
+        info = _nodes_info(res) if len(res.nodes) > 1 else _launch_info(res.nodes[0])
+        for n in res.nodes:
+            for c in n.cleared:
+                _note(f"{n.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
         if not follow:
             if as_json:
                 emit(True, res.as_json(), "")
@@ -170,52 +166,28 @@ def logs(state: State, args, follow, tail, as_json):
 
 def _print_job(events, as_json: bool):
     """Write each line to stdout as it arrives; explain each signature once (per node) on stderr;
-    print the summary last and return it (a follow.Summary, or a nodes.JobSummary for a job).
+    print the summary last and return it (a follow.Summary for a run on one node, a
+    nodes.JobSummary for a job over several).
 
-    A run on one node: its lines as they are (coloured on a terminal where a signature hit). A job
-    over several: each line led by `[target/rankN]` (rank 0 included: with several nodes its lines
-    carry `[rank0]: ` in the log too) or `[target]` (the node's launcher and torchrun), notes led
-    by the node, and one summary for the job."""
-    from orchestrator.runs.nodes import JobSummary, NodeEvent
-
-    first = next(events, None)
-    job = isinstance(first, (NodeEvent, JobSummary))
-    with contextlib.closing(events):
-        return _print_events(_chain(first, events), as_json, _node_of if job else _no_node,
-                             "the log streams ended without a summary" if job
-                             else "the log stream ended without a summary")
-
-
-def _no_node(ev):
-    """(None, the event): a run on one node, whose lines and notes carry no label."""
-    return None, ev
-
-
-def _node_of(ev):
-    """(its node's target, the node's event) of a nodes.NodeEvent."""
-    return ev.target, ev.event
-
-
-def _print_events(events, as_json: bool, label, ended: str):
-    """The printer of _print_job; `label(ev)` is (the target that labels the event or None, the
-    follow event itself)."""
-    from orchestrator.runs.follow import End, Line, Reconnecting, Resumed
-    from orchestrator.runs.nodes import JobSummary
+    The first event (nodes.Job) names the run's nodes. One node: its lines as they are (coloured
+    on a terminal where a signature hit). Several: each line led by `[target/rankN]` (rank 0
+    included: with several nodes its lines carry `[rank0]: ` in the log too) or `[target]` (the
+    node's launcher and torchrun), notes led by the node, and one summary for the job."""
+    from orchestrator.runs.follow import Line, Reconnecting, Resumed
+    from orchestrator.runs.nodes import NodeEvent
 
     out = sys.stdout.buffer
     tty = _isatty(sys.stdout)
     explained: set = set()
     with contextlib.closing(events):
+        job = next(events)
+        several = len(job.targets) > 1
         for ev in events:
-            if isinstance(ev, End):
+            if not isinstance(ev, NodeEvent):       # the summary, last
                 if not as_json:
-                    _note(_summary_line(ev.summary))
-                return ev.summary
-            if isinstance(ev, JobSummary):
-                if not as_json:
-                    _note(_job_summary_line(ev))
+                    _note(_job_summary_line(ev) if several else _summary_line(ev))
                 return ev
-            t, e = label(ev)
+            t, e = (ev.target if several else None), ev.event
             at = f"{t}: " if t is not None else ""
             if isinstance(e, Line):
                 if not as_json:
@@ -239,7 +211,8 @@ def _print_events(events, as_json: bool, label, ended: str):
             elif isinstance(e, Resumed):
                 if not as_json:
                     _note(f"{at}reconnected after {e.down_s:.2f} s; resuming at byte {e.offset}")
-    raise OpsError(ended)
+    raise OpsError("the log streams ended without a summary" if several
+                   else "the log stream ended without a summary")
 
 
 def _coloured(line) -> bytes:
@@ -250,12 +223,6 @@ def _coloured(line) -> bytes:
     body = data.rstrip(b"\r\n")
     code = SEVERITY_COLOUR.get(line.hits[0].severity, b"1")
     return b"\x1b[" + code + b"m" + body + b"\x1b[0m" + data[len(body):]
-
-
-def _chain(first, rest):
-    if first is not None:
-        yield first
-    yield from rest
 
 
 def _prefixed(target: str, data: bytes) -> bytes:

@@ -15,7 +15,6 @@ import re
 import socket
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Mapping, Sequence
 
 from orchestrator.ssh import agent
@@ -23,15 +22,13 @@ from orchestrator.envvars import user_env
 from orchestrator.errors import (EXIT_OK, EXIT_RUN_FAILED, EXIT_RUN_RUNNING, EXIT_RUN_STOPPED, NotFound, OpsError,
                      StepFailed, UsageError)
 from orchestrator.inventory import Inventory, Target
+from orchestrator.runs.options import LaunchOptions, check_run
 from orchestrator.ssh.session import Session
 
-TOPOLOGIES = ("threads", "processes")
 STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_RUN_FAILED, "running": EXIT_RUN_RUNNING,
               "stopped": EXIT_RUN_STOPPED}
 STOP_TIMEOUT_S = 120.0
 RUN_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]+$")
-RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")   # what the runs agent accepts as a run id
-LABEL_RE = re.compile(r"^[^\x00-\x1f\x7f]{1,64}$")            # launch --name: one printable line
 
 
 class LaunchRefused(OpsError):
@@ -71,27 +68,11 @@ def split_target_run(inv: Inventory, args: Sequence[str]) -> tuple[Target, str]:
     return inv.default_target(), "latest"
 
 
-def check_run(run: str) -> str:
-    """A run id as typed (or `latest`); anything else, an option after `--` included, is bad input."""
-    if run != "latest" and not RUN_NAME_RE.match(run):
-        raise UsageError(f"{run!r} is not a run id (they look like 20250101-120000-3fa9c1; "
-                         f"see `dflash-ops status`)")
-    return run
-
-
-def parse_gpu_ids(text: str, target: Target) -> list[int]:
-    """`--gpu-ids 0,3`: distinct indexes of the target's GPUs (hosts.yaml `gpus:`)."""
-    try:
-        ids = [int(w) for w in text.split(",")]
-    except ValueError:
-        raise UsageError(f"--gpu-ids {text}: expected GPU indexes like 0,3") from None
-    bad = [i for i in ids if not 0 <= i < target.gpus]
-    if bad:
+def check_gpu_ids(opts: LaunchOptions, target: Target) -> None:
+    """`--gpu-ids 0,3` names GPUs the target has (hosts.yaml `gpus:`)."""
+    if opts.gpu_ids is not None and any(not 0 <= i < target.gpus for i in opts.gpu_ids):
         have = f"0..{target.gpus - 1}" if target.gpus else "none (gpus: 0)"
-        raise UsageError(f"--gpu-ids {text}: {target.name} has GPUs {have} (hosts.yaml `gpus:`)")
-    if len(set(ids)) != len(ids):
-        raise UsageError(f"--gpu-ids {text}: a GPU is named twice")
-    return ids
+        raise UsageError(f"--gpu-ids {opts.gpu_ids_text}: {target.name} has GPUs {have} (hosts.yaml `gpus:`)")
 
 
 def refusal_message(target: Target, doc: dict) -> str:
@@ -102,7 +83,7 @@ def refusal_message(target: Target, doc: dict) -> str:
     if reason == "no_probe":
         return (f"{t}: --policy auto needs the probe's choice and {target.workdir}/probe.json does "
                 f"not exist; run `dflash-ops probe {t}` first (or pass --policy NAME)")
-    if reason in ("too_many_gpus", "no_space", "io", "bad_gpu_ids"):
+    if reason in ("too_many_gpus", "no_space", "io", "bad_gpu_ids", "bad_probe"):
         return f"{t}: {doc.get('message')}"
     if reason == "not_found":
         return f"{t}: {doc.get('message')} (see `dflash-ops status {t}`)"
@@ -153,78 +134,37 @@ class LaunchResult:
         return asdict(self)
 
 
-def launch(inv: Inventory, target_name: str | None, *, gpus: int | None = None,
-           config: str | None = None, topology: str = "threads", policy: str = "auto",
-           workers: int | None = None, extra: Sequence[str] = (), name: str | None = None,
-           gpu_ids: str | None = None, resume: str | None = None,
-           session: Session | None = None, env: dict[str, str] | None = None) -> LaunchResult:
+def launch(inv: Inventory, target_name: str | None, opts: LaunchOptions, *,
+           session: Session | None = None) -> LaunchResult:
     """Start the trainer detached on the target; returns once it runs (the run goes on alone).
-
-    gpu_ids ("0,3") names the GPUs (and their slots) instead of the first free ones; name labels
-    the run in status. resume continues that stopped or failed run in place (same run id, its own
-    config, trainer arguments, topology and policy, the trainer's --resume) as a new attempt.
-    env: variables for the trainer, over the inventory's host and target `env:`.
-    (Several targets, one job: nodes.launch.)"""
+    (The CLI launches a job of one or more targets: nodes.launch.)"""
     target = resolve_target(inv, target_name)
-    spec = launch_spec(inv, target, gpus=gpus, config=config, topology=topology, policy=policy,
-                       workers=workers, extra=extra, name=name, gpu_ids=gpu_ids, resume=resume, env=env)
+    spec = launch_spec(inv, target, opts)
     with agent.session(inv, session) as s:
         return launch_on(s, target, spec)
 
 
 @dataclass
 class LaunchSpec:
-    """What launch_on sends: `doc`, the runs agent's launch spec (JSON on its stdin, recorded in
-    run.json; its `user_env` masked), and `env`, the caller's variables unmasked, which only travel
-    in the launch command (EnvTransport) and are never sent as data or recorded."""
+    """What launch_on sends: `doc`, the runs agent's launch spec (ONE JSON document on its stdin,
+    recorded in run.json; its `user_env` masked), and `env`, the caller's variables unmasked, which
+    only travel in the launch command (EnvTransport) and are never sent as data or recorded."""
     doc: dict
     env: dict[str, str] | None = None
 
 
-def launch_spec(inv: Inventory, target: Target, *, gpus: int | None = None, config: str | None = None,
-                topology: str = "threads", policy: str = "auto", workers: int | None = None,
-                extra: Sequence[str] = (), name: str | None = None, gpu_ids: str | None = None,
-                resume: str | None = None, env: dict[str, str] | None = None, run: str | None = None) -> LaunchSpec:
-    """The runs agent's launch spec for `target` with the caller's variables (LaunchSpec), every option
-    checked (UsageError, LaunchRefused)."""
-    if name is not None and not LABEL_RE.match(name):
-        raise UsageError(f"--name {name!r}: one line of at most 64 printable characters")
-    ids = parse_gpu_ids(gpu_ids, target) if gpu_ids is not None else None
-    if ids is not None:
-        if gpus is not None and gpus != len(ids):
-            raise UsageError(f"--gpus {gpus} and --gpu-ids {gpu_ids} disagree; give one of them")
-        gpus = len(ids)
-    if resume is not None:
-        check_run(resume)
-        if config or extra or workers is not None:
-            raise UsageError("--resume continues the run with its own config and trainer arguments; "
-                             "drop --config, --workers and the arguments after `--`")
-    gpus = (None if resume is not None else target.gpus) if gpus is None else gpus
-    if gpus is not None and gpus < 0:
-        raise UsageError("--gpus must be >= 0")
+def launch_spec(inv: Inventory, target: Target, opts: LaunchOptions, run: str | None = None) -> LaunchSpec:
+    """The runs agent's launch spec of `opts` on `target` (run: the job's id, else a new one), with
+    the checks that need the target (UsageError, LaunchRefused)."""
+    check_gpu_ids(opts, target)
+    gpus = (None if opts.resume is not None else target.gpus) if opts.gpus is None else opts.gpus
     if gpus is not None and gpus > target.gpus:
         raise LaunchRefused(f"{target.name}: --gpus {gpus} is more than the target's "
                             f"{target.gpus} GPU(s) (hosts.yaml `gpus:`)")
-    if topology not in TOPOLOGIES:
-        raise UsageError(f"--topology must be one of {', '.join(TOPOLOGIES)}")
-    for i, arg in enumerate(extra, 1):
-        try:
-            arg.encode("utf-8")
-        except UnicodeEncodeError:   # bytes the shell passed that are not UTF-8 (surrogate-escaped)
-            raise UsageError(f"trainer argument {i} is not UTF-8 text: {arg!r}") from None
-    spec = {"run": run or new_run_id(target.name), "target": target.name, "gpus": gpus,
-            "target_gpus": target.gpus, "topology": topology, "policy": policy or "auto",
-            "workers": workers, "extra": list(extra), "controller": _controller(), "name": name,
-            "gpu_ids": ids, "resume": resume,
+    env = dict(opts.env) or None
+    spec = {**opts.doc(), "run": run or new_run_id(target.name), "target": target.name, "gpus": gpus,
+            "target_gpus": target.gpus, "controller": _controller(),
             "user_env": user_env(inv, target, env)}   # recorded in run.json, secrets masked
-    if config:
-        path = Path(config).expanduser()
-        try:
-            spec["config_text"] = path.read_text(encoding="utf-8")
-        except OSError as e:
-            raise UsageError(f"--config {config}: cannot read: {e.strerror or e}") from None
-        spec["config_name"] = path.name
-        spec["config_source"] = str(path.resolve())
     return LaunchSpec(spec, env)
 
 

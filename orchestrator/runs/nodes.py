@@ -1,5 +1,6 @@
-"""A run over several nodes: one DDP job, one torchrun per target, joined by torchrun's c10d
-rendezvous (docs/architecture.md, "Several nodes").
+"""A run as a job of one or more nodes: launch, follow and stop go through here whatever the
+number of nodes. Over several nodes it is one DDP job, one torchrun per target, joined by
+torchrun's c10d rendezvous (docs/architecture.md, "Several nodes").
 
 `launch` starts the same run id on every target at once (agent.fan_out), the first target
 hosting the rendezvous at its `train_address:train_port`; when any target refuses or fails, the
@@ -21,6 +22,7 @@ from typing import Iterator, Sequence
 from orchestrator.ssh import agent
 from orchestrator.errors import OpsError, UsageError
 from orchestrator.inventory import Inventory, Target
+from orchestrator.runs.options import LaunchOptions
 from orchestrator.runs.launch import (LaunchResult, call_about_run, exit_code_for, job_state, launch_on, launch_spec, new_run_id,
                    not_found, status_docs)
 from orchestrator.ssh.session import Session
@@ -36,27 +38,31 @@ class NodesFailed(OpsError):
 
 @dataclass
 class NodesLaunch:
+    """A launched job: its run id, what each node started, the rendezvous (None on one node)."""
     run: str
     nodes: list[LaunchResult]
-    endpoint: str
+    endpoint: str | None
 
     @property
     def target(self) -> str:
         return self.nodes[0].target
 
     def as_json(self) -> dict:
+        """One node: its LaunchResult's document; several: the job's, each node's inside."""
         first = self.nodes[0]
+        if len(self.nodes) == 1:
+            return first.as_json()
         return {"target": first.target, "run": self.run, "pid": first.pid, "endpoint": self.endpoint,
                 "targets": [n.target for n in self.nodes], "nodes": [n.as_json() for n in self.nodes]}
 
 
-def check_targets(targets: Sequence[Target], topology: str, gpu_ids: str | None, resume: str | None = None) -> str:
+def check_targets(targets: Sequence[Target], opts: LaunchOptions) -> str:
     """The rendezvous endpoint (the first target's train_address:train_port), every target checked
     (a resumed run keeps its own topology)."""
-    if topology != "processes" and resume is None:
+    if opts.topology != "processes" and opts.resume is None:
         raise UsageError(f"several targets ({', '.join(t.name for t in targets)}) run one job under "
                          f"--topology processes (torchrun on each); add --topology processes")
-    if gpu_ids is not None:
+    if opts.gpu_ids is not None:
         raise UsageError("--gpu-ids names GPUs of one target; with several targets use --gpus N")
     for t in targets:
         if not t.train_address:
@@ -66,26 +72,28 @@ def check_targets(targets: Sequence[Target], topology: str, gpu_ids: str | None,
     return f"{targets[0].train_address}:{targets[0].train_port}"
 
 
-def launch(inv: Inventory, targets: Sequence[Target], *, gpus: int | None = None, config: str | None = None,
-           topology: str = "processes", policy: str = "auto", workers: int | None = None,
-           extra: Sequence[str] = (), name: str | None = None, gpu_ids: str | None = None,
-           resume: str | None = None, session: Session | None = None,
-           env: dict[str, str] | None = None) -> NodesLaunch:
-    """One job over `targets` (at least 2): torchrun on each with the same run id."""
-    endpoint = check_targets(targets, topology, gpu_ids, resume)
-    run = resume or new_run_id(targets[0].name)
+def launch(inv: Inventory, targets: Sequence[Target], opts: LaunchOptions, *,
+           session: Session | None = None) -> NodesLaunch:
+    """One job over `targets`, all started at once with the same run id: one node, or torchrun on
+    each of several, joined at the first one's rendezvous endpoint. A failure on one of several
+    undoes the others (NodesFailed); on one node its own error is raised."""
+    several = len(targets) > 1
+    endpoint = check_targets(targets, opts) if several else None
+    run = opts.resume or new_run_id(targets[0].name)
     names = [t.name for t in targets]
     specs = {}
     for i, t in enumerate(targets):
-        spec = launch_spec(inv, t, gpus=gpus, config=config, topology=topology, policy=policy,
-                           workers=workers, extra=extra, name=name, resume=resume, env=env, run=run)
-        spec.doc["nodes"] = {"targets": names, "index": i, "endpoint": endpoint, "address": t.train_address}
+        spec = launch_spec(inv, t, opts, run=run)
+        if several:
+            spec.doc["nodes"] = {"targets": names, "index": i, "endpoint": endpoint, "address": t.train_address}
         specs[t.name] = spec
     with agent.session(inv, session) as s:
         group = agent.fan_out(targets, lambda t: launch_on(s, t, specs[t.name]))
+        if group.failures and not several:
+            raise group[names[0]].error
         if group.failures:
             started = [t for t in targets if group[t.name].ok]
-            undo = _undo(s, started, run, fresh=resume is None)
+            undo = _undo(s, started, run, fresh=opts.resume is None)
             undone = [t.name for t in started if undo[t.name].ok]
             said = f" (run {run} undone on {', '.join(undone)}: nothing left running or locked there)" \
                 if undone else ""
@@ -187,43 +195,67 @@ class JobSummary:
         return asdict(self)
 
 
+@dataclass
+class Job:
+    """The first event of a follow: the run and its nodes (one target for a run on one node)."""
+    run: str
+    targets: list[str]
+
+
+@dataclass
+class _Ended:
+    """A node's follower has ended: its summary, or the exception that ended it."""
+    target: str
+    summary: object = None
+    error: BaseException | None = None
+
+
 def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool = True,
            tail: int | None = None, session: Session | None = None, catalog=None) -> Iterator:
-    """Follow every node of the run at once: NodeEvent per node event as it comes, then one
-    JobSummary (a run on one node: that node's own events and summary, as follow.follow)."""
+    """Follow every node of the run at once (a run on one node is a job of one): Job first, then a
+    NodeEvent per node event as it comes, then the summary: the node's follow.Summary for a job of
+    one node, one JobSummary for several. A node that could not be followed raises its error once
+    every node has ended; a bug in a follower (not an OpsError) is raised as soon as it happens."""
     from orchestrator.runs import follow as follow_mod
 
     with agent.session(inv, session) as s:
         rid, nodes = run_nodes(inv, target, run, s)
-        if len(nodes) == 1:
-            yield from follow_mod.follow(inv, target, rid, follow=follow, tail=tail, session=s, catalog=catalog)
-            return
+        names = [t.name for t, _ in nodes]
+        yield Job(rid, names)
         events: queue.Queue = queue.Queue()
 
-        def one(t: Target):
-            end = None
-            for ev in follow_mod.follow(inv, t, rid, follow=follow, tail=tail, session=s, catalog=catalog):
-                if isinstance(ev, follow_mod.End):
-                    end = ev.summary
-                else:
-                    events.put(NodeEvent(t.name, ev))
-            return end
+        def one(t: Target) -> None:
+            done = _Ended(t.name)
+            try:
+                for ev in follow_mod.follow(inv, t, rid, follow=follow, tail=tail, session=s, catalog=catalog):
+                    if isinstance(ev, follow_mod.End):
+                        done.summary = ev.summary
+                    else:
+                        events.put(NodeEvent(t.name, ev))
+            except BaseException as e:   # noqa: BLE001 - handed to the consumer, which raises it
+                done.error = e
+            finally:                     # whatever happened, the consumer learns this node ended
+                events.put(done)
 
-        done: list = []
-        runner = threading.Thread(target=lambda: (done.append(agent.fan_out([t for t, _ in nodes], one)),
-                                                  events.put(None)), daemon=True)
-        runner.start()
-        while True:
+        threading.Thread(target=agent.fan_out, args=([t for t, _ in nodes], one), daemon=True).start()
+        ended: dict[str, _Ended] = {}
+        while len(ended) < len(nodes):
             ev = events.get()
-            if ev is None:
-                break
-            yield ev
-        group = done[0]
-        errors = [o.error for o in group.values() if not o.ok]
+            if not isinstance(ev, _Ended):
+                yield ev
+                continue
+            ended[ev.target] = ev
+            if ev.error is not None and not isinstance(ev.error, OpsError):
+                raise ev.error
+        errors = [ended[n].error for n in names if ended[n].error is not None]
         if errors:          # a node that could not be followed: its error, not a guess at its state
             raise errors[0]
-        summaries = {name: o.value for name, o in group.items() if o.ok}
-        yield job_summary(rid, [t.name for t, _ in nodes], summaries, rank0(nodes).name)
+        summaries = {n: ended[n].summary for n in names if ended[n].summary is not None}
+        if len(names) == 1:
+            if summaries:
+                yield summaries[names[0]]
+            return
+        yield job_summary(rid, names, summaries, rank0(nodes).name)
 
 
 def job_summary(run: str, targets: list[str], summaries: dict, first: str) -> JobSummary:
@@ -246,4 +278,4 @@ def job_summary(run: str, targets: list[str], summaries: dict, first: str) -> Jo
 
 
 __all__ = ["launch", "NodesLaunch", "NodesFailed", "check_targets", "run_nodes", "rank0", "rank0_of", "stop",
-           "follow", "NodeEvent", "JobSummary", "job_summary"]
+           "follow", "Job", "NodeEvent", "JobSummary", "job_summary"]

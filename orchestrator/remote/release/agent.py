@@ -16,7 +16,9 @@ binaries needed in the container.
                                 under the deploy lock, builds releases/RELEASE from release BASE
                                 (the one the controller read; "" for none) + the changes,
                                 verifies it, flips WORKDIR/current atomically, keeps the last KEEP.
-                                NEED: bytes the new files take; BY: who deploys (for the lock)
+                                NEED: bytes the new files take; BY: who deploys (for the lock).
+                                Refusals (common.refuse): `locked` (another deploy holds the
+                                lock), `moved` (the live release is no longer BASE), `no_space`
     install-deps WORKDIR        pip-installs the live release's trainer/requirements.txt,
                                 with the installed torch pinned so pip never touches it
 """
@@ -25,14 +27,13 @@ import os
 import platform
 import sys
 
-from ..common import _dist_version, _dists, _fail, _out, _read_json, _write_json
+from ..common import _dist_version, _dists, _fail, _out, _read_json, _write_json, refuse
 from .store import MANIFEST, STATS, _check, _clear_leftovers, _holder, _live, _read_manifest, _stat_key, _try_lock
 
 # hashlib, shutil, subprocess, tarfile and tempfile are imported where they are used: the
-# `manifest` command of every deploy needs none of them, and their imports were ~20 ms of it.
+# `manifest` command of every deploy needs none of them, and importing them is a good part of its time.
 
 KEEP = 5
-EXIT_BUSY, EXIT_STALE, EXIT_NO_SPACE = 4, 5, 6    # apply's refusals the controller tells apart
 
 
 def cmd_manifest(workdir, full=False, tidy=False, no_files=False):
@@ -104,15 +105,15 @@ def cmd_apply(workdir, release, base, need, by):
 
     lock = _try_lock(workdir)
     if lock is None:
-        _fail("%s is deploying to %s; try again when it ends" % (_holder(workdir), workdir), EXIT_BUSY)
+        refuse("locked", "%s is deploying to %s; try again when it ends" % (_holder(workdir), workdir))
     lock.write(json.dumps({"pid": os.getpid(), "by": by, "release": release,
                            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
     lock.flush()
 
     live, live_path = _live(workdir)
     if base and live != base:
-        _fail("the live release changed to %s while this deploy was planned against %s"
-              % (live, base), EXIT_STALE)
+        refuse("moved", "the live release changed to %s while this deploy was planned against %s"
+               % (live, base))
     releases = os.path.join(workdir, "releases")
     os.makedirs(releases, exist_ok=True)
     final = os.path.join(releases, release)
@@ -123,8 +124,7 @@ def cmd_apply(workdir, release, base, need, by):
     partial = final + ".partial"
     free = _free_bytes(releases)
     if need > free:
-        _fail("no space left in %s: the release needs %s, %s free" % (releases, _mb(need), _mb(free)),
-              EXIT_NO_SPACE)
+        refuse("no_space", "no space left in %s: the release needs %s, %s free" % (releases, _mb(need), _mb(free)))
     try:
         received, linked = _build(partial, live_path if base else None)
     except BaseException as e:
@@ -132,8 +132,8 @@ def cmd_apply(workdir, release, base, need, by):
         # goes at once rather than at the next deploy: it may be what filled the disk.
         shutil.rmtree(partial, ignore_errors=True)
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            _fail("no space left in %s: the release needs %s, %s free after removing the partial "
-                  "release" % (releases, _mb(need), _mb(_free_bytes(releases))), EXIT_NO_SPACE)
+            refuse("no_space", "no space left in %s: the release needs %s, %s free after removing the "
+                   "partial release" % (releases, _mb(need), _mb(_free_bytes(releases))))
         raise
     os.rename(partial, final)
     _fsync_dir(releases)

@@ -51,8 +51,8 @@ import socket
 import sys
 import time
 
-from ..common import _fail, _home, _now_iso, _out, _read_json, _write_json
-from .common import LOG, _metric, _resolve, _run_ids, _runs_dir, _state, _status
+from ..common import _fail, _home, _now_iso, _out, _read_json, _write_json, refuse
+from .common import LOG, _find, _metric, _resolve, _run_ids, _runs_dir, _state, _status
 from ..release.store import _live
 from .export import cmd_export
 from .follow import cmd_follow
@@ -79,13 +79,6 @@ def cmd_status(workdir, runs):
 
 # --- launch -------------------------------------------------------------------------------------
 
-def _refuse(reason, message, **extra):
-    doc = {"ok": False, "reason": reason, "message": message}
-    doc.update(extra)
-    _out(doc)
-    sys.exit(0)
-
-
 def _release_info(workdir):
     release, path = _live(workdir)
     if release is None or not os.path.isdir(path):
@@ -106,35 +99,49 @@ def _release_info(workdir):
     return os.path.basename(path), path, commit
 
 
-def _probe_policy(workdir, topology="threads"):
-    """(probe.json found, the policy it chose for that topology or None)."""
-    doc = _read_json(os.path.join(workdir, "probe.json"))
-    if doc is None:
-        return os.path.exists(os.path.join(workdir, "probe.json")), None
-    policy = doc.get("policy") if isinstance(doc, dict) else None
-    if topology == "processes" and isinstance(doc, dict) and doc.get("processes_policy"):
-        policy = doc["processes_policy"]
-    if isinstance(policy, dict):
-        policy = policy.get("name")
-    return True, policy if isinstance(policy, str) and policy else None
+# `auto`'s rule, asked of the live release's trainer (torch-free module, no torch loaded).
+_RESOLVE = ("import json, sys\n"
+            "from trainer.policies import PolicyError, resolve\n"
+            "try:\n"
+            "    print(json.dumps({'policy': resolve('auto', sys.argv[1], sys.argv[2])}))\n"
+            "except PolicyError as e:\n"
+            "    print(json.dumps({'error': str(e)}))\n")
+
+
+def _probe_policy(workdir, release_path, topology="threads"):
+    """The probe's choice that `auto` means for this topology, as the live release's
+    trainer.policies.resolve decides it (the one place the rule is written; the trainer applies
+    it again when it starts). Refuses `no_probe` without WORKDIR/probe.json, `bad_probe` when
+    the trainer would refuse the choice."""
+    import subprocess
+
+    if not os.path.exists(os.path.join(workdir, "probe.json")):
+        refuse("no_probe", "--policy auto needs a probe result and %s/probe.json does not exist" % workdir)
+    proc = subprocess.run([sys.executable, "-c", _RESOLVE, workdir, topology], cwd=release_path,
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        doc = json.loads(proc.stdout.decode("utf-8", "replace").strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        lines = proc.stderr.decode("utf-8", "replace").strip().splitlines() or ["(no message)"]
+        _fail("the live release could not resolve --policy auto: %s" % lines[-1])
+    if "error" in doc:
+        refuse("bad_probe", doc["error"])
+    return doc["policy"]
 
 
 def cmd_launch(workdir):
     spec = json.load(sys.stdin)
     prev = None
     if spec.get("resume"):          # continue a stopped or failed run in place, with its settings
-        spec, prev = _resume_spec(workdir, spec, _refuse)
+        spec, prev = _resume_spec(workdir, spec)
     run = spec["run"]
     release, release_path, commit = _release_info(workdir)
     if release is None:
-        _refuse("no_release", "no release deployed in %s" % workdir)
+        refuse("no_release", "no release deployed in %s" % workdir)
     policy = spec.get("policy") or "auto"
     probe_choice = None
     if policy == "auto":
-        found, probe_choice = _probe_policy(workdir, spec.get("topology") or "threads")
-        if not found:
-            _refuse("no_probe", "--policy auto needs a probe result and %s/probe.json does not exist"
-                    % workdir)
+        probe_choice = _probe_policy(workdir, release_path, spec.get("topology") or "threads")
     # `auto` goes to the trainer as is: it resolves it from DFLASH_OPS_WORKDIR/probe.json and
     # refuses a choice probed under another torch build. The record keeps the probe's choice.
     compile_policy = policy
@@ -143,31 +150,31 @@ def cmd_launch(workdir):
     if want is not None:
         bad = [i for i in want if not 0 <= i < total]
         if bad or not want or len(set(want)) != len(want):
-            _refuse("bad_gpu_ids", "--gpu-ids %s: the target's GPUs are 0..%d, each named once"
+            refuse("bad_gpu_ids", "--gpu-ids %s: the target's GPUs are 0..%d, each named once"
                     % (",".join(map(str, want)), total - 1))
         gpus = len(want)
     if gpus > total:
-        _refuse("too_many_gpus", "--gpus %d is more than the target's %d GPU(s)" % (gpus, total))
+        refuse("too_many_gpus", "--gpus %d is more than the target's %d GPU(s)" % (gpus, total))
     rundir = os.path.join(_runs_dir(workdir), run)
     try:
         os.makedirs(_runs_dir(workdir), exist_ok=True)
         st = os.statvfs(_runs_dir(workdir))
         free = st.f_bavail * st.f_frsize
     except OSError as e:
-        _refuse("io", "cannot use %s: %s" % (_runs_dir(workdir), e.strerror or e))
+        refuse("io", "cannot use %s: %s" % (_runs_dir(workdir), e.strerror or e))
     if free < RUN_MIN_FREE:
-        _refuse("no_space", "%s has %.1f MB free; a run needs at least %d MB there for its log "
+        refuse("no_space", "%s has %.1f MB free; a run needs at least %d MB there for its log "
                 "and checkpoints" % (_runs_dir(workdir), free / 1e6, RUN_MIN_FREE // 10**6))
     with _Guard(workdir) as guard:
         if prev is not None:
             state, _ = _state(rundir, prev)
             if state not in RESUMABLE:
-                _refuse("not_resumable", "run %s is %s; only a stopped or failed run can be resumed"
+                refuse("not_resumable", "run %s is %s; only a stopped or failed run can be resumed"
                         % (run, state), state=state)
         chosen_slots, ids, busy, cleared = _claim(workdir, guard, gpus, total, want)
         if chosen_slots is None:
             holders = sorted({(h.get("run"), h.get("pid")) for h in busy.values()}, key=str)
-            _refuse("busy", "busy", busy={s: {"run": h.get("run"), "pid": h.get("pid")}
+            refuse("busy", "busy", busy={s: {"run": h.get("run"), "pid": h.get("pid")}
                                           for s, h in busy.items()},
                     holders=[{"run": r, "pid": p} for r, p in holders], cleared=cleared)
         attempts = []
@@ -189,7 +196,7 @@ def cmd_launch(workdir):
             if prev is None:
                 shutil.rmtree(rundir, ignore_errors=True)
             reason = "no_space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "io"
-            _refuse(reason, "cannot write the run folder %s: %s" % (rundir, e.strerror or e))
+            refuse(reason, "cannot write the run folder %s: %s" % (rundir, e.strerror or e))
         _hold(guard, run, chosen_slots, started, rec["started"])
     _out({"ok": True, "run": run, "pid": started["pid"], "supervisor_pid": started["supervisor_pid"],
           "release": release, "commit": commit, "compile_policy": compile_policy,
@@ -267,8 +274,7 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
         if not os.path.exists(os.path.join(rundir, "exit.json")):
             _write_json(os.path.join(rundir, "exit.json"),
                         _exit_record(rec, "failed", None, None, False, started["error"]))
-        _out({"ok": False, "reason": "spawn", "message": started["error"], "run": run})
-        sys.exit(0)
+        refuse("spawn", started["error"], run=run)
     return started, rec
 
 
@@ -276,10 +282,7 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
 
 def cmd_metrics(workdir, run):
     """The trainer's OUT/metrics.jsonl when it wrote one, else the log's JSON lines."""
-    rid = _resolve(workdir, run)
-    if rid is None:
-        _out({"ok": False, "reason": "not_found", "run": run})
-        return
+    rid = _find(workdir, run)
     rundir = os.path.join(_runs_dir(workdir), rid)
     metrics = []
     for name in ("metrics.jsonl", LOG):

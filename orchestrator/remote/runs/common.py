@@ -11,7 +11,7 @@ import os
 import re
 import time
 
-from ..common import _now_iso, _read_json
+from ..common import _now_iso, _read_json, refuse
 
 LOG = "train.log"
 # What a run id may look like (launch makes `YYYYmmdd-HHMMSS-hex`): no path, never an option.
@@ -79,6 +79,19 @@ def _resolve(workdir, run):
     if not _RUN_NAME.match(run):
         return None
     return run if os.path.isfile(os.path.join(_runs_dir(workdir), run, "run.json")) else None
+
+
+def _not_found(workdir, run, **extra):
+    """The refusal of a command about a run that is not there (`latest`: there are no runs)."""
+    refuse("not_found", "no run %r in %s" % (run, _runs_dir(workdir)), run=run, **extra)
+
+
+def _find(workdir, run, **extra):
+    """_resolve's run id; the not-found refusal when there is no such run."""
+    rid = _resolve(workdir, run)
+    if rid is None:
+        _not_found(workdir, run, **extra)
+    return rid
 
 
 def _state(rundir, rec=None):

@@ -23,8 +23,8 @@ import signal
 import subprocess
 import sys
 
-from ..common import _out, _sha256
-from .common import _alive, _resolve, _run_ids, _runs_dir, _state
+from ..common import _out, _sha256, refuse
+from .common import _alive, _not_found, _resolve, _run_ids, _runs_dir, _state
 
 CHUNK = 1 << 20
 
@@ -58,14 +58,11 @@ def cmd_export(workdir, run, step, dtype):
     else:
         rid = _resolve(workdir, run)
     if rid is None:
-        _out({"ok": False, "reason": "not_found", "run": run or "latest", "any_runs": bool(_run_ids(workdir))})
-        return
+        _not_found(workdir, run or "latest", any_runs=bool(_run_ids(workdir)))
     rundir = os.path.join(_runs_dir(workdir), rid)
     current = os.path.join(workdir, "current")
     if not os.path.isfile(os.path.join(current, "trainer", "export.py")):
-        _out({"ok": False, "found": True, "run": rid, "reason": "no_release",
-              "message": "the live release in %s has no trainer/export.py" % workdir})
-        return
+        refuse("no_release", "the live release in %s has no trainer/export.py" % workdir, found=True, run=rid)
     exports = os.path.join(workdir, "exports")
     os.makedirs(exports, exist_ok=True)
     _sweep(exports)
@@ -89,9 +86,7 @@ def cmd_export(workdir, run, step, dtype):
             msg = lines[-1]
             if msg.startswith("trainer: error: "):
                 msg = msg[len("trainer: error: "):]
-            _out({"ok": False, "found": True, "run": rid, "reason": "export", "message": msg,
-                  "exit_code": proc.returncode})
-            return
+            refuse("export", msg, found=True, run=rid, exit_code=proc.returncode)
         info = json.loads(out.decode("utf-8", "replace").strip().splitlines()[-1])
         files = []
         for name in sorted(os.listdir(folder)):

@@ -16,20 +16,18 @@ renamed to runs/.rm-RUN-PID before its files go: a half-removed run is never lis
 import os
 import shutil
 
-from ..common import _listdir, _out, _read_json
-from .common import _alive, _resolve, _run_ids, _runs_dir, _state
+from ..common import _listdir, _out, _read_json, refuse
+from .common import _alive, _find, _resolve, _run_ids, _runs_dir, _state
 from .locks import _Guard
 
 RESUMABLE = ("stopped", "failed")
 
 
-def _resume_spec(workdir, spec, refuse):
+def _resume_spec(workdir, spec):
     """The launch spec of an attempt that continues run spec["resume"] with the run's own
     settings (config, trainer arguments, topology, policy); spec may choose the GPUs and a name.
-    (spec, the run's record); refuse(reason, message) when there is no such run."""
-    rid = _resolve(workdir, spec["resume"])
-    if rid is None:
-        refuse("not_found", "no run %r in %s" % (spec["resume"], _runs_dir(workdir)))
+    (spec, the run's record); the not-found refusal when there is no such run."""
+    rid = _find(workdir, spec["resume"])
     rec = _read_json(os.path.join(_runs_dir(workdir), rid, "run.json")) or {}
     new = {"run": rid, "resume": rid, "target": spec.get("target"),
            "gpus": rec.get("gpus", 0) if spec.get("gpus") is None else spec["gpus"],

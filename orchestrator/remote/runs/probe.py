@@ -16,15 +16,14 @@ import os
 import subprocess
 import sys
 
-from ..common import _dist_version, _fail, _home, _out, _read_json
+from ..common import _dist_version, _fail, _home, _out, _read_json, refuse
 from ..release.store import _live
 
 
 def cmd_probe(workdir, args, reuse=False):
     _, path = _live(workdir)
     if not path or not os.path.isdir(path):
-        _out({"ok": False, "reason": "no_release", "message": "no release deployed in %s" % workdir})
-        return
+        refuse("no_release", "no release deployed in %s" % workdir)
     if reuse:
         saved = _read_json(os.path.join(workdir, "probe.json"))
         if isinstance(saved, dict) and isinstance(saved.get("result"), dict) and saved.get("policy") \

@@ -8,16 +8,13 @@ import signal
 import time
 
 from ..common import _now_iso, _out, _read_json, _write_json
-from .common import _alive, _resolve, _runs_dir, _state
+from .common import _alive, _find, _runs_dir, _state
 from .locks import _release_slots
 from .supervisor import _exit_record, _signal_name
 
 
 def cmd_stop(workdir, run, force, timeout):
-    rid = _resolve(workdir, run)
-    if rid is None:
-        _out({"ok": False, "reason": "not_found", "run": run})
-        return
+    rid = _find(workdir, run)
     rundir = os.path.join(_runs_dir(workdir), rid)
     rec = _read_json(os.path.join(rundir, "run.json")) or {}
     state, _ = _state(rundir, rec)

@@ -1,0 +1,118 @@
+"""What to launch: the options of `launch`, a playbook's launch step and a launch over several
+nodes, built and checked once (`LaunchOptions.build`) and passed on as one frozen value.
+
+The checks that need a target (GPU indexes in range, no more GPUs than it has) are made per
+target by runs.launch_spec; everything else is checked here, before anything connects.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from trainer.policies import POLICY_NAMES   # names only: importing it does not import torch
+
+from orchestrator.errors import UsageError
+
+TOPOLOGIES = ("threads", "processes")
+POLICIES = ("auto", *POLICY_NAMES)     # auto: the probe's choice, resolved by the trainer on the target
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")   # what the runs agent accepts as a run id
+LABEL_RE = re.compile(r"^[^\x00-\x1f\x7f]{1,64}$")            # launch --name: one printable line
+
+
+def check_run(run: str) -> str:
+    """A run id as typed (or `latest`); anything else, an option after `--` included, is bad input."""
+    if run != "latest" and not RUN_NAME_RE.match(run):
+        raise UsageError(f"{run!r} is not a run id (they look like 20250101-120000-3fa9c1; "
+                         f"see `dflash-ops status`)")
+    return run
+
+
+def _gpu_ids(text: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        raise UsageError(f"--gpu-ids {text}: expected GPU indexes like 0,3") from None
+    if len(set(ids)) != len(ids):
+        raise UsageError(f"--gpu-ids {text}: a GPU is named twice")
+    return ids
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """A launch's options, each checked (build). gpus None: all of the target's (a resumed run:
+    its own); gpu_ids: exactly these GPUs (its text kept for messages); config: the YAML file's
+    text, name and absolute path; extra: the trainer's arguments; env: variables for the
+    trainer, over the inventory's `env:` (they travel in the launch command, never as data)."""
+    gpus: int | None = None
+    gpu_ids: tuple[int, ...] | None = None
+    gpu_ids_text: str | None = None
+    topology: str = "threads"
+    policy: str = "auto"
+    workers: int | None = None
+    extra: tuple[str, ...] = ()
+    name: str | None = None
+    resume: str | None = None
+    config_text: str | None = None
+    config_name: str | None = None
+    config_source: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, *, gpus: int | None = None, gpu_ids: str | None = None, config: str | None = None,
+              topology: str | None = None, policy: str | None = None, workers: int | None = None,
+              extra: Sequence[str] = (), name: str | None = None, resume: str | None = None,
+              env: Mapping[str, str] | None = None) -> "LaunchOptions":
+        """The options checked (UsageError, exit 2); the config file read."""
+        topology = topology or "threads"
+        policy = policy or "auto"
+        if name is not None and not LABEL_RE.match(name):
+            raise UsageError(f"--name {name!r}: one line of at most 64 printable characters")
+        if policy not in POLICIES:
+            raise UsageError(f"--policy {policy}: not a policy (choose from {', '.join(POLICIES)})")
+        if topology not in TOPOLOGIES:
+            raise UsageError(f"--topology must be one of {', '.join(TOPOLOGIES)}")
+        if gpus is not None and gpus < 0:
+            raise UsageError("--gpus must be >= 0")
+        if workers is not None and workers < 1:
+            raise UsageError("--workers must be >= 1")
+        ids = _gpu_ids(gpu_ids) if gpu_ids is not None else None
+        if ids is not None:
+            if gpus is not None and gpus != len(ids):
+                raise UsageError(f"--gpus {gpus} and --gpu-ids {gpu_ids} disagree; give one of them")
+            gpus = len(ids)
+        if resume is not None:
+            check_run(resume)
+            if config or extra or workers is not None:
+                raise UsageError("--resume continues the run with its own config and trainer arguments; "
+                                 "drop --config, --workers and the arguments after `--`")
+        for i, arg in enumerate(extra, 1):
+            try:
+                arg.encode("utf-8")
+            except UnicodeEncodeError:   # bytes the shell passed that are not UTF-8 (surrogate-escaped)
+                raise UsageError(f"trainer argument {i} is not UTF-8 text: {arg!r}") from None
+        text = cname = source = None
+        if config:
+            path = Path(config).expanduser()
+            try:
+                text = path.read_text(encoding="utf-8")
+            except OSError as e:
+                raise UsageError(f"--config {config}: cannot read: {e.strerror or e}") from None
+            cname, source = path.name, str(path.resolve())
+        return cls(gpus=gpus, gpu_ids=ids, gpu_ids_text=gpu_ids, topology=topology, policy=policy,
+                   workers=workers, extra=tuple(extra), name=name, resume=resume, config_text=text,
+                   config_name=cname, config_source=source, env=dict(env or {}))
+
+    def doc(self) -> dict:
+        """The options as the runs agent's launch spec names them (env and the config's absence left out)."""
+        doc = {"gpus": self.gpus, "topology": self.topology, "policy": self.policy, "workers": self.workers,
+               "extra": list(self.extra), "name": self.name,
+               "gpu_ids": list(self.gpu_ids) if self.gpu_ids is not None else None, "resume": self.resume}
+        if self.config_text is not None:
+            doc.update(config_text=self.config_text, config_name=self.config_name,
+                       config_source=self.config_source)
+        return doc
+
+
+__all__ = ["LaunchOptions", "POLICIES", "TOPOLOGIES", "check_run", "RUN_NAME_RE", "LABEL_RE"]

@@ -1,0 +1,88 @@
+"""`logs` over a job's nodes: one fan-in for one node or several, which always ends."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from orchestrator import cli, inventory
+from orchestrator.runs import follow as follow_mod, nodes
+
+HOSTS = """
+default: ct200
+hosts: {pve1: {address: pve1.invalid}}
+targets:
+  ct200: {host: pve1, vmid: 200, gpus: 0}
+  ct300: {host: pve1, vmid: 300, gpus: 0}
+"""
+INV = inventory.parse(HOSTS)
+
+
+@pytest.fixture
+def two_nodes(monkeypatch):
+    """A job on ct200 and ct300 whose ct200 follower streams until told to stop and whose ct300
+    follower hits a bug (KeyError); no connection is made."""
+    stop = threading.Event()
+    monkeypatch.setattr(nodes, "run_nodes", lambda inv, target, run, s: (
+        "R", [(INV.targets["ct200"], {}), (INV.targets["ct300"], {})]))
+
+    def fake_follow(inv, t, run, **kw):
+        if t.name == "ct300":
+            time.sleep(0.2)
+            raise KeyError("boom")
+        yield follow_mod.Line(b"step 1\n", 1)
+        stop.wait(60)       # a run that goes on: this follower has not ended
+        yield follow_mod.End(follow_mod.Summary(t.name, run, "running", 101))
+
+    monkeypatch.setattr(follow_mod, "follow", fake_follow)
+    yield
+    stop.set()
+
+
+def _within(seconds, fn):
+    """fn()'s exception (or None), failing the test if fn has not returned after `seconds`."""
+    out: list = []
+
+    def run():
+        try:
+            fn()
+            out.append(None)
+        except BaseException as e:   # noqa: BLE001
+            out.append(e)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(seconds)
+    assert out, f"still blocked after {seconds} s"
+    return out[0]
+
+
+def test_a_follower_that_raises_ends_the_follow_at_once(two_nodes):
+    seen = []
+    err = _within(10, lambda: seen.extend(nodes.follow(INV, INV.targets["ct200"], "R", session=object())))
+    assert isinstance(err, KeyError) and "boom" in str(err)
+    assert isinstance(seen[0], nodes.Job) and seen[0].targets == ["ct200", "ct300"]
+
+
+def test_logs_names_the_error_of_a_follower_that_raises(two_nodes, tmp_path, capsys):
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(HOSTS)
+    err = _within(10, lambda: cli.main(["-i", str(hosts), "logs", "ct200", "R"]))
+    assert isinstance(err, SystemExit) and err.code == 1
+    assert "internal error: KeyError: 'boom'" in capsys.readouterr().err
+
+
+def test_a_run_on_one_node_goes_through_the_same_fan_in(monkeypatch):
+    monkeypatch.setattr(nodes, "run_nodes", lambda inv, target, run, s: ("R", [(INV.targets["ct200"], {})]))
+    summary = follow_mod.Summary("ct200", "R", "succeeded", 0)
+
+    def fake_follow(inv, t, run, **kw):
+        yield follow_mod.Line(b"hello\n", 1)
+        yield follow_mod.End(summary)
+
+    monkeypatch.setattr(follow_mod, "follow", fake_follow)
+    events = list(nodes.follow(INV, INV.targets["ct200"], "R", session=object()))
+    assert events[0] == nodes.Job("R", ["ct200"])
+    assert events[1] == nodes.NodeEvent("ct200", follow_mod.Line(b"hello\n", 1))
+    assert events[2] is summary and len(events) == 3
