@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from orchestrator import inventory
 from orchestrator.runs import follow, report, launch as runs
 from orchestrator.errors import UsageError
-from orchestrator.launch_options import LaunchOptions
+from orchestrator.runs.options import LaunchOptions
 from trainer.signatures import load_catalog
 
 INV = inventory.parse("""
