@@ -1,4 +1,4 @@
-"""benchmarks/flex_bench.py and the FlexAttention tile choice it measures (trainer/attention.py).
+"""benchmarks/flex_bench.py and the FlexAttention tile choice it measures (trainer/model/attention.py).
 
 The timing needs a GPU (FlexAttention has no CPU backward); here: the choice's parsing, where it
 applies, and the script's one-line refusals.
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import attention
+from trainer.model import attention
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

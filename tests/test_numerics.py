@@ -12,8 +12,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer import numerics, policies  # noqa: E402
-from trainer.numerics import StepCheck, judge  # noqa: E402
+from trainer import policies  # noqa: E402
+from trainer.engine import numerics  # noqa: E402
+from trainer.engine.numerics import StepCheck, judge  # noqa: E402
 from trainer_quick import metrics  # noqa: E402
 from test_trainer_topology import STEPS, python_m_trainer  # noqa: E402
 

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer import policies, probe, probe_build, probe_case
+from trainer import policies
+from trainer.probe import program as probe, build as probe_build, case as probe_case
 from trainer.signatures import load_catalog
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,7 +110,7 @@ def test_case_record_failed_timeout_ok():
 
 def test_a_failing_worker_fails_the_case_without_hanging(monkeypatch):
     """A worker dies while its replica compiles; the case ends with its error instead of waiting."""
-    from trainer.workers import WorkerFailed
+    from trainer.engine.workers import WorkerFailed
 
     real = policies.compile_module
 

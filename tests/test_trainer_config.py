@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import TrainConfig, parse
+from trainer.run.config import TrainConfig, parse
 from trainer.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,8 +71,8 @@ def test_a_bad_ce_rows_variable_is_a_usage_error(monkeypatch):
 
 
 def test_config_and_package_do_not_import_torch():
-    code = ("import sys, trainer, trainer.config, trainer.cli; "
-            "trainer.config.parse(['--steps', '3']); assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys, trainer, trainer.run.config, trainer.exits; "
+            "trainer.run.config.parse(['--steps', '3']); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 

@@ -1,10 +1,10 @@
 """The fast paths of the training forward compute what the dense paths compute (CPU, small shapes).
 
-- Block-sparse attention (trainer/attention.py): the tile lists cover exactly the pairs the dense
+- Block-sparse attention (trainer/model/attention.py): the tile lists cover exactly the pairs the dense
   mask allows, the mask_mod is the same rule, and FlexAttention (eager: mask_mod only; compiled:
   tiles honoured too) gives SDPA's output. FlexAttention has no backward on CPU: its gradients are
   checked on the GPU by benchmarks/drafter_bench.py (step-0 loss and gradient norm per variant).
-- Chunked linear + cross-entropy (trainer/fused_ce.py): same loss, same hidden gradient, same counts.
+- Chunked linear + cross-entropy (trainer/model/fused_ce.py): same loss, same hidden gradient, same counts.
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
-from trainer import attention, fused_ce, masks  # noqa: E402
-from trainer.draft_loss import DraftLoss  # noqa: E402
-from trainer.model import Drafter, DrafterConfig, RMSNorm, flops_needed, flops_per_sample  # noqa: E402
-from trainer.target import load_target  # noqa: E402
+from trainer.model import attention, fused_ce, masks  # noqa: E402
+from trainer.model.draft_loss import DraftLoss  # noqa: E402
+from trainer.model.drafter import Drafter, DrafterConfig, RMSNorm, flops_needed, flops_per_sample  # noqa: E402
+from trainer.run.target import load_target  # noqa: E402
 
 needs_flex = pytest.mark.skipif(not attention.FLEX, reason="this torch has no FlexAttention")
 

@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer import checkpoint  # noqa: E402
+from trainer.run import checkpoint  # noqa: E402
 from trainer_quick import (QUICK, ROOT, metrics, sigterm_once_training, step_losses,  # noqa: E402
                            subprocess_env, train)
 
@@ -33,7 +33,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
 
     # The same run, stopped by SIGTERM after step 5: the loop draws each batch one step early (the
     # look-ahead), so batch index 5 is built during the 5th step, and the loop stops after it.
-    import trainer.train as tt
+    import trainer.train.loop as tt
 
     real = tt.make_batch
 
@@ -211,8 +211,8 @@ def test_chat_and_token_jsonl_train(tmp_path):
 
 
 def test_chat_loss_mask_covers_assistant_turns_only():
-    from trainer.data import encode_chat
-    from trainer.tokenizer import ByteTokenizer
+    from trainer.run.data import encode_chat
+    from trainer.run.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
@@ -230,7 +230,7 @@ def test_hugging_face_folder_target_with_a_chat_template(tmp_path):
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from trainer.target import build_tiny
+    from trainer.run.target import build_tiny
 
     model_dir = tmp_path / "model"
     build_tiny(3).save_pretrained(model_dir)

@@ -5,7 +5,7 @@ Tiny runs on the CPU with one torch thread each (deterministic). Tolerances:
   order (float reassociation), so weights agree to atol 1e-5 / rtol 1e-4 after 4 AdamW steps.
 - torchrun (2 gloo processes, DDP with a SUM hook) vs 2 worker threads: the same shards, the same
   two-term sum (a + b == b + a), the same optimizer: bit-identical on the CPU; asserted to 1e-6.
-The failure paths use the trainer's test-only hooks (trainer/step.py: DFLASH_TRAINER_TEST_*).
+The failure paths use the trainer's test-only hooks (trainer/engine/step.py: DFLASH_TRAINER_TEST_*).
 """
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer import checkpoint  # noqa: E402
+from trainer.run import checkpoint  # noqa: E402
 from trainer_quick import (QUICK, ROOT, children, metrics, sigterm_once_training, step_losses,  # noqa: E402
                            subprocess_env, train)
-from trainer.step import DIVERGE_ENV, FAIL_WORKER_ENV, FlatGrads, gather_chunks, reduce_own_chunk  # noqa: E402
+from trainer.engine.step import DIVERGE_ENV, FAIL_WORKER_ENV, FlatGrads, gather_chunks, reduce_own_chunk  # noqa: E402
 
 STEPS = ["--steps", "4", "--checksum-every", "2"]
 
@@ -207,7 +207,7 @@ def test_a_sigterm_after_the_ranks_stopped_on_their_own_does_not_kill_the_launch
 # ---- settings --------------------------------------------------------------------------------------
 
 def test_workers_may_share_gpus_under_threads_only():
-    from trainer.config import parse
+    from trainer.run.config import parse
     from trainer.errors import UsageError
 
     assert parse(["--gpus", "1", "--workers", "4", "--batch-size", "8"]).n_devices == 4  # 4 threads on one GPU
@@ -219,8 +219,8 @@ def test_workers_may_share_gpus_under_threads_only():
 
 
 def test_the_launcher_hands_the_ranks_the_same_settings(tmp_path):
-    from trainer.config import parse
-    from trainer.distributed import child_exit_code, config_argv
+    from trainer.run.config import parse
+    from trainer.train.distributed import child_exit_code, config_argv
 
     cfg = parse([*QUICK, "--out", str(tmp_path), "--workers", "2", "--topology", "processes", "--eval-at-start",
                  "--warmup-timeout", "12.5", "--mask-token-id", "-1", "--target-layers", "1,2"])
@@ -233,7 +233,7 @@ def test_a_warm_up_failure_is_named_by_the_failure_catalog(tmp_path):
     """What a worker thread hits with reduce-overhead on torch < 2.13 (docs/background.md), reproduced in shape."""
     import importlib.util
 
-    from trainer.workers import WorkerFailed
+    from trainer.engine.workers import WorkerFailed
 
     src = tmp_path / "cudagraph_trees.py"
     src.write_text("def _is_key_in_tls(key):\n    return False\n\n\ndef get_obj(local, attr_name):\n"
@@ -251,10 +251,10 @@ def test_a_warm_up_failure_is_named_by_the_failure_catalog(tmp_path):
 
 LEAVE = """
 import atexit, sys
-from trainer.cli import leave
+from trainer.exits import exit_process
 atexit.register(lambda: print("finalized", flush=True))
-print("done", end="")  # unflushed: leave flushes it
-leave(3)
+print("done", end="")  # unflushed: exit_process flushes it
+exit_process(3)
 """
 
 

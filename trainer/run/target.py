@@ -24,10 +24,10 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
 
-from trainer.config import check_target_spec  # noqa: E402
+from trainer.run.config import check_target_spec  # noqa: E402
 from trainer.errors import UsageError  # noqa: E402
-from trainer.model import DrafterConfig  # noqa: E402
-from trainer.tokenizer import VOCAB_SIZE, ByteTokenizer  # noqa: E402
+from trainer.model.drafter import DrafterConfig  # noqa: E402
+from trainer.run.tokenizer import VOCAB_SIZE, ByteTokenizer  # noqa: E402
 
 # `tiny`: small enough to train a drafter on 2 CPU cores in seconds, deep enough (8 layers) for
 # the default layer choice to pick 5 distinct layers (1..L-3).

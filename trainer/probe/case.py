@@ -35,14 +35,15 @@ from datetime import timedelta
 
 import torch
 
-from trainer import masks, policies
-from trainer.cli import exit_now
-from trainer.data import Sample, make_batch
-from trainer.draft_loss import DraftLoss
-from trainer.log import QuietLog
-from trainer.model import Drafter
-from trainer.numerics import StepCheck, grad_errors, judge, snapshot_grads
-from trainer.step import Replica, apply_update, build_replica, compute_grads, load_weights
+from trainer import policies
+from trainer.model import masks
+from trainer.exits import exit_process
+from trainer.run.data import Sample, make_batch
+from trainer.model.draft_loss import DraftLoss
+from trainer.run.log import QuietLog
+from trainer.model.drafter import Drafter
+from trainer.engine.numerics import StepCheck, grad_errors, judge, snapshot_grads
+from trainer.engine.step import Replica, apply_update, build_replica, compute_grads, load_weights
 
 CASE_MARK = "@@dflash-probe-case@@ "
 SEED = 1234
@@ -72,8 +73,8 @@ GPU_TARGET = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2816, nu
 
 
 def _target(device: torch.device):
-    from trainer.target import TINY_LM_HEAD_STD, Target, _freeze, default_layer_ids, load_target
-    from trainer.tokenizer import ByteTokenizer
+    from trainer.run.target import TINY_LM_HEAD_STD, Target, _freeze, default_layer_ids, load_target
+    from trainer.run.tokenizer import ByteTokenizer
 
     if device.type != "cuda":
         return load_target("tiny", device=device, dtype=torch.float32)
@@ -157,12 +158,12 @@ class _Case:
         self.ref = build(0, self.device, "eager", 1)
         self.exact = _Exact(self.ref)
         if topology == "processes":
-            from trainer.distributed import RankEngine, _ddp
+            from trainer.engine.ranks import RankEngine, wrap_ddp
 
-            self.engine = RankEngine(lambda: build(rank, self.device, wrap=lambda m: _ddp(m, self.device)),
+            self.engine = RankEngine(lambda: build(rank, self.device, wrap=lambda m: wrap_ddp(m, self.device)),
                                      rank, n, self.device, QuietLog(), guard=False)
         else:
-            from trainer.workers import ThreadEngine
+            from trainer.engine.workers import ThreadEngine
 
             self.engine = ThreadEngine.start(devices, build, QuietLog(), warmup_timeout=3600.0, guard=False)
         self.names = self.ref.names
@@ -301,4 +302,4 @@ def case_main(args) -> int:
         sys.stdout.write(CASE_MARK + json.dumps(out) + "\n")
     # Skip interpreter teardown: the result is out, and a crash while freeing CUDA graphs or
     # compile workers after it would only blur what the case measured.
-    exit_now(0 if out["ok"] else 1)
+    exit_process(0 if out["ok"] else 1, finalize=False)

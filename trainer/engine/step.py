@@ -2,7 +2,7 @@
 
 Both topologies run the same step on each replica's shard of one global batch:
 
-    threads (trainer/workers.py), the coordinator drives four phases over N worker threads:
+    threads (trainer/engine/workers.py), the coordinator drives four phases over N worker threads:
         compute_grads(replica_i, batch.shard(i, N))       # forward + backward, in worker i
         nccl_all_reduce(replicas)    # sum grads: one GPU per worker (else, in every worker, over
         reduce_own_chunk(replicas, i); gather_chunks(replicas, i)   #  FlatGrads: reduce-scatter +
@@ -10,7 +10,7 @@ Both topologies run the same step on each replica's shard of one global batch:
         prefetch_features(replica_i, next_batch.shard(i, N))  # the next step's target forward, while
                                                            #  the NCCL sum runs on side streams
         apply_update(replica_i, lr, clip)                  # the same update everywhere
-    processes (trainer/distributed.py), one replica per rank, DDP sums grads during backward:
+    processes (trainer/train/distributed.py), one replica per rank, DDP sums grads during backward:
         compute_grads(replica, batch.shard(rank, N)); prefetch_features(...); apply_update(replica, lr, clip)
 
 Every shard divides its loss by the weight of the WHOLE batch (`Batch.weight_total`), so summed
@@ -31,12 +31,12 @@ import torch
 from torch import nn
 
 from trainer import policies
-from trainer.adamw import CompileFailed, CompiledUpdate
-from trainer.data import Batch
-from trainer.draft_loss import DraftLoss
+from trainer.engine.adamw import CompileFailed, CompiledUpdate
+from trainer.run.data import Batch
+from trainer.model.draft_loss import DraftLoss
 from trainer.errors import TrainerError
-from trainer.model import Drafter
-from trainer.target import Target
+from trainer.model.drafter import Drafter
+from trainer.run.target import Target
 
 # Test-only hooks (never set in production), read when used:
 #   DFLASH_TRAINER_TEST_FAIL_WORKER=I       worker/rank I raises in its first step (the warm-up)
@@ -347,7 +347,7 @@ def queue_update(r: Replica, lr: float, grad_clip: float, step: int) -> torch.Te
     the weights (ThreadEngine.step settles the previous step's before it queues the next update).
 
     With a CompiledUpdate (a GPU under a compiled policy) clip and AdamW are one compiled function
-    (trainer/adamw.py). Else, with the fused AdamW (CUDA), the clip is folded into the optimizer's kernel: it divides every
+    (trainer/engine/adamw.py). Else, with the fused AdamW (CUDA), the clip is folded into the optimizer's kernel: it divides every
     gradient by `grad_scale` = 1 / clip_grad_norm_'s coefficient as it reads it, and skips the
     whole update on the device when `found_inf` is set, so the gradients are not rewritten in a
     separate pass (8 bytes per parameter: 8.4 GB a step for a 1B drafter). Else (the CPU) the

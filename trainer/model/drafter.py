@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer import attention
+from trainer.model import attention
 
 # Submodules that belong to the target (frozen, shared, never checkpointed).
 FROZEN_PREFIXES = ("embed_tokens.", "lm_head.")
@@ -437,7 +437,7 @@ def flops_needed(cfg: DrafterConfig, seq_len: int, query_tokens: int, attended_p
 
     The differences from the dense count: the lm_head is frozen, so its backward is the input
     gradient only (2x its forward, not 3x); it runs on block positions 1..Bs-1 only (position 0 is
-    the anchor, with no loss: trainer/draft_loss.py); attention counts only the (query, key) pairs
+    the anchor, with no loss: trainer/model/draft_loss.py); attention counts only the (query, key) pairs
     the mask allows, `attended_pairs` per sample (attention.attended_pairs / batch), dense if None;
     the fc projection of the frozen target's features has no input gradient (2x); and the first
     layer's q/k/v projections of the block run on its distinct rows only, the anchors' and the MASK

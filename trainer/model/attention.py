@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trainer import masks
+from trainer.model import masks
 
 # Tile size of the block-sparse mask; FlexAttention's kernels tile by divisors of it.
 TILE = 128

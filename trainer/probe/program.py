@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 
 from trainer import policies
-from trainer.probe_build import build_report, check_expect, guard, mode_options
-from trainer.probe_case import CASE_MARK, CPU_SHAPE, GPU_SHAPE, case_main
+from trainer.probe.build import build_report, check_expect, guard, mode_options
+from trainer.probe.case import CASE_MARK, CPU_SHAPE, GPU_SHAPE, case_main
 
 TOPOLOGIES = ("threads", "processes")
 WRONG = "compiled-wrong"   # the signature of a case that ran but computes something else
@@ -389,6 +389,3 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

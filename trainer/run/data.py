@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from trainer import masks
+from trainer.model import masks
 from trainer.errors import Stopped, UsageError
 
 

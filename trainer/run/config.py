@@ -244,8 +244,8 @@ def _coerce(path: str, key, value, typ: str):
 
 # Environment variables that choose how the drafter's step runs on a GPU (docs/benchmarks.md): the
 # variable, and the module and function that parse its value (ValueError when it is bad).
-ENV_CHOICES = (("DFLASH_FLEX_BWD_TILES", "trainer.attention", "parse_tiles"),
-               ("DFLASH_CE_ROWS", "trainer.fused_ce", "parse_rows"))
+ENV_CHOICES = (("DFLASH_FLEX_BWD_TILES", "trainer.model.attention", "parse_tiles"),
+               ("DFLASH_CE_ROWS", "trainer.model.fused_ce", "parse_rows"))
 
 
 def validate(c: TrainConfig) -> None:

@@ -17,7 +17,7 @@ Same interface, arithmetic and dtypes as masks.block_loss(drafter.logits(hidden)
 tests/test_trainer_kernels.py checks value and gradient against it.
 
 The per-chunk core (CE, argmax, d CE / d logits) is, on a GPU with Triton, one Triton kernel
-(trainer/ce_kernel.py: two passes over the logits; tests/test_ce_kernel.py); else _ce_core, run
+(trainer/model/ce_kernel.py: two passes over the logits; tests/test_ce_kernel.py); else _ce_core, run
 compiled on its own outside torch.compile (eager policy on CUDA) and as torch ops inside it.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from trainer import ce_kernel
+from trainer.model import ce_kernel
 
 # Rows per chunk: the largest power of two whose fp32 logits stay under this many bytes (1024 at
 # the 8B shape). Longer chunks measured no faster on the H200: the lm_head's GEMMs take the same

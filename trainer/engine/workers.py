@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.log import heartbeat
+from trainer.run.log import heartbeat
 from trainer.errors import TrainerError
-from trainer.numerics import guard_first_step
-from trainer.step import (FlatGrads, Replica, ShardStats, StepEnd, apply_update, compute_grads, gather_chunks,
+from trainer.engine.numerics import guard_first_step
+from trainer.engine.step import (FlatGrads, Replica, ShardStats, StepEnd, apply_update, compute_grads, gather_chunks,
                           nccl_all_reduce, nccl_usable, prefetch_features, reduce_own_chunk, update_async,
                           warmup_test_hook, weight_checksum)
 
