@@ -4,7 +4,7 @@
 
 The drafter step's matmul kernels are ~47 of its ~61 ms/sample of kernel time (docs/benchmarks.md),
 at ~740 TFLOP/s on average. This times each of the step's GEMMs alone, with the operands the step
-gives them (bf16, the weight gradient written in fp32 as trainer.model.drafter.Linear does), back to back,
+gives them (bf16, the weight gradient written in fp32 as trainer.model.linear.Linear does), back to back,
 and reports its TFLOP/s and its share of a step: a GEMM well below the others is a shape problem
 (too few tiles for the SMs, too short a K) that a different grouping of the same math may fix.
 It also times the groupings the drafter could use instead: k_proj + v_proj as one GEMM (they read
@@ -42,7 +42,7 @@ FIRST = BATCH + N_BLOCKS                             # the first layer's distinc
 def gemms(head_chunk: int = 1024) -> list[dict]:
     """The step's GEMMs: name, kind (fwd: x @ W.T; dgrad: dy @ W; wgrad: dy.T @ x in fp32), rows,
     inputs, outputs, how many per step, and the group (what a fused alternative replaces). The first
-    layer's q/k/v run on the block's distinct rows (trainer.model.drafter block_rows_linear)."""
+    layer's q/k/v run on the block's distinct rows (trainer.model.linear block_rows_linear)."""
     out = []
 
     def linear(name, rows, n_in, n_out, count, kinds=("fwd", "dgrad", "wgrad"), group=None):

@@ -261,7 +261,7 @@ def test_the_last_layer_on_the_predicted_rows_is_the_same_function(tiny):
 def test_block_rows_linear_sums_the_repeated_rows_gradient():
     """_BlockRowsLinear against nn.Linear on the expanded rows, the leading (context) rows included:
     output, weight gradient, and the compact rows' gradient (a repeated row's is the sum of its copies')."""
-    from trainer.model.drafter import Linear, block_rows_linear, expand_blocks
+    from trainer.model.linear import Linear, block_rows_linear, expand_blocks
 
     torch.manual_seed(0)
     lead, n, bs = 3, 4, 5

@@ -16,6 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from trainer import faults  # noqa: E402
 from trainer.run import checkpoint  # noqa: E402
 from trainer_quick import (QUICK, ROOT, metrics, sigterm_once_training, step_losses,  # noqa: E402
                            subprocess_env, train)
@@ -103,7 +104,7 @@ def test_sigterm_mid_run_checkpoints_and_exits_143_then_resumes(tmp_path):
 def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path):
     out, flag = tmp_path / "run", tmp_path / "paused"
     cmd = [sys.executable, "-m", "trainer", *QUICK, "--out", str(out), "--steps", "50", "--checkpoint-every", "2"]
-    env = subprocess_env(**{checkpoint.PAUSE_ENV: f"4:{flag}"})
+    env = subprocess_env(**faults.env(pause_in_checkpoint=f"4:{flag}"))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 90

@@ -12,8 +12,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from trainer import faults
 from trainer.engine.numerics import guard_first_step
-from trainer.engine.step import (Replica, ShardStats, apply_update, compute_grads, prefetch_features, warmup_test_hook,
+from trainer.engine.step import (Replica, ShardStats, apply_update, compute_grads, prefetch_features,
                                  weight_checksum)
 from trainer.engine.workers import ReplicasDiverged, StepOut, log_guard
 from trainer.run.log import heartbeat
@@ -76,7 +77,7 @@ class RankEngine:
         return [st]
 
     def _warm_up(self, shard) -> ShardStats:
-        warmup_test_hook(self.rank)
+        faults.hit("fail_worker", index=self.rank)
         with heartbeat(self.log, f"compiling rank {self.rank}"):
             st = compute_grads(self.replica, shard)
         self._warm = True

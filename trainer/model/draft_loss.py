@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from trainer.model import attention, fused_ce, masks
-from trainer.model.drafter import Drafter, predicted_rows
+from trainer.model.drafter import Drafter
+from trainer.model.linear import predicted_rows
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 LOSS_BACKENDS = ("auto", "chunked", "dense")

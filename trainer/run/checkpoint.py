@@ -22,11 +22,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from trainer import faults
+
 FORMAT = 1
 FILES = ("model.safetensors", "state.safetensors", "meta.json")
-# Test hook, "STEP:FLAGFILE": while writing checkpoint STEP, after model.safetensors is in the temporary
-# folder, the writer creates FLAGFILE and sleeps, so a test can kill -9 it mid-write. Never set in production.
-PAUSE_ENV = "DFLASH_TRAINER_TEST_PAUSE_IN_CHECKPOINT"
 
 
 @dataclass
@@ -114,7 +113,7 @@ def save(out_dir: str | Path, step: int, *, model: dict[str, torch.Tensor], opti
     model_cpu = {k: v.detach().cpu().contiguous() for k, v in model.items()}
     save_file(model_cpu, str(tmp / "model.safetensors"), metadata={"format": str(FORMAT)})
     _fsync_file(tmp / "model.safetensors")
-    _test_pause(step)
+    faults.hit("pause_in_checkpoint", step=step)  # a test kills the writer here, mid-write
     tensors, opt_meta = _flatten_optimizer(optimizer)
     tensors.update(rng_state())
     save_file(tensors, str(tmp / "state.safetensors"))
@@ -140,13 +139,6 @@ def _json_default(v):
     if torch.is_tensor(v):
         return v.item() if v.numel() == 1 else v.tolist()
     raise TypeError(f"cannot store {type(v).__name__} in meta.json")
-
-
-def _test_pause(step: int) -> None:
-    at, _, flag = os.environ.get(PAUSE_ENV, "").partition(":")
-    if flag and at == str(step):
-        Path(flag).write_text(str(os.getpid()))
-        time.sleep(600)
 
 
 def _point_latest(ck: Path, name: str) -> None:
