@@ -138,6 +138,10 @@ def run_one(args) -> dict:
     from trainer.model.draft_loss import DraftLoss
     from trainer.model.drafter import Drafter, DrafterConfig, flops_needed, flops_per_sample
 
+    from trainer.model import choices
+
+    choices.configure(fp32_wgrad=args.fp32_wgrad == "on", flex_tiles=args.flex_tiles, ce_rows=args.ce_rows,
+                      ce_kernel_on=args.ce_kernel == "on")  # the trainer's --fp32-wgrad ... options, for A/Bs
     policy, att, loss, shape = parse_variant(args.one, "tiny" if args.tiny else "8b")
     sh = SHAPES[shape]
     cuda = torch.cuda.is_available() and not args.tiny
@@ -298,7 +302,9 @@ def _run_child(variant: str, args, out: Path, limit: float) -> dict:
     js = out / (log.stem + ".json")
     cmd = [sys.executable, __file__, "--one", variant, "--json", str(js), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--update", args.update] + (["--tiny"] if args.tiny else []) + \
-          ["--profile", variant if variant in args.profile else "", "--profile-top", str(args.profile_top)]
+          ["--profile", variant if variant in args.profile else "", "--profile-top", str(args.profile_top),
+           "--fp32-wgrad", args.fp32_wgrad, "--flex-tiles", args.flex_tiles, "--ce-rows", str(args.ce_rows),
+           "--ce-kernel", args.ce_kernel]
     t0 = time.time()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
@@ -382,6 +388,11 @@ def main(argv=None) -> int:
                     help="the optimizer update: the trainer's (apply_update; default) or clip_grad_norm_ + fused AdamW")
     ap.add_argument("--profile", default="inductor/flex/chunked", help="variants to profile (comma-separated)")
     ap.add_argument("--profile-top", type=int, default=25, help="kernels a profile lists by name (the rest only in its categories)")
+    # the trainer's GPU choices (TrainConfig, trainer/model/choices.py), for an A/B of one of them
+    ap.add_argument("--fp32-wgrad", default="on", choices=("on", "off"), help="as the trainer's --fp32-wgrad")
+    ap.add_argument("--flex-tiles", default="", help="as the trainer's --flex-tiles (default: the tuned choice)")
+    ap.add_argument("--ce-rows", type=int, default=0, help="as the trainer's --ce-rows (0: sized to 1 GiB)")
+    ap.add_argument("--ce-kernel", default="on", choices=("on", "off"), help="as the trainer's --ce-kernel")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -13,7 +13,7 @@ them, so the tiles skipped are the trainer's.
 
 A `+kv` suffix (`default+kv`, `32-64-64-32-3-4+kv`) expands K/V to one head per query head in the
 call (the expansion and the sum of its gradient are timed too). A choice is written as the trainer's
-DFLASH_FLEX_BWD_TILES takes it (trainer/model/attention.py parse_tiles). With grouped-query attention
+--flex-tiles takes it (trainer/model/attention.py parse_tiles). With grouped-query attention
 the backward's dK/dV programs run per KV head, each looping over its 4 query heads: expanded, there
 are 4x as many programs, each 4x shorter (the context tiles that every block attends to are where
 the backward's time goes).

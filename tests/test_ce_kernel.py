@@ -87,7 +87,7 @@ def test_the_chunked_loss_with_the_kernel_compiled_and_eager(monkeypatch):
 
     with_kernel = run(fused_ce.block_loss)
     compiled = run(torch.compile(fused_ce.block_loss, dynamic=False))
-    monkeypatch.setenv("DFLASH_CE_KERNEL", "0")
+    monkeypatch.setattr(ce_kernel, "ENABLED", False)
     without = run(fused_ce.block_loss)
     dense = run(unfused)
 

@@ -3,8 +3,6 @@ CUDA bf16 autocast, and the first layer's projections computed on a block's dist
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,8 +16,15 @@ def _has_mm_out_dtype() -> bool:
 
 
 # Whether Linear takes its fp32 weight-gradient path under CUDA bf16 autocast: this torch has the op,
-# and DFLASH_FP32_WGRAD=0 does not turn it off (autocast's bf16 gradient then, as before).
-FP32_WGRAD = _has_mm_out_dtype() and os.environ.get("DFLASH_FP32_WGRAD", "1") != "0"
+# and configure() (TrainConfig.fp32_wgrad) has not turned it off (autocast's bf16 gradient then).
+MM_OUT_DTYPE = _has_mm_out_dtype()
+FP32_WGRAD = MM_OUT_DTYPE
+
+
+def configure(fp32_wgrad: bool) -> None:
+    """The weight gradient in fp32 from cuBLAS where this torch can (True), or autocast's bf16 (False)."""
+    global FP32_WGRAD
+    FP32_WGRAD = MM_OUT_DTYPE and fp32_wgrad
 
 
 class _Bf16LinearFp32Grad(torch.autograd.Function):

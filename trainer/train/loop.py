@@ -17,7 +17,7 @@ import torch
 
 from trainer import policies
 from trainer.errors import EXIT_OK, EXIT_SIGTERM, UsageError
-from trainer.model import masks
+from trainer.model import choices, masks
 from trainer.model.drafter import Drafter, DrafterConfig, flops_per_sample
 from trainer.engine.step import lr_at
 from trainer.run import checkpoint
@@ -81,6 +81,8 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
     (barrier) for the writer to make the synthetic data and eval prompts, then read them (a rank on
     another node makes the same data itself: same seed, same rows). load_checkpoint(resume_from)
     gives the checkpoint to resume from (default: that folder's)."""
+    choices.configure(fp32_wgrad=cfg.fp32_wgrad == "on", flex_tiles=cfg.flex_tiles, ce_rows=cfg.ce_rows,
+                      ce_kernel_on=cfg.ce_kernel == "on")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = load_target(cfg.target, device=device, dtype=dtype, layers=layer_ids(cfg))
     log.info(f"target {cfg.target}: {target.num_layers} layers, hidden {target.config.hidden_size}, "
