@@ -104,7 +104,7 @@ def _batches(shape: Shape, rows: int, n: int, pos_weights: torch.Tensor) -> list
     return out
 
 
-class _Exact:
+class _HigherPrecisionStep:
     """Eager at a higher precision than the working one (fp32 for bf16 autocast on CUDA, fp64 for fp32
     on the CPU), on the same weights and batch: how far the working precision is from the exact step."""
 
@@ -156,7 +156,7 @@ class _Case:
                                  lr=LR, weight_decay=0.0, pos_weights=self.pos_weights, wrap=wrap)
 
         self.ref = build(0, self.device, "eager", 1)
-        self.exact = _Exact(self.ref)
+        self.exact = _HigherPrecisionStep(self.ref)
         if topology == "processes":
             from trainer.engine.ranks import RankEngine, wrap_ddp
 

@@ -18,12 +18,10 @@ absent or complete. Prints one JSON line (the folder, its files, step). Bad inpu
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from trainer.run.checkpoint import fsync_best_effort
+from trainer.files import atomic_folder
 from trainer.errors import UsageError
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -156,10 +154,7 @@ def export(run: str, output: str, *, step: int | None = None, dtype: str = "bflo
         raise UsageError(f"{path}: {e}") from None
     torch_dtype = getattr(torch, dtype)
 
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_folder(dest) as tmp:
         config = draft_config(dcfg, target_config=target.config, target_num_layers=target.num_layers,
                               layer_ids=target.layer_ids, mask_token=_token_text(target.tokenizer, dcfg.mask_token_id),
                               dtype=dtype)
@@ -170,14 +165,6 @@ def export(run: str, output: str, *, step: int | None = None, dtype: str = "bflo
                       "target": cfg.target, "dtype": dtype, "drafter": asdict(dcfg),
                       "chat_template_kwargs": json.loads(cfg.chat_template_kwargs or "{}")}
         (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=1) + "\n")
-        for f in tmp.iterdir():
-            fsync_best_effort(f)
-        if dest.exists():
-            shutil.rmtree(dest) if dest.is_dir() else dest.unlink()
-        os.rename(tmp, dest)
-        fsync_best_effort(dest.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     files = {f.name: f.stat().st_size for f in sorted(dest.iterdir())}
     return {"output": str(dest), "step": ck.step, "checkpoint": str(path), "dtype": dtype, "files": files,
             "mask_token_id": dcfg.mask_token_id, "target_layer_ids": list(target.layer_ids)}

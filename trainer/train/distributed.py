@@ -49,6 +49,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainer import policies
 from trainer.run import checkpoint
 from trainer.exits import in_rank
+from trainer.files import atomic_file
 from trainer.run.config import TrainConfig
 from trainer.errors import UsageError
 from trainer.run.log import QuietLog, RunLog
@@ -224,9 +225,8 @@ def _write_node_record(cfg: TrainConfig, rank: int, world: int) -> None:
            "rank0": rank == 0}
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f"node.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(doc) + "\n")
-    os.replace(tmp, out / "node.json")
+    with atomic_file(out / "node.json", sync=False) as f:
+        f.write(json.dumps(doc) + "\n")
 
 
 def _checkpoint_everywhere(path: Path | None, rank: int, world: int) -> checkpoint.Checkpoint | None:
