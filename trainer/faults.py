@@ -79,7 +79,7 @@ def hit(name: str, **where) -> None:
         if who == str(where["index"]):
             if how == "hang":
                 time.sleep(3600)
-            raise RuntimeError(f"fault {name}={v}: worker {where['index']} fails during warm-up")
+            raise RuntimeError(f"test hook {name}={v}: worker {where['index']} fails during warm-up")
     elif name == "diverge":
         who, _, at = v.partition(":")
         if who == str(where["index"]) and at == str(where["step"]):
