@@ -46,8 +46,8 @@ class FlatGrads:
     gradients already sit in the flat buffers: the copy-based cross-replica sum is a few large
     copies and adds (O(params) bytes, a handful of kernels) instead of one small op per parameter.
     They cost two passes a step that own gradients do not (zeroing the buffers, and backward's
-    in-place add instead of handing over its fresh gradient: 16 bytes per fp32 parameter, 1.9
-    ms/sample for the 1 B drafter on an H200), so only that sum uses them (ThreadEngine.grads).
+    in-place add instead of handing over its fresh gradient: 16 bytes per fp32 parameter), so only
+    that sum uses them (ThreadEngine.grads).
     """
 
     def __init__(self, params: list[nn.Parameter]):

@@ -110,10 +110,10 @@ def mask_mod(anchors: torch.Tensor, n_queries: int, ctx_len: int, block_size: in
 
 
 # How the flex call runs: FlexAttention's backward tiles (its `kernel_options`), optionally its
-# forward's, and whether K/V are expanded to one head per query head first. Measured on the H200
-# (sm90, torch 2.11, benchmarks/flex_bench.py, docs/benchmarks.md): with 128-row KV tiles the few
-# context tiles that every block attends to make a few long-running programs; 32 x 64 tiles spread
-# them over the SMs. Elsewhere torch's own choice stands.
+# forward's, and whether K/V are expanded to one head per query head first. On Hopper (sm90,
+# benchmarks/flex_bench.py, docs/benchmarks.md) 128-row KV tiles turn the few context tiles that
+# every block attends to into a few long-running programs; 32 x 64 tiles spread them over the SMs.
+# Elsewhere torch's own choice stands.
 # configure(BWD[/FWD][+kv]) (TrainConfig.flex_tiles) overrides both (read when a call is traced): BWD is
 # `default` or M1-N1-M2-N2-STAGES-WARPS, FWD is M-N-STAGES-WARPS (the forward keeps torch's without it).
 TUNED_BWD_TILES = {(9, 0): "32-64-64-32-3-4"}

@@ -8,9 +8,8 @@ Backends (both give the same loss; tests/test_trainer_kernels.py checks it):
   FlexAttention, trainer/model/attention.py).
 - loss: "dense" (full logits, masks.block_loss) or "chunked" (trainer/model/fused_ce.py: norm + lm_head +
   CE chunk by chunk, never all the logits; needs the target's lm_head frozen, which it always is).
-- "auto" (the default) picks what was measured fastest on the H200 (torch 2.11, docs/benchmarks.md,
-  issue 5), same loss: on CUDA flex + chunked (eager 85.5 vs 106.2 ms/sample; inductor 66.8 vs 81.7,
-  first compiled step 76 s); elsewhere sdpa + dense (FlexAttention has no CPU backward).
+- "auto" (the default), same loss: on CUDA flex + chunked, the fastest on the H200
+  (docs/benchmarks.md); elsewhere sdpa + dense (FlexAttention has no CPU backward).
 """
 from __future__ import annotations
 

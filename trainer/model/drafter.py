@@ -86,9 +86,9 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     """positions (B, T) int -> cos, sin (B, 1, T, head_dim), HF's half-rotation layout.
 
     One opaque op: under torch.compile the tables are computed once per step and saved for the
-    backward. As plain pointwise math, inductor inlined pow/sin/cos into every q/k norm + RoPE
-    kernel and recomputed them in the backward, which made those kernels compute-bound (2.3 of
-    63.6 ms/sample at the 8B shape; docs/benchmarks.md). Eager computes the same values as before.
+    backward. As plain pointwise math, inductor inlines pow/sin/cos into every q/k norm + RoPE
+    kernel and recomputes them in the backward, making those kernels compute-bound
+    (docs/benchmarks.md). Eager computes the same values either way.
     """
     cos, sin = _rope_tables(positions, head_dim, float(theta))
     return cos.to(dtype)[:, None], sin.to(dtype)[:, None]

@@ -31,10 +31,8 @@ import torch.nn.functional as F
 from trainer.model import ce_kernel
 
 # Rows per chunk: the largest power of two whose fp32 logits stay under this many bytes (1024 at
-# the 8B shape). Longer chunks measured no faster on the H200: the lm_head's GEMMs take the same
-# time from 1024 to 7680 rows, and the drafter step was 0.4 ms/sample slower with 2048
-# (benchmarks/gemm_bench.py, docs/benchmarks.md). configure(N) (TrainConfig.ce_rows) fixes the rows
-# instead, for such an A/B.
+# the 8B shape); longer chunks are no faster on the H200 (benchmarks/gemm_bench.py,
+# docs/benchmarks.md). configure(N) (TrainConfig.ce_rows) fixes the rows instead, for an A/B.
 CHUNK_BYTES = 1 << 30
 ROWS: int | None = None
 

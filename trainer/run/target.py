@@ -81,8 +81,8 @@ class Target:
     def to(self, device: torch.device) -> "Target":
         """A replica on another device (the original stays where it is).
 
-        The copy is made where the original lives, then moved: for a large target on several GPUs,
-        issue 5 should load each replica from disk (or from a CPU copy) instead.
+        The copy is made where the original lives, then moved (for a large target on several GPUs,
+        loading each replica from disk or from a CPU copy would spare the first device's memory).
         """
         if torch.device(device) == self.device:
             return self
