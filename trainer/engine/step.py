@@ -4,13 +4,13 @@ Both topologies run the same step on each replica's shard of one global batch:
 
     threads (trainer/engine/workers.py), the coordinator drives four phases over N worker threads:
         compute_grads(replica_i, batch.shard(i, N))       # forward + backward, in worker i
-        nccl_all_reduce(replicas)    # sum grads: one GPU per worker (else, in every worker, over
-        reduce_own_chunk(replicas, i); gather_chunks(replicas, i)   #  FlatGrads: reduce-scatter +
-                                                           #  all-gather)
+        allreduce.nccl_all_reduce(replicas)  # sum grads (allreduce.py): one GPU per worker (else, in
+        allreduce.reduce_own_chunk(...); gather_chunks(...)  #  every worker, over FlatGrads:
+                                                           #  reduce-scatter + all-gather)
         prefetch_features(replica_i, next_batch.shard(i, N))  # the next step's target forward, while
                                                            #  the NCCL sum runs on side streams
         apply_update(replica_i, lr, clip)                  # the same update everywhere
-    processes (trainer/train/distributed.py), one replica per rank, DDP sums grads during backward:
+    processes (trainer/engine/ranks.py), one replica per rank, DDP sums grads during backward:
         compute_grads(replica, batch.shard(rank, N)); prefetch_features(...); apply_update(replica, lr, clip)
 
 Every shard divides its loss by the weight of the WHOLE batch (`Batch.weight_total`), so summed

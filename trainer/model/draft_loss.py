@@ -1,6 +1,6 @@
 """The unit that gets compiled: blocks + mask + drafter + logits + loss for one shard.
 
-Kept apart from step.py (which owns replicas and the update) so the fast paths of the forward
+Kept apart from engine/step.py (which owns replicas and the update) so the fast paths of the forward
 (block-sparse attention, fused linear + cross-entropy) change here and nowhere else.
 
 Backends (both give the same loss; tests/test_trainer_kernels.py checks it):

@@ -19,7 +19,7 @@ Then, against an eager replica built from the same weights in this process (nume
   3. learnability: a few free-running steps on one repeated batch: the loss must fall as eager's does;
 and `--steps` timed training steps. The outcome: `ok`, or `wrong` (it ran, but computes something
 else; signature compiled-wrong), or a failure the parent names from the output. The result is ONE
-stdout line, CASE_MARK + JSON (rank 0's under processes), which the parent (probe.py) picks out.
+stdout line, CASE_MARK + JSON (rank 0's under processes), which the parent (program.py) picks out.
 """
 from __future__ import annotations
 

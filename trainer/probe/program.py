@@ -6,7 +6,7 @@
 Runs on the target with only torch (+ PyYAML for the signature catalog). Prints ONE JSON document
 on stdout; one progress line per case on stderr. It reports the build (python, torch, CUDA, cuDNN,
 NCCL, Triton, driver, GPUs, bf16) against an optional expectation, the options of every compile
-mode this torch knows, and the policy x topology matrix. Each case (probe_case.py) runs the
+mode this torch knows, and the policy x topology matrix. Each case (case.py) runs the
 trainer's own replica and engine at a small shape, in its OWN subprocess with a timeout, so a
 segfault or a hang loses only that case:
   threads    N worker threads as the trainer's ThreadEngine runs them (N = GPUs, at least 2);
@@ -19,7 +19,7 @@ A second choice, `processes_policy`, answers `--topology processes` from the `pr
 where CUDA-graph policies are allowed.
 
 This module is the parent: the matrix, each case's isolation, the choice, the saved result.
-One case (`--case`) is probe_case.py; the build report, probe_build.py.
+One case (`--case`) is case.py; the build report, build.py.
 """
 from __future__ import annotations
 
