@@ -2,4 +2,5 @@
 from trainer.exits import exit_process, run
 from trainer.train import train_entry
 
-exit_process(run(train_entry))
+if __name__ == "__main__":
+    exit_process(run(train_entry))
