@@ -1,7 +1,7 @@
 """The trainer's two GPU updates against clip_grad_norm_ + a plain fused AdamW step, on identical
 inputs on a GPU (the CPU test is tests/test_update.py): the clip folded into the fused AdamW
-(trainer.step.apply_update: grad_scale / found_inf, the eager policy's update) and clip + AdamW
-compiled as one function (trainer.adamw.CompiledUpdate, the compiled policies'). 20 steps,
+(trainer.engine.step.apply_update: grad_scale / found_inf, the eager policy's update) and clip + AdamW
+compiled as one function (trainer.engine.adamw.CompiledUpdate, the compiled policies'). 20 steps,
 alternating gradients far above and far below the clip.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/adamw_fold_check.py
@@ -19,8 +19,8 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from trainer.adamw import CompiledUpdate  # noqa: E402
-from trainer.step import apply_update  # noqa: E402
+from trainer.engine.adamw import CompiledUpdate  # noqa: E402
+from trainer.engine.step import apply_update  # noqa: E402
 
 SHAPES = [(4096, 4096), (12288, 4096), (4096,), (151, 4096)]
 

@@ -9,8 +9,8 @@ variant (POLICY/ATTENTION/LOSS[@SHAPE]) runs in its own process, under a time li
 in a threading.Thread that calls policies.configure_thread and torch.cuda.set_device, as the
 trainer's workers do: the trainer's step (zero_grad, autocast bf16 forward, backward of
 loss / batch weight, then with --update trainer (the default) the trainer's own update,
-trainer.step.apply_update: clip 1.0 + AdamW as one compiled function on a GPU under a compiled
-policy (trainer/adamw.py), else fused AdamW with the clip folded in; --update clip+fused:
+trainer.engine.step.apply_update: clip 1.0 + AdamW as one compiled function on a GPU under a compiled
+policy (trainer/engine/adamw.py), else fused AdamW with the clip folded in; --update clip+fused:
 clip_grad_norm_ then torch's fused AdamW, what this benchmark ran until 2026-12-01). Reports ms/sample (median step / batch), TFLOP/s and
 MFU (of 989 TFLOP/s bf16) by two counts, peak memory of the steady-state steps, the first step's
 seconds (compile included) and the step-0 loss and gradient norm (same seed, weights and batch in
@@ -20,7 +20,7 @@ bf16-valued weights and features; with it in the list the summary also gives eac
 from it, to set against the bf16 dense path's own. Writes DIR/results.json,
 DIR/summary.md and DIR/<variant>.log; prints the summary last.
 
-FLOP counts (trainer.model): "dense" = flops_per_sample, SpecForge-style (every matmul 3x, dense
+FLOP counts (trainer.model.drafter): "dense" = flops_per_sample, SpecForge-style (every matmul 3x, dense
 attention over all S + Tq keys, lm_head included with a weight gradient): 44.5 TFLOP/sample here.
 "needed" = flops_needed: lm_head frozen (2x) and skipped on the anchor position, attention over
 the pairs the mask allows only, the fc without an input gradient, the first layer's q/k/v on the
@@ -133,10 +133,15 @@ def _kernel_table(prof, top: int = 25) -> dict:
 def run_one(args) -> dict:
     import torch
 
-    from trainer import attention, masks, policies
-    from trainer.draft_loss import DraftLoss
-    from trainer.model import Drafter, DrafterConfig, flops_needed, flops_per_sample
+    from trainer import policies
+    from trainer.model import attention, masks
+    from trainer.model.draft_loss import DraftLoss
+    from trainer.model.drafter import Drafter, DrafterConfig, flops_needed, flops_per_sample
 
+    from trainer.model import choices
+
+    choices.configure(fp32_wgrad=args.fp32_wgrad == "on", flex_tiles=args.flex_tiles, ce_rows=args.ce_rows,
+                      ce_kernel_on=args.ce_kernel == "on")  # the trainer's --fp32-wgrad ... options, for A/Bs
     policy, att, loss, shape = parse_variant(args.one, "tiny" if args.tiny else "8b")
     sh = SHAPES[shape]
     cuda = torch.cuda.is_available() and not args.tiny
@@ -200,8 +205,8 @@ def run_one(args) -> dict:
         if args.update == "trainer":  # as build_replica + apply_update do it
             from types import SimpleNamespace
 
-            from trainer.adamw import CompiledUpdate
-            from trainer.step import apply_update
+            from trainer.engine.adamw import CompiledUpdate
+            from trainer.engine.step import apply_update
 
             replica = SimpleNamespace(index=0, params=params, optimizer=opt, update=CompiledUpdate(opt, params)
                                       if policies.compiled_part("auto", policy, torch.device(dev)) else None)
@@ -297,7 +302,9 @@ def _run_child(variant: str, args, out: Path, limit: float) -> dict:
     js = out / (log.stem + ".json")
     cmd = [sys.executable, __file__, "--one", variant, "--json", str(js), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--update", args.update] + (["--tiny"] if args.tiny else []) + \
-          ["--profile", variant if variant in args.profile else "", "--profile-top", str(args.profile_top)]
+          ["--profile", variant if variant in args.profile else "", "--profile-top", str(args.profile_top),
+           "--fp32-wgrad", args.fp32_wgrad, "--flex-tiles", args.flex_tiles, "--ce-rows", str(args.ce_rows),
+           "--ce-kernel", args.ce_kernel]
     t0 = time.time()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
@@ -381,6 +388,11 @@ def main(argv=None) -> int:
                     help="the optimizer update: the trainer's (apply_update; default) or clip_grad_norm_ + fused AdamW")
     ap.add_argument("--profile", default="inductor/flex/chunked", help="variants to profile (comma-separated)")
     ap.add_argument("--profile-top", type=int, default=25, help="kernels a profile lists by name (the rest only in its categories)")
+    # the trainer's GPU choices (TrainConfig, trainer/model/choices.py), for an A/B of one of them
+    ap.add_argument("--fp32-wgrad", default="on", choices=("on", "off"), help="as the trainer's --fp32-wgrad")
+    ap.add_argument("--flex-tiles", default="", help="as the trainer's --flex-tiles (default: the tuned choice)")
+    ap.add_argument("--ce-rows", type=int, default=0, help="as the trainer's --ce-rows (0: sized to 1 GiB)")
+    ap.add_argument("--ce-kernel", default="on", choices=("on", "off"), help="as the trainer's --ce-kernel")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -13,7 +13,7 @@ them, so the tiles skipped are the trainer's.
 
 A `+kv` suffix (`default+kv`, `32-64-64-32-3-4+kv`) expands K/V to one head per query head in the
 call (the expansion and the sum of its gradient are timed too). A choice is written as the trainer's
-DFLASH_FLEX_BWD_TILES takes it (trainer/attention.py parse_tiles). With grouped-query attention
+--flex-tiles takes it (trainer/model/attention.py parse_tiles). With grouped-query attention
 the backward's dK/dV programs run per KV head, each looping over its 4 query heads: expanded, there
 are 4x as many programs, each 4x shorter (the context tiles that every block attends to are where
 the backward's time goes).
@@ -46,7 +46,7 @@ SHAPE = dict(batch=2, heads=32, kv=8, hd=128, seq=768, anchors=256, block=16)
 def run(configs: list[str], steps: int, seed: int = 0) -> list[dict]:
     import torch
 
-    from trainer import attention, masks
+    from trainer.model import attention, masks
 
     dev = torch.device("cuda")
     B, nh, nkv, hd = SHAPE["batch"], SHAPE["heads"], SHAPE["kv"], SHAPE["hd"]
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
                     help="comma-separated: default or M1-N1-M2-N2-STAGES-WARPS, each optionally +kv")
     ap.add_argument("--steps", type=int, default=50, help="timed calls per choice, in runs of 10")
     args = ap.parse_args(argv)
-    from trainer import attention
+    from trainer.model import attention
 
     try:
         configs = args.configs.split(",")

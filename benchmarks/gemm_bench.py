@@ -4,7 +4,7 @@
 
 The drafter step's matmul kernels are ~47 of its ~61 ms/sample of kernel time (docs/benchmarks.md),
 at ~740 TFLOP/s on average. This times each of the step's GEMMs alone, with the operands the step
-gives them (bf16, the weight gradient written in fp32 as trainer.model.Linear does), back to back,
+gives them (bf16, the weight gradient written in fp32 as trainer.model.linear.Linear does), back to back,
 and reports its TFLOP/s and its share of a step: a GEMM well below the others is a shape problem
 (too few tiles for the SMs, too short a K) that a different grouping of the same math may fix.
 It also times the groupings the drafter could use instead: k_proj + v_proj as one GEMM (they read
@@ -14,8 +14,8 @@ Shapes (drafter_bench.py's 8B shape: batch 2, context 768, 256 anchors x 16): bl
 keys Tk = 9728 (context + block), context rows 1536; the first layer's q/k/v on the block's 514
 distinct rows (the anchors' and the MASK row, per sample); the last layer's o_proj and MLP, and the
 lm_head, on the 7680 rows that have a loss (not the anchors'), the lm_head in chunks
-(trainer/fused_ce.py chunk_rows: 1024). Together they are the matmul FLOPs that
-trainer.model.flops_needed counts (tests/test_gemm_bench.py checks it).
+(trainer/model/fused_ce.py chunk_rows: 1024). Together they are the matmul FLOPs that
+trainer.model.drafter.flops_needed counts (tests/test_gemm_bench.py checks it).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ FIRST = BATCH + N_BLOCKS                             # the first layer's distinc
 def gemms(head_chunk: int = 1024) -> list[dict]:
     """The step's GEMMs: name, kind (fwd: x @ W.T; dgrad: dy @ W; wgrad: dy.T @ x in fp32), rows,
     inputs, outputs, how many per step, and the group (what a fused alternative replaces). The first
-    layer's q/k/v run on the block's distinct rows (trainer.model block_rows_linear)."""
+    layer's q/k/v run on the block's distinct rows (trainer.model.linear block_rows_linear)."""
     out = []
 
     def linear(name, rows, n_in, n_out, count, kinds=("fwd", "dgrad", "wgrad"), group=None):

@@ -10,12 +10,12 @@ of 5 tapped layers), then the drafter's forward + backward, the cross-replica gr
 the optimizer update. The target is a Qwen3-8B-shaped Qwen3ForCausalLM (hidden 4096, intermediate
 12288, 36 layers, 32 q / 8 kv heads, head dim 128, vocab 151936, untied lm_head) with random bf16
 weights built directly on each GPU (nothing downloaded, nothing initialised on the CPU), SDPA
-attention, tapped at layers 1, 9, 17, 25, 33, wrapped in `trainer.target.Target`. The drafter is
+attention, tapped at layers 1, 9, 17, 25, 33, wrapped in `trainer.run.target.Target`. The drafter is
 `target.drafter_config(num_layers=5, block_size=16)`. Batch 2 per worker, context 768, 256 anchors
 x block 16 (4 batches of different tokens and anchors, rotated).
 
-The step is the trainer's: replicas built by `trainer.step.build_replica` in the worker threads of
-`trainer.workers.ThreadEngine` (one worker per device by default, started as train.py starts them,
+The step is the trainer's: replicas built by `trainer.engine.step.build_replica` in the worker threads of
+`trainer.engine.workers.ThreadEngine` (one worker per device by default, started as train.py starts them,
 without the first-step eager guard), each step `engine.step(batch, ahead=next batch)` as the
 trainer's loop runs it: with --lookahead on (as the trainer) a step makes the NEXT step's target
 features during its gradient sum, so the forward timed in a step is the next one's (one a step
@@ -44,7 +44,7 @@ comma-separated list alternates the modes step by step in one process (one compi
 steps: a fair A/B); each mode gets its own medians. --allreduce (copy, nccl) and --grads (flat:
 FlatGrads buffers; own: each parameter keeps backward's gradient, what the trainer does unless the
 copy-sum needs the buffers) and --update (fused: torch's fused AdamW with the clip folded in;
-compiled: clip + AdamW as one inductor-compiled function, trainer/adamw.py) alternate the same
+compiled: clip + AdamW as one inductor-compiled function, trainer/engine/adamw.py) alternate the same
 way (and --lookahead, --host): one case per combination, named MODE[+ALLREDUCE][+GRADS][+UPDATE]...
 where a list has several.
 
@@ -55,7 +55,7 @@ on the CPU): `compiled_features` in the results (relative L2 errors).
 
 --topology processes: the same step as `--topology processes` trains it: this command starts one
 torchrun rank per worker (--workers, default --gpus), each with its own target, its replica's
-DraftLoss inside DDP and `trainer.distributed.RankEngine`; the step's wall time is the slowest
+DraftLoss inside DDP and `trainer.engine.ranks.RankEngine`; the step's wall time is the slowest
 rank's (a barrier after each step), rank 0 reports. No GIL is shared, unlike threads.
 
 --profile: after timing, two more steps of the first case under torch.profiler: CUDA kernel ms by
@@ -139,11 +139,12 @@ def run(args, emit, res: dict) -> None:
 def _run(args, emit, res: dict, where: Placement) -> None:
     import torch
 
-    from trainer import masks, policies
-    from trainer.log import QuietLog, RunLog
-    from trainer.model import Drafter
-    from trainer.step import build_replica
-    from trainer.workers import ThreadEngine
+    from trainer import policies
+    from trainer.model import masks
+    from trainer.run.log import QuietLog, RunLog
+    from trainer.model.drafter import Drafter
+    from trainer.engine.step import build_replica
+    from trainer.engine.workers import ThreadEngine
 
     sh = SHAPES[args.shape]
     cuda, procs, rank, devices = where.cuda, where.procs, where.rank, where.devices
@@ -189,10 +190,10 @@ def _run(args, emit, res: dict, where: Placement) -> None:
 
     def build(i, device):
         wrap = None
-        if procs:  # as trainer/distributed.py builds a rank's replica: DraftLoss inside DDP
-            from trainer.distributed import _ddp
+        if procs:  # as trainer/train/distributed.py builds a rank's replica: DraftLoss inside DDP
+            from trainer.engine.ranks import wrap_ddp
 
-            wrap = lambda m: _ddp(m, device)  # noqa: E731
+            wrap = lambda m: wrap_ddp(m, device)  # noqa: E731
         return build_replica(i, device, copies[0 if procs else i], targets[device], policy=args.policy,
                              n_devices=1 if procs else len(devices), lr=1e-5, weight_decay=0.0, pos_weights=pw,
                              wrap=wrap,
@@ -216,7 +217,7 @@ def _run(args, emit, res: dict, where: Placement) -> None:
 
     t0 = time.perf_counter()
     if procs:
-        from trainer.distributed import RankEngine
+        from trainer.engine.ranks import RankEngine
 
         world = torch.distributed.get_world_size()
         engine = RankEngine(lambda: build(rank, devices[0]), rank, world, devices[0], log, guard=False)
@@ -424,6 +425,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from trainer.cli import leave  # a torchrun rank ends without finalization (see leave)
+    from trainer.exits import exit_process  # a torchrun rank ends without finalization
 
-    leave(main())
+    exit_process(main())

@@ -17,10 +17,10 @@ SHAPES = {
 
 
 def build_target(args, device):
-    """The frozen target on `device`, wrapped in trainer.target.Target."""
+    """The frozen target on `device`, wrapped in trainer.run.target.Target."""
     import torch
 
-    from trainer.target import Target, load_target
+    from trainer.run.target import Target, load_target
 
     if args.tiny:
         t = load_target("tiny", device=device, dtype=torch.float32)
@@ -98,7 +98,7 @@ def compare_compiled(first, ids, targets) -> dict:
     exact). The compiled error against the reference must be eager's own, not more."""
     import torch
 
-    from trainer.numerics import rel_l2
+    from trainer.engine.numerics import rel_l2
 
     for t in targets:
         t.compile_layers()
@@ -122,7 +122,7 @@ def make_batches(args, vocab: int, pos_weights, n: int = 4):
     """n global batches of random tokens (every position carries loss), anchors drawn per step."""
     import torch
 
-    from trainer.data import Sample, make_batch
+    from trainer.run.data import Sample, make_batch
 
     sh = SHAPES[args.shape]
     B = sh["batch"] * args.workers

@@ -16,7 +16,7 @@ grep -h "step 40/40\|NCCL\|nccl\|Error" $OUT/one-node-2gpus.log $OUT/node0.log $
 python3 - <<'PY'
 import os, sys; sys.path.insert(0, ".")
 import torch
-from trainer import checkpoint
+from trainer.run import checkpoint
 w = {}
 for name in ("one", "n0", "n1"):
     out = os.path.join(os.environ["OUT"], name)

@@ -32,7 +32,7 @@ def tokenizer():
 
 def build(path: Path, seed: int = 3) -> Path:
     """Write the target folder (model + tokenizer) to path; returns path."""
-    from trainer.target import build_tiny
+    from trainer.run.target import build_tiny
 
     path = Path(path)
     build_tiny(seed).save_pretrained(path)

@@ -1,4 +1,4 @@
-"""trainer/ce_kernel.py: the chunked loss's cross-entropy core as one Triton kernel, on a GPU.
+"""trainer/model/ce_kernel.py: the chunked loss's cross-entropy core as one Triton kernel, on a GPU.
 
 Checked against float64 on identical inputs, with the torch core (fused_ce._ce_core, what runs
 without the kernel) as the yardstick of float32 noise: the kernel may be as far from float64 as
@@ -12,8 +12,8 @@ import torch
 
 import torch.nn.functional as F
 
-from trainer import ce_kernel, fused_ce, masks
-from trainer.model import RMSNorm
+from trainer.model import ce_kernel, fused_ce, masks
+from trainer.model.drafter import RMSNorm
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and ce_kernel.triton is not None),
                                 reason="the Triton kernel needs a GPU")
@@ -87,7 +87,7 @@ def test_the_chunked_loss_with_the_kernel_compiled_and_eager(monkeypatch):
 
     with_kernel = run(fused_ce.block_loss)
     compiled = run(torch.compile(fused_ce.block_loss, dynamic=False))
-    monkeypatch.setenv("DFLASH_CE_KERNEL", "0")
+    monkeypatch.setattr(ce_kernel, "ENABLED", False)
     without = run(fused_ce.block_loss)
     dense = run(unfused)
 

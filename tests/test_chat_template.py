@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("torch")
 
 import hf_target  # noqa: E402
-from trainer import config  # noqa: E402
-from trainer.data import encode_chat, think_ids  # noqa: E402
+from trainer.run import config  # noqa: E402
+from trainer.run.data import encode_chat, think_ids  # noqa: E402
 from trainer.errors import UsageError  # noqa: E402
 
 MSGS = [{"role": "user", "content": hf_target.words(1, 2)},

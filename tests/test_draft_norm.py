@@ -7,8 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer import checkpoint  # noqa: E402
-from trainer.target import load_target  # noqa: E402
+from trainer.run import checkpoint  # noqa: E402
+from trainer.run.target import load_target  # noqa: E402
 from trainer_quick import train  # noqa: E402
 
 

@@ -24,10 +24,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import hf_target  # noqa: E402
-from trainer import eval as trainer_eval  # noqa: E402
-from trainer import export  # noqa: E402
-from trainer.cli import run, train_entry  # noqa: E402
-from trainer.target import load_target  # noqa: E402
+from trainer.run import eval as trainer_eval  # noqa: E402
+from trainer.run import export  # noqa: E402
+from trainer.exits import run  # noqa: E402
+from trainer.train import train_entry  # noqa: E402
+from trainer.run.target import load_target  # noqa: E402
 
 # The reference, installed by `make venv` (pip --no-deps: its model code needs torch and
 # transformers only). Its timing helper calls torch.cuda.synchronize(), which a CPU-only torch
@@ -97,7 +98,7 @@ def test_the_folder_is_the_reference_format(parity):
     assert draft.mask_token_id == tok.mask_token_id and draft.target_layer_ids == [1, 2, 3, 4, 5]
     from safetensors.torch import load_file
 
-    from trainer import checkpoint
+    from trainer.run import checkpoint
 
     weights = load_file(str(folder / "model.safetensors"))
     trained = checkpoint.load(checkpoint.find_latest(parity.out)).model

@@ -1,4 +1,4 @@
-"""benchmarks/flex_bench.py and the FlexAttention tile choice it measures (trainer/attention.py).
+"""benchmarks/flex_bench.py and the FlexAttention tile choice it measures (trainer/model/attention.py).
 
 The timing needs a GPU (FlexAttention has no CPU backward); here: the choice's parsing, where it
 applies, and the script's one-line refusals.
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import attention
+from trainer.model import attention
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -43,15 +43,15 @@ def test_choices_parse_to_backward_kernel_options_and_kv_expansion():
         attention.parse_tiles(choice)
 
 
-def test_the_tuned_choice_applies_to_cuda_only_and_the_variable_overrides(monkeypatch):
-    monkeypatch.delenv("DFLASH_FLEX_BWD_TILES", raising=False)
+def test_the_tuned_choice_applies_to_cuda_only_and_the_option_overrides(monkeypatch):
+    monkeypatch.setattr(attention, "TILES", None)
     assert attention.flex_choice(torch.device("cpu")) == attention.FlexChoice()
     for text in attention.TUNED_BWD_TILES.values():
         attention.parse_tiles(text)
-    monkeypatch.setenv("DFLASH_FLEX_BWD_TILES", "64-64-64-64-3-4+kv")
+    attention.configure("64-64-64-64-3-4+kv")
     got = attention.flex_choice(torch.device("cpu"))
     assert got.options["bwd_BLOCK_M1"] == 64 and got.expand_kv
-    monkeypatch.setenv("DFLASH_FLEX_BWD_TILES", "default")
+    attention.configure("default")
     assert attention.flex_choice(torch.device("cpu")) == attention.FlexChoice()
 
 

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from trainer.model import DrafterConfig, flops_needed  # noqa: E402
+from trainer.model.drafter import DrafterConfig, flops_needed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tiny_engine import tiny_engine
-from trainer.step import FlatGrads
+from trainer.engine.step import FlatGrads
 
 STEPS = 3
 

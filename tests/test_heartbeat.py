@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from trainer.log import RunLog, heartbeat
+from trainer.run.log import RunLog, heartbeat
 
 
 def test_heartbeat_lines_while_a_phase_runs_and_none_after():

@@ -1,4 +1,4 @@
-"""trainer/model.py Linear: the drafter's matmuls with the weight gradient written in fp32 by cuBLAS.
+"""trainer/model/linear.py Linear: the drafter's matmuls with the weight gradient written in fp32 by cuBLAS.
 
 Under CUDA bf16 autocast, Linear must compute autocast's forward and input gradient to the bit, and a
 weight gradient that is the same fp32 accumulation without the bf16 rounding: checked against
@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from trainer import model
-from trainer.model import Linear
+from trainer.model import linear as model
+from trainer.model.linear import Linear
 
 cuda = pytest.mark.skipif(not (torch.cuda.is_available() and model.FP32_WGRAD),
                           reason="the fp32 weight gradient needs CUDA and aten.mm.dtype")
@@ -93,7 +93,7 @@ def test_block_rows_linear_matches_linear_on_the_full_stream(compiled):
     the expanded output is Linear's on the full stream (bf16 products summed in fp32: equal up to the
     accumulation order), and its weight gradient is at least as close to float64 as Linear's. The
     repeated row's gradient sum stays in fp32: rounding it to bf16 would be ~1e-3 off."""
-    from trainer.model import block_rows_linear, expand_blocks
+    from trainer.model.linear import block_rows_linear, expand_blocks
 
     torch._dynamo.reset()
     lead, n, bs, n_in, n_out = 96, 64, 16, 512, 384

@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from tiny_engine import tiny_engine
-from trainer import masks, train
-from trainer.adamw import CompiledUpdate
-from trainer.config import TrainConfig
-from trainer.data import Loader, Sample
+from trainer.model import masks
+from trainer.train import loop as train
+from trainer.engine.adamw import CompiledUpdate
+from trainer.run.config import TrainConfig
+from trainer.run.data import Loader, Sample
 from trainer.errors import TrainerError
 
 STEPS = 4

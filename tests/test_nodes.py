@@ -183,7 +183,8 @@ def reference_run(tmp: Path, cfg: Path) -> Path:
     """The same job on one node, in this process: 2 workers (threads), the same config, global batch
     and seed. Threads and torchrun processes train bit-identical weights on the CPU
     (test_trainer_topology.py), so this is the one-node run, without two more torch start-ups."""
-    from trainer.cli import run, train_entry
+    from trainer.exits import run
+    from trainer.train import train_entry
 
     out = tmp / "one"
     assert run(train_entry, ["--config", str(cfg), "--out", str(out), "--gpus", "0", "--workers", "2",
@@ -192,7 +193,7 @@ def reference_run(tmp: Path, cfg: Path) -> Path:
 
 
 def final_weights(out: Path) -> dict:
-    from trainer import checkpoint
+    from trainer.run import checkpoint
 
     return checkpoint.load(checkpoint.find_latest(out)).model
 
@@ -258,7 +259,7 @@ def test_stop_ends_both_nodes_with_a_checkpoint_the_run_resumes_and_a_killed_nod
     """One run, three acts (each launch costs seconds of start-up on both nodes): stop checkpoints on
     both; --resume continues both from that checkpoint; SIGKILL to node B's rank fails the run on both,
     the root cause named."""
-    from trainer import checkpoint
+    from trainer.run import checkpoint
 
     a, b = cluster.nodes
     run = cluster.launch(*LONG)

@@ -1,6 +1,6 @@
 """A compile policy must train the same model as eager: the verdict's pieces, and the trainer's guard.
 
-The wrong policies are the trainer's test-only ones (trainer/policies.py, DFLASH_TRAINER_TEST_POLICIES=1):
+The wrong policies are the trainer's test-only ones (trainer/policies.py, the fault point test_policies):
 `test-drop-first-grad` is inductor whose first loss carries no gradient (the loss value is right),
 the shape of what inductor's non-tree CUDA graphs did on the H200; `test-frozen` drops every gradient.
 """
@@ -12,12 +12,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer import numerics, policies  # noqa: E402
-from trainer.numerics import StepCheck, judge  # noqa: E402
+from trainer import faults, policies  # noqa: E402
+from trainer.engine import numerics  # noqa: E402
+from trainer.engine.numerics import StepCheck, judge  # noqa: E402
 from trainer_quick import metrics  # noqa: E402
 from test_trainer_topology import STEPS, python_m_trainer  # noqa: E402
 
-TEST_POLICIES = {policies.TEST_POLICIES_ENV: "1"}
+TEST_POLICIES = faults.env(test_policies="1")
 NAMES = ["fc.weight", "layers.0.mlp.up_proj.weight"]
 
 
@@ -63,11 +64,11 @@ def test_a_noise_floor_keeps_a_zero_noise_estimate_from_failing_reassociation():
 
 
 def test_test_policies_exist_only_with_the_test_hook(monkeypatch):
-    monkeypatch.delenv(policies.TEST_POLICIES_ENV, raising=False)
+    monkeypatch.delenv(faults.ENV, raising=False)
     assert "test-frozen" not in policies.known()
     with pytest.raises(policies.PolicyError):
         policies.describe("test-frozen")
-    monkeypatch.setenv(policies.TEST_POLICIES_ENV, "1")
+    monkeypatch.setenv(*faults.setting(test_policies="1"))
     assert {"test-drop-first-grad", "test-frozen"} <= set(policies.known())
     assert policies.needs_cuda("test-drop-first-grad") is False
 

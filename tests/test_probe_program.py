@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer import policies, probe, probe_build, probe_case
+from trainer import faults, policies
+from trainer.probe import program as probe, build as probe_build, case as probe_case
 from trainer.signatures import load_catalog
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,7 +110,7 @@ def test_case_record_failed_timeout_ok():
 
 def test_a_failing_worker_fails_the_case_without_hanging(monkeypatch):
     """A worker dies while its replica compiles; the case ends with its error instead of waiting."""
-    from trainer.workers import WorkerFailed
+    from trainer.engine.workers import WorkerFailed
 
     real = policies.compile_module
 
@@ -171,7 +172,7 @@ def probe_run(tmp_path_factory):
     cmd = [sys.executable, "-m", "trainer.probe", "--threads", "2",
            "--policies", "eager,inductor,test-drop-first-grad,reduce-overhead",
            "--steps", "3", "--workdir", str(workdir), "--expect", json.dumps({"torch": ">=2.5"})]
-    env = dict(os.environ, **{policies.TEST_POLICIES_ENV: "1"})
+    env = dict(os.environ, **faults.env(test_policies="1"))
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     return SimpleNamespace(doc=json.loads(p.stdout), stderr=p.stderr, workdir=workdir)

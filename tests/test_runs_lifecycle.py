@@ -271,7 +271,7 @@ def test_a_run_that_finishes_after_its_supervisor_was_killed_succeeded(ct):
 
 def _final_weights(rundir: Path):
     torch = pytest.importorskip("torch")
-    from trainer import checkpoint
+    from trainer.run import checkpoint
     return torch, checkpoint.load(checkpoint.find_latest(rundir)).model
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import TrainConfig, parse
+from trainer.run.config import TrainConfig, parse
 from trainer.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,27 +52,27 @@ def test_missing_config_file_and_bad_flags():
         parse(["--workers", "2", "--batch-size", "3"])
 
 
-def test_a_bad_flex_tiles_variable_is_a_usage_error(monkeypatch):
-    monkeypatch.setenv("DFLASH_FLEX_BWD_TILES", "64-64")
-    with pytest.raises(UsageError, match="DFLASH_FLEX_BWD_TILES: .* M1-N1-M2-N2-STAGES-WARPS"):
-        parse(["--steps", "3"])
+def test_bad_flex_tiles_are_a_usage_error():
+    with pytest.raises(UsageError, match="--flex-tiles: .* M1-N1-M2-N2-STAGES-WARPS"):
+        parse(["--steps", "3", "--flex-tiles", "64-64"])
     for good in ("default", "32-64-64-32-3-4"):
-        monkeypatch.setenv("DFLASH_FLEX_BWD_TILES", good)
-        parse(["--steps", "3"])
+        assert parse(["--steps", "3", "--flex-tiles", good]).flex_tiles == good
 
 
-def test_a_bad_ce_rows_variable_is_a_usage_error(monkeypatch):
-    for bad in ("0", "-5", "lots"):
-        monkeypatch.setenv("DFLASH_CE_ROWS", bad)
-        with pytest.raises(UsageError, match="DFLASH_CE_ROWS: .*positive number of rows"):
-            parse(["--steps", "3"])
-    monkeypatch.setenv("DFLASH_CE_ROWS", "2048")
-    parse(["--steps", "3"])
+def test_bad_ce_rows_and_gpu_switches_are_a_usage_error():
+    with pytest.raises(UsageError, match="--ce-rows: .*positive number of rows"):
+        parse(["--steps", "3", "--ce-rows", "-5"])
+    with pytest.raises(UsageError, match="--ce-rows"):
+        parse(["--steps", "3", "--ce-rows", "lots"])
+    for flag in ("--fp32-wgrad", "--ce-kernel"):
+        with pytest.raises(UsageError, match=f"{flag} must be on or off"):
+            parse(["--steps", "3", flag, "yes"])
+    assert parse(["--steps", "3", "--ce-rows", "2048"]).ce_rows == 2048
 
 
 def test_config_and_package_do_not_import_torch():
-    code = ("import sys, trainer, trainer.config, trainer.cli; "
-            "trainer.config.parse(['--steps', '3']); assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys, trainer, trainer.run.config, trainer.exits; "
+            "trainer.run.config.parse(['--steps', '3']); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 

@@ -1,10 +1,10 @@
 """The fast paths of the training forward compute what the dense paths compute (CPU, small shapes).
 
-- Block-sparse attention (trainer/attention.py): the tile lists cover exactly the pairs the dense
+- Block-sparse attention (trainer/model/attention.py): the tile lists cover exactly the pairs the dense
   mask allows, the mask_mod is the same rule, and FlexAttention (eager: mask_mod only; compiled:
   tiles honoured too) gives SDPA's output. FlexAttention has no backward on CPU: its gradients are
   checked on the GPU by benchmarks/drafter_bench.py (step-0 loss and gradient norm per variant).
-- Chunked linear + cross-entropy (trainer/fused_ce.py): same loss, same hidden gradient, same counts.
+- Chunked linear + cross-entropy (trainer/model/fused_ce.py): same loss, same hidden gradient, same counts.
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
-from trainer import attention, fused_ce, masks  # noqa: E402
-from trainer.draft_loss import DraftLoss  # noqa: E402
-from trainer.model import Drafter, DrafterConfig, RMSNorm, flops_needed, flops_per_sample  # noqa: E402
-from trainer.target import load_target  # noqa: E402
+from trainer.model import attention, fused_ce, masks  # noqa: E402
+from trainer.model.draft_loss import DraftLoss  # noqa: E402
+from trainer.model.drafter import Drafter, DrafterConfig, RMSNorm, flops_needed, flops_per_sample  # noqa: E402
+from trainer.run.target import load_target  # noqa: E402
 
 needs_flex = pytest.mark.skipif(not attention.FLEX, reason="this torch has no FlexAttention")
 
@@ -116,7 +116,7 @@ def test_compiled_flex_honours_the_tiles_and_equals_sdpa():
 
 @needs_flex
 def test_flex_with_kv_expanded_to_the_query_heads_is_the_same_attention():
-    """DFLASH_FLEX_BWD_TILES=...+kv repeats K/V to the query heads inside the flex call (for the
+    """--flex-tiles ...+kv repeats K/V to the query heads inside the flex call (for the
     backward's work split); the function stays the same. (No flex backward on CPU: the gradients are
     checked against an fp32 reference by benchmarks/flex_bench.py on a GPU.)"""
     S, block, n = 300, 16, 12
@@ -265,23 +265,23 @@ def test_chunk_rows_keep_a_chunk_of_fp32_logits_under_a_gib():
     assert fused_ce.chunk_rows(24, 100) == 16
 
 
-def test_ce_rows_from_the_environment_set_the_chunks(monkeypatch):
-    """DFLASH_CE_ROWS fixes the chunk (a benchmark's A/B); the loss is the same function of the rows."""
+def test_ce_rows_configured_set_the_chunks(monkeypatch):
+    """--ce-rows (fused_ce.configure) fixes the chunk (a benchmark's A/B); the loss is the same function of the rows."""
     norm, W = _head()
     torch.manual_seed(0)
     h, labels, w = torch.randn(1, 24, 32), torch.randint(0, W.shape[0], (1, 24)), torch.rand(1, 24)
     seen = []
     real = fused_ce._LinearCE.apply
     monkeypatch.setattr(fused_ce._LinearCE, "apply", lambda *a: seen.append(a[-1]) or real(*a))
-    monkeypatch.setenv("DFLASH_CE_ROWS", "5")
+    monkeypatch.setattr(fused_ce, "ROWS", None)
+    fused_ce.configure(5)
     five = fused_ce.block_loss(h, norm, W, labels, w, 6)[0]
-    monkeypatch.delenv("DFLASH_CE_ROWS")
+    fused_ce.configure(None)
     default = fused_ce.block_loss(h, norm, W, labels, w, 6)[0]
     assert seen == [5, 16]
     torch.testing.assert_close(five, default)
-    monkeypatch.setenv("DFLASH_CE_ROWS", "0")
     with pytest.raises(ValueError, match="positive number of rows"):
-        fused_ce.rows_from_env()
+        fused_ce.configure(0)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from trainer import masks  # noqa: E402
+from trainer.model import masks  # noqa: E402
 
 
 @st.composite

@@ -5,11 +5,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer import masks  # noqa: E402
-from trainer.eval import acceptance_length, speculative_generate  # noqa: E402
-from trainer.model import Drafter, DrafterConfig, flops_per_sample  # noqa: E402
-from trainer.step import DraftLoss  # noqa: E402
-from trainer.target import default_layer_ids, load_target  # noqa: E402
+from trainer.model import masks  # noqa: E402
+from trainer.run.eval import acceptance_length, speculative_generate  # noqa: E402
+from trainer.model.drafter import Drafter, DrafterConfig, flops_per_sample  # noqa: E402
+from trainer.engine.step import DraftLoss  # noqa: E402
+from trainer.run.target import default_layer_ids, load_target  # noqa: E402
 
 BLOCK = 6
 
@@ -192,7 +192,7 @@ def test_rope_tables_are_the_formulas_values_in_eager_and_compiled():
     every kernel); its values are HF's half-rotation formula, to the bit, in eager and compiled."""
     import torch
 
-    from trainer.model import rope_cos_sin
+    from trainer.model.drafter import rope_cos_sin
 
     pos = torch.randint(0, 4096, (2, 37))
     inv = 1.0 / (1e6 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
@@ -261,7 +261,7 @@ def test_the_last_layer_on_the_predicted_rows_is_the_same_function(tiny):
 def test_block_rows_linear_sums_the_repeated_rows_gradient():
     """_BlockRowsLinear against nn.Linear on the expanded rows, the leading (context) rows included:
     output, weight gradient, and the compact rows' gradient (a repeated row's is the sum of its copies')."""
-    from trainer.model import Linear, block_rows_linear, expand_blocks
+    from trainer.model.linear import Linear, block_rows_linear, expand_blocks
 
     torch.manual_seed(0)
     lead, n, bs = 3, 4, 5

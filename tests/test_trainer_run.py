@@ -16,7 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer import checkpoint  # noqa: E402
+from trainer import faults  # noqa: E402
+from trainer.run import checkpoint  # noqa: E402
 from trainer_quick import (QUICK, ROOT, metrics, sigterm_once_training, step_losses,  # noqa: E402
                            subprocess_env, train)
 
@@ -33,7 +34,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
 
     # The same run, stopped by SIGTERM after step 5: the loop draws each batch one step early (the
     # look-ahead), so batch index 5 is built during the 5th step, and the loop stops after it.
-    import trainer.train as tt
+    import trainer.train.loop as tt
 
     real = tt.make_batch
 
@@ -103,7 +104,7 @@ def test_sigterm_mid_run_checkpoints_and_exits_143_then_resumes(tmp_path):
 def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path):
     out, flag = tmp_path / "run", tmp_path / "paused"
     cmd = [sys.executable, "-m", "trainer", *QUICK, "--out", str(out), "--steps", "50", "--checkpoint-every", "2"]
-    env = subprocess_env(**{checkpoint.PAUSE_ENV: f"4:{flag}"})
+    env = subprocess_env(**faults.env(pause_in_checkpoint=f"4:{flag}"))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 90
@@ -211,8 +212,8 @@ def test_chat_and_token_jsonl_train(tmp_path):
 
 
 def test_chat_loss_mask_covers_assistant_turns_only():
-    from trainer.data import encode_chat
-    from trainer.tokenizer import ByteTokenizer
+    from trainer.run.data import encode_chat
+    from trainer.run.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
@@ -230,7 +231,7 @@ def test_hugging_face_folder_target_with_a_chat_template(tmp_path):
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from trainer.target import build_tiny
+    from trainer.run.target import build_tiny
 
     model_dir = tmp_path / "model"
     build_tiny(3).save_pretrained(model_dir)

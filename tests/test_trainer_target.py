@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer.target import load_target  # noqa: E402
+from trainer.run.target import load_target  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_compiled_layers_give_eager_features_and_leave_other_callers_eager():
     forwards (they are bound to the original's weights)."""
     import torch._dynamo.utils as du
 
-    from trainer.numerics import rel_l2
+    from trainer.engine.numerics import rel_l2
 
     t = load_target("tiny", device=torch.device("cpu"), dtype=torch.float32)
     ids = _ids(3, B=2, S=32)
@@ -132,7 +132,7 @@ def test_features_build_no_attention_mask_and_read_nothing_back(tiny, monkeypatc
     the whole forward's, which builds its mask the usual way."""
     import transformers.masking_utils as mu
 
-    from trainer.target import _no_mask
+    from trainer.run.target import _no_mask
 
     assert _no_mask(tiny.model.base_model) == {"attention_mask": {"full_attention": None}}
     calls = []

@@ -5,7 +5,7 @@ Tiny runs on the CPU with one torch thread each (deterministic). Tolerances:
   order (float reassociation), so weights agree to atol 1e-5 / rtol 1e-4 after 4 AdamW steps.
 - torchrun (2 gloo processes, DDP with a SUM hook) vs 2 worker threads: the same shards, the same
   two-term sum (a + b == b + a), the same optimizer: bit-identical on the CPU; asserted to 1e-6.
-The failure paths use the trainer's test-only hooks (trainer/step.py: DFLASH_TRAINER_TEST_*).
+The failure paths use the trainer's test-only hooks (trainer/faults.py).
 """
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer import checkpoint  # noqa: E402
+from trainer.run import checkpoint  # noqa: E402
 from trainer_quick import (QUICK, ROOT, children, metrics, sigterm_once_training, step_losses,  # noqa: E402
                            subprocess_env, train)
-from trainer.step import DIVERGE_ENV, FAIL_WORKER_ENV, FlatGrads, gather_chunks, reduce_own_chunk  # noqa: E402
+from trainer import faults  # noqa: E402
+from trainer.engine.allreduce import gather_chunks, reduce_own_chunk  # noqa: E402
+from trainer.engine.step import FlatGrads  # noqa: E402
 
 STEPS = ["--steps", "4", "--checksum-every", "2"]
 
@@ -100,7 +102,7 @@ def test_flat_gradients_stay_in_place_and_the_reduce_sums_bit_identically():
 
 
 def test_a_worker_that_fails_in_warm_up_ends_the_run_with_its_error(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(FAIL_WORKER_ENV, "1")
+    monkeypatch.setenv(*faults.setting(fail_worker="1"))
     out = tmp_path / "run"
     t = time.monotonic()
     assert train(out, *STEPS, "--workers", "2") == 1
@@ -117,7 +119,7 @@ def test_a_worker_that_fails_in_warm_up_ends_the_run_with_its_error(tmp_path, mo
 def test_a_worker_that_hangs_in_warm_up_ends_the_run_at_the_timeout(tmp_path):
     t = time.monotonic()
     p = python_m_trainer(tmp_path / "run", *STEPS, "--workers", "2", "--warmup-timeout", "2",
-                         env={FAIL_WORKER_ENV: "1:hang"}, timeout=120)
+                         env=faults.env(fail_worker="1:hang"), timeout=120)
     assert p.returncode == 1, p.stderr[-2000:]
     assert time.monotonic() - t < 90
     last = p.stderr.strip().splitlines()[-1]
@@ -126,7 +128,7 @@ def test_a_worker_that_hangs_in_warm_up_ends_the_run_at_the_timeout(tmp_path):
 
 
 def test_replicas_that_diverge_stop_the_run(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(DIVERGE_ENV, "1:2")
+    monkeypatch.setenv(*faults.setting(diverge="1:2"))
     out = tmp_path / "run"
     assert train(out, "--steps", "4", "--workers", "2", "--checksum-every", "1") == 1
     err = capsys.readouterr().err.strip()
@@ -159,7 +161,7 @@ def test_torchrun_processes_train_the_same_weights_as_threads(tmp_path, threaded
 
 def test_a_failing_rank_fails_the_run_with_its_error_and_root_cause(tmp_path):
     out = tmp_path / "run"
-    p = python_m_trainer(out, *STEPS, "--workers", "2", "--topology", "processes", env={FAIL_WORKER_ENV: "1"})
+    p = python_m_trainer(out, *STEPS, "--workers", "2", "--topology", "processes", env=faults.env(fail_worker="1"))
     assert p.returncode == 1
     assert "[rank1]: RuntimeError: test hook" in p.stderr  # the rank's traceback, rank-prefixed
     assert "Root Cause (first observed failure)" in p.stderr and "rank      : 1" in p.stderr
@@ -207,7 +209,7 @@ def test_a_sigterm_after_the_ranks_stopped_on_their_own_does_not_kill_the_launch
 # ---- settings --------------------------------------------------------------------------------------
 
 def test_workers_may_share_gpus_under_threads_only():
-    from trainer.config import parse
+    from trainer.run.config import parse
     from trainer.errors import UsageError
 
     assert parse(["--gpus", "1", "--workers", "4", "--batch-size", "8"]).n_devices == 4  # 4 threads on one GPU
@@ -219,8 +221,8 @@ def test_workers_may_share_gpus_under_threads_only():
 
 
 def test_the_launcher_hands_the_ranks_the_same_settings(tmp_path):
-    from trainer.config import parse
-    from trainer.distributed import child_exit_code, config_argv
+    from trainer.run.config import parse
+    from trainer.train.distributed import child_exit_code, config_argv
 
     cfg = parse([*QUICK, "--out", str(tmp_path), "--workers", "2", "--topology", "processes", "--eval-at-start",
                  "--warmup-timeout", "12.5", "--mask-token-id", "-1", "--target-layers", "1,2"])
@@ -233,7 +235,7 @@ def test_a_warm_up_failure_is_named_by_the_failure_catalog(tmp_path):
     """What a worker thread hits with reduce-overhead on torch < 2.13 (docs/background.md), reproduced in shape."""
     import importlib.util
 
-    from trainer.workers import WorkerFailed
+    from trainer.engine.workers import WorkerFailed
 
     src = tmp_path / "cudagraph_trees.py"
     src.write_text("def _is_key_in_tls(key):\n    return False\n\n\ndef get_obj(local, attr_name):\n"
@@ -251,10 +253,10 @@ def test_a_warm_up_failure_is_named_by_the_failure_catalog(tmp_path):
 
 LEAVE = """
 import atexit, sys
-from trainer.cli import leave
+from trainer.exits import exit_process
 atexit.register(lambda: print("finalized", flush=True))
-print("done", end="")  # unflushed: leave flushes it
-leave(3)
+print("done", end="")  # unflushed: exit_process flushes it
+exit_process(3)
 """
 
 

@@ -1,5 +1,5 @@
 """apply_update: the clip folded into the fused AdamW (grad_scale / found_inf), and the clip +
-AdamW compiled as one function (trainer/adamw.py), each against clip_grad_norm_ + a plain step;
+AdamW compiled as one function (trainer/engine/adamw.py), each against clip_grad_norm_ + a plain step;
 a non-finite gradient leaving everything untouched.
 
 The fused AdamW is what the trainer uses on CUDA under the eager policy; torch's CPU build has the
@@ -12,14 +12,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.adamw import CompiledUpdate
+from trainer.engine.adamw import CompiledUpdate
 from trainer.errors import TrainerError
-from trainer.step import apply_update
+from trainer.engine.step import apply_update
 
 
 def _replica(fused, seed: int = 0, scale: float = 1.0):
     """fused: True (torch's fused AdamW, the clip folded in), False (clip_grad_norm_ + foreach AdamW),
-    "function" (trainer.adamw's update, uncompiled) or "compiled" (the same, compiled by inductor)."""
+    "function" (trainer.engine.adamw's update, uncompiled) or "compiled" (the same, compiled by inductor)."""
     g = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(n, generator=g, dtype=torch.float32)) for n in (1000, 37, 4096)]
     for p in params:

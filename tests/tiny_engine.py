@@ -8,13 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer import masks
-from trainer.data import Sample, make_batch
-from trainer.log import RunLog
-from trainer.model import Drafter
-from trainer.step import Replica, build_replica
-from trainer.target import Target, load_target
-from trainer.workers import ThreadEngine
+from trainer.model import masks
+from trainer.run.data import Sample, make_batch
+from trainer.run.log import RunLog
+from trainer.model.drafter import Drafter
+from trainer.engine.step import Replica, build_replica
+from trainer.run.target import Target, load_target
+from trainer.engine.workers import ThreadEngine
 
 
 @dataclass

@@ -6,7 +6,9 @@ import json
 import os
 from pathlib import Path
 
-from trainer.cli import run, train_entry
+from trainer.exits import run
+
+from trainer.train import train_entry
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--target", "tiny", "--data", "synthetic", "--batch-size", "4", "--block-size", "4", "--anchors", "4",

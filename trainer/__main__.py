@@ -1,4 +1,6 @@
-"""`python -m trainer`: train a DFlash drafter (see trainer/train.py)."""
-from trainer.cli import leave, run, train_entry
+"""`python -m trainer`: train a DFlash drafter (see trainer/train/main.py)."""
+from trainer.exits import exit_process, run
+from trainer.train import train_entry
 
-leave(run(train_entry))
+if __name__ == "__main__":
+    exit_process(run(train_entry))

@@ -1,6 +1,6 @@
 """The trainer's expected failures: each renders itself as one line.
 
-`trainer.cli` maps them to exit codes in one place; anything else is a bug or a crash and
+`trainer.exits` maps them to exit codes in one place; anything else is a bug or a crash and
 keeps its traceback (the log is scanned for failure signatures, so tracebacks are useful there).
 """
 from __future__ import annotations

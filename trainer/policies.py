@@ -21,6 +21,8 @@ import re
 import sys
 from typing import Any
 
+from trainer import faults
+
 POLICY_NAMES = ("eager", "inductor", "max-autotune-no-cudagraphs", "reduce-overhead",
                 "cudagraphs-no-trees")
 
@@ -48,13 +50,12 @@ _RECIPES: dict[str, dict[str, Any]] = {
                  "(cudagraph-static-input)"},
 }
 
-# Test-only policies, known only when DFLASH_TRAINER_TEST_POLICIES=1 (never in production):
+# Test-only policies, known only where a test enables the fault point test_policies (trainer/faults.py):
 # deliberately WRONG compiled paths, so that tests can show the probe's numerics verdict and the
 # trainer's first-step guard reject a policy that runs but computes something else, as inductor's
 # non-tree CUDA graphs did on the H200 (right loss, wrong first gradient; docs/probe-h200.md).
 #   test-drop-first-grad  inductor, but the first call's loss carries no gradient
 #   test-frozen           inductor, but no call's loss carries a gradient (weights never train)
-TEST_POLICIES_ENV = "DFLASH_TRAINER_TEST_POLICIES"
 _TEST_RECIPES: dict[str, dict[str, Any]] = {
     "test-drop-first-grad": {"mode": "default", "options": None, "cuda": False, "drop": "first",
                              "notes": "test only: inductor whose first gradient is dropped"},
@@ -73,7 +74,7 @@ class PolicyError(ValueError):
 
 def known() -> tuple[str, ...]:
     """POLICY_NAMES, plus the test-only policies where the test hook is set."""
-    return POLICY_NAMES + (tuple(_TEST_RECIPES) if os.environ.get(TEST_POLICIES_ENV) == "1" else ())
+    return POLICY_NAMES + (tuple(_TEST_RECIPES) if faults.enabled("test_policies") else ())
 
 
 def _recipe(name: str) -> dict[str, Any]:

@@ -2,15 +2,15 @@
 
 Both topologies run the same step on each replica's shard of one global batch:
 
-    threads (trainer/workers.py), the coordinator drives four phases over N worker threads:
+    threads (trainer/engine/workers.py), the coordinator drives four phases over N worker threads:
         compute_grads(replica_i, batch.shard(i, N))       # forward + backward, in worker i
-        nccl_all_reduce(replicas)    # sum grads: one GPU per worker (else, in every worker, over
-        reduce_own_chunk(replicas, i); gather_chunks(replicas, i)   #  FlatGrads: reduce-scatter +
-                                                           #  all-gather)
+        allreduce.nccl_all_reduce(replicas)  # sum grads (allreduce.py): one GPU per worker (else, in
+        allreduce.reduce_own_chunk(...); gather_chunks(...)  #  every worker, over FlatGrads:
+                                                           #  reduce-scatter + all-gather)
         prefetch_features(replica_i, next_batch.shard(i, N))  # the next step's target forward, while
                                                            #  the NCCL sum runs on side streams
         apply_update(replica_i, lr, clip)                  # the same update everywhere
-    processes (trainer/distributed.py), one replica per rank, DDP sums grads during backward:
+    processes (trainer/engine/ranks.py), one replica per rank, DDP sums grads during backward:
         compute_grads(replica, batch.shard(rank, N)); prefetch_features(...); apply_update(replica, lr, clip)
 
 Every shard divides its loss by the weight of the WHOLE batch (`Batch.weight_total`), so summed
@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,20 +29,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from trainer import policies
-from trainer.adamw import CompileFailed, CompiledUpdate
-from trainer.data import Batch
-from trainer.draft_loss import DraftLoss
+from trainer import faults, policies
+from trainer.engine.adamw import CompileFailed, CompiledUpdate
+from trainer.run.data import Batch
+from trainer.model.draft_loss import DraftLoss
 from trainer.errors import TrainerError
-from trainer.model import Drafter
-from trainer.target import Target
+from trainer.model.drafter import Drafter
+from trainer.run.target import Target
 
-# Test-only hooks (never set in production), read when used:
-#   DFLASH_TRAINER_TEST_FAIL_WORKER=I       worker/rank I raises in its first step (the warm-up)
-#   DFLASH_TRAINER_TEST_FAIL_WORKER=I:hang  worker/rank I hangs in its first step
-#   DFLASH_TRAINER_TEST_DIVERGE=I:STEP      worker/rank I nudges one weight after update STEP
-FAIL_WORKER_ENV = "DFLASH_TRAINER_TEST_FAIL_WORKER"
-DIVERGE_ENV = "DFLASH_TRAINER_TEST_DIVERGE"
 
 
 class FlatGrads:
@@ -53,8 +46,8 @@ class FlatGrads:
     gradients already sit in the flat buffers: the copy-based cross-replica sum is a few large
     copies and adds (O(params) bytes, a handful of kernels) instead of one small op per parameter.
     They cost two passes a step that own gradients do not (zeroing the buffers, and backward's
-    in-place add instead of handing over its fresh gradient: 16 bytes per fp32 parameter, 1.9
-    ms/sample for the 1 B drafter on an H200), so only that sum uses them (ThreadEngine.grads).
+    in-place add instead of handing over its fresh gradient: 16 bytes per fp32 parameter), so only
+    that sum uses them (ThreadEngine.grads).
     """
 
     def __init__(self, params: list[nn.Parameter]):
@@ -246,92 +239,6 @@ def load_weights(r: Replica, weights: list[torch.Tensor]) -> None:
         p.copy_(w, non_blocking=True)
 
 
-# ---- the threaded all-reduce: reduce-scatter then all-gather over the flat buffers ----------------
-# Worker i owns chunk i of every flat buffer. Phase 1 (reduce_own_chunk, in every worker at once):
-# worker i adds chunk i of every other replica into its own, receiving through a scratch buffer of
-# one chunk when the replicas sit on different devices. Phase 2 (gather_chunks): worker i copies
-# every other worker's finished chunk into its buffer. Each replica moves ~2 (N-1)/N of the
-# gradient bytes, every device works at once, and all replicas end with bit-identical sums.
-# Cross-device `copy_` orders itself against both devices' current streams, so nothing here
-# synchronises the host.
-
-def _chunk(buf: torch.Tensor, n: int, i: int) -> torch.Tensor:
-    return torch.tensor_split(buf, n)[i]
-
-
-def reduce_own_chunk(replicas: list[Replica], i: int) -> None:
-    n, own = len(replicas), replicas[i]
-    for b, buf in enumerate(own.grads.buffers):
-        mine = _chunk(buf, n, i)
-        for k in range(1, n):  # ring order: in round k every device reads from a different peer
-            theirs = _chunk(replicas[(i + k) % n].grads.buffers[b], n, i)
-            if theirs.device == mine.device:
-                mine.add_(theirs)
-                continue
-            scratch = own.scratch.get(b)
-            if scratch is None or scratch.numel() < mine.numel():
-                scratch = own.scratch[b] = torch.empty(mine.numel(), dtype=mine.dtype, device=mine.device)
-            recv = scratch[: mine.numel()]
-            recv.copy_(theirs, non_blocking=True)
-            mine.add_(recv)
-
-
-def nccl_usable(replicas: list[Replica]) -> bool:
-    """One replica per GPU, each on its own device, and this torch has NCCL: the gradient sum can be
-    single-process NCCL all-reduces instead of the copies below."""
-    devices = [r.device for r in replicas]
-    if len(devices) < 2 or any(d.type != "cuda" for d in devices) or len(set(devices)) != len(devices):
-        return False
-    try:
-        import torch.cuda.nccl as nccl
-
-        return nccl.is_available([r.params[0] for r in replicas])
-    except (ImportError, RuntimeError):
-        return False
-
-
-def nccl_all_reduce(replicas: list[Replica], side: bool = False) -> None:
-    """Sum every replica's gradients in place, called from ONE thread for all devices
-    (torch.cuda.nccl: a single-process communicator over the GPUs, NVLink where there is one):
-    one all-reduce per flat buffer when the replicas have FlatGrads, else one per parameter. Queued
-    after the backward the workers queued on each device's current stream; every replica ends with
-    the same bits (checked by check_replicas).
-
-    side=False: on each device's current stream. side=True: on each replica's own `comm` stream,
-    after its current stream's work; `summed` is recorded there, and prefetch_features makes the
-    replica's stream wait for it after queuing the next step's target forward, which so overlaps
-    the sum. The gradients stay valid: they are freed only by the next step's zero_grad, which the
-    host reaches after that wait is queued, so their memory is reused only by kernels behind it."""
-    import torch.cuda.nccl as nccl
-
-    streams = None
-    if side:
-        streams = []
-        for r in replicas:
-            if r.comm is None:
-                r.comm = torch.cuda.Stream(r.device)
-            r.comm.wait_stream(torch.cuda.current_stream(r.device))
-            streams.append(r.comm)
-    if all(r.grads is not None for r in replicas):
-        for b in range(len(replicas[0].grads.buffers)):
-            nccl.all_reduce([r.grads.buffers[b] for r in replicas], streams=streams)
-    else:
-        for k in range(len(replicas[0].params)):
-            nccl.all_reduce([r.params[k].grad for r in replicas], streams=streams)
-    if side:
-        for r in replicas:
-            r.summed = torch.cuda.Event()
-            r.summed.record(r.comm)
-
-
-def gather_chunks(replicas: list[Replica], i: int) -> None:
-    n, own = len(replicas), replicas[i]
-    for b, buf in enumerate(own.grads.buffers):
-        for k in range(1, n):
-            j = (i + k) % n
-            _chunk(buf, n, j).copy_(_chunk(replicas[j].grads.buffers[b], n, j), non_blocking=True)
-
-
 def apply_update(r: Replica, lr: float, grad_clip: float, step: int) -> float:
     """Clip to the global norm and step the optimizer; returns the pre-clip gradient norm, read on
     the host (queue_update, then settle_norm).
@@ -347,7 +254,7 @@ def queue_update(r: Replica, lr: float, grad_clip: float, step: int) -> torch.Te
     the weights (ThreadEngine.step settles the previous step's before it queues the next update).
 
     With a CompiledUpdate (a GPU under a compiled policy) clip and AdamW are one compiled function
-    (trainer/adamw.py). Else, with the fused AdamW (CUDA), the clip is folded into the optimizer's kernel: it divides every
+    (trainer/engine/adamw.py). Else, with the fused AdamW (CUDA), the clip is folded into the optimizer's kernel: it divides every
     gradient by `grad_scale` = 1 / clip_grad_norm_'s coefficient as it reads it, and skips the
     whole update on the device when `found_inf` is set, so the gradients are not rewritten in a
     separate pass (8 bytes per parameter: 8.4 GB a step for a 1B drafter). Else (the CPU) the
@@ -376,7 +283,7 @@ def queue_update(r: Replica, lr: float, grad_clip: float, step: int) -> torch.Te
     else:
         norm = settle_norm(torch.nn.utils.clip_grad_norm_(r.params, grad_clip), step)
         r.optimizer.step()
-    _test_diverge(r.index, step + 1, r)
+    faults.hit("diverge", index=r.index, step=step + 1, params=r.params)
     return norm
 
 
@@ -388,7 +295,7 @@ def settle_norm(norm: torch.Tensor | float, step: int) -> float:
     return norm
 
 
-class OnHost:
+class HostTransfer:
     """Values on their way to the host without the host waiting: each CUDA tensor is copied now, on
     its device's current stream, into pinned memory, so wait() waits for the work queued before the
     copies, not for what the host queues afterwards. Anything else (CPU tensors, floats) passes
@@ -415,22 +322,22 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-class StepEnd:
+class QueuedStep:
     """One replica's step after its update was queued: its shard's stats and the pre-clip norm, on
-    their way to the host (OnHost). read() waits for them and checks the norm (settle_norm)."""
+    their way to the host (HostTransfer). read() waits for them and checks the norm (settle_norm)."""
 
     def __init__(self, stats: ShardStats, norm: torch.Tensor | float, step: int):
         self.samples, self.tokens, self.step = stats.samples, stats.tokens, step
-        self._host = OnHost([stats.loss_sum, stats.correct, stats.count, norm])
+        self._host = HostTransfer([stats.loss_sum, stats.correct, stats.count, norm])
 
     def read(self) -> tuple[ShardStats, float]:
         loss_sum, correct, count, norm = self._host.wait()
         return ShardStats(float(loss_sum), correct, count, self.samples, self.tokens), settle_norm(norm, self.step)
 
 
-def update_async(r: Replica, stats: ShardStats, lr: float, grad_clip: float, step: int) -> StepEnd:
-    """queue_update, then the step's stats and norm start for the host (StepEnd): nothing waits."""
-    return StepEnd(stats, queue_update(r, lr, grad_clip, step), step)
+def update_async(r: Replica, stats: ShardStats, lr: float, grad_clip: float, step: int) -> QueuedStep:
+    """queue_update, then the step's stats and norm start for the host (QueuedStep): nothing waits."""
+    return QueuedStep(stats, queue_update(r, lr, grad_clip, step), step)
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -461,24 +368,3 @@ def lr_at(step: int, *, steps: int, lr: float, min_lr: float, warmup: float) -> 
     span = max(1, steps - n_warm)
     t = min(1.0, (step - n_warm) / span)
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * t))
-
-
-# ---- test hooks -----------------------------------------------------------------------------------
-
-def warmup_test_hook(index: int) -> None:
-    """DFLASH_TRAINER_TEST_FAIL_WORKER (test only): make worker/rank `index` fail or hang in its warm-up."""
-    who, _, how = os.environ.get(FAIL_WORKER_ENV, "").partition(":")
-    if who != str(index):
-        return
-    if how == "hang":
-        import time
-
-        time.sleep(3600)
-    raise RuntimeError(f"test hook {FAIL_WORKER_ENV}: worker {index} fails during warm-up")
-
-
-def _test_diverge(index: int, step: int, r: Replica) -> None:
-    who, _, at = os.environ.get(DIVERGE_ENV, "").partition(":")
-    if who == str(index) and at == str(step):
-        with torch.no_grad():
-            r.params[0].view(-1)[0] += 1e-3

@@ -17,27 +17,24 @@ Same interface, arithmetic and dtypes as masks.block_loss(drafter.logits(hidden)
 tests/test_trainer_kernels.py checks value and gradient against it.
 
 The per-chunk core (CE, argmax, d CE / d logits) is, on a GPU with Triton, one Triton kernel
-(trainer/ce_kernel.py: two passes over the logits; tests/test_ce_kernel.py); else _ce_core, run
+(trainer/model/ce_kernel.py: two passes over the logits; tests/test_ce_kernel.py); else _ce_core, run
 compiled on its own outside torch.compile (eager policy on CUDA) and as torch ops inside it.
 """
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 
 import torch
 import torch.nn.functional as F
 
-from trainer import ce_kernel
+from trainer.model import ce_kernel
 
 # Rows per chunk: the largest power of two whose fp32 logits stay under this many bytes (1024 at
-# the 8B shape). Longer chunks measured no faster on the H200: the lm_head's GEMMs take the same
-# time from 1024 to 7680 rows, and the drafter step was 0.4 ms/sample slower with 2048
-# (benchmarks/gemm_bench.py, docs/benchmarks.md). DFLASH_CE_ROWS=N fixes the rows instead (for
-# such an A/B; config.validate checks it).
+# the 8B shape); longer chunks are no faster on the H200 (benchmarks/gemm_bench.py,
+# docs/benchmarks.md). configure(N) (TrainConfig.ce_rows) fixes the rows instead, for an A/B.
 CHUNK_BYTES = 1 << 30
-ROWS_ENV = "DFLASH_CE_ROWS"
+ROWS: int | None = None
 
 
 def chunk_rows(n_rows: int, vocab: int) -> int:
@@ -47,22 +44,12 @@ def chunk_rows(n_rows: int, vocab: int) -> int:
     return rows
 
 
-def parse_rows(text: str) -> int:
-    """A DFLASH_CE_ROWS value -> rows per chunk; ValueError unless a positive integer."""
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"expected a positive number of rows, e.g. 2048, got {text!r}")
-    return int(text)
-
-
-def rows_from_env() -> int | None:
-    """DFLASH_CE_ROWS as rows per chunk, None when unset (config.validate has refused a bad value)."""
-    text = os.environ.get(ROWS_ENV)
-    if text is None:
-        return None
-    try:
-        return parse_rows(text)
-    except ValueError as e:
-        raise ValueError(f"{ROWS_ENV}: {e}") from None
+def configure(rows: int | None) -> None:
+    """Fix the rows per chunk for this process (ValueError unless positive), or None: chunk_rows'."""
+    global ROWS
+    if rows is not None and rows < 1:
+        raise ValueError(f"expected a positive number of rows, e.g. 2048, got {rows!r}")
+    ROWS = rows
 
 
 def _ce_core(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
@@ -113,7 +100,7 @@ _compiled = _TriedOnce("compiled cross-entropy core", lambda: torch.compile(_ce_
 # The core in one Triton kernel, two passes per row (a GPU with Triton, ce_kernel.available); it
 # falls back to the torch core where Triton cannot build it.
 _kernel = _TriedOnce("the Triton cross-entropy kernel", lambda: ce_kernel.ce_core, traced=ce_kernel.ce_core,
-                     fallback=_compiled, instead="using the torch core (DFLASH_CE_KERNEL=0 skips the attempt)")
+                     fallback=_compiled, instead="using the torch core (--ce-kernel off skips the attempt)")
 
 
 class _LinearCE(torch.autograd.Function):
@@ -175,7 +162,7 @@ def block_loss(hidden: torch.Tensor, norm, lm_weight: torch.Tensor, labels: torc
                          "freeze it (the target's) or use masks.block_loss")
     h = hidden.flatten(0, 1)  # (T, H)
     T, V = h.shape[0], lm_weight.shape[0]
-    rows = rows or rows_from_env() or chunk_rows(T, V)
+    rows = rows or ROWS or chunk_rows(T, V)
     loss_sum, pred = _LinearCE.apply(h, norm.weight, lm_weight, labels.flatten(), weights.flatten(),
                                      norm.eps, rows)
     live = (weights > 0).view(weights.shape[0], -1, block_size)  # (B, N, Bs)

@@ -12,7 +12,7 @@ import torch
 KNOWN_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "lite")
 
 
-def guard(fn, default=None):
+def call_or_default(fn, default=None):
     """fn(), or `default` when it raises (the probe reports what it cannot read as null)."""
     try:
         return fn()
@@ -54,18 +54,18 @@ def build_report() -> dict:
         p = torch.cuda.get_device_properties(i)
         gpus.append({"name": p.name, "capability": f"{p.major}.{p.minor}",
                      "memory_gb": round(p.total_memory / 2**30, 1)})
-    nccl = guard(lambda: torch.cuda.nccl.version()) if cuda else None
+    nccl = call_or_default(lambda: torch.cuda.nccl.version()) if cuda else None
     return {
         "python": platform.python_version(), "executable": sys.executable,
         "platform": platform.platform(), "cpus": os.cpu_count(),
         "torch": torch.__version__, "torch_git": getattr(torch.version, "git_version", None),
         "cuda": torch.version.cuda, "cuda_available": cuda,
-        "cudnn": _cudnn_str(guard(torch.backends.cudnn.version)),
+        "cudnn": _cudnn_str(call_or_default(torch.backends.cudnn.version)),
         "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else (str(nccl) if nccl else None),
         "triton": _dist_version("triton", "pytorch-triton", "pytorch-triton-rocm"),
         "driver": _nvidia_driver() if cuda else None,
         "gpus": gpus,
-        "bf16": bool(guard(torch.cuda.is_bf16_supported, False)) if cuda else None,
+        "bf16": bool(call_or_default(torch.cuda.is_bf16_supported, False)) if cuda else None,
     }
 
 
@@ -114,7 +114,7 @@ def _jsonable(v):
 def mode_options() -> dict:
     """list_mode_options(mode) for every mode this torch knows (its no-argument form lists them)."""
     import torch._inductor as inductor
-    listed = guard(inductor.list_mode_options)
+    listed = call_or_default(inductor.list_mode_options)
     names = list(listed) if isinstance(listed, dict) and listed else list(KNOWN_MODES)
     out = {}
     for mode in names:

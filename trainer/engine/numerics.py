@@ -6,7 +6,7 @@ CUDA graphs returned the right loss and an entirely wrong gradient on their firs
 weights never change, so both checks here compare GRADIENTS, per parameter, on identical weights
 and batches:
 
-- the probe (trainer/probe_case.py) measures the noise of the working precision in the same case
+- the probe (trainer/probe/case.py) measures the noise of the working precision in the same case
   (eager at the working precision against eager at a higher one: bf16 -> fp32 on CUDA, fp32 -> fp64
   on the CPU) and accepts a compiled gradient within NOISE_FACTOR x that noise of eager's;
 - the trainer's first-step guard (`guard_first_step`) costs one eager forward/backward per worker
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.errors import TrainerError
-from trainer.step import eager_grads
+from trainer.engine.step import eager_grads
 
 NOISE_FACTOR = 8.0
 # The smallest noise a comparison assumes, in units of the working dtype's machine epsilon: an

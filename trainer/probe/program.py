@@ -6,7 +6,7 @@
 Runs on the target with only torch (+ PyYAML for the signature catalog). Prints ONE JSON document
 on stdout; one progress line per case on stderr. It reports the build (python, torch, CUDA, cuDNN,
 NCCL, Triton, driver, GPUs, bf16) against an optional expectation, the options of every compile
-mode this torch knows, and the policy x topology matrix. Each case (probe_case.py) runs the
+mode this torch knows, and the policy x topology matrix. Each case (case.py) runs the
 trainer's own replica and engine at a small shape, in its OWN subprocess with a timeout, so a
 segfault or a hang loses only that case:
   threads    N worker threads as the trainer's ThreadEngine runs them (N = GPUs, at least 2);
@@ -19,7 +19,7 @@ A second choice, `processes_policy`, answers `--topology processes` from the `pr
 where CUDA-graph policies are allowed.
 
 This module is the parent: the matrix, each case's isolation, the choice, the saved result.
-One case (`--case`) is probe_case.py; the build report, probe_build.py.
+One case (`--case`) is case.py; the build report, build.py.
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -37,8 +36,9 @@ from pathlib import Path
 import torch
 
 from trainer import policies
-from trainer.probe_build import build_report, check_expect, guard, mode_options
-from trainer.probe_case import CASE_MARK, CPU_SHAPE, GPU_SHAPE, case_main
+from trainer.files import atomic_file
+from trainer.probe.build import build_report, call_or_default, check_expect, mode_options
+from trainer.probe.case import CASE_MARK, CPU_SHAPE, GPU_SHAPE, case_main
 
 TOPOLOGIES = ("threads", "processes")
 WRONG = "compiled-wrong"   # the signature of a case that ran but computes something else
@@ -114,7 +114,7 @@ def run_isolated(cmd: list[str], timeout: float, *, cwd: str | None = None,
     result, lines = None, []
     for line in text.splitlines():
         if line.startswith(CASE_MARK):
-            result = guard(lambda: json.loads(line[len(CASE_MARK):]))
+            result = call_or_default(lambda: json.loads(line[len(CASE_MARK):]))
         else:
             lines.append(line)
     return {"result": result, "exit_code": None if timed_out else proc.returncode,
@@ -229,23 +229,15 @@ def save_result(workdir: str, doc: dict) -> str:
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "probe.json")
     history = []
-    prev = guard(lambda: json.loads(Path(path).read_text(encoding="utf-8")))
+    prev = call_or_default(lambda: json.loads(Path(path).read_text(encoding="utf-8")))
     if isinstance(prev, dict):
         history = list(prev.get("history") or [])
         history.append({k: prev.get(k) for k in ("policy", "reason", "time", "torch")})
     record = {"policy": doc["policy"], "reason": doc["reason"], "time": doc["time"],
               "processes_policy": doc.get("processes_policy"),
               "torch": doc["torch"]["version"], "result": doc, "history": history[-HISTORY_KEEP:]}
-    fd, tmp = tempfile.mkstemp(prefix=".probe.", suffix=".json", dir=workdir)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        guard(lambda: os.unlink(tmp))
-        raise
+    with atomic_file(path) as f:
+        json.dump(record, f, indent=1)
     return path
 
 
@@ -389,6 +381,3 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trainer import masks
+from trainer.model import masks
 
 # Tile size of the block-sparse mask; FlexAttention's kernels tile by divisors of it.
 TILE = 128
@@ -111,13 +110,14 @@ def mask_mod(anchors: torch.Tensor, n_queries: int, ctx_len: int, block_size: in
 
 
 # How the flex call runs: FlexAttention's backward tiles (its `kernel_options`), optionally its
-# forward's, and whether K/V are expanded to one head per query head first. Measured on the H200
-# (sm90, torch 2.11, benchmarks/flex_bench.py, docs/benchmarks.md): with 128-row KV tiles the few
-# context tiles that every block attends to make a few long-running programs; 32 x 64 tiles spread
-# them over the SMs. Elsewhere torch's own choice stands.
-# DFLASH_FLEX_BWD_TILES=BWD[/FWD][+kv] overrides both (read when a call is traced): BWD is `default`
-# or M1-N1-M2-N2-STAGES-WARPS, FWD is M-N-STAGES-WARPS (the forward keeps torch's without it).
+# forward's, and whether K/V are expanded to one head per query head first. On Hopper (sm90,
+# benchmarks/flex_bench.py, docs/benchmarks.md) 128-row KV tiles turn the few context tiles that
+# every block attends to into a few long-running programs; 32 x 64 tiles spread them over the SMs.
+# Elsewhere torch's own choice stands.
+# configure(BWD[/FWD][+kv]) (TrainConfig.flex_tiles) overrides both (read when a call is traced): BWD is
+# `default` or M1-N1-M2-N2-STAGES-WARPS, FWD is M-N-STAGES-WARPS (the forward keeps torch's without it).
 TUNED_BWD_TILES = {(9, 0): "32-64-64-32-3-4"}
+TILES: str | None = None  # configure()'s choice for this process; None: the tuned one
 _TILE_KEYS = ("bwd_BLOCK_M1", "bwd_BLOCK_N1", "bwd_BLOCK_M2", "bwd_BLOCK_N2", "bwd_num_stages", "bwd_num_warps")
 _FWD_KEYS = ("fwd_BLOCK_M", "fwd_BLOCK_N", "fwd_num_stages", "fwd_num_warps")
 
@@ -150,9 +150,18 @@ def parse_tiles(text: str) -> FlexChoice:
     return FlexChoice(options or None, bool(plus))
 
 
+def configure(tiles: str | None) -> None:
+    """Fix the flex call's tiles for this process ('BWD[/FWD][+kv]', see parse_tiles; ValueError when
+    bad), or None for the tuned choice."""
+    global TILES
+    if tiles is not None:
+        parse_tiles(tiles)
+    TILES = tiles
+
+
 def flex_choice(device: torch.device) -> FlexChoice:
-    """How the flex call on `device` runs: DFLASH_FLEX_BWD_TILES, else the tuned choice, else torch's."""
-    text = os.environ.get("DFLASH_FLEX_BWD_TILES")
+    """How the flex call on `device` runs: configure()'s choice, else the tuned one, else torch's."""
+    text = TILES
     if text is None:
         if device.type != "cuda":
             return FlexChoice()

@@ -13,10 +13,9 @@ A `torch.library.triton_op`, so torch.compile traces into it (the trainer's comp
 eager code calls it as an op. CUDA only, and only where Triton imports: `available()` says; else
 fused_ce uses its torch core. Same arithmetic in float32, summed in another order: the loss and
 gradient agree with _ce_core to float32 rounding, and the argmax picks the first of equal maxima
-as torch's does (tests/test_ce_kernel.py, on a GPU). DFLASH_CE_KERNEL=0 turns it off.
+as torch's does (tests/test_ce_kernel.py, on a GPU). configure(False) (--ce-kernel off) turns it off.
 """
 
-import os
 
 import torch
 
@@ -27,9 +26,16 @@ except ImportError:  # pragma: no cover - depends on the build
     triton = None
 
 
+ENABLED = True  # configure(False) (TrainConfig.ce_kernel off) leaves the core to torch
+
+
+def configure(enabled: bool) -> None:
+    global ENABLED
+    ENABLED = enabled
+
+
 def available(device: torch.device) -> bool:
-    return (triton is not None and torch.device(device).type == "cuda"
-            and os.environ.get("DFLASH_CE_KERNEL", "1") != "0")
+    return triton is not None and torch.device(device).type == "cuda" and ENABLED
 
 
 if triton is not None:

@@ -19,7 +19,7 @@ Then, against an eager replica built from the same weights in this process (nume
   3. learnability: a few free-running steps on one repeated batch: the loss must fall as eager's does;
 and `--steps` timed training steps. The outcome: `ok`, or `wrong` (it ran, but computes something
 else; signature compiled-wrong), or a failure the parent names from the output. The result is ONE
-stdout line, CASE_MARK + JSON (rank 0's under processes), which the parent (probe.py) picks out.
+stdout line, CASE_MARK + JSON (rank 0's under processes), which the parent (program.py) picks out.
 """
 from __future__ import annotations
 
@@ -35,14 +35,15 @@ from datetime import timedelta
 
 import torch
 
-from trainer import masks, policies
-from trainer.cli import exit_now
-from trainer.data import Sample, make_batch
-from trainer.draft_loss import DraftLoss
-from trainer.log import QuietLog
-from trainer.model import Drafter
-from trainer.numerics import StepCheck, grad_errors, judge, snapshot_grads
-from trainer.step import Replica, apply_update, build_replica, compute_grads, load_weights
+from trainer import policies
+from trainer.model import masks
+from trainer.exits import exit_process
+from trainer.run.data import Sample, make_batch
+from trainer.model.draft_loss import DraftLoss
+from trainer.run.log import QuietLog
+from trainer.model.drafter import Drafter
+from trainer.engine.numerics import StepCheck, grad_errors, judge, snapshot_grads
+from trainer.engine.step import Replica, apply_update, build_replica, compute_grads, load_weights
 
 CASE_MARK = "@@dflash-probe-case@@ "
 SEED = 1234
@@ -72,8 +73,8 @@ GPU_TARGET = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2816, nu
 
 
 def _target(device: torch.device):
-    from trainer.target import TINY_LM_HEAD_STD, Target, _freeze, default_layer_ids, load_target
-    from trainer.tokenizer import ByteTokenizer
+    from trainer.run.target import TINY_LM_HEAD_STD, Target, _freeze, default_layer_ids, load_target
+    from trainer.run.tokenizer import ByteTokenizer
 
     if device.type != "cuda":
         return load_target("tiny", device=device, dtype=torch.float32)
@@ -103,7 +104,7 @@ def _batches(shape: Shape, rows: int, n: int, pos_weights: torch.Tensor) -> list
     return out
 
 
-class _Exact:
+class _HigherPrecisionStep:
     """Eager at a higher precision than the working one (fp32 for bf16 autocast on CUDA, fp64 for fp32
     on the CPU), on the same weights and batch: how far the working precision is from the exact step."""
 
@@ -155,14 +156,14 @@ class _Case:
                                  lr=LR, weight_decay=0.0, pos_weights=self.pos_weights, wrap=wrap)
 
         self.ref = build(0, self.device, "eager", 1)
-        self.exact = _Exact(self.ref)
+        self.exact = _HigherPrecisionStep(self.ref)
         if topology == "processes":
-            from trainer.distributed import RankEngine, _ddp
+            from trainer.engine.ranks import RankEngine, wrap_ddp
 
-            self.engine = RankEngine(lambda: build(rank, self.device, wrap=lambda m: _ddp(m, self.device)),
+            self.engine = RankEngine(lambda: build(rank, self.device, wrap=lambda m: wrap_ddp(m, self.device)),
                                      rank, n, self.device, QuietLog(), guard=False)
         else:
-            from trainer.workers import ThreadEngine
+            from trainer.engine.workers import ThreadEngine
 
             self.engine = ThreadEngine.start(devices, build, QuietLog(), warmup_timeout=3600.0, guard=False)
         self.names = self.ref.names
@@ -301,4 +302,4 @@ def case_main(args) -> int:
         sys.stdout.write(CASE_MARK + json.dumps(out) + "\n")
     # Skip interpreter teardown: the result is out, and a crash while freeing CUDA graphs or
     # compile workers after it would only blur what the case measured.
-    exit_now(0 if out["ok"] else 1)
+    exit_process(0 if out["ok"] else 1, finalize=False)

@@ -24,10 +24,10 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
 
-from trainer.config import check_target_spec  # noqa: E402
+from trainer.run.config import check_target_spec  # noqa: E402
 from trainer.errors import UsageError  # noqa: E402
-from trainer.model import DrafterConfig  # noqa: E402
-from trainer.tokenizer import VOCAB_SIZE, ByteTokenizer  # noqa: E402
+from trainer.model.drafter import DrafterConfig  # noqa: E402
+from trainer.run.tokenizer import VOCAB_SIZE, ByteTokenizer  # noqa: E402
 
 # `tiny`: small enough to train a drafter on 2 CPU cores in seconds, deep enough (8 layers) for
 # the default layer choice to pick 5 distinct layers (1..L-3).
@@ -81,8 +81,8 @@ class Target:
     def to(self, device: torch.device) -> "Target":
         """A replica on another device (the original stays where it is).
 
-        The copy is made where the original lives, then moved: for a large target on several GPUs,
-        issue 5 should load each replica from disk (or from a CPU copy) instead.
+        The copy is made where the original lives, then moved (for a large target on several GPUs,
+        loading each replica from disk or from a CPU copy would spare the first device's memory).
         """
         if torch.device(device) == self.device:
             return self

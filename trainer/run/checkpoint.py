@@ -13,7 +13,6 @@ complete one if `latest` is damaged.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -22,11 +21,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from trainer import faults
+from trainer.files import atomic_file, atomic_folder
+
 FORMAT = 1
 FILES = ("model.safetensors", "state.safetensors", "meta.json")
-# Test hook, "STEP:FLAGFILE": while writing checkpoint STEP, after model.safetensors is in the temporary
-# folder, the writer creates FLAGFILE and sleeps, so a test can kill -9 it mid-write. Never set in production.
-PAUSE_ENV = "DFLASH_TRAINER_TEST_PAUSE_IN_CHECKPOINT"
 
 
 @dataclass
@@ -41,22 +40,6 @@ class Checkpoint:
 
 def root(out_dir: str | Path) -> Path:
     return Path(out_dir) / "checkpoints"
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_best_effort(path: Path) -> None:
-    """fsync a folder (or file); some filesystems refuse it on a folder, and a rename stays atomic."""
-    try:
-        _fsync_file(path)
-    except OSError:  # some filesystems refuse fsync on a directory; the rename is still atomic
-        pass
 
 
 def _flatten_optimizer(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -107,30 +90,16 @@ def save(out_dir: str | Path, step: int, *, model: dict[str, torch.Tensor], opti
     if verify(final):
         _point_latest(ck, final.name)  # e.g. SIGTERM right after a periodic checkpoint of the same step
         return final
-    tmp = ck / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-
-    model_cpu = {k: v.detach().cpu().contiguous() for k, v in model.items()}
-    save_file(model_cpu, str(tmp / "model.safetensors"), metadata={"format": str(FORMAT)})
-    _fsync_file(tmp / "model.safetensors")
-    _test_pause(step)
-    tensors, opt_meta = _flatten_optimizer(optimizer)
-    tensors.update(rng_state())
-    save_file(tensors, str(tmp / "state.safetensors"))
-    _fsync_file(tmp / "state.safetensors")
-    full_meta = dict(meta, format=FORMAT, step=step, optimizer=opt_meta, time=time.time(),
-                     sizes={f: (tmp / f).stat().st_size for f in FILES[:2]})
-    with (tmp / "meta.json").open("w") as f:
-        json.dump(full_meta, f, indent=1, default=_json_default)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_best_effort(tmp)
-
-    if final.exists():  # an incomplete leftover with this name: it is not the latest, replace it
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    fsync_best_effort(ck)
+    with atomic_folder(final) as tmp:  # a killed writer leaves .tmp-step-*, which _prune removes
+        model_cpu = {k: v.detach().cpu().contiguous() for k, v in model.items()}
+        save_file(model_cpu, str(tmp / "model.safetensors"), metadata={"format": str(FORMAT)})
+        faults.hit("pause_in_checkpoint", step=step)  # a test kills the writer here, mid-write
+        tensors, opt_meta = _flatten_optimizer(optimizer)
+        tensors.update(rng_state())
+        save_file(tensors, str(tmp / "state.safetensors"))
+        full_meta = dict(meta, format=FORMAT, step=step, optimizer=opt_meta, time=time.time(),
+                         sizes={f: (tmp / f).stat().st_size for f in FILES[:2]})
+        (tmp / "meta.json").write_text(json.dumps(full_meta, indent=1, default=_json_default))
     _point_latest(ck, final.name)
     _prune(ck, keep)
     return final
@@ -142,21 +111,9 @@ def _json_default(v):
     raise TypeError(f"cannot store {type(v).__name__} in meta.json")
 
 
-def _test_pause(step: int) -> None:
-    at, _, flag = os.environ.get(PAUSE_ENV, "").partition(":")
-    if flag and at == str(step):
-        Path(flag).write_text(str(os.getpid()))
-        time.sleep(600)
-
-
 def _point_latest(ck: Path, name: str) -> None:
-    tmp = ck / f".latest.tmp{os.getpid()}"
-    with tmp.open("w") as f:
+    with atomic_file(ck / "latest") as f:
         f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, ck / "latest")
-    fsync_best_effort(ck)
 
 
 def _complete(ck: Path) -> list[Path]:

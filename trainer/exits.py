@@ -4,8 +4,8 @@ UsageError and policy errors (bad input) -> one line on stderr, exit 2, no trace
 TrainerError -> one line, exit 1. Anything else -> its traceback (the log is scanned for failure
 signatures, so tracebacks of real crashes are kept), exit 1.
 
-`leave` ends the process with that status; a torchrun rank ends without interpreter finalization
-(`exit_now`: flush, then os._exit, as every path of the trainer that must skip it).
+`exit_process` ends the process with a status; a torchrun rank ends without interpreter
+finalization (flush, then os._exit, as every path of the trainer that must skip it).
 """
 from __future__ import annotations
 
@@ -48,37 +48,24 @@ def in_rank() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def leave(code: int) -> NoReturn:
-    """Exit with `code`. A torchrun rank skips interpreter finalization (os._exit, after a flush).
+def exit_process(code: int, *, finalize: bool | None = None) -> NoReturn:
+    """End the process with status `code`: the one way the trainer's programs exit.
 
-    Gloo's worker threads outlive destroy_process_group while anything (DDP) still holds the group,
-    and one of them may drop the last reference to a finished collective's tensors after the main
-    thread has begun finalizing: freeing a Python-owned tensor then needs the GIL, the thread is
-    unwound from a noexcept destructor, and the rank dies with SIGABRT ("terminate called without an
-    active exception") after its work is done, failing the run. Seen on CPU in about one run in ten.
-    Everything a rank writes (metrics, checkpoints, results) is written and closed before this.
+    finalize=True: `sys.exit` (atexit handlers and finalizers run). finalize=False: flush stdout and
+    stderr, then `os._exit`, where finalization could crash or hang after the outcome is known (a
+    worker thread stuck in a compile, native state a failed CUDA-graph warm-up left behind).
+    The default: finalize, except in a torchrun rank (in_rank()). Gloo's worker threads outlive
+    destroy_process_group while DDP holds the group, and one may free a finished collective's
+    tensors while the main thread finalizes, aborting the rank (SIGABRT) after its work is done;
+    everything a rank writes is written and closed before this.
     """
-    if not in_rank():
+    if finalize is None:
+        finalize = not in_rank()
+    if finalize:
         sys.exit(code)
-    exit_now(code)
-
-
-def exit_now(code: int) -> NoReturn:
-    """Flush stdout and stderr, then exit with `code` without interpreter finalization (no atexit
-    handlers, no finalizers: where those could crash or hang after the outcome is known)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
     os._exit(code)
-
-
-def train_entry(argv: list[str] | None = None) -> int:
-    """`python -m trainer`: flags and config are checked before torch is imported (fast, one line)."""
-    from trainer.config import parse
-
-    cfg = parse(argv)
-    from trainer.train import main
-
-    return main(cfg)

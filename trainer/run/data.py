@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from trainer import masks
+from trainer.model import masks
 from trainer.errors import Stopped, UsageError
+from trainer.files import atomic_file
 
 
 @dataclass(frozen=True)
@@ -270,8 +270,7 @@ def synthetic(target, *, out_dir: str, n: int, prompt_len: int, new_tokens: int,
     prompts = random_prompts(n, prompt_len, low=low, high=high, seed=seed, exclude=exclude)
     eos = target.eos_ids()
     g = torch.Generator().manual_seed(seed + 1)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with tmp.open("w") as f:
+    with atomic_file(path) as f:  # SIGTERM (Stopped) leaves no file behind
         for i in range(0, n, batch):
             if should_stop():
                 break
@@ -283,12 +282,8 @@ def synthetic(target, *, out_dir: str, n: int, prompt_len: int, new_tokens: int,
                 if len(c) < min_new:
                     continue
                 f.write(json.dumps({"input_ids": prompt + c, "loss_mask": [0] * len(prompt) + [1] * len(c)}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    if should_stop():
-        tmp.unlink(missing_ok=True)
-        raise Stopped("SIGTERM while generating synthetic data, before training started: nothing to checkpoint")
-    os.replace(tmp, path)
+        if should_stop():
+            raise Stopped("SIGTERM while generating synthetic data, before training started: nothing to checkpoint")
     return path
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import os
 from dataclasses import dataclass, fields
@@ -48,6 +47,11 @@ class TrainConfig:
     compile_target: str = "auto"         # auto | on | off: the target's layers compiled (auto: on CUDA with a compiled policy)
     compile_update: str = "auto"         # auto | on | off: clip + AdamW compiled as one function (auto: likewise)
     graph_target: str = "off"            # on | off: the compiled target's forward replayed as a CUDA graph (threads)
+    # how the drafter's step runs on a GPU (trainer/model/choices.py; the defaults are the measured best)
+    fp32_wgrad: str = "on"               # on | off: Linear's weight gradient in fp32 from cuBLAS (off: autocast's bf16)
+    flex_tiles: str = ""                 # FlexAttention tiles BWD[/FWD][+kv]; "" = the tuned choice (Hopper), else torch's
+    ce_rows: int = 0                     # rows per chunk of the fused cross-entropy; 0 = sized to 1 GiB of fp32 logits
+    ce_kernel: str = "on"                # on | off: the cross-entropy core as one Triton kernel where it can run
     # several nodes (--topology processes): one DDP job joined by torchrun's c10d rendezvous
     nnodes: int = 1                      # nodes in the job; each runs this command with its own --node-address
     rdzv_endpoint: str = ""              # HOST:PORT where the nodes meet (the hosting node's training address)
@@ -132,6 +136,13 @@ HELP = {
                     "spares each the launches of the target's layers). Same features bit for bit; off by default: "
                     "with the look-ahead (the next step's target forward during the gradient sum) it measured "
                     "no faster on two H200s (docs/benchmarks.md)",
+    "fp32_wgrad": "on | off: under CUDA bf16 autocast, the drafter's weight gradients leave cuBLAS in fp32 "
+                  "(one pass less, no bf16 rounding); off = autocast's bf16 gradients",
+    "flex_tiles": "FlexAttention's tiles, for an A/B: BWD[/FWD][+kv], BWD = default or M1-N1-M2-N2-STAGES-WARPS, "
+                  "FWD = M-N-STAGES-WARPS, +kv = K/V expanded to the query heads; empty = the tuned choice on "
+                  "Hopper, else torch's",
+    "ce_rows": "rows per chunk of the fused cross-entropy, for an A/B; 0 = the most whose fp32 logits fit in 1 GiB",
+    "ce_kernel": "on | off: the cross-entropy core as one Triton kernel on a GPU (off = the torch core)",
     "draft_layers": "drafter layers",
     "block_size": "tokens per block: the anchor plus block_size-1 predicted tokens",
     "anchors": "anchors (blocks) per sequence per step, at most",
@@ -167,7 +178,8 @@ HELP = {
 METAVAR = {"chat_template_kwargs": "JSON", "target": "PATH|tiny", "data": "PATH|synthetic", "out": "DIR", "workdir": "DIR", "target_layers": "I,J,..",
            "topology": "threads|processes", "compile_policy": "NAME|auto", "rdzv_endpoint": "HOST:PORT",
            "rdzv_id": "ID", "node_address": "ADDR",
-           "compile_target": "auto|on|off", "compile_update": "auto|on|off", "graph_target": "on|off"}
+           "compile_target": "auto|on|off", "compile_update": "auto|on|off", "graph_target": "on|off",
+           "fp32_wgrad": "on|off", "flex_tiles": "TILES", "ce_rows": "N", "ce_kernel": "on|off"}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -242,12 +254,6 @@ def _coerce(path: str, key, value, typ: str):
     return {"float": float, "str": str}.get(typ, lambda v: v)(value)
 
 
-# Environment variables that choose how the drafter's step runs on a GPU (docs/benchmarks.md): the
-# variable, and the module and function that parse its value (ValueError when it is bad).
-ENV_CHOICES = (("DFLASH_FLEX_BWD_TILES", "trainer.attention", "parse_tiles"),
-               ("DFLASH_CE_ROWS", "trainer.fused_ce", "parse_rows"))
-
-
 def validate(c: TrainConfig) -> None:
     def need(cond: bool, msg: str):
         if not cond:
@@ -269,6 +275,9 @@ def validate(c: TrainConfig) -> None:
     need(c.compile_update in ("auto", "on", "off"),
          f"--compile-update must be auto, on or off, got {c.compile_update!r}")
     need(c.graph_target in ("on", "off"), f"--graph-target must be on or off, got {c.graph_target!r}")
+    need(c.fp32_wgrad in ("on", "off"), f"--fp32-wgrad must be on or off, got {c.fp32_wgrad!r}")
+    need(c.ce_kernel in ("on", "off"), f"--ce-kernel must be on or off, got {c.ce_kernel!r}")
+    need(c.ce_rows >= 0, f"--ce-rows: expected a positive number of rows, e.g. 2048 (0 = sized to 1 GiB), got {c.ce_rows}")
     need(c.block_size >= 2, f"--block-size must be >= 2, got {c.block_size}")
     need(c.seq_len >= c.block_size, f"--seq-len {c.seq_len} is shorter than one block (--block-size {c.block_size})")
     need(c.anchors >= 1, f"--anchors must be >= 1, got {c.anchors}")
@@ -302,13 +311,13 @@ def validate(c: TrainConfig) -> None:
         need(all(x.strip().isdigit() for x in c.target_layers.split(",")),
              f"--target-layers {c.target_layers!r}: expected comma-separated layer ids, e.g. 1,9,17,25,33")
     chat_template_options(c)
-    for var, module, parser in ENV_CHOICES:
-        text = os.environ.get(var)
-        if text is not None:  # the parsers' modules import torch: only when the variable is set
-            try:
-                getattr(importlib.import_module(module), parser)(text)
-            except ValueError as e:
-                raise UsageError(f"{var}: {e}") from None
+    if c.flex_tiles:  # attention imports torch: only when the option is set
+        from trainer.model.attention import parse_tiles
+
+        try:
+            parse_tiles(c.flex_tiles)
+        except ValueError as e:
+            raise UsageError(f"--flex-tiles: {e}") from None
     if c.data != "synthetic":
         need(Path(c.data).is_file(), f"--data {c.data}: no such file")
     check_target_spec(c.target)

@@ -1,38 +1,32 @@
-"""Train a DFlash drafter: config -> devices -> target and data -> model -> workers (compile) -> loop -> cleanup.
-
-Read top to bottom. Two topologies share everything but the engine that runs a step:
-  threads (default, here): one worker thread per device (trainer/workers.py: ThreadEngine);
-  processes: one process per device under torchrun + DDP (trainer/distributed.py: RankEngine),
-  which reuses open_run / prepare / run_loop from this module.
-Exit: 0 finished, 143 after SIGTERM (with a complete checkpoint), errors via trainer/cli.py.
+"""The run's setup and its step loop, shared by both topologies: the run folder (open_run), the
+devices and compile policy, target + data + model (prepare), the loop (run_loop) with its batches,
+checkpoints and evals, and the SIGTERM handling. trainer/train/main.py drives it with worker threads,
+trainer/train/distributed.py with one torchrun rank per device.
 """
 from __future__ import annotations
 
-import copy
-import faulthandler
 import json
 import signal
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from trainer import checkpoint, masks, policies
-from trainer.cli import exit_now
-from trainer.config import RUN_CONFIG, TrainConfig, chat_template_options, layer_ids
-from trainer.data import (Loader, check_samples, encode_rows, make_batch, random_prompts, prompt_vocab, read_rows,
-                          split_eval, synthetic)
+from trainer import policies
 from trainer.errors import EXIT_OK, EXIT_SIGTERM, UsageError
-from trainer.eval import acceptance_length
-from trainer.log import RunLog, heartbeat, step_line
-from trainer.model import Drafter, DrafterConfig, flops_per_sample
-from trainer.step import build_replica, lr_at
-from trainer.target import Target, load_target
-from trainer.workers import ThreadEngine, WorkerFailed, WorkerHung
+from trainer.model import choices, masks
+from trainer.model.drafter import Drafter, DrafterConfig, flops_per_sample
+from trainer.engine.step import lr_at
+from trainer.run import checkpoint
+from trainer.run.config import RUN_CONFIG, TrainConfig, chat_template_options, layer_ids
+from trainer.run.data import (Loader, check_samples, encode_rows, make_batch, random_prompts, prompt_vocab, read_rows,
+                              split_eval, synthetic)
+from trainer.run.eval import acceptance_length
+from trainer.run.log import heartbeat, step_line
+from trainer.run.target import Target, load_target
 
 # Settings that must not change across --resume (they change the model or the data it sees).
 RESUME_FIXED = ("target", "target_layers", "data", "draft_layers", "block_size", "mask_token_id", "seq_len",
@@ -43,83 +37,6 @@ RESUME_FIXED = ("target", "target_layers", "data", "draft_layers", "block_size",
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
               "L40S": 362e12, "L4": 121e12, "4090": 165e12}
 
-
-def main(cfg: TrainConfig) -> int:
-    if cfg.topology == "processes":
-        from trainer import distributed
-
-        return distributed.main(cfg)
-    stop, restore_signal = on_sigterm()
-    # A native crash in a worker (docs/probe-h200.md: SIGSEGV after a CUDA-graph assertion) then prints
-    # every thread's Python stack to the log instead of dying silently.
-    fault_was_on = faulthandler.is_enabled()
-    if not fault_was_on:
-        try:
-            faulthandler.enable(all_threads=True)
-        except (OSError, ValueError, AttributeError):  # stderr without a file descriptor (captured)
-            fault_was_on = True
-    try:
-        return _main(cfg, stop)
-    except (WorkerFailed, WorkerHung) as e:
-        if (isinstance(e, WorkerHung) or e.phase == "warmup") and owns_process():
-            _fail_now(e)  # a hung thread cannot be stopped, and a failed compile may leave native state behind
-        raise
-    finally:
-        if not fault_was_on:
-            faulthandler.disable()
-        restore_signal()
-
-
-def _main(cfg: TrainConfig, stop: threading.Event) -> int:
-    # ---- config and run folder ----------------------------------------------------------------
-    out, resume_from = open_run(cfg, writer=True)
-    log = RunLog(out / "metrics.jsonl")
-
-    # ---- devices and compile policy -----------------------------------------------------------
-    devices = devices_for(cfg)
-    if cfg.cpu_threads:
-        torch.set_num_threads(cfg.cpu_threads)
-    elif devices[0].type == "cpu" and len(devices) > 1:
-        policies.share_cpu(len(devices))      # K CPU workers: cores / K intra-op threads each
-    policy = resolve_policy(cfg, devices[0])
-    log.info(f"torch {torch.__version__} | devices {', '.join(map(str, devices))} | topology threads | "
-             f"compile policy {policy}" + (" (auto: from probe.json)" if cfg.compile_policy == "auto" else ""))
-    if policy == "reduce-overhead" and len(devices) > 1 and policies.torch_version() < (2, 13):
-        # Not refused: the probe decides empirically; the warm-up handshake makes it fail fast and named.
-        log.info("warning: CUDA Graph Trees fail in every worker thread but one before torch 2.13 "
-                 "(cudagraph-trees-tls / cudagraph-trees-threads, pytorch#123177); expect a worker to fail. "
-                 "--topology processes runs reduce-overhead")
-
-    # ---- target, data, model ------------------------------------------------------------------
-    prep = prepare(cfg, devices[0], log, out, resume_from, stop)
-
-    # ---- workers: each builds its replica in its own thread, one after the other ---------------
-    copies = [prep.drafter] + [copy.deepcopy(prep.drafter) for _ in devices[1:]]
-    opt_state = prep.ck.optimizer if prep.ck else None
-
-    def build(i: int, device: torch.device):
-        return build_replica(i, device, copies[i], prep.target, policy=policy, n_devices=len(devices), lr=cfg.lr,
-                             weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights, optimizer_state=opt_state,
-                             compile_target=policies.compiled_part(cfg.compile_target, policy, device),
-                             # workers share one interpreter: a graph spares each the target's launches
-                             graph_target=cfg.graph_target == "on" and len(set(devices)) == len(devices),
-                             compile_update=policies.compiled_part(cfg.compile_update, policy, device))
-
-    t0 = time.time()
-    engine = ThreadEngine.start(devices, build, log, cfg.warmup_timeout, guard=not cfg.skip_compile_guard)
-    try:
-        log.info(f"{engine.size} replica(s) built in {time.time() - t0:.1f}s; "
-                 + ("the first step runs one worker at a time" if policy == "eager" else
-                    "compilation happens in the first step, one worker at a time"))
-        if prep.ck is not None:
-            checkpoint.restore_rng(prep.ck.rng)
-        return run_loop(cfg, engine, prep, log, stop)
-    finally:
-        # ---- cleanup --------------------------------------------------------------------------
-        engine.close()
-
-
-# ---- shared with --topology processes (trainer/distributed.py) ------------------------------------
 
 @dataclass
 class Prepared:
@@ -164,6 +81,8 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
     (barrier) for the writer to make the synthetic data and eval prompts, then read them (a rank on
     another node makes the same data itself: same seed, same rows). load_checkpoint(resume_from)
     gives the checkpoint to resume from (default: that folder's)."""
+    choices.configure(fp32_wgrad=cfg.fp32_wgrad == "on", flex_tiles=cfg.flex_tiles, ce_rows=cfg.ce_rows,
+                      ce_kernel_on=cfg.ce_kernel == "on")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = load_target(cfg.target, device=device, dtype=dtype, layers=layer_ids(cfg))
     log.info(f"target {cfg.target}: {target.num_layers} layers, hidden {target.config.hidden_size}, "
@@ -439,20 +358,3 @@ def owns_process() -> bool:
     """True when this process is `python -m trainer` (not a test or a library calling main())."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     return getattr(spec, "name", None) in ("trainer", "trainer.__main__")
-
-
-def _fail_now(e: WorkerFailed | WorkerHung) -> None:
-    """Report a warm-up failure the way trainer.cli would, then leave without running finalizers.
-
-    A worker thread stuck in a compile cannot be stopped or joined, and a failed CUDA-graph warm-up
-    has crashed the interpreter on the way out (docs/probe-h200.md: AssertionError, then SIGSEGV):
-    exiting without finalization makes the exit status the one reported here.
-    """
-    try:
-        if e.__cause__ is not None:
-            traceback.print_exception(e.__cause__, file=sys.stderr)
-        if getattr(e, "stack", ""):
-            print(f"worker {e.index} was here when the run gave up on it:\n{e.stack}", file=sys.stderr)
-        print(f"trainer: error: {e}", file=sys.stderr)
-    finally:
-        exit_now(e.exit_code)

@@ -7,7 +7,7 @@ That command is the launcher: it checks the flags, then runs torchrun's own laun
 settings, so users and `dflash-ops launch` need not know torchrun. Each child sees torchrun's
 environment (LOCAL_RANK, WORLD_SIZE, ...) and runs one rank (`rank_main`).
 
-A rank runs the same model, loss, data and loop as the threaded trainer (trainer/train.py): every
+A rank runs the same model, loss, data and loop (trainer/train/loop.py) as the threaded trainer: every
 rank builds the same global batch and takes its shard; DDP (gloo on CPU, NCCL on GPU) SUMS the
 gradients (a comm hook: each shard's loss is already divided by the global batch weight, as in
 threads), so the two topologies compute the same update. CUDA-graph policies are allowed here:
@@ -38,8 +38,6 @@ import json
 import os
 import signal
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import fields
 from datetime import timedelta
 from pathlib import Path
@@ -48,15 +46,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainer import checkpoint, policies, train
-from trainer.cli import in_rank
-from trainer.config import TrainConfig
+from trainer import policies
+from trainer.run import checkpoint
+from trainer.exits import in_rank
+from trainer.files import atomic_file
+from trainer.run.config import TrainConfig
 from trainer.errors import UsageError
-from trainer.log import QuietLog, RunLog, heartbeat
-from trainer.numerics import guard_first_step
-from trainer.step import (Replica, ShardStats, apply_update, build_replica, compute_grads, prefetch_features,
-                          warmup_test_hook, weight_checksum)
-from trainer.workers import ReplicasDiverged, StepOut, log_guard
+from trainer.run.log import QuietLog, RunLog
+from trainer.engine.ranks import RankEngine, device_barrier, wrap_ddp
+from trainer.engine.step import Replica, build_replica
+from trainer.train import loop
 
 # torchrun waits this long for the ranks to checkpoint and exit after forwarding SIGTERM, then
 # SIGKILLs them (its default is 30 s: too short to save a 1B-parameter drafter's optimizer state).
@@ -73,9 +72,9 @@ def main(cfg: TrainConfig) -> int:
 def launch(cfg: TrainConfig) -> int:
     """Run torchrun on `python -m trainer` with cfg's settings; returns the run's exit status."""
     # Cheap checks here, so bad input is one line before any process starts.
-    device = train.devices_for(cfg)[0]
-    train.resolve_policy(cfg, device)
-    train.open_run(cfg, writer=False)
+    device = loop.devices_for(cfg)[0]
+    loop.resolve_policy(cfg, device)
+    loop.open_run(cfg, writer=False)
     nproc = cfg.n_devices
     logs = Path(cfg.out) / "torchelastic"  # torchrun's per-rank error files (@record) land here
     logs.mkdir(parents=True, exist_ok=True)
@@ -117,7 +116,7 @@ def launch(cfg: TrainConfig) -> int:
         return code
     finally:
         for s, h in saved.items():
-            if s != signal.SIGTERM or not train.owns_process():   # a late SIGTERM stays harmless to the end
+            if s != signal.SIGTERM or not loop.owns_process():   # a late SIGTERM stays harmless to the end
                 signal.signal(s, h)
 
 
@@ -170,7 +169,7 @@ def rank_main(cfg: TrainConfig) -> int:
                          f"use --nproc-per-node {cfg.n_devices}")
     if local == 0:
         _write_node_record(cfg, rank, world)
-    stop, restore_signal = train.on_sigterm()
+    stop, restore_signal = loop.on_sigterm()
     device = torch.device(f"cuda:{local}") if cfg.gpus else torch.device("cpu")
     if device.type == "cuda":
         if local >= torch.cuda.device_count():
@@ -194,28 +193,28 @@ def _rank(cfg: TrainConfig, rank: int, world: int, local: int, device: torch.dev
     writer = rank == 0
     # every node's first rank records the settings in its own --out (with its checkpoints, a node's
     # folder is then a complete run for `python -m trainer.export`)
-    out, resume_from = train.open_run(cfg, writer=writer or local == 0)
+    out, resume_from = loop.open_run(cfg, writer=writer or local == 0)
     log = RunLog(out / "metrics.jsonl") if writer else QuietLog()
-    policy = train.resolve_policy(cfg, device)
+    policy = loop.resolve_policy(cfg, device)
     log.info(f"torch {torch.__version__} | {world} ranks on {device.type} | topology processes "
              f"({dist.get_backend()}) | compile policy {policy}"
              + (" (auto: from probe.json)" if cfg.compile_policy == "auto" else ""))
-    prep = train.prepare(cfg, device, log, out, resume_from, stop, writer=writer,
-                         barrier=lambda: _barrier(device),
+    prep = loop.prepare(cfg, device, log, out, resume_from, stop, writer=writer,
+                         barrier=lambda: device_barrier(device),
                          load_checkpoint=lambda path: _checkpoint_everywhere(path, rank, world))
 
     def build() -> Replica:
         return build_replica(rank, device, prep.drafter, prep.target, policy=policy, n_devices=1, lr=cfg.lr,
                              weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights,
                              optimizer_state=prep.ck.optimizer if prep.ck else None,
-                             wrap=lambda m: _ddp(m, device),
+                             wrap=lambda m: wrap_ddp(m, device),
                              compile_target=policies.compiled_part(cfg.compile_target, policy, device),
                              compile_update=policies.compiled_part(cfg.compile_update, policy, device))
 
     engine = RankEngine(build, rank, world, device, log, guard=not cfg.skip_compile_guard, node_first=local == 0)
     if prep.ck is not None:
         checkpoint.restore_rng(prep.ck.rng)
-    return train.run_loop(cfg, engine, prep, log, stop)
+    return loop.run_loop(cfg, engine, prep, log, stop)
 
 
 def _write_node_record(cfg: TrainConfig, rank: int, world: int) -> None:
@@ -226,9 +225,8 @@ def _write_node_record(cfg: TrainConfig, rank: int, world: int) -> None:
            "rank0": rank == 0}
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f"node.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(doc) + "\n")
-    os.replace(tmp, out / "node.json")
+    with atomic_file(out / "node.json", sync=False) as f:
+        f.write(json.dumps(doc) + "\n")
 
 
 def _checkpoint_everywhere(path: Path | None, rank: int, world: int) -> checkpoint.Checkpoint | None:
@@ -253,143 +251,6 @@ def _checkpoint_everywhere(path: Path | None, rank: int, world: int) -> checkpoi
     box = [checkpoint.load(path) if rank == src else None]
     dist.broadcast_object_list(box, src=src)
     return box[0]
-
-
-class RankEngine:
-    """This rank's replica in DDP; the same interface as workers.ThreadEngine for train.run_loop."""
-
-    def __init__(self, build: Callable[[], Replica], rank: int, world: int, device: torch.device, log,
-                 guard: bool = True, node_first: bool = False):
-        """`build()` makes this rank's replica (its DraftLoss inside DDP). With `guard`, the first
-        compiled step is checked against eager (numerics.guard_first_step), on every rank.
-        `node_first`: this is the first rank of its node (LOCAL_RANK 0), which writes checkpoints."""
-        self.rank, self.size, self.device, self.log, self.guard = rank, world, device, log, guard
-        self.writer = rank == 0
-        # Every node keeps its own copy of the checkpoints (its first rank writes them into its --out):
-        # a node's folder is then complete on its own, for --resume and to compare the nodes' weights.
-        self.saver = self.writer or node_first
-        t = time.perf_counter()
-        self.replica: Replica = build()
-        self._built = time.perf_counter() - t
-        self._warm = False
-
-    @property
-    def primary(self) -> Replica:
-        return self.replica
-
-    @property
-    def replicas(self) -> list[Replica]:
-        return [self.replica]
-
-    def step(self, batch, step: int, lr: float, grad_clip: float, ahead=None) -> StepOut:
-        t = time.perf_counter()
-        warm = self._warm
-        # As ThreadEngine.step: the shard's stats stay on the device until the update is queued.
-        st = self.compute(batch, host=False, ahead=ahead)[0]
-        norm = self.update(lr, grad_clip, step)
-        n = len(st.correct)
-        packed = torch.cat([torch.as_tensor(st.loss_sum, dtype=torch.float64, device=self.device).view(1),
-                            st.correct.to(self.device, torch.float64), st.count.to(self.device, torch.float64)])
-        dist.all_reduce(packed)
-        packed = packed.cpu()
-        if not warm:
-            self._report_ready(time.perf_counter() - t)
-        return StepOut(float(packed[0]), packed[1: 1 + n].to(st.correct.dtype),
-                       packed[1 + n:].to(st.count.dtype), norm)
-
-    def settle(self) -> None:
-        """step() returns its results read (StepOut): nothing is left pending."""
-
-    def compute(self, batch, host: bool = True, ahead=None) -> list[ShardStats]:
-        """This rank's shard, forward + backward; DDP sums the gradients over the ranks in backward.
-        The first call is the warm-up, checked against eager when the guard is on. host=False: the
-        stats stay on the device (ShardStats.to_host) after the warm-up. ahead: the next step's
-        batch, whose target features this rank then makes (step.prefetch_features)."""
-        shard = batch.shard(self.rank, self.size)
-        st = compute_grads(self.replica, shard, host) if self._warm else self._warm_up(shard)
-        if ahead is not None:
-            prefetch_features(self.replica, ahead.shard(self.rank, self.size))
-        return [st]
-
-    def _warm_up(self, shard) -> ShardStats:
-        warmup_test_hook(self.rank)
-        with heartbeat(self.log, f"compiling rank {self.rank}"):
-            st = compute_grads(self.replica, shard)
-        self._warm = True
-        if self.guard and self.replica.compiled:
-            check = guard_first_step(self.replica, shard, st.loss_sum, reduce=dist.all_reduce)
-            log_guard(self.log, f"rank {self.rank}", self.rank, check)
-        return st
-
-    def update(self, lr: float, grad_clip: float, step: int) -> float:
-        return apply_update(self.replica, lr, grad_clip, step)
-
-    def run_each(self, fn, per_worker_args: list[tuple]) -> list:
-        return [fn(self.replica, *per_worker_args[0])]
-
-    def _report_ready(self, first: float) -> None:
-        got: list = [None] * self.size
-        dist.all_gather_object(got, (self._built, first, str(self.device)))
-        for i, (built, first_i, dev) in enumerate(got):
-            self.log.metrics({"event": "worker_ready", "worker": i, "device": dev,
-                              "seconds": built + first_i, "build_s": built, "first_step_s": first_i})
-            self.log.info(f"rank {i} ({dev}) ready in {built + first_i:.1f}s "
-                          f"(build {built:.1f}s, compile + first step {first_i:.1f}s)")
-
-    def agree(self, flag: bool) -> bool:
-        """Any rank's flag, on every rank (SIGTERM may reach the ranks at different steps)."""
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(t)
-        return bool(t.item() > 0)
-
-    def check_replicas(self, step: int) -> None:
-        mine = weight_checksum(self.replica).to(self.device)
-        every = [torch.zeros_like(mine) for _ in range(self.size)]
-        dist.all_gather(every, mine)
-        for i in range(1, self.size):
-            bad = (every[i] != every[0]).nonzero().flatten().tolist()
-            if bad:
-                self.log.metrics({"event": "diverged", "step": step, "worker": i, "tensors": len(bad)})
-                raise ReplicasDiverged(
-                    f"replica weights diverged at step {step}: rank {i} differs from rank 0 in "
-                    f"{self.replica.names[bad[0]]}" + (f" and {len(bad) - 1} more tensor(s)" if len(bad) > 1 else ""))
-        if self.size > 1:
-            self.log.metrics({"event": "checksum", "step": step, "replicas": self.size})
-
-    def on_primary(self, fn, *args, **kwargs):
-        return fn(*args, **kwargs)
-
-    def barrier(self) -> None:
-        _barrier(self.device)
-
-    def close(self) -> None:
-        pass
-
-
-def _ddp(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    # The borrowed target head (embedding, lm_head; the final norm too with --freeze-draft-norm) is frozen and the buffers are
-    # constants, identical everywhere: keep DDP from broadcasting them (GBs for a real target's
-    # head) at construction and from syncing buffers before every forward.
-    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
-    DDP._set_params_and_buffers_to_ignore_for_model(module, frozen + [n for n, _ in module.named_buffers()])
-    ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
-    ddp.register_comm_hook(None, _sum_hook)
-    return ddp
-
-
-def _sum_hook(state, bucket):
-    """All-reduce SUM (DDP's default divides by the world size): each shard's loss is already divided
-    by the global batch weight, so the global gradient is the plain sum, exactly as in threads."""
-    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
-
-
-def _barrier(device: torch.device) -> None:
-    if device.type == "cuda":
-        dist.barrier(device_ids=[device.index])
-    else:
-        dist.barrier()
 
 
 class _LinePrefixer(io.TextIOBase):

@@ -32,12 +32,13 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.log import heartbeat
+from trainer.run.log import heartbeat
 from trainer.errors import TrainerError
-from trainer.numerics import guard_first_step
-from trainer.step import (FlatGrads, Replica, ShardStats, StepEnd, apply_update, compute_grads, gather_chunks,
-                          nccl_all_reduce, nccl_usable, prefetch_features, reduce_own_chunk, update_async,
-                          warmup_test_hook, weight_checksum)
+from trainer import faults
+from trainer.engine.numerics import guard_first_step
+from trainer.engine.allreduce import gather_chunks, nccl_all_reduce, nccl_usable, reduce_own_chunk
+from trainer.engine.step import (FlatGrads, QueuedStep, Replica, ShardStats, apply_update, compute_grads,
+                                 prefetch_features, update_async, weight_checksum)
 
 
 class WorkerFailed(TrainerError):
@@ -144,7 +145,7 @@ class PendingStep:
     it), checks its norm and sums its shards' stats; the first call does it, later ones return the
     same StepOut (or raise the same error)."""
 
-    def __init__(self, ends: list[StepEnd]):
+    def __init__(self, ends: list[QueuedStep]):
         self._ends, self._out, self._error = ends, None, None
 
     def result(self) -> StepOut:
@@ -168,7 +169,7 @@ class ThreadEngine:
     writer = True  # one process: it logs, checkpoints and evaluates
     saver = True
     # The gradient sum across replicas: "auto" = NCCL all-reduces when every replica has its own
-    # GPU (step.nccl_usable), else the reduce-scatter + all-gather copies; "copy" / "nccl" force one.
+    # GPU (allreduce.nccl_usable), else the reduce-scatter + all-gather copies; "copy" / "nccl" force one.
     allreduce = "auto"
     # Where the gradients live: "auto" = in FlatGrads buffers only when the copy-sum needs them,
     # else each parameter keeps the gradient backward hands it (two passes a step fewer);
@@ -269,7 +270,7 @@ class ThreadEngine:
         if self._nccl is None:
             self._nccl = nccl_usable(self.replicas)
         if self.allreduce == "nccl" and not self._nccl:
-            raise TrainerError("allreduce = nccl, but the replicas are not one per GPU with NCCL (step.nccl_usable)")
+            raise TrainerError("allreduce = nccl, but the replicas are not one per GPU with NCCL (allreduce.nccl_usable)")
         return self.allreduce == "copy" or not self._nccl
 
     def _place_grads(self, flat: bool) -> None:
@@ -357,7 +358,7 @@ class ThreadEngine:
 
 
 def _first_step(r: Replica, shard, guard: bool):
-    warmup_test_hook(r.index)
+    faults.hit("fail_worker", index=r.index)
     stats = compute_grads(r, shard)
     return stats, (guard_first_step(r, shard, stats.loss_sum) if guard else None)
 

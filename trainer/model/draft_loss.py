@@ -1,24 +1,24 @@
 """The unit that gets compiled: blocks + mask + drafter + logits + loss for one shard.
 
-Kept apart from step.py (which owns replicas and the update) so the fast paths of the forward
+Kept apart from engine/step.py (which owns replicas and the update) so the fast paths of the forward
 (block-sparse attention, fused linear + cross-entropy) change here and nowhere else.
 
 Backends (both give the same loss; tests/test_trainer_kernels.py checks it):
 - attention: "sdpa" (dense bool mask, F.scaled_dot_product_attention) or "flex" (block-sparse
-  FlexAttention, trainer/attention.py).
-- loss: "dense" (full logits, masks.block_loss) or "chunked" (trainer/fused_ce.py: norm + lm_head +
+  FlexAttention, trainer/model/attention.py).
+- loss: "dense" (full logits, masks.block_loss) or "chunked" (trainer/model/fused_ce.py: norm + lm_head +
   CE chunk by chunk, never all the logits; needs the target's lm_head frozen, which it always is).
-- "auto" (the default) picks what was measured fastest on the H200 (torch 2.11, docs/benchmarks.md,
-  issue 5), same loss: on CUDA flex + chunked (eager 85.5 vs 106.2 ms/sample; inductor 66.8 vs 81.7,
-  first compiled step 76 s); elsewhere sdpa + dense (FlexAttention has no CPU backward).
+- "auto" (the default), same loss: on CUDA flex + chunked, the fastest on the H200
+  (docs/benchmarks.md); elsewhere sdpa + dense (FlexAttention has no CPU backward).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from trainer import attention, fused_ce, masks
-from trainer.model import Drafter, predicted_rows
+from trainer.model import attention, fused_ce, masks
+from trainer.model.drafter import Drafter
+from trainer.model.linear import predicted_rows
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 LOSS_BACKENDS = ("auto", "chunked", "dense")

@@ -1,0 +1,97 @@
+"""Faults that tests inject into the trainer: named points in product code, inert unless enabled.
+
+Product code calls `faults.hit(NAME, ...)` (or asks `faults.enabled(NAME)`); nothing happens unless
+a test has enabled NAME, through one environment variable (so the fault reaches `python -m trainer`
+subprocesses and torchrun ranks) or in-process:
+
+    env = {**os.environ, **faults.env(fail_worker="1:hang")}    # DFLASH_TRAINER_FAULTS=fail_worker=1:hang
+    monkeypatch.setenv(*faults.setting(diverge="1:2"))
+    faults.enable(test_policies="1"); ...; faults.disable()
+
+The points (NAME=VALUE):
+  fail_worker=I           worker/rank I raises in its warm-up (its first step); I:hang: it hangs there
+  diverge=I:STEP          worker/rank I nudges one weight after update STEP (replicas then disagree)
+  pause_in_checkpoint=STEP:FLAGFILE
+                          while writing checkpoint STEP, after model.safetensors is in the temporary
+                          folder, the writer creates FLAGFILE and sleeps (a test kills it mid-write)
+  test_policies=1         the test-only compile policies are known (trainer/policies.py)
+
+Torch-free at import (the config and the policy names import it).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+ENV = "DFLASH_TRAINER_FAULTS"
+POINTS = ("fail_worker", "diverge", "pause_in_checkpoint", "test_policies")
+_enabled: dict[str, str] = {}
+
+
+def _check(points: dict[str, str]) -> None:
+    unknown = [n for n in points if n not in POINTS]
+    if unknown:
+        raise ValueError(f"unknown fault point(s) {', '.join(unknown)}; known: {', '.join(POINTS)}")
+
+
+def env(**points: str) -> dict[str, str]:
+    """The environment that enables `points` in a trainer process and everything it starts."""
+    _check(points)
+    return {ENV: ",".join(f"{n}={v}" for n, v in points.items())}
+
+
+def setting(**points: str) -> tuple[str, str]:
+    """(ENV, value) enabling `points`, for monkeypatch.setenv."""
+    ((name, value),) = env(**points).items()
+    return name, value
+
+
+def enable(**points: str) -> None:
+    """Enable `points` in this process (beside what ENV enables), until disable()."""
+    _check(points)
+    _enabled.update(points)
+
+
+def disable() -> None:
+    _enabled.clear()
+
+
+def value(name: str) -> str | None:
+    """NAME's value where a test enabled it, else None (ENV is read at each call)."""
+    for item in os.environ.get(ENV, "").split(","):
+        n, sep, v = item.partition("=")
+        if sep and n == name:
+            return v
+    return _enabled.get(name)
+
+
+def enabled(name: str) -> bool:
+    return value(name) is not None
+
+
+def hit(name: str, **where) -> None:
+    """Fault point NAME, reached with what it needs to know (`where`): does nothing unless enabled."""
+    v = value(name)
+    if v is None:
+        return
+    if name == "fail_worker":
+        who, _, how = v.partition(":")
+        if who == str(where["index"]):
+            if how == "hang":
+                time.sleep(3600)
+            raise RuntimeError(f"test hook {name}={v}: worker {where['index']} fails during warm-up")
+    elif name == "diverge":
+        who, _, at = v.partition(":")
+        if who == str(where["index"]) and at == str(where["step"]):
+            import torch
+
+            with torch.no_grad():
+                where["params"][0].view(-1)[0] += 1e-3
+    elif name == "pause_in_checkpoint":
+        at, _, flag = v.partition(":")
+        if flag and at == str(where["step"]):
+            with open(flag, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(600)
+    else:
+        raise ValueError(f"fault point {name} is a switch: ask faults.enabled({name!r})")

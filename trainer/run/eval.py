@@ -1,0 +1,150 @@
+"""Acceptance length: speculative decoding of the drafter against the target, greedy verification.
+
+One round: the drafter fills a block [anchor, MASK x (B-1)] from the target features of every
+position before the anchor (the same mask rule as training); the target scores anchor + drafts in
+one pass; the longest prefix of drafts equal to the target's own greedy choices is accepted, plus
+the target's token after it. tau = mean over rounds of (accepted + 1), between 1 and B. The output
+is exactly the target's greedy continuation (lossless), which tests check. The rounds are those of
+the reference implementation's `dflash_generate` (tests/test_export_parity.py runs both).
+
+`python -m trainer.eval --out DIR` measures the latest checkpoint of a run on the run's held-out
+prompts (OUT/eval_prompts.json) and prints one JSON line with "acceptance_length".
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+from trainer.model import masks
+from trainer.errors import UsageError
+from trainer.model.drafter import Drafter
+from trainer.run.target import Target
+
+
+@torch.no_grad()
+def speculative_generate(target: Target, drafter: Drafter, prompt: list[int], *, max_new_tokens: int,
+                         eos: set[int] = frozenset()) -> tuple[list[int], list[int]]:
+    """Greedy speculative decoding of one prompt: (new tokens, tokens produced per round).
+
+    Round for round what the reference's `dflash_generate` does (docs/export.md): the block is cut
+    to the tokens still wanted (min(B, budget left)), a round produces the accepted drafts plus the
+    target's own token, capped at the budget and ending at the first EOS, and that count is the
+    round's acceptance length.
+    """
+    dev, B, mask_id = target.device, drafter.cfg.block_size, drafter.cfg.mask_token_id
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
+    ids = torch.tensor([prompt], device=dev)
+    logits, hs, cache = target.decode(ids, hidden=True)
+    feats = _features(target, hs)  # (1, P, n*H): positions 0..P-1
+    anchor = int(logits[0, -1].argmax())
+    p = len(prompt)  # the anchor's position
+    end = p + max_new_tokens  # the reference's max_length: new tokens occupy positions p .. end-1
+    new, accepted = [anchor], []
+    stopped = anchor in eos
+    while p + 1 < end and not stopped:
+        vs = min(B, end - p)  # the verified block: anchor + vs-1 drafts
+        block = torch.tensor([[anchor] + [mask_id] * (vs - 1)], device=dev)  # (1, vs)
+        pos = torch.arange(p, p + vs, device=dev)[None]  # (1, vs)
+        mask = masks.attention_mask(torch.tensor([[p]], device=dev), p, vs)  # (1, vs, p + vs): context < p
+        with amp:
+            hidden = drafter(block, pos, feats, torch.arange(p, device=dev)[None], mask)
+            draft = drafter.logits(hidden)[0, 1:].argmax(-1)  # (vs-1,): guesses for p+1 .. p+vs-1
+        logits, hs, cache = target.decode(torch.cat([block[0, :1], draft])[None], cache, hidden=True)
+        choice = logits[0].argmax(-1)  # (vs,): the target's token for p+1 .. p+vs
+        a = int(torch.cumprod((draft == choice[:-1]).int(), 0).sum())  # drafts accepted
+        step_tokens = (draft[:a].tolist() + [int(choice[a])])[: end - p - 1]
+        hit = next((i for i, t in enumerate(step_tokens) if t in eos), None)
+        if hit is not None:
+            step_tokens, stopped = step_tokens[: hit + 1], True
+        n = len(step_tokens)  # tokens this round produced: positions p+1 .. p+n
+        feats = torch.cat([feats, _features(target, hs)[:, :n]], dim=1)  # features of p .. p+n-1
+        if vs - n > 0:
+            cache.crop(-(vs - n))  # keep p .. p+n-1 (negative: tokens to remove)
+        new += step_tokens
+        accepted.append(n)
+        anchor, p = step_tokens[-1], p + n
+    return new[:max_new_tokens], accepted
+
+
+def _features(target: Target, hidden_states) -> torch.Tensor:
+    return torch.cat([hidden_states[i + 1] for i in target.layer_ids], dim=-1)
+
+
+def acceptance_length(target: Target, drafter: Drafter, prompts: list[list[int]], *, max_new_tokens: int,
+                      should_stop=lambda: False) -> dict:
+    """tau over all rounds of all prompts, the per-prompt means and each prompt's rounds
+    ("acceptance_lengths", as dflash_generate reports them); stops early if should_stop()."""
+    was_training = drafter.training
+    drafter.eval()
+    rounds, per_prompt, per_round = [], [], []
+    eos = target.eos_ids()
+    try:
+        for prompt in prompts:
+            if should_stop():
+                break
+            _, acc = speculative_generate(target, drafter, prompt, max_new_tokens=max_new_tokens, eos=eos)
+            rounds += acc
+            per_prompt.append(sum(acc) / max(1, len(acc)))
+            per_round.append(acc)
+    finally:
+        drafter.train(was_training)
+    return {"acceptance_length": sum(rounds) / max(1, len(rounds)), "rounds": len(rounds),
+            "prompts": len(prompts), "per_prompt": per_prompt, "acceptance_lengths": per_round}
+
+
+# --------------------------------------------------------------------------- python -m trainer.eval
+
+def main(argv: list[str] | None = None) -> int:
+    from trainer.run import checkpoint
+    from trainer.run.config import RUN_CONFIG, OneLineParser, TrainConfig, layer_ids
+    from trainer.run.target import load_target
+
+    p = OneLineParser(prog="python -m trainer.eval",
+                      description="Acceptance length of a trained drafter on a run's held-out prompts.")
+    p.add_argument("--out", required=True, help="the training run's output folder")
+    p.add_argument("--checkpoint", help="a checkpoint folder (default: the run's latest)")
+    p.add_argument("--untrained", action="store_true", help="measure the freshly initialised drafter instead")
+    p.add_argument("--prompts", type=int, help="use only the first N held-out prompts")
+    p.add_argument("--new-tokens", type=int, help="tokens to generate per prompt (default: the run's)")
+    p.add_argument("--gpus", type=int, default=None, help="0 = CPU (default: the run's setting, if a GPU is there)")
+    a = p.parse_args(argv)
+
+    out = Path(a.out)
+    try:
+        cfg = TrainConfig(**json.loads((out / RUN_CONFIG).read_text()))
+        prompts = json.loads((out / "eval_prompts.json").read_text())
+    except (OSError, ValueError, TypeError) as e:
+        raise UsageError(f"--out {a.out}: not a training run folder ({e})") from None
+    if a.prompts is not None:
+        prompts = prompts[: a.prompts]
+    if not prompts:
+        raise UsageError(f"--out {a.out}: the run has no eval prompts")
+    if cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
+    gpus = cfg.gpus if a.gpus is None else a.gpus
+    device = torch.device("cuda:0" if gpus > 0 and torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = load_target(cfg.target, device=device, dtype=dtype, layers=layer_ids(cfg))
+    dcfg = target.drafter_config(num_layers=cfg.draft_layers, block_size=cfg.block_size,
+                                 mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id,
+                                 own_norm=not cfg.freeze_draft_norm)
+    torch.manual_seed(cfg.seed)
+    drafter = Drafter(dcfg)
+    drafter.init_norm(target.head_weights()[1])
+    step = 0
+    if not a.untrained:
+        path = Path(a.checkpoint) if a.checkpoint else checkpoint.find_latest(out)
+        if path is None or not checkpoint.verify(path):
+            raise UsageError(f"no complete checkpoint {'at ' + a.checkpoint if a.checkpoint else 'in ' + a.out}")
+        ck = checkpoint.load(path)
+        drafter.load_trainable_state_dict(ck.model)
+        step = ck.step
+    drafter.borrow_target_head(*target.head_weights())
+    drafter.to(device)
+    result = acceptance_length(target, drafter, prompts, max_new_tokens=a.new_tokens or cfg.eval_new_tokens)
+    print(json.dumps({"step": step, "untrained": a.untrained, **result}), flush=True)
+    return 0
+

@@ -1,0 +1,230 @@
+"""Export a run's checkpoint as the DFlash draft-model folder that serving engines load.
+
+    python -m trainer.export --run OUT [--step N] -o DIR [--dtype bfloat16|float16|float32] [--force]
+
+DIR is a Hugging Face folder in the format of the reference implementation (z-lab's `dflash`,
+`DFlashDraftModel.from_pretrained`), which SGLang and vLLM also read (docs/export.md):
+
+    config.json         a Qwen3 config of the draft layers, architectures ["DFlashDraftModel"],
+                        block_size, num_target_layers (the TARGET's layer count) and
+                        dflash_config {target_layer_ids, mask_token_id, mask_token}
+    model.safetensors   fc, hidden_norm, layers.N.{...}, norm (the draft's own final norm)
+    dflash_ops.json     where it came from: run, step, checkpoint, target, dtype
+
+The target's embedding and lm_head are not in the folder: a server uses the target's own. The
+folder is written beside DIR under a temporary name and renamed into place, so DIR is either
+absent or complete. Prints one JSON line (the folder, its files, step). Bad input: one line, exit 2.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from trainer.files import atomic_folder
+from trainer.errors import UsageError
+
+DTYPES = ("bfloat16", "float16", "float32")
+ARCHITECTURE = "DFlashDraftModel"
+PROVENANCE = "dflash_ops.json"
+
+
+def draft_config(dcfg, *, target_config, target_num_layers: int, layer_ids, mask_token: str | None,
+                 dtype: str) -> dict:
+    """The folder's config.json: a Qwen3 config of the draft layers plus the DFlash keys.
+
+    dcfg is the trained DrafterConfig; target_config the target's HF config (for the token ids and
+    max_position_embeddings a server checks). RoPE is plain (theta only, no scaling): that is what
+    the drafter was trained with (trainer/model/drafter.py rope_cos_sin).
+    """
+    n = dcfg.num_layers
+    get = lambda k, d=None: getattr(target_config, k, d)  # noqa: E731
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": dcfg.hidden_size,
+        "intermediate_size": dcfg.intermediate_size,
+        "num_hidden_layers": n,
+        "num_attention_heads": dcfg.num_heads,
+        "num_key_value_heads": dcfg.num_kv_heads,
+        "head_dim": dcfg.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": dcfg.rms_eps,
+        "rope_theta": dcfg.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": get("max_position_embeddings", 32768),
+        "vocab_size": dcfg.vocab_size,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": n,
+        "layer_types": ["full_attention"] * n,
+        "initializer_range": dcfg.init_std,
+        "use_cache": True,
+        "bos_token_id": get("bos_token_id"),
+        "eos_token_id": get("eos_token_id"),
+        "pad_token_id": get("pad_token_id"),
+        "torch_dtype": dtype,
+        "block_size": dcfg.block_size,
+        "num_target_layers": target_num_layers,
+        "dflash_config": {"target_layer_ids": list(layer_ids), "mask_token_id": dcfg.mask_token_id,
+                          **({"mask_token": mask_token} if mask_token else {})},
+    }
+
+
+def draft_weights(dcfg, weights: dict, target_norm=None) -> dict:
+    """The checkpoint's weights under the reference's names (ours are the same), checked against
+    the drafter's shapes. target_norm (H,) stands in for `norm.weight` when the checkpoint has none
+    (--freeze-draft-norm, or a checkpoint from before the draft had its own norm)."""
+    import torch
+
+    from trainer.model.drafter import Drafter
+
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in Drafter(dcfg).state_dict().items()
+                if not k.startswith(("embed_tokens.", "lm_head."))}
+    weights = dict(weights)
+    if "norm.weight" not in weights and target_norm is not None:
+        weights["norm.weight"] = target_norm
+    got = {k: tuple(v.shape) for k, v in weights.items()}
+    if got != want:
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        wrong = sorted(k for k in set(want) & set(got) if want[k] != got[k])
+        raise ValueError(f"weights do not fit the run's drafter: missing {missing[:3]}, unexpected {extra[:3]}, "
+                         f"wrong shape {wrong[:3]}")
+    return dict(sorted(weights.items()))
+
+
+# --------------------------------------------------------------------------- python -m trainer.export
+
+def main(argv: list[str] | None = None) -> int:
+    from trainer.run.config import OneLineParser
+
+    p = OneLineParser(prog="python -m trainer.export",
+                      description="Write a run's checkpoint as a DFlash draft-model folder (Hugging Face format).")
+    p.add_argument("--run", required=True, metavar="OUT", help="the training run's output folder")
+    p.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N (default: the latest)")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="the folder to write")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (default: bfloat16)")
+    p.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    a = p.parse_args(argv)
+    doc = export(a.run, a.output, step=a.step, dtype=a.dtype, force=a.force)
+    print(json.dumps(doc), flush=True)
+    return 0
+
+
+def export(run: str, output: str, *, step: int | None = None, dtype: str = "bfloat16", force: bool = False) -> dict:
+    """Export run OUT's checkpoint (step, or the latest) to the folder `output`; returns a summary."""
+    import torch
+    from safetensors.torch import save_file
+
+    from trainer.run import checkpoint
+    from trainer.run.config import RUN_CONFIG, TrainConfig, layer_ids
+
+    out, dest = Path(run), Path(output)
+    try:
+        cfg = TrainConfig(**json.loads((out / RUN_CONFIG).read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise UsageError(f"--run {run}: not a training run folder ({e})") from None
+    if step is not None:
+        path = checkpoint.root(out) / f"step-{step:08d}"
+        if not checkpoint.verify(path):
+            have = sorted(int(p.name[5:]) for p in checkpoint.root(out).glob("step-*") if checkpoint.verify(p)) \
+                if checkpoint.root(out).is_dir() else []
+            raise UsageError(f"--step {step}: no complete checkpoint of that step in {run} "
+                             f"(complete: {', '.join(map(str, have)) or 'none'})")
+    else:
+        path = checkpoint.find_latest(out)
+        if path is None:
+            raise UsageError(f"--run {run}: no complete checkpoint yet")
+    if dest.exists() and not force and (not dest.is_dir() or any(dest.iterdir())):
+        raise UsageError(f"-o {output}: already exists (pass --force to replace it)")
+
+    target = _shape_only_target(cfg.target, layer_ids(cfg))
+    dcfg = target.drafter_config(num_layers=cfg.draft_layers, block_size=cfg.block_size,
+                                 mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id,
+                                 own_norm=not cfg.freeze_draft_norm)
+    ck = checkpoint.load(path)
+    norm = _target_norm(cfg.target, dcfg.hidden_size) if "norm.weight" not in ck.model else None
+    try:
+        weights = draft_weights(dcfg, ck.model, norm)
+    except ValueError as e:
+        raise UsageError(f"{path}: {e}") from None
+    torch_dtype = getattr(torch, dtype)
+
+    with atomic_folder(dest) as tmp:
+        config = draft_config(dcfg, target_config=target.config, target_num_layers=target.num_layers,
+                              layer_ids=target.layer_ids, mask_token=_token_text(target.tokenizer, dcfg.mask_token_id),
+                              dtype=dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file({k: v.detach().to("cpu", torch_dtype).contiguous() for k, v in weights.items()},
+                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        provenance = {"run": str(out.resolve()), "step": ck.step, "checkpoint": str(path.resolve()),
+                      "target": cfg.target, "dtype": dtype, "drafter": asdict(dcfg),
+                      "chat_template_kwargs": json.loads(cfg.chat_template_kwargs or "{}")}
+        (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=1) + "\n")
+    files = {f.name: f.stat().st_size for f in sorted(dest.iterdir())}
+    return {"output": str(dest), "step": ck.step, "checkpoint": str(path), "dtype": dtype, "files": files,
+            "mask_token_id": dcfg.mask_token_id, "target_layer_ids": list(target.layer_ids)}
+
+
+def _shape_only_target(spec: str, layers):
+    """The target as export needs it: config, tokenizer and layer choice, with its weights on the
+    meta device (no memory, no disk reads of a multi-GB checkpoint). `tiny` is built for real."""
+    import torch
+
+    from trainer.run import target as tg
+
+    if spec.startswith("tiny"):
+        return tg.load_target(spec, device=torch.device("cpu"), dtype=torch.float32, layers=layers)
+    tg.check_target_spec(spec)
+    tg._quiet_transformers()
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(spec, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"--target {spec}: not a model: {tg._first_line(e)}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        tokenizer = None
+    L = config.num_hidden_layers
+    ids = tuple(layers) if layers else tg.default_layer_ids(L)
+    return tg.Target(model, tokenizer, ids, spec, "")
+
+
+def _target_norm(spec: str, hidden: int):
+    """The target's final norm weight (H,) in fp32, read alone from its safetensors files."""
+    if spec.startswith("tiny"):
+        from trainer.run.target import build_tiny
+
+        return build_tiny(int(spec[5:]) if ":" in spec else 0).model.norm.weight.detach().float()
+    from safetensors import safe_open
+
+    for f in sorted(Path(spec).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in ("model.norm.weight", "model.language_model.norm.weight", "norm.weight"):
+                if key in st.keys():
+                    w = st.get_tensor(key).float()
+                    if tuple(w.shape) == (hidden,):
+                        return w
+    raise UsageError(f"--target {spec}: no final norm weight (model.norm.weight) in its safetensors files")
+
+
+def _token_text(tokenizer, token_id: int) -> str | None:
+    """The mask token's text when the tokenizer has one for that id (a server can then add it)."""
+    if tokenizer is None:
+        return None
+    if getattr(tokenizer, "mask_token_id", None) == token_id and getattr(tokenizer, "mask_token", None):
+        return str(tokenizer.mask_token)
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    if convert is None or token_id >= len(tokenizer):
+        return None
+    text = convert(token_id)
+    return text if isinstance(text, str) else None
+
