@@ -62,7 +62,7 @@ def _stop_probe(signum, frame):
 def _run_child(policy: str, topology: str, n: int, args) -> dict:
     """One case: `python -m trainer.probe --case POLICY:TOPOLOGY:N` in the release's root; under
     `processes`, N ranks of it started by torchrun (`python -m torch.distributed.run`)."""
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding trainer/
     # faulthandler prints "Fatal Python error: Segmentation fault" and every thread's stack
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))

@@ -81,7 +81,7 @@ def launch(cfg: TrainConfig) -> int:
     args = [*rendezvous_argv(cfg), f"--nproc_per_node={nproc}", f"--log_dir={logs}",
             "--module", "trainer", *config_argv(cfg)]
     # The ranks must import this same trainer, wherever the launcher was started from.
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.cpu_threads or 1))  # else torchrun sets 1 and warns
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S)
