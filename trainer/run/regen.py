@@ -189,6 +189,8 @@ def regen(target_spec: str, prompts: str, out: str, *, max_new_tokens: int = 512
             eos = sorted(target.eos_ids())
             pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
             for k in todo[w::len(devices)]:
+                if stop.is_set():
+                    return
                 torch.manual_seed(seed * 1_000_003 + k)  # the same draws for batch k on any resume
                 res = regen_batch(target.model, tok, batches[k], max_new_tokens=max_new_tokens,
                                   temperature=temperature, thinking=thinking, eos=eos, pad_id=pad)
@@ -201,9 +203,22 @@ def regen(target_spec: str, prompts: str, out: str, *, max_new_tokens: int = 512
                     results.setdefault(k, e)
                 ready.notify_all()
 
+    stop = threading.Event()
     threads = [threading.Thread(target=work, args=(w, d), daemon=True) for w, d in enumerate(devices)]
     for t in threads:
         t.start()
+    try:
+        return _write_in_order(out_path, todo, results, ready, len(rows), done, log)
+    finally:
+        stop.set()
+        # The workers end before the interpreter does: a thread still unwinding torch state
+        # while Python finalizes aborts the process ("terminate called without an active exception").
+        for t in threads:
+            t.join()
+
+
+def _write_in_order(out_path: Path, todo: list[int], results: dict, ready, total: int, done: int, log) -> dict:
+    """Append batch k's rows as soon as k and every batch before it are answered; fsync each."""
     t0, last, rows_done, tokens = time.time(), time.time(), 0, 0
     with out_path.open("ab") as f:
         for k in todo:
@@ -222,10 +237,10 @@ def regen(target_spec: str, prompts: str, out: str, *, max_new_tokens: int = 512
             if now - last >= 10 or k == todo[-1]:
                 last = now
                 rate = rows_done / (now - t0)
-                left = len(rows) - done - rows_done
-                log(f"regen: {done + rows_done}/{len(rows)} rows, {rate:.2f} rows/s, "
+                left = total - done - rows_done
+                log(f"regen: {done + rows_done}/{total} rows, {rate:.2f} rows/s, "
                     f"{tokens / (now - t0):.0f} tokens/s, eta {left / max(rate, 1e-9):.0f}s")
-    return {"rows": len(rows), "resumed_at": done, "written": rows_done, "tokens": tokens,
+    return {"rows": total, "resumed_at": done, "written": rows_done, "tokens": tokens,
             "seconds": time.time() - t0, "out": str(out_path)}
 
 
