@@ -100,7 +100,7 @@ class TrainConfig:
 
 
 HELP = {
-    "target": "frozen target: a local Hugging Face model folder, or tiny[:SEED] (built here, no download)",
+    "target": "frozen target: a local Hugging Face model folder, small-code[-gpu] (a code LM built here once), or tiny[:SEED]",
     "data": "JSONL (input_ids+loss_mask, or chat messages) or synthetic (the target's own continuations)",
     "target_layers": "comma-separated target layer ids to condition on (default: 5 evenly spaced in 1..L-3)",
     "steps": "optimizer steps in total",
@@ -175,7 +175,7 @@ HELP = {
 }
 
 
-METAVAR = {"chat_template_kwargs": "JSON", "target": "PATH|tiny", "data": "PATH|synthetic", "out": "DIR", "workdir": "DIR", "target_layers": "I,J,..",
+METAVAR = {"chat_template_kwargs": "JSON", "target": "PATH|small-code|tiny", "data": "PATH|synthetic", "out": "DIR", "workdir": "DIR", "target_layers": "I,J,..",
            "topology": "threads|processes", "compile_policy": "NAME|auto", "rdzv_endpoint": "HOST:PORT",
            "rdzv_id": "ID", "node_address": "ADDR",
            "compile_target": "auto|on|off", "compile_update": "auto|on|off", "graph_target": "on|off",
@@ -323,8 +323,16 @@ def validate(c: TrainConfig) -> None:
     check_target_spec(c.target)
 
 
+# Built-in real targets (trainer/run/small_lm.py): a code LM trained here on the standard library,
+# built on first use and cached; the value is its recipe's size.
+SMALL_TARGETS = {"small-code": "cpu", "small-code-gpu": "gpu", "small-code-smoke": "smoke"}
+
+
 def check_target_spec(spec: str) -> None:
-    """Cheap checks before anything heavy is imported: `tiny[:SEED]` or a folder with config.json."""
+    """Cheap checks before anything heavy is imported: `tiny[:SEED]`, a built-in small target, or a
+    folder with config.json."""
+    if spec in SMALL_TARGETS:
+        return
     if spec == "tiny" or spec.startswith("tiny:"):
         if spec != "tiny" and not spec[5:].isdigit():
             raise UsageError(f"--target {spec}: expected tiny or tiny:SEED (SEED an integer)")

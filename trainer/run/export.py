@@ -180,6 +180,7 @@ def _shape_only_target(spec: str, layers):
     if spec.startswith("tiny"):
         return tg.load_target(spec, device=torch.device("cpu"), dtype=torch.float32, layers=layers)
     tg.check_target_spec(spec)
+    spec = tg.target_folder(spec)
     tg._quiet_transformers()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -206,6 +207,9 @@ def _target_norm(spec: str, hidden: int):
         return build_tiny(int(spec[5:]) if ":" in spec else 0).model.norm.weight.detach().float()
     from safetensors import safe_open
 
+    from trainer.run.target import target_folder
+
+    spec = target_folder(spec)
     for f in sorted(Path(spec).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             for key in ("model.norm.weight", "model.language_model.norm.weight", "norm.weight"):

@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
 
-from trainer.run.config import check_target_spec  # noqa: E402
+from trainer.run.config import SMALL_TARGETS, check_target_spec  # noqa: E402
 from trainer.errors import UsageError  # noqa: E402
 from trainer.model.drafter import DrafterConfig  # noqa: E402
 from trainer.run.tokenizer import VOCAB_SIZE, ByteTokenizer  # noqa: E402
@@ -397,9 +397,10 @@ def load_target(spec: str, *, device: torch.device, dtype: torch.dtype, layers: 
         model, tokenizer = build_tiny(seed), ByteTokenizer()
         fingerprint = hashlib.sha256(json.dumps([TINY, TINY_LM_HEAD_STD, seed]).encode()).hexdigest()[:16]
     else:
-        model, tokenizer = _load_folder(spec, dtype)
-        cfg_text = (Path(spec) / "config.json").read_bytes()
-        fingerprint = hashlib.sha256(cfg_text + str(Path(spec).resolve()).encode()).hexdigest()[:16]
+        folder = target_folder(spec)
+        model, tokenizer = _load_folder(folder, dtype)
+        cfg_text = (Path(folder) / "config.json").read_bytes()
+        fingerprint = hashlib.sha256(cfg_text + str(Path(folder).resolve()).encode()).hexdigest()[:16]
     model = _freeze(model.to(device=device, dtype=dtype))
     L = model.config.num_hidden_layers
     layer_ids = tuple(layers) if layers else default_layer_ids(L)
@@ -407,6 +408,16 @@ def load_target(spec: str, *, device: torch.device, dtype: torch.dtype, layers: 
     if bad:
         raise UsageError(f"--target-layers {','.join(map(str, layer_ids))}: the target has layers 0..{L - 1}")
     return Target(model, tokenizer, layer_ids, spec, fingerprint)
+
+
+def target_folder(spec: str) -> str:
+    """The folder a target spec names: itself, or a built-in small target's cached folder (built
+    on first use)."""
+    if spec not in SMALL_TARGETS:
+        return spec
+    from trainer.run import small_lm
+
+    return str(small_lm.ensure(SMALL_TARGETS[spec]))
 
 
 def _load_folder(path: str, dtype: torch.dtype):

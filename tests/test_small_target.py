@@ -1,0 +1,216 @@
+"""The small real target, regen and specdec on a CPU, at the `smoke` size (seconds).
+
+What is checked here is what a CPU can check: the target is built deterministically, cached and
+atomically, from a module list whose held-out part never reaches training; regen's answers are
+the target's own greedy `generate` through its chat template, row for row, and a regen killed
+halfway and resumed writes the same file as one that ran through; the drafter's KV-cached
+decoding computes what its full forward computes, and speculative decoding is lossless (and a
+loop that changes a token is caught). The figures (tau, speedup) are for the real sizes:
+scripts/small_target_check.sh, docs/fidelity.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trainer.run import regen, small_lm, specdec  # noqa: E402
+from trainer.run.target import load_target  # noqa: E402
+from trainer.errors import UsageError  # noqa: E402
+from trainer.model.drafter import Drafter  # noqa: E402
+from trainer.model import masks  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("DFLASH_OPS_CACHE")
+    os.environ["DFLASH_OPS_CACHE"] = str(root)
+    torch.set_num_threads(1)
+    folder = small_lm.ensure("smoke", log=lambda s: None)
+    yield root, folder
+    if old is None:
+        os.environ.pop("DFLASH_OPS_CACHE", None)
+    else:
+        os.environ["DFLASH_OPS_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def target(cache):
+    return load_target("small-code-smoke", device=CPU, dtype=torch.float32)
+
+
+def test_held_out_modules_never_reach_training():
+    recipe = small_lm.RECIPES["smoke"]
+    names = [p.name for p in small_lm.stdlib_modules()]
+    assert names and len(names) == len(set(map(str, small_lm.stdlib_modules())))
+    train, held, _ = small_lm.corpus(recipe)
+    assert held and train and not set(train) & set(held)
+    rels = [str(p) for p in small_lm.stdlib_modules()]
+    assert sum(small_lm.held_out(r) for r in rels) < len(rels) / 10  # about one in twenty
+
+
+def test_the_target_is_an_hf_folder_built_once(cache, target):
+    root, folder = cache
+    report = json.loads((folder / "small_lm.json").read_text())
+    assert report["recipe"]["name"] == "smoke" and report["held_out_loss"] > 0
+    assert target.tokenizer.mask_token == small_lm.MASK and target.mask_token_id() == target.tokenizer.mask_token_id
+    assert target.tokenizer.chat_template == small_lm.CHAT_TEMPLATE
+    assert target.eos_ids() == {target.tokenizer.convert_tokens_to_ids(small_lm.EOT)}
+    t0 = time.time()
+    assert small_lm.ensure("smoke", log=lambda s: pytest.fail(s)) == folder  # cached: no rebuild
+    assert time.time() - t0 < 5
+    assert not [p for p in root.iterdir() if p.name.startswith(".small-code") and p.is_dir()]  # no temp left
+
+
+def test_the_build_is_deterministic(cache, tmp_path):
+    _, folder = cache
+    small_lm.build("smoke", str(tmp_path / "again"), log=lambda s: None)
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(folder / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (folder / "tokenizer.json").read_text() == (tmp_path / "again" / "tokenizer.json").read_text()
+
+
+def _prompts(path: Path, n: int, *, chat: bool = False) -> Path:
+    train, _, _ = small_lm.corpus(small_lm.RECIPES["smoke"])
+    rows = small_lm.cut_prompts(train, n, seed=5, lines=4)
+    with path.open("w") as f:
+        for i, p in enumerate(rows):
+            if chat and i % 2:  # multi-turn chat rows (the old answers dropped) and ShareGPT rows
+                f.write(json.dumps({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": "x"},
+                                                 {"role": "user", "content": "\n"}]}) + "\n")
+            elif chat:
+                f.write(json.dumps({"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "y"}]})
+                        + "\n")
+            else:
+                f.write(json.dumps({"prompt": p}) + "\n")
+    return path
+
+
+def _greedy(target, messages, n):
+    ids = regen._render(target.tokenizer, messages, False)
+    out = target.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                eos_token_id=sorted(target.eos_ids()), pad_token_id=target.tokenizer.pad_token_id)
+    new = out[0, len(ids):].tolist()
+    cut = next((i for i, t in enumerate(new) if t in target.eos_ids()), len(new))
+    return target.tokenizer.decode(new[:cut], skip_special_tokens=True)
+
+
+def test_regen_answers_are_the_targets_greedy_generate(cache, target, tmp_path):
+    prompts = _prompts(tmp_path / "p.jsonl", 6, chat=True)
+    doc = regen.regen("small-code-smoke", str(prompts), str(tmp_path / "out.jsonl"), max_new_tokens=12,
+                      batch_size=4, log=lambda s: None)
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert doc["written"] == len(rows) == 6 and [r["line"] for r in rows] == list(range(1, 7))
+    for r in rows:
+        msgs = r["messages"]
+        assert [m["role"] for m in msgs] in (["user", "assistant"], ["user", "assistant"] * 2)
+        assert msgs[1]["content"] not in ("x", "y")  # the file's own answers were dropped
+        for i in range(1, len(msgs), 2):  # each answer, given the target's earlier answers
+            assert msgs[i]["content"] == _greedy(target, msgs[:i], 12)
+
+
+def test_a_bad_row_is_named_by_file_and_line(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"prompt": "a"}\n\n{"messages": [{"role": "assistant", "content": "b"}]}\n')
+    with pytest.raises(UsageError, match=r"bad.jsonl:3: no user turn"):
+        regen.read_prompts(str(p))
+
+
+def test_a_torn_tail_is_cut_back_to_whole_batches(tmp_path):
+    out = tmp_path / "o.jsonl"
+    out.write_bytes(b'{"line": 1}\n{"line": 2}\n{"line": 3}\n{"li')
+    assert regen.resume_point(out, 2, total=10) == 2
+    assert out.read_bytes() == b'{"line": 1}\n{"line": 2}\n'
+    assert regen.resume_point(out, 2, total=2) == 2  # a complete file stays
+
+
+def _regen_cmd(prompts: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "trainer.regen", "--target", "small-code-smoke", "--prompts", str(prompts),
+            "--out", str(out), "--max-new-tokens", "8", "--batch-size", "2"]
+
+
+def test_a_killed_regen_resumes_to_the_same_file(cache, tmp_path):
+    prompts = _prompts(tmp_path / "p.jsonl", 10)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    whole = tmp_path / "whole.jsonl"
+    subprocess.run(_regen_cmd(prompts, whole), env=env, check=True, capture_output=True, cwd=ROOT)
+    cut = tmp_path / "cut.jsonl"
+    p = subprocess.Popen(_regen_cmd(prompts, cut), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         cwd=ROOT)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not cut.exists() or cut.read_bytes().count(b"\n") < 2):
+        time.sleep(0.02)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    with cut.open("ab") as f:  # as if killed in the middle of a write
+        f.write(b'{"line": 99, "mess')
+    done = cut.read_bytes().count(b"\n")
+    assert 2 <= done < 10, "the kill should land halfway"
+    r = subprocess.run(_regen_cmd(prompts, cut), env=env, check=True, capture_output=True, text=True, cwd=ROOT)
+    assert json.loads(r.stdout.splitlines()[-1])["resumed_at"] == done - done % 2
+    assert cut.read_bytes() == whole.read_bytes()
+
+
+def _drafter(target, layers=2, block=8, seed=0):
+    torch.manual_seed(seed)
+    d = Drafter(target.drafter_config(num_layers=layers, block_size=block, mask_token_id=None))
+    d.init_norm(target.head_weights()[1])
+    d.borrow_target_head(*target.head_weights())
+    with torch.no_grad():  # a random drafter with larger weights, so its guesses are not all one token
+        for _, prm in d.trainable_parameters():
+            if prm.dim() == 2:
+                prm.normal_(0, 0.2)
+    return d.eval()
+
+
+def test_the_drafters_kv_cache_computes_its_full_forward(target):
+    d = _drafter(target)
+    ids = target.tokenizer("def f(x):\n    return x + 1\n")["input_ids"]
+    _, hs, _ = target.decode(torch.tensor([ids]), hidden=True)
+    feats = torch.cat([hs[i + 1] for i in target.layer_ids], dim=-1)
+    p, B = len(ids), d.cfg.block_size
+    cache = specdec.DraftCache(len(d.layers))
+    specdec.extend_context(d, cache, feats[:, :5], 0)  # the context arrives in pieces, as in decoding
+    specdec.extend_context(d, cache, feats[:, 5:], 5)
+    block = torch.tensor([[ids[-1]] + [d.cfg.mask_token_id] * (B - 1)])
+    full = d(block, torch.arange(p, p + B)[None], feats, torch.arange(p)[None],
+             masks.attention_mask(torch.tensor([[p]]), p, B))
+    ref = d.logits(full)[0, 1:]
+    assert torch.equal(specdec.draft_block(d, cache, block, p), ref.argmax(-1))
+
+
+def test_speculative_decoding_is_lossless_and_a_wrong_token_is_caught(target, monkeypatch):
+    d = _drafter(target, block=4)
+    prompts = [target.tokenizer(t)["input_ids"] for t in ("import os\n", "class A:\n    def __init__(self):\n")]
+    doc = specdec.measure(target, d, prompts, max_new_tokens=24, warmup=0, log=lambda s: None)
+    assert doc["lossless"] and doc["rounds"] >= 1 and 1 <= doc["tau"] <= 4
+    assert len(doc["accept_rate_by_position"]) == 3
+    real = specdec.speculative
+
+    def off_by_one(*a, **k):
+        out, produced, acc, t = real(*a, **k)
+        return out[:-1] + [(out[-1] + 1) % d.cfg.vocab_size], produced, acc, t
+
+    monkeypatch.setattr(specdec, "speculative", off_by_one)
+    with pytest.raises(RuntimeError, match="NOT lossless"):
+        specdec.measure(target, d, prompts, max_new_tokens=24, warmup=0, log=lambda s: None)
+
+
+def test_interval95():
+    assert specdec.interval95([2, 2, 2]) == (2.0, 0.0)
+    m, h = specdec.interval95([1, 3] * 50)
+    assert m == 2.0 and 0.19 < h < 0.2

@@ -1,0 +1,272 @@
+"""Answers by the target: training rows whose assistant turns the target itself wrote.
+
+    python -m trainer.regen --target T --prompts FILE --out FILE.jsonl [--max-new-tokens N]
+        [--batch-size B] [--temperature 0] [--gpus N] [--thinking] [--no-resume]
+
+The DFlash recipe trains the drafter on the target's own answers (SpecForge's
+regenerate_train_data.py): a drafter learns the distribution it will be asked to guess. Input rows
+are JSONL, one of
+    {"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}, ...]}
+    {"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}   (ShareGPT)
+    {"prompt": "..."}
+The user (and system) turns are kept, assistant turns are dropped and answered again, turn by turn
+(the second user turn sees the target's first answer). Generation uses the target's chat template
+with thinking off (`enable_thinking=False`, as the recipe), greedy unless --temperature > 0.
+
+The output is the chat-row JSONL the trainer reads, one row per input row, in input order, each
+with its input line number (`"line"`). Rows are written a batch at a time (input rows
+[k*B, (k+1)*B)), appended, flushed and fsynced; a killed run is resumed (the default when the
+output exists) from the first batch not complete in the file: a torn last batch is cut off, so no
+row is lost or doubled and the batches, hence the answers, are those of an uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.errors import UsageError
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+         "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+
+
+@dataclass(frozen=True)
+class Row:
+    line: int
+    turns: tuple[tuple[str, str], ...]  # (role, content) of the system/user turns, in order
+
+
+def read_prompts(path: str) -> list[Row]:
+    """Input rows -> the turns to answer; a bad row is a UsageError naming file:line."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--prompts {path}: no such file")
+    rows = []
+    with p.open(encoding="utf-8") as f:
+        for n, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                doc = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{where}: not JSON: {e.msg}") from None
+            rows.append(Row(n, _turns(doc, where)))
+    if not rows:
+        raise UsageError(f"--prompts {path}: no rows")
+    return rows
+
+
+def _turns(doc, where: str) -> tuple[tuple[str, str], ...]:
+    if not isinstance(doc, dict):
+        raise UsageError(f"{where}: each row must be a JSON object")
+    if isinstance(doc.get("prompt"), str):
+        turns = [("user", doc["prompt"])]
+    elif isinstance(doc.get("messages"), list):
+        turns = [(m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None) for m in doc["messages"]]
+    elif isinstance(doc.get("conversations"), list):
+        turns = [(ROLES.get(str(m.get("from", "")).lower()), m.get("value")) if isinstance(m, dict) else (None, None)
+                 for m in doc["conversations"]]
+    else:
+        raise UsageError(f"{where}: a row needs 'prompt', 'messages' or 'conversations'")
+    for role, content in turns:
+        if role not in ("system", "user", "assistant") or not isinstance(content, str):
+            raise UsageError(f"{where}: each turn needs a role (system/user/assistant, or ShareGPT's "
+                             "human/gpt) and a string content")
+    kept = tuple((r, c) for r, c in turns if r != "assistant")
+    if not any(r == "user" for r, _ in kept):
+        raise UsageError(f"{where}: no user turn to answer")
+    return kept
+
+
+def resume_point(out: Path, batch_size: int, total: int) -> int:
+    """Rows already complete in `out` (whole batches, or all `total`), after cutting off a torn tail."""
+    if not out.exists():
+        return 0
+    data = out.read_bytes()
+    keep = data[: data.rfind(b"\n") + 1]  # whole lines only
+    lines = keep.count(b"\n")
+    whole = lines if lines >= total else lines - lines % batch_size
+    cut = 0
+    for _ in range(whole):
+        cut = keep.index(b"\n", cut) + 1
+    if cut != len(data):
+        with out.open("r+b") as f:
+            f.truncate(cut)
+            f.flush()
+            os.fsync(f.fileno())
+    return whole
+
+
+def _render(tokenizer, messages, thinking: bool) -> list[int]:
+    kw = {} if thinking else {"enable_thinking": False}
+    r = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **kw)
+    return list(r["input_ids"] if isinstance(r, dict) or hasattr(r, "keys") else r)
+
+
+def answer_batch(model, tokenizer, convs: list[list[dict]], *, max_new_tokens: int, temperature: float,
+                 thinking: bool, eos: list[int], pad_id: int) -> list[tuple[str, int]]:
+    """One generate call over conversations that each end with a user turn: (answer text, tokens)."""
+    import torch
+
+    prompts = [_render(tokenizer, c, thinking) for c in convs]
+    width = max(map(len, prompts))
+    dev = model.device
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    att = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding: every row's last prompt token at the same column
+        ids[i, width - len(p):] = torch.tensor(p)
+        att[i, width - len(p):] = 1
+    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    out = model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev), max_new_tokens=max_new_tokens,
+                         eos_token_id=eos, pad_token_id=pad_id, **kw)
+    answers = []
+    for row in out[:, width:].tolist():
+        cut = next((i for i, t in enumerate(row) if t in eos), len(row))
+        answers.append((tokenizer.decode(row[:cut], skip_special_tokens=True), cut))
+    return answers
+
+
+def regen_batch(model, tokenizer, rows: list[Row], **kw) -> tuple[list[dict], int]:
+    """Answer every user turn of `rows`, turn by turn -> (output rows, tokens generated)."""
+    convs = [[] for _ in rows]
+    pending = [list(r.turns) for r in rows]
+    tokens = 0
+    while any(pending):
+        ask = []
+        for i, turns in enumerate(pending):
+            while turns and turns[0][0] != "user":  # system turns go in as they come
+                role, content = turns.pop(0)
+                convs[i].append({"role": role, "content": content})
+            if turns:
+                role, content = turns.pop(0)
+                convs[i].append({"role": role, "content": content})
+                ask.append(i)
+        if not ask:
+            break
+        for i, (text, n) in zip(ask, answer_batch(model, tokenizer, [convs[i] for i in ask], **kw)):
+            convs[i].append({"role": "assistant", "content": text})
+            tokens += n
+    return [{"line": r.line, "messages": c} for r, c in zip(rows, convs)], tokens
+
+
+def regen(target_spec: str, prompts: str, out: str, *, max_new_tokens: int = 512, batch_size: int = 16,
+          temperature: float = 0.0, thinking: bool = False, gpus: int = 0, resume: bool = True,
+          seed: int = 0, log=print) -> dict:
+    import queue
+    import threading
+
+    import torch
+
+    from trainer.run.target import load_target
+
+    rows = read_prompts(prompts)
+    out_path = Path(out)
+    if out_path.exists() and not resume:
+        raise UsageError(f"--out {out}: exists (resume is the default; remove it to start over)")
+    done = min(resume_point(out_path, batch_size, len(rows)), len(rows))
+    batches = [rows[i: i + batch_size] for i in range(0, len(rows), batch_size)]
+    todo = list(range(done // batch_size, len(batches)))
+    if done:
+        log(f"regen: resuming after {done} of {len(rows)} rows already in {out}")
+    n_workers = max(1, min(gpus, torch.cuda.device_count())) if gpus > 0 else 1
+    devices = [torch.device(f"cuda:{i}") for i in range(n_workers)] if gpus > 0 and torch.cuda.is_available() \
+        else [torch.device("cpu")]
+    results: dict[int, tuple[list[dict], int] | BaseException] = {}
+    ready = threading.Condition()
+
+    def work(w: int, dev: torch.device) -> None:
+        try:
+            dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+            target = load_target(target_spec, device=dev, dtype=dtype)
+            if target.tokenizer is None or not getattr(target.tokenizer, "chat_template", None):
+                raise UsageError(f"--target {target_spec}: regen needs the target's tokenizer with a chat template")
+            tok = target.tokenizer
+            eos = sorted(target.eos_ids())
+            pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+            for k in todo[w::len(devices)]:
+                if stop.is_set():
+                    return
+                torch.manual_seed(seed * 1_000_003 + k)  # the same draws for batch k on any resume
+                res = regen_batch(target.model, tok, batches[k], max_new_tokens=max_new_tokens,
+                                  temperature=temperature, thinking=thinking, eos=eos, pad_id=pad)
+                with ready:
+                    results[k] = res
+                    ready.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the writer, which raises it
+            with ready:
+                for k in todo[w::len(devices)]:
+                    results.setdefault(k, e)
+                ready.notify_all()
+
+    stop = threading.Event()
+    threads = [threading.Thread(target=work, args=(w, d), daemon=True) for w, d in enumerate(devices)]
+    for t in threads:
+        t.start()
+    try:
+        return _write_in_order(out_path, todo, results, ready, len(rows), done, log)
+    finally:
+        stop.set()
+        # The workers end before the interpreter does: a thread still unwinding torch state
+        # while Python finalizes aborts the process ("terminate called without an active exception").
+        for t in threads:
+            t.join()
+
+
+def _write_in_order(out_path: Path, todo: list[int], results: dict, ready, total: int, done: int, log) -> dict:
+    """Append batch k's rows as soon as k and every batch before it are answered; fsync each."""
+    t0, last, rows_done, tokens = time.time(), time.time(), 0, 0
+    with out_path.open("ab") as f:
+        for k in todo:
+            with ready:
+                ready.wait_for(lambda: k in results)
+                res = results.pop(k)
+            if isinstance(res, BaseException):
+                raise res
+            out_rows, n_tok = res
+            f.write(b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in out_rows))
+            f.flush()
+            os.fsync(f.fileno())
+            rows_done += len(out_rows)
+            tokens += n_tok
+            now = time.time()
+            if now - last >= 10 or k == todo[-1]:
+                last = now
+                rate = rows_done / (now - t0)
+                left = total - done - rows_done
+                log(f"regen: {done + rows_done}/{total} rows, {rate:.2f} rows/s, "
+                    f"{tokens / (now - t0):.0f} tokens/s, eta {left / max(rate, 1e-9):.0f}s")
+    return {"rows": total, "resumed_at": done, "written": rows_done, "tokens": tokens,
+            "seconds": time.time() - t0, "out": str(out_path)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trainer.run.config import OneLineParser
+
+    p = OneLineParser(prog="python -m trainer.regen",
+                      description="Answer prompts with the target itself: training rows in the DFlash recipe's way.")
+    p.add_argument("--target", required=True, help="the target: an HF folder, small-code or small-code-gpu")
+    p.add_argument("--prompts", required=True, help="JSONL of chat rows (messages / ShareGPT conversations) or prompts")
+    p.add_argument("--out", required=True, help="the chat-row JSONL to write (resumed when it exists)")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--thinking", action="store_true", help="let the template think (enable_thinking on)")
+    p.add_argument("--gpus", type=int, default=0, help="workers, one per GPU (0 = CPU)")
+    p.add_argument("--seed", type=int, default=0, help="for --temperature > 0")
+    p.add_argument("--no-resume", action="store_true", help="refuse an existing --out instead of resuming it")
+    a = p.parse_args(argv)
+    for name in ("max_new_tokens", "batch_size"):
+        if getattr(a, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if a.temperature < 0:
+        raise UsageError("--temperature must be 0 (greedy) or more")
+    doc = regen(a.target, a.prompts, a.out, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
+                temperature=a.temperature, thinking=a.thinking, gpus=a.gpus, resume=not a.no_resume, seed=a.seed,
+                log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(json.dumps(doc), flush=True)
+    return 0

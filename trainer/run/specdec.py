@@ -1,0 +1,324 @@
+"""Decoding with the drafter, measured: speculative decoding at batch 1 against the target alone.
+
+    python -m trainer.specdec --target T --drafter EXPORTED_DIR --prompts FILE [--max-new-tokens N]
+
+Both sides keep KV caches: the target's is transformers' own cache (cropped to the accepted
+prefix after each verification); the drafter's holds, per layer, the keys and values of the
+context features it has seen (DraftCache), so a round computes only the new positions' K/V and
+the block's 16 rows, not the whole context again. Greedy on both sides, so the output must be the
+target's own greedy continuation token for token: every prompt is decoded both ways and compared,
+and any difference fails the run (exit 1). The round structure is the reference's
+(`dflash.model.dflash_generate`): verify min(B, budget) tokens, accept the longest matching prefix
+plus the target's next token, stop at EOS.
+
+Prints live lines per prompt and one JSON document: tokens/s of the target alone and with the
+drafter (wall clock after warm-up, CUDA-synchronised), the speedup, tau (accepted + 1 per round)
+with its 95% interval, the acceptance rate per block position, and where the time goes (target
+verify, drafter, host).
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from trainer.model.drafter import Drafter, DrafterConfig, apply_rope, rope_cos_sin
+
+
+# --------------------------------------------------------------------------- the drafter's KV cache
+
+class DraftCache:
+    """Per layer, the context's keys and values (B=1): (1, nkv, Tc, hd) each, after k_norm and RoPE."""
+
+    def __init__(self, n_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * n_layers
+        self.v: list[torch.Tensor | None] = [None] * n_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k[0] is None else self.k[0].shape[2]
+
+
+@torch.no_grad()
+def extend_context(drafter: Drafter, cache: DraftCache, feats: torch.Tensor, start: int) -> None:
+    """Add the target features of positions start .. start+T-1 (feats (1, T, n*H)) to the cache."""
+    if feats.shape[1] == 0:
+        return
+    assert cache.length == start, (cache.length, start)
+    ctx = drafter.hidden_norm(drafter.fc(feats.to(drafter.fc.weight.dtype)))  # (1, T, H)
+    pos = torch.arange(start, start + feats.shape[1], device=feats.device)[None]
+    rope = rope_cos_sin(pos, drafter.cfg.head_dim, drafter.cfg.rope_theta, ctx.dtype)
+    for i, layer in enumerate(drafter.layers):
+        a = layer.self_attn
+        T = ctx.shape[1]
+        k = a.k_norm(a.k_proj(ctx).view(1, T, a.nkv, a.hd)).transpose(1, 2)
+        v = a.v_proj(ctx).view(1, T, a.nkv, a.hd).transpose(1, 2)
+        k = apply_rope(k, *rope)
+        cache.k[i] = k if cache.k[i] is None else torch.cat([cache.k[i], k], dim=2)
+        cache.v[i] = v if cache.v[i] is None else torch.cat([cache.v[i], v], dim=2)
+
+
+@torch.no_grad()
+def draft_block(drafter: Drafter, cache: DraftCache, block: torch.Tensor, start: int) -> torch.Tensor:
+    """block (1, T) = [anchor, MASK...] at positions start..start+T-1, seeing every cached context
+    position (all < start) and itself -> the drafter's greedy tokens for positions 1..T-1, (T-1,)."""
+    x = drafter.embed_tokens(block).to(drafter.fc.weight.dtype)  # (1, T, H)
+    T = block.shape[1]
+    pos = torch.arange(start, start + T, device=block.device)[None]
+    rope = rope_cos_sin(pos, drafter.cfg.head_dim, drafter.cfg.rope_theta, x.dtype)
+    for i, layer in enumerate(drafter.layers):
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = apply_rope(a.q_norm(a.q_proj(h).view(1, T, a.nh, a.hd)).transpose(1, 2), *rope)
+        k = apply_rope(a.k_norm(a.k_proj(h).view(1, T, a.nkv, a.hd)).transpose(1, 2), *rope)
+        v = a.v_proj(h).view(1, T, a.nkv, a.hd).transpose(1, 2)
+        k, v = torch.cat([cache.k[i], k], dim=2), torch.cat([cache.v[i], v], dim=2)
+        if a.nh != a.nkv:
+            k = k.repeat_interleave(a.nh // a.nkv, dim=1)
+            v = v.repeat_interleave(a.nh // a.nkv, dim=1)
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype))  # no mask: all visible
+        x = x + a.o_proj(o.transpose(1, 2).reshape(1, T, a.nh * a.hd))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return drafter.logits(x[:, 1:])[0].argmax(-1)
+
+
+# --------------------------------------------------------------------------- the decoding loops
+
+@dataclass
+class Timing:
+    verify: float = 0.0
+    draft: float = 0.0
+    total: float = 0.0
+
+    def add(self, other: "Timing") -> None:
+        self.verify += other.verify
+        self.draft += other.draft
+        self.total += other.total
+
+
+def _clock(dev: torch.device) -> float:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter()
+
+
+@torch.no_grad()
+def target_greedy(target, prompt: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], Timing]:
+    """The target alone: one cached forward per token, greedy, stopping at EOS."""
+    dev = target.device
+    t = Timing()
+    t0 = _clock(dev)
+    logits, _, cache = target.decode(torch.tensor([prompt], device=dev))
+    tok = int(logits[0, -1].argmax())
+    out = [tok]
+    while len(out) < max_new_tokens and tok not in eos:
+        logits, _, cache = target.decode(torch.tensor([[tok]], device=dev), cache)
+        tok = int(logits[0, -1].argmax())
+        out.append(tok)
+    t.total = t.verify = _clock(dev) - t0
+    return out, t
+
+
+@torch.no_grad()
+def speculative(target, drafter: Drafter, prompt: list[int], max_new_tokens: int,
+                eos: set[int]) -> tuple[list[int], list[int], list[int], Timing]:
+    """(new tokens, tokens produced per round, (drafts accepted, drafts offered) per round, timing)."""
+    dev, B, mask_id = target.device, drafter.cfg.block_size, drafter.cfg.mask_token_id
+    t = Timing()
+    t0 = _clock(dev)
+    logits, hs, tcache = target.decode(torch.tensor([prompt], device=dev), hidden=True)
+    dcache = DraftCache(len(drafter.layers))
+    feats = torch.cat([hs[i + 1] for i in target.layer_ids], dim=-1)  # (1, P, n*H)
+    p = len(prompt)
+    anchor = int(logits[0, -1].argmax())
+    end = p + max_new_tokens
+    new, produced, accepted = [anchor], [], []
+    stopped = anchor in eos
+    t1 = _clock(dev)
+    t.verify += t1 - t0
+    while p + 1 < end and not stopped:
+        td = _clock(dev)
+        extend_context(drafter, dcache, feats, dcache.length)
+        vs = min(B, end - p)
+        block = torch.tensor([[anchor] + [mask_id] * (vs - 1)], device=dev)
+        draft = draft_block(drafter, dcache, block, p) if vs > 1 else block[0, 1:]
+        tv = _clock(dev)
+        t.draft += tv - td
+        logits, hs, tcache = target.decode(torch.cat([block[0, :1], draft])[None], tcache, hidden=True)
+        choice = logits[0].argmax(-1)
+        a = int(torch.cumprod((draft == choice[:-1]).int(), 0).sum())
+        step_tokens = (draft[:a].tolist() + [int(choice[a])])[: end - p - 1]
+        hit = next((i for i, tok in enumerate(step_tokens) if tok in eos), None)
+        if hit is not None:
+            step_tokens, stopped = step_tokens[: hit + 1], True
+        n = len(step_tokens)
+        feats = torch.cat([hs[i + 1] for i in target.layer_ids], dim=-1)[:, :n]  # positions p .. p+n-1
+        if vs - n > 0:
+            tcache.crop(-(vs - n))
+        new += step_tokens
+        produced.append(n)
+        accepted.append((a, vs - 1))
+        anchor, p = step_tokens[-1], p + n
+        t.verify += _clock(dev) - tv
+    t.total = _clock(dev) - t0
+    return new[:max_new_tokens], produced, accepted, t
+
+
+# --------------------------------------------------------------------------- measuring
+
+def load_drafter(path: str, target, device, dtype) -> Drafter:
+    """An exported DFlash draft folder (config.json + model.safetensors) as our Drafter, borrowing
+    the target's embedding and lm_head; refuses a folder made for another target shape."""
+    from safetensors.torch import load_file
+
+    from trainer.errors import UsageError
+
+    folder = Path(path)
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+        weights = load_file(str(folder / "model.safetensors"))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--drafter {path}: not an exported drafter folder ({e})") from None
+    dfl = cfg.get("dflash_config") or {}
+    ids = tuple(dfl.get("target_layer_ids") or ())
+    if not ids or "mask_token_id" not in dfl:
+        raise UsageError(f"--drafter {path}: config.json has no dflash_config (target_layer_ids, mask_token_id)")
+    if cfg.get("hidden_size") != target.config.hidden_size or cfg.get("num_target_layers") != target.num_layers:
+        raise UsageError(f"--drafter {path}: made for a target with hidden size {cfg.get('hidden_size')} and "
+                         f"{cfg.get('num_target_layers')} layers; this target has {target.config.hidden_size} and "
+                         f"{target.num_layers}")
+    target.layer_ids = ids
+    dcfg = DrafterConfig(hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"],
+                         mask_token_id=int(dfl["mask_token_id"]), num_target_layers=len(ids),
+                         num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
+                         num_kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
+                         intermediate_size=cfg["intermediate_size"], rms_eps=cfg["rms_norm_eps"],
+                         rope_theta=float(cfg["rope_theta"]), block_size=int(cfg["block_size"]))
+    with torch.device("meta"):
+        drafter = Drafter(dcfg)
+    drafter.to_empty(device=device)
+    drafter.load_state_dict(weights, strict=False)
+    drafter.borrow_target_head(*target.head_weights())
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+def interval95(xs: list[int]) -> tuple[float, float]:
+    """Mean and the half-width of its normal 95% interval."""
+    n = len(xs)
+    if n == 0:
+        return 0.0, 0.0
+    m = sum(xs) / n
+    if n < 2:
+        return m, float("inf")
+    var = sum((x - m) ** 2 for x in xs) / (n - 1)
+    return m, 1.96 * math.sqrt(var / n)
+
+
+def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_tokens: int, warmup: int = 1,
+            log=print) -> dict:
+    """Both decodes of every prompt; fails (RuntimeError) at the first token that differs."""
+    eos = target.eos_ids()
+    for p in prompts[:warmup]:  # kernels, allocator, caches: not timed
+        target_greedy(target, p, min(16, max_new_tokens), eos)
+        speculative(target, drafter, p, min(32, max_new_tokens), eos)
+    alone, spec = Timing(), Timing()
+    n_alone = n_spec = 0
+    produced_all: list[int] = []
+    offered = [0] * drafter.cfg.block_size  # rounds in which block position k was drafted
+    taken = [0] * drafter.cfg.block_size  # ... and accepted
+    for i, p in enumerate(prompts):
+        ref, ta = target_greedy(target, p, max_new_tokens, eos)
+        out, produced, acc, ts = speculative(target, drafter, p, max_new_tokens, eos)
+        if out != ref:
+            k = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+            raise RuntimeError(f"prompt {i}: speculative output differs from the target's greedy decode at new "
+                               f"token {k} ({out[k:k + 1]} vs {ref[k:k + 1]}): NOT lossless")
+        alone.add(ta)
+        spec.add(ts)
+        n_alone += len(ref)
+        n_spec += len(out)
+        produced_all += produced
+        for a, drafted in acc:
+            for k in range(1, drafted + 1):
+                offered[k] += 1
+                taken[k] += k <= a
+        log(f"specdec: prompt {i + 1}/{len(prompts)}: {len(out)} tokens, tau {len(out) / max(1, len(produced)):.2f}, "
+            f"{len(ref) / ta.total:.1f} -> {len(out) / ts.total:.1f} tokens/s")
+    tau, half = interval95(produced_all)
+    a_rate, s_rate = n_alone / alone.total, n_spec / spec.total
+    return {"lossless": True, "prompts": len(prompts), "tokens": n_spec, "rounds": len(produced_all),
+            "tau": tau, "tau_ci95": [tau - half, tau + half],
+            "target_tokens_per_s": a_rate, "spec_tokens_per_s": s_rate, "speedup": s_rate / a_rate,
+            "accept_rate_by_position": [round(taken[k] / offered[k], 4) if offered[k] else None
+                                        for k in range(1, drafter.cfg.block_size)],
+            "time_share": {"target_verify": spec.verify / spec.total, "drafter": spec.draft / spec.total,
+                           "host_other": max(0.0, 1 - (spec.verify + spec.draft) / spec.total)},
+            "ms_per_round": {"verify": 1e3 * spec.verify / max(1, len(produced_all)),
+                             "draft": 1e3 * spec.draft / max(1, len(produced_all))},
+            "target_ms_per_token": 1e3 * alone.total / max(1, n_alone)}
+
+
+# --------------------------------------------------------------------------- python -m trainer.specdec
+
+def read_prompt_ids(path: str, tokenizer, *, thinking: bool = False, limit: int | None = None) -> list[list[int]]:
+    """Prompts of a JSONL file (regen's input spellings) as token ids through the target's chat template."""
+    from trainer.run.regen import _render, read_prompts
+
+    rows = read_prompts(path)[:limit]
+    return [_render(tokenizer, [{"role": r, "content": c} for r, c in row.turns], thinking) for row in rows]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trainer.errors import UsageError
+    from trainer.run.config import OneLineParser, check_target_spec
+    from trainer.run.target import load_target
+
+    p = OneLineParser(prog="python -m trainer.specdec",
+                      description="Speculative decoding with an exported drafter against the target alone: "
+                                  "lossless check, tokens/s, speedup, tau.")
+    p.add_argument("--target", required=True, help="an HF folder, small-code or small-code-gpu")
+    p.add_argument("--drafter", required=True, help="an exported DFlash draft folder (python -m trainer.export)")
+    p.add_argument("--prompts", required=True, help="JSONL of prompts (the spellings regen reads)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--limit", type=int, help="use only the first N prompts")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="both models' dtype (default float32: greedy choices then do not hang on the "
+                        "rounding of a 1-token vs a 16-token forward, so lossless is checkable)")
+    p.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is")
+    p.add_argument("--json", dest="json_out", help="also write the result document to this file")
+    a = p.parse_args(argv)
+    if a.max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be at least 1")
+    check_target_spec(a.target)
+    dev = torch.device("cuda:0" if torch.cuda.is_available() and not a.cpu else "cpu")
+    dtype = getattr(torch, a.dtype)
+    say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    target = load_target(a.target, device=dev, dtype=dtype)
+    drafter = load_drafter(a.drafter, target, dev, dtype)
+    if target.tokenizer is None:
+        raise UsageError(f"--target {a.target}: no tokenizer to encode the prompts with")
+    prompts = read_prompt_ids(a.prompts, target.tokenizer, limit=a.limit)
+    say(f"specdec: {len(prompts)} prompts, {a.max_new_tokens} new tokens each, block {drafter.cfg.block_size}, "
+        f"{drafter.cfg.num_layers} draft layers, {dev.type} {a.dtype}")
+    try:
+        doc = measure(target, drafter, prompts, max_new_tokens=a.max_new_tokens, log=say)
+    except RuntimeError as e:
+        if "NOT lossless" not in str(e):
+            raise
+        print(f"specdec: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    doc = {"target": a.target, "drafter": a.drafter, "device": dev.type, "dtype": a.dtype,
+           "block_size": drafter.cfg.block_size, "draft_layers": drafter.cfg.num_layers, **doc}
+    say(f"specdec: lossless; tau {doc['tau']:.2f} (95% {doc['tau_ci95'][0]:.2f}-{doc['tau_ci95'][1]:.2f}, "
+        f"{doc['rounds']} rounds); {doc['target_tokens_per_s']:.1f} -> {doc['spec_tokens_per_s']:.1f} tokens/s, "
+        f"speedup {doc['speedup']:.2f}x; drafter {100 * doc['time_share']['drafter']:.0f}% of the time")
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(doc, indent=2))
+    print(json.dumps(doc), flush=True)
+    return 0
