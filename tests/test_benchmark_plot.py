@@ -71,3 +71,17 @@ def test_train_step_cli_takes_chosen_modes_and_refuses_a_missing_one(tmp_path, c
     assert (tmp_path / "p.png").exists()
     assert plot_train_step.main([f"{f}@nope", "-o", str(tmp_path / "q.png")]) == 2
     assert "no mode 'nope'" in capsys.readouterr().err
+
+
+SD_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "plot_specdec.py"
+sd_spec = importlib.util.spec_from_file_location("plot_specdec", SD_SCRIPT)
+plot_specdec = importlib.util.module_from_spec(sd_spec)
+sd_spec.loader.exec_module(plot_specdec)
+
+
+def test_specdec_plot_of_the_recorded_result(tmp_path, capsys):
+    data = Path(__file__).resolve().parent.parent / "docs" / "data" / "small-target-h200" / "specdec.json"
+    assert plot_specdec.main([str(data), "-o", str(tmp_path / "s.png")]) == 0
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_specdec.main([str(tmp_path / "missing.json"), "-o", str(tmp_path / "x.png")]) == 2
+    assert "missing.json" in capsys.readouterr().err
