@@ -6,7 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 T=local                      # named everywhere: a ./hosts.yaml must not redirect the demo
-config=trainer/demo.yaml       # a CPU run that visibly learns in about a minute
+config=trainer/demo-small-code.yaml   # a drafter for the small real target, on its own answers
+cache=${DFLASH_OPS_CACHE:-$HOME/.cache/dflash-ops}
+data=$cache/demo                # this machine is the `local` target: the files are where it reads them
+mkdir -p "$data"
 
 step() { printf '\n\033[1m== %s\033[0m\n' "$*" >&2; }
 
@@ -20,12 +23,23 @@ if ! dflash-ops probe "$T"; then
     policy=eager
 fi
 
+# The small real target, built once (minutes on 2 cores, with progress) and then read from the
+# cache; prompts cut from its training modules, answered by the target itself (the DFlash recipe's
+# data), and prompts from the modules it never saw, for the held-out tau at the end.
+step "python -m trainer.small_lm --size cpu (built once, then cached)"
+python -m trainer.small_lm --size cpu
+python -m trainer.small_lm --size cpu --prompts train --n 192 --out "$data/prompts.jsonl" >/dev/null
+python -m trainer.small_lm --size cpu --prompts held-out --n 8 --seed 1 --out "$data/held-out.jsonl" >/dev/null
+step "python -m trainer.regen --target small-code (answers by the target itself)"
+python -m trainer.regen --target small-code --prompts "$data/prompts.jsonl" --out "$data/regen.jsonl" \
+    --max-new-tokens 48 --batch-size 64
+
 # One GPU when this machine has any (the config's batch splits over it), else the CPU.
 gpus=$(dflash-ops targets "$T" --json | python3 -c \
     'import json, sys; print(min(1, json.load(sys.stdin)["targets"][0]["gpus"]))')
 
 step "dflash-ops launch $T --gpus $gpus --policy $policy --config $config"
-run=$(dflash-ops launch "$T" --gpus "$gpus" --policy "$policy" --config "$config")
+run=$(dflash-ops launch "$T" --gpus "$gpus" --policy "$policy" --config "$config" -- --data "$data/regen.jsonl")
 
 step "dflash-ops logs $T $run --follow"
 set +e
@@ -41,6 +55,15 @@ dflash-ops report "$T" "$run" -o "out/dflash-report-$run.png" || true
 if [ "$rc" -eq 0 ]; then
     step "dflash-ops export $T $run -o out/dflash-drafter-$run"
     dflash-ops export "$T" "$run" -o "out/dflash-drafter-$run" || rc=$?
+fi
+
+# tau on prompts from modules the target never trained on, the untrained drafter against the trained one.
+if [ "$rc" -eq 0 ]; then
+    for which in --untrained ""; do
+        step "python -m trainer.specdec $which (held-out modules)"
+        python -m trainer.specdec --target small-code --drafter "out/dflash-drafter-$run" \
+            --prompts "$data/held-out.jsonl" --max-new-tokens 48 --cpu $which >/dev/null || rc=$?
+    done
 fi
 
 step "dflash-ops status $T"

@@ -71,7 +71,7 @@ def test_the_target_is_an_hf_folder_built_once(cache, target):
     t0 = time.time()
     assert small_lm.ensure("smoke", log=lambda s: pytest.fail(s)) == folder  # cached: no rebuild
     assert time.time() - t0 < 5
-    assert not [p for p in root.iterdir() if p.name.startswith(".small-code") and p.is_dir()]  # no temp left
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp-") and p.is_dir()]  # no temp left
 
 
 def test_the_build_is_deterministic(cache, tmp_path):

@@ -25,15 +25,15 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import sys
 import sysconfig
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from trainer.files import atomic_folder
 
 EOT, MASK = "<|endoftext|>", "<|mask|>"
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}"
@@ -261,17 +261,10 @@ def build(size: str, out: str, *, root: str | None = None, log=print, steps: int
     hf_logging.disable_progress_bar()  # save_pretrained's bar would bury the log's lines
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
-    try:
+    with atomic_folder(out_path) as tmp:
         model.to(torch.float32 if not cuda else torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
         hf_tok.save_pretrained(tmp)
         (tmp / "small_lm.json").write_text(json.dumps(report, indent=2))
-        if out_path.exists():
-            shutil.rmtree(out_path)
-        os.replace(tmp, out_path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return report
 
 

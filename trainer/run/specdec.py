@@ -172,9 +172,10 @@ def speculative(target, drafter: Drafter, prompt: list[int], max_new_tokens: int
 
 # --------------------------------------------------------------------------- measuring
 
-def load_drafter(path: str, target, device, dtype) -> Drafter:
+def load_drafter(path: str, target, device, dtype, *, untrained: bool = False) -> Drafter:
     """An exported DFlash draft folder (config.json + model.safetensors) as our Drafter, borrowing
-    the target's embedding and lm_head; refuses a folder made for another target shape."""
+    the target's embedding and lm_head; refuses a folder made for another target shape.
+    untrained: the same drafter freshly initialised as the trainer starts it (seed 0), a baseline."""
     from safetensors.torch import load_file
 
     from trainer.errors import UsageError
@@ -200,10 +201,15 @@ def load_drafter(path: str, target, device, dtype) -> Drafter:
                          num_kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
                          intermediate_size=cfg["intermediate_size"], rms_eps=cfg["rms_norm_eps"],
                          rope_theta=float(cfg["rope_theta"]), block_size=int(cfg["block_size"]))
-    with torch.device("meta"):
+    if untrained:
+        torch.manual_seed(0)
         drafter = Drafter(dcfg)
-    drafter.to_empty(device=device)
-    drafter.load_state_dict(weights, strict=False)
+        drafter.init_norm(target.head_weights()[1])
+    else:
+        with torch.device("meta"):
+            drafter = Drafter(dcfg)
+        drafter.to_empty(device=device)
+        drafter.load_state_dict(weights, strict=False)
     drafter.borrow_target_head(*target.head_weights())
     return drafter.to(device=device, dtype=dtype).eval()
 
@@ -291,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="both models' dtype (default float32: greedy choices then do not hang on the "
                         "rounding of a 1-token vs a 16-token forward, so lossless is checkable)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is")
+    p.add_argument("--untrained", action="store_true",
+                   help="measure the same drafter freshly initialised instead (the baseline for tau)")
     p.add_argument("--json", dest="json_out", help="also write the result document to this file")
     a = p.parse_args(argv)
     if a.max_new_tokens < 1:
@@ -300,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, a.dtype)
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     target = load_target(a.target, device=dev, dtype=dtype)
-    drafter = load_drafter(a.drafter, target, dev, dtype)
+    drafter = load_drafter(a.drafter, target, dev, dtype, untrained=a.untrained)
     if target.tokenizer is None:
         raise UsageError(f"--target {a.target}: no tokenizer to encode the prompts with")
     prompts = read_prompt_ids(a.prompts, target.tokenizer, limit=a.limit)
@@ -313,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"specdec: error: {e}", file=sys.stderr, flush=True)
         return 1
-    doc = {"target": a.target, "drafter": a.drafter, "device": dev.type, "dtype": a.dtype,
+    doc = {"target": a.target, "drafter": a.drafter, "untrained": a.untrained, "device": dev.type, "dtype": a.dtype,
            "block_size": drafter.cfg.block_size, "draft_layers": drafter.cfg.num_layers, **doc}
     say(f"specdec: lossless; tau {doc['tau']:.2f} (95% {doc['tau_ci95'][0]:.2f}-{doc['tau_ci95'][1]:.2f}, "
         f"{doc['rounds']} rounds); {doc['target_tokens_per_s']:.1f} -> {doc['spec_tokens_per_s']:.1f} tokens/s, "
