@@ -108,6 +108,10 @@ def run(args, emit, res: dict) -> None:
     import torch
 
     from trainer import policies
+    from trainer.model import choices
+
+    choices.configure(fp32_wgrad=args.fp32_wgrad == "on", flex_tiles=args.flex_tiles, ce_rows=args.ce_rows,
+                      ce_kernel_on=args.ce_kernel == "on")  # the trainer's --fp32-wgrad ... options, for A/Bs
 
     cuda = not (args.tiny or args.cpu)
     procs = args.topology == "processes"
@@ -366,6 +370,10 @@ def main(argv=None) -> int:
                     help="with the profile, keep its timeline (OUT/trace.json.gz) and attribute the GPU's idle gaps")
     ap.add_argument("--deadline", type=float, default=1e9, help="stop timing after this many seconds of steps")
     ap.add_argument("--warmup-timeout", type=float, default=900.0, help="seconds a worker may take to build + compile")
+    ap.add_argument("--fp32-wgrad", default="on", choices=("on", "off"), help="as the trainer's --fp32-wgrad")
+    ap.add_argument("--flex-tiles", default="", help="as the trainer's --flex-tiles (default: the tuned choice)")
+    ap.add_argument("--ce-rows", type=int, default=0, help="as the trainer's --ce-rows (0: sized to 1 GiB)")
+    ap.add_argument("--ce-kernel", default="on", choices=("on", "off"), help="as the trainer's --ce-kernel")
     ap.add_argument("--out", default="out/train_step_bench")
     ap.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)  # tests: the 8B code path on the CPU
     args = ap.parse_args(argv)
