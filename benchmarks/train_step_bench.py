@@ -14,22 +14,22 @@ attention, tapped at layers 1, 9, 17, 25, 33, wrapped in `trainer.run.target.Tar
 `target.drafter_config(num_layers=5, block_size=16)`. Batch 2 per worker, context 768, 256 anchors
 x block 16 (4 batches of different tokens and anchors, rotated).
 
-The step is the trainer's: replicas built by `trainer.engine.step.build_replica` in the worker threads of
-`trainer.engine.workers.ThreadEngine` (one worker per device by default, started as train.py starts them,
-without the first-step eager guard), each step `engine.step(batch, ahead=next batch)` as the
-trainer's loop runs it: with --lookahead on (as the trainer) a step makes the NEXT step's target
-features during its gradient sum, so the forward timed in a step is the next one's (one a step
-either way); with --host ahead (as the trainer) the host queues the next step before the devices
-have finished this one (ThreadEngine.step returns at once; the results are read a step later),
---host sync waits for each step's results first (the trainer before 2026-12-01). Timing: steps run
-in blocks of --case-steps of one case; the host clock around a whole block, every device
-synchronised before and after, divided by its steps, is each of its steps' total; the target
-forward with CUDA events around `Target.features` in each worker (the host clock on the CPU),
-summed over the block and divided likewise. Per step and worker: features = that forward, drafter
-= total - features (the drafter's forward + backward, the gradient sum when there are several
-workers, clip + AdamW). ms/sample = median over the timed steps / the global batch (workers run
-at once, so a worker's forward counts once). With several workers on ONE GPU the split is
-approximate (their kernels share the device); the total is exact. Peak memory:
+The step is the trainer's: replicas built by `trainer.engine.step.build_replica` in the worker
+threads of `trainer.engine.workers.ThreadEngine` (one worker per device by default, started as
+trainer/train/main.py starts them, without the first-step eager guard), each step
+`engine.step(batch, ahead=next batch)` as the trainer's loop runs it: with --lookahead on (as the
+trainer) a step makes the NEXT step's target features during its gradient sum, so the forward timed
+in a step is the next one's (one a step either way); with --host ahead (as the trainer) the host
+queues the next step before the devices have finished this one (ThreadEngine.step returns at once;
+the results are read a step later), --host sync waits for each step's results first (the trainer
+before 2026-12-01). Timing: steps run in blocks of --case-steps of one case; the host clock around a
+whole block, every device synchronised before and after, divided by its steps, is each of its steps'
+total; the target forward with CUDA events around `Target.features` in each worker (the host clock
+on the CPU), summed over the block and divided likewise. Per step and worker: features = that
+forward, drafter = total - features (the drafter's forward + backward, the gradient sum when there
+are several workers, clip + AdamW). ms/sample = median over the timed steps / the global batch
+(workers run at once, so a worker's forward counts once). With several workers on ONE GPU the split
+is approximate (their kernels share the device); the total is exact. Peak memory:
 max_memory_allocated per GPU over the timed blocks.
 
 --target-mode: `truncated` (the trainer's default: the target stops after its last tapped layer),
@@ -108,6 +108,10 @@ def run(args, emit, res: dict) -> None:
     import torch
 
     from trainer import policies
+    from trainer.model import choices
+
+    choices.configure(fp32_wgrad=args.fp32_wgrad == "on", flex_tiles=args.flex_tiles, ce_rows=args.ce_rows,
+                      ce_kernel_on=args.ce_kernel == "on")  # the trainer's --fp32-wgrad ... options, for A/Bs
 
     cuda = not (args.tiny or args.cpu)
     procs = args.topology == "processes"
@@ -128,7 +132,7 @@ def run(args, emit, res: dict) -> None:
                    else [torch.device("cpu")] * args.workers)
         all_devices = [str(d) for d in devices]
         if not cuda and args.workers > 1:
-            policies.share_cpu(args.workers)  # as train.py does for CPU workers
+            policies.share_cpu(args.workers)  # as trainer/train/main.py does for CPU workers
     try:
         _run(args, emit, res, Placement(cuda, procs, rank, devices, all_devices))
     finally:
@@ -366,6 +370,10 @@ def main(argv=None) -> int:
                     help="with the profile, keep its timeline (OUT/trace.json.gz) and attribute the GPU's idle gaps")
     ap.add_argument("--deadline", type=float, default=1e9, help="stop timing after this many seconds of steps")
     ap.add_argument("--warmup-timeout", type=float, default=900.0, help="seconds a worker may take to build + compile")
+    ap.add_argument("--fp32-wgrad", default="on", choices=("on", "off"), help="as the trainer's --fp32-wgrad")
+    ap.add_argument("--flex-tiles", default="", help="as the trainer's --flex-tiles (default: the tuned choice)")
+    ap.add_argument("--ce-rows", type=int, default=0, help="as the trainer's --ce-rows (0: sized to 1 GiB)")
+    ap.add_argument("--ce-kernel", default="on", choices=("on", "off"), help="as the trainer's --ce-kernel")
     ap.add_argument("--out", default="out/train_step_bench")
     ap.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)  # tests: the 8B code path on the CPU
     args = ap.parse_args(argv)

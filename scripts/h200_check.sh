@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What issue 14 still needs measured on ONE H200 (docs/benchmarks.md, "Still to measure" 7 and 8),
+# What issue 14 still needs measured on ONE H200 (docs/benchmarks.md, "Not measured yet", One H200),
 # in three device calls of under 10 minutes each (a cold compile of the drafter costs ~2 minutes):
 #
 #     git archive -o .scratch/old.tar BASE trainer benchmarks        # here first: the tree to compare with

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# What issue 14 still needs measured on two GPUs, in ONE device call (docs/benchmarks.md, "Still to
-# measure" 0 and 0b), on nvidia-h200-x2:
+# What issue 14 still needs measured on two GPUs, in ONE device call (docs/benchmarks.md, "Not
+# measured yet", Two H200s), on nvidia-h200-x2:
 #
 #     OUT=$OUT bash scripts/speed_check.sh                      # ~7 minutes from a cold compile cache
 #     OUT=/tmp/sc EXTRA="--tiny --policy eager" PYTHON=.venv/bin/python bash scripts/speed_check.sh  # CPU

@@ -92,7 +92,7 @@ def test_every_part_says_where_each_name_comes_from(program):
 def test_the_joined_source_compiles_for_python_38_and_defines_every_command():
     ast.parse(SOURCE, feature_version=(3, 8))
     space = {"__name__": "not_main"}
-    exec(compile(SOURCE, "runs_agent", "exec"), space)   # module-level order: no NameError
+    exec(compile(SOURCE, "runs.agent", "exec"), space)   # module-level order: no NameError
     for cmd in ("cmd_launch", "cmd_status", "cmd_follow", "cmd_stop", "cmd_metrics", "cmd_export",
                 "cmd_probe", "main", "_supervise", "_claim", "_release_slots"):
         assert callable(space[cmd]), cmd

@@ -1,5 +1,5 @@
 """Shared by the engine-level tests: the `tiny` target, a 2-layer drafter and N CPU worker threads
-(ThreadEngine), built as train.py builds them, and batches of random tokens for it."""
+(ThreadEngine), built as trainer/train/main.py builds them, and batches of random tokens for it."""
 from __future__ import annotations
 
 import copy

@@ -2,7 +2,7 @@
 target through the runs agent's `probe` command, targets in parallel, and collect its document.
 
 The program itself (build report, compile modes, the policy x topology matrix, the choice and
-WORKDIR/probe.json) lives in trainer/probe.py: it needs only torch and runs on the target.
+WORKDIR/probe.json) lives in trainer/probe/program.py: it needs only torch and runs on the target.
 """
 from __future__ import annotations
 

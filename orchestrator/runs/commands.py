@@ -1,6 +1,6 @@
 """Click commands of the run lifecycle: launch, logs, status, stop, report, export.
 
-Thin: parse options, call one function of `runs.py` / `follow.py` /
+Thin: parse options, call one function of `nodes.py` / `launch.py` /
 `report.py`, print.
 `logs` keeps stdout byte-for-byte the log, so `| grep`, `| head` and `> file` work; notes about
 signatures, reconnects and the closing summary go to stderr.

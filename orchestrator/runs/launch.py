@@ -1,7 +1,7 @@
 """The run lifecycle, controller side: launch, status, stop, metrics (`logs` is follow.py).
 
 Library functions: they return data, never print or exit. Everything that
-happens on the target is done by the runs agent (remote/runs_*.py, sent as one program), run
+happens on the target is done by the runs agent (remote/runs/, sent as one program), run
 with the target's python in one round trip per call; the run records live on the target
 (WORKDIR/runs/RUN/), so any controller can pick a run up later.
 """

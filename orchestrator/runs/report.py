@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-# The trainer's throughput keys, best first (trainer/log.py writes tokens_per_s and samples_per_s).
+# The trainer's throughput keys, best first (trainer/run/log.py writes tokens_per_s and
+# samples_per_s).
 THROUGHPUT_KEYS = (("tokens_per_s", "tokens/s"), ("samples_per_s", "samples/s"))
 
 

@@ -32,8 +32,9 @@ def main(cfg: TrainConfig) -> int:
 
         return distributed.main(cfg)
     stop, restore_signal = on_sigterm()
-    # A native crash in a worker (docs/probe-h200.md: SIGSEGV after a CUDA-graph assertion) then prints
-    # every thread's Python stack to the log instead of dying silently.
+    # A native crash in a worker (a segfault after a CUDA-graph assertion: cudagraph-trees-tls in
+    # trainer/signatures.yaml) then prints every thread's Python stack to the log instead of
+    # dying silently.
     fault_was_on = faulthandler.is_enabled()
     if not fault_was_on:
         try:
@@ -108,8 +109,9 @@ def _report(e: WorkerFailed | WorkerHung) -> None:
     """Report a warm-up failure the way trainer.exits.run would (the process then ends without it).
 
     A worker thread stuck in a compile cannot be stopped or joined, and a failed CUDA-graph warm-up
-    has crashed the interpreter on the way out (docs/probe-h200.md: AssertionError, then SIGSEGV):
-    exiting without finalization makes the exit status the one reported here.
+    has crashed the interpreter on the way out (an AssertionError, then a segfault:
+    cudagraph-trees-tls in trainer/signatures.yaml): exiting without finalization makes the exit
+    status the one reported here.
     """
     if e.__cause__ is not None:
         traceback.print_exception(e.__cause__, file=sys.stderr)

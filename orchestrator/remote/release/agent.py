@@ -1,7 +1,7 @@
-"""The release agent (entry `release_agent`): the deploy commands and main().
+"""The release agent (entry `release.agent`): the deploy commands and main().
 
 Runs on the TARGET, under the target's own python, as `python -c SOURCE CMD ...`, SOURCE being
-this module and what it imports, joined by orchestrator/agent.py (`python -c` cannot import
+this module and what it imports, joined by orchestrator/ssh/agent.py (`python -c` cannot import
 files on the target). Standard library only, Python >= 3.8, no `from __future__`, no rsync/tar
 binaries needed in the container.
 
@@ -19,6 +19,7 @@ binaries needed in the container.
                                 NEED: bytes the new files take; BY: who deploys (for the lock).
                                 Refusals (common.refuse): `locked` (another deploy holds the
                                 lock), `moved` (the live release is no longer BASE), `no_space`
+                                (NEED is more than the free space, or ENOSPC while writing)
     install-deps WORKDIR        pip-installs the live release's trainer/requirements.txt,
                                 with the installed torch pinned so pip never touches it
 """

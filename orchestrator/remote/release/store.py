@@ -1,6 +1,6 @@
 """A target's releases on disk: the deploy lock, leftovers, the size/mtime/hash check of a release.
-Used by release_agent.py (the deploy commands) and runs_probe.py (the live release). Standard
-library only, Python >= 3.8, no `from __future__` line (orchestrator/agent.py joins the parts).
+Used by release/agent.py (the deploy commands) and runs/probe.py (the live release). Standard
+library only, Python >= 3.8, no `from __future__` line (orchestrator/ssh/agent.py joins the parts).
 
     WORKDIR/current                     symlink to releases/ID, the live release
     WORKDIR/releases/ID/                a release: the files, plus

@@ -1,7 +1,7 @@
-"""The runs agent (entry `runs_agent`): the run commands and main().
+"""The runs agent (entry `runs.agent`): the run commands and main().
 
 Runs on the TARGET, under the target's own python, as `python -c SOURCE CMD ...`, SOURCE being
-this module and what it imports, joined by orchestrator/agent.py. Standard library only,
+this module and what it imports, joined by orchestrator/ssh/agent.py. Standard library only,
 Python >= 3.8. Every command prints one JSON document as its last stdout line (a refusal is
 `{"ok": false, "reason": R, ...}`, exit 0), except `follow` and `export`, whose stdout is a JSON
 header line followed by raw bytes.
@@ -19,15 +19,15 @@ header line followed by raw bytes.
                               connection is noticed on both ends) and {"end": STATUS} last.
     stop WORKDIR [--force] [--timeout S] -- RUN
                               SIGTERM (SIGKILL with --force) to the trainer's process group, then
-                              wait for it to checkpoint and exit (runs_stop.py)
+                              wait for it to checkpoint and exit (runs/stop.py)
     metrics WORKDIR -- RUN    the log's JSON metric lines
     export WORKDIR [--step N] [--dtype D] -- RUN
-                              the run's drafter as a DFlash folder, streamed (runs_export.py)
+                              the run's drafter as a DFlash folder, streamed (runs/export.py)
     probe WORKDIR [--reuse] -- PROBE_ARGS...
                               the live release's probe program, its document as the reply
-                              (runs_probe.py)
+                              (runs/probe.py)
     rm WORKDIR [--dry-run] -- RUN...    prune WORKDIR --keep N [--dry-run]
-                              remove ended runs, never a running one (runs_housekeeping.py)
+                              remove ended runs, never a running one (runs/housekeeping.py)
 
 The launch spec may name GPUs ("gpu_ids": exactly those slots), a "name" (shown by status), and
 "resume": RUN, which continues a stopped or failed run in its own folder, with its own settings
@@ -39,8 +39,8 @@ A run lives in WORKDIR/runs/RUN/: run.json (what was launched), train.log (the t
 and stderr), pid (the trainer's), exit.json (written by the supervisor when the trainer ends),
 stop.json (a stop was requested). RUN "latest" (or "") names the newest run.
 
-A run holds slots (a GPU each, or the one `cpu` slot) until it ends: runs_locks.py.
-The supervisor that starts the trainer and records its end: runs_supervisor.py.
+A run holds slots (a GPU each, or the one `cpu` slot) until it ends: runs/locks.py.
+The supervisor that starts the trainer and records its end: runs/supervisor.py.
 """
 import errno
 import json
@@ -340,7 +340,7 @@ def main(argv):
             opts, values = _split(args, ("--force",), ("--timeout",))
             cmd_stop(workdir, values[0] if values else "latest", "--force" in opts,
                      float(opts.get("--timeout", STOP_TIMEOUT_S)))
-        elif cmd == "supervise":      # runs_supervisor._short_argv's exec: WORKDIR is the run's folder
+        elif cmd == "supervise":      # supervisor._short_argv's exec: WORKDIR is the run's folder
             cmd_supervise(workdir, int(args[0]))
         elif cmd == "metrics":
             _, values = _split(args)

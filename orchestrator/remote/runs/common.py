@@ -1,10 +1,10 @@
 """Runs agent: run records, processes (pid + start-time liveness), a run's state and metrics.
 
 The runs agent runs on the TARGET under its own python as ONE program, `python -c SOURCE CMD ...`:
-orchestrator/agent.py joins runs_agent.py and the modules it imports into SOURCE, because
+orchestrator/ssh/agent.py joins runs/agent.py and the modules it imports into SOURCE, because
 `python -c` cannot import its parts on the target. So every part is standard library only,
 Python >= 3.8, has no `from __future__` line, and names what it takes from another part with
-`from .PART import NAME` (removed when joined). The commands: runs_agent.py.
+`from .PART import NAME` (removed when joined). The commands: runs/agent.py.
 """
 import json
 import os
@@ -63,7 +63,7 @@ def _run_ids(workdir):
         return []
     ids = []
     for name in names:
-        if name.startswith("."):     # .rm-RUN-PID: a run being removed (runs_housekeeping.py)
+        if name.startswith("."):     # .rm-RUN-PID: a run being removed (runs/housekeeping.py)
             continue
         rec = _read_json(os.path.join(_runs_dir(workdir), name, "run.json"))
         if rec is not None:

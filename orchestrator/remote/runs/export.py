@@ -1,5 +1,5 @@
 """Runs agent: the `export` command. Standard library only, Python >= 3.8, no `from __future__`
-line (runs_common.py says why).
+line (runs/common.py says why).
 
     export WORKDIR [--step N] [--dtype D] -- RUN
 

@@ -1,6 +1,6 @@
 """Runs agent: run housekeeping. A run continued in place (`launch` with "resume" in its spec),
 and the removal of ended runs (`rm`, `prune`). Standard library only, Python >= 3.8, no
-`from __future__` line (runs_common.py says why).
+`from __future__` line (runs/common.py says why).
 
     rm WORKDIR [--dry-run] -- RUN...
                               remove those runs' folders (log, checkpoints, records); a running
@@ -9,7 +9,7 @@ and the removal of ended runs (`rm`, `prune`). Standard library only, Python >= 
                               remove every ended run but the newest N (running runs stay)
 
 Both reply {"removed": [{"run", "state", "name", "bytes"}], "refused": [{"run", "state"}],
-"missing": [RUN...], "freed": BYTES, "dry_run": bool}. They hold the slot guard (runs_locks.py)
+"missing": [RUN...], "freed": BYTES, "dry_run": bool}. They hold the slot guard (runs/locks.py)
 while they judge and remove, so a `launch --resume` of the same run waits for them, and a run is
 renamed to runs/.rm-RUN-PID before its files go: a half-removed run is never listed.
 """

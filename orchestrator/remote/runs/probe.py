@@ -1,5 +1,5 @@
 """Runs agent: the `probe` command. Runs the probe program of the live release
-(`python -m trainer.probe`, trainer/probe.py) and replies with its document.
+(`python -m trainer.probe`, trainer/probe/program.py) and replies with its document.
 
     probe WORKDIR [--reuse] -- PROBE_ARGS...
 
