@@ -170,8 +170,9 @@ def main(argv=None) -> int:
                "step_tflops": sum(flops(r) * r["count"] for r in step) / BATCH / (total / 1e3) / 1e12,
                "kv ms/sample, separate vs fused": [ms(lambda r: r.get("group") == "kv" and r["set"] == "step"),
                                                    ms(lambda r: r["set"] == "kv fused")],
-               "gate_up ms/sample, separate vs fused": [ms(lambda r: r.get("group") == "gate_up" and r["set"] == "step"),
-                                                        ms(lambda r: r["set"] == "gate_up fused")],
+               "gate_up ms/sample, separate vs fused": [
+                   ms(lambda r: r.get("group") == "gate_up" and r["set"] == "step"),
+                   ms(lambda r: r["set"] == "gate_up fused")],
                "lm_head ms/sample by chunk": {c: ms(lambda r, c=c: r["name"].startswith("lm_head") and
                                                     r["set"] == ("step" if c == chunks[0] else f"lm_head x{c}"))
                                               for c in chunks},
