@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 DFLASH_REF ?= dflash==0.1.0
 
-.PHONY: test demo venv clean
+.PHONY: test lint demo venv clean
 
 venv: $(STAMP)
 
@@ -21,9 +21,14 @@ $(STAMP): pyproject.toml trainer/requirements.txt Makefile
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps "$(DFLASH_REF)"
 	touch $(STAMP)
 
-# Two pytest workers, one test file each at a time (module fixtures stay within one worker): the
-# suite waits on sshd, subprocesses and torch start-ups more than it computes.
-test: $(STAMP)
+# ruff (pinned in the test extra, configured in pyproject.toml): pyflakes and pycodestyle, lines up
+# to 120 columns. Only checks: nothing here rewrites or reformats the tree.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+# Lint first, then two pytest workers, one test file each at a time (module fixtures stay within one
+# worker): the suite waits on sshd, subprocesses and torch start-ups more than it computes.
+test: lint
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
 
 demo: $(STAMP)

@@ -4,21 +4,20 @@
     .venv/bin/python benchmarks/drafter_bench.py --tiny --out /tmp/bench          # CPU, end to end
 
 A Qwen3-8B-shaped drafter (5 layers, hidden 4096, intermediate 12288, 32 q / 8 kv heads, head dim 128,
-vocab 151936) on synthetic target features: batch 2, context 768, 256 anchors x block 16. Each
-variant (POLICY/ATTENTION/LOSS[@SHAPE]) runs in its own process, under a time limit, with the step
-in a threading.Thread that calls policies.configure_thread and torch.cuda.set_device, as the
-trainer's workers do: the trainer's step (zero_grad, autocast bf16 forward, backward of
-loss / batch weight, then with --update trainer (the default) the trainer's own update,
-trainer.engine.step.apply_update: clip 1.0 + AdamW as one compiled function on a GPU under a compiled
-policy (trainer/engine/adamw.py), else fused AdamW with the clip folded in; --update clip+fused:
-clip_grad_norm_ then torch's fused AdamW, what this benchmark ran until 2026-12-01). Reports ms/sample (median step / batch), TFLOP/s and
-MFU (of 989 TFLOP/s bf16) by two counts, peak memory of the steady-state steps, the first step's
-seconds (compile included) and the step-0 loss and gradient norm (same seed, weights and batch in
-every variant: the fast paths must give the dense paths' numbers). The policy `fp32` (variant
-fp32/sdpa/dense) is the reference for those numbers: eager, no autocast, no TF32, on the same
-bf16-valued weights and features; with it in the list the summary also gives each variant's distance
-from it, to set against the bf16 dense path's own. Writes DIR/results.json,
-DIR/summary.md and DIR/<variant>.log; prints the summary last.
+vocab 151936) on synthetic target features: batch 2, context 768, 256 anchors x block 16. Each variant
+(POLICY/ATTENTION/LOSS[@SHAPE]) runs in its own process, under a time limit, with the step in a
+threading.Thread that calls policies.configure_thread and torch.cuda.set_device, as the trainer's
+workers do: the trainer's step (zero_grad, autocast bf16 forward, backward of loss / batch weight, then
+with --update trainer (the default) the trainer's own update, trainer.engine.step.apply_update: clip
+1.0 + AdamW as one compiled function on a GPU under a compiled policy (trainer/engine/adamw.py), else
+fused AdamW with the clip folded in; --update clip+fused: clip_grad_norm_ then torch's fused AdamW, what
+this benchmark ran until 2026-12-01). Reports ms/sample (median step / batch), TFLOP/s and MFU (of 989
+TFLOP/s bf16) by two counts, peak memory of the steady-state steps, the first step's seconds (compile
+included) and the step-0 loss and gradient norm (same seed, weights and batch in every variant: the fast
+paths must give the dense paths' numbers). The policy `fp32` (variant fp32/sdpa/dense) is the reference
+for those numbers: eager, no autocast, no TF32, on the same bf16-valued weights and features; with it in
+the list the summary also gives each variant's distance from it, to set against the bf16 dense path's
+own. Writes DIR/results.json, DIR/summary.md and DIR/<variant>.log; prints the summary last.
 
 FLOP counts (trainer.model.drafter): "dense" = flops_per_sample, SpecForge-style (every matmul 3x, dense
 attention over all S + Tq keys, lm_head included with a weight gradient): 44.5 TFLOP/sample here.
@@ -387,7 +386,8 @@ def main(argv=None) -> int:
     ap.add_argument("--update", default="trainer", choices=("trainer", "clip+fused"),
                     help="the optimizer update: the trainer's (apply_update; default) or clip_grad_norm_ + fused AdamW")
     ap.add_argument("--profile", default="inductor/flex/chunked", help="variants to profile (comma-separated)")
-    ap.add_argument("--profile-top", type=int, default=25, help="kernels a profile lists by name (the rest only in its categories)")
+    ap.add_argument("--profile-top", type=int, default=25,
+                    help="kernels a profile lists by name (the rest only in its categories)")
     # the trainer's GPU choices (TrainConfig, trainer/model/choices.py), for an A/B of one of them
     ap.add_argument("--fp32-wgrad", default="on", choices=("on", "off"), help="as the trainer's --fp32-wgrad")
     ap.add_argument("--flex-tiles", default="", help="as the trainer's --flex-tiles (default: the tuned choice)")

@@ -146,8 +146,8 @@ def main(argv=None) -> int:
     results = run(configs, args.steps)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"shape": SHAPE, "torch": torch.__version__,
-                                                  "device": torch.cuda.get_device_name(), "results": results}, indent=1))
+    doc = {"shape": SHAPE, "torch": torch.__version__, "device": torch.cuda.get_device_name(), "results": results}
+    (out / "results.json").write_text(json.dumps(doc, indent=1))
     print("\n" + table(results))
     return 0
 

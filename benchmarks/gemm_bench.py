@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from drafter_bench import SHAPES  # noqa: E402  (no torch at import)
 
 _S = SHAPES["8b"]
-H, I, V, LAYERS, BATCH = _S["hidden"], _S["inter"], _S["vocab"], _S["layers"], _S["batch"]
+# I is the intermediate size, as in the shapes (H, I) of the MLP weights.
+H, I, V, LAYERS, BATCH = _S["hidden"], _S["inter"], _S["vocab"], _S["layers"], _S["batch"]  # noqa: E741
 Q, KV, N_TARGET = _S["heads"] * _S["hd"], _S["kv"] * _S["hd"], 5  # DrafterConfig.num_target_layers
 N_BLOCKS = BATCH * _S["anchors"]
 TQ, TC = N_BLOCKS * _S["block"], BATCH * _S["seq"]     # block tokens, context rows
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
     for r in rows:
         r["tflops"] = flops(r) / (r["ms"] / 1e3) / 1e12
         r["ms_per_sample"] = r["ms"] * r["count"] / BATCH
-    
+
     def ms(pick) -> float:
         return sum(r["ms_per_sample"] for r in rows if pick(r))
 
@@ -169,8 +170,9 @@ def main(argv=None) -> int:
                "step_tflops": sum(flops(r) * r["count"] for r in step) / BATCH / (total / 1e3) / 1e12,
                "kv ms/sample, separate vs fused": [ms(lambda r: r.get("group") == "kv" and r["set"] == "step"),
                                                    ms(lambda r: r["set"] == "kv fused")],
-               "gate_up ms/sample, separate vs fused": [ms(lambda r: r.get("group") == "gate_up" and r["set"] == "step"),
-                                                        ms(lambda r: r["set"] == "gate_up fused")],
+               "gate_up ms/sample, separate vs fused": [
+                   ms(lambda r: r.get("group") == "gate_up" and r["set"] == "step"),
+                   ms(lambda r: r["set"] == "gate_up fused")],
                "lm_head ms/sample by chunk": {c: ms(lambda r, c=c: r["name"].startswith("lm_head") and
                                                     r["set"] == ("step" if c == chunks[0] else f"lm_head x{c}"))
                                               for c in chunks},

@@ -35,7 +35,8 @@ def timeit(name, fn, steps=10, warm=3):
     e0.record()
     for _ in range(steps):
         fn()
-    e1.record(); torch.cuda.synchronize()
+    e1.record()
+    torch.cuda.synchronize()
     ms = e0.elapsed_time(e1) / steps
     res[name] = round(ms, 3)
     print(f"{name}: {ms:.2f} ms/step, {28*n/ms/1e9:.2f} TB/s at 28 B/param", flush=True)

@@ -198,10 +198,10 @@ def _run(args, emit, res: dict, where: Placement) -> None:
             from trainer.engine.ranks import wrap_ddp
 
             wrap = lambda m: wrap_ddp(m, device)  # noqa: E731
+        compile_update = policies.compiled_part("auto", args.policy, device) or "compiled" in args.update
         return build_replica(i, device, copies[0 if procs else i], targets[device], policy=args.policy,
                              n_devices=1 if procs else len(devices), lr=1e-5, weight_decay=0.0, pos_weights=pw,
-                             wrap=wrap,
-                             compile_update=policies.compiled_part("auto", args.policy, device) or "compiled" in args.update)
+                             wrap=wrap, compile_update=compile_update)
 
     batches = make_batches(args, dcfg.vocab_size, pw)
     ids = batches[0].input_ids[: sh["batch"]].to(devices[0])
@@ -290,7 +290,8 @@ def _run(args, emit, res: dict, where: Placement) -> None:
                 emit(f"step {i + 1}/{args.warmup + args.steps} [{case['name']}]{'' if rec['timed'] else ' (warm-up)'}: "
                      f"{rec['total_ms'] / B:.1f} ms/sample (target {rec['features_mean_ms'] / B:.1f}, "
                      f"drafter {rec['drafter_ms'] / B:.1f}; a block of {len(block)}), loss {rec['loss']:.4f}, "
-                     f"grad norm {st.grad_norm:.3f}" + (f", peak {max(rec['peak_gb'].values()):.1f} GB" if cuda else ""))
+                     f"grad norm {st.grad_norm:.3f}"
+                     + (f", peak {max(rec['peak_gb'].values()):.1f} GB" if cuda else ""))
             summarise(res)
             if rank == 0:
                 write(args.out, res)
@@ -340,11 +341,12 @@ def main(argv=None) -> int:
     ap.add_argument("--target-mode", default="truncated",
                     help=f"one of {', '.join(MODES)}, or several comma-separated, alternated step by step")
     ap.add_argument("--allreduce", default="auto",
-                    help="the workers' gradient sum: auto, copy or nccl (ThreadEngine.allreduce); several comma-separated "
-                         "alternate step by step")
+                    help="the workers' gradient sum: auto, copy or nccl (ThreadEngine.allreduce); several "
+                         "comma-separated alternate step by step")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs (ignored with --tiny)")
     ap.add_argument("--workers", type=int, default=0,
-                    help="worker threads (ranks with --topology processes), worker i on GPU i mod --gpus; default --gpus")
+                    help="worker threads (ranks with --topology processes), worker i on GPU i mod --gpus; "
+                         "default --gpus")
     ap.add_argument("--topology", default="threads", choices=("threads", "processes"),
                     help="threads: ThreadEngine in this process (default); processes: one torchrun rank per worker, "
                          "DDP, as --topology processes trains (this command starts torchrun)")
@@ -355,7 +357,8 @@ def main(argv=None) -> int:
                          "which still uses FlatGrads where the copy-sum needs them) or auto; several comma-separated "
                          "alternate")
     ap.add_argument("--update", default="auto",
-                    help="the optimizer update: auto (as the trainer), fused or compiled; several comma-separated alternate")
+                    help="the optimizer update: auto (as the trainer), fused or compiled; several "
+                         "comma-separated alternate")
     ap.add_argument("--lookahead", default="on",
                     help="on (as the trainer): each step also makes the next step's target features, during the "
                          "gradient sum; off: each step its own; on,off alternates (see --case-steps)")
@@ -365,7 +368,8 @@ def main(argv=None) -> int:
     ap.add_argument("--case-steps", type=int, default=8,
                     help="steps in a row per case, timed as one block (default 8): within a block the host runs "
                          "ahead, and a look-ahead step prefetches only for a next step of its own block")
-    ap.add_argument("--profile", action="store_true", help="after timing, profile 2 steps (GPU only): kernel ms by category")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing, profile 2 steps (GPU only): kernel ms by category")
     ap.add_argument("--trace", action="store_true",
                     help="with the profile, keep its timeline (OUT/trace.json.gz) and attribute the GPU's idle gaps")
     ap.add_argument("--deadline", type=float, default=1e9, help="stop timing after this many seconds of steps")
@@ -386,10 +390,12 @@ def main(argv=None) -> int:
     args.host = list(dict.fromkeys(args.host.split(",")))
     bad = ([m for m in args.modes if m not in MODES] + [a for a in args.allreduce if a not in ("auto", "copy", "nccl")]
            + [g for g in args.grads if g not in GRADS] + [u for u in args.update if u not in UPDATES]
-           + [x for x in args.lookahead if x not in ("on", "off")] + [x for x in args.host if x not in ("ahead", "sync")])
+           + [x for x in args.lookahead if x not in ("on", "off")]
+           + [x for x in args.host if x not in ("ahead", "sync")])
     if bad:
         ap.error(f"--target-mode/--allreduce/--grads/--update/--lookahead/--host {bad[0]!r}: choose from "
-                 f"{', '.join(MODES)} / auto, copy, nccl / {', '.join(GRADS)} / {', '.join(UPDATES)} / on, off / ahead, sync")
+                 f"{', '.join(MODES)} / auto, copy, nccl / {', '.join(GRADS)} / {', '.join(UPDATES)} / "
+                 "on, off / ahead, sync")
     args.workers = args.workers or (1 if args.tiny else args.gpus)
     procs = args.topology == "processes"
     if procs and (args.allreduce != ["auto"] or args.grads != ["auto"]):

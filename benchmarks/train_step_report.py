@@ -39,7 +39,8 @@ def profile_steps(engine, batches, args, sync, record: bool = True) -> dict:
     try:
         ahead = args.cases[0]["lookahead"] == "on"
         for k in range(2):  # as the trainer's loop: the host queues the second step before the first has run
-            engine.step(batches[k % len(batches)], k, 1e-5, 1.0, ahead=batches[(k + 1) % len(batches)] if ahead else None)
+            following = batches[(k + 1) % len(batches)] if ahead else None
+            engine.step(batches[k % len(batches)], k, 1e-5, 1.0, ahead=following)
         engine.settle()
         sync()
     finally:
@@ -87,7 +88,8 @@ def summarise(res: dict) -> None:
             continue
         m = res["modes"][mode] = {"timed_steps": len(mine)}
         for key in ("total", "features_mean", "drafter"):
-            m[f"{key.replace('_mean', '')}_ms_per_sample"] = round(statistics.median(s[f"{key}_ms"] for s in mine) / B, 2)
+            median_ms = statistics.median(s[f"{key}_ms"] for s in mine)
+            m[f"{key.replace('_mean', '')}_ms_per_sample"] = round(median_ms / B, 2)
         if "peak_gb" in mine[0]:
             m["peak_gb"] = {d: round(max(s["peak_gb"][d] for s in mine), 2) for d in mine[0]["peak_gb"]}
 
@@ -119,8 +121,9 @@ def summary(res: dict) -> str:
     ]
     for mode, m in res["modes"].items():
         peak = ", ".join(f"{v:.1f}" for v in m["peak_gb"].values()) if m.get("peak_gb") else "-"
-        lines.append(f"| {mode} | {m['timed_steps']} | {m['features_ms_per_sample']:.1f} | {m['drafter_ms_per_sample']:.1f} | "
-                     f"**{m['total_ms_per_sample']:.1f}** | {peak} |")
+        lines.append(f"| {mode} | {m['timed_steps']} | {m['features_ms_per_sample']:.1f} | "
+                     f"{m['drafter_ms_per_sample']:.1f} | **{m['total_ms_per_sample']:.1f}** | {peak} |")
     if res["shape"] == "8b":
-        lines.append("reference, ms/sample on one H200: " + "; ".join(f"{k}: {v}" for k, v in REFERENCE_MS_PER_SAMPLE.items()))
+        lines.append("reference, ms/sample on one H200: "
+                     + "; ".join(f"{k}: {v}" for k, v in REFERENCE_MS_PER_SAMPLE.items()))
     return "\n".join(lines)

@@ -78,7 +78,8 @@ def test_exec_several_targets_in_parallel_with_prefixes(inv_path):
 
 
 def test_exec_on_the_node_for_a_target_without_vmid(inv_path):
-    r = cli(inv_path, "exec", "node", "--env", "EXTRA=1 2", "--", "sh", "-c", "echo $FROM_HOST $NCCL_DEBUG $EXTRA; exit 3")
+    r = cli(inv_path, "exec", "node", "--env", "EXTRA=1 2", "--",
+            "sh", "-c", "echo $FROM_HOST $NCCL_DEBUG $EXTRA; exit 3")
     assert r.returncode == 3 and r.stdout == b"yes INFO 1 2\n"
 
 

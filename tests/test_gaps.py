@@ -27,7 +27,8 @@ def _op(name, ts, dur, tid=1):
 
 # A timeline of 4 kernels on device 0:
 #   k1 0-10, k2 10-20 (back to back), [gap 30 us: k3 launched at 45, inside optimizer > aten::norm:
-#   the host was late], k3 50-60, [gap 20 us: k4 launched at 5 inside compiled, long before: a device-side wait], k4 80-90.
+#   the host was late], k3 50-60, [gap 20 us: k4 launched at 5 inside compiled, long before: a
+#   device-side wait], k4 80-90.
 EVENTS = [
     _op("step", 0, 100), _op("compiled", 1, 20), _launch(2, 1, 1), _launch(3, 1, 2),
     _op("optimizer", 40, 20), _op("aten::norm", 44, 5), _launch(45, 2, 3),
@@ -50,7 +51,8 @@ def test_gaps_are_measured_and_charged_to_the_launching_op():
 
 
 def test_small_gaps_and_overlapping_streams_are_busy():
-    events = [_k("a", 0, 10, 1), _k("b", 5, 20, 2), _k("c", 26, 4, 3), _launch(0, 1, 1), _launch(0, 1, 2), _launch(1, 1, 3)]
+    events = [_k("a", 0, 10, 1), _k("b", 5, 20, 2), _k("c", 26, 4, 3),
+              _launch(0, 1, 1), _launch(0, 1, 2), _launch(1, 1, 3)]
     rep = gap_report(events, min_gap_us=2.0)
     assert rep["gaps"] == 0 and rep["devices"]["0"]["busy_ms"] == 0.03
 

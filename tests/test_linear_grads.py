@@ -101,7 +101,10 @@ def test_block_rows_linear_matches_linear_on_the_full_stream(compiled):
     g = torch.Generator(device="cuda").manual_seed(3)
     xc = torch.randn(2, lead + n + 1, n_in, device="cuda", generator=g)
     dy = torch.randn(2, lead + n * bs, n_out, device="cuda", generator=g).to(torch.bfloat16)
-    fn = (lambda x: block_rows_linear(layer, x, lead, n, bs))
+
+    def fn(x):
+        return block_rows_linear(layer, x, lead, n, bs)
+
     y1, dx1, dw1 = _grads(layer, xc, dy, True, call=torch.compile(fn) if compiled else fn)
     y0, dx0, dw0 = _grads(layer, expand_blocks(xc, lead, n, bs), dy, True)
     assert y1.dtype == torch.bfloat16 and dw1.dtype == torch.float32

@@ -43,8 +43,10 @@ steps:
 @pytest.mark.parametrize("old, new, line, message", [
     ("    deploy: {}", "    deplyo: {}", 5, "steps[0].deplyo: unknown action (did you mean 'deploy'?)"),
     ("{config: ", "{confg: ", 7, "steps[1].launch.confg: unknown option (did you mean 'config'?)"),
-    ('"{{ config }}"', '"{{ cofnig }}"', 7, "steps[1].launch.config: unknown variable 'cofnig' (did you mean 'config'?)"),
-    ("steps.launch.run", "steps.follow.run", 9, "steps[2].logs.run: {{ steps.follow.run }}: 'follow' is not an earlier step"),
+    ('"{{ config }}"', '"{{ cofnig }}"', 7,
+     "steps[1].launch.config: unknown variable 'cofnig' (did you mean 'config'?)"),
+    ("steps.launch.run", "steps.follow.run", 9,
+     "steps[2].logs.run: {{ steps.follow.run }}: 'follow' is not an earlier step"),
     ("  - name: follow", "  - name: launch", 8, "steps[2].name: duplicate step name (first on line 6)"),
     ('gpus: "{{ gpus }}"', "gpus: many", 7, "steps[1].launch.gpus: expected a whole number, got 'many'"),
     ("    logs: {run", "    exec: {}\n    logs: {run", 8, "steps[2]: a step is one action: it has exec, logs"),
@@ -157,7 +159,8 @@ def test_a_failing_step_stops_its_target_only_is_named_and_from_resumes_there(tm
     r = dflash_ops("-i", inv, "play", "flaky.yaml", "ct200", "ct201", "--json", cwd=tmp_path, home=tmp_path)
     assert r.returncode == 1, r.stderr
     doc = json.loads(r.stdout)["targets"]
-    assert doc["ct200"]["failed_step"] == "needs-marker" and doc["ct200"]["error"] == "ct200: exited 3: no marker in ct200"
+    assert doc["ct200"]["failed_step"] == "needs-marker"
+    assert doc["ct200"]["error"] == "ct200: exited 3: no marker in ct200"
     assert [s["status"] for s in doc["ct200"]["steps"]] == ["changed", "failed", "not_run", "not_run"]
     assert doc["ct201"]["ok"] and [s["status"] for s in doc["ct201"]["steps"]] == ["changed", "changed", "ok", "ok"]
     assert "dflash-ops: failed on 1 target(s): ct200" in r.stderr
@@ -186,8 +189,10 @@ def test_variables_file_then_target_keys_then_var():
 
 def test_wait_for_a_run_that_is_not_there_fails_its_step(tmp_path, fakepct, make_inventory):
     fakepct.create(200)
-    inv = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable, "workdir": "/srv/ct/dflash"}})
-    (tmp_path / "wait.yaml").write_text("steps:\n  - name: wait\n    wait-for: {state: [succeeded, stopped], timeout: 5}\n")
+    inv = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable,
+                                    "workdir": "/srv/ct/dflash"}})
+    (tmp_path / "wait.yaml").write_text("steps:\n  - name: wait\n"
+                                        "    wait-for: {state: [succeeded, stopped], timeout: 5}\n")
     r = dflash_ops("-i", inv, "play", "wait.yaml", "--json", cwd=tmp_path, home=tmp_path)
     assert r.returncode == 1, r.stderr
     doc = json.loads(r.stdout)["targets"]["ct200"]

@@ -102,7 +102,8 @@ def test_the_joined_source_compiles_for_python_38_and_defines_every_command():
 
 def test_the_joined_program_answers_usage_and_unknown_commands(tmp_path):
     usage = subprocess.run([sys.executable, "-c", SOURCE], capture_output=True, text=True, timeout=60)
-    assert usage.returncode == 2 and "usage: runs_agent launch|status|follow|stop|metrics|export|probe|rm|prune" in usage.stderr
+    assert usage.returncode == 2
+    assert "usage: runs_agent launch|status|follow|stop|metrics|export|probe|rm|prune" in usage.stderr
     bad = subprocess.run([sys.executable, "-c", SOURCE, "frobnicate", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr

@@ -108,7 +108,8 @@ def test_match_line_is_single_line_only():
     assert CATALOG.match_line("RuntimeError: CUDA error: misaligned address").id == "cuda-error"
     assert CATALOG.match_line("AssertionError") is None     # needs its traceback context
     # a re-record skip that mentions static inputs is the warning, not the fatal error
-    line = "skipping cudagraph due to function 3 exceeding max re-recording limit due to static input data pointer changed."
+    line = ("skipping cudagraph due to function 3 exceeding max re-recording limit due to static input "
+            "data pointer changed.")
     assert CATALOG.match_line(line).id == "cudagraph-skipped"
 
 
@@ -171,7 +172,8 @@ GOOD = """signatures:
     (lambda s: s.replace("['boom']", "['(unclosed']"), r"signature 'x': patterns: bad regex '\(unclosed'"),
     (lambda s: s.replace("fatal", "deadly"), r"severity: must be one of fatal, warning"),
     (lambda s: s.replace("    remedy: r\n", ""), r"remedy: missing"),
-    (lambda s: s.replace("['boom']", "[{all: ['a', 'b']}]"), r"patterns: a multi-line pattern has exactly the keys all, within"),
+    (lambda s: s.replace("['boom']", "[{all: ['a', 'b']}]"),
+     r"patterns: a multi-line pattern has exactly the keys all, within"),
     (lambda s: s.replace("['boom']", "[{all: ['a'], within: 0}]"), r"'within' must be a positive number"),
     (lambda s: s.replace("    remedy: r\n", "    remedy: r\n    torch: 'about 2.5'\n"), r"torch: bad version clause"),
     (lambda s: s.replace("id: x", "id: Bad_Id"), r"id: must be lowercase"),
@@ -233,7 +235,8 @@ def test_scan_files_shape(tmp_path):
 
 def test_scan_files_odd_bytes_and_crlf(tmp_path):
     log = tmp_path / "odd.log"
-    log.write_bytes(b"ok \xff\xfe line\r\nprogress 10%\rprogress 20%\r\nRuntimeError: CUDA error: unspecified launch failure\r\n")
+    log.write_bytes(b"ok \xff\xfe line\r\nprogress 10%\rprogress 20%\r\n"
+                    b"RuntimeError: CUDA error: unspecified launch failure\r\n")
     items = scan_files([log])["files"][str(log)]
     assert [(i["line"], i["signature"]) for i in items] == [(3, "cuda-error")]
     assert items[0]["text"] == "RuntimeError: CUDA error: unspecified launch failure"

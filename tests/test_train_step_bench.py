@@ -43,7 +43,8 @@ def _check(res: dict, steps: int) -> None:
 
 def test_tiny_runs_end_to_end_from_the_command_line(tmp_path):
     p = subprocess.run([sys.executable, str(BENCH), "--tiny", "--policy", "eager", "--steps", "2", "--warmup", "1",
-                        "--case-steps", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=REPO)
+                        "--case-steps", "2", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.loads((tmp_path / "results.json").read_text())
     _check(res, 2)
@@ -55,8 +56,8 @@ def test_tiny_runs_end_to_end_from_the_command_line(tmp_path):
 
 def test_the_8b_code_path_with_two_workers_and_every_target_mode(tmp_path, monkeypatch):
     bench = _load()
-    small = dict(sys.modules["train_step_setup"].QWEN3_8B, vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    small = dict(sys.modules["train_step_setup"].QWEN3_8B, vocab_size=300, hidden_size=32, intermediate_size=64,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     monkeypatch.setattr(sys.modules["train_step_setup"], "QWEN3_8B", small)
     monkeypatch.setitem(bench.SHAPES, "8b", dict(bench.SHAPES["8b"], layers=(0, 2), draft_layers=1, seq=64,
                                                   anchors=4))
@@ -85,8 +86,9 @@ def test_an_error_is_recorded_in_the_results(tmp_path, monkeypatch):
 def test_cases_alternate_and_the_trace_is_kept(tmp_path):
     """--grads and --update alternate like target modes (one case per combination); --trace keeps the
     profiled steps' timeline and its gap report (CPU ops recorded in the worker's thread)."""
-    p = subprocess.run([sys.executable, str(BENCH), "--tiny", "--policy", "eager", "--steps", "4", "--warmup", "1", "--case-steps", "1",
-                        "--grads", "flat,own", "--update", "fused,compiled", "--trace", "--out", str(tmp_path)],
+    p = subprocess.run([sys.executable, str(BENCH), "--tiny", "--policy", "eager", "--steps", "4", "--warmup", "1",
+                        "--case-steps", "1", "--grads", "flat,own", "--update", "fused,compiled", "--trace",
+                        "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.loads((tmp_path / "results.json").read_text())

@@ -17,7 +17,8 @@ def test_yaml_sets_any_flag_and_flags_win(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("steps: 7\ncompile_policy: inductor\nbatch-size: 4\nlr: 1\nresume: true\nout: from-yaml\n")
     c = parse(["--config", str(cfg), "--steps", "9"])
-    assert (c.steps, c.compile_policy, c.batch_size, c.lr, c.resume, c.out) == (9, "inductor", 4, 1.0, True, "from-yaml")
+    assert (c.steps, c.compile_policy, c.batch_size, c.lr, c.resume, c.out) == (
+        9, "inductor", 4, 1.0, True, "from-yaml")
     assert parse([]) == TrainConfig(workdir=c.workdir)
 
 
@@ -77,7 +78,8 @@ def test_config_and_package_do_not_import_torch():
 
 
 def test_help_lists_the_documented_flags():
-    p = subprocess.run([sys.executable, "-m", "trainer", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-m", "trainer", "--help"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
     assert p.returncode == 0
     for flag in ("--target", "--data", "--steps", "--seed", "--out", "--resume", "--gpus", "--workers",
                  "--topology", "--compile-policy", "--config"):

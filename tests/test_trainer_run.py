@@ -194,7 +194,8 @@ def test_resume_refuses_changed_model_settings_and_fresh_runs_refuse_old_checkpo
 
 def test_bad_input_in_a_real_process_prints_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "trainer", "--data", str(tmp_path / "missing.jsonl"), "--out",
-                        str(tmp_path / "o")], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+                        str(tmp_path / "o")],
+                       cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip() == f"trainer: error: --data {tmp_path / 'missing.jsonl'}: no such file"
 

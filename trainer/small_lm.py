@@ -1,4 +1,5 @@
-"""`python -m trainer.small_lm`: the small real target: a code LM trained on the standard library (trainer/run/small_lm.py)."""
+"""`python -m trainer.small_lm`: the small real target: a code LM trained on the standard library
+(trainer/run/small_lm.py)."""
 import sys
 
 from trainer.exits import run

@@ -1,4 +1,5 @@
-"""`python -m trainer.specdec`: decoding with the drafter against the target alone, measured (trainer/run/specdec.py)."""
+"""`python -m trainer.specdec`: decoding with the drafter against the target alone, measured
+(trainer/run/specdec.py)."""
 import sys
 
 from trainer.exits import run

@@ -1,5 +1,6 @@
 """Which files a deploy ships: the source tree less what `.gitignore`, `.git/info/exclude` and
-`.dflashignore` exclude (as SkyPilot and Ray do, docs/background.md#ops-conventions), never `.git`, `.venv`, `__pycache__`.
+`.dflashignore` exclude (as SkyPilot and Ray do, docs/background.md#ops-conventions), never `.git`,
+`.venv`, `__pycache__`.
 
 The matcher implements gitignore's rules (negation, directory-only `dir/`, anchored `/x`,
 `**`, per-directory files whose patterns are relative to their own folder) as pure functions.

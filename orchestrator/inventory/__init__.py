@@ -321,7 +321,8 @@ def _build(cls, name: str, node, line: int, file: str, where: str):
         raise InventoryError(file, yamlnodes.line_of(node, "workdir", line), f"{where}.workdir",
                              f"must be an absolute path (or start with ~), got {values['workdir']!r}")
     if "train_port" in values and not 0 < values["train_port"] < 65536:
-        raise InventoryError(file, yamlnodes.line_of(node, "train_port", line), f"{where}.train_port", "must be 1..65535")
+        raise InventoryError(file, yamlnodes.line_of(node, "train_port", line), f"{where}.train_port",
+                             "must be 1..65535")
     if "train_address" in values and not _is_address(values["train_address"]):
         raise InventoryError(file, yamlnodes.line_of(node, "train_address", line), f"{where}.train_address",
                              f"expected an IPv4 address or a host name, got {values['train_address']!r}")

@@ -23,7 +23,8 @@ def _policy_list(ctx, param, value: str | None) -> str | None:
 
 @click.command()
 @click.argument("names", nargs=-1, metavar="[TARGET...]")
-@click.option("--gpus", type=click.IntRange(min=1), help="Worker threads to test (default: the target's gpus, at least 2).")
+@click.option("--gpus", type=click.IntRange(min=1),
+              help="Worker threads to test (default: the target's gpus, at least 2).")
 @click.option("--policies", metavar="A,B", callback=_policy_list,
               help="Only these policies (default: all).")
 @click.option("--case-timeout", type=click.IntRange(min=10),

@@ -1,5 +1,6 @@
 """Helpers every remote agent uses: JSON replies and records, the refusal (`refuse`), the
-exit of a failed command, flocks, hashing. Runs on the TARGET under its own python: standard library only, Python >= 3.8.
+exit of a failed command, flocks, hashing. Runs on the TARGET under its own python: standard
+library only, Python >= 3.8.
 
 The parts of this package import from each other as any package does
 (`from .common import _out`); orchestrator/ssh/agent.py follows those imports and joins the parts

@@ -154,7 +154,8 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
            dead_s: float = DEAD_S) -> Iterator[Event]:
     """Stream the run's log: yields Line for each line as it arrives (annotated with the failure
     signatures it matches), Reconnecting/Resumed around dropped connections, and End last
-    (with the summary and the exit code `logs` documents in README "Exit codes": 0, 100-103). Raises NotFound for an unknown run."""
+    (with the summary and the exit code `logs` documents in README "Exit codes": 0, 100-103).
+    Raises NotFound for an unknown run."""
     if catalog is None:
         from trainer.signatures import load_catalog
         catalog = load_catalog()

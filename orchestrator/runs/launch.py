@@ -183,8 +183,9 @@ def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
     return LaunchResult(
         target=target.name, run=doc["run"], pid=doc["pid"], supervisor_pid=doc.get("supervisor_pid"),
         release=doc.get("release"), commit=doc.get("commit"), policy=spec["policy"] if resume is None else None,
-        compile_policy=doc.get("compile_policy"), probe_policy=doc.get("probe_policy"), gpus=doc.get("gpus", spec["gpus"]),
-        gpu_ids=doc.get("gpu_ids") or [], slots=doc.get("slots") or [], log=doc.get("log"), command_line=doc.get("command_line"),
+        compile_policy=doc.get("compile_policy"), probe_policy=doc.get("probe_policy"),
+        gpus=doc.get("gpus", spec["gpus"]), gpu_ids=doc.get("gpu_ids") or [], slots=doc.get("slots") or [],
+        log=doc.get("log"), command_line=doc.get("command_line"),
         cleared=doc.get("cleared") or [], name=doc.get("name"), attempt=doc.get("attempt") or 1,
         resumed_from=doc.get("resumed_from"), seconds=round(time.monotonic() - start, 3),
         env=spec["user_env"])
@@ -329,6 +330,6 @@ def call_about_run(s: Session, target: Target, run: str, args: list[str], what: 
         raise
 
 
-__all__ = ["launch", "launch_spec", "launch_on", "LaunchSpec", "status", "stop", "metrics", "LaunchResult", "LaunchRefused", "new_run_id",
-           "split_target_run", "resolve_target", "exit_code_for", "job_state", "group_rows", "refusal_message", "not_found",
-           "status_docs", "call_about_run"]
+__all__ = ["launch", "launch_spec", "launch_on", "LaunchSpec", "status", "stop", "metrics", "LaunchResult",
+           "LaunchRefused", "new_run_id", "split_target_run", "resolve_target", "exit_code_for", "job_state",
+           "group_rows", "refusal_message", "not_found", "status_docs", "call_about_run"]

@@ -23,8 +23,8 @@ from orchestrator.ssh import agent
 from orchestrator.errors import OpsError, UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.runs.options import LaunchOptions
-from orchestrator.runs.launch import (LaunchResult, call_about_run, exit_code_for, job_state, launch_on, launch_spec, new_run_id,
-                   not_found, status_docs)
+from orchestrator.runs.launch import (LaunchResult, call_about_run, exit_code_for, job_state, launch_on, launch_spec,
+                                      new_run_id, not_found, status_docs)
 from orchestrator.ssh.session import Session
 
 UNDO_TIMEOUT_S = 30.0
@@ -163,9 +163,9 @@ def stop(inv: Inventory, target: Target, run: str, *, force: bool, timeout: floa
     """SIGTERM (SIGKILL with force) to the run on every node at once: [(target, stop document)]."""
     with agent.session(inv, session) as s:
         rid, nodes = run_nodes(inv, target, run, s)
-        args = lambda t: ["stop", t.workdir, "--timeout", str(timeout)] + (["--force"] if force else []) + ["--", rid]
+        options = ["--timeout", str(timeout)] + (["--force"] if force else []) + ["--", rid]
         group = agent.fan_out([t for t, _ in nodes], lambda t: agent.call(
-            s.transport(t), t, agent.RUNS, args(t), what="stop the run", timeout=timeout + 60))
+            s.transport(t), t, agent.RUNS, ["stop", t.workdir, *options], what="stop the run", timeout=timeout + 60))
     group.raise_failures()
     return [(name, dict(o.value, target=name)) for name, o in group.items()]
 

@@ -134,9 +134,9 @@ class RankEngine:
 def wrap_ddp(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    # The borrowed target head (embedding, lm_head; the final norm too with --freeze-draft-norm) is frozen and the buffers are
-    # constants, identical everywhere: keep DDP from broadcasting them (GBs for a real target's
-    # head) at construction and from syncing buffers before every forward.
+    # The borrowed target head (embedding, lm_head; the final norm too with --freeze-draft-norm) is
+    # frozen and the buffers are constants, identical everywhere: keep DDP from broadcasting them
+    # (GBs for a real target's head) at construction and from syncing buffers before every forward.
     frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
     DDP._set_params_and_buffers_to_ignore_for_model(module, frozen + [n for n, _ in module.named_buffers()])
     ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)

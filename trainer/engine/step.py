@@ -254,11 +254,11 @@ def queue_update(r: Replica, lr: float, grad_clip: float, step: int) -> torch.Te
     the weights (ThreadEngine.step settles the previous step's before it queues the next update).
 
     With a CompiledUpdate (a GPU under a compiled policy) clip and AdamW are one compiled function
-    (trainer/engine/adamw.py). Else, with the fused AdamW (CUDA), the clip is folded into the optimizer's kernel: it divides every
-    gradient by `grad_scale` = 1 / clip_grad_norm_'s coefficient as it reads it, and skips the
-    whole update on the device when `found_inf` is set, so the gradients are not rewritten in a
-    separate pass (8 bytes per parameter: 8.4 GB a step for a 1B drafter). Else (the CPU) the
-    norm is read before the step, which a non-finite norm skips.
+    (trainer/engine/adamw.py). Else, with the fused AdamW (CUDA), the clip is folded into the
+    optimizer's kernel: it divides every gradient by `grad_scale` = 1 / clip_grad_norm_'s coefficient
+    as it reads it, and skips the whole update on the device when `found_inf` is set, so the
+    gradients are not rewritten in a separate pass (8 bytes per parameter: 8.4 GB a step for a 1B
+    drafter). Else (the CPU) the norm is read before the step, which a non-finite norm skips.
     """
     for g in r.optimizer.param_groups:
         g["lr"] = lr

@@ -2,8 +2,8 @@
 
 A worker is a single long-lived thread, so everything submitted to it (building and compiling its
 replica, every step, eval) runs in the same thread: compile state, thread-local dynamo config and
-the current CUDA device stay with the replica (docs/background.md#torchcompile-in-worker-threads). The main thread never touches a
-replica's tensors; it submits phases and waits for them.
+the current CUDA device stay with the replica (docs/background.md#torchcompile-in-worker-threads).
+The main thread never touches a replica's tensors; it submits phases and waits for them.
 
 `ThreadEngine` is the threads topology (`--topology threads`):
   - start-up is serialized with a readiness handshake: worker 0 builds its replica, then worker 1,
@@ -270,7 +270,8 @@ class ThreadEngine:
         if self._nccl is None:
             self._nccl = nccl_usable(self.replicas)
         if self.allreduce == "nccl" and not self._nccl:
-            raise TrainerError("allreduce = nccl, but the replicas are not one per GPU with NCCL (allreduce.nccl_usable)")
+            raise TrainerError("allreduce = nccl, but the replicas are not one per GPU with NCCL "
+                               "(allreduce.nccl_usable)")
         return self.allreduce == "copy" or not self._nccl
 
     def _place_grads(self, flat: bool) -> None:
@@ -338,7 +339,8 @@ class ThreadEngine:
                 self.log.metrics({"event": "diverged", "step": step, "worker": i, "tensors": len(bad)})
                 raise ReplicasDiverged(
                     f"replica weights diverged at step {step}: worker {i} ({ri.device}) differs from worker 0 "
-                    f"({r0.device}) in {r0.names[bad[0]]}" + (f" and {len(bad) - 1} more tensor(s)" if len(bad) > 1 else ""))
+                    f"({r0.device}) in {r0.names[bad[0]]}"
+                    + (f" and {len(bad) - 1} more tensor(s)" if len(bad) > 1 else ""))
         self.log.metrics({"event": "checksum", "step": step, "replicas": len(sums)})
 
     def on_primary(self, fn: Callable, *args, **kwargs):

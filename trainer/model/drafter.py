@@ -142,7 +142,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        H, I = cfg.hidden_size, cfg.intermediate_size
+        H, I = cfg.hidden_size, cfg.intermediate_size  # noqa: E741 - I: the intermediate size, as in shapes
         self.gate_proj = Linear(H, I, bias=False)
         self.up_proj = Linear(H, I, bias=False)
         self.down_proj = Linear(I, H, bias=False)

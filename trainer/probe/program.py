@@ -289,7 +289,8 @@ def run_probe(args) -> dict:
                         outcome="timeout")
         cases.append(case)
         if case["outcome"] in ("ok", "wrong"):
-            detail = f"{case['step_ms']:.2f} ms/step, gradient vs eager {_fmt(case['grad_err'])} (tolerance {_fmt(case['grad_tol'])})"
+            detail = (f"{case['step_ms']:.2f} ms/step, gradient vs eager {_fmt(case['grad_err'])} "
+                      f"(tolerance {_fmt(case['grad_tol'])})")
             if case["outcome"] == "wrong":
                 detail += f" [{WRONG}] {case['error']}"
         else:
@@ -339,7 +340,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m trainer.probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=0,
                     help="worker threads for the `threads` topology (default: number of GPUs, at least 2)")
-    ap.add_argument("--steps", type=int, default=10, help="timed training steps per case, after its numerics checks (default 10)")
+    ap.add_argument("--steps", type=int, default=10,
+                    help="timed training steps per case, after its numerics checks (default 10)")
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds per case (default 600 on CUDA, 300 on CPU)")
     ap.add_argument("--workdir", help="save the choice in WORKDIR/probe.json (read by --compile-policy auto)")

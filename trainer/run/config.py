@@ -44,12 +44,14 @@ class TrainConfig:
     workdir: str = ""                    # where probe.json lives for auto; default $DFLASH_OPS_WORKDIR
     cpu_threads: int = 0                 # torch intra-op threads on CPU; 0 = torch's default
     skip_compile_guard: bool = False     # skip the first compiled step's check against eager
-    compile_target: str = "auto"         # auto | on | off: the target's layers compiled (auto: on CUDA with a compiled policy)
+    compile_target: str = "auto"         # auto | on | off: the target's layers compiled (auto: on CUDA
+                                         # with a compiled policy)
     compile_update: str = "auto"         # auto | on | off: clip + AdamW compiled as one function (auto: likewise)
     graph_target: str = "off"            # on | off: the compiled target's forward replayed as a CUDA graph (threads)
     # how the drafter's step runs on a GPU (trainer/model/choices.py; the defaults are the measured best)
     fp32_wgrad: str = "on"               # on | off: Linear's weight gradient in fp32 from cuBLAS (off: autocast's bf16)
-    flex_tiles: str = ""                 # FlexAttention tiles BWD[/FWD][+kv]; "" = the tuned choice (Hopper), else torch's
+    flex_tiles: str = ""                 # FlexAttention tiles BWD[/FWD][+kv]; "" = the tuned choice
+                                         # (Hopper), else torch's
     ce_rows: int = 0                     # rows per chunk of the fused cross-entropy; 0 = sized to 1 GiB of fp32 logits
     ce_kernel: str = "on"                # on | off: the cross-entropy core as one Triton kernel where it can run
     # several nodes (--topology processes): one DDP job joined by torchrun's c10d rendezvous
@@ -100,7 +102,8 @@ class TrainConfig:
 
 
 HELP = {
-    "target": "frozen target: a local Hugging Face model folder, small-code[-gpu] (a code LM built here once), or tiny[:SEED]",
+    "target": "frozen target: a local Hugging Face model folder, small-code[-gpu] (a code LM built here once), "
+              "or tiny[:SEED]",
     "data": "JSONL (input_ids+loss_mask, or chat messages) or synthetic (the target's own continuations)",
     "target_layers": "comma-separated target layer ids to condition on (default: 5 evenly spaced in 1..L-3)",
     "steps": "optimizer steps in total",
@@ -175,9 +178,9 @@ HELP = {
 }
 
 
-METAVAR = {"chat_template_kwargs": "JSON", "target": "PATH|small-code|tiny", "data": "PATH|synthetic", "out": "DIR", "workdir": "DIR", "target_layers": "I,J,..",
-           "topology": "threads|processes", "compile_policy": "NAME|auto", "rdzv_endpoint": "HOST:PORT",
-           "rdzv_id": "ID", "node_address": "ADDR",
+METAVAR = {"chat_template_kwargs": "JSON", "target": "PATH|small-code|tiny", "data": "PATH|synthetic", "out": "DIR",
+           "workdir": "DIR", "target_layers": "I,J,..", "topology": "threads|processes", "compile_policy": "NAME|auto",
+           "rdzv_endpoint": "HOST:PORT", "rdzv_id": "ID", "node_address": "ADDR",
            "compile_target": "auto|on|off", "compile_update": "auto|on|off", "graph_target": "on|off",
            "fp32_wgrad": "on|off", "flex_tiles": "TILES", "ce_rows": "N", "ce_kernel": "on|off"}
 
@@ -188,8 +191,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m trainer", description="Train a DFlash block-diffusion drafter for a frozen target.",
-                argument_default=argparse.SUPPRESS)
+    p = OneLineParser(prog="python -m trainer",
+                      description="Train a DFlash block-diffusion drafter for a frozen target.",
+                      argument_default=argparse.SUPPRESS)
     p.add_argument("--config", metavar="FILE", help="YAML file; keys spelled like these flags")
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -197,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(flag, dest=f.name, action="store_true", help=HELP[f.name])
         else:
             conv = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            p.add_argument(flag, dest=f.name, type=conv, metavar=METAVAR.get(f.name, {int: "N", float: "X"}.get(conv, "S")),
+            metavar = METAVAR.get(f.name, {int: "N", float: "X"}.get(conv, "S"))
+            p.add_argument(flag, dest=f.name, type=conv, metavar=metavar,
                            help=f"{HELP[f.name]} (default: {f.default!r})")
     return p
 
@@ -277,7 +282,8 @@ def validate(c: TrainConfig) -> None:
     need(c.graph_target in ("on", "off"), f"--graph-target must be on or off, got {c.graph_target!r}")
     need(c.fp32_wgrad in ("on", "off"), f"--fp32-wgrad must be on or off, got {c.fp32_wgrad!r}")
     need(c.ce_kernel in ("on", "off"), f"--ce-kernel must be on or off, got {c.ce_kernel!r}")
-    need(c.ce_rows >= 0, f"--ce-rows: expected a positive number of rows, e.g. 2048 (0 = sized to 1 GiB), got {c.ce_rows}")
+    need(c.ce_rows >= 0,
+         f"--ce-rows: expected a positive number of rows, e.g. 2048 (0 = sized to 1 GiB), got {c.ce_rows}")
     need(c.block_size >= 2, f"--block-size must be >= 2, got {c.block_size}")
     need(c.seq_len >= c.block_size, f"--seq-len {c.seq_len} is shorter than one block (--block-size {c.block_size})")
     need(c.anchors >= 1, f"--anchors must be >= 1, got {c.anchors}")
@@ -297,7 +303,8 @@ def validate(c: TrainConfig) -> None:
     need(c.lr > 0 and 0 <= c.min_lr <= c.lr, f"need 0 <= --min-lr <= --lr and --lr > 0 (got {c.min_lr}, {c.lr})")
     need(0 <= c.warmup < 1, f"--warmup is a fraction of --steps in [0, 1), got {c.warmup}")
     need(c.grad_clip > 0, f"--grad-clip must be > 0, got {c.grad_clip}")
-    need(c.keep_checkpoints >= 2, f"--keep-checkpoints must be >= 2 (the previous checkpoint must survive), got {c.keep_checkpoints}")
+    need(c.keep_checkpoints >= 2,
+         f"--keep-checkpoints must be >= 2 (the previous checkpoint must survive), got {c.keep_checkpoints}")
     need(c.log_every >= 1 and c.checkpoint_every >= 0 and c.eval_every >= 0,
          "--log-every must be >= 1; --checkpoint-every and --eval-every >= 0")
     need(c.eval_prompts >= 0 and c.eval_new_tokens >= 1, "--eval-prompts must be >= 0 and --eval-new-tokens >= 1")

@@ -179,7 +179,8 @@ def check_samples(numbered: list[tuple[int, Sample]], *, path: str, block_size: 
     usable, skipped = [], 0
     for n, s in numbered:
         if len(s.input_ids) < block_size:
-            raise UsageError(f"{path}:{n}: sequence of {len(s.input_ids)} tokens is shorter than one block ({block_size})")
+            raise UsageError(f"{path}:{n}: sequence of {len(s.input_ids)} tokens is shorter than one block "
+                             f"({block_size})")
         bad = next((t for t in s.input_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise UsageError(f"{path}:{n}: token id {bad} is outside the target's vocabulary (0..{vocab_size - 1})")
@@ -214,7 +215,8 @@ def split_eval(samples: list[Sample], n_eval: int) -> tuple[list[Sample], list[l
 
 # --------------------------------------------------------------------------- synthetic data
 
-def random_prompts(n: int, length: int, *, low: int, high: int, seed: int, exclude: set[int] = frozenset()) -> list[list[int]]:
+def random_prompts(n: int, length: int, *, low: int, high: int, seed: int,
+                   exclude: set[int] = frozenset()) -> list[list[int]]:
     """n prompts of `length` token ids drawn uniformly from [low, high) minus `exclude`."""
     allowed = torch.tensor([t for t in range(low, high) if t not in exclude])
     g = torch.Generator().manual_seed(seed)
@@ -345,7 +347,8 @@ class Batch:
 
     def to(self, device) -> "Batch":
         t = lambda x: x.to(device, non_blocking=True)  # noqa: E731
-        return Batch(t(self.input_ids), t(self.loss_mask), t(self.anchors), t(self.valid), self.lengths, self.weight_total)
+        return Batch(t(self.input_ids), t(self.loss_mask), t(self.anchors), t(self.valid), self.lengths,
+                     self.weight_total)
 
 
 def anchor_seed(seed: int, step: int, row: int) -> int:

@@ -157,7 +157,6 @@ def regen_batch(model, tokenizer, rows: list[Row], **kw) -> tuple[list[dict], in
 def regen(target_spec: str, prompts: str, out: str, *, max_new_tokens: int = 512, batch_size: int = 16,
           temperature: float = 0.0, thinking: bool = False, gpus: int = 0, resume: bool = True,
           seed: int = 0, log=print) -> dict:
-    import queue
     import threading
 
     import torch

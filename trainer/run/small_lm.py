@@ -74,8 +74,9 @@ RECIPES = {
                   head_dim=32, intermediate_size=384, seq_len=128, batch_size=16, steps=450, lr=3e-3,
                   warmup=30, max_bytes=6_000_000),
     # Measured on one H200 (docs/benchmarks.md): 204k tokens/s for this size in bf16; 1.5e-3 diverged
-    # (NaN within 32 steps) and 6e-4 after ~200; steps whose gradient overflows are skipped. The text (~2.7M tokens where the tests are not installed)
-    # limits the size more than the 5-minute budget does: ~8 passes over it.
+    # (NaN within 32 steps) and 6e-4 after ~200; steps whose gradient overflows are skipped. The text
+    # (~2.7M tokens where the tests are not installed) limits the size more than the 5-minute budget
+    # does: ~8 passes over it.
     "gpu": Recipe("gpu", vocab_size=8192, hidden_size=768, num_layers=16, num_heads=12, num_kv_heads=4,
                   head_dim=64, intermediate_size=2304, seq_len=1024, batch_size=32, steps=650, lr=4e-4,
                   warmup=50, max_bytes=40_000_000, with_tests=True),

@@ -388,7 +388,8 @@ def build_tiny(seed: int = 0) -> torch.nn.Module:
         torch.random.set_rng_state(state)
 
 
-def load_target(spec: str, *, device: torch.device, dtype: torch.dtype, layers: tuple[int, ...] | None = None) -> Target:
+def load_target(spec: str, *, device: torch.device, dtype: torch.dtype,
+                layers: tuple[int, ...] | None = None) -> Target:
     """Load and freeze the target on `device`; `layers` overrides the default layer choice."""
     check_target_spec(spec)
     _quiet_transformers()

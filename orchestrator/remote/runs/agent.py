@@ -323,7 +323,8 @@ def _split(args, flags=(), options=()):
 
 def main(argv):
     if len(argv) < 2:
-        _fail("usage: runs_agent launch|status|follow|stop|metrics|export|probe|rm|prune WORKDIR [OPTIONS] -- [VALUE ...]", 2)
+        _fail("usage: runs_agent launch|status|follow|stop|metrics|export|probe|rm|prune "
+              "WORKDIR [OPTIONS] -- [VALUE ...]", 2)
     cmd, workdir, args = argv[0], os.path.expanduser(argv[1]), list(argv[2:])
     try:
         if cmd == "launch":

@@ -226,9 +226,9 @@ def _status(workdir, run):
     m = _last_metrics(os.path.join(rundir, LOG))
     ended = (ex or {}).get("ended_ts")
     started = rec.get("started_ts")
-    doc = {"run": run, "name": rec.get("name"), "attempt": rec.get("attempt") or 1, "state": state, "step": m.get("step"), "loss": m.get("loss"),
-           "tau": m.get("tau"), "started": rec.get("started"), "started_ts": started,
-           "ended": (ex or {}).get("ended"),
+    doc = {"run": run, "name": rec.get("name"), "attempt": rec.get("attempt") or 1, "state": state,
+           "step": m.get("step"), "loss": m.get("loss"), "tau": m.get("tau"),
+           "started": rec.get("started"), "started_ts": started, "ended": (ex or {}).get("ended"),
            "elapsed_s": round((ended or time.time()) - started, 1) if started else None,
            "pid": rec.get("pid"), "gpus": rec.get("gpus"), "slots": rec.get("slots"),
            "policy": rec.get("probe_policy") or rec.get("compile_policy"),
@@ -275,7 +275,8 @@ def _root_cause(log_path):
         msg = doc.get("message")
         msg = msg.get("message") if isinstance(msg, dict) else msg
         if isinstance(msg, str) and msg.strip():
-            cause["error"] = msg.strip().splitlines()[-1] if msg.startswith("Traceback") else msg.strip().splitlines()[0]
+            lines = msg.strip().splitlines()
+            cause["error"] = lines[-1] if msg.startswith("Traceback") else lines[0]
     else:
         cause["error_file"] = None
     return cause

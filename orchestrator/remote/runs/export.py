@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 
-from ..common import _out, _sha256, refuse
+from ..common import _sha256, refuse
 from .common import _alive, _not_found, _resolve, _run_ids, _runs_dir, _state
 
 CHUNK = 1 << 20
