@@ -60,7 +60,7 @@ rank's (a barrier after each step), rank 0 reports. No GIL is shared, unlike thr
 
 --profile: after timing, two more steps of the first case under torch.profiler: CUDA kernel ms by
 category. --trace: the same two steps' timeline too, as OUT/trace.json.gz, and where the GPU sat
-idle in them and why (benchmarks/gaps.py: `gaps` in the results).
+idle in them and why (benchmarks/gpu_idle_gaps.py: `gaps` in the results).
 
 Writes DIR/results.json (rewritten after every step, so a run cut short keeps what it measured);
 prints progress lines while it runs and a summary at the end. This file holds the command and the
@@ -307,7 +307,7 @@ def _run(args, emit, res: dict, where: Placement) -> None:
             emit("profile (CUDA kernel ms per sample, 2 steps of " + args.cases[0]["name"] + "): "
                  + json.dumps(res["profile"]["per_sample_ms"]))
             if "gaps" in res["profile"]:
-                from gaps import render
+                from gpu_idle_gaps import render
 
                 emit("where the GPU sat idle in those 2 steps:\n" + render(res["profile"]["gaps"]))
             write(args.out, res)

@@ -27,7 +27,7 @@ def profile_steps(engine, batches, args, sync, record: bool = True) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from drafter_bench import _kernel_table
-    from gaps import gap_report, load
+    from gpu_idle_gaps import gap_report, load
 
     sync()
     # Started and stopped in worker 0's thread: the profiler records the CPU ops of the thread that

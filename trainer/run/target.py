@@ -27,19 +27,8 @@ import torch  # noqa: E402
 from trainer.run.config import SMALL_TARGETS, check_target_spec  # noqa: E402
 from trainer.errors import UsageError  # noqa: E402
 from trainer.model.drafter import DrafterConfig  # noqa: E402
-from trainer.run.tokenizer import VOCAB_SIZE, ByteTokenizer  # noqa: E402
-
-# `tiny`: small enough to train a drafter on 2 CPU cores in seconds, deep enough (8 layers) for
-# the default layer choice to pick 5 distinct layers (1..L-3).
-TINY = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-            rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.02)
-# A random model with HF's init (std 0.02) has near-uniform next-token distributions: its greedy choices
-# hang on tiny logit gaps, unlike a trained LM's. A wider lm_head makes `tiny` confident like a real
-# target, and gives the drafter (which borrows this lm_head) a usable logit range, so a short CPU run
-# learns something measurable.
-TINY_LM_HEAD_STD = 0.5
-
+from trainer.run.tiny import TINY, TINY_LM_HEAD_STD, build_tiny  # noqa: E402,F401 (target's names)
+from trainer.run.tokenizer import ByteTokenizer  # noqa: E402
 
 def default_layer_ids(num_layers: int, n: int = 5) -> tuple[int, ...]:
     """n layers evenly spaced from 1 to L-3 (Qwen3-8B, L=36: 1, 9, 17, 25, 33), fewer if L is small."""
@@ -369,23 +358,6 @@ def _freeze(model: torch.nn.Module) -> torch.nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
     return model
-
-
-def build_tiny(seed: int = 0) -> torch.nn.Module:
-    """A small random Qwen3 model; the same seed gives the same weights on every machine."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    tok = ByteTokenizer()
-    cfg = Qwen3Config(**TINY, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = Qwen3ForCausalLM(cfg)
-        with torch.no_grad():
-            model.lm_head.weight.normal_(0.0, TINY_LM_HEAD_STD)
-        return model
-    finally:
-        torch.random.set_rng_state(state)
 
 
 def load_target(spec: str, *, device: torch.device, dtype: torch.dtype,

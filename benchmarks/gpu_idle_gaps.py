@@ -1,6 +1,6 @@
 """Where the GPU waits: idle gaps on a profiler timeline, and who made each one.
 
-    python3 benchmarks/gaps.py TRACE.json[.gz] [--top 25]     # a trace from torch.profiler
+    python3 benchmarks/gpu_idle_gaps.py TRACE.json[.gz] [--top 25]     # a trace from torch.profiler
 
 A kernel profile adds kernel times; the step's wall time is larger by the time the GPU ran
 nothing. This reads the Chrome trace that `torch.profiler.profile.export_chrome_trace` writes

@@ -1,4 +1,4 @@
-"""benchmarks/gaps.py: idle gaps on a profiler timeline, attributed through each kernel's launch."""
+"""benchmarks/gpu_idle_gaps.py: idle gaps on a profiler timeline, attributed through each kernel's launch."""
 from __future__ import annotations
 
 import gzip
@@ -8,7 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from gaps import gap_report, load, main  # noqa: E402
+from gpu_idle_gaps import gap_report, load, main  # noqa: E402
 
 
 def _k(name, ts, dur, corr, dev=0):
