@@ -33,25 +33,32 @@ class Sample:
 
 # --------------------------------------------------------------------------- reading JSONL
 
-def read_rows(path: str) -> list[tuple[int, dict]]:
-    """(line number, row) for each non-empty line; bad JSON or a non-object is a UsageError."""
+def read_jsonl(path: str, flag: str) -> list[tuple[int, object]]:
+    """(line number, value) for each non-empty line of a JSONL file; bad JSON is a UsageError
+    naming file:line, a missing or empty file one naming the option (`flag`)."""
     p = Path(path)
     if not p.is_file():
-        raise UsageError(f"--data {path}: no such file")
-    rows = []
+        raise UsageError(f"{flag} {path}: no such file")
+    values = []
     with p.open(encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                values.append((n, json.loads(line)))
             except json.JSONDecodeError as e:
                 raise UsageError(f"{path}:{n}: not JSON: {e.msg}") from None
-            if not isinstance(row, dict) or not (("input_ids" in row) ^ ("messages" in row)):
-                raise UsageError(f"{path}:{n}: each row needs exactly one of 'input_ids' or 'messages'")
-            rows.append((n, row))
-    if not rows:
-        raise UsageError(f"{path}: no rows")
+    if not values:
+        raise UsageError(f"{flag} {path}: no rows")
+    return values
+
+
+def read_rows(path: str) -> list[tuple[int, dict]]:
+    """(line number, row) for each non-empty line; bad JSON or a non-object is a UsageError."""
+    rows = read_jsonl(path, "--data")
+    for n, row in rows:
+        if not isinstance(row, dict) or not (("input_ids" in row) ^ ("messages" in row)):
+            raise UsageError(f"{path}:{n}: each row needs exactly one of 'input_ids' or 'messages'")
     return rows
 
 

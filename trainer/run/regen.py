@@ -42,23 +42,9 @@ class Row:
 
 def read_prompts(path: str) -> list[Row]:
     """Input rows -> the turns to answer; a bad row is a UsageError naming file:line."""
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"--prompts {path}: no such file")
-    rows = []
-    with p.open(encoding="utf-8") as f:
-        for n, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                doc = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{where}: not JSON: {e.msg}") from None
-            rows.append(Row(n, _turns(doc, where)))
-    if not rows:
-        raise UsageError(f"--prompts {path}: no rows")
-    return rows
+    from trainer.run.data import read_jsonl
+
+    return [Row(n, _turns(doc, f"{path}:{n}")) for n, doc in read_jsonl(path, "--prompts")]
 
 
 def _turns(doc, where: str) -> tuple[tuple[str, str], ...]:
