@@ -26,10 +26,8 @@ from trainer_quick import QUICK, ROOT, subprocess_env, wait_for  # noqa: E402
 from trainer.exits import run  # noqa: E402
 from trainer.run import checkpoint, export, provenance  # noqa: E402
 from trainer.run.config import RUN_CONFIG  # noqa: E402
-from trainer.train import train_entry  # noqa: E402
 
 TRAINED_IDS = [1, 2, 3, 4, 5]   # default_layer_ids(8), the HF target's 8 layers
-ARGS = QUICK[2:]   # QUICK without its --target tiny
 
 
 def call(argv) -> tuple[int, dict | None, str]:
@@ -49,13 +47,7 @@ def refused(argv, needle: str) -> str:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("prov")
-    model = hf_target.build(root / "target")
-    out = root / "run"
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert run(train_entry, ["--target", str(model), *ARGS, "--steps", "3", "--out", str(out)]) == 0
-    return out
+    return hf_target.trained(tmp_path_factory.mktemp("prov"), *QUICK[2:], "--steps", "3")[1]  # QUICK less --target
 
 
 def variant(path: Path, *, seed: int = 3, layers: int = 8, hidden: int = 64) -> Path:
