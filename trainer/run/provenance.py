@@ -13,6 +13,7 @@ Every checkpoint's meta.json records `target`, the target's identity as the run 
                       name, dtype and shape and the bytes of SAMPLE_ROWS rows evenly spaced from its
                       first row to its last (a few MB read, whatever the model's size); for `tiny`,
                       the same over its fp32 tensors; null for a folder without safetensors files
+                      or without such tensors in them
     layer_ids         the target layers whose outputs fed the drafter
     mask_token_id     the id whose embedding marked the positions to draft
 
