@@ -42,3 +42,21 @@ def build(path: Path, seed: int = 3) -> Path:
 
 def words(*ns: int) -> str:
     return " ".join(f"w{i}" for i in ns)
+
+
+def trained(root: Path, *train_args: str) -> tuple[Path, Path]:
+    """The target folder root/target and a run against it in root/run (`python -m trainer TRAIN_ARGS`
+    in this process, one CPU thread, its stdout dropped); returns (target, run)."""
+    import contextlib
+    import io
+
+    import torch
+
+    from trainer.exits import run
+    from trainer.train import train_entry
+
+    torch.set_num_threads(1)
+    model, out = build(root / "target"), root / "run"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert run(train_entry, ["--target", str(model), *train_args, "--out", str(out)]) == 0
+    return model, out

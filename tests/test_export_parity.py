@@ -27,7 +27,6 @@ import hf_target  # noqa: E402
 from trainer.run import eval as trainer_eval  # noqa: E402
 from trainer.run import export  # noqa: E402
 from trainer.exits import run  # noqa: E402
-from trainer.train import train_entry  # noqa: E402
 from trainer.run.target import load_target  # noqa: E402
 
 # The reference, installed by `make venv` (pip --no-deps: its model code needs torch and
@@ -54,11 +53,8 @@ def quiet(fn, argv) -> str:
 
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory):
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("parity")
-    model = hf_target.build(root / "target")
-    out = root / "run"
-    quiet(train_entry, ["--target", str(model), *TRAIN, "--out", str(out)])
+    model, out = hf_target.trained(root, *TRAIN)
     quiet(export.main, ["--run", str(out), "-o", str(root / "draft"), "--dtype", "float32"])
     ours = json.loads(quiet(trainer_eval.main, ["--out", str(out)]).splitlines()[-1])
     from transformers import AutoModelForCausalLM

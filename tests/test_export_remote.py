@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from trainer_quick import CLI_MAIN, copy_trainer, tiny_run_config
+from trainer_quick import CLI_MAIN, copy_trainer, tiny_run_config, wait_for
 
 from orchestrator import inventory
 from orchestrator.deploy import sync as deploy
@@ -83,7 +83,7 @@ def test_export_streams_the_latest_succeeded_run_home_and_refuses_bad_input(ct):
     assert r.returncode == 2 and b"already exists (pass --force" in r.stderr and b"Traceback" not in r.stderr
     r = ct.cli("export", "ct200", ct.run, "-o", dest, "--force", "--step", "2", "--dtype", "float32", "--json")
     assert r.returncode == 0, r.stderr.decode()
-    assert json.loads(r.stdout)["step"] == 2
+    assert json.loads(r.stdout)["step"] == 2 and json.loads(r.stdout)["running"] is False
     assert json.loads((dest / "dflash_ops.json").read_text())["step"] == 2
     r = ct.cli("export", "--step", "4")   # default target (the only one), default run
     assert r.returncode == 0, r.stderr.decode()
@@ -104,6 +104,33 @@ def test_export_streams_the_latest_succeeded_run_home_and_refuses_bad_input(ct):
         assert r.returncode == code and needle in r.stderr, (args, r.returncode, err)
         assert "Traceback" not in err and (len(err.strip().splitlines()) == 1 or err.startswith("Usage:")), err
     assert not (ct.tmp / "x").exists() and list(ct.exports.iterdir()) == []
+    (ct.tmp / "empty").mkdir()   # an empty folder is no exception
+    r = ct.cli("export", "ct200", ct.run, "-o", ct.tmp / "empty")
+    assert r.returncode == 2 and b"already exists (pass --force" in r.stderr, r.stderr
+    r = ct.cli("export", "ct200", ct.run, "-o", ct.tmp / "empty", "--force", "--target-changed-ok", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["target_changed"] == [], r.stderr.decode()
+
+
+def test_a_running_run_exports_only_with_running_ok_which_says_its_step(ct):
+    r = ct.cli("launch", "ct200", "--gpus", "0", "--policy", "eager", "--config", ct.tmp / "tiny.yaml", "--",
+               "--steps", "100000")
+    assert r.returncode == 0, r.stderr.decode()
+    run = r.stdout.decode().strip()
+    try:
+        ck = ct.pct.private(200) / "dflash" / "runs" / run / "checkpoints" / "latest"
+        wait_for(ck.is_file, timeout=120, what="the running run's first checkpoint")
+        r = ct.cli("export", "ct200", run, "-o", ct.tmp / "d")
+        err = r.stderr.decode()
+        assert r.returncode == 2 and "still running (pass --running-ok" in err and len(err.splitlines()) == 1, err
+        r = ct.cli("export", "ct200", run, "-o", ct.tmp / "d", "--running-ok", "--json")
+        assert r.returncode == 0, r.stderr.decode()
+        doc = json.loads(r.stdout)
+        assert doc["running"] is True and doc["step"] >= 2 and doc["step"] % 2 == 0
+        assert json.loads((ct.tmp / "d" / "dflash_ops.json").read_text())["step"] == doc["step"]
+        r = ct.cli("export", "ct200", run, "-o", ct.tmp / "e", "--running-ok")
+        assert r.returncode == 0 and b"is still running: this is its checkpoint of step" in r.stderr, r.stderr
+    finally:
+        assert ct.cli("stop", "ct200", run).returncode == 0
 
 
 def test_a_damaged_stream_never_reaches_the_destination(tmp_path):

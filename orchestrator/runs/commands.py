@@ -408,10 +408,14 @@ def report(state: State, args, out, as_json):
               help="The checkpoint of step N (default: the run's last).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
               show_default=True, help="Weight dtype of the exported folder.")
-@click.option("--force", is_flag=True, help="Replace DIR if it exists.")
+@click.option("--force", is_flag=True, help="Replace DIR if it exists, empty or not.")
+@click.option("--running-ok", is_flag=True, help="Export a run that is still running (its newest checkpoint).")
+@click.option("--target-changed-ok", is_flag=True,
+              help="Export although the target at the run's --target path changed since it trained (same "
+                   "hidden size and vocab); the trained layer ids and mask token are written.")
 @json_option
 @click.pass_obj
-def export(state: State, args, output, step, dtype, force, as_json):
+def export(state: State, args, output, step, dtype, force, running_ok, target_changed_ok, as_json):
     """Bring a trained drafter home as a DFlash draft-model folder (SGLang, vLLM, z-lab's dflash).
 
     RUN defaults to the target's newest succeeded run. The export runs on the target; the folder
@@ -426,9 +430,15 @@ def export(state: State, args, output, step, dtype, force, as_json):
     if run != "latest":     # a run over several nodes: rank 0's node (RUN default: this target's newest succeeded)
         target = nodes.rank0_of(state.inv, target, run)
     res = export_mod.export(state.inv, target, run, output=output, step=step, dtype=dtype, force=force,
+                            running_ok=running_ok, target_changed_ok=target_changed_ok,
                             progress=None if as_json else progress_bars())
     size = f"{res.bytes / 2**20:.1f} MiB" if res.bytes >= 2**20 else f"{res.bytes} bytes"
     emit(as_json, res.as_json(), f"{res.output}")
     if not as_json:
+        if res.running:
+            _note(f"{target.name}: run {res.run} is still running: this is its checkpoint of step {res.step}")
+        if res.target_changed:
+            _note(f"{target.name}: the target changed since run {res.run} trained ({', '.join(res.target_changed)}); "
+                  "exported with the trained layer ids and mask token")
         _note(f"{target.name}: run {res.run} step {res.step} exported ({res.dtype}, {len(res.files)} files, "
               f"{size}, {res.seconds:.1f} s); serve it with `--speculative-draft-model-path {res.output}`")

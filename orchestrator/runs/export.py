@@ -44,6 +44,8 @@ class ExportResult:
     checkpoint: str | None = None
     mask_token_id: int | None = None
     target_layer_ids: list[int] | None = None
+    running: bool = False                  # the run was still running (--running-ok): `step` is what it held
+    target_changed: list[str] = field(default_factory=list)   # what --target-changed-ok let through
     seconds: float = 0.0
 
     def as_json(self) -> dict:
@@ -140,10 +142,13 @@ def default_output(run: str, step: int) -> str:
 
 
 def export(inv: Inventory, target: Target, run: str = "latest", *, output: str | None = None,
-           step: int | None = None, dtype: str = "bfloat16", force: bool = False,
-           progress: Progress | None = None, session: Session | None = None) -> ExportResult:
+           step: int | None = None, dtype: str = "bfloat16", force: bool = False, running_ok: bool = False,
+           target_changed_ok: bool = False, progress: Progress | None = None,
+           session: Session | None = None) -> ExportResult:
     """Export RUN (default: the newest succeeded run) at `step` (default: its last checkpoint) and
-    write the folder to `output` (default: ./dflash-RUN-stepN). Raises NotFound for no such run."""
+    write the folder to `output` (default: ./dflash-RUN-stepN). Raises NotFound for no such run.
+    running_ok and target_changed_ok go to the target's export (docs/export.md); force replaces an
+    existing output folder here."""
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}")
     if step is not None and step < 0:
@@ -155,7 +160,7 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
         raise UsageError(f"-o {output}: the folder {where} does not exist")
     partial = where / f".dflash-export.partial-{os.getpid()}-{time.monotonic_ns()}"
     args = ["export", target.workdir] + (["--step", str(step)] if step is not None else []) + \
-        ["--dtype", dtype, "--", run]
+        ["--dtype", dtype] + ["--running-ok"] * running_ok + ["--target-changed-ok"] * target_changed_ok + ["--", run]
     start = time.monotonic()
     recv = _Receiver(partial, progress, target.name)
     try:
@@ -180,6 +185,7 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
     return ExportResult(target=target.name, run=head["run"], step=head["step"], output=str(dest), dtype=dtype,
                         files=recv.got, bytes=sum(f["size"] for f in recv.got), checkpoint=head.get("checkpoint"),
                         mask_token_id=head.get("mask_token_id"), target_layer_ids=head.get("target_layer_ids"),
+                        running=bool(head.get("running")), target_changed=head.get("target_changed") or [],
                         seconds=round(time.monotonic() - start, 3))
 
 
@@ -192,6 +198,8 @@ def _refusal(target: Target, run: str, refused: agent.Refused) -> OpsError:
                                 f"(`dflash-ops status {t}`)")
             return NotFound(f"{t}: no runs yet in {target.workdir}/runs; start one with `dflash-ops launch {t}`")
         return NotFound(f"{t}: no run {run!r} (see `dflash-ops status {t}`)")
+    if refused.reason == "running":
+        return UsageError(f"{t}: run {head.get('run')}: {head.get('message')}")
     if refused.reason == "no_release":
         return OpsError(f"{t}: {head.get('message')}; run `dflash-ops deploy {t}` first")
     msg = f"{t}: run {head.get('run')}: cannot export: {head.get('message')}"
@@ -200,7 +208,7 @@ def _refusal(target: Target, run: str, refused: agent.Refused) -> OpsError:
 
 def _check_dest(dest: Path, force: bool) -> None:
     dest = dest.expanduser()
-    if dest.exists() and not force and (not dest.is_dir() or any(dest.iterdir())):
+    if (dest.exists() or dest.is_symlink()) and not force:   # empty or not
         raise UsageError(f"-o {dest}: already exists (pass --force to replace it)")
 
 

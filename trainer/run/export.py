@@ -1,6 +1,7 @@
 """Export a run's checkpoint as the DFlash draft-model folder that serving engines load.
 
     python -m trainer.export --run OUT [--step N] -o DIR [--dtype bfloat16|float16|float32] [--force]
+                             [--running-ok] [--target-changed-ok]
 
 DIR is a Hugging Face folder in the format of the reference implementation (z-lab's `dflash`,
 `DFlashDraftModel.from_pretrained`), which SGLang and vLLM also read (docs/export.md):
@@ -9,7 +10,15 @@ DIR is a Hugging Face folder in the format of the reference implementation (z-la
                         block_size, num_target_layers (the TARGET's layer count) and
                         dflash_config {target_layer_ids, mask_token_id, mask_token}
     model.safetensors   fc, hidden_norm, layers.N.{...}, norm (the draft's own final norm)
-    dflash_ops.json     where it came from: run, step, checkpoint, target, dtype
+    dflash_ops.json     where it came from: run, step, checkpoint, target and its identity, dtype
+
+The layer ids and the mask token id are the ones the run trained with, as its checkpoint records
+them (trainer/run/provenance.py), never re-derived from what sits at the target path now. Refused
+(exit 2, one line): a target at that path that is not the one the run trained against (unless
+--target-changed-ok, for a target of the same hidden size and vocab), a run still running (unless
+--running-ok; the JSON line then says `"running": true` and which step it holds), an existing DIR,
+empty or not (unless --force). A checkpoint written before the record existed still exports, as
+before, with one line on stderr saying so.
 
 The target's embedding and lm_head are not in the folder: a server uses the target's own. The
 folder is written beside DIR under a temporary name and renamed into place, so DIR is either
@@ -18,11 +27,12 @@ absent or complete. Prints one JSON line (the folder, its files, step). Bad inpu
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
 from trainer.files import atomic_folder
-from trainer.errors import UsageError
+from trainer.errors import TrainerError, UsageError
 
 DTYPES = ("bfloat16", "float16", "float32")
 ARCHITECTURE = "DFlashDraftModel"
@@ -108,19 +118,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N (default: the latest)")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="the folder to write")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (default: bfloat16)")
-    p.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    p.add_argument("--force", action="store_true", help="replace DIR if it exists, empty or not")
+    p.add_argument("--running-ok", action="store_true",
+                   help="export a run that is still running (its newest complete checkpoint)")
+    p.add_argument("--target-changed-ok", action="store_true",
+                   help="export although the target at the run's --target path is not the one it trained against "
+                        "(same hidden size and vocab): the trained layer ids and mask token are written")
     a = p.parse_args(argv)
-    doc = export(a.run, a.output, step=a.step, dtype=a.dtype, force=a.force)
+    doc = export(a.run, a.output, step=a.step, dtype=a.dtype, force=a.force, running_ok=a.running_ok,
+                 target_changed_ok=a.target_changed_ok)
     print(json.dumps(doc), flush=True)
     return 0
 
 
-def export(run: str, output: str, *, step: int | None = None, dtype: str = "bfloat16", force: bool = False) -> dict:
+def export(run: str, output: str, *, step: int | None = None, dtype: str = "bfloat16", force: bool = False,
+           running_ok: bool = False, target_changed_ok: bool = False) -> dict:
     """Export run OUT's checkpoint (step, or the latest) to the folder `output`; returns a summary."""
     import torch
     from safetensors.torch import save_file
 
-    from trainer.run import checkpoint
+    from trainer.run import checkpoint, provenance
     from trainer.run.config import RUN_CONFIG, TrainConfig, layer_ids
 
     out, dest = Path(run), Path(output)
@@ -128,25 +145,31 @@ def export(run: str, output: str, *, step: int | None = None, dtype: str = "bflo
         cfg = TrainConfig(**json.loads((out / RUN_CONFIG).read_text()))
     except (OSError, ValueError, TypeError) as e:
         raise UsageError(f"--run {run}: not a training run folder ({e})") from None
-    if step is not None:
-        path = checkpoint.root(out) / f"step-{step:08d}"
-        if not checkpoint.verify(path):
-            have = sorted(int(p.name[5:]) for p in checkpoint.root(out).glob("step-*") if checkpoint.verify(p)) \
-                if checkpoint.root(out).is_dir() else []
-            raise UsageError(f"--step {step}: no complete checkpoint of that step in {run} "
-                             f"(complete: {', '.join(map(str, have)) or 'none'})")
-    else:
-        path = checkpoint.find_latest(out)
-        if path is None:
-            raise UsageError(f"--run {run}: no complete checkpoint yet")
-    if dest.exists() and not force and (not dest.is_dir() or any(dest.iterdir())):
+    running = provenance.is_running(out)
+    if running and not running_ok:
+        raise UsageError(f"--run {run}: the run is still running (pass --running-ok to export its newest "
+                         "complete checkpoint)")
+    path = _checkpoint_path(out, run, step)
+    if dest.exists() and not force:
         raise UsageError(f"-o {output}: already exists (pass --force to replace it)")
 
-    target = _shape_only_target(cfg.target, layer_ids(cfg))
-    dcfg = target.drafter_config(num_layers=cfg.draft_layers, block_size=cfg.block_size,
-                                 mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id,
+    try:
+        ck = checkpoint.load(path)
+    except (OSError, ValueError, KeyError) as e:   # a running trainer may have pruned it meanwhile
+        raise TrainerError(f"{path}: cannot read the checkpoint ({e})") from None
+    record = ck.meta.get("target")
+    target = _shape_only_target(cfg.target, None if record else layer_ids(cfg))
+    changed = {}
+    if record:
+        changed = provenance.changes(record, provenance.identity(target))
+        _check_target(run, cfg.target, record, changed, target.num_layers, target_changed_ok)
+        target.layer_ids, mask = tuple(record["layer_ids"]), record["mask_token_id"]
+    else:
+        print(f"export: {path} records no target identity (an older trainer wrote it): layer ids and mask "
+              "token come from the run's settings and the target as it is now", file=sys.stderr, flush=True)
+        mask = None if cfg.mask_token_id < 0 else cfg.mask_token_id
+    dcfg = target.drafter_config(num_layers=cfg.draft_layers, block_size=cfg.block_size, mask_token_id=mask,
                                  own_norm=not cfg.freeze_draft_norm)
-    ck = checkpoint.load(path)
     norm = _target_norm(cfg.target, dcfg.hidden_size) if "norm.weight" not in ck.model else None
     try:
         weights = draft_weights(dcfg, ck.model, norm)
@@ -161,13 +184,52 @@ def export(run: str, output: str, *, step: int | None = None, dtype: str = "bflo
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file({k: v.detach().to("cpu", torch_dtype).contiguous() for k, v in weights.items()},
                   str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        provenance = {"run": str(out.resolve()), "step": ck.step, "checkpoint": str(path.resolve()),
-                      "target": cfg.target, "dtype": dtype, "drafter": asdict(dcfg),
-                      "chat_template_kwargs": json.loads(cfg.chat_template_kwargs or "{}")}
-        (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=1) + "\n")
+        provenance_doc = {"run": str(out.resolve()), "step": ck.step, "checkpoint": str(path.resolve()),
+                          "running": running, "target": cfg.target, "target_identity": record,
+                          "target_changed": list(changed.values()), "dtype": dtype, "drafter": asdict(dcfg),
+                          "chat_template_kwargs": json.loads(cfg.chat_template_kwargs or "{}")}
+        (tmp / PROVENANCE).write_text(json.dumps(provenance_doc, indent=1) + "\n")
     files = {f.name: f.stat().st_size for f in sorted(dest.iterdir())}
-    return {"output": str(dest), "step": ck.step, "checkpoint": str(path), "dtype": dtype, "files": files,
-            "mask_token_id": dcfg.mask_token_id, "target_layer_ids": list(target.layer_ids)}
+    return {"output": str(dest), "step": ck.step, "running": running, "checkpoint": str(path), "dtype": dtype,
+            "files": files, "mask_token_id": dcfg.mask_token_id, "target_layer_ids": list(target.layer_ids),
+            "target_changed": list(changed.values())}
+
+
+def _checkpoint_path(out: Path, run: str, step: int | None) -> Path:
+    """The complete checkpoint of `step`, or the newest complete one."""
+    from trainer.run import checkpoint
+
+    if step is None:
+        path = checkpoint.find_latest(out)
+        if path is None:
+            raise UsageError(f"--run {run}: no complete checkpoint yet")
+        return path
+    path = checkpoint.root(out) / f"step-{step:08d}"
+    if not checkpoint.verify(path):
+        have = sorted(int(p.name[5:]) for p in checkpoint.root(out).glob("step-*") if checkpoint.verify(p)) \
+            if checkpoint.root(out).is_dir() else []
+        raise UsageError(f"--step {step}: no complete checkpoint of that step in {run} "
+                         f"(complete: {', '.join(map(str, have)) or 'none'})")
+    return path
+
+
+def _check_target(run: str, spec: str, record: dict, changed: dict, num_layers: int, ok: bool) -> None:
+    """Refuse a target that is not the one the run trained against, unless `ok` and it has the same
+    shape (hidden size, vocab) and the trained layers."""
+    from trainer.run.provenance import SERVES
+
+    if not changed:
+        return
+    what, ids = ", ".join(changed.values()), record["layer_ids"]
+    if not ok:
+        raise UsageError(f"--run {run}: the target at {spec} is not the one the run trained against ({what}); "
+                         f"pass --target-changed-ok to export the trained layer ids {ids} for it anyway")
+    if any(k in changed for k in SERVES):
+        raise UsageError(f"--target-changed-ok: the target at {spec} has another shape ({what}); "
+                         "the drafter cannot serve it")
+    if max(ids) >= num_layers:
+        raise UsageError(f"--target-changed-ok: the run read target layers {ids}; the target at {spec} "
+                         f"has layers 0..{num_layers - 1}")
 
 
 def _shape_only_target(spec: str, layers):

@@ -33,6 +33,7 @@ launcher. If the launcher dies, the ranks get SIGTERM too (PR_SET_PDEATHSIG).
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -47,7 +48,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainer import policies
-from trainer.run import checkpoint
+from trainer.run import checkpoint, provenance
 from trainer.exits import in_rank
 from trainer.files import atomic_file
 from trainer.run.config import TrainConfig
@@ -194,27 +195,29 @@ def _rank(cfg: TrainConfig, rank: int, world: int, local: int, device: torch.dev
     # every node's first rank records the settings in its own --out (with its checkpoints, a node's
     # folder is then a complete run for `python -m trainer.export`)
     out, resume_from = loop.open_run(cfg, writer=writer or local == 0)
-    log = RunLog(out / "metrics.jsonl") if writer else QuietLog()
-    policy = loop.resolve_policy(cfg, device)
-    log.info(f"torch {torch.__version__} | {world} ranks on {device.type} | topology processes "
-             f"({dist.get_backend()}) | compile policy {policy}"
-             + (" (auto: from probe.json)" if cfg.compile_policy == "auto" else ""))
-    prep = loop.prepare(cfg, device, log, out, resume_from, stop, writer=writer,
-                         barrier=lambda: device_barrier(device),
-                         load_checkpoint=lambda path: _checkpoint_everywhere(path, rank, world))
+    held = provenance.running(out) if writer or local == 0 else contextlib.nullcontext()
+    with held:   # while held, `python -m trainer.export` knows this run is running
+        log = RunLog(out / "metrics.jsonl") if writer else QuietLog()
+        policy = loop.resolve_policy(cfg, device)
+        log.info(f"torch {torch.__version__} | {world} ranks on {device.type} | topology processes "
+                 f"({dist.get_backend()}) | compile policy {policy}"
+                 + (" (auto: from probe.json)" if cfg.compile_policy == "auto" else ""))
+        prep = loop.prepare(cfg, device, log, out, resume_from, stop, writer=writer,
+                             barrier=lambda: device_barrier(device),
+                             load_checkpoint=lambda path: _checkpoint_everywhere(path, rank, world))
 
-    def build() -> Replica:
-        return build_replica(rank, device, prep.drafter, prep.target, policy=policy, n_devices=1, lr=cfg.lr,
-                             weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights,
-                             optimizer_state=prep.ck.optimizer if prep.ck else None,
-                             wrap=lambda m: wrap_ddp(m, device),
-                             compile_target=policies.compiled_part(cfg.compile_target, policy, device),
-                             compile_update=policies.compiled_part(cfg.compile_update, policy, device))
+        def build() -> Replica:
+            return build_replica(rank, device, prep.drafter, prep.target, policy=policy, n_devices=1, lr=cfg.lr,
+                                 weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights,
+                                 optimizer_state=prep.ck.optimizer if prep.ck else None,
+                                 wrap=lambda m: wrap_ddp(m, device),
+                                 compile_target=policies.compiled_part(cfg.compile_target, policy, device),
+                                 compile_update=policies.compiled_part(cfg.compile_update, policy, device))
 
-    engine = RankEngine(build, rank, world, device, log, guard=not cfg.skip_compile_guard, node_first=local == 0)
-    if prep.ck is not None:
-        checkpoint.restore_rng(prep.ck.rng)
-    return loop.run_loop(cfg, engine, prep, log, stop)
+        engine = RankEngine(build, rank, world, device, log, guard=not cfg.skip_compile_guard, node_first=local == 0)
+        if prep.ck is not None:
+            checkpoint.restore_rng(prep.ck.rng)
+        return loop.run_loop(cfg, engine, prep, log, stop)
 
 
 def _write_node_record(cfg: TrainConfig, rank: int, world: int) -> None:

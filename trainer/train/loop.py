@@ -20,7 +20,7 @@ from trainer.errors import EXIT_OK, EXIT_SIGTERM, UsageError
 from trainer.model import choices, masks
 from trainer.model.drafter import Drafter, DrafterConfig, flops_per_sample
 from trainer.engine.step import lr_at
-from trainer.run import checkpoint
+from trainer.run import checkpoint, provenance
 from trainer.run.config import RUN_CONFIG, TrainConfig, chat_template_options, layer_ids
 from trainer.run.data import (Loader, check_samples, encode_rows, make_batch, random_prompts, prompt_vocab, read_rows,
                               split_eval, synthetic)
@@ -51,6 +51,7 @@ class Prepared:
     dcfg: DrafterConfig
     drafter: Drafter             # initial (or resumed) trainable weights, on the CPU
     flops: float                 # training FLOPs per sample, for MFU
+    identity: dict | None = None  # the target as trained against, recorded in every checkpoint (provenance.py)
 
 
 def open_run(cfg: TrainConfig, *, writer: bool) -> tuple[Path, Path | None]:
@@ -115,7 +116,8 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
     log.info(f"drafter: {dcfg.num_layers} layers, {n_params / 1e6:.2f}M trainable params, block {dcfg.block_size}, "
              f"mask token {dcfg.mask_token_id}, gamma {gamma:g}")
     return Prepared(out, ck, target, samples, eval_prompts, pad_len, pos_weights, dcfg, drafter,
-                    flops_per_sample(dcfg, pad_len, cfg.anchors * cfg.block_size))
+                    flops_per_sample(dcfg, pad_len, cfg.anchors * cfg.block_size),
+                    provenance.recorded(target, dcfg.mask_token_id))
 
 
 def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Event) -> int:
@@ -173,7 +175,7 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
     while step < cfg.steps:
         if engine.agree(stop.is_set()):
             finish()
-            return _stopped(cfg, log, out, engine, batches, step)
+            return _stopped(cfg, log, prep, engine, batches, step)
         t = time.perf_counter()
         batch = batches.take(step)
         lr = lr_at(step, steps=cfg.steps, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup)
@@ -189,13 +191,13 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
         if checksum:
             engine.check_replicas(step)
         if save:
-            _save(cfg, log, out, engine, batches, step)
+            _save(cfg, log, prep, engine, batches, step)
         if evaluate:
             _eval(cfg, log, engine, prep.eval_prompts, step)
 
     finish()
     engine.check_replicas(step)
-    _save(cfg, log, out, engine, batches, step)
+    _save(cfg, log, prep, engine, batches, step)
     if engine.agree(stop.is_set()):
         log.metrics({"event": "stopped", "step": step})
         return EXIT_SIGTERM
@@ -315,20 +317,21 @@ def _read_samples(path: str, cfg, target):
     return check_samples(rows, path=path, block_size=cfg.block_size, seq_len=cfg.seq_len, vocab_size=vocab)
 
 
-def _save(cfg, log, out, engine, batches, step) -> None:
+def _save(cfg, log, prep, engine, batches, step) -> None:
     engine.settle()  # the last step's update has run and its norm is finite
     if not engine.saver:     # rank 0, and under several nodes the first rank of each node
         return
     t = time.time()
     r0 = engine.primary
-    path = checkpoint.save(out, step, model=r0.drafter.trainable_state_dict(), optimizer=r0.optimizer.state_dict(),
-                           meta={"data": batches.state(), "config": cfg.to_dict()}, keep=cfg.keep_checkpoints)
+    path = checkpoint.save(prep.out, step, model=r0.drafter.trainable_state_dict(),
+                           optimizer=r0.optimizer.state_dict(), keep=cfg.keep_checkpoints,
+                           meta={"data": batches.state(), "config": cfg.to_dict(), "target": prep.identity})
     log.metrics({"event": "checkpoint", "step": step, "path": str(path), "seconds": time.time() - t})
 
 
-def _stopped(cfg, log, out, engine, batches, step) -> int:
+def _stopped(cfg, log, prep, engine, batches, step) -> int:
     log.info(f"SIGTERM: writing a checkpoint at step {step}, then exiting")
-    _save(cfg, log, out, engine, batches, step)
+    _save(cfg, log, prep, engine, batches, step)
     engine.barrier()  # ranks leave together, after rank 0's checkpoint is complete
     log.metrics({"event": "stopped", "step": step})
     return EXIT_SIGTERM

@@ -22,7 +22,7 @@ from trainer import policies
 from trainer.engine.step import build_replica
 from trainer.engine.workers import ThreadEngine, WorkerFailed, WorkerHung
 from trainer.exits import exit_process
-from trainer.run import checkpoint
+from trainer.run import checkpoint, provenance
 from trainer.run.config import TrainConfig
 from trainer.run.log import RunLog
 from trainer.train.loop import devices_for, on_sigterm, open_run, owns_process, prepare, resolve_policy, run_loop
@@ -60,6 +60,11 @@ def main(cfg: TrainConfig) -> int:
 def _main(cfg: TrainConfig, stop: threading.Event) -> int:
     # ---- config and run folder ----------------------------------------------------------------
     out, resume_from = open_run(cfg, writer=True)
+    with provenance.running(out):   # while held, `python -m trainer.export` knows this run is running
+        return _train(cfg, stop, out, resume_from)
+
+
+def _train(cfg: TrainConfig, stop: threading.Event, out, resume_from) -> int:
     log = RunLog(out / "metrics.jsonl")
 
     # ---- devices and compile policy -----------------------------------------------------------

@@ -21,7 +21,7 @@ header line followed by raw bytes.
                               SIGTERM (SIGKILL with --force) to the trainer's process group, then
                               wait for it to checkpoint and exit (runs/stop.py)
     metrics WORKDIR -- RUN    the log's JSON metric lines
-    export WORKDIR [--step N] [--dtype D] -- RUN
+    export WORKDIR [--step N] [--dtype D] [--running-ok] [--target-changed-ok] -- RUN
                               the run's drafter as a DFlash folder, streamed (runs/export.py)
     probe WORKDIR [--reuse] -- PROBE_ARGS...
                               the live release's probe program, its document as the reply
@@ -347,10 +347,11 @@ def main(argv):
             _, values = _split(args)
             cmd_metrics(workdir, values[0] if values else "latest")
         elif cmd == "export":
-            opts, values = _split(args, (), ("--step", "--dtype"))
+            opts, values = _split(args, ("--running-ok", "--target-changed-ok"), ("--step", "--dtype"))
             step = opts.get("--step")
             cmd_export(workdir, values[0] if values else "latest",
-                       None if step is None else int(step), opts.get("--dtype", "bfloat16"))
+                       None if step is None else int(step), opts.get("--dtype", "bfloat16"),
+                       running_ok="--running-ok" in opts, target_changed_ok="--target-changed-ok" in opts)
         elif cmd == "rm":
             opts, values = _split(args, ("--dry-run",))
             cmd_rm(workdir, values, "--dry-run" in opts)

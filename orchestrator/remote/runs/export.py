@@ -1,20 +1,22 @@
 """Runs agent: the `export` command. Standard library only, Python >= 3.8, no `from __future__`
 line (runs/common.py says why).
 
-    export WORKDIR [--step N] [--dtype D] -- RUN
+    export WORKDIR [--step N] [--dtype D] [--running-ok] [--target-changed-ok] -- RUN
 
 Runs `python -m trainer.export` of the live release (WORKDIR/current) on the run's folder, into a
 private temporary folder WORKDIR/exports/.tmp-PID, and sends the result over this one connection:
 stdout is one JSON header line
 
-    {"ok": true, "run", "step", "dtype", "checkpoint",
-     "files": [{"name", "size", "sha256"}, ...]}
+    {"ok": true, "run", "step", "running", "dtype", "checkpoint", "mask_token_id", "target_layer_ids",
+     "target_changed", "files": [{"name", "size", "sha256"}, ...]}
 
 followed by the files' bytes back to back, in the header's order. The temporary folder is removed
 whatever happens (the reader going away, SIGHUP/SIGTERM); ones left by an agent killed with SIGKILL
 are removed by the next export. A refusal is a header with "ok": false (and exit status 0):
 "reason": "not_found" when there is no such run (RUN "latest" or "": the newest SUCCEEDED run), else
-"reason": "no_release" | "export" with "message" and, for "export", the trainer's "exit_code".
+"reason": "running" (the run is still running and --running-ok was not given) | "no_release" |
+"export" with "message" and, for "export", the trainer's "exit_code". --running-ok and
+--target-changed-ok are passed on to the trainer's export (docs/export.md).
 """
 import json
 import os
@@ -52,7 +54,7 @@ def _interrupted(signum, frame):
     raise SystemExit(128 + signum)   # runs the finally blocks: the temporary folder goes
 
 
-def cmd_export(workdir, run, step, dtype):
+def cmd_export(workdir, run, step, dtype, running_ok=False, target_changed_ok=False):
     if run in ("", "latest", None):
         rid = _latest_succeeded(workdir)
     else:
@@ -60,6 +62,9 @@ def cmd_export(workdir, run, step, dtype):
     if rid is None:
         _not_found(workdir, run or "latest", any_runs=bool(_run_ids(workdir)))
     rundir = os.path.join(_runs_dir(workdir), rid)
+    if _state(rundir)[0] == "running" and not running_ok:
+        refuse("running", "the run is still running (pass --running-ok to export its newest complete checkpoint)",
+               found=True, run=rid)
     current = os.path.join(workdir, "current")
     if not os.path.isfile(os.path.join(current, "trainer", "export.py")):
         refuse("no_release", "the live release in %s has no trainer/export.py" % workdir, found=True, run=rid)
@@ -76,6 +81,7 @@ def cmd_export(workdir, run, step, dtype):
         argv = [sys.executable, "-m", "trainer.export", "--run", rundir, "-o", folder, "--dtype", dtype]
         if step is not None:
             argv += ["--step", str(step)]
+        argv += ["--running-ok"] * running_ok + ["--target-changed-ok"] * target_changed_ok
         env = dict(os.environ)
         env.update({"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
         proc = subprocess.Popen(argv, cwd=os.path.realpath(current), env=env, stdin=subprocess.DEVNULL,
@@ -92,9 +98,10 @@ def cmd_export(workdir, run, step, dtype):
         for name in sorted(os.listdir(folder)):
             path = os.path.join(folder, name)
             files.append({"name": name, "size": os.path.getsize(path), "sha256": _sha256(path)})
-        header = {"ok": True, "found": True, "run": rid, "step": info.get("step"), "dtype": dtype,
-                  "checkpoint": info.get("checkpoint"), "mask_token_id": info.get("mask_token_id"),
-                  "target_layer_ids": info.get("target_layer_ids"), "files": files}
+        header = {"ok": True, "found": True, "run": rid, "step": info.get("step"), "running": info.get("running"),
+                  "dtype": dtype, "checkpoint": info.get("checkpoint"), "mask_token_id": info.get("mask_token_id"),
+                  "target_layer_ids": info.get("target_layer_ids"), "target_changed": info.get("target_changed"),
+                  "files": files}
         stream = sys.stdout.buffer
         stream.write((json.dumps(header) + "\n").encode())
         for f in files:

@@ -1,0 +1,164 @@
+"""Export writes what the run trained with, and refuses what would miswire it.
+
+A short CPU run against a Hugging Face target folder (tests/hf_target.py); each test exports a copy
+of it whose recorded --target path holds a variant of that target. The four refusals (a changed
+target, the same hidden size with another layer count, a running run, an existing output folder,
+empty or not) are exit 2 with one line; their overrides export the TRAINED layer ids and mask token.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import hf_target  # noqa: E402
+from trainer_quick import QUICK, ROOT, subprocess_env, wait_for  # noqa: E402
+
+from trainer.exits import run  # noqa: E402
+from trainer.run import checkpoint, export, provenance  # noqa: E402
+from trainer.run.config import RUN_CONFIG  # noqa: E402
+
+TRAINED_IDS = [1, 2, 3, 4, 5]   # default_layer_ids(8), the HF target's 8 layers
+
+
+def call(argv) -> tuple[int, dict | None, str]:
+    """`python -m trainer.export ARGV` in this process: (exit status, its JSON line, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = run(export.main, [str(a) for a in argv])
+    return rc, json.loads(out.getvalue()) if rc == 0 else None, err.getvalue()
+
+
+def refused(argv, needle: str) -> str:
+    rc, _, err = call(argv)
+    assert rc == 2 and needle in err, (rc, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return hf_target.trained(tmp_path_factory.mktemp("prov"), *QUICK[2:], "--steps", "3")[1]  # QUICK less --target
+
+
+def variant(path: Path, *, seed: int = 3, layers: int = 8, hidden: int = 64) -> Path:
+    """A target folder like hf_target.build's, with another seed, layer count or hidden size."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from trainer.run.tiny import TINY
+
+    torch.manual_seed(seed)
+    tok = hf_target.tokenizer()
+    cfg = Qwen3Config(**{**TINY, "num_hidden_layers": layers, "hidden_size": hidden}, eos_token_id=tok.eos_token_id)
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def retargeted(trained: Path, tmp: Path, make=None) -> Path:
+    """A copy of the run whose --target path holds make(path) (default: the same target, copied)."""
+    out = tmp / "run"
+    shutil.copytree(trained, out)
+    cfg = json.loads((out / RUN_CONFIG).read_text())
+    target = tmp / "target"
+    shutil.copytree(cfg["target"], target) if make is None else make(target)
+    (out / RUN_CONFIG).write_text(json.dumps({**cfg, "target": str(target)}))
+    return out
+
+
+def test_every_checkpoint_records_the_target_and_an_unchanged_one_exports(trained, tmp_path):
+    ck = checkpoint.load(checkpoint.find_latest(trained))
+    rec = ck.meta["target"]
+    mask = hf_target.tokenizer().mask_token_id
+    assert rec["layer_ids"] == TRAINED_IDS and rec["mask_token_id"] == mask
+    assert (rec["num_layers"], rec["hidden_size"], rec["weights_sample_rows"]) == (8, 64, 256)
+    assert len(rec["config_sha256"]) == 64 and len(rec["weights_sha256"]) == 64
+    out = retargeted(trained, tmp_path)   # moved, byte for byte the same: not a change
+    rc, doc, err = call(["--run", out, "-o", tmp_path / "d"])
+    assert rc == 0 and err == "", err
+    assert doc["target_layer_ids"] == TRAINED_IDS and doc["mask_token_id"] == mask and doc["running"] is False
+    assert doc["target_changed"] == []
+    prov = json.loads((tmp_path / "d" / export.PROVENANCE).read_text())
+    assert prov["target_identity"] == rec and prov["step"] == 3
+
+
+def test_an_existing_output_folder_needs_force_empty_or_not(trained, tmp_path):
+    dest = tmp_path / "d"
+    dest.mkdir()
+    refused(["--run", trained, "-o", dest], "already exists (pass --force")
+    (dest / "x").write_text("x")
+    refused(["--run", trained, "-o", dest], "already exists (pass --force")
+    rc, doc, _ = call(["--run", trained, "-o", dest, "--force"])
+    assert rc == 0 and not (dest / "x").exists() and (dest / "config.json").is_file()
+
+
+def test_a_changed_target_is_refused_and_target_changed_ok_exports_the_trained_ids(trained, tmp_path):
+    out = retargeted(trained, tmp_path, lambda p: variant(p, seed=11))
+    refused(["--run", out, "-o", tmp_path / "d"], "is not the one the run trained against "
+            "(config.json, embedding/lm_head weights); pass --target-changed-ok")
+    assert not (tmp_path / "d").exists()
+    rc, doc, _ = call(["--run", out, "-o", tmp_path / "d", "--target-changed-ok"])
+    assert rc == 0 and doc["target_layer_ids"] == TRAINED_IDS
+    assert doc["target_changed"] == ["config.json", "embedding/lm_head weights"]
+
+
+def test_same_hidden_size_other_layer_count_no_longer_exports_other_layer_ids(trained, tmp_path):
+    """The miswire: a 12-layer target of the same hidden size used to export layer ids [1,3,5,7,9]."""
+    out = retargeted(trained, tmp_path, lambda p: variant(p, layers=12))
+    refused(["--run", out, "-o", tmp_path / "d"], "(layers 8 -> 12, config.json, embedding/lm_head weights)")
+    rc, doc, _ = call(["--run", out, "-o", tmp_path / "d", "--target-changed-ok"])
+    assert rc == 0 and doc["target_layer_ids"] == TRAINED_IDS
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == TRAINED_IDS and config["num_target_layers"] == 12
+    assert config["dflash_config"]["mask_token_id"] == hf_target.tokenizer().mask_token_id
+
+
+def test_another_shape_or_too_few_layers_is_refused_even_with_target_changed_ok(trained, tmp_path):
+    out = retargeted(trained, tmp_path, lambda p: variant(p, hidden=128))
+    refused(["--run", out, "-o", tmp_path / "d", "--target-changed-ok"], "hidden size 64 -> 128")
+    out = retargeted(trained, tmp_path / "b", lambda p: variant(p, layers=4))
+    refused(["--run", out, "-o", tmp_path / "d", "--target-changed-ok"],
+            "the run read target layers [1, 2, 3, 4, 5]; the target at")
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_checkpoint_without_the_record_still_exports_with_one_line(trained, tmp_path):
+    out = retargeted(trained, tmp_path)
+    meta_path = checkpoint.find_latest(out) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["target"]
+    meta_path.write_text(json.dumps(meta))
+    rc, doc, err = call(["--run", out, "-o", tmp_path / "d"])
+    assert rc == 0 and doc["target_layer_ids"] == TRAINED_IDS
+    assert len(err.strip().splitlines()) == 1 and "records no target identity" in err, err
+
+
+def test_a_running_run_needs_running_ok_and_says_which_step(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *QUICK, "--steps", "100000", "--checkpoint-every", "2",
+                             "--out", str(out)], cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: checkpoint.find_latest(out), timeout=120, what="a checkpoint")
+        assert provenance.is_running(out)
+        refused(["--run", out, "-o", tmp_path / "d"], "still running (pass --running-ok")
+        rc, doc, _ = call(["--run", out, "-o", tmp_path / "d", "--running-ok"])
+        assert rc == 0 and doc["running"] is True and doc["step"] >= 2 and doc["step"] % 2 == 0
+        assert json.loads((tmp_path / "d" / export.PROVENANCE).read_text())["running"] is True
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 143, proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not provenance.is_running(out)
+    rc, doc, _ = call(["--run", out, "-o", tmp_path / "e"])
+    assert rc == 0 and doc["running"] is False

@@ -1,0 +1,152 @@
+"""What export must know about a run: the target it trained against, and whether it is still running.
+
+Every checkpoint's meta.json records `target`, the target's identity as the run saw it (recorded()):
+
+    target            the --target spec
+    config_sha256     sha256 of the target's config.json, parsed with its keys sorted, less
+                      `transformers_version` and `_name_or_path` (bookkeeping a re-save changes);
+                      for `tiny`, of its built-in settings and seed
+    num_layers, hidden_size, vocab_size
+                      the target's shape (vocab: its embedding rows)
+    weights_sha256    sha256 over the embedding and lm_head tensors AS STORED in the target's
+                      safetensors files (`*embed_tokens.weight`, `*lm_head.weight`): each tensor's
+                      name, dtype and shape and the bytes of SAMPLE_ROWS rows evenly spaced from its
+                      first row to its last (a few MB read, whatever the model's size); for `tiny`,
+                      the same over its fp32 tensors; null for a folder without safetensors files
+                      or without such tensors in them
+    layer_ids         the target layers whose outputs fed the drafter
+    mask_token_id     the id whose embedding marked the positions to draft
+
+`changes(recorded, now)` names what differs between a record and the target as it is now.
+
+A trainer holds a shared flock on OUT/trainer.lock while it runs (`running`); `is_running(out)` is
+whether any process holds it now. The kernel drops the lock when the process ends, however it ends.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+SAMPLE_ROWS = 256
+LOCK = "trainer.lock"
+BOOKKEEPING = ("transformers_version", "_name_or_path")
+SHAPE = (("num_layers", "layers"), ("hidden_size", "hidden size"), ("vocab_size", "vocab"))
+SERVES = ("hidden_size", "vocab_size")   # a drafter can serve another target only if these agree
+
+
+def identity(target) -> dict:
+    """The target's own facts (a trainer.run.target.Target, its weights loaded or on the meta device)."""
+    if target.name.startswith("tiny"):
+        config_hash, weights_hash = _tiny_hashes(target.name)
+    else:
+        from trainer.run.target import target_folder
+
+        folder = Path(target_folder(target.name))
+        text = json.loads((folder / "config.json").read_text())
+        config_hash = _sha256_json({k: v for k, v in text.items() if k not in BOOKKEEPING})
+        weights_hash = _folder_weights_hash(folder)
+    return {"target": target.name, "config_sha256": config_hash, "num_layers": target.num_layers,
+            "hidden_size": target.config.hidden_size,
+            "vocab_size": int(target.model.get_input_embeddings().weight.shape[0]),
+            "weights_sha256": weights_hash, "weights_sample_rows": SAMPLE_ROWS}
+
+
+def recorded(target, mask_token_id: int) -> dict:
+    """What a checkpoint records: the target's identity, the layers read and the mask token used."""
+    return {**identity(target), "layer_ids": list(target.layer_ids), "mask_token_id": int(mask_token_id)}
+
+
+def changes(then: dict, now: dict) -> dict[str, str]:
+    """What differs between a recorded identity and the target now: {key: words}, in a fixed order."""
+    out = {k: f"{label} {then.get(k)} -> {now.get(k)}" for k, label in SHAPE if then.get(k) != now.get(k)}
+    if then.get("config_sha256") != now.get("config_sha256"):
+        out["config_sha256"] = "config.json"
+    w0, w1 = then.get("weights_sha256"), now.get("weights_sha256")
+    if w0 and w1 and (w0 != w1 or then.get("weights_sample_rows") != now.get("weights_sample_rows")):
+        out["weights_sha256"] = "embedding/lm_head weights"
+    return out
+
+
+# ---- running: a shared flock while a trainer runs -------------------------------------------------
+
+@contextmanager
+def running(out: Path):
+    """Held while a trainer runs in OUT. Shared, so that several holders of one folder (the first
+    ranks of several nodes on a shared filesystem) never wait for each other."""
+    with open(Path(out) / LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_SH)
+        yield
+
+
+def is_running(out: Path) -> bool:
+    """Whether a trainer holds OUT's lock now (a run from a trainer older than the lock: never)."""
+    try:
+        f = open(Path(out) / LOCK, "rb")
+    except OSError:
+        return False
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
+# ---- hashes -------------------------------------------------------------------------------------
+
+def _sha256_json(doc) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def _rows(n: int) -> list[int]:
+    if n <= SAMPLE_ROWS:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (SAMPLE_ROWS - 1)) for i in range(SAMPLE_ROWS)})
+
+
+def _hash_tensors(tensors) -> str:
+    """tensors: (name, dtype text, shape, slice) sorted by name; slice(i) is row i as a torch tensor."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, dtype, shape, row in tensors:
+        h.update(json.dumps([name, dtype, list(shape)]).encode())
+        for i in _rows(shape[0]):
+            h.update(row(i).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _is_head(key: str) -> bool:
+    return key.endswith(("embed_tokens.weight", "lm_head.weight"))
+
+
+def _folder_weights_hash(folder: Path) -> str | None:
+    from contextlib import ExitStack
+
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    with ExitStack() as stack:
+        tensors = []
+        for f in files:
+            st = stack.enter_context(safe_open(str(f), framework="pt"))
+            for key in filter(_is_head, st.keys()):
+                sl = st.get_slice(key)
+                tensors.append((key, sl.get_dtype(), sl.get_shape(), lambda i, sl=sl: sl[i:i + 1]))
+        return _hash_tensors(sorted(tensors, key=lambda t: t[0])) if tensors else None
+
+
+def _tiny_hashes(spec: str) -> tuple[str, str]:
+    from trainer.run.tiny import TINY, TINY_LM_HEAD_STD, build_tiny
+
+    seed = int(spec[5:]) if ":" in spec else 0
+    model = build_tiny(seed)
+    heads = sorted((k, v) for k, v in model.state_dict().items() if _is_head(k))
+    return (_sha256_json({"tiny": TINY, "lm_head_std": TINY_LM_HEAD_STD, "seed": seed}),
+            _hash_tensors([(k, str(v.dtype), tuple(v.shape), lambda i, v=v: v[i:i + 1]) for k, v in heads]))
