@@ -36,5 +36,5 @@ def test_a_real_run_beats_during_data_generation_and_warm_up(tmp_path):
                         "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
                        env=subprocess_env(DFLASH_HEARTBEAT_S="0.001"), timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "[trainer] still generating synthetic data (32 samples) (" in r.stdout
+    assert "[trainer] still generating synthetic data (32 + 2 held-out rows) (" in r.stdout
     assert "[trainer] still warming up worker 0 (" in r.stdout or "[trainer] still compiling worker 0 (" in r.stdout

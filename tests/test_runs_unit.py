@@ -128,6 +128,25 @@ def test_report_series_and_png(tmp_path):
         report.render([{"event": "checkpoint"}], tmp_path / "x.png")
 
 
+def test_report_gives_the_last_evals_tau_rounds_interval_and_a_bar_per_block_position(tmp_path):
+    metrics = [{"step": i, "loss": 5.0 - i / 10} for i in range(1, 5)]
+    metrics += [{"event": "eval", "step": 2, "acceptance_length": 1.5, "rounds": 40, "tau_ci95": [1.3, 1.7],
+                 "accept_rate_by_position": [0.4, 0.1, 0.0]},
+                {"event": "done", "step": 4, "loss": 4.6, "acceptance_length": 2.0, "rounds": 30,
+                 "tau_ci95": [1.75, 2.25], "accept_rate_by_position": [0.8, 0.5, None]}]
+    ev = report.last_eval(metrics)
+    assert ev == {"step": 4, "tau": 2.0, "rounds": 30, "ci95": [1.75, 2.25], "by_position": [0.8, 0.5, None]}
+    assert report.eval_line(ev) == ("tau 2.000 [1.750, 2.250] 95%, 30 rounds, at step 4; "
+                                    "acceptance by block position 1..3: 0.80 0.50 -")
+    fig = report.figure(metrics)
+    bars = fig.axes[3]
+    assert bars.get_xlabel() == "block position" and [b.get_height() for b in bars.patches] == [0.8, 0.5, 0.0]
+    assert "30 rounds" in bars.get_title()
+    # an older trainer's records: tau alone
+    assert report.eval_line(report.last_eval([{"event": "done", "step": 3, "acceptance_length": 2.5}])) == \
+        "tau 2.500, at step 3"
+
+
 # ---- a run over several nodes ------------------------------------------------------------------
 
 def test_a_job_over_nodes_is_one_status_row_with_rank_0s_numbers():

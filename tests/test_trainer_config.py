@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.run.config import TrainConfig, parse
+from trainer.run.config import TrainConfig, build_parser, parse
 from trainer.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,3 +89,9 @@ def test_help_lists_the_documented_flags():
 def test_the_demo_config_parses():
     c = parse(["--config", str(ROOT / "trainer" / "demo.yaml")])
     assert c.target == "tiny" and c.steps == 200 and c.block_size == 8
+
+
+def test_help_says_synthetic_data_is_for_tests_only():
+    text = " ".join(build_parser().format_help().split())
+    assert "or synthetic, for tests only" in text
+    assert "--eval-overlap-ok" in text

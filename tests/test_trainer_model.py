@@ -87,7 +87,7 @@ def test_features_in_decoding_match_features_in_training(tiny):
 def test_speculative_decoding_is_lossless(tiny):
     target, drafter = tiny
     prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(2)).tolist()
-    spec, accepted = speculative_generate(target, drafter, prompt, max_new_tokens=40)
+    spec, accepted, _ = speculative_generate(target, drafter, prompt, max_new_tokens=40)
     # plain greedy decoding, one token at a time
     logits, _, cache = target.decode(torch.tensor([prompt]))
     greedy = [int(logits[0, -1].argmax())]
@@ -106,8 +106,8 @@ def test_a_drafter_that_copies_the_target_is_accepted_fully(tiny, monkeypatch):
     def oracle(block, pos, feats, ctx_pos, mask):  # hidden states whose logits are the target's choices
         p = int(pos[0, 0])
         seq = prompt + oracle.truth[: p - len(prompt) + BLOCK]
-        out = torch.zeros(1, BLOCK, drafter.cfg.vocab_size)
-        for k in range(1, BLOCK):
+        out = torch.zeros(1, block.shape[1], drafter.cfg.vocab_size)  # a row per block position, as the drafter
+        for k in range(1, block.shape[1]):
             out[0, k, seq[p + k]] = 1.0
         return out
 
@@ -121,14 +121,25 @@ def test_a_drafter_that_copies_the_target_is_accepted_fully(tiny, monkeypatch):
     monkeypatch.setattr(drafter, "logits", lambda h: h)
     res = acceptance_length(target, drafter, [prompt], max_new_tokens=1 + 6 * BLOCK)
     assert res["acceptance_length"] == pytest.approx(BLOCK) and res["rounds"] == 6
+    assert res["tau_ci95"] == pytest.approx([BLOCK, BLOCK]) and res["accept_rate_by_position"] == [1.0] * (BLOCK - 1)
     # As the reference's dflash_generate counts: the last round is cut to the tokens still wanted
     # (the first new token comes from the prompt's own forward, so 40 = 1 + 6 x 6 + 3).
-    new, rounds = speculative_generate(target, drafter, prompt, max_new_tokens=40)
+    new, rounds, drafts = speculative_generate(target, drafter, prompt, max_new_tokens=40)
     assert rounds == [BLOCK] * 6 + [3] and new == truth[:40]
+    assert drafts == [(BLOCK - 1, BLOCK - 1)] * 6 + [(3, 3)]  # the cut round drafted 3 and kept all 3
     # ... and it ends at the first EOS: the round that produces one counts the tokens up to it
     i = next(i for i in range(BLOCK + 2, 40) if truth[i] not in truth[:i])  # a token first seen in round 2+
-    new, rounds = speculative_generate(target, drafter, prompt, max_new_tokens=40, eos={truth[i]})
+    new, rounds, _ = speculative_generate(target, drafter, prompt, max_new_tokens=40, eos={truth[i]})
     assert new == truth[: i + 1] and sum(rounds) == i and rounds[-1] == (i - 1) % BLOCK + 1
+
+
+def test_acceptance_rate_per_block_position_counts_the_rounds_that_drafted_it():
+    from trainer.run.eval import accept_rates, interval95
+
+    # (drafts accepted, drafts offered) per round; the last round was cut to the budget (1 draft)
+    assert accept_rates([(2, 3), (0, 3), (3, 3), (1, 1)], 5) == [0.75, 0.6667, 0.3333, None]
+    assert accept_rates([], 3) == [None, None]
+    assert interval95([3]) == (3.0, float("inf"))
 
 
 def test_target_head_is_borrowed_frozen_and_not_saved(tiny):

@@ -203,9 +203,12 @@ def test_bad_input_in_a_real_process_prints_one_line(tmp_path):
 # ---- data formats ----------------------------------------------------------------------------------
 
 def test_chat_and_token_jsonl_train(tmp_path):
-    chat = {"messages": [{"role": "user", "content": "count up"}, {"role": "assistant", "content": "1 2 3 4 5 6 7 8"}]}
-    ids = {"input_ids": list(range(40, 70))}
-    data = write_jsonl(tmp_path / "d.jsonl", [chat, ids] * 3)
+    def chat(i):
+        return {"messages": [{"role": "user", "content": f"count up from {i}"},
+                             {"role": "assistant", "content": "1 2 3 4 5 6 7 8"}]}
+
+    rows = [r for i in range(3) for r in (chat(i), {"input_ids": list(range(40 + i, 70))})]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
     out = tmp_path / "run"
     assert train(out, "--data", str(data), "--steps", "2", "--eval-prompts", "1") == 0
     assert sorted(step_losses(out)) == [1, 2]
@@ -244,9 +247,67 @@ def test_hugging_face_folder_target_with_a_chat_template(tmp_path):
                                                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
                                                 "<|im_start|>assistant\n{% endif %}")
     tok.save_pretrained(model_dir)
-    rows = [{"messages": [{"role": "user", "content": "w1 w2"},
-                          {"role": "assistant", "content": " ".join(f"w{i}" for i in range(10, 40))}]}] * 4
+    answer = " ".join(f"w{i}" for i in range(10, 40))
+    rows = [{"messages": [{"role": "user", "content": f"w1 w{2 + k}"}, {"role": "assistant", "content": answer}]}
+            for k in range(4)]
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
     out = tmp_path / "run"
     assert train(out, "--target", str(model_dir), "--data", str(data), "--steps", "2", "--eval-prompts", "1") == 0
     assert sorted(step_losses(out)) == [1, 2]
+
+
+# ---- eval that can be trusted ------------------------------------------------------------------------
+
+def test_eval_prompts_that_are_also_training_prompts_are_refused_unless_eval_overlap_ok(tmp_path, capsys):
+    """Six answers to one prompt: the held-out rows' prompt is a training row's prompt too."""
+    rows = [{"input_ids": [10, 11, 12, 13] + list(range(20 + i, 40 + i)), "loss_mask": [0] * 4 + [1] * 20}
+            for i in range(6)]
+    data = str(write_jsonl(tmp_path / "same.jsonl", rows))
+    assert train(tmp_path / "a", "--data", data, "--steps", "1", "--eval-prompts", "2") == 2
+    err = _one_line_error(capsys)
+    assert "2 of 2 eval prompts are also training rows' prompts" in err and "--eval-overlap-ok" in err
+    assert not (tmp_path / "a" / "checkpoints").exists()
+    # too few rows to hold any out: the prompts would be training rows' own
+    few = str(write_jsonl(tmp_path / "few.jsonl", [{"input_ids": [9, i] + list(range(20, 40)),
+                                                    "loss_mask": [0, 0] + [1] * 20} for i in range(3)]))
+    assert train(tmp_path / "b", "--data", few, "--steps", "1", "--eval-prompts", "2") == 2
+    assert "nothing could be held out" in _one_line_error(capsys)
+    assert train(tmp_path / "c", "--data", data, "--steps", "1", "--eval-prompts", "2", "--eval-overlap-ok") == 0
+    out = capsys.readouterr().out
+    assert "2 of 2 eval prompts are training rows' prompts (--eval-overlap-ok)" in out
+    assert "on 2 prompts, 2 of them training rows' prompts" in out
+    # distinct prompts: the last rows are held out, and none of theirs is trained on
+    other = str(write_jsonl(tmp_path / "other.jsonl", [{"input_ids": [9, i] + list(range(20, 40)),
+                                                        "loss_mask": [0, 0] + [1] * 20} for i in range(6)]))
+    assert train(tmp_path / "d", "--data", other, "--steps", "1", "--eval-prompts", "2") == 0
+    assert json.loads((tmp_path / "d" / "eval_prompts.json").read_text()) == [[9, 4], [9, 5]]
+
+
+def test_synthetic_eval_prompts_are_held_out_synthetic_rows(tmp_path, capsys):
+    """Not fresh random tokens: the prompts of the last rows the target continued, which are not trained on."""
+    out = tmp_path / "run"
+    assert train(out, "--steps", "1") == 0
+    (path,) = (out / "data").glob("synthetic-*.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    prompts = [r["input_ids"][: r["loss_mask"].index(1)] for r in rows]
+    assert len(set(map(tuple, prompts))) == len(prompts) > 32  # 32 + 2 made, less any cut short by an EOS
+    assert json.loads((out / "eval_prompts.json").read_text()) == prompts[-2:]
+    assert f"{len(rows) - 2} rows for training; 2 eval prompts held out" in capsys.readouterr().out
+
+
+def test_run_summary_gives_tau_with_rounds_interval_and_acceptance_by_position(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(out, "--steps", "2", "--eval-every", "1") == 0
+    printed = capsys.readouterr().out
+    done = [m for m in metrics(out) if m.get("event") == "done"][0]
+    ev = [m for m in metrics(out) if m.get("event") == "eval"][0]
+    for m in (done, ev):
+        lo, hi = m["tau_ci95"]
+        assert m["rounds"] >= 2 and lo <= m["acceptance_length"] <= hi
+        assert len(m["accept_rate_by_position"]) == 3  # block 4: positions 1..3
+        assert all(r is None or 0 <= r <= 1 for r in m["accept_rate_by_position"])
+    last = printed.strip().splitlines()[-1]
+    assert last.startswith("[trainer] done: 2 steps; acceptance length ")
+    lo, hi = done["tau_ci95"]
+    assert f"+- {(hi - lo) / 2:.3f} (95%) over {done['rounds']} rounds on 2 held-out prompts" in last
+    assert "acceptance by block position 1..3: " in last

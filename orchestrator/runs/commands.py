@@ -377,7 +377,8 @@ def _stop_line(name: str, doc: dict) -> str:
 @json_option
 @click.pass_obj
 def report(state: State, args, out, as_json):
-    """Fetch the run's metrics and write a PNG of loss, acceptance length and throughput."""
+    """Fetch the run's metrics and write a PNG of loss, acceptance length and throughput, and the
+    acceptance rate per block position; print its path and the last eval's tau (rounds, 95% interval)."""
     from orchestrator.runs import nodes, launch as runs
     from orchestrator.runs import report as report_mod
 
@@ -394,8 +395,10 @@ def report(state: State, args, out, as_json):
         raise OpsError(f"{target.name}: run {doc['run']} has logged no metrics yet") from None
     except OSError as e:
         raise UsageError(f"--out {path}: cannot write: {e.strerror or e}") from None
-    emit(as_json, {"target": target.name, "run": doc["run"], "path": str(written),
-                   "points": len(doc["metrics"]), "state": st.get("state")}, str(written))
+    ev = report_mod.last_eval(doc["metrics"])
+    emit(as_json, {"target": target.name, "run": doc["run"], "path": str(written), "points": len(doc["metrics"]),
+                   "state": st.get("state"), "eval": ev},
+         str(written) + (f"\n{report_mod.eval_line(ev)}" if ev else ""))
 
 
 # --- export --------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""`report`: one PNG of a run's loss, acceptance length and throughput against step.
+"""`report`: one PNG of a run's loss, acceptance length and throughput against step, and the last
+eval's acceptance rate per block position; the last eval's tau with its rounds and 95% interval.
 
-Pure rendering from the metric records (the trainer's JSON log lines); matplotlib's Agg backend,
-so it works with no display. Returns the path; never prints.
+Pure rendering from the metric records (the trainer's JSON log lines: trainer/run/log.py; an eval
+record holds acceptance_length, rounds, tau_ci95 and accept_rate_by_position); matplotlib's Agg
+backend, so it works with no display. Returns the path or the numbers; never prints.
 """
 from __future__ import annotations
 
@@ -35,8 +37,32 @@ def series(metrics: Sequence[dict]) -> dict:
     return {"loss": loss, "tau": tau, "throughput": thr, "throughput_label": label}
 
 
-def render(metrics: Sequence[dict], out: str | Path, *, title: str = "") -> Path:
-    """Write the PNG; returns its path. Raises ValueError when there is nothing to plot."""
+def last_eval(metrics: Sequence[dict]) -> dict | None:
+    """The last record with a tau (an eval, or the run's end): {"step", "tau", "rounds", "ci95",
+    "by_position"}; rounds, ci95 and by_position are None / [] where the trainer logged none."""
+    m = next((m for m in reversed(metrics) if isinstance(m.get("acceptance_length"), (int, float))), None)
+    if m is None:
+        return None
+    ci = m.get("tau_ci95")
+    return {"step": m.get("step"), "tau": m["acceptance_length"], "rounds": m.get("rounds"),
+            "ci95": ci if isinstance(ci, list) and len(ci) == 2 and None not in ci else None,
+            "by_position": list(m.get("accept_rate_by_position") or [])}
+
+
+def eval_line(ev: dict) -> str:
+    """`tau 2.345 [2.201, 2.489] 95%, 812 rounds, at step 200; acceptance by block position 1..3: ...`"""
+    ci = f" [{ev['ci95'][0]:.3f}, {ev['ci95'][1]:.3f}] 95%" if ev["ci95"] else ""
+    rounds = f", {ev['rounds']} rounds" if ev["rounds"] is not None else ""
+    line = f"tau {ev['tau']:.3f}{ci}{rounds}, at step {ev['step']}"
+    if ev["by_position"]:
+        rates = " ".join("-" if r is None else f"{r:.2f}" for r in ev["by_position"])
+        line += f"; acceptance by block position 1..{len(ev['by_position'])}: {rates}"
+    return line
+
+
+def figure(metrics: Sequence[dict], *, title: str = ""):
+    """The report's matplotlib Figure: loss, tau and throughput against step, and a bar per block
+    position of the last eval's acceptance rate. Raises ValueError when there is nothing to plot."""
     data = series(metrics)
     if not (data["loss"] or data["tau"] or data["throughput"]):
         raise ValueError("no metrics to plot (no JSON lines with a step)")
@@ -45,9 +71,15 @@ def render(metrics: Sequence[dict], out: str | Path, *, title: str = "") -> Path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True, constrained_layout=True)
+    fig, axes = plt.subplots(4, 1, figsize=(8, 12), constrained_layout=True,
+                             gridspec_kw={"height_ratios": [1, 1, 1, 0.9]})
+    for ax in axes[1:3]:   # the step panels share their x axis; the positions panel has its own
+        ax.sharex(axes[0])
+    for ax in axes[:2]:
+        ax.tick_params(labelbottom=False)
     panels = [("loss", "loss", "tab:blue"), ("tau", "acceptance length (tau)", "tab:green"),
               ("throughput", data["throughput_label"], "tab:orange")]
+    ev = last_eval(metrics)
     for ax, (key, label, colour) in zip(axes, panels):
         points = data[key]
         if points:
@@ -55,16 +87,48 @@ def render(metrics: Sequence[dict], out: str | Path, *, title: str = "") -> Path
             style = "o-" if len(points) < 30 else "-"
             ax.plot(xs, ys, style, color=colour, markersize=4, linewidth=1.2)
             if key == "tau":
-                ax.annotate(f"{ys[-1]:.3f}", (xs[-1], ys[-1]), textcoords="offset points",
-                            xytext=(4, 4), fontsize=9)
+                ci = ev and ev["step"] is not None and ev["ci95"]
+                if ci:
+                    ax.errorbar([ev["step"]], [ev["tau"]], yerr=[[ev["tau"] - ci[0]], [ci[1] - ev["tau"]]],
+                                fmt="none", ecolor=colour, capsize=4)
+                note = f"{ys[-1]:.3f}" + (f" ({ev['rounds']} rounds)" if ev and ev["rounds"] is not None else "")
+                ax.annotate(note, (xs[-1], ys[-1]), textcoords="offset points", xytext=(4, 4), fontsize=9)
         else:
-            ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center",
-                    color="grey")
+            _no_data(ax)
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
-    axes[-1].set_xlabel("step")
+    axes[2].set_xlabel("step")
+    _by_position(axes[3], ev)
     if title:
         fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def _by_position(ax, ev: dict | None) -> None:
+    """Bars: the share of rounds that accepted block position k (1..B-1), at the last eval."""
+    rates = ev["by_position"] if ev else []
+    if not rates:
+        _no_data(ax)
+    else:
+        ks = range(1, len(rates) + 1)
+        ax.bar(ks, [r or 0.0 for r in rates], color="tab:green", alpha=0.8)
+        ax.set_xticks(list(ks))
+        ax.set_ylim(0, 1.05)
+        ax.set_title(eval_line({**ev, "by_position": []}), fontsize=9)
+    ax.set_xlabel("block position")
+    ax.set_ylabel("acceptance rate")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def _no_data(ax) -> None:
+    ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="grey")
+
+
+def render(metrics: Sequence[dict], out: str | Path, *, title: str = "") -> Path:
+    """Write the PNG; returns its path. Raises ValueError when there is nothing to plot."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(metrics, title=title)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

@@ -27,7 +27,7 @@ RUN_CONFIG = "trainer-config.json"
 class TrainConfig:
     # what to train on
     target: str = "tiny"                 # local HF model folder, or tiny[:SEED]
-    data: str = "synthetic"              # JSONL file, or synthetic
+    data: str = "synthetic"              # JSONL file, or synthetic (tests only)
     target_layers: str = ""              # comma-separated target layer ids; "" = evenly spaced 1..L-3
     # run
     steps: int = 200
@@ -91,6 +91,7 @@ class TrainConfig:
     eval_new_tokens: int = 64
     eval_every: int = 0                  # 0 = only at the end
     eval_at_start: bool = False          # also measure the untrained drafter (a baseline for tau)
+    eval_overlap_ok: bool = False        # allow eval prompts that are also training rows' prompts
 
     @property
     def n_devices(self) -> int:
@@ -104,7 +105,9 @@ class TrainConfig:
 HELP = {
     "target": "frozen target: a local Hugging Face model folder, small-code[-gpu] (a code LM built here once), "
               "or tiny[:SEED]",
-    "data": "JSONL (input_ids+loss_mask, or chat messages) or synthetic (the target's own continuations)",
+    "data": "JSONL (input_ids+loss_mask, or chat messages: python -m trainer.regen writes rows answered by the "
+            "target), or synthetic, for tests only (random-token prompts the target continues, no chat template); "
+            "the last --eval-prompts rows are held out for the eval",
     "target_layers": "comma-separated target layer ids to condition on (default: 5 evenly spaced in 1..L-3)",
     "steps": "optimizer steps in total",
     "seed": "seed for the drafter init, data order and anchors",
@@ -164,17 +167,21 @@ HELP = {
     "warmup": "linear warmup as a fraction of --steps",
     "weight_decay": "AdamW weight decay",
     "grad_clip": "max global gradient norm",
-    "synthetic_samples": "rows of synthetic data",
+    "synthetic_samples": "rows of synthetic data to train on (--data synthetic, for tests only)",
     "synthetic_prompt_len": "random prompt length for synthetic data",
     "synthetic_new_tokens": "tokens the target continues each synthetic prompt by",
     "synthetic_temperature": "sampling temperature for synthetic continuations (0 = greedy)",
     "log_every": "print a metrics line every N steps",
     "checkpoint_every": "checkpoint every N steps (0 = at the end and on SIGTERM only)",
     "keep_checkpoints": "complete checkpoints kept (at least 2: the previous one survives a crash mid-write)",
-    "eval_prompts": "held-out prompts for the acceptance-length eval (0 = no eval)",
+    "eval_prompts": "prompts of the last N rows, held out from training, for the acceptance-length eval "
+                    "(0 = no eval; --data synthetic makes N rows more)",
     "eval_new_tokens": "tokens generated per eval prompt",
     "eval_every": "measure acceptance length every N steps (0 = at the end only)",
     "eval_at_start": "also measure the untrained drafter's acceptance length before training",
+    "eval_overlap_ok": "run even when eval prompts are also training rows' prompts (too few rows to hold any "
+                       "out, or repeated prompts); without it the run refuses, as tau would not be measured on "
+                       "held-out prompts",
 }
 
 

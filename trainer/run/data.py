@@ -4,8 +4,11 @@ Row formats (one JSON object per line; other keys are ignored):
   {"input_ids": [int, ...], "loss_mask": [0|1, ...]}   loss_mask optional (default: all ones)
   {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
       rendered with the target tokenizer's chat template, loss on the assistant turns' tokens.
-`synthetic`: random prompts continued by the target itself (what DFlash trains on: the target's
-outputs), loss on the continuation; written once as JSONL under OUT/data/ and reused on resume.
+`synthetic` (for tests: random-token prompts, no chat template): random prompts continued by the
+target itself, loss on the continuation; written once as JSONL under OUT/data/ and reused on resume.
+
+Eval prompts are the prompts of held-out rows (split_eval), synthetic rows included, so tau is
+measured on the training data's distribution; `overlap` counts those a training row also starts with.
 
 Batches are deterministic functions of (seed, step, data position), so a resumed run sees exactly
 the batches and anchors the uninterrupted run would have seen.
@@ -203,21 +206,29 @@ def check_samples(numbered: list[tuple[int, Sample]], *, path: str, block_size: 
     return usable, skipped
 
 
+def row_prompt(s: Sample) -> tuple[int, ...]:
+    """A row's prompt: its tokens before the first loss token (at least one)."""
+    first = next((i for i, m in enumerate(s.loss_mask) if m), len(s.loss_mask))
+    return s.input_ids[: max(first, 1)]
+
+
 def split_eval(samples: list[Sample], n_eval: int) -> tuple[list[Sample], list[list[int]], bool]:
-    """Hold out the last n_eval rows as eval prompts (their tokens before the first loss token).
+    """Hold out the last n_eval rows as eval prompts (their row_prompt).
 
     Returns (train samples, prompts, held_out). With fewer than 2 * n_eval rows nothing is held out
-    and the prompts come from training rows (held_out False: the caller says so in the log).
+    and the prompts come from training rows (held_out False; `overlap` then finds them all).
     """
-    def prompt(s: Sample) -> list[int]:
-        first = next((i for i, m in enumerate(s.loss_mask) if m), len(s.loss_mask))
-        return list(s.input_ids[: max(first, 1)])
-
     if n_eval <= 0:
         return samples, [], True
     if len(samples) >= 2 * n_eval:
-        return samples[:-n_eval], [prompt(s) for s in samples[-n_eval:]], True
-    return samples, [prompt(s) for s in samples[:n_eval]], False
+        return samples[:-n_eval], [list(row_prompt(s)) for s in samples[-n_eval:]], True
+    return samples, [list(row_prompt(s)) for s in samples[:n_eval]], False
+
+
+def overlap(prompts: list[list[int]], samples: list[Sample]) -> int:
+    """How many eval prompts are also a training row's prompt (the same tokens)."""
+    seen = {row_prompt(s) for s in samples}
+    return sum(tuple(p) in seen for p in prompts)
 
 
 # --------------------------------------------------------------------------- synthetic data

@@ -3,9 +3,12 @@
 One round: the drafter fills a block [anchor, MASK x (B-1)] from the target features of every
 position before the anchor (the same mask rule as training); the target scores anchor + drafts in
 one pass; the longest prefix of drafts equal to the target's own greedy choices is accepted, plus
-the target's token after it. tau = mean over rounds of (accepted + 1), between 1 and B. The output
-is exactly the target's greedy continuation (lossless), which tests check. The rounds are those of
-the reference implementation's `dflash_generate` (tests/test_export_parity.py runs both).
+the target's token after it. tau = mean over rounds of (accepted + 1), between 1 and B, with its
+normal 95% interval over rounds (`interval95`), and the acceptance rate of each block position
+(`accept_rates`: of the rounds that drafted position k, the share whose drafts 1..k all matched);
+trainer/run/specdec.py reports the same two. The output is exactly the target's greedy continuation
+(lossless), which tests check. The rounds are those of the reference implementation's
+`dflash_generate` (tests/test_export_parity.py runs both).
 
 `python -m trainer.eval --out DIR` measures the latest checkpoint of a run on the run's held-out
 prompts (OUT/eval_prompts.json) and prints one JSON line with "acceptance_length".
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -26,8 +30,9 @@ from trainer.run.target import Target
 
 @torch.no_grad()
 def speculative_generate(target: Target, drafter: Drafter, prompt: list[int], *, max_new_tokens: int,
-                         eos: set[int] = frozenset()) -> tuple[list[int], list[int]]:
-    """Greedy speculative decoding of one prompt: (new tokens, tokens produced per round).
+                         eos: set[int] = frozenset()) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """Greedy speculative decoding of one prompt: (new tokens, tokens produced per round, (drafts
+    accepted, drafts offered) per round).
 
     Round for round what the reference's `dflash_generate` does (docs/export.md): the block is cut
     to the tokens still wanted (min(B, budget left)), a round produces the accepted drafts plus the
@@ -42,7 +47,7 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: list[int], *,
     anchor = int(logits[0, -1].argmax())
     p = len(prompt)  # the anchor's position
     end = p + max_new_tokens  # the reference's max_length: new tokens occupy positions p .. end-1
-    new, accepted = [anchor], []
+    new, produced, drafts = [anchor], [], []
     stopped = anchor in eos
     while p + 1 < end and not stopped:
         vs = min(B, end - p)  # the verified block: anchor + vs-1 drafts
@@ -64,9 +69,10 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: list[int], *,
         if vs - n > 0:
             cache.crop(-(vs - n))  # keep p .. p+n-1 (negative: tokens to remove)
         new += step_tokens
-        accepted.append(n)
+        produced.append(n)
+        drafts.append((a, vs - 1))
         anchor, p = step_tokens[-1], p + n
-    return new[:max_new_tokens], accepted
+    return new[:max_new_tokens], produced, drafts
 
 
 def _features(target: Target, hidden_states) -> torch.Tensor:
@@ -75,24 +81,53 @@ def _features(target: Target, hidden_states) -> torch.Tensor:
 
 def acceptance_length(target: Target, drafter: Drafter, prompts: list[list[int]], *, max_new_tokens: int,
                       should_stop=lambda: False) -> dict:
-    """tau over all rounds of all prompts, the per-prompt means and each prompt's rounds
-    ("acceptance_lengths", as dflash_generate reports them); stops early if should_stop()."""
+    """tau over all rounds of all prompts with its 95% interval ("tau_ci95"), the acceptance rate
+    per block position 1..B-1, the per-prompt means and each prompt's rounds ("acceptance_lengths",
+    as dflash_generate reports them); stops early if should_stop()."""
     was_training = drafter.training
     drafter.eval()
-    rounds, per_prompt, per_round = [], [], []
+    rounds, per_prompt, per_round, drafts = [], [], [], []
     eos = target.eos_ids()
     try:
         for prompt in prompts:
             if should_stop():
                 break
-            _, acc = speculative_generate(target, drafter, prompt, max_new_tokens=max_new_tokens, eos=eos)
+            _, acc, d = speculative_generate(target, drafter, prompt, max_new_tokens=max_new_tokens, eos=eos)
             rounds += acc
+            drafts += d
             per_prompt.append(sum(acc) / max(1, len(acc)))
             per_round.append(acc)
     finally:
         drafter.train(was_training)
-    return {"acceptance_length": sum(rounds) / max(1, len(rounds)), "rounds": len(rounds),
+    tau, half = interval95(rounds)
+    ci = [tau - half, tau + half] if math.isfinite(half) else None  # one round has no interval
+    return {"acceptance_length": tau, "rounds": len(rounds), "tau_ci95": ci,
+            "accept_rate_by_position": accept_rates(drafts, drafter.cfg.block_size),
             "prompts": len(prompts), "per_prompt": per_prompt, "acceptance_lengths": per_round}
+
+
+def interval95(xs: list[int]) -> tuple[float, float]:
+    """Mean and the half-width of its normal 95% interval (inf with fewer than two values)."""
+    n = len(xs)
+    if n == 0:
+        return 0.0, 0.0
+    m = sum(xs) / n
+    if n < 2:
+        return m, float("inf")
+    var = sum((x - m) ** 2 for x in xs) / (n - 1)
+    return m, 1.96 * math.sqrt(var / n)
+
+
+def accept_rates(drafts: list[tuple[int, int]], block_size: int) -> list[float | None]:
+    """Per block position k = 1..B-1: of the rounds that drafted position k, the share that accepted
+    it (drafts 1..k all equal to the target's choices); None where no round drafted it. `drafts` is
+    (drafts accepted, drafts offered) per round; a round cut to the token budget offers fewer."""
+    offered, taken = [0] * block_size, [0] * block_size
+    for accepted, drafted in drafts:
+        for k in range(1, drafted + 1):
+            offered[k] += 1
+            taken[k] += k <= accepted
+    return [round(taken[k] / offered[k], 4) if offered[k] else None for k in range(1, block_size)]
 
 
 # --------------------------------------------------------------------------- python -m trainer.eval

@@ -91,3 +91,15 @@ def step_line(m: dict, steps: int) -> str:
     if m.get("mfu") is not None:
         parts.append(f"mfu {100 * m['mfu']:.1f}%")
     return " | ".join(parts)
+
+
+def eval_line(res: dict, overlap: int = 0) -> str:
+    """An eval's readable summary: tau, its 95% interval and rounds, the prompts (held out, or how
+    many are training rows' prompts), the acceptance rate per block position."""
+    tau, ci, rates = res["acceptance_length"], res.get("tau_ci95"), res.get("accept_rate_by_position") or []
+    half = f" +- {(ci[1] - ci[0]) / 2:.3f} (95%)" if ci else " (no interval: one round)"
+    prompts = (f"{res['prompts']} prompts, {overlap} of them training rows' prompts" if overlap
+               else f"{res['prompts']} held-out prompts")
+    by_pos = " ".join("-" if r is None else f"{r:.2f}" for r in rates)
+    return (f"acceptance length {tau:.3f}{half} over {res['rounds']} rounds on {prompts}; "
+            f"acceptance by block position 1..{len(rates)}: {by_pos}")

@@ -19,7 +19,6 @@ verify, drafter, host).
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.model.drafter import Drafter, DrafterConfig, apply_rope, rope_cos_sin
+from trainer.run.eval import accept_rates, interval95
 
 
 # --------------------------------------------------------------------------- the drafter's KV cache
@@ -214,18 +214,6 @@ def load_drafter(path: str, target, device, dtype, *, untrained: bool = False) -
     return drafter.to(device=device, dtype=dtype).eval()
 
 
-def interval95(xs: list[int]) -> tuple[float, float]:
-    """Mean and the half-width of its normal 95% interval."""
-    n = len(xs)
-    if n == 0:
-        return 0.0, 0.0
-    m = sum(xs) / n
-    if n < 2:
-        return m, float("inf")
-    var = sum((x - m) ** 2 for x in xs) / (n - 1)
-    return m, 1.96 * math.sqrt(var / n)
-
-
 def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_tokens: int, warmup: int = 1,
             log=print) -> dict:
     """Both decodes of every prompt; fails (RuntimeError) at the first token that differs."""
@@ -236,8 +224,7 @@ def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_token
     alone, spec = Timing(), Timing()
     n_alone = n_spec = 0
     produced_all: list[int] = []
-    offered = [0] * drafter.cfg.block_size  # rounds in which block position k was drafted
-    taken = [0] * drafter.cfg.block_size  # ... and accepted
+    drafts: list[tuple[int, int]] = []  # (drafts accepted, drafts offered) per round
     for i, p in enumerate(prompts):
         ref, ta = target_greedy(target, p, max_new_tokens, eos)
         out, produced, acc, ts = speculative(target, drafter, p, max_new_tokens, eos)
@@ -250,10 +237,7 @@ def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_token
         n_alone += len(ref)
         n_spec += len(out)
         produced_all += produced
-        for a, drafted in acc:
-            for k in range(1, drafted + 1):
-                offered[k] += 1
-                taken[k] += k <= a
+        drafts += acc
         log(f"specdec: prompt {i + 1}/{len(prompts)}: {len(out)} tokens, tau {len(out) / max(1, len(produced)):.2f}, "
             f"{len(ref) / ta.total:.1f} -> {len(out) / ts.total:.1f} tokens/s")
     tau, half = interval95(produced_all)
@@ -261,8 +245,7 @@ def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_token
     return {"lossless": True, "prompts": len(prompts), "tokens": n_spec, "rounds": len(produced_all),
             "tau": tau, "tau_ci95": [tau - half, tau + half],
             "target_tokens_per_s": a_rate, "spec_tokens_per_s": s_rate, "speedup": s_rate / a_rate,
-            "accept_rate_by_position": [round(taken[k] / offered[k], 4) if offered[k] else None
-                                        for k in range(1, drafter.cfg.block_size)],
+            "accept_rate_by_position": accept_rates(drafts, drafter.cfg.block_size),
             "time_share": {"target_verify": spec.verify / spec.total, "drafter": spec.draft / spec.total,
                            "host_other": max(0.0, 1 - (spec.verify + spec.draft) / spec.total)},
             "ms_per_round": {"verify": 1e3 * spec.verify / max(1, len(produced_all)),

@@ -22,10 +22,9 @@ from trainer.model.drafter import Drafter, DrafterConfig, flops_per_sample
 from trainer.engine.step import lr_at
 from trainer.run import checkpoint, provenance
 from trainer.run.config import RUN_CONFIG, TrainConfig, chat_template_options, layer_ids
-from trainer.run.data import (Loader, check_samples, encode_rows, make_batch, random_prompts, prompt_vocab, read_rows,
-                              split_eval, synthetic)
+from trainer.run.data import Loader, check_samples, encode_rows, make_batch, overlap, read_rows, split_eval, synthetic
 from trainer.run.eval import acceptance_length
-from trainer.run.log import heartbeat, step_line
+from trainer.run.log import eval_line, heartbeat, step_line
 from trainer.run.target import Target, load_target
 
 # Settings that must not change across --resume (they change the model or the data it sees).
@@ -52,6 +51,7 @@ class Prepared:
     drafter: Drafter             # initial (or resumed) trainable weights, on the CPU
     flops: float                 # training FLOPs per sample, for MFU
     identity: dict | None = None  # the target as trained against, recorded in every checkpoint (provenance.py)
+    eval_overlap: int = 0        # eval prompts that are also training rows' prompts (--eval-overlap-ok)
 
 
 def open_run(cfg: TrainConfig, *, writer: bool) -> tuple[Path, Path | None]:
@@ -90,7 +90,7 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
              f"features from layers {list(target.layer_ids)}")
     if not writer:
         barrier()
-    samples, eval_prompts = _load_data(cfg, target, out, log, stop)
+    samples, eval_prompts, eval_overlap = _load_data(cfg, target, out, log, stop)
     if writer:
         if resume_from is None:
             (out / "eval_prompts.json").write_text(json.dumps(eval_prompts))
@@ -117,7 +117,7 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
              f"mask token {dcfg.mask_token_id}, gamma {gamma:g}")
     return Prepared(out, ck, target, samples, eval_prompts, pad_len, pos_weights, dcfg, drafter,
                     flops_per_sample(dcfg, pad_len, cfg.anchors * cfg.block_size),
-                    provenance.recorded(target, dcfg.mask_token_id))
+                    provenance.recorded(target, dcfg.mask_token_id), eval_overlap)
 
 
 def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Event) -> int:
@@ -143,7 +143,7 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
     peak = _peak_flops(r0.device) if r0.device.type == "cuda" else None
     peak = peak * max(1, cfg.gpus) if peak else None  # workers may share a GPU: count GPUs
     if cfg.eval_at_start and step == 0 and prep.eval_prompts:
-        _eval(cfg, log, engine, prep.eval_prompts, step)
+        _eval(cfg, log, engine, prep, step)
 
     last_loss = None
     # The step queued last, logged once the next one is queued (engine.step returns before the
@@ -193,7 +193,7 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
         if save:
             _save(cfg, log, prep, engine, batches, step)
         if evaluate:
-            _eval(cfg, log, engine, prep.eval_prompts, step)
+            _eval(cfg, log, engine, prep, step)
 
     finish()
     engine.check_replicas(step)
@@ -203,12 +203,12 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
         return EXIT_SIGTERM
     if not engine.writer:
         return EXIT_OK
-    tau = _eval(cfg, log, engine, prep.eval_prompts, step, final=True, stop=stop) if prep.eval_prompts else None
+    res = _eval(cfg, log, engine, prep, step, final=True, stop=stop) if prep.eval_prompts else None
     if stop.is_set():  # SIGTERM during the final eval: the checkpoint above is complete
         log.metrics({"event": "stopped", "step": step})
         return EXIT_SIGTERM
-    log.metrics({"event": "done", "step": step, "loss": last_loss, "acceptance_length": tau})
-    log.info(f"done: {step} steps" + (f", acceptance length {tau:.3f}" if tau is not None else ""))
+    log.metrics({"event": "done", "step": step, "loss": last_loss, **_tau_metrics(res)})
+    log.info(f"done: {step} steps" + (f"; {eval_line(res, prep.eval_overlap)}" if res else ""))
     return EXIT_OK
 
 
@@ -288,26 +288,32 @@ def _check_resume_config(cfg: TrainConfig, out: Path, resume_from) -> None:
 
 
 def _load_data(cfg, target, out, log, stop):
+    """Training rows and the eval prompts held out from them: the last --eval-prompts rows, synthetic
+    data included (it makes that many rows more). An eval prompt that is also a training row's
+    prompt measures what the drafter trained on: refused unless --eval-overlap-ok."""
+    path = cfg.data
     if cfg.data == "synthetic":
         t = time.time()
-        with heartbeat(log, f"generating synthetic data ({cfg.synthetic_samples} samples)"):
-            path = synthetic(target, out_dir=str(out), n=cfg.synthetic_samples,
-                             prompt_len=cfg.synthetic_prompt_len, new_tokens=cfg.synthetic_new_tokens,
-                             temperature=cfg.synthetic_temperature, seed=cfg.seed, min_new=cfg.block_size,
-                             should_stop=stop.is_set)
-        log.info(f"synthetic data: {path} ({time.time() - t:.1f}s)")
-        samples, skipped = _read_samples(str(path), cfg, target)
-        low, high, exclude = prompt_vocab(target)
-        # Held out by construction: fresh random prompts from another seed.
-        prompts = random_prompts(cfg.eval_prompts, cfg.synthetic_prompt_len, low=low, high=high,
-                                 seed=cfg.seed + 7_777_777, exclude=exclude)
-        return samples, prompts
-    samples, skipped = _read_samples(cfg.data, cfg, target)
+        n = cfg.synthetic_samples + cfg.eval_prompts
+        with heartbeat(log, f"generating synthetic data ({cfg.synthetic_samples} + {cfg.eval_prompts} held-out rows)"):
+            path = str(synthetic(target, out_dir=str(out), n=n, prompt_len=cfg.synthetic_prompt_len,
+                                 new_tokens=cfg.synthetic_new_tokens, temperature=cfg.synthetic_temperature,
+                                 seed=cfg.seed, min_new=cfg.block_size, should_stop=stop.is_set))
+        log.info(f"synthetic data (for tests: random-token prompts continued by the target): {path} "
+                 f"({time.time() - t:.1f}s)")
+    samples, skipped = _read_samples(path, cfg, target)
     samples, prompts, held_out = split_eval(samples, cfg.eval_prompts)
+    shared = overlap(prompts, samples)
+    if shared and not cfg.eval_overlap_ok:
+        why = "" if held_out else f" (fewer than {2 * cfg.eval_prompts} usable rows: nothing could be held out)"
+        raise UsageError(f"--data {cfg.data}: {shared} of {len(prompts)} eval prompts are also training rows' "
+                         f"prompts{why}; add rows with other prompts, lower --eval-prompts, or pass "
+                         "--eval-overlap-ok to measure tau on them anyway")
     log.info(f"data {cfg.data}: {len(samples)} rows for training"
              + (f", {skipped} skipped (no room for a block in the loss mask)" if skipped else "")
-             + ("" if held_out else "; eval prompts come from training rows (too few rows to hold out)"))
-    return samples, prompts
+             + (f"; {shared} of {len(prompts)} eval prompts are training rows' prompts (--eval-overlap-ok)"
+                if shared else f"; {len(prompts)} eval prompts held out" if prompts else ""))
+    return samples, prompts, shared
 
 
 def _read_samples(path: str, cfg, target):
@@ -337,19 +343,25 @@ def _stopped(cfg, log, prep, engine, batches, step) -> int:
     return EXIT_SIGTERM
 
 
-def _eval(cfg, log, engine, prompts, step, final=False, stop=None):
-    """Acceptance length, measured by the primary replica (worker 0's thread, or rank 0)."""
+def _eval(cfg, log, engine, prep, step, final=False, stop=None):
+    """Acceptance length on the eval prompts, measured by the primary replica (worker 0's thread, or
+    rank 0); its result (None on other ranks)."""
     if not engine.writer:
         return None
     t = time.time()
     r0 = engine.primary
-    res = engine.on_primary(acceptance_length, r0.target, r0.drafter, prompts, max_new_tokens=cfg.eval_new_tokens,
-                            should_stop=stop.is_set if stop else (lambda: False))
-    log.info(f"eval at step {step}: acceptance length {res['acceptance_length']:.3f} over {res['rounds']} rounds, "
-             f"{len(prompts)} prompts ({time.time() - t:.1f}s)")
+    res = engine.on_primary(acceptance_length, r0.target, r0.drafter, prep.eval_prompts,
+                            max_new_tokens=cfg.eval_new_tokens, should_stop=stop.is_set if stop else (lambda: False))
+    log.info(f"eval at step {step}: {eval_line(res, prep.eval_overlap)} ({time.time() - t:.1f}s)")
     if not final:
-        log.metrics({"event": "eval", "step": step, "acceptance_length": res["acceptance_length"]})
-    return res["acceptance_length"]
+        log.metrics({"event": "eval", "step": step, **_tau_metrics(res)})
+    return res
+
+
+def _tau_metrics(res: dict | None) -> dict:
+    """An eval's numbers in the metric records (what `dflash-ops report` and `status` read)."""
+    keys = ("acceptance_length", "rounds", "tau_ci95", "accept_rate_by_position")
+    return {k: res[k] for k in keys} if res else {"acceptance_length": None}
 
 
 def _peak_flops(device: torch.device) -> float | None:
