@@ -270,11 +270,12 @@ def build(size: str, out: str, *, root: str | None = None, log=print, steps: int
 
 
 def cut_prompts(texts: list[str], n: int, *, seed: int = 0, lines: int = 12, max_chars: int = 600) -> list[str]:
-    """n code prompts: `lines` whole lines from a random place in a random module (deterministic)."""
+    """n distinct code prompts: `lines` whole lines from a random place in a random module
+    (deterministic; distinct, so a run's held-out eval prompts never repeat a training prompt)."""
     import random
 
     rng = random.Random(seed)
-    out, tries = [], 0
+    out, seen, tries = [], set(), 0
     while len(out) < n and tries < 50 * n:
         tries += 1
         src = texts[rng.randrange(len(texts))].splitlines(keepends=True)
@@ -282,7 +283,8 @@ def cut_prompts(texts: list[str], n: int, *, seed: int = 0, lines: int = 12, max
             continue
         i = rng.randrange(len(src) - lines)
         text = "".join(src[i: i + lines])[:max_chars]
-        if text.strip():
+        if text.strip() and text not in seen:
+            seen.add(text)
             out.append(text)
     return out
 
