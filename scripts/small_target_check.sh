@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE=${SIZE:-gpu}; OUT=${OUT:-out/small-target-check}; WORK=${WORK:-/tmp/small-target-check}
-N_TRAIN=${N_TRAIN:-6000}; N_EVAL=${N_EVAL:-20}; NEW=${NEW:-128}; STEPS=${STEPS:-1200}
+N_TRAIN=${N_TRAIN:-6000}; N_EVAL=${N_EVAL:-20}; NEW=${NEW:-128}; STEPS=${STEPS:-800}
 LAYERS=${LAYERS:-3}; BLOCK=${BLOCK:-16}; GPUS=${GPUS:-1}; BATCH=${BATCH:-32}
 PY=${PY:-python3}
 mkdir -p "$OUT" "$WORK"
