@@ -95,3 +95,12 @@ def test_help_says_synthetic_data_is_for_tests_only():
     text = " ".join(build_parser().format_help().split())
     assert "or synthetic, for tests only" in text
     assert "--eval-overlap-ok" in text
+
+
+def test_the_qwen3_8b_recipe_config_validates(tmp_path):
+    """configs/qwen3-8b.yaml (the DFlash recipe) is a valid run config once its paths are the user's."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n')
+    c = parse(["--config", str(ROOT / "configs" / "qwen3-8b.yaml"), "--target", "tiny", "--data", str(data)])
+    assert (c.draft_layers, c.block_size, c.anchors, c.seq_len) == (5, 16, 512, 3072)
+    assert (c.lr, c.warmup, c.grad_clip, c.gamma, c.steps, c.batch_size) == (6e-4, 0.04, 1.0, 7.0, 10000, 16)
