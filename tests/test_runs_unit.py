@@ -193,3 +193,10 @@ def test_torchruns_root_cause_is_read_from_the_log_and_the_error_file(tmp_path):
                                      "error": "Signal 9 (SIGKILL) received by PID 7"}
     log.write_text("no torchrun here\n")
     assert _root_cause(str(log)) is None
+
+
+def test_logs_takes_f_for_follow_as_tail_and_kubectl_do():
+    from orchestrator.runs.commands import logs
+
+    assert logs.make_context("logs", ["-f"]).params["follow"] is True
+    assert logs.make_context("logs", ["--no-follow"]).params["follow"] is False

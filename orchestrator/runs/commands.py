@@ -144,7 +144,7 @@ def _nodes_info(res) -> str:
 
 @click.command()
 @click.argument("args", nargs=-1, metavar="[TARGET] [RUN]")
-@click.option("--follow/--no-follow", default=True, show_default=True,
+@click.option("-f", "--follow/--no-follow", default=True, show_default=True,
               help="Stream the log until the run ends, or print what is there now.")
 @click.option("--tail", type=click.IntRange(min=0), metavar="N", help="Start with the last N lines.")
 @json_option
