@@ -153,7 +153,8 @@ def test_specdec_decodes_round_for_round_as_the_reference(parity):
     for prompt in parity.prompts:
         ref = dflash_model.dflash_generate(draft, parity.target, torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
                                            stop_token_ids=parity.eos, return_stats=True)
-        out, produced, _, _ = specdec.speculative(target, drafter, prompt, NEW_TOKENS, eos)
+        out, produced, _ = trainer_eval.speculative_generate(target, drafter, prompt, max_new_tokens=NEW_TOKENS,
+                                                             eos=eos, cached=True)
         assert produced == ref.acceptance_lengths
         assert out == ref.output_ids[0, len(prompt):].tolist()
         rounds += produced

@@ -23,6 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trainer.run import regen, small_lm, specdec  # noqa: E402
+from trainer.run.eval import DraftCache, draft_block, extend_context  # noqa: E402
 from trainer.run.target import load_target  # noqa: E402
 from trainer.errors import UsageError  # noqa: E402
 from trainer.model.drafter import Drafter  # noqa: E402
@@ -183,14 +184,14 @@ def test_the_drafters_kv_cache_computes_its_full_forward(target):
     _, hs, _ = target.decode(torch.tensor([ids]), hidden=True)
     feats = torch.cat([hs[i + 1] for i in target.layer_ids], dim=-1)
     p, B = len(ids), d.cfg.block_size
-    cache = specdec.DraftCache(len(d.layers))
-    specdec.extend_context(d, cache, feats[:, :5], 0)  # the context arrives in pieces, as in decoding
-    specdec.extend_context(d, cache, feats[:, 5:], 5)
+    cache = DraftCache(len(d.layers))
+    extend_context(d, cache, feats[:, :5], 0)  # the context arrives in pieces, as in decoding
+    extend_context(d, cache, feats[:, 5:], 5)
     block = torch.tensor([[ids[-1]] + [d.cfg.mask_token_id] * (B - 1)])
     full = d(block, torch.arange(p, p + B)[None], feats, torch.arange(p)[None],
              masks.attention_mask(torch.tensor([[p]]), p, B))
     ref = d.logits(full)[0, 1:]
-    assert torch.equal(specdec.draft_block(d, cache, block, p), ref.argmax(-1))
+    assert torch.equal(draft_block(d, cache, block, p), ref.argmax(-1))
 
 
 def test_speculative_decoding_is_lossless_and_a_wrong_token_is_caught(target, monkeypatch):
@@ -199,13 +200,13 @@ def test_speculative_decoding_is_lossless_and_a_wrong_token_is_caught(target, mo
     doc = specdec.measure(target, d, prompts, max_new_tokens=24, warmup=0, log=lambda s: None)
     assert doc["lossless"] and doc["rounds"] >= 1 and 1 <= doc["tau"] <= 4
     assert len(doc["accept_rate_by_position"]) == 3
-    real = specdec.speculative
+    real = specdec.speculative_generate
 
     def off_by_one(*a, **k):
-        out, produced, acc, t = real(*a, **k)
-        return out[:-1] + [(out[-1] + 1) % d.cfg.vocab_size], produced, acc, t
+        out, produced, acc = real(*a, **k)
+        return out[:-1] + [(out[-1] + 1) % d.cfg.vocab_size], produced, acc
 
-    monkeypatch.setattr(specdec, "speculative", off_by_one)
+    monkeypatch.setattr(specdec, "speculative_generate", off_by_one)
     with pytest.raises(RuntimeError, match="NOT lossless"):
         specdec.measure(target, d, prompts, max_new_tokens=24, warmup=0, log=lambda s: None)
 

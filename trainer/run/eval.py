@@ -18,45 +18,153 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from trainer.model import masks
 from trainer.errors import UsageError
-from trainer.model.drafter import Drafter
+from trainer.model.drafter import Drafter, apply_rope, rope_cos_sin
 from trainer.run.target import Target
+
+
+@dataclass
+class Timing:
+    """Seconds a decode spent verifying (the target's forwards) and drafting, and in all."""
+    verify: float = 0.0
+    draft: float = 0.0
+    total: float = 0.0
+
+    def add(self, other: "Timing") -> None:
+        self.verify += other.verify
+        self.draft += other.draft
+        self.total += other.total
+
+
+def clock(dev: torch.device) -> float:
+    """Wall clock after the device's queued work (CUDA runs asynchronously)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter()
+
+
+class DraftCache:
+    """Per layer, the context's keys and values (B=1): (1, nkv, Tc, hd) each, after k_norm and RoPE."""
+
+    def __init__(self, n_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * n_layers
+        self.v: list[torch.Tensor | None] = [None] * n_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k[0] is None else self.k[0].shape[2]
+
+
+@torch.no_grad()
+def extend_context(drafter: Drafter, cache: DraftCache, feats: torch.Tensor, start: int) -> None:
+    """Add the target features of positions start .. start+T-1 (feats (1, T, n*H)) to the cache."""
+    if feats.shape[1] == 0:
+        return
+    assert cache.length == start, (cache.length, start)
+    ctx = drafter.hidden_norm(drafter.fc(feats.to(drafter.fc.weight.dtype)))  # (1, T, H)
+    T = ctx.shape[1]
+    pos = torch.arange(start, start + T, device=feats.device)[None]
+    rope = rope_cos_sin(pos, drafter.cfg.head_dim, drafter.cfg.rope_theta, ctx.dtype)
+    for i, layer in enumerate(drafter.layers):
+        a = layer.self_attn
+        k = apply_rope(a.k_norm(a.k_proj(ctx).view(1, T, a.nkv, a.hd)).transpose(1, 2), *rope)
+        v = a.v_proj(ctx).view(1, T, a.nkv, a.hd).transpose(1, 2)
+        cache.k[i] = k if cache.k[i] is None else torch.cat([cache.k[i], k], dim=2)
+        cache.v[i] = v if cache.v[i] is None else torch.cat([cache.v[i], v], dim=2)
+
+
+@torch.no_grad()
+def draft_block(drafter: Drafter, cache: DraftCache, block: torch.Tensor, start: int) -> torch.Tensor:
+    """block (1, T) = [anchor, MASK...] at positions start..start+T-1, seeing every cached context
+    position (all < start) and itself -> the drafter's greedy tokens for positions 1..T-1, (T-1,).
+    The same function as Drafter.forward with the decoding mask (tests/test_small_target.py)."""
+    x = drafter.embed_tokens(block).to(drafter.fc.weight.dtype)  # (1, T, H)
+    T = block.shape[1]
+    pos = torch.arange(start, start + T, device=block.device)[None]
+    rope = rope_cos_sin(pos, drafter.cfg.head_dim, drafter.cfg.rope_theta, x.dtype)
+    for i, layer in enumerate(drafter.layers):
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = apply_rope(a.q_norm(a.q_proj(h).view(1, T, a.nh, a.hd)).transpose(1, 2), *rope)
+        k = apply_rope(a.k_norm(a.k_proj(h).view(1, T, a.nkv, a.hd)).transpose(1, 2), *rope)
+        v = a.v_proj(h).view(1, T, a.nkv, a.hd).transpose(1, 2)
+        k, v = torch.cat([cache.k[i], k], dim=2), torch.cat([cache.v[i], v], dim=2)
+        if a.nh != a.nkv:
+            k = k.repeat_interleave(a.nh // a.nkv, dim=1)
+            v = v.repeat_interleave(a.nh // a.nkv, dim=1)
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype))  # no mask: all visible
+        x = x + a.o_proj(o.transpose(1, 2).reshape(1, T, a.nh * a.hd))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return drafter.logits(x[:, 1:])[0].argmax(-1)
+
+
+class _FullContext:
+    """Drafting through Drafter.forward over every context position each round, under the
+    training mask and (on CUDA) bf16 autocast: the path training computes."""
+
+    def __init__(self, drafter: Drafter, dev: torch.device):
+        self.drafter, self.feats = drafter, None
+        self.amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
+
+    def __call__(self, block: torch.Tensor, p: int, new_feats: torch.Tensor) -> torch.Tensor:
+        self.feats = new_feats if self.feats is None else torch.cat([self.feats, new_feats], dim=1)
+        dev, vs = block.device, block.shape[1]
+        mask = masks.attention_mask(torch.tensor([[p]], device=dev), p, vs)  # (1, vs, p + vs): context < p
+        with self.amp:
+            hidden = self.drafter(block, torch.arange(p, p + vs, device=dev)[None], self.feats,
+                                  torch.arange(p, device=dev)[None], mask)
+            return self.drafter.logits(hidden)[0, 1:].argmax(-1)  # (vs-1,): guesses for p+1 .. p+vs-1
+
+
+class _Cached:
+    """Drafting with the drafter's KV cache: each round adds only the new context positions."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter, self.cache = drafter, DraftCache(len(drafter.layers))
+
+    def __call__(self, block: torch.Tensor, p: int, new_feats: torch.Tensor) -> torch.Tensor:
+        extend_context(self.drafter, self.cache, new_feats, self.cache.length)
+        return draft_block(self.drafter, self.cache, block, p)
 
 
 @torch.no_grad()
 def speculative_generate(target: Target, drafter: Drafter, prompt: list[int], *, max_new_tokens: int,
-                         eos: set[int] = frozenset()) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+                         eos: set[int] = frozenset(), cached: bool = False, timing: Timing | None = None,
+                         ) -> tuple[list[int], list[int], list[tuple[int, int]]]:
     """Greedy speculative decoding of one prompt: (new tokens, tokens produced per round, (drafts
     accepted, drafts offered) per round).
 
     Round for round what the reference's `dflash_generate` does (docs/export.md): the block is cut
     to the tokens still wanted (min(B, budget left)), a round produces the accepted drafts plus the
     target's own token, capped at the budget and ending at the first EOS, and that count is the
-    round's acceptance length.
+    round's acceptance length. cached: draft with the drafter's KV cache (decoding speed) instead of
+    the full forward (the training path). timing: add the seconds spent here (device-synchronised).
     """
     dev, B, mask_id = target.device, drafter.cfg.block_size, drafter.cfg.mask_token_id
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
-    ids = torch.tensor([prompt], device=dev)
-    logits, hs, cache = target.decode(ids, hidden=True)
-    feats = _features(target, hs)  # (1, P, n*H): positions 0..P-1
+    draft_fn = _Cached(drafter) if cached else _FullContext(drafter, dev)
+    t0 = clock(dev) if timing else 0.0
+    logits, hs, cache = target.decode(torch.tensor([prompt], device=dev), hidden=True)
+    feats = _features(target, hs)  # (1, P, n*H): positions 0..P-1, not yet given to the drafter
     anchor = int(logits[0, -1].argmax())
     p = len(prompt)  # the anchor's position
     end = p + max_new_tokens  # the reference's max_length: new tokens occupy positions p .. end-1
     new, produced, drafts = [anchor], [], []
     stopped = anchor in eos
+    spent = Timing(verify=clock(dev) - t0 if timing else 0.0)  # the prompt's forward is the target's
     while p + 1 < end and not stopped:
         vs = min(B, end - p)  # the verified block: anchor + vs-1 drafts
         block = torch.tensor([[anchor] + [mask_id] * (vs - 1)], device=dev)  # (1, vs)
-        pos = torch.arange(p, p + vs, device=dev)[None]  # (1, vs)
-        mask = masks.attention_mask(torch.tensor([[p]], device=dev), p, vs)  # (1, vs, p + vs): context < p
-        with amp:
-            hidden = drafter(block, pos, feats, torch.arange(p, device=dev)[None], mask)
-            draft = drafter.logits(hidden)[0, 1:].argmax(-1)  # (vs-1,): guesses for p+1 .. p+vs-1
+        td = clock(dev) if timing else 0.0
+        draft = draft_fn(block, p, feats)  # vs >= 2: the loop runs while two positions are left
+        tv = clock(dev) if timing else 0.0
         logits, hs, cache = target.decode(torch.cat([block[0, :1], draft])[None], cache, hidden=True)
         choice = logits[0].argmax(-1)  # (vs,): the target's token for p+1 .. p+vs
         a = int(torch.cumprod((draft == choice[:-1]).int(), 0).sum())  # drafts accepted
@@ -65,13 +173,19 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: list[int], *,
         if hit is not None:
             step_tokens, stopped = step_tokens[: hit + 1], True
         n = len(step_tokens)  # tokens this round produced: positions p+1 .. p+n
-        feats = torch.cat([feats, _features(target, hs)[:, :n]], dim=1)  # features of p .. p+n-1
+        feats = _features(target, hs)[:, :n]  # features of p .. p+n-1, for the next round's draft
         if vs - n > 0:
             cache.crop(-(vs - n))  # keep p .. p+n-1 (negative: tokens to remove)
         new += step_tokens
         produced.append(n)
         drafts.append((a, vs - 1))
         anchor, p = step_tokens[-1], p + n
+        if timing:
+            spent.draft += tv - td
+            spent.verify += clock(dev) - tv
+    if timing:
+        spent.total = clock(dev) - t0
+        timing.add(spent)
     return new[:max_new_tokens], produced, drafts
 
 

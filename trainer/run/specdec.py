@@ -20,100 +20,26 @@ from __future__ import annotations
 
 import json
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from trainer.model.drafter import Drafter, DrafterConfig, apply_rope, rope_cos_sin
-from trainer.run.eval import accept_rates, interval95
-
-
-# --------------------------------------------------------------------------- the drafter's KV cache
-
-class DraftCache:
-    """Per layer, the context's keys and values (B=1): (1, nkv, Tc, hd) each, after k_norm and RoPE."""
-
-    def __init__(self, n_layers: int):
-        self.k: list[torch.Tensor | None] = [None] * n_layers
-        self.v: list[torch.Tensor | None] = [None] * n_layers
-
-    @property
-    def length(self) -> int:
-        return 0 if self.k[0] is None else self.k[0].shape[2]
+from trainer.model.drafter import Drafter, DrafterConfig
+from trainer.run.eval import Timing, accept_rates, clock, interval95, speculative_generate
 
 
-@torch.no_grad()
-def extend_context(drafter: Drafter, cache: DraftCache, feats: torch.Tensor, start: int) -> None:
-    """Add the target features of positions start .. start+T-1 (feats (1, T, n*H)) to the cache."""
-    if feats.shape[1] == 0:
-        return
-    assert cache.length == start, (cache.length, start)
-    ctx = drafter.hidden_norm(drafter.fc(feats.to(drafter.fc.weight.dtype)))  # (1, T, H)
-    pos = torch.arange(start, start + feats.shape[1], device=feats.device)[None]
-    rope = rope_cos_sin(pos, drafter.cfg.head_dim, drafter.cfg.rope_theta, ctx.dtype)
-    for i, layer in enumerate(drafter.layers):
-        a = layer.self_attn
-        T = ctx.shape[1]
-        k = a.k_norm(a.k_proj(ctx).view(1, T, a.nkv, a.hd)).transpose(1, 2)
-        v = a.v_proj(ctx).view(1, T, a.nkv, a.hd).transpose(1, 2)
-        k = apply_rope(k, *rope)
-        cache.k[i] = k if cache.k[i] is None else torch.cat([cache.k[i], k], dim=2)
-        cache.v[i] = v if cache.v[i] is None else torch.cat([cache.v[i], v], dim=2)
+class NotLossless(RuntimeError):
+    """Decoding with the drafter gave other tokens than the target alone."""
 
 
-@torch.no_grad()
-def draft_block(drafter: Drafter, cache: DraftCache, block: torch.Tensor, start: int) -> torch.Tensor:
-    """block (1, T) = [anchor, MASK...] at positions start..start+T-1, seeing every cached context
-    position (all < start) and itself -> the drafter's greedy tokens for positions 1..T-1, (T-1,)."""
-    x = drafter.embed_tokens(block).to(drafter.fc.weight.dtype)  # (1, T, H)
-    T = block.shape[1]
-    pos = torch.arange(start, start + T, device=block.device)[None]
-    rope = rope_cos_sin(pos, drafter.cfg.head_dim, drafter.cfg.rope_theta, x.dtype)
-    for i, layer in enumerate(drafter.layers):
-        a = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = apply_rope(a.q_norm(a.q_proj(h).view(1, T, a.nh, a.hd)).transpose(1, 2), *rope)
-        k = apply_rope(a.k_norm(a.k_proj(h).view(1, T, a.nkv, a.hd)).transpose(1, 2), *rope)
-        v = a.v_proj(h).view(1, T, a.nkv, a.hd).transpose(1, 2)
-        k, v = torch.cat([cache.k[i], k], dim=2), torch.cat([cache.v[i], v], dim=2)
-        if a.nh != a.nkv:
-            k = k.repeat_interleave(a.nh // a.nkv, dim=1)
-            v = v.repeat_interleave(a.nh // a.nkv, dim=1)
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype))  # no mask: all visible
-        x = x + a.o_proj(o.transpose(1, 2).reshape(1, T, a.nh * a.hd))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return drafter.logits(x[:, 1:])[0].argmax(-1)
-
-
-# --------------------------------------------------------------------------- the decoding loops
-
-@dataclass
-class Timing:
-    verify: float = 0.0
-    draft: float = 0.0
-    total: float = 0.0
-
-    def add(self, other: "Timing") -> None:
-        self.verify += other.verify
-        self.draft += other.draft
-        self.total += other.total
-
-
-def _clock(dev: torch.device) -> float:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    return time.perf_counter()
-
+# --------------------------------------------------------------------------- the target alone
 
 @torch.no_grad()
 def target_greedy(target, prompt: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], Timing]:
     """The target alone: one cached forward per token, greedy, stopping at EOS."""
     dev = target.device
     t = Timing()
-    t0 = _clock(dev)
+    t0 = clock(dev)
     logits, _, cache = target.decode(torch.tensor([prompt], device=dev))
     tok = int(logits[0, -1].argmax())
     out = [tok]
@@ -121,53 +47,8 @@ def target_greedy(target, prompt: list[int], max_new_tokens: int, eos: set[int])
         logits, _, cache = target.decode(torch.tensor([[tok]], device=dev), cache)
         tok = int(logits[0, -1].argmax())
         out.append(tok)
-    t.total = t.verify = _clock(dev) - t0
+    t.total = t.verify = clock(dev) - t0
     return out, t
-
-
-@torch.no_grad()
-def speculative(target, drafter: Drafter, prompt: list[int], max_new_tokens: int,
-                eos: set[int]) -> tuple[list[int], list[int], list[int], Timing]:
-    """(new tokens, tokens produced per round, (drafts accepted, drafts offered) per round, timing)."""
-    dev, B, mask_id = target.device, drafter.cfg.block_size, drafter.cfg.mask_token_id
-    t = Timing()
-    t0 = _clock(dev)
-    logits, hs, tcache = target.decode(torch.tensor([prompt], device=dev), hidden=True)
-    dcache = DraftCache(len(drafter.layers))
-    feats = torch.cat([hs[i + 1] for i in target.layer_ids], dim=-1)  # (1, P, n*H)
-    p = len(prompt)
-    anchor = int(logits[0, -1].argmax())
-    end = p + max_new_tokens
-    new, produced, accepted = [anchor], [], []
-    stopped = anchor in eos
-    t1 = _clock(dev)
-    t.verify += t1 - t0
-    while p + 1 < end and not stopped:
-        td = _clock(dev)
-        extend_context(drafter, dcache, feats, dcache.length)
-        vs = min(B, end - p)
-        block = torch.tensor([[anchor] + [mask_id] * (vs - 1)], device=dev)
-        draft = draft_block(drafter, dcache, block, p) if vs > 1 else block[0, 1:]
-        tv = _clock(dev)
-        t.draft += tv - td
-        logits, hs, tcache = target.decode(torch.cat([block[0, :1], draft])[None], tcache, hidden=True)
-        choice = logits[0].argmax(-1)
-        a = int(torch.cumprod((draft == choice[:-1]).int(), 0).sum())
-        step_tokens = (draft[:a].tolist() + [int(choice[a])])[: end - p - 1]
-        hit = next((i for i, tok in enumerate(step_tokens) if tok in eos), None)
-        if hit is not None:
-            step_tokens, stopped = step_tokens[: hit + 1], True
-        n = len(step_tokens)
-        feats = torch.cat([hs[i + 1] for i in target.layer_ids], dim=-1)[:, :n]  # positions p .. p+n-1
-        if vs - n > 0:
-            tcache.crop(-(vs - n))
-        new += step_tokens
-        produced.append(n)
-        accepted.append((a, vs - 1))
-        anchor, p = step_tokens[-1], p + n
-        t.verify += _clock(dev) - tv
-    t.total = _clock(dev) - t0
-    return new[:max_new_tokens], produced, accepted, t
 
 
 # --------------------------------------------------------------------------- measuring
@@ -216,21 +97,23 @@ def load_drafter(path: str, target, device, dtype, *, untrained: bool = False) -
 
 def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_tokens: int, warmup: int = 1,
             log=print) -> dict:
-    """Both decodes of every prompt; fails (RuntimeError) at the first token that differs."""
+    """Both decodes of every prompt; NotLossless at the first token that differs."""
     eos = target.eos_ids()
     for p in prompts[:warmup]:  # kernels, allocator, caches: not timed
         target_greedy(target, p, min(16, max_new_tokens), eos)
-        speculative(target, drafter, p, min(32, max_new_tokens), eos)
+        speculative_generate(target, drafter, p, max_new_tokens=min(32, max_new_tokens), eos=eos, cached=True)
     alone, spec = Timing(), Timing()
     n_alone = n_spec = 0
     produced_all: list[int] = []
     drafts: list[tuple[int, int]] = []  # (drafts accepted, drafts offered) per round
     for i, p in enumerate(prompts):
         ref, ta = target_greedy(target, p, max_new_tokens, eos)
-        out, produced, acc, ts = speculative(target, drafter, p, max_new_tokens, eos)
+        ts = Timing()
+        out, produced, acc = speculative_generate(target, drafter, p, max_new_tokens=max_new_tokens, eos=eos,
+                                                  cached=True, timing=ts)
         if out != ref:
             k = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
-            raise RuntimeError(f"prompt {i}: speculative output differs from the target's greedy decode at new "
+            raise NotLossless(f"prompt {i}: speculative output differs from the target's greedy decode at new "
                                f"token {k} ({out[k:k + 1]} vs {ref[k:k + 1]}): NOT lossless")
         alone.add(ta)
         spec.add(ts)
@@ -299,9 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{drafter.cfg.num_layers} draft layers, {dev.type} {a.dtype}")
     try:
         doc = measure(target, drafter, prompts, max_new_tokens=a.max_new_tokens, log=say)
-    except RuntimeError as e:
-        if "NOT lossless" not in str(e):
-            raise
+    except NotLossless as e:
         print(f"specdec: error: {e}", file=sys.stderr, flush=True)
         return 1
     doc = {"target": a.target, "drafter": a.drafter, "untrained": a.untrained, "device": dev.type, "dtype": a.dtype,
