@@ -15,6 +15,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _plot import save_png  # noqa: E402
+
 GOAL_MS = 60.0
 SPECFORGE_MS = 105.6
 ROOFLINE_MS = 50.0      # ~790 TFLOP/s practical bf16 roofline over the dense count (issue 5)
@@ -74,11 +77,7 @@ def plot(records: list[dict], path: str | Path, title: str = "") -> Path:
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
     if title:
         fig.suptitle(title)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_png(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

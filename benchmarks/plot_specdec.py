@@ -10,6 +10,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _plot import save_png  # noqa: E402
+
 
 def plot(doc: dict, out: Path, title: str = "") -> Path:
     import matplotlib
@@ -26,8 +29,8 @@ def plot(doc: dict, out: Path, title: str = "") -> Path:
     a.set_ylabel("tokens/s (batch 1, greedy)")
     a.set_title(f"{doc['speedup']:.2f}x, lossless" if doc.get("lossless") else f"{doc['speedup']:.2f}x")
     b.bar(range(1, len(rates) + 1), [r or 0 for r in rates], color="#27a")
-    lo, hi = doc["tau_ci95"]
-    b.set_title(f"tau {doc['tau']:.2f} (95% {lo:.2f}-{hi:.2f}, {doc['rounds']} rounds, {doc['prompts']} prompts)")
+    ci = f"95% {doc['tau_ci95'][0]:.2f}-{doc['tau_ci95'][1]:.2f}, " if doc.get("tau_ci95") else ""
+    b.set_title(f"tau {doc['tau']:.2f} ({ci}{doc['rounds']} rounds, {doc['prompts']} prompts)")
     b.set_xlabel("block position")
     b.set_ylabel("rounds with the draft accepted")
     b.set_xticks(range(1, len(rates) + 1))
@@ -35,10 +38,7 @@ def plot(doc: dict, out: Path, title: str = "") -> Path:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_png(fig, out)
 
 
 def main(argv: list[str] | None = None) -> int:

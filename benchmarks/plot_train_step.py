@@ -18,6 +18,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _plot import save_png  # noqa: E402
+
 GOAL_MS = 80.0          # the whole step, one H200 (issue 14)
 SPECFORGE_MS = 112.8    # SpecForge 0.2.0's drafter step alone, same GPU and shape
 
@@ -61,10 +64,7 @@ def plot(results: list[tuple[str, dict]], out: Path, title: str, only: list[list
     ax.set_ylim(0, max([SPECFORGE_MS] + [r["total"] for r in rows]) * 1.3)
     ax.legend(fontsize=8, loc="upper left", ncol=2)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_png(fig, out)
 
 
 def main(argv=None) -> int:

@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trainer.run import regen, small_lm, specdec  # noqa: E402
-from trainer.run.eval import DraftCache, draft_block, extend_context  # noqa: E402
+from trainer.run.eval import DraftCache, draft_block, extend_context, interval95  # noqa: E402
 from trainer.run.target import load_target  # noqa: E402
 from trainer.errors import UsageError  # noqa: E402
 from trainer.model.drafter import Drafter  # noqa: E402
@@ -212,6 +212,6 @@ def test_speculative_decoding_is_lossless_and_a_wrong_token_is_caught(target, mo
 
 
 def test_interval95():
-    assert specdec.interval95([2, 2, 2]) == (2.0, 0.0)
-    m, h = specdec.interval95([1, 3] * 50)
+    assert interval95([2, 2, 2]) == (2.0, 0.0)
+    m, h = interval95([1, 3] * 50)
     assert m == 2.0 and 0.19 < h < 0.2

@@ -213,11 +213,17 @@ def acceptance_length(target: Target, drafter: Drafter, prompts: list[list[int]]
             per_round.append(acc)
     finally:
         drafter.train(was_training)
-    tau, half = interval95(rounds)
-    ci = [tau - half, tau + half] if math.isfinite(half) else None  # one round has no interval
-    return {"acceptance_length": tau, "rounds": len(rounds), "tau_ci95": ci,
-            "accept_rate_by_position": accept_rates(drafts, drafter.cfg.block_size),
+    return {**summarize(rounds, drafts, drafter.cfg.block_size),
             "prompts": len(prompts), "per_prompt": per_prompt, "acceptance_lengths": per_round}
+
+
+def summarize(rounds: list[int], drafts: list[tuple[int, int]], block_size: int) -> dict:
+    """tau ("acceptance_length") over the rounds, their count, tau's 95% interval (None for fewer
+    than two rounds) and the acceptance rate per block position."""
+    tau, half = interval95(rounds)
+    ci = [tau - half, tau + half] if math.isfinite(half) else None
+    return {"acceptance_length": tau, "rounds": len(rounds), "tau_ci95": ci,
+            "accept_rate_by_position": accept_rates(drafts, block_size)}
 
 
 def interval95(xs: list[int]) -> tuple[float, float]:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from trainer.model.drafter import Drafter, DrafterConfig
-from trainer.run.eval import Timing, accept_rates, clock, interval95, speculative_generate
+from trainer.run.eval import Timing, clock, speculative_generate, summarize
 
 
 class NotLossless(RuntimeError):
@@ -123,12 +123,10 @@ def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_token
         drafts += acc
         log(f"specdec: prompt {i + 1}/{len(prompts)}: {len(out)} tokens, tau {len(out) / max(1, len(produced)):.2f}, "
             f"{len(ref) / ta.total:.1f} -> {len(out) / ts.total:.1f} tokens/s")
-    tau, half = interval95(produced_all)
+    summary = summarize(produced_all, drafts, drafter.cfg.block_size)
     a_rate, s_rate = n_alone / alone.total, n_spec / spec.total
-    return {"lossless": True, "prompts": len(prompts), "tokens": n_spec, "rounds": len(produced_all),
-            "tau": tau, "tau_ci95": [tau - half, tau + half],
-            "target_tokens_per_s": a_rate, "spec_tokens_per_s": s_rate, "speedup": s_rate / a_rate,
-            "accept_rate_by_position": accept_rates(drafts, drafter.cfg.block_size),
+    return {"lossless": True, "prompts": len(prompts), "tokens": n_spec, "tau": summary.pop("acceptance_length"),
+            **summary, "target_tokens_per_s": a_rate, "spec_tokens_per_s": s_rate, "speedup": s_rate / a_rate,
             "time_share": {"target_verify": spec.verify / spec.total, "drafter": spec.draft / spec.total,
                            "host_other": max(0.0, 1 - (spec.verify + spec.draft) / spec.total)},
             "ms_per_round": {"verify": 1e3 * spec.verify / max(1, len(produced_all)),
@@ -187,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     doc = {"target": a.target, "drafter": a.drafter, "untrained": a.untrained, "device": dev.type, "dtype": a.dtype,
            "block_size": drafter.cfg.block_size, "draft_layers": drafter.cfg.num_layers, **doc}
-    say(f"specdec: lossless; tau {doc['tau']:.2f} (95% {doc['tau_ci95'][0]:.2f}-{doc['tau_ci95'][1]:.2f}, "
+    ci = doc["tau_ci95"]
+    say(f"specdec: lossless; tau {doc['tau']:.2f} ({f'95% {ci[0]:.2f}-{ci[1]:.2f}, ' if ci else ''}"
         f"{doc['rounds']} rounds); {doc['target_tokens_per_s']:.1f} -> {doc['spec_tokens_per_s']:.1f} tokens/s, "
         f"speedup {doc['speedup']:.2f}x; drafter {100 * doc['time_share']['drafter']:.0f}% of the time")
     if a.json_out:
