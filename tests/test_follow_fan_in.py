@@ -86,3 +86,33 @@ def test_a_run_on_one_node_goes_through_the_same_fan_in(monkeypatch):
     assert events[0] == nodes.Job("R", ["ct200"])
     assert events[1] == nodes.NodeEvent("ct200", follow_mod.Line(b"hello\n", 1))
     assert events[2] is summary and len(events) == 3
+
+
+def test_every_node_of_a_large_job_streams_at_once(monkeypatch):
+    """A follower streams until its node ends, so none may wait for another's thread: with a
+    bounded pool (16 workers) the 17th node of a job would print nothing while the others run."""
+    n = 20
+    inv = inventory.parse("hosts: {pve1: {address: pve1.invalid}}\ntargets:\n"
+                          + "".join(f"  ct{200 + i}: {{host: pve1, vmid: {200 + i}, gpus: 0}}\n" for i in range(n)))
+    stop = threading.Event()
+    monkeypatch.setattr(nodes, "run_nodes", lambda inv_, target, run, s: ("R", [(t, {}) for t in inv.targets.values()]))
+
+    def streaming(inv_, t, run, **kw):
+        yield follow_mod.Line(f"{t.name} step 1\n".encode(), 1)
+        stop.wait(60)
+        yield follow_mod.End(follow_mod.Summary(t.name, run, "running", 101))
+
+    monkeypatch.setattr(follow_mod, "follow", streaming)
+    seen: set = set()
+
+    def until_every_node_spoke():
+        for ev in nodes.follow(inv, next(iter(inv.targets.values())), "R", session=object()):
+            if isinstance(ev, nodes.NodeEvent):
+                seen.add(ev.target)
+                if len(seen) == n:
+                    return
+
+    try:
+        assert _within(10, until_every_node_spoke) is None and len(seen) == n
+    finally:
+        stop.set()

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 
+import click
 import pytest
 
 from orchestrator import inventory
 from orchestrator.play import playbook as pb
 from orchestrator.runs import launch as runs, nodes
 from orchestrator.errors import EXIT_USAGE, FileError, UsageError
-from orchestrator.runs.options import POLICIES, LaunchOptions
+from orchestrator.runs.options import POLICIES, TOPOLOGIES, LaunchOptions
 from trainer.policies import POLICY_NAMES
 
 INV = inventory.parse("""
@@ -23,6 +24,10 @@ targets:
 
 def test_the_policy_is_one_of_the_trainers_names_or_auto():
     assert POLICIES == ("auto", *POLICY_NAMES)
+    from orchestrator.runs.commands import launch
+
+    choices = {p.name: p.type.choices for p in launch.params if isinstance(p.type, click.Choice)}
+    assert tuple(choices["policy"]) == POLICIES and tuple(choices["topology"]) == TOPOLOGIES  # the CLI checks the same
     with pytest.raises(UsageError, match="--policy bogus: not a policy") as e:
         LaunchOptions.build(policy="bogus")
     assert e.value.exit_code == EXIT_USAGE == 2

@@ -33,7 +33,7 @@ def _in_function(tree: ast.Module) -> set[int]:
     """ids of the import nodes inside a function body (they run when called, not at import)."""
     inside = set()
     for fn in ast.walk(tree):
-        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             inside.update(id(n) for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)))
     return inside
 

@@ -13,9 +13,8 @@ import sys
 
 import click
 
-from trainer.policies import POLICY_NAMES   # names only: importing it does not import torch
-
 from orchestrator.errors import OpsError, TargetsFailed, UsageError
+from orchestrator.runs.options import POLICIES, TOPOLOGIES
 from orchestrator.ui import State, emit, json_option, table
 
 SEVERITY_COLOUR = {"fatal": b"1;31", "warning": b"33"}
@@ -72,10 +71,10 @@ def _split_launch_args(state: State, args: tuple[str, ...]) -> tuple[list, list[
               help="Continue this stopped or failed run from its last checkpoint (same run id, its own settings).")
 @click.option("--config", type=click.Path(dir_okay=False), metavar="FILE",
               help="Trainer YAML config; copied into the run's folder.")
-@click.option("--topology", type=click.Choice(["threads", "processes"]), default="threads",
+@click.option("--topology", type=click.Choice(TOPOLOGIES), default="threads",
               show_default=True, help="One thread per device, or one process per device.")
 @click.option("--policy", default="auto", show_default=True, metavar="NAME|auto",
-              type=click.Choice(("auto", *POLICY_NAMES)),
+              type=click.Choice(POLICIES),
               help="Compile policy; auto = the probe's choice (run `dflash-ops probe` first).")
 @click.option("--workers", type=click.IntRange(min=1), metavar="K",
               help="With --gpus 0: CPU worker threads.")

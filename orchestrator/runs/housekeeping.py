@@ -12,7 +12,7 @@ from typing import Sequence
 from orchestrator.ssh import agent
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Inventory, Target
-from orchestrator.runs.launch import check_run
+from orchestrator.runs.options import check_run
 from orchestrator.ssh.session import Session
 
 

@@ -72,7 +72,8 @@ def check_gpu_ids(opts: LaunchOptions, target: Target) -> None:
     """`--gpu-ids 0,3` names GPUs the target has (hosts.yaml `gpus:`)."""
     if opts.gpu_ids is not None and any(not 0 <= i < target.gpus for i in opts.gpu_ids):
         have = f"0..{target.gpus - 1}" if target.gpus else "none (gpus: 0)"
-        raise UsageError(f"--gpu-ids {opts.gpu_ids_text}: {target.name} has GPUs {have} (hosts.yaml `gpus:`)")
+        ids = ",".join(map(str, opts.gpu_ids))
+        raise UsageError(f"--gpu-ids {ids}: {target.name} has GPUs {have} (hosts.yaml `gpus:`)")
 
 
 def refusal_message(target: Target, doc: dict) -> str:

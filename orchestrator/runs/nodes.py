@@ -237,7 +237,8 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
             finally:                     # whatever happened, the consumer learns this node ended
                 events.put(done)
 
-        threading.Thread(target=agent.fan_out, args=([t for t, _ in nodes], one), daemon=True).start()
+        for t, _ in nodes:  # a thread each: a follower streams until its node ends, so no pool (fan_out's
+            threading.Thread(target=one, args=(t,), daemon=True).start()  # caps workers) may make one wait
         ended: dict[str, _Ended] = {}
         while len(ended) < len(nodes):
             ev = events.get()

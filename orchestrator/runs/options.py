@@ -42,12 +42,11 @@ def _gpu_ids(text: str) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class LaunchOptions:
     """A launch's options, each checked (build). gpus None: all of the target's (a resumed run:
-    its own); gpu_ids: exactly these GPUs (its text kept for messages); config: the YAML file's
+    its own); gpu_ids: exactly these GPUs; config: the YAML file's
     text, name and absolute path; extra: the trainer's arguments; env: variables for the
     trainer, over the inventory's `env:` (they travel in the launch command, never as data)."""
     gpus: int | None = None
     gpu_ids: tuple[int, ...] | None = None
-    gpu_ids_text: str | None = None
     topology: str = "threads"
     policy: str = "auto"
     workers: int | None = None
@@ -100,7 +99,7 @@ class LaunchOptions:
             except OSError as e:
                 raise UsageError(f"--config {config}: cannot read: {e.strerror or e}") from None
             cname, source = path.name, str(path.resolve())
-        return cls(gpus=gpus, gpu_ids=ids, gpu_ids_text=gpu_ids, topology=topology, policy=policy,
+        return cls(gpus=gpus, gpu_ids=ids, topology=topology, policy=policy,
                    workers=workers, extra=tuple(extra), name=name, resume=resume, config_text=text,
                    config_name=cname, config_source=source, env=dict(env or {}))
 

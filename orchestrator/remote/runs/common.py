@@ -86,11 +86,11 @@ def _not_found(workdir, run, **extra):
     refuse("not_found", "no run %r in %s" % (run, _runs_dir(workdir)), run=run, **extra)
 
 
-def _find(workdir, run, **extra):
+def _find(workdir, run):
     """_resolve's run id; the not-found refusal when there is no such run."""
     rid = _resolve(workdir, run)
     if rid is None:
-        _not_found(workdir, run, **extra)
+        _not_found(workdir, run)
     return rid
 
 

@@ -9,7 +9,7 @@ import os
 import time
 
 from ..common import _read_json
-from .common import LOG, TAIL_SCAN, _find, _run_ids, _runs_dir, _state, _status
+from .common import LOG, TAIL_SCAN, _find, _runs_dir, _state, _status
 
 POLL_S = 0.05            # how often an idle log is looked at (latency budget: 0.3 s)
 HEARTBEAT_S = 2.0        # a stderr heartbeat this often, so dead connections are noticed
@@ -58,7 +58,7 @@ def _control(doc):
 
 
 def cmd_follow(workdir, run, offset, follow, tail):
-    rid = _find(workdir, run, runs=len(_run_ids(workdir)))
+    rid = _find(workdir, run)
     rundir = os.path.join(_runs_dir(workdir), rid)
     path = os.path.join(rundir, LOG)
     rec = _read_json(os.path.join(rundir, "run.json")) or {}
