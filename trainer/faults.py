@@ -2,11 +2,10 @@
 
 Product code calls `faults.hit(NAME, ...)` (or asks `faults.enabled(NAME)`); nothing happens unless
 a test has enabled NAME, through one environment variable (so the fault reaches `python -m trainer`
-subprocesses and torchrun ranks) or in-process:
+subprocesses and torchrun ranks):
 
     env = {**os.environ, **faults.env(fail_worker="1:hang")}    # DFLASH_TRAINER_FAULTS=fail_worker=1:hang
     monkeypatch.setenv(*faults.setting(diverge="1:2"))
-    faults.enable(test_policies="1"); ...; faults.disable()
 
 The points (NAME=VALUE):
   fail_worker=I           worker/rank I raises in its warm-up (its first step); I:hang: it hangs there
@@ -25,7 +24,6 @@ import time
 
 ENV = "DFLASH_TRAINER_FAULTS"
 POINTS = ("fail_worker", "diverge", "pause_in_checkpoint", "test_policies")
-_enabled: dict[str, str] = {}
 
 
 def _check(points: dict[str, str]) -> None:
@@ -46,23 +44,13 @@ def setting(**points: str) -> tuple[str, str]:
     return name, value
 
 
-def enable(**points: str) -> None:
-    """Enable `points` in this process (beside what ENV enables), until disable()."""
-    _check(points)
-    _enabled.update(points)
-
-
-def disable() -> None:
-    _enabled.clear()
-
-
 def value(name: str) -> str | None:
     """NAME's value where a test enabled it, else None (ENV is read at each call)."""
     for item in os.environ.get(ENV, "").split(","):
         n, sep, v = item.partition("=")
         if sep and n == name:
             return v
-    return _enabled.get(name)
+    return None
 
 
 def enabled(name: str) -> bool:

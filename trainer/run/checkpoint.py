@@ -86,7 +86,7 @@ def save(out_dir: str | Path, step: int, *, model: dict[str, torch.Tensor], opti
     """Write checkpoint `step` atomically and point `latest` at it; returns its folder."""
     ck = root(out_dir)
     ck.mkdir(parents=True, exist_ok=True)
-    final = ck / f"step-{step:08d}"
+    final = path_for(out_dir, step)
     if verify(final):
         _point_latest(ck, final.name)  # e.g. SIGTERM right after a periodic checkpoint of the same step
         return final
@@ -116,9 +116,24 @@ def _point_latest(ck: Path, name: str) -> None:
         f.write(name + "\n")
 
 
+def path_for(out_dir: str | Path, step: int) -> Path:
+    """The folder of checkpoint `step` (which may not exist)."""
+    return root(out_dir) / f"step-{step:08d}"
+
+
+def step_of(path: Path) -> int:
+    return int(path.name[len("step-"):])
+
+
 def _complete(ck: Path) -> list[Path]:
     """Complete checkpoint folders, oldest first."""
     return sorted(p for p in ck.glob("step-*") if p.is_dir() and verify(p))
+
+
+def complete_steps(out_dir: str | Path) -> list[int]:
+    """The steps of the run's complete checkpoints, oldest first."""
+    ck = root(out_dir)
+    return [step_of(p) for p in _complete(ck)] if ck.is_dir() else []
 
 
 def _prune(ck: Path, keep: int) -> None:

@@ -204,10 +204,9 @@ def _checkpoint_path(out: Path, run: str, step: int | None) -> Path:
         if path is None:
             raise UsageError(f"--run {run}: no complete checkpoint yet")
         return path
-    path = checkpoint.root(out) / f"step-{step:08d}"
+    path = checkpoint.path_for(out, step)
     if not checkpoint.verify(path):
-        have = sorted(int(p.name[5:]) for p in checkpoint.root(out).glob("step-*") if checkpoint.verify(p)) \
-            if checkpoint.root(out).is_dir() else []
+        have = checkpoint.complete_steps(out)
         raise UsageError(f"--step {step}: no complete checkpoint of that step in {run} "
                          f"(complete: {', '.join(map(str, have)) or 'none'})")
     return path

@@ -33,7 +33,6 @@ launcher. If the launcher dies, the ranks get SIGTERM too (PR_SET_PDEATHSIG).
 """
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -48,7 +47,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainer import policies
-from trainer.run import checkpoint, provenance
+from trainer.run import checkpoint
 from trainer.exits import in_rank
 from trainer.files import atomic_file
 from trainer.run.config import TrainConfig
@@ -194,9 +193,7 @@ def _rank(cfg: TrainConfig, rank: int, world: int, local: int, device: torch.dev
     writer = rank == 0
     # every node's first rank records the settings in its own --out (with its checkpoints, a node's
     # folder is then a complete run for `python -m trainer.export`)
-    out, resume_from = loop.open_run(cfg, writer=writer or local == 0)
-    held = provenance.running(out) if writer or local == 0 else contextlib.nullcontext()
-    with held:   # while held, `python -m trainer.export` knows this run is running
+    with loop.run_folder(cfg, writer=local == 0) as (out, resume_from):  # rank 0 is a first rank too
         log = RunLog(out / "metrics.jsonl") if writer else QuietLog()
         policy = loop.resolve_policy(cfg, device)
         log.info(f"torch {torch.__version__} | {world} ranks on {device.type} | topology processes "

@@ -5,11 +5,13 @@ trainer/train/distributed.py with one torchrun rank per device.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +69,15 @@ def open_run(cfg: TrainConfig, *, writer: bool) -> tuple[Path, Path | None]:
             (out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run's metrics start empty
         (out / RUN_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=1))
     return out, resume_from
+
+
+@contextlib.contextmanager
+def run_folder(cfg: TrainConfig, *, writer: bool) -> Iterator[tuple[Path, Path | None]]:
+    """open_run for the process that trains; the writer holds the run's lock meanwhile, so that
+    `python -m trainer.export` knows this run is running."""
+    out, resume_from = open_run(cfg, writer=writer)
+    with provenance.running(out) if writer else contextlib.nullcontext():
+        yield out, resume_from
 
 
 def resolve_policy(cfg: TrainConfig, device: torch.device) -> str:

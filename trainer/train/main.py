@@ -22,10 +22,10 @@ from trainer import policies
 from trainer.engine.step import build_replica
 from trainer.engine.workers import ThreadEngine, WorkerFailed, WorkerHung
 from trainer.exits import exit_process
-from trainer.run import checkpoint, provenance
+from trainer.run import checkpoint
 from trainer.run.config import TrainConfig
 from trainer.run.log import RunLog
-from trainer.train.loop import devices_for, on_sigterm, open_run, owns_process, prepare, resolve_policy, run_loop
+from trainer.train.loop import devices_for, on_sigterm, owns_process, prepare, resolve_policy, run_folder, run_loop
 
 def main(cfg: TrainConfig) -> int:
     if cfg.topology == "processes":
@@ -59,8 +59,7 @@ def main(cfg: TrainConfig) -> int:
 
 def _main(cfg: TrainConfig, stop: threading.Event) -> int:
     # ---- config and run folder ----------------------------------------------------------------
-    out, resume_from = open_run(cfg, writer=True)
-    with provenance.running(out):   # while held, `python -m trainer.export` knows this run is running
+    with run_folder(cfg, writer=True) as (out, resume_from):
         return _train(cfg, stop, out, resume_from)
 
 
