@@ -3,7 +3,7 @@
 Read top to bottom. Two topologies share everything but the engine that runs a step:
   threads (default, here): one worker thread per device (trainer/engine/workers.py: ThreadEngine);
   processes: one process per device under torchrun + DDP (trainer/train/distributed.py,
-  trainer/engine/ranks.py: RankEngine), which shares open_run / prepare / run_loop
+  trainer/engine/ranks.py: RankEngine), which shares run_folder / prepare / run_loop
   (trainer/train/loop.py) with this module.
 Exit: 0 finished, 143 after SIGTERM (with a complete checkpoint), errors via trainer/exits.py.
 """
