@@ -109,6 +109,14 @@ def test_export_streams_the_latest_succeeded_run_home_and_refuses_bad_input(ct):
     assert r.returncode == 2 and b"already exists (pass --force" in r.stderr, r.stderr
     r = ct.cli("export", "ct200", ct.run, "-o", ct.tmp / "empty", "--force", "--target-changed-ok", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["target_changed"] == [], r.stderr.decode()
+    # The target at the run's path is another one now (tiny's seed 1: same shape, other weights):
+    # refused, then exported with --target-changed-ok, which travels to the trainer and says what changed.
+    config = ct.pct.private(200) / "dflash" / "runs" / ct.run / "trainer-config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "target": "tiny:1"}))
+    r = ct.cli("export", "ct200", ct.run, "-o", ct.tmp / "empty", "--force")
+    assert r.returncode == 2 and b"target" in r.stderr and b"--target-changed-ok" in r.stderr, r.stderr
+    r = ct.cli("export", "ct200", ct.run, "-o", ct.tmp / "empty", "--force", "--target-changed-ok", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["target_changed"] != [], r.stderr.decode()
 
 
 def test_a_running_run_exports_only_with_running_ok_which_says_its_step(ct):
