@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator import inventory
-from orchestrator.runs import follow, report, launch as runs
+from orchestrator.runs import follow, nodes, report, launch as runs
 from orchestrator.errors import UsageError
 from orchestrator.runs.options import LaunchOptions
 from trainer.signatures import load_catalog
@@ -65,7 +65,7 @@ def test_refusal_messages_say_what_to_do():
 
 def test_launch_refuses_more_gpus_than_the_target_has_before_connecting():
     with pytest.raises(runs.LaunchRefused, match="--gpus 9 is more than the target's 8 GPU"):
-        runs.launch(INV, "ct200", LaunchOptions.build(gpus=9, policy="eager"))
+        nodes.launch(INV, [INV.targets["ct200"]], LaunchOptions.build(gpus=9, policy="eager"))
 
 
 @settings(max_examples=60, deadline=None)

@@ -2,7 +2,7 @@
 parallel through the one fan-out (agent.fan_out), one connection per host for the whole play.
 
 Each step calls the library function its command calls (deploy.deploy, probe.probe_target,
-runs.launch, follow.follow, export.export, exec.run_one, runs.status) and records a result: its
+nodes.launch, follow.follow, export.export, exec.run_one, runs.status) and records a result: its
 status (`changed`, `ok`: ran and changed nothing, `failed`, `skipped` before --from, `not_run`
 after a failure), a one-line detail and its JSON document, which later steps read through
 `{{ steps.NAME... }}` and `assert`. The first failure stops that target; the others go on.
@@ -260,13 +260,13 @@ def _probe(run: Run, o: dict):
 
 
 def _launch(run: Run, o: dict):
-    from orchestrator.runs import launch as runs
+    from orchestrator.runs import nodes
     from orchestrator.runs.options import LaunchOptions
 
     opts = LaunchOptions.build(gpus=o.get("gpus"), gpu_ids=o.get("gpu_ids"), config=o.get("config"),
                                topology=o.get("topology"), policy=o.get("policy"), workers=o.get("workers"),
                                extra=o.get("args", []), name=o.get("name"), env=o.get("env"))
-    res = runs.launch(run.inv, run.target.name, opts, session=run.session)
+    res = nodes.launch(run.inv, [run.target], opts, session=run.session).nodes[0]  # a job of one node
     return True, res.as_json(), f"run {res.run} (pid {res.pid}, policy {res.compile_policy})"
 
 

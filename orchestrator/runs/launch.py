@@ -49,10 +49,6 @@ def exit_code_for(state: str) -> int:
     return STATE_EXIT.get(state, EXIT_RUN_FAILED)
 
 
-def resolve_target(inv: Inventory, name: str | None) -> Target:
-    return inv.target(name) if name else inv.default_target()
-
-
 def split_target_run(inv: Inventory, args: Sequence[str]) -> tuple[Target, str]:
     """`[TARGET] [RUN]`: one word is a run of the default target when it looks like a run id
     (or is `latest`), else a target (an unknown one is an error that suggests a near name)."""
@@ -133,16 +129,6 @@ class LaunchResult:
 
     def as_json(self) -> dict:
         return asdict(self)
-
-
-def launch(inv: Inventory, target_name: str | None, opts: LaunchOptions, *,
-           session: Session | None = None) -> LaunchResult:
-    """Start the trainer detached on the target; returns once it runs (the run goes on alone).
-    (The CLI launches a job of one or more targets: nodes.launch.)"""
-    target = resolve_target(inv, target_name)
-    spec = launch_spec(inv, target, opts)
-    with agent.session(inv, session) as s:
-        return launch_on(s, target, spec)
 
 
 @dataclass
@@ -331,6 +317,6 @@ def call_about_run(s: Session, target: Target, run: str, args: list[str], what: 
         raise
 
 
-__all__ = ["launch", "launch_spec", "launch_on", "LaunchSpec", "status", "stop", "metrics", "LaunchResult",
-           "LaunchRefused", "new_run_id", "split_target_run", "resolve_target", "exit_code_for", "job_state",
+__all__ = ["launch_spec", "launch_on", "LaunchSpec", "status", "stop", "metrics", "LaunchResult",
+           "LaunchRefused", "new_run_id", "split_target_run", "exit_code_for", "job_state",
            "group_rows", "refusal_message", "not_found", "status_docs", "call_about_run"]
