@@ -85,3 +85,25 @@ def test_specdec_plot_of_the_recorded_result(tmp_path, capsys):
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_specdec.main([str(tmp_path / "missing.json"), "-o", str(tmp_path / "x.png")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+_claims = importlib.util.spec_from_file_location("claims_table", SCRIPT.parent / "claims_table.py")
+claims_table = importlib.util.module_from_spec(_claims)
+_claims.loader.exec_module(claims_table)
+
+
+def test_a_claim_holds_only_when_the_intervals_part():
+    doc = lambda tau, lo, hi: {"tau": tau, "tau_ci95": [lo, hi]}  # noqa: E731
+    assert claims_table.verdict(doc(1.5, 1.45, 1.55), doc(1.3, 1.25, 1.35)) == "held"
+    assert claims_table.verdict(doc(1.5, 1.40, 1.60), doc(1.45, 1.38, 1.52)) == "within noise"
+    assert claims_table.verdict(doc(1.3, 1.25, 1.35), doc(1.5, 1.45, 1.55)) == "did not hold"
+    assert claims_table.verdict(doc(1.5, 1.45, 1.55), {"tau": 1.3, "tau_ci95": None}) == "within noise"
+
+
+def test_claims_table_of_the_recorded_run(tmp_path, capsys):
+    data = Path(__file__).resolve().parent.parent / "docs" / "data" / "small-target-claims-h200"
+    assert claims_table.main([str(data), "-o", str(tmp_path / "c.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| the decaying loss weights beat uniform weights |" in out and "not run (block8 missing)" in out
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert claims_table.main([str(tmp_path)]) == 2

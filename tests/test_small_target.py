@@ -211,6 +211,16 @@ def test_speculative_decoding_is_lossless_and_a_wrong_token_is_caught(target, mo
         specdec.measure(target, d, prompts, max_new_tokens=24, warmup=0, log=lambda s: None)
 
 
+def test_without_the_baseline_tau_is_the_same_and_nothing_claims_lossless(target):
+    d = _drafter(target, block=4)
+    prompts = [target.tokenizer(t)["input_ids"] for t in ("import os\n", "def f(x):\n")]
+    both = specdec.measure(target, d, prompts, max_new_tokens=24, warmup=0, log=lambda s: None)
+    alone = specdec.measure(target, d, prompts, max_new_tokens=24, warmup=0, baseline=False, log=lambda s: None)
+    assert (alone["tau"], alone["rounds"], alone["tokens"]) == (both["tau"], both["rounds"], both["tokens"])
+    assert alone["lossless"] is None and alone["speedup"] is None and alone["target_tokens_per_s"] is None
+    json.dumps(alone, allow_nan=False)
+
+
 def test_interval95():
     assert interval95([2, 2, 2]) == (2.0, 0.0)
     m, h = interval95([1, 3] * 50)

@@ -96,8 +96,9 @@ def load_drafter(path: str, target, device, dtype, *, untrained: bool = False) -
 
 
 def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_tokens: int, warmup: int = 1,
-            log=print) -> dict:
-    """Both decodes of every prompt; NotLossless at the first token that differs."""
+            baseline: bool = True, log=print) -> dict:
+    """Both decodes of every prompt; NotLossless at the first token that differs.
+    baseline=False: only the speculative decode (tau and acceptance; no lossless check, no speedup)."""
     eos = target.eos_ids()
     for p in prompts[:warmup]:  # kernels, allocator, caches: not timed
         target_greedy(target, p, min(16, max_new_tokens), eos)
@@ -107,31 +108,36 @@ def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_token
     produced_all: list[int] = []
     drafts: list[tuple[int, int]] = []  # (drafts accepted, drafts offered) per round
     for i, p in enumerate(prompts):
-        ref, ta = target_greedy(target, p, max_new_tokens, eos)
         ts = Timing()
         out, produced, acc = speculative_generate(target, drafter, p, max_new_tokens=max_new_tokens, eos=eos,
                                                   cached=True, timing=ts)
+        ref, ta = target_greedy(target, p, max_new_tokens, eos) if baseline else (out, None)
         if out != ref:
             k = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
             raise NotLossless(f"prompt {i}: speculative output differs from the target's greedy decode at new "
                                f"token {k} ({out[k:k + 1]} vs {ref[k:k + 1]}): NOT lossless")
-        alone.add(ta)
         spec.add(ts)
-        n_alone += len(ref)
         n_spec += len(out)
         produced_all += produced
         drafts += acc
+        speed = f"{len(out) / ts.total:.1f} tokens/s"
+        if ta:
+            alone.add(ta)
+            n_alone += len(ref)
+            speed = f"{len(ref) / ta.total:.1f} -> {speed}"
         log(f"specdec: prompt {i + 1}/{len(prompts)}: {len(out)} tokens, tau {len(out) / max(1, len(produced)):.2f}, "
-            f"{len(ref) / ta.total:.1f} -> {len(out) / ts.total:.1f} tokens/s")
+            f"{speed}")
     summary = summarize(produced_all, drafts, drafter.cfg.block_size)
-    a_rate, s_rate = n_alone / alone.total, n_spec / spec.total
-    return {"lossless": True, "prompts": len(prompts), "tokens": n_spec, "tau": summary.pop("acceptance_length"),
-            **summary, "target_tokens_per_s": a_rate, "spec_tokens_per_s": s_rate, "speedup": s_rate / a_rate,
+    s_rate = n_spec / spec.total
+    a_rate = n_alone / alone.total if baseline else None
+    return {"lossless": True if baseline else None, "prompts": len(prompts), "tokens": n_spec,
+            "tau": summary.pop("acceptance_length"), **summary, "target_tokens_per_s": a_rate,
+            "spec_tokens_per_s": s_rate, "speedup": s_rate / a_rate if baseline else None,
             "time_share": {"target_verify": spec.verify / spec.total, "drafter": spec.draft / spec.total,
                            "host_other": max(0.0, 1 - (spec.verify + spec.draft) / spec.total)},
             "ms_per_round": {"verify": 1e3 * spec.verify / max(1, len(produced_all)),
                              "draft": 1e3 * spec.draft / max(1, len(produced_all))},
-            "target_ms_per_token": 1e3 * alone.total / max(1, n_alone)}
+            "target_ms_per_token": 1e3 * alone.total / max(1, n_alone) if baseline else None}
 
 
 # --------------------------------------------------------------------------- python -m trainer.specdec
@@ -163,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is")
     p.add_argument("--untrained", action="store_true",
                    help="measure the same drafter freshly initialised instead (the baseline for tau)")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="decode with the drafter only: tau and acceptance, no lossless check and no speedup "
+                        "(for comparing drafters; several can then share one GPU)")
     p.add_argument("--json", dest="json_out", help="also write the result document to this file")
     a = p.parse_args(argv)
     if a.max_new_tokens < 1:
@@ -179,16 +188,19 @@ def main(argv: list[str] | None = None) -> int:
     say(f"specdec: {len(prompts)} prompts, {a.max_new_tokens} new tokens each, block {drafter.cfg.block_size}, "
         f"{drafter.cfg.num_layers} draft layers, {dev.type} {a.dtype}")
     try:
-        doc = measure(target, drafter, prompts, max_new_tokens=a.max_new_tokens, log=say)
+        doc = measure(target, drafter, prompts, max_new_tokens=a.max_new_tokens, baseline=a.baseline, log=say)
     except NotLossless as e:
         print(f"specdec: error: {e}", file=sys.stderr, flush=True)
         return 1
     doc = {"target": a.target, "drafter": a.drafter, "untrained": a.untrained, "device": dev.type, "dtype": a.dtype,
            "block_size": drafter.cfg.block_size, "draft_layers": drafter.cfg.num_layers, **doc}
     ci = doc["tau_ci95"]
-    say(f"specdec: lossless; tau {doc['tau']:.2f} ({f'95% {ci[0]:.2f}-{ci[1]:.2f}, ' if ci else ''}"
-        f"{doc['rounds']} rounds); {doc['target_tokens_per_s']:.1f} -> {doc['spec_tokens_per_s']:.1f} tokens/s, "
-        f"speedup {doc['speedup']:.2f}x; drafter {100 * doc['time_share']['drafter']:.0f}% of the time")
+    tau = f"tau {doc['tau']:.2f} ({f'95% {ci[0]:.2f}-{ci[1]:.2f}, ' if ci else ''}{doc['rounds']} rounds)"
+    if a.baseline:
+        say(f"specdec: lossless; {tau}; {doc['target_tokens_per_s']:.1f} -> {doc['spec_tokens_per_s']:.1f} tokens/s, "
+            f"speedup {doc['speedup']:.2f}x; drafter {100 * doc['time_share']['drafter']:.0f}% of the time")
+    else:
+        say(f"specdec: {tau}; {doc['spec_tokens_per_s']:.1f} tokens/s drafted (no baseline, no lossless check)")
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(doc, indent=2))
     print(json.dumps(doc), flush=True)
