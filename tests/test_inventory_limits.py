@@ -44,16 +44,20 @@ def test_yaml_1_1_integer_spellings_are_refused_at_their_line(spelling):
 
 
 @pytest.mark.parametrize("text, line, needle", [
-    ("targets:\n  t:\n    python: !!python/name:os.system\n", 3, "YAML tag 'tag:yaml.org,2002:python/name:os.system'"),
-    ("targets:\n  t:\n    python: !!str /usr/bin/python3\n", 3, "only plain data"),
-    ("targets: !mine\n  t: {}\n", 1, "YAML tag '!mine'"),
-    ("hosts:\n  a: &a {address: a.invalid}\n  b:\n    <<: *a\n", 4, "merge keys (<<) are not supported"),
-    ("targets:\n  t:\n    env: &e {A: [*e]}\n", 3, "alias *e inside its own anchor"),
-    ("hosts:\n  a:\n    address: x\n    connect_timeout: 1:30.5\n", 4, "plain decimal"),
-    ("hosts:\n  a:\n    address: x\n    connect_timeout: .inf\n", 4, "plain decimal"),
-    ("x: " + "[" * 40 + "]" * 40 + "\n", 1, "nested more than 32 levels deep"),
-    ("x:\n" + "".join("  " * i + f"k{i}:\n" for i in range(1, 40)), 33, "nested more than 32 levels deep"),
-    ("x: " + "[" * 50000 + "]" * 50000 + "\n", 1, "nesting depth"),
+    pytest.param("targets:\n  t:\n    python: !!python/name:os.system\n",
+                 3, "YAML tag 'tag:yaml.org,2002:python/name:os.system'", id="python-name-tag"),
+    pytest.param("targets:\n  t:\n    python: !!str /usr/bin/python3\n", 3, "only plain data", id="str-tag"),
+    pytest.param("targets: !mine\n  t: {}\n", 1, "YAML tag '!mine'", id="local-tag"),
+    pytest.param("hosts:\n  a: &a {address: a.invalid}\n  b:\n    <<: *a\n",
+                 4, "merge keys (<<) are not supported", id="merge-key"),
+    pytest.param("targets:\n  t:\n    env: &e {A: [*e]}\n", 3, "alias *e inside its own anchor", id="alias-loop"),
+    pytest.param("hosts:\n  a:\n    address: x\n    connect_timeout: 1:30.5\n",
+                 4, "plain decimal", id="sexagesimal-float"),
+    pytest.param("hosts:\n  a:\n    address: x\n    connect_timeout: .inf\n", 4, "plain decimal", id="inf"),
+    pytest.param("x: " + "[" * 40 + "]" * 40 + "\n", 1, "nested more than 32 levels deep", id="flow-40-deep"),
+    pytest.param("x:\n" + "".join("  " * i + f"k{i}:\n" for i in range(1, 40)),
+                 33, "nested more than 32 levels deep", id="block-40-deep"),
+    pytest.param("x: " + "[" * 50000 + "]" * 50000 + "\n", 1, "nesting depth", id="flow-50000-deep"),
 ])
 def test_what_is_not_plain_data_is_refused_at_its_line(text, line, needle):
     refused(text, line, needle)
@@ -174,7 +178,8 @@ def test_home_is_resolved_and_checked_on_the_target(sshd, fakepct, make_inventor
         "etc": {"host": "node", "python": sys.executable, "workdir": "~/dflash", "env": {"HOME": "/etc"}},
         "mine": {"host": "node", "python": sys.executable, "workdir": "~/dflash", "env": {"HOME": str(home)}},
     })
-    r = cli("-i", path, "deploy", "slash", "--source", src)
+    # --dry-run: without the check this would not write either (a real deploy would create /releases)
+    r = cli("-i", path, "deploy", "slash", "--dry-run", "--source", src)
     assert r.returncode == 1 and "slash: workdir '~' is / here, a system folder" in r.stdout, r.stdout
     r = cli("-i", path, "deploy", "etc", "--dry-run", "--source", src)
     assert r.returncode == 1 and "workdir '~/dflash' is /etc/dflash here" in r.stdout, r.stdout
