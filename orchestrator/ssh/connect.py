@@ -205,7 +205,8 @@ def _host_key_error(host: Host, chain: Sequence[Host], known: str, e, key) -> Ho
                                        f"({where(host, chain)})")
     if e.why == "changed":
         return HostKeyError(host.name, (
-            f"host key for {name} CHANGED (now {shown}; {known} line {e.known.line} has another); if that is "
+            f"host key for {name} CHANGED (now {shown}; {known} line {e.known.line} has another; "
+            f"{where(host, chain)}); if that is "
             f"expected, remove the old entry with `ssh-keygen -R '{name}' -f {known}`"))
     return HostKeyError(host.name, f"unknown host key {shown} for {name} ({where(host, chain)}; not in {known}); "
                                    f"check its fingerprint, then trust it with {trust_command(host, chain, known)}")
