@@ -229,5 +229,6 @@ def test_a_host_that_never_speaks_ssh_fails_fast_in_one_line(sshd, fakepct, make
     for name in ("a", "b"):
         lines = [line for line in r.stdout.splitlines() if line.startswith(f"{name}: ")]
         assert len(lines) == 1, r.stdout
-        assert ("silent: cannot connect: port" in lines[0] and "accepts connections but no SSH server answers"
-                in lines[0] and "(gave up after 2.0 s, connect_timeout 2 s)" in lines[0]), lines[0]
+        assert ("silent: cannot connect to root@127.0.0.1:" in lines[0]
+                and "accepts connections but no SSH server answers" in lines[0]
+                and "(gave up after 2.0 s, connect_timeout 2 s)" in lines[0]), lines[0]

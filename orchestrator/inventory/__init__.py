@@ -16,7 +16,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from orchestrator.inventory import sshconfig, yamlnodes
+from orchestrator.inventory import names, sshconfig, yamlnodes
 from orchestrator.envvars import NAME_RE
 from orchestrator.errors import InventoryError, UsageError
 
@@ -199,6 +199,7 @@ def parse(text: str, file: str = "hosts.yaml", ssh_config: str | None = None) ->
     if "hosts" in top:
         node, line = top["hosts"]
         for name, (hnode, hline) in yamlnodes.mapping(node, file, "hosts").items():
+            _check_name(name, file, hline, "hosts")
             hosts[name] = _build(Host, name, hnode, hline, file, f"hosts.{name}")
             explicit[name] = set(yamlnodes.mapping(hnode, file, f"hosts.{name}"))
     cfg_path = ssh_config if ssh_config is not None else (sshconfig.default_path() if hosts else None)
@@ -210,6 +211,7 @@ def parse(text: str, file: str = "hosts.yaml", ssh_config: str | None = None) ->
             if name == LOCAL:
                 raise InventoryError(file, tline, f"targets.{name}",
                                      "'local' is the built-in target (this machine); use another name")
+            _check_name(name, file, tline, "targets")
             t = _build(Target, name, tnode, tline, file, f"targets.{name}")
             if t.host is not None and t.host not in hosts:
                 raise InventoryError(file, yamlnodes.line_of(tnode, "host", tline), f"targets.{name}.host",
@@ -253,6 +255,7 @@ def _groups(node, file: str, targets: Mapping[str, Target]) -> dict[str, tuple]:
     """`groups: {NAME: [TARGET, ...]}`: names for sets of targets (one multi-node launch)."""
     out: dict[str, tuple] = {}
     for name, (gnode, gline) in yamlnodes.mapping(node, file, "groups").items():
+        _check_name(name, file, gline, "groups")
         if name in targets:
             raise InventoryError(file, gline, f"groups.{name}", "a target has this name; give the group another")
         if yamlnodes.node_kind(gnode) != "list" or not gnode.value:
@@ -269,6 +272,12 @@ def _groups(node, file: str, targets: Mapping[str, Target]) -> dict[str, tuple]:
             members.append(member)
         out[name] = tuple(members)
     return out
+
+
+def _check_name(name: str, file: str, line: int, section: str) -> None:
+    problem = names.name_problem(name)
+    if problem:
+        raise InventoryError(file, line, f"{section}.{name!r}", problem)
 
 
 def _hop_host(*, name: str, address: str, user: str | None, port: int | None, parent: Host) -> Host:
@@ -316,10 +325,9 @@ def _build(cls, name: str, node, line: int, file: str, where: str):
     if "connect_timeout" in values and not values["connect_timeout"] > 0:
         raise InventoryError(file, yamlnodes.line_of(node, "connect_timeout", line), f"{where}.connect_timeout",
                              "must be a number of seconds > 0")
-    if "workdir" in values and not values["workdir"].startswith(("/", "~")):
-        # A relative workdir would resolve against whatever folder the remote command starts in.
+    if "workdir" in values and names.workdir_problem(values["workdir"]):
         raise InventoryError(file, yamlnodes.line_of(node, "workdir", line), f"{where}.workdir",
-                             f"must be an absolute path (or start with ~), got {values['workdir']!r}")
+                             f"{names.workdir_problem(values['workdir'])} (got {values['workdir']!r})")
     if "train_port" in values and not 0 < values["train_port"] < 65536:
         raise InventoryError(file, yamlnodes.line_of(node, "train_port", line), f"{where}.train_port",
                              "must be 1..65535")

@@ -3,10 +3,16 @@ file, the line and the key (`hosts.yaml:12: targets.ct200.gpu: unknown key (did 
 
 Used by the inventory (inventory.py) and by playbooks (playbook.py). Errors are FileError
 (exit 2); `where` is the dotted key path the message names.
+
+Only plain data gets in (`plain_data`, before anything is built): at most MAX_BYTES, nested at
+most MAX_DEPTH deep, no tags (`!!python/name:...`, `!!str`), no merge keys (`<<`), no alias
+inside its own anchor, and numbers only as plain decimals: YAML 1.1 reads `0310`, `0xC8`, `3:20`
+and `2_00` all as 200, which is never what a `vmid:` meant.
 """
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +20,25 @@ import yaml
 
 from orchestrator.errors import FileError
 
+MAX_BYTES = 1 << 20      # an inventory or a playbook is a few KB; this bounds time and memory
+MAX_DEPTH = 32           # mappings and lists inside each other
+# libyaml when PyYAML has it (a 1 MB file in well under a second); the same resolver either way.
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_DECIMAL_INT = re.compile(r"^[-+]?(0|[1-9][0-9]*)$")
+_DECIMAL_FLOAT = re.compile(r"^[-+]?([0-9]+\.[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$")
+_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+
 
 def read_text(path: Path) -> str:
-    """The file's text; a file that cannot be read or is not UTF-8 is a FileError with its line."""
+    """The file's text; a file that cannot be read, is over MAX_BYTES or is not UTF-8 is a
+    FileError with its line. Reads at most MAX_BYTES + 1 bytes (`-i /dev/zero` ends at once)."""
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)
     except OSError as e:
         raise FileError(str(path), None, None, f"cannot read: {e.strerror}") from None
+    if len(data) > MAX_BYTES:
+        raise FileError(str(path), None, None, _too_big())
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -29,14 +47,57 @@ def read_text(path: Path) -> str:
                         f"not UTF-8 text (byte 0x{data[e.start]:02x}); save the file as UTF-8") from None
 
 
+def _too_big() -> str:
+    return f"larger than {MAX_BYTES // (1 << 20)} MB; an inventory or a playbook is a few KB"
+
+
 def compose(text: str, file: str):
-    """The document's root node (None for an empty document)."""
+    """The document's root node (None for an empty document), once `plain_data` holds."""
+    if len(text) > MAX_BYTES:
+        raise FileError(file, None, None, _too_big())
     try:
-        return yaml.compose(text, Loader=yaml.SafeLoader)
+        plain_data(text, file)
+        return yaml.compose(text, Loader=_LOADER)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = mark.line + 1 if mark else None
         raise FileError(file, line, None, f"not valid YAML: {getattr(e, 'problem', e)}") from None
+
+
+def plain_data(text: str, file: str) -> None:
+    """Refuse what is not plain data, at its line, from the parser's events (no recursion, so
+    50,000 nested lists end here rather than in the composer)."""
+    depth = 0
+    open_anchors: list = []        # the anchor (or None) of each collection being read
+    resolver = yaml.SafeLoader("")
+    try:
+        for ev in yaml.parse(text, Loader=_LOADER):
+            at = ev.start_mark.line + 1 if ev.start_mark else None
+            if getattr(ev, "tag", None) is not None:
+                raise FileError(file, at, None, f"YAML tag {ev.tag!r}: only plain data is read here "
+                                                "(quote a value that should be a string)")
+            if isinstance(ev, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    raise FileError(file, at, None, f"nested more than {MAX_DEPTH} levels deep")
+                open_anchors.append(ev.anchor)
+            elif isinstance(ev, yaml.CollectionEndEvent):
+                depth -= 1
+                open_anchors.pop()
+            elif isinstance(ev, yaml.AliasEvent) and ev.anchor in open_anchors:
+                raise FileError(file, at, None, f"alias *{ev.anchor} inside its own anchor (a loop)")
+            elif isinstance(ev, yaml.ScalarEvent) and not ev.style:     # plain (libyaml says "")
+                _plain_scalar(ev.value, resolver.resolve(yaml.ScalarNode, ev.value, (True, False)), file, at)
+    finally:
+        resolver.dispose()
+
+
+def _plain_scalar(value: str, tag: str, file: str, at: int | None) -> None:
+    if value == "<<":
+        raise FileError(file, at, None, "merge keys (<<) are not supported; write the keys out")
+    if tag == _INT_TAG and not _DECIMAL_INT.match(value) or tag == _FLOAT_TAG and not _DECIMAL_FLOAT.match(value):
+        raise FileError(file, at, None, f"{value!r}: write numbers as plain decimals (YAML 1.1 reads octal, "
+                                        "hex, 1:20 and 1_000 spellings); quote it if it is a string")
 
 
 def line(node) -> int:

@@ -11,7 +11,6 @@ import getpass
 import hashlib
 import json
 import os
-import re
 import socket
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,13 +21,13 @@ from orchestrator.envvars import user_env
 from orchestrator.errors import (EXIT_OK, EXIT_RUN_FAILED, EXIT_RUN_RUNNING, EXIT_RUN_STOPPED, NotFound, OpsError,
                      StepFailed, UsageError)
 from orchestrator.inventory import Inventory, Target
+from orchestrator.inventory.names import RUN_ID_RE
 from orchestrator.runs.options import LaunchOptions, check_run
 from orchestrator.ssh.session import Session
 
 STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_RUN_FAILED, "running": EXIT_RUN_RUNNING,
               "stopped": EXIT_RUN_STOPPED}
 STOP_TIMEOUT_S = 120.0
-RUN_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]+$")
 
 
 class LaunchRefused(OpsError):

@@ -8,7 +8,7 @@ from typing import Mapping
 
 from orchestrator.errors import ConnectError
 from orchestrator.inventory import Inventory, Target
-from orchestrator.ssh.connect import _reason
+from orchestrator.ssh.connect import tunnel_failure, where
 from orchestrator.ssh.transport import EnvTransport, LocalTransport, PctTransport, SshTransport, Transport
 
 
@@ -44,15 +44,16 @@ class Session:
                 raise self._failed[host_name]
             if t is None:
                 host = self.inventory.hosts[host_name]
+                chain = self.inventory.host_chain(host)
                 sock = None
                 if host.jump:
                     jump = self.ssh(host.jump)
                     try:
                         sock = jump.open_tunnel(host.address, host.port)
                     except Exception as e:
-                        raise ConnectError(host.name, f"via jump host {host.jump}: {_reason(e)}") from None
+                        raise ConnectError(host.name, tunnel_failure(e, jump.host, host), where(host, chain)) from e
                 try:
-                    t = SshTransport(host, sock=sock)
+                    t = SshTransport(host, sock=sock, chain=chain)
                 except ConnectError as e:
                     self._failed[host_name] = e
                     raise

@@ -12,26 +12,23 @@ pct and lxc-attach pass argv straight through (docs/background.md, pct), so one 
 """
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import socket
 import subprocess
 import threading
-import time
 from dataclasses import dataclass
 from typing import IO, Callable, Iterable, Mapping, Sequence, Union
 
 from orchestrator.envvars import env_argv
-from orchestrator.errors import ConnectError, ConnectionLost, ContainerError, HostKeyError, OpsError
+from orchestrator.errors import ConnectionLost, ContainerError, OpsError
 from orchestrator.inventory import Host, sshconfig
-from orchestrator.ssh.connect import _dial, _known_hosts_name, _reason, _Silent, _agent_keys, auth_options, fingerprint
+from orchestrator.ssh.connect import _reason, open_client
 
 Stdin = Union[None, bytes, IO[bytes], Iterable[bytes]]
 Sink = Callable[[bytes], None]
 CHUNK = 1 << 16
 KEEPALIVE_S = 5          # as Ansible's proxmox_pct_remote does (docs/background.md, pct)
-CONNECT_TRIES = 3
 
 
 @dataclass(frozen=True)
@@ -184,63 +181,11 @@ _paramiko = sshconfig.paramiko
 class SshTransport(Transport):
     """One paramiko connection to one host, reused for every command of a dflash-ops command."""
 
-    def __init__(self, host: Host, *, sock=None):
-        paramiko = _paramiko()
+    def __init__(self, host: Host, *, sock=None, chain: Sequence[Host] = ()):
+        """chain: the jump hosts crossed to reach `host` (outermost first), for the messages."""
         self.host = host
         self.description = f"{host.user}@{host.address}:{host.port}"
-        client = paramiko.SSHClient()
-        known = host.known_hosts or os.path.expanduser("~/.ssh/known_hosts")
-        if os.path.exists(known):
-            client.load_host_keys(known)
-        # Never accept an unknown key silently: RejectPolicy, with a message that says how to trust it.
-        client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        # One time budget for reaching the server, whatever the number of tries: a host that
-        # refuses is tried again (it may be rebooting), one that accepts TCP and never speaks
-        # SSH is not, and neither may take longer than connect_timeout in all.
-        auth = auth_options(host, _agent_keys())
-        start = time.monotonic()
-        deadline = start + host.connect_timeout
-        last: Exception | str | None = None
-        for attempt in range(CONNECT_TRIES):
-            try:
-                conn = sock if sock is not None else _dial(host, deadline)
-                client.connect(host.address, port=host.port, username=host.user,
-                               timeout=host.connect_timeout,
-                               banner_timeout=host.connect_timeout, auth_timeout=host.connect_timeout,
-                               sock=conn, **auth)
-                last = None
-                break
-            except _Silent as e:
-                client.close()
-                raise ConnectError(host.name, f"{e} (gave up after {time.monotonic() - start:.1f} s, "
-                                              f"connect_timeout {host.connect_timeout:g} s)") from None
-            except paramiko.BadHostKeyException as e:
-                client.close()
-                raise HostKeyError(host.name, (
-                    f"host key for {_known_hosts_name(host)} CHANGED (now {e.key.get_name()} "
-                    f"{fingerprint(e.key)}); if that is expected, remove the old entry with "
-                    f"`ssh-keygen -R '{_known_hosts_name(host)}' -f {known}`")) from None
-            except paramiko.AuthenticationException as e:
-                client.close()
-                raise ConnectError(host.name, f"authentication failed for {host.user}: {e}") from None
-            except paramiko.SSHException as e:
-                if "not found in known_hosts" in str(e):
-                    client.close()
-                    raise HostKeyError(host.name, (
-                        f"unknown host key for {_known_hosts_name(host)} (not in {known}); check its "
-                        f"fingerprint, then trust it with `ssh-keyscan -p {host.port} {host.address} "
-                        f">> {known}`")) from None
-                last = e
-            except (OSError, EOFError) as e:
-                last = e
-            pause = 0.5 * 2 ** attempt   # backoff: 0.5 s, 1 s
-            if sock is not None or attempt + 1 == CONNECT_TRIES or time.monotonic() + pause >= deadline:
-                break   # a jump channel cannot be redialled from here; the budget is spent
-            time.sleep(pause)
-        if last is not None:
-            client.close()
-            raise ConnectError(host.name, f"{_reason(last)} (gave up after {time.monotonic() - start:.1f} s, "
-                                          f"{attempt + 1} tries)") from None
+        client = open_client(host, chain, sock)
         self.client = client
         self.runs = 0            # commands run over this connection (round trips)
         self.transport = client.get_transport()

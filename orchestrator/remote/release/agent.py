@@ -29,6 +29,7 @@ import platform
 import sys
 
 from ..common import _dist_version, _dists, _fail, _out, _read_json, _write_json, refuse
+from ..common import _workdir
 from .store import MANIFEST, STATS, _check, _clear_leftovers, _holder, _live, _read_manifest, _stat_key, _try_lock
 
 # hashlib, shutil, subprocess, tarfile and tempfile are imported where they are used: the
@@ -266,7 +267,7 @@ def cmd_install_deps(workdir):
 def main(argv):
     if len(argv) < 2:
         _fail("usage: agent manifest|apply|install-deps WORKDIR ...", 2)
-    cmd, workdir = argv[0], os.path.expanduser(argv[1])
+    cmd, workdir = argv[0], _workdir(argv[1])
     if cmd == "manifest" and set(argv[2:]) <= {"--verify", "--tidy", "--no-files"}:
         cmd_manifest(workdir, "--verify" in argv[2:], "--tidy" in argv[2:], "--no-files" in argv[2:])
     elif cmd == "apply" and len(argv) == 6:

@@ -52,6 +52,7 @@ import sys
 import time
 
 from ..common import _fail, _home, _now_iso, _out, _read_json, _write_json, refuse
+from ..common import _workdir
 from .common import LOG, _find, _metric, _resolve, _run_ids, _runs_dir, _state, _status
 from ..release.store import _live
 from .export import cmd_export
@@ -325,7 +326,7 @@ def main(argv):
     if len(argv) < 2:
         _fail("usage: runs_agent launch|status|follow|stop|metrics|export|probe|rm|prune "
               "WORKDIR [OPTIONS] -- [VALUE ...]", 2)
-    cmd, workdir, args = argv[0], os.path.expanduser(argv[1]), list(argv[2:])
+    cmd, workdir, args = argv[0], _workdir(argv[1]), list(argv[2:])
     try:
         if cmd == "launch":
             cmd_launch(workdir)

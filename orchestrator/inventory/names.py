@@ -1,0 +1,68 @@
+"""What hosts.yaml's names and `workdir:` may be (pure; checked at load, README "Limits").
+
+Names of targets, hosts and groups are typed on command lines and joined with commas
+(`launch ct1,ct2`), so they are letters, digits, `-`, `_` and `.`, start with a letter or a digit,
+and never look like a run id (`logs NAME` must mean one thing). A workdir is where dflash-ops
+creates `releases/`, `current` and `runs/`: an absolute, normalised path (or `~`, `~/...`: the
+target user's home, resolved on the target, where the agents check the result again), never `/`,
+a system folder or a path with `..` or control characters.
+"""
+from __future__ import annotations
+
+import posixpath
+import re
+import unicodedata
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+RUN_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]+$")     # launch.new_run_id: 20250101-120000-3fa9c1
+# Folders a workdir may not be or be inside of; a workdir may be inside /var/lib but not be it.
+SYSTEM_TREES = ("/etc", "/proc", "/sys", "/dev", "/usr", "/bin", "/sbin", "/boot",
+                "/lib", "/lib32", "/lib64", "/libx32")
+SYSTEM_ROOTS = ("/", "/var", "/var/lib")
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot name a target, host or group; None when it can."""
+    if not NAME_RE.match(name):
+        return ("names are 1-64 letters, digits, '-', '_' and '.', starting with a letter or a digit")
+    if name == "latest" or RUN_ID_RE.match(name):
+        return "looks like a run id (`logs NAME` would be ambiguous); use another name"
+    return None
+
+
+def control_characters(text: str) -> bool:
+    """Whether `text` holds a control or format character (newline, tab, an RTL override...)."""
+    return any(unicodedata.category(c).startswith("C") for c in text)
+
+
+def workdir_problem(path: str) -> str | None:
+    """Why `path` cannot be a workdir; None when it can (`~` forms: the part after `~`)."""
+    if control_characters(path):
+        return "contains a control character"
+    if path == "~" or path.startswith("~/"):
+        rest = path[1:] or "/"
+        if _dotted(rest) or (rest != "/" and posixpath.normpath(rest) != rest):
+            return "must be normalised: no `.`, `..`, `//` or trailing / (write ~/NAME)"
+        return None
+    if path.startswith("~"):
+        return "~ must be followed by / (~USER is not supported; the target user's home is ~)"
+    if not path.startswith("/"):
+        # A relative workdir would resolve against whatever folder the remote command starts in.
+        return "must be an absolute path (or start with ~/)"
+    if _dotted(path) or posixpath.normpath(path) != path:
+        return f"must be normalised: no `.`, `..`, `//` or trailing / (as {posixpath.normpath(path)!r})"
+    return system_folder(path)
+
+
+def system_folder(path: str) -> str | None:
+    """Why an absolute, normalised path is a system folder; None when it is not."""
+    if path in SYSTEM_ROOTS:
+        return f"{path} is a system folder; use a folder of its own (e.g. /root/dflash)"
+    top = "/" + path.split("/")[1]
+    if top in SYSTEM_TREES:
+        return f"{top} is a system folder; use a folder of its own (e.g. /root/dflash)"
+    return None
+
+
+def _dotted(path: str) -> bool:
+    return any(part in (".", "..") for part in path.split("/"))
