@@ -565,3 +565,39 @@ def test_a_launch_killed_at_any_point_leaves_a_free_slot_or_a_recorded_run(wd, p
     assert stopped["state"] == "stopped"
     assert launch(wd, "z-" + run[2:], extra=["--steps", "1"])["ok"]     # the slot is free again
     ended(wd, "z-" + run[2:])
+
+
+def _launch_env(wd, doc, **env):
+    r = subprocess.run([sys.executable, "-c", SOURCE, "launch", str(wd)], input=json.dumps(doc).encode(),
+                       capture_output=True, timeout=60, env={**os.environ, **env})
+    assert r.returncode == 0, r.stderr.decode()
+    return json.loads(r.stdout.decode().splitlines()[-1])
+
+
+def test_a_node_of_several_names_its_training_interface_or_is_refused(wd):
+    from orchestrator.remote.runs.net import _addresses
+
+    out = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+    mine = [(n, a) for n, a in _addresses(out) if not a.is_loopback and a.version == 4]
+    if not mine:
+        pytest.skip("no non-loopback IPv4 address here")
+    iface, address = mine[0]
+
+    def spec(run, addr):
+        return {"run": run, "gpus": 0, "target_gpus": 0, "policy": "eager", "extra": [],
+                "nodes": {"targets": ["a", "b"], "index": 1, "endpoint": f"{addr}:29400", "address": addr}}
+
+    doc = _launch_env(wd, spec("n-a", str(address)))
+    assert doc["ok"], doc
+    assert _json(wd / "runs" / "n-a" / "run.json")["env"]["GLOO_SOCKET_IFNAME"] == iface
+    assert _json(wd / "runs" / "n-a" / "run.json")["env"]["NCCL_SOCKET_IFNAME"] == "=" + iface
+    ended(wd, "n-a")
+    doc = _launch_env(wd, spec("n-b", str(address)), NCCL_SOCKET_IFNAME="ib0")
+    assert _json(wd / "runs" / "n-b" / "run.json")["env"]["NCCL_SOCKET_IFNAME"] == "ib0"
+    ended(wd, "n-b")
+    refused = _launch_env(wd, spec("n-c", "127.0.0.1"))
+    assert refused["reason"] == "network" and "127.0.0.1 is a loopback address" in refused["message"]
+    refused = _launch_env(wd, spec("n-d", str(address)), GLOO_SOCKET_IFNAME="lo")
+    assert refused["reason"] == "network" and "GLOO_SOCKET_IFNAME=lo names a loopback" in refused["message"]
+    assert sorted(p.name for p in (wd / "runs").iterdir()) == ["n-a", "n-b"]     # nothing of a refused one
+    assert not list((wd / "locks").glob("*.json"))

@@ -80,7 +80,7 @@ def refusal_message(target: Target, doc: dict) -> str:
     if reason == "no_probe":
         return (f"{t}: --policy auto needs the probe's choice and {target.workdir}/probe.json does "
                 f"not exist; run `dflash-ops probe {t}` first (or pass --policy NAME)")
-    if reason in ("too_many_gpus", "no_space", "io", "bad_gpu_ids", "bad_probe"):
+    if reason in ("too_many_gpus", "no_space", "io", "bad_gpu_ids", "bad_probe", "network"):
         return f"{t}: {doc.get('message')}"
     if reason == "not_found":
         return f"{t}: {doc.get('message')} (see `dflash-ops status {t}`)"
@@ -197,7 +197,8 @@ def _after_cut_off(s: Session, target: Target, spec: dict, cut: StepFailed) -> d
     except OpsError:
         raise cut from None
     if found and found[0]["state"] == "running" and found[0].get("pid"):
-        return {**found[0], "compile_policy": found[0].get("policy") or "?", "cut_off": f"the agent ended with status {cut.exit_code_remote}"}
+        return {**found[0], "compile_policy": found[0].get("policy") or "?",
+                "cut_off": f"the agent ended with status {cut.exit_code_remote}"}
     if found and found[0]["state"] == "running":
         said = f"run {run} is still being started there (see `dflash-ops status {target.name} {run}`)"
     else:

@@ -61,6 +61,8 @@ from trainer.train import loop
 # SIGKILLs them (its default is 30 s: too short to save a 1B-parameter drafter's optimizer state).
 # Read by torch >= 2.10 (TORCH_ELASTIC_SHUTDOWN_TIMEOUT); older torchrun keeps its 30 s.
 SHUTDOWN_TIMEOUT_S = "300"
+# How long a rank waits for the other ranks to connect the process group's mesh (gloo's full mesh).
+MESH_TIMEOUT_S = 120.0
 
 
 def main(cfg: TrainConfig) -> int:
@@ -169,7 +171,6 @@ def rank_main(cfg: TrainConfig) -> int:
                          f"use --nproc-per-node {cfg.n_devices}")
     if local == 0:
         _write_node_record(cfg, rank, world)
-    stop, restore_signal = loop.on_sigterm()
     device = torch.device(f"cuda:{local}") if cfg.gpus else torch.device("cpu")
     if device.type == "cuda":
         if local >= torch.cuda.device_count():
@@ -177,10 +178,20 @@ def rank_main(cfg: TrainConfig) -> int:
         torch.cuda.set_device(device)
     if cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
-    # One timeout for every collective: long enough for a rank to compile while the others wait in
-    # the first step's all-reduce (and for rank 0 to make synthetic data or run an eval).
+    # Until the mesh is formed SIGTERM keeps its default action: a rank blocked there (in C++, where
+    # Python's handler would only run once the call returns) ends at once, with nothing to save. The
+    # mesh gets MESH_TIMEOUT_S: every node has joined the rendezvous by now, so a peer that does not
+    # connect within it has failed (gloo's default would wait 30 minutes).
+    # Then one timeout for every collective: long enough for a rank to compile while the others wait
+    # in the first step's all-reduce (and for rank 0 to make synthetic data or run an eval). A torch
+    # without _set_pg_timeout uses that one for the mesh too.
+    collectives = timedelta(seconds=max(60.0, cfg.warmup_timeout))
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=timedelta(seconds=max(60.0, cfg.warmup_timeout)))
+                            timeout=timedelta(seconds=MESH_TIMEOUT_S) if set_timeout else collectives)
+    if set_timeout:
+        set_timeout(collectives)
+    stop, restore_signal = loop.on_sigterm()
     try:
         return _rank(cfg, rank, world, local, device, stop)
     finally:

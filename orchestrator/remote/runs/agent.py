@@ -40,7 +40,8 @@ and stderr), pid (the trainer's), exit.json (written by the supervisor when the 
 stop.json (a stop was requested). RUN "latest" (or "") names the newest run.
 
 A run holds slots (a GPU each, or the one `cpu` slot) until it ends: runs/locks.py.
-The supervisor that starts the trainer and records its end: runs/supervisor.py.
+The supervisor that starts the trainer and records its end: runs/supervisor.py. A node of a job over
+several: its training interface named to gloo and NCCL, or a refusal (runs/net.py).
 """
 import errno
 import json
@@ -58,6 +59,7 @@ from .export import cmd_export
 from .follow import cmd_follow
 from .housekeeping import RESUMABLE, _end_attempt, _resume_spec, cmd_prune, cmd_rm
 from .locks import _Guard, _claim, _drop, _hold
+from .net import IFNAME_VARS, _network_env
 from .probe import cmd_probe
 from .stop import cmd_stop
 from .supervisor import _exit_record, _runs_trainer, _spawn_supervisor, cmd_supervise
@@ -155,6 +157,10 @@ def cmd_launch(workdir):
         gpus = len(want)
     if gpus > total:
         refuse("too_many_gpus", "--gpus %d is more than the target's %d GPU(s)" % (gpus, total))
+    if spec.get("nodes"):           # one node of several: the interface its ranks advertise (runs/net.py)
+        spec["node_env"], why = _network_env(spec["nodes"], os.environ)
+        if why:
+            refuse("network", why)
     rundir = os.path.join(_runs_dir(workdir), run)
     try:
         os.makedirs(_runs_dir(workdir), exist_ok=True)
@@ -267,6 +273,7 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
     env.update({"HOME": _home(), "PYTHONUNBUFFERED": "1",
                 "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in ids),
                 "DFLASH_OPS_WORKDIR": workdir, "DFLASH_OPS_RUN": run})
+    env.update(spec.get("node_env") or {})
     env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
     env.setdefault("LANG", "C.UTF-8")
     rec = {
@@ -276,7 +283,7 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
         # the release `current` pointed at, so a deploy during the run changes nothing here
         "command_line": "cd %s && exec %s" % (shlex.quote(release_path),
                                              " ".join(shlex.quote(a) for a in argv)),
-        "env": {k: env[k] for k in ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "HOME")},
+        "env": {k: env[k] for k in ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "HOME") + IFNAME_VARS if k in env},
         "config": prev.get("config") if prev is not None else
         {"file": config, "source": spec.get("config_source"),
          "text": spec.get("config_text")} if config else None,
