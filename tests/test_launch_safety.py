@@ -89,3 +89,54 @@ def test_a_trainer_without_its_supervisor_is_shown_and_keeps_its_slot(inv_path):
     stopped = cli(inv_path, "stop", "ct200", run, "--force")
     assert stopped.returncode == 0, stopped.stderr.decode()
     assert status_row(inv_path, run)["state"] == "stopped"
+
+
+def test_stop_of_an_unknown_run_is_102_as_readme_says(inv_path):
+    r = cli(inv_path, "stop", "ct200")
+    assert r.returncode == 102 and b"no runs yet" in r.stderr
+    r = cli(inv_path, "stop", "ct200", "20990101-000000-abcdef")
+    assert r.returncode == 102 and len(r.stderr.decode().strip().splitlines()) == 1
+    assert "no run '20990101-000000-abcdef'" in r.stderr.decode()
+
+
+def test_follow_counts_outages_not_reconnect_attempts(inv_path, sshd, make_inventory):
+    """Two outages of the sshd (its listener stopped, the connection cut), each lasting several
+    failed reconnect attempts: the summary says 2 outages and how many attempts they took."""
+    import os
+    import signal
+    import threading
+
+    from orchestrator.runs import follow as follow_mod
+    from trainer_quick import wait_for
+
+    r = launch(inv_path)
+    assert r.returncode == 0, r.stderr.decode()
+    run = r.stdout.decode().strip()
+    quick = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable, "workdir": WORKDIR}},
+                           hosts={"node": {"connect_timeout": 1}})
+    inv = inventory.load(str(quick))
+    events: list = []
+
+    def consume():
+        for ev in follow_mod.follow(inv, inv.target("ct200"), run, backoff=(0.1,), give_up_s=120):
+            events.append(ev)
+    threading.Thread(target=consume, daemon=True).start()
+
+    def count(kind):
+        return sum(isinstance(e, kind) for e in events)
+    try:
+        for outage in range(2):
+            seen = count(follow_mod.Line)
+            wait_for(lambda: count(follow_mod.Line) > seen + 3, what="lines over a working connection")
+            os.kill(sshd.listener_pid, signal.SIGSTOP)       # no new connection gets its greeting
+            sshd.kill_connections()
+            tried = count(follow_mod.Reconnecting)
+            wait_for(lambda: count(follow_mod.Reconnecting) >= tried + 3, 60, "failed reconnect attempts")
+            os.kill(sshd.listener_pid, signal.SIGCONT)
+            wait_for(lambda: count(follow_mod.Resumed) == outage + 1, 60, "the stream to resume")
+    finally:
+        os.kill(sshd.listener_pid, signal.SIGCONT)
+    assert cli(inv_path, "stop", "ct200", run, "--force").returncode == 0
+    wait_for(lambda: events and isinstance(events[-1], follow_mod.End), 60, "the follow to end")
+    summary = events[-1].summary
+    assert summary.outages == 2 and summary.reconnects == count(follow_mod.Reconnecting) >= 6, summary

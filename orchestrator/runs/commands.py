@@ -277,8 +277,8 @@ def _summary_line(s) -> str:
              f"elapsed {_fmt_elapsed(s.elapsed_s)}", f"signatures: {sigs}"]
     if s.classified and s.state == "failed":
         parts.append(f"cause: {s.classified}")
-    if s.reconnects:
-        parts.append(f"reconnects {s.reconnects}")
+    if s.outages:
+        parts.append(f"connection lost {s.outages} time(s), {s.reconnects} reconnect attempt(s)")
     return "; ".join(parts)
 
 
