@@ -9,21 +9,20 @@ import sys
 
 import pytest
 
+from trainer_quick import CLI_MAIN
+
 from orchestrator import inventory
 from orchestrator.deploy import sync as deploy
 
-MAIN = "from orchestrator.cli import main; main()"
 WORKDIR = "/srv/ct/dflash"
 # A stand-in trainer that trains until it is stopped.
-STUB = ("import json, time\n"
-        "for i in range(1, 10**6):\n"
-        "    print(json.dumps({'step': i, 'loss': 1.0 / i}), flush=True)\n"
-        "    time.sleep(0.05)\n")
+STUB = "import json, time\nfor i in range(1, 10**6):\n    print(json.dumps({'step': i}), flush=True); time.sleep(.05)\n"
 
 
-def cli(path, *args, timeout=120):
-    return subprocess.run([sys.executable, "-c", MAIN, "-i", str(path), *map(str, args)],
-                          capture_output=True, timeout=timeout)
+def cli(path, *args):
+    """`dflash-ops -i PATH ARGS...`"""
+    return subprocess.run([sys.executable, "-c", CLI_MAIN, "-i", str(path), *map(str, args)], capture_output=True,
+                          timeout=120)
 
 
 @pytest.fixture
