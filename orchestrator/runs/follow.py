@@ -286,7 +286,7 @@ def _follow(session: Session, own: bool, target: Target, run: str, follow: bool,
                     yield make_line(pending)
                     pending = b""
                 yield End(_summary(target, item, counts, hits_seen, number, total,
-                                   state, catalog))
+                                   state["reconnects"], catalog, state["outages"]))
                 return
     finally:
         stopping.set()
@@ -313,7 +313,7 @@ def _watch(stream: _Stream, conn: dict, dead_s: float, stopping: threading.Event
 
 
 def _summary(target: Target, end: dict, counts: dict[str, int], hits: list[dict], lines: int,
-             total: int, cuts: dict, catalog) -> Summary:
+             total: int, reconnects: int, catalog, outages: int = 0) -> Summary:
     state = end.get("state", "failed")
     ex = end.get("exit") or {}
     classified = None
@@ -329,7 +329,7 @@ def _summary(target: Target, end: dict, counts: dict[str, int], hits: list[dict]
     return Summary(target=target.name, run=end.get("run", ""), state=state,
                    exit_code=exit_code_for(state), step=end.get("step"), loss=end.get("loss"),
                    tau=end.get("tau"), lines=lines, bytes=total, offset=end.get("offset", 0),
-                   reconnects=cuts["reconnects"], outages=cuts["outages"], signatures=dict(counts), hits=hits,
+                   reconnects=reconnects, outages=outages, signatures=dict(counts), hits=hits,
                    classified=classified, exit=ex or None, elapsed_s=end.get("elapsed_s"))
 
 
