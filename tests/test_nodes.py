@@ -354,3 +354,29 @@ def test_a_node_whose_ranks_would_advertise_loopback_is_refused_before_anything_
         assert r.returncode == 1 and said[key] in err and "undone on ct200" in err, err
         assert len(err.strip().splitlines()) == 1
         assert set(os.listdir(a.private() / "dflash" / "runs")) == before
+
+
+def test_ranks_that_cannot_meet_end_the_job_within_the_mesh_timeout(cluster, tmp_path):
+    """ct200's ranks advertise their management address (GLOO_SOCKET_IFNAME=mg0, not loopback, so
+    launch lets it through), which ct300 cannot reach: ct300's connect fails at once, while ct200's
+    rank, waiting for ct300 to connect, is not ended by gloo's own timeout (it waited on for minutes).
+    It ends at the mesh timeout, and `logs` ends with the first failure named."""
+    import time
+
+    import yaml
+
+    quick = {"DFLASH_MESH_TIMEOUT_S": "15"}
+    path = tmp_path / "hosts.yaml"
+    path.write_text(yaml.safe_dump(inventory_doc(cluster.nodes, ct300={"env": quick},
+                                                 ct200={"env": {**quick, "GLOO_SOCKET_IFNAME": "mg0"}})))
+    r = cluster.cli("launch", "pair", "--topology", "processes", "--gpus", "0", "--workers", "1", "--policy", "eager",
+                    "--config", cluster.cfg, inventory=path)
+    assert r.returncode == 0, r.stderr.decode()
+    run = r.stdout.decode().strip()
+    cluster.launched.append(run)
+    start = time.monotonic()
+    logs = cluster.cli("logs", "ct200", run, inventory=path, timeout=170)
+    out, err = logs.stdout.decode(), logs.stderr.decode()
+    assert logs.returncode == 100 and time.monotonic() - start < 150, err[-3000:]
+    assert f"run {run}: failed on 2 nodes" in err and "first failure: ct300/rank1: " in err, err[-3000:]
+    assert "[ct200/rank0] [trainer] rank 0: the process group's mesh did not form within 15 s" in out, out[-3000:]
