@@ -280,7 +280,7 @@ def test_a_full_disk_is_named_and_left_as_it_was(small_disk, tmp_path):
     r = cli("-i", path, "deploy", "ct200", "--source", src)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert ("ct200: FAILED: ct200: no space left in /srv/ct/dflash/releases: "
-            "the release needs 8.4 MB, ") in r.stdout, r.stdout
+            "the release needs 2049 blocks of 4096 bytes (8.4 MB) for 1 file(s), ") in r.stdout, r.stdout
     assert not partials(wd) and free_bytes(wd) == before
     (src / "big.bin").unlink()
     r = cli("-i", path, "deploy", "ct200", "--source", src)
@@ -298,6 +298,35 @@ def test_a_full_disk_is_named_and_left_as_it_was(small_disk, tmp_path):
     assert p.returncode == 0 and doc["reason"] == "no_space" and "no space left in" in doc["message"], p.stderr
     assert not partials(wd) and free_bytes(wd) == before
     assert_complete(wd)
+
+
+def test_many_small_files_are_counted_in_blocks(small_disk, tmp_path):
+    """12 bytes each, 2000 files: 24 KB of bytes, but 2000 blocks of the file system (8 MB)."""
+    inv, path, wd = small_disk
+    src = make_tree(tmp_path / "src", 2000, "s")
+    r = cli("-i", path, "deploy", "ct200", "--source", src)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "no space left in /srv/ct/dflash/releases: the release needs 2" in r.stdout, r.stdout
+    assert " blocks of 4096 bytes (8." in r.stdout and "for 2000 file(s)" in r.stdout, r.stdout
+    assert not partials(wd)
+
+
+def test_a_sparse_file_is_named_and_a_file_name_cannot_fake_a_line(env, tmp_path):
+    inv, path, wd = env
+    src = make_tree(tmp_path / "src", 3, "s")
+    with open(src / "holes.bin", "wb") as f:
+        f.truncate(4 << 20)                      # 4 MiB, all holes
+    (src / "evil\n  + fake.py").write_text("x = 1\n")
+    r = cli("-i", path, "deploy", "ct200", "--source", src, "--dry-run")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert '  + "evil\\n  + fake.py"' in lines and "  + fake.py" not in lines, r.stdout
+    assert "  would send sparse file(s) in full, holes as zeros (they take their whole size there): " \
+           "holes.bin (4.0 MiB, 0 B on disk here)" in lines, r.stdout
+    (src / "evil\n  + fake.py").unlink()
+    r = cli("-i", path, "deploy", "ct200", "--source", src)
+    assert r.returncode == 0 and "  sent sparse file(s) in full" in r.stdout, r.stdout + r.stderr
+    assert (live(wd) / "holes.bin").stat().st_size == 4 << 20
 
 
 def test_a_leftover_partial_is_cleared_by_a_no_change_deploy(env, tmp_path):

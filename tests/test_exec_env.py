@@ -83,6 +83,14 @@ def test_exec_on_the_node_for_a_target_without_vmid(inv_path):
     assert r.returncode == 3 and r.stdout == b"yes INFO 1 2\n"
 
 
+def test_a_command_killed_by_a_signal_exits_128_plus_n_on_the_node_as_in_a_container(inv_path):
+    for target in ("node", "ct200"):
+        r = cli(inv_path, "exec", target, "--", "sh", "-c", "echo before; kill -TERM $$")
+        assert (r.returncode, r.stdout) == (143, b"before\n"), (target, r.stderr)
+    r = cli(inv_path, "exec", "node", "--", "no-such-command-xyz")
+    assert r.returncode == 127
+
+
 def test_exec_errors_are_one_line(inv_path, fakepct):
     fakepct.stop(201)
     r = cli(inv_path, "exec", "ct201", "--", "true")

@@ -119,7 +119,7 @@ def inventory_doc(nodes, **target_overrides) -> dict:
                          "identity_file": str(n.sshd.identity_file), "known_hosts": str(n.sshd.known_hosts),
                          "pct": str(n.pct.path), "connect_timeout": 10}
         t = {"host": n.name, "vmid": n.vmid, "python": sys.executable, "workdir": WORKDIR, "gpus": 0,
-             "train_address": n.train, "env": {"GLOO_SOCKET_IFNAME": "tr0"}}
+             "train_address": n.train}      # gloo and NCCL are given tr0, the interface holding it
         t.update(target_overrides.get(f"ct{n.vmid}", {}))
         targets[f"ct{n.vmid}"] = {k: v for k, v in t.items() if v is not None}
     return {"hosts": hosts, "targets": targets, "groups": {"pair": [f"ct{n.vmid}" for n in nodes]}}
@@ -224,7 +224,10 @@ def test_two_nodes_train_one_job_to_the_weights_of_one_node(cluster, tmp_path):
     ra, rb = cluster.record(a, run), cluster.record(b, run)
     assert ra["nodes"]["targets"] == rb["nodes"]["targets"] == ["ct200", "ct300"]
     assert "--rdzv-host" in ra["command"] and "--rdzv-host" not in rb["command"]
-    assert f"{a.train}:29400" in ra["command"] and rb["user_env"] == {"GLOO_SOCKET_IFNAME": "tr0"}
+    assert f"{a.train}:29400" in ra["command"] and rb["user_env"] == {}
+    # found in the container: the interface holding train_address, for gloo and (exactly that name) NCCL
+    assert {k: rb["env"][k] for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")} == {
+        "GLOO_SOCKET_IFNAME": "tr0", "NCCL_SOCKET_IFNAME": "=tr0"}
     # both nodes end with identical weights, the weights of the one-node run
     wa, wb, w1 = final_weights(a.rundir(run)), final_weights(b.rundir(run)), final_weights(one)
     assert wa.keys() == wb.keys() == w1.keys()
@@ -329,3 +332,51 @@ def test_several_targets_need_processes_and_a_training_address(cluster, tmp_path
     r = cluster.cli("launch", "pair", "--policy", "eager")
     assert r.returncode == 2 and b"add --topology processes" in r.stderr
     assert len(r.stderr.decode().strip().splitlines()) == 1
+
+
+def test_a_node_whose_ranks_would_advertise_loopback_is_refused_before_anything_starts(cluster, tmp_path):
+    """The node's hostname here resolves to a loopback address, as in many containers: gloo would
+    advertise it to the other node. Launch names tr0 to gloo and NCCL (the other tests train through
+    it); a node where that cannot work is refused in one line, and the other node undone."""
+    import yaml
+
+    a, b = cluster.nodes
+    wrong = {"ct300": {"env": {"GLOO_SOCKET_IFNAME": "lo"}}, "ct300 ": {"train_address": a.train[:-1] + "9"}}
+    said = {"ct300": "ct300: GLOO_SOCKET_IFNAME=lo names a loopback interface",
+            "ct300 ": f"ct300: train_address {a.train[:-1]}9 is not an address of this container (its addresses: "}
+    for key, override in wrong.items():
+        path = tmp_path / "hosts.yaml"
+        path.write_text(yaml.safe_dump(inventory_doc(cluster.nodes, ct300=override)))
+        before = set(os.listdir(a.private() / "dflash" / "runs"))
+        r = cluster.cli("launch", "pair", "--topology", "processes", "--gpus", "0", "--policy", "eager",
+                        "--config", cluster.cfg, inventory=path)
+        err = r.stderr.decode()
+        assert r.returncode == 1 and said[key] in err and "undone on ct200" in err, err
+        assert len(err.strip().splitlines()) == 1
+        assert set(os.listdir(a.private() / "dflash" / "runs")) == before
+
+
+def test_ranks_that_cannot_meet_end_the_job_within_the_mesh_timeout(cluster, tmp_path):
+    """ct200's ranks advertise their management address (GLOO_SOCKET_IFNAME=mg0, not loopback, so
+    launch lets it through), which ct300 cannot reach: ct300's connect fails at once, while ct200's
+    rank, waiting for ct300 to connect, is not ended by gloo's own timeout (it waited on for minutes).
+    It ends at the mesh timeout, and `logs` ends with the first failure named."""
+    import time
+
+    import yaml
+
+    quick = {"DFLASH_MESH_TIMEOUT_S": "15"}
+    path = tmp_path / "hosts.yaml"
+    path.write_text(yaml.safe_dump(inventory_doc(cluster.nodes, ct300={"env": quick},
+                                                 ct200={"env": {**quick, "GLOO_SOCKET_IFNAME": "mg0"}})))
+    r = cluster.cli("launch", "pair", "--topology", "processes", "--gpus", "0", "--workers", "1", "--policy", "eager",
+                    "--config", cluster.cfg, inventory=path)
+    assert r.returncode == 0, r.stderr.decode()
+    run = r.stdout.decode().strip()
+    cluster.launched.append(run)
+    start = time.monotonic()
+    logs = cluster.cli("logs", "ct200", run, inventory=path, timeout=170)
+    out, err = logs.stdout.decode(), logs.stderr.decode()
+    assert logs.returncode == 100 and time.monotonic() - start < 150, err[-3000:]
+    assert f"run {run}: failed on 2 nodes" in err and "first failure: ct300/rank1: " in err, err[-3000:]
+    assert "[ct200/rank0] [trainer] rank 0: the process group's mesh did not form within 15 s" in out, out[-3000:]

@@ -1,6 +1,8 @@
 """Click command deploy (thin: parse options, call deploy.sync, print)."""
 from __future__ import annotations
 
+import json
+
 import click
 
 from orchestrator.errors import TargetsFailed
@@ -35,7 +37,7 @@ def deploy(state: State, names, dry_run, source, install_deps, verify, as_json):
         if r.dry_run:
             lines.append(f"{r.target}: would send {r.files_sent} file(s) ({_size(r.bytes_sent)}), "
                          f"delete {r.files_deleted}")
-            lines += [f"  + {p}" for p in r.changed] + [f"  - {p}" for p in r.deleted]
+            lines += [f"  + {shown(p)}" for p in r.changed] + [f"  - {shown(p)}" for p in r.deleted]
         elif r.unchanged:
             lines.append(f"{r.target}: up to date at {r.release} ({r.seconds:.2f} s)")
         else:
@@ -44,8 +46,13 @@ def deploy(state: State, names, dry_run, source, install_deps, verify, as_json):
         if r.repaired:
             lines.append(("  would repair" if r.dry_run else "  repaired")
                          + f" {len(r.repaired)} missing or damaged file(s) of the live release: "
-                         + ", ".join(r.repaired[:5])
+                         + ", ".join(map(shown, r.repaired[:5]))
                          + (" ..." if len(r.repaired) > 5 else ""))
+        if r.sparse:
+            files = ", ".join(f"{shown(p)} ({_size(size)}, {_size(disk)} on disk here)"
+                              for p, (size, disk) in r.sparse.items())
+            lines.append(("  would send" if r.dry_run else "  sent") + " sparse file(s) in full, holes as zeros "
+                         f"(they take their whole size there): {files}")
         lines.append(f"  python {r.python}, torch {r.torch or 'not installed'}")
         if r.deps is not None:
             installed = r.deps.get("changed") or []
@@ -55,6 +62,12 @@ def deploy(state: State, names, dry_run, source, install_deps, verify, as_json):
     failed = {r.target: r.error for r in results.values() if not r.ok}
     if failed:
         raise TargetsFailed(failed)
+
+
+def shown(path: str) -> str:
+    """A file name as one line can show it: quoted (JSON escapes) when it has a control character
+    or space at either end, so a name cannot fake a line of the listing."""
+    return path if path.isprintable() and path == path.strip() else json.dumps(path)
 
 
 def _size(n: int) -> str:

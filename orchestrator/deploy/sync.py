@@ -38,6 +38,7 @@ class Source:
     root: Path
     files: list[str]
     manifest: dict[str, list]
+    sparse: dict[str, int] = field(default_factory=dict)   # a file mostly holes -> its bytes on disk
 
     @property
     def total_bytes(self) -> int:
@@ -75,7 +76,24 @@ def scan_source(root: Path, folder: Path) -> Source:
     files = [f"{prefix}/{f}" if prefix else f for f in fileset.collect(folder)]
     if not files:
         raise UsageError(f"nothing to deploy in {root}")
-    return Source(root.resolve(), files, fileset.manifest(root, files))
+    return Source(root.resolve(), files, fileset.manifest(root, files), sparse_files(root, files))
+
+
+SPARSE_MIN = 1 << 20     # a file of at least this many bytes, less than half of them on disk, is sparse
+
+
+def sparse_files(root: Path, files: list[str]) -> dict[str, int]:
+    """{file: bytes on disk} of the sparse files: they travel in full, holes as zeros (a tar stream
+    of regular members), and take their whole size on the target; deploy says so."""
+    found = {}
+    for f in files:
+        try:
+            st = os.stat(root / f)
+        except OSError:
+            continue
+        if st.st_size >= SPARSE_MIN and st.st_blocks * 512 < st.st_size // 2:
+            found[f] = st.st_blocks * 512
+    return found
 
 
 def plan(local: dict[str, list], remote: dict[str, list]) -> tuple[list[str], list[str]]:
@@ -171,6 +189,7 @@ class TargetResult:
     changed: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)   # missing or damaged in the live release, sent again
+    sparse: dict[str, list] = field(default_factory=dict)   # a sparse file sent: [size, bytes on disk here]
     pruned: list[str] = field(default_factory=list)
     deps: dict | None = None
     seconds: float = 0.0
@@ -202,6 +221,7 @@ def deploy_target(session: Session, target: Target, get_source: Callable[[], Sou
         res.files_deleted = len(deleted)
         res.bytes_sent = sum(source.manifest[p][1] for p in changed)
         res.files_sent = len(changed)
+        res.sparse = {p: [source.manifest[p][1], source.sparse[p]] for p in changed if p in source.sparse}
         if dry_run:
             res.release, res.ok = live["release"], True
         elif live["release"] and not changed and not deleted:
@@ -233,8 +253,9 @@ def _apply(t: Transport, target: Target, source: Source, changed: list[str], bas
     update = progress(target.name, size) if progress else None
     with spool:
         try:
-            return agent.call(t, target, agent.RELEASE, ["apply", target.workdir, rid, base, str(need), _who()],
-                              stdin=_Counting(spool, update), what="build the release")
+            args = ["apply", target.workdir, rid, base, f"{need}:{len(changed)}", _who()]   # BYTES:FILES
+            return agent.call(t, target, agent.RELEASE, args, stdin=_Counting(spool, update),
+                              what="build the release")
         except agent.Refused as e:
             if e.reason in ("locked", "no_space"):   # in the agent's own words
                 raise DeployRefused(f"{target.name}: {e.doc.get('message')}") from None

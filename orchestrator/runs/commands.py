@@ -128,7 +128,9 @@ def _launch_info(res) -> str:
             if res.attempt > 1 else f"launched run {res.run} (")
     label = f"{res.name!r}, " if res.name else ""
     return (f"{res.target}: {what}{label}pid {res.pid}, {where}, release {res.release}, policy {policy_text})"
-            + (", env " + " ".join(f"{k}={v}" for k, v in res.env.items()) if res.env else ""))
+            + (", env " + " ".join(f"{k}={v}" for k, v in res.env.items()) if res.env else "")
+            + (f"; its launch was cut off ({res.cut_off}) after it started" if res.cut_off else "")
+            + ("; no supervisor: its slots stay taken until it ends, no exit status" if res.unsupervised else ""))
 
 
 def _nodes_info(res) -> str:
@@ -275,8 +277,8 @@ def _summary_line(s) -> str:
              f"elapsed {_fmt_elapsed(s.elapsed_s)}", f"signatures: {sigs}"]
     if s.classified and s.state == "failed":
         parts.append(f"cause: {s.classified}")
-    if s.reconnects:
-        parts.append(f"reconnects {s.reconnects}")
+    if s.outages:
+        parts.append(f"connection lost {s.outages} time(s), {s.reconnects} reconnect attempt(s)")
     return "; ".join(parts)
 
 
@@ -319,7 +321,9 @@ def _state_text(r: dict) -> str:
         return f"failed (exit {ex['exit_code']})"
     if r["state"] == "failed" and ex.get("lost"):
         return "failed (lost)"
-    return r["state"]
+    if r["state"] == "failed" and ex.get("started") is False:
+        return "failed (never started)"
+    return "running (no supervisor)" if r["state"] == "running" and r.get("unsupervised") else r["state"]
 
 
 # --- stop ----------------------------------------------------------------------------------------

@@ -68,7 +68,8 @@ class Summary:
     lines: int = 0
     bytes: int = 0
     offset: int = 0
-    reconnects: int = 0
+    reconnects: int = 0               # reconnect attempts, failed ones included
+    outages: int = 0                  # times the stream was cut (each followed by one or more attempts)
     signatures: dict[str, int] = field(default_factory=dict)
     hits: list[dict] = field(default_factory=list)
     classified: str | None = None     # the catalog's name for the failure (text, then exit status)
@@ -169,7 +170,7 @@ def _follow(session: Session, own: bool, target: Target, run: str, follow: bool,
     matcher = catalog.matcher()
     events: queue.Queue = queue.Queue()
     stopping = threading.Event()
-    state = {"run": run, "offset": -1 if tail is not None else 0, "reconnects": 0}
+    state = {"run": run, "offset": -1 if tail is not None else 0, "reconnects": 0, "outages": 0}
 
     def worker() -> None:
         attempt, down_since, calls, streamed = 0, None, 0, False
@@ -225,6 +226,7 @@ def _follow(session: Session, own: bool, target: Target, run: str, follow: bool,
                     events.put(("error", e))
                     return
                 delay = backoff[min(attempt, len(backoff) - 1)]
+                state["outages"] += attempt == 0
                 attempt += 1
                 state["reconnects"] += 1
                 reason = e.render() if isinstance(e, OpsError) else (str(e) or type(e).__name__)
@@ -284,7 +286,7 @@ def _follow(session: Session, own: bool, target: Target, run: str, follow: bool,
                     yield make_line(pending)
                     pending = b""
                 yield End(_summary(target, item, counts, hits_seen, number, total,
-                                   state["reconnects"], catalog))
+                                   state["reconnects"], catalog, state["outages"]))
                 return
     finally:
         stopping.set()
@@ -311,7 +313,7 @@ def _watch(stream: _Stream, conn: dict, dead_s: float, stopping: threading.Event
 
 
 def _summary(target: Target, end: dict, counts: dict[str, int], hits: list[dict], lines: int,
-             total: int, reconnects: int, catalog) -> Summary:
+             total: int, reconnects: int, catalog, outages: int = 0) -> Summary:
     state = end.get("state", "failed")
     ex = end.get("exit") or {}
     classified = None
@@ -327,7 +329,7 @@ def _summary(target: Target, end: dict, counts: dict[str, int], hits: list[dict]
     return Summary(target=target.name, run=end.get("run", ""), state=state,
                    exit_code=exit_code_for(state), step=end.get("step"), loss=end.get("loss"),
                    tau=end.get("tau"), lines=lines, bytes=total, offset=end.get("offset", 0),
-                   reconnects=reconnects, signatures=dict(counts), hits=hits,
+                   reconnects=reconnects, outages=outages, signatures=dict(counts), hits=hits,
                    classified=classified, exit=ex or None, elapsed_s=end.get("elapsed_s"))
 
 

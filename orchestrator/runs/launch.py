@@ -79,7 +79,7 @@ def refusal_message(target: Target, doc: dict) -> str:
     if reason == "no_probe":
         return (f"{t}: --policy auto needs the probe's choice and {target.workdir}/probe.json does "
                 f"not exist; run `dflash-ops probe {t}` first (or pass --policy NAME)")
-    if reason in ("too_many_gpus", "no_space", "io", "bad_gpu_ids", "bad_probe"):
+    if reason in ("too_many_gpus", "no_space", "io", "bad_gpu_ids", "bad_probe", "network"):
         return f"{t}: {doc.get('message')}"
     if reason == "not_found":
         return f"{t}: {doc.get('message')} (see `dflash-ops status {t}`)"
@@ -89,7 +89,9 @@ def refusal_message(target: Target, doc: dict) -> str:
         return f"{t}: {doc.get('message')}"
     if reason == "busy":
         holders = doc.get("holders") or []
-        who = ", ".join(f"run {h['run']} (pid {h['pid']})" for h in holders) or "another run"
+        who = ", ".join(f"run {h['run']} (pid {h['pid']}" + (", no supervisor: it holds them until it ends)"
+                                                             if h.get("unsupervised") else ")")
+                        for h in holders) or "another run"
         busy = sorted(doc.get("busy") or {})
         if busy == ["cpu"]:
             what = "the CPU slot is"
@@ -125,6 +127,8 @@ class LaunchResult:
     resumed_from: str | None = None     # the state of the attempt this one continues
     seconds: float = 0.0
     env: dict = field(default_factory=dict)     # the variables set for the trainer, secrets masked
+    unsupervised: bool = False      # its supervisor died as it started: no exit status will be recorded
+    cut_off: str | None = None      # the launch's agent was cut off and the run was then found running
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -165,6 +169,10 @@ def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
         if e.reason == "spawn":
             raise StepFailed(target.name, "launch the trainer", 1, e.doc.get("message", "")) from None
         raise LaunchRefused(refusal_message(target, e.doc)) from None
+    except StepFailed as e:
+        # The agent was cut off (killed, the connection dropped): its exit status says nothing of
+        # the run, which may run or may never have started. Ask the target.
+        doc = _after_cut_off(s, target, spec, e)
     resume = spec.get("resume")
     return LaunchResult(
         target=target.name, run=doc["run"], pid=doc["pid"], supervisor_pid=doc.get("supervisor_pid"),
@@ -174,7 +182,28 @@ def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
         log=doc.get("log"), command_line=doc.get("command_line"),
         cleared=doc.get("cleared") or [], name=doc.get("name"), attempt=doc.get("attempt") or 1,
         resumed_from=doc.get("resumed_from"), seconds=round(time.monotonic() - start, 3),
-        env=spec["user_env"])
+        env=spec["user_env"], unsupervised=bool(doc.get("unsupervised")), cut_off=doc.get("cut_off"))
+
+
+def _after_cut_off(s: Session, target: Target, spec: dict, cut: StepFailed) -> dict:
+    """What a launch whose agent was cut off left on the target: the run's status as a launch
+    reply when it runs; otherwise the cut itself, saying that nothing runs (the launch sequence
+    on the target is crash-safe: README, "Reliability")."""
+    run = spec["run"]
+    try:
+        found = agent.call(s.transport(target), target, agent.RUNS, ["status", target.workdir, "--", run],
+                           what="read the run", timeout=60)["runs"]
+    except OpsError:
+        raise cut from None
+    if found and found[0]["state"] == "running" and found[0].get("pid"):
+        return {**found[0], "compile_policy": found[0].get("policy") or "?",
+                "cut_off": f"the agent ended with status {cut.exit_code_remote}"}
+    if found and found[0]["state"] == "running":
+        said = f"run {run} is still being started there (see `dflash-ops status {target.name} {run}`)"
+    else:
+        said = f"run {run} did not start; its slots are free" if found else "nothing was started"
+    raise StepFailed(target.name, "launch the trainer", cut.exit_code_remote,
+                     f"the launch was cut off ({cut.stderr_tail.strip() or 'no message'}); {said}") from None
 
 
 def _controller() -> dict:

@@ -91,6 +91,8 @@ def run_one(session: Session, target: Target, argv: Sequence[str], *, out: Write
         t = session.transport(target, env=env, check=False)
         if isinstance(t, PctTransport):
             t.check()
+        else:
+            argv = on_node(argv)
         r = t.run(list(argv), stdout=(lambda b: out(target.name, b)) if out else None,
                   stderr=(lambda b: err(target.name, b)) if err else None)
         res.exit_code, res.stdout, res.stderr = r.exit_code, r.stdout, r.stderr
@@ -98,6 +100,13 @@ def run_one(session: Session, target: Target, argv: Sequence[str], *, out: Write
         res.error = e.render()
     res.seconds = round(time.monotonic() - start, 3)
     return res
+
+
+def on_node(argv: Sequence[str]) -> list[str]:
+    """argv run by a shell that exits 128+N when the command is killed by signal N, as lxc-attach
+    does in a container: sshd reports such a death as an exit-signal, which paramiko drops (the
+    status would read as 255). `; exit $?` keeps the shell from exec'ing the command in its place."""
+    return ["sh", "-c", '"$@"; exit $?', "sh", *argv]
 
 
 def exec_command(inv: Inventory, targets: list[Target], argv: Sequence[str], *, out: Write | None = None,

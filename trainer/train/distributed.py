@@ -38,6 +38,8 @@ import json
 import os
 import signal
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import fields
 from datetime import timedelta
 from pathlib import Path
@@ -48,7 +50,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainer import policies
 from trainer.run import checkpoint
-from trainer.exits import in_rank
+from trainer.exits import exit_process, in_rank
 from trainer.files import atomic_file
 from trainer.run.config import TrainConfig
 from trainer.errors import UsageError
@@ -61,6 +63,9 @@ from trainer.train import loop
 # SIGKILLs them (its default is 30 s: too short to save a 1B-parameter drafter's optimizer state).
 # Read by torch >= 2.10 (TORCH_ELASTIC_SHUTDOWN_TIMEOUT); older torchrun keeps its 30 s.
 SHUTDOWN_TIMEOUT_S = "300"
+# How long a rank waits for the other ranks to connect the process group's mesh (gloo's full mesh);
+# DFLASH_MESH_TIMEOUT_S in the environment (`launch --env`) changes it.
+MESH_TIMEOUT_S = 120.0
 
 
 def main(cfg: TrainConfig) -> int:
@@ -169,7 +174,6 @@ def rank_main(cfg: TrainConfig) -> int:
                          f"use --nproc-per-node {cfg.n_devices}")
     if local == 0:
         _write_node_record(cfg, rank, world)
-    stop, restore_signal = loop.on_sigterm()
     device = torch.device(f"cuda:{local}") if cfg.gpus else torch.device("cpu")
     if device.type == "cuda":
         if local >= torch.cuda.device_count():
@@ -177,15 +181,46 @@ def rank_main(cfg: TrainConfig) -> int:
         torch.cuda.set_device(device)
     if cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
-    # One timeout for every collective: long enough for a rank to compile while the others wait in
-    # the first step's all-reduce (and for rank 0 to make synthetic data or run an eval).
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=timedelta(seconds=max(60.0, cfg.warmup_timeout)))
+    # Until the mesh is formed SIGTERM keeps its default action: a rank blocked there (in C++, where
+    # Python's handler would only run once the call returns) ends at once, with nothing to save. The
+    # mesh gets MESH_TIMEOUT_S: every node has joined the rendezvous by now, so a peer that does not
+    # connect within it has failed (gloo's default would wait 30 minutes).
+    # Then one timeout for every collective: long enough for a rank to compile while the others wait
+    # in the first step's all-reduce (and for rank 0 to make synthetic data or run an eval). A torch
+    # without _set_pg_timeout uses that one for the mesh too.
+    collectives = timedelta(seconds=max(60.0, cfg.warmup_timeout))
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    mesh = float(os.environ.get("DFLASH_MESH_TIMEOUT_S") or MESH_TIMEOUT_S)
+    with _deadline(mesh, f"rank {rank}: the process group's mesh did not form within {mesh:g} s (a rank on "
+                         f"another node failed, or cannot reach this node's address)"):
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=mesh) if set_timeout else collectives)
+    if set_timeout:
+        set_timeout(collectives)
+    stop, restore_signal = loop.on_sigterm()
     try:
         return _rank(cfg, rank, world, local, device, stop)
     finally:
         dist.destroy_process_group()
         restore_signal()
+
+
+@contextmanager
+def _deadline(seconds: float, message: str):
+    """End the process (exit 1, `message` on stderr) if the block runs longer than `seconds`. For a
+    call blocked in C++ that its own timeout does not bound: gloo's side of a pair that waits for its
+    peer to connect waited on (seen: 3 minutes past a 120 s timeout) while the peer had failed."""
+    done = threading.Event()
+
+    def watch() -> None:
+        if not done.wait(seconds):
+            print(f"[trainer] {message}", file=sys.stderr, flush=True)
+            exit_process(1, finalize=False)
+    threading.Thread(target=watch, name="dflash-deadline", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def _rank(cfg: TrainConfig, rank: int, world: int, local: int, device: torch.device, stop) -> int:

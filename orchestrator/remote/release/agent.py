@@ -11,15 +11,16 @@ binaries needed in the container.
                                 --verify hashes every file, --tidy clears leftovers of
                                 interrupted deploys when no deploy holds the lock,
                                 --no-files leaves the manifest out (versions and release only)
-    apply WORKDIR RELEASE BASE NEED BY
+    apply WORKDIR RELEASE BASE BYTES:FILES BY
                                 stdin: a tar of the changed files plus .dflash-manifest.json;
                                 under the deploy lock, builds releases/RELEASE from release BASE
                                 (the one the controller read; "" for none) + the changes,
                                 verifies it, flips WORKDIR/current atomically, keeps the last KEEP.
-                                NEED: bytes the new files take; BY: who deploys (for the lock).
+                                BYTES:FILES: the new files' size and number (checked in blocks
+                                and inodes of the file system); BY: who deploys (for the lock).
                                 Refusals (common.refuse): `locked` (another deploy holds the
                                 lock), `moved` (the live release is no longer BASE), `no_space`
-                                (NEED is more than the free space, or ENOSPC while writing)
+                                (more blocks or inodes than are free, or ENOSPC while writing)
     install-deps WORKDIR        pip-installs the live release's trainer/requirements.txt,
                                 with the installed torch pinned so pip never touches it
 """
@@ -98,7 +99,22 @@ def _mb(n):
     return "%.1f MB" % (n / 1e6)
 
 
-def cmd_apply(workdir, release, base, need, by):
+def _space_short(path, need, files):
+    """Why NEED bytes in FILES new files do not fit in path's file system, or None. Counted in
+    blocks, as the file system allocates: every file takes whole blocks (at most one more than its
+    bytes fill), and an inode."""
+    st = os.statvfs(path)
+    block = st.f_frsize or 4096
+    blocks = -(-need // block) + files
+    if blocks > st.f_bavail:
+        return "the release needs %d blocks of %d bytes (%s) for %d file(s), %d free (%s)" % (
+            blocks, block, _mb(blocks * block), files, st.f_bavail, _mb(st.f_bavail * block))
+    if st.f_files and files > st.f_favail:
+        return "the release needs %d inodes for %d file(s), %d free" % (files, files, st.f_favail)
+    return None
+
+
+def cmd_apply(workdir, release, base, need, files, by):
     """Build releases/RELEASE from the stream plus the unchanged files of release BASE (the one
     the controller planned against; "" when it sends every file), verify it, flip `current`."""
     import errno
@@ -124,9 +140,9 @@ def cmd_apply(workdir, release, base, need, by):
     # Under the lock no other deploy is writing: every .partial is a leftover.
     _clear_leftovers(workdir)
     partial = final + ".partial"
-    free = _free_bytes(releases)
-    if need > free:
-        refuse("no_space", "no space left in %s: the release needs %s, %s free" % (releases, _mb(need), _mb(free)))
+    short = _space_short(releases, need, files)
+    if short:
+        refuse("no_space", "no space left in %s: %s" % (releases, short))
     try:
         received, linked = _build(partial, live_path if base else None)
     except BaseException as e:
@@ -134,8 +150,9 @@ def cmd_apply(workdir, release, base, need, by):
         # goes at once rather than at the next deploy: it may be what filled the disk.
         shutil.rmtree(partial, ignore_errors=True)
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            refuse("no_space", "no space left in %s: the release needs %s, %s free after removing the "
-                   "partial release" % (releases, _mb(need), _mb(_free_bytes(releases))))
+            refuse("no_space", "no space left in %s: %s after removing the partial release" % (
+                releases, _space_short(releases, need, files) or "the release ran out of space while written; "
+                "%s free" % _mb(_free_bytes(releases))))
         raise
     os.rename(partial, final)
     _fsync_dir(releases)
@@ -271,7 +288,8 @@ def main(argv):
     if cmd == "manifest" and set(argv[2:]) <= {"--verify", "--tidy", "--no-files"}:
         cmd_manifest(workdir, "--verify" in argv[2:], "--tidy" in argv[2:], "--no-files" in argv[2:])
     elif cmd == "apply" and len(argv) == 6:
-        cmd_apply(workdir, argv[2], argv[3], int(argv[4]), argv[5])
+        need, _, files = argv[4].partition(":")       # NEED: BYTES[:FILES]
+        cmd_apply(workdir, argv[2], argv[3], int(need), int(files or 0), argv[5])
     elif cmd == "install-deps":
         cmd_install_deps(workdir)
     else:

@@ -40,7 +40,8 @@ and stderr), pid (the trainer's), exit.json (written by the supervisor when the 
 stop.json (a stop was requested). RUN "latest" (or "") names the newest run.
 
 A run holds slots (a GPU each, or the one `cpu` slot) until it ends: runs/locks.py.
-The supervisor that starts the trainer and records its end: runs/supervisor.py.
+The supervisor that starts the trainer and records its end: runs/supervisor.py. A node of a job over
+several: its training interface named to gloo and NCCL, or a refusal (runs/net.py).
 """
 import errno
 import json
@@ -53,15 +54,16 @@ import time
 
 from ..common import _fail, _home, _now_iso, _out, _read_json, _write_json, refuse
 from ..common import _workdir
-from .common import LOG, _find, _metric, _resolve, _run_ids, _runs_dir, _state, _status
+from .common import LOG, _fault, _find, _metric, _proc_start, _resolve, _run_ids, _runs_dir, _state, _status
 from ..release.store import _live
 from .export import cmd_export
 from .follow import cmd_follow
 from .housekeeping import RESUMABLE, _end_attempt, _resume_spec, cmd_prune, cmd_rm
-from .locks import _Guard, _claim, _hold
+from .locks import _Guard, _claim, _drop, _hold
+from .net import IFNAME_VARS, _network_env
 from .probe import cmd_probe
 from .stop import cmd_stop
-from .supervisor import _exit_record, _spawn_supervisor, cmd_supervise
+from .supervisor import _exit_record, _runs_trainer, _spawn_supervisor, cmd_supervise
 
 STOP_TIMEOUT_S = 120.0
 RUN_MIN_FREE = 64 * 10**6    # bytes a new run folder needs free: its log, config and first checkpoints
@@ -156,6 +158,10 @@ def cmd_launch(workdir):
         gpus = len(want)
     if gpus > total:
         refuse("too_many_gpus", "--gpus %d is more than the target's %d GPU(s)" % (gpus, total))
+    if spec.get("nodes"):           # one node of several: the interface its ranks advertise (runs/net.py)
+        spec["node_env"], why = _network_env(spec["nodes"], os.environ)
+        if why:
+            refuse("network", why)
     rundir = os.path.join(_runs_dir(workdir), run)
     try:
         os.makedirs(_runs_dir(workdir), exist_ok=True)
@@ -174,22 +180,35 @@ def cmd_launch(workdir):
                         % (run, state), state=state)
         chosen_slots, ids, busy, cleared = _claim(workdir, guard, gpus, total, want)
         if chosen_slots is None:
-            holders = sorted({(h.get("run"), h.get("pid")) for h in busy.values()}, key=str)
+            holders = sorted({(h.get("run"), h.get("pid"), h.get("unsupervised", False))
+                              for h in busy.values()}, key=str)
             refuse("busy", "busy", busy={s: {"run": h.get("run"), "pid": h.get("pid")}
                                           for s, h in busy.items()},
-                    holders=[{"run": r, "pid": p} for r, p in holders], cleared=cleared)
-        attempts = []
-        if prev is None:
-            try:
-                os.mkdir(rundir)
-            except FileExistsError:
-                _fail("run %s already exists" % run)
-        else:
-            prev["previous_state"], attempts = _end_attempt(rundir, prev)
+                    holders=[{"run": r, "pid": p, "unsupervised": u} for r, p, u in holders], cleared=cleared)
+        # The slots are held before anything starts: by this agent, then by the supervisor it
+        # records, then by the trainer (runs/locks.py); a launch cut off at any point leaves either
+        # a stale lock (nothing started) or one whose holder runs (README, "Reliability").
+        since, held = _now_iso(), _launcher()
+        _hold(guard, run, chosen_slots, held, since)
+        _fault("launch.claimed")
+
+        def hold(pids):
+            held.update(pids)
+            _hold(guard, run, chosen_slots, held, since)
+
+        attempts, done = [], False
         try:
+            if prev is None:
+                try:
+                    os.mkdir(rundir)
+                except FileExistsError:
+                    _fail("run %s already exists" % run)
+            else:
+                prev["previous_state"], attempts = _end_attempt(rundir, prev)
             started, rec = _start_run(workdir, spec, run, rundir, release, release_path, commit,
                                       policy, compile_policy, probe_choice, gpus, ids, chosen_slots,
-                                      prev, attempts)
+                                      prev, attempts, hold)
+            done = True
         except OSError as e:
             # Out of space or any other write failure: no half-made run folder stays behind
             # (a resumed run's folder is its own: it stays, its state read from its log).
@@ -198,20 +217,32 @@ def cmd_launch(workdir):
                 shutil.rmtree(rundir, ignore_errors=True)
             reason = "no_space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "io"
             refuse(reason, "cannot write the run folder %s: %s" % (rundir, e.strerror or e))
-        _hold(guard, run, chosen_slots, started, rec["started"])
+        finally:
+            if not done:
+                _drop(guard, run)
+        _fault("launch.started")
+        hold(started)
+        _fault("launch.held")
     _out({"ok": True, "run": run, "pid": started["pid"], "supervisor_pid": started["supervisor_pid"],
           "release": release, "commit": commit, "compile_policy": compile_policy,
           "probe_policy": probe_choice, "gpus": gpus,
           "gpu_ids": ids, "slots": chosen_slots, "rundir": rundir, "log": os.path.join(rundir, LOG),
           "cleared": cleared, "command_line": rec["command_line"], "name": rec.get("name"),
-          "attempt": rec["attempt"], "resumed_from": prev.get("previous_state") if prev else None})
+          "attempt": rec["attempt"], "resumed_from": prev.get("previous_state") if prev else None,
+          "unsupervised": started.get("unsupervised", False)})
+
+
+def _launcher():
+    """This agent as the first holder of a run's slots (runs/locks.py) and in its run.json."""
+    return {"launcher_pid": os.getpid(), "launcher_start": _proc_start(os.getpid())}
 
 
 def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy, compile_policy,
-               probe_choice, gpus, ids, chosen_slots, prev=None, attempts=()):
+               probe_choice, gpus, ids, chosen_slots, prev=None, attempts=(), hold=None):
     """Write the run folder (log, config, run.json) and start its supervisor: (started, record).
     prev: the record of the run this attempt continues (the trainer then gets --resume and the
-    run's own config file). A spawn failure is recorded in exit.json and refused here."""
+    run's own config file). hold(pids) records the supervisor in the slot locks before it may
+    start anything. A spawn failure is recorded in exit.json and refused here."""
     # the log exists as soon as the run does, so `logs` right after launch reads an empty log
     open(os.path.join(rundir, LOG), "ab").close()
 
@@ -243,6 +274,7 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
     env.update({"HOME": _home(), "PYTHONUNBUFFERED": "1",
                 "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in ids),
                 "DFLASH_OPS_WORKDIR": workdir, "DFLASH_OPS_RUN": run})
+    env.update(spec.get("node_env") or {})
     env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
     env.setdefault("LANG", "C.UTF-8")
     rec = {
@@ -252,7 +284,7 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
         # the release `current` pointed at, so a deploy during the run changes nothing here
         "command_line": "cd %s && exec %s" % (shlex.quote(release_path),
                                              " ".join(shlex.quote(a) for a in argv)),
-        "env": {k: env[k] for k in ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "HOME")},
+        "env": {k: env[k] for k in ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "HOME") + IFNAME_VARS if k in env},
         "config": prev.get("config") if prev is not None else
         {"file": config, "source": spec.get("config_source"),
          "text": spec.get("config_text")} if config else None,
@@ -268,9 +300,24 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
         "user_env": spec.get("user_env") or {},   # hosts.yaml env: + launch --env, secrets masked
         "nodes": nodes or None,     # {"targets": [...], "index": i, "endpoint", "address"}: a job over several nodes
     }
+    rec.update(_launcher())         # the run is starting while this agent lives (runs/common.py _state)
     _write_json(os.path.join(rundir, "run.json"), rec)
-    started = _spawn_supervisor(rundir, rec, env)
+    _fault("launch.recorded")
+
+    def hello(pids):                # before the supervisor starts anything, it is on record
+        rec.update(pids)
+        _write_json(os.path.join(rundir, "run.json"), rec)
+        hold(pids)
+
+    started = _spawn_supervisor(rundir, rec, env, hello)
     if "error" in started:
+        now = _read_json(os.path.join(rundir, "run.json")) or {}
+        if _runs_trainer(now):
+            # The supervisor died after the trainer started: the run runs, unsupervised; its slots
+            # stay held by the trainer (its pid is in run.json) until it ends.
+            return {"pid": now["pid"], "pid_start": now.get("pid_start"), "unsupervised": True,
+                    "supervisor_pid": now.get("supervisor_pid"),
+                    "supervisor_start": now.get("supervisor_start")}, rec
         # Recorded at once, so the run is not taken for one still starting.
         if not os.path.exists(os.path.join(rundir, "exit.json")):
             _write_json(os.path.join(rundir, "exit.json"),
@@ -343,7 +390,7 @@ def main(argv):
             cmd_stop(workdir, values[0] if values else "latest", "--force" in opts,
                      float(opts.get("--timeout", STOP_TIMEOUT_S)))
         elif cmd == "supervise":      # supervisor._short_argv's exec: WORKDIR is the run's folder
-            cmd_supervise(workdir, int(args[0]))
+            cmd_supervise(workdir, int(args[0]), int(args[1]))
         elif cmd == "metrics":
             _, values = _split(args)
             cmd_metrics(workdir, values[0] if values else "latest")

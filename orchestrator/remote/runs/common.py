@@ -9,6 +9,7 @@ Python >= 3.8, has no `from __future__` line, and names what it takes from anoth
 import json
 import os
 import re
+import signal
 import time
 
 from ..common import _now_iso, _read_json, refuse
@@ -17,6 +18,21 @@ LOG = "train.log"
 # What a run id may look like (launch makes `YYYYmmdd-HHMMSS-hex`): no path, never an option.
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 TAIL_SCAN = 1 << 16      # bytes read from a log's end at a time
+
+
+# --- test hooks ---------------------------------------------------------------------------------
+
+FAULTS = "DFLASH_OPS_AGENT_FAULTS"
+
+
+def _fault(point):
+    """A named point of the launch sequence (launch.claimed, supervisor.go, ...). Inert unless a test
+    sets DFLASH_OPS_AGENT_FAULTS=kill_at=POINT (as trainer/faults.py's DFLASH_TRAINER_FAULTS): then
+    this process SIGKILLs itself there, as a crash at exactly that point would end it."""
+    for item in os.environ.get(FAULTS, "").split(","):
+        name, _, value = item.partition("=")
+        if name == "kill_at" and value == point:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 # --- processes ----------------------------------------------------------------------------------
@@ -96,9 +112,10 @@ def _find(workdir, run):
 
 def _state(rundir, rec=None):
     """(state, exit document). The supervisor's exit.json is the truth once it exists; before,
-    the run is running while its trainer (or its supervisor) lives; with neither alive and no
-    exit.json, the trainer's last log event decides (`done`: succeeded, `stopped`: stopped),
-    else the run was lost (killed -9 as a whole, container stopped): failed."""
+    the run is running while its trainer (or its supervisor) lives, or while the agent that
+    launches it still does; with none of them alive and no exit.json, a run whose trainer never
+    started failed, else the trainer's last log event decides (`done`: succeeded, `stopped`:
+    stopped), else the run was lost (killed -9 as a whole, container stopped): failed."""
     ex = _read_json(os.path.join(rundir, "exit.json"))
     if ex is not None:
         return ex.get("state", "failed"), ex
@@ -106,9 +123,18 @@ def _state(rundir, rec=None):
     if _alive(rec.get("pid"), rec.get("pid_start")) or \
             _alive(rec.get("supervisor_pid"), rec.get("supervisor_start")):
         return "running", None
-    if rec.get("pid") is None and time.time() - rec.get("started_ts", 0) < 30 and \
-            not os.path.exists(os.path.join(rundir, "supervisor.failed")):
-        return "running", None   # the supervisor is still starting the trainer
+    if rec.get("pid") is None:
+        if _alive(rec.get("launcher_pid"), rec.get("launcher_start")):
+            return "running", None   # the agent is still starting it (its supervisor starts nothing without it)
+        if "launcher_pid" not in rec and time.time() - rec.get("started_ts", 0) < 30 and \
+                not os.path.exists(os.path.join(rundir, "supervisor.failed")):
+            return "running", None   # a record from before launcher_pid: the supervisor may be starting it
+        if "launcher_pid" in rec:
+            now = time.time()
+            return "failed", {"state": "failed", "ended": _now_iso(now), "ended_ts": now, "signal": None,
+                              "exit_code": None, "lost": False, "started": False, "recorded_by": "status",
+                              "reason": "the launch was cut off before the trainer started (its agent or "
+                                        "supervisor was killed); nothing ran"}
     # Every process of the run is gone and none recorded how it ended (the supervisor was killed
     # -9, the container stopped). The trainer's own last event in its log still says whether it
     # finished or checkpointed on SIGTERM; the log's last write is when the run ended.
@@ -237,6 +263,11 @@ def _status(workdir, run):
            # a job over several nodes: the nodes, and which ranks this one ran (the trainer's node.json)
            "nodes": (rec.get("nodes") or {}).get("targets"),
            "node": _read_json(os.path.join(rundir, "node.json"))}
+    if state == "running" and _alive(rec.get("pid"), rec.get("pid_start")) and \
+            not _alive(rec.get("supervisor_pid"), rec.get("supervisor_start")):
+        # its supervisor was killed: the trainer runs on, its slots stay taken until it ends, and
+        # its end is judged from its log (no exit.json will be written unless `stop` ends it)
+        doc["unsupervised"] = True
     try:
         doc["log_bytes"] = os.path.getsize(os.path.join(rundir, LOG))
     except OSError:

@@ -2,10 +2,13 @@
 
 Slots: each GPU index is a slot `gpuN`; a CPU run (--gpus 0) takes the one slot `cpu`, so two CPU
 runs never compete for the same cores. A slot is a file WORKDIR/locks/SLOT.json naming the run and
-its supervisor's and trainer's pids (with their start times, so a recycled pid is not mistaken
-for the holder). It is free when the file is missing, or when its run has ended (exit.json) or
-none of its processes is alive any more (killed -9, container restarted): a stale lock, cleared.
-Slot files are only judged and changed under an flock on WORKDIR/locks/.guard.
+the pids of the processes that hold it (with their start times, so a recycled pid is not mistaken
+for the holder): the launching agent's from before anything starts, then its supervisor's, then
+the trainer's. It is free when the file is missing, or when its run has ended (exit.json) or
+none of its processes (those of the lock and of the run's run.json) is alive any more (killed -9,
+container restarted, a launch cut off before its trainer started): a stale lock, cleared. A
+trainer whose supervisor was killed still holds its slots until it ends. Slot files are only
+judged and changed under an flock on WORKDIR/locks/.guard.
 """
 import os
 
@@ -30,12 +33,22 @@ class _Guard:
         self.f.close()
 
 
+_HOLDERS = (("launcher_pid", "launcher_start"), ("supervisor_pid", "supervisor_start"), ("pid", "pid_start"))
+
+
 def _holder_live(workdir, lock):
+    """The lock's holder ({run, pid, unsupervised}) while the run lives, else None."""
     rundir = os.path.join(_runs_dir(workdir), str(lock.get("run")))
     if os.path.exists(os.path.join(rundir, "exit.json")):
-        return False
-    return _alive(lock.get("supervisor_pid"), lock.get("supervisor_start")) or \
-        _alive(lock.get("pid"), lock.get("pid_start"))
+        return None
+    # run.json too: the supervisor records the trainer there before the trainer starts, so a
+    # trainer whose agent and supervisor were both killed is still seen
+    rec = _read_json(os.path.join(rundir, "run.json")) or {}
+    live = {pid for pid, start in _HOLDERS for doc in (lock, rec) if _alive(doc.get(pid), doc.get(start))}
+    if not live:
+        return None
+    return {"run": lock.get("run"), "pid": lock.get("pid") or rec.get("pid"),
+            "unsupervised": "pid" in live and "supervisor_pid" not in live}
 
 
 def _busy_slots(workdir, guard, slots):
@@ -48,8 +61,9 @@ def _busy_slots(workdir, guard, slots):
             if os.path.exists(path):      # unreadable: a crash mid-write; nothing holds it
                 os.unlink(path)
             continue
-        if _holder_live(workdir, lock):
-            busy[slot] = lock
+        holder = _holder_live(workdir, lock)
+        if holder:
+            busy[slot] = holder
         else:
             os.unlink(path)
             cleared.append({"slot": slot, "run": lock.get("run")})
@@ -58,12 +72,17 @@ def _busy_slots(workdir, guard, slots):
 
 def _release_slots(workdir, run):
     with _Guard(workdir) as guard:
-        for name in os.listdir(guard.dir):
-            if name.endswith(".json"):
-                path = os.path.join(guard.dir, name)
-                lock = _read_json(path)
-                if lock is not None and lock.get("run") == run:
-                    os.unlink(path)
+        _drop(guard, run)
+
+
+def _drop(guard, run):
+    """Remove the run's slot files (the caller holds the guard)."""
+    for name in os.listdir(guard.dir):
+        if name.endswith(".json"):
+            path = os.path.join(guard.dir, name)
+            lock = _read_json(path)
+            if lock is not None and lock.get("run") == run:
+                os.unlink(path)
 
 
 def _claim(workdir, guard, gpus, total, want=None):
@@ -87,10 +106,11 @@ def _claim(workdir, guard, gpus, total, want=None):
     return slots, ids, busy, cleared
 
 
-def _hold(guard, run, slots, started, since):
-    """Write the lock of each slot for the run whose supervisor reported `started`."""
+def _hold(guard, run, slots, holders, since):
+    """Write the lock of each slot for the run: `holders` names the processes that hold it so far
+    ({launcher_pid, launcher_start, supervisor_pid, ..., pid, pid_start})."""
     for slot in slots:
-        _write_json(os.path.join(guard.dir, slot + ".json"), {
-            "run": run, "slot": slot, "pid": started["pid"], "pid_start": started["pid_start"],
-            "supervisor_pid": started["supervisor_pid"],
-            "supervisor_start": started["supervisor_start"], "since": since})
+        doc = {"run": run, "slot": slot, "since": since, "pid": None, "pid_start": None,
+               "supervisor_pid": None, "supervisor_start": None}
+        doc.update(holders)
+        _write_json(os.path.join(guard.dir, slot + ".json"), doc)

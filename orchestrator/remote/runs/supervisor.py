@@ -1,9 +1,18 @@
 """Runs agent: the detached supervisor.
 
 launch double-forks the supervisor (setsid, all three streams redirected: docs/background.md#pct); it is
-a fork of the agent, so it runs with the whole joined program. It starts the trainer in its own
-process group, reports the trainer's pid back on a pipe, waits for it, and records how it ended
-in exit.json whatever way it ends; then it frees the run's slots.
+a fork of the agent, so it runs with the whole joined program. The handshake, over two pipes, makes
+the launch crash-safe at every point (README, "Reliability"):
+
+    supervisor -> agent   hello: its pid            the agent records it in the slot locks, run.json
+    agent -> supervisor   go                        (end of file instead: the agent died; start nothing)
+    supervisor            forks the trainer's process, which waits on a gate
+                          records its pid in run.json, opens the gate: the trainer execs
+    supervisor -> agent   the trainer's pid         (the agent may be gone: the run goes on)
+
+so the supervisor is the trainer's parent from the start, nothing starts unless the slot locks
+name its supervisor, and no trainer runs without its pid in run.json. It waits for the trainer
+and records how it ended in exit.json whatever way it ends; then it frees the run's slots.
 """
 import json
 import os
@@ -13,58 +22,91 @@ import sys
 import time
 
 from ..common import _now_iso, _read_json, _write_json
-from .common import LOG, _proc_start, _root_cause
+from .common import LOG, _alive, _fault, _proc_start, _root_cause
 from .locks import _release_slots
 
+HELLO_TIMEOUT_S = 60.0
 
-def _spawn_supervisor(rundir, rec, env):
+
+def _read_line(fd, timeout):
+    """One JSON line from fd: the document, or None at end of file or after timeout seconds."""
+    data = b""
+    deadline = time.time() + timeout
+    while not data.endswith(b"\n"):
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.time()))
+        if not ready:
+            return None
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    try:
+        return json.loads(data.decode())
+    except ValueError:
+        return None
+
+
+def _send(fd, doc):
+    """A JSON line to the other end; False when it is gone (the agent was killed: go on)."""
+    try:
+        os.write(fd, (json.dumps(doc) + "\n").encode())
+        return True
+    except OSError:
+        return False
+
+
+def _spawn_supervisor(rundir, rec, env, on_hello):
     """Double fork: the grandchild (the supervisor) is in its own session, has /dev/null and its
     own log for its three streams and no other inherited fd, so the exec that ran this agent
-    (ssh, pct exec / lxc-attach) returns at once (docs/background.md#pct). It reports the trainer's pid on
-    a pipe, then waits for the trainer."""
-    rfd, wfd = os.pipe()
+    (ssh, pct exec / lxc-attach) returns at once (docs/background.md#pct). on_hello(doc) records
+    the supervisor's pid before it may start anything; returns what the supervisor reported: the
+    trainer's pid, or {"error": ...}."""
+    rfd, wfd = os.pipe()          # supervisor -> agent: hello, then the trainer's pid
+    go_r, go_w = os.pipe()        # agent -> supervisor: go (end of file: start nothing)
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(rfd)
+            os.close(go_w)
             os.setsid()
             if os.fork() != 0:
                 os._exit(0)
-            _detach(rundir, keep=wfd)
-            _short_argv(rundir, env, wfd)      # returns only where it cannot re-exec
+            _detach(rundir, keep=(wfd, go_r))
+            _short_argv(rundir, env, wfd, go_r)      # returns only where it cannot re-exec
         except BaseException as e:  # never return into the agent's code
             _report_and_exit(wfd, e)
-        _supervise_then_exit(rundir, rec, env, wfd)
+        _supervise_then_exit(rundir, rec, env, wfd, go_r)
     os.close(wfd)
+    os.close(go_r)
     os.waitpid(pid, 0)
-    data = b""
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        ready, _, _ = select.select([rfd], [], [], max(0.0, deadline - time.time()))
-        if not ready:
-            break
-        chunk = os.read(rfd, 4096)
-        if not chunk:
-            break
-        data += chunk
-        if data.endswith(b"\n"):
-            break
-    os.close(rfd)
     try:
-        return json.loads(data.decode())
-    except ValueError:
-        return {"error": "the supervisor did not report the trainer's pid (see %s/supervisor.log)"
-                % rundir}
+        _fault("launch.spawned")
+        hello = _read_line(rfd, HELLO_TIMEOUT_S)
+        if hello is None or "error" in hello:
+            return hello or {"error": "the supervisor did not start (see %s/supervisor.log)" % rundir}
+        _fault("launch.hello")
+        on_hello(hello)
+        _fault("launch.recorded_supervisor")
+        _send(go_w, {"go": True})
+        _fault("launch.go")
+        started = _read_line(rfd, HELLO_TIMEOUT_S)
+        if started is None:
+            return {"error": "the supervisor did not report the trainer's pid (see %s/supervisor.log)"
+                    % rundir}
+        return dict(hello, **started)
+    finally:
+        os.close(rfd)
+        os.close(go_w)
 
 
 _BOOT = "import os; exec(os.environ.pop('DFLASH_OPS_AGENT_SOURCE'))"
 
 
-def _short_argv(rundir, env, wfd):
-    """Run on as `python -c BOOT supervise RUNDIR FD`: as a fork of `python -c SOURCE`, `ps` on the
-    node would show the whole agent (36 KB) as this process's command line. The same program is
+def _short_argv(rundir, env, wfd, go_r):
+    """Run on as `python -c BOOT supervise RUNDIR FD GO_FD`: as a fork of `python -c SOURCE`, `ps` on
+    the node would show the whole agent (36 KB) as this process's command line. The same program is
     exec'd with its source in the environment, popped at once (the trainer never sees it); the
     pid, its start time, the session and the redirected streams stay what they were."""
     try:
@@ -77,32 +119,30 @@ def _short_argv(rundir, env, wfd):
     child = dict(env)
     child["DFLASH_OPS_AGENT_SOURCE"] = parts[2].decode("utf-8", "surrogateescape")
     os.set_inheritable(wfd, True)
-    os.execve(sys.executable, [sys.executable, "-c", _BOOT, "supervise", rundir, str(wfd)], child)
+    os.set_inheritable(go_r, True)
+    os.execve(sys.executable, [sys.executable, "-c", _BOOT, "supervise", rundir, str(wfd), str(go_r)], child)
 
 
-def cmd_supervise(rundir, wfd):
+def cmd_supervise(rundir, wfd, go_r):
     """The supervisor after _short_argv's exec: its environment is the trainer's."""
     try:
         rec = _read_json(os.path.join(rundir, "run.json"))
     except BaseException as e:  # never return into the agent's code
         _report_and_exit(wfd, e)
-    _supervise_then_exit(rundir, rec, dict(os.environ), wfd)
+    _supervise_then_exit(rundir, rec, dict(os.environ), wfd, go_r)
 
 
-def _supervise_then_exit(rundir, rec, env, wfd):
+def _supervise_then_exit(rundir, rec, env, wfd, go_r):
     """Supervise the run; whatever happens, report a failure to the launching agent and exit."""
     try:
-        _supervise(rundir, rec, env, wfd)
+        _supervise(rundir, rec, env, wfd, go_r)
     except BaseException as e:  # never return into the agent's code
         _report_and_exit(wfd, e)
     os._exit(0)
 
 
 def _report_and_exit(wfd, e):
-    try:
-        os.write(wfd, (json.dumps({"error": "supervisor: %s" % e}) + "\n").encode())
-    except OSError:
-        pass
+    _send(wfd, {"error": "supervisor: %s" % e})
     os._exit(0)
 
 
@@ -113,25 +153,88 @@ def _detach(rundir, keep):
     os.dup2(log, 1)
     os.dup2(log, 2)
     for fd in (devnull, log):
-        if fd > 2 and fd != keep:
+        if fd > 2 and fd not in keep:
             os.close(fd)
-    try:
-        maxfd = os.sysconf("SC_OPEN_MAX")
-    except (ValueError, OSError):
-        maxfd = 1024
-    os.closerange(3, keep)
-    os.closerange(keep + 1, maxfd)
+    _close_fds_but(keep)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
     os.chdir("/")
     os.umask(0o022)
 
 
+def _close_fds_but(keep):
+    """Close every fd from 3 up but those in keep."""
+    try:
+        maxfd = os.sysconf("SC_OPEN_MAX")
+    except (ValueError, OSError):
+        maxfd = 1024
+    low = 3
+    for fd in sorted(set(keep)) + [maxfd]:
+        os.closerange(low, fd)
+        low = fd + 1
+
+
 _TERMINATING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def _supervise(rundir, rec, env, report_fd):
-    import subprocess
+def _fork_trainer(command, cwd, env, log):
+    """(pid, gate fd, exec-error fd): the trainer's process, forked, leading its own session and
+    process group (which `stop` signals as a whole: torchrun and its ranks, dataloader workers;
+    this supervisor is not in it), its streams on the log. It waits until the gate is opened
+    (a byte written to the gate fd) before it execs the trainer; at end of file instead (this
+    supervisor died before recording its pid) it exits and nothing ran. The error fd brings back
+    why an exec failed (end of file: it exec'd)."""
+    gate_r, gate_w = os.pipe()
+    err_r, err_w = os.pipe()        # close-on-exec: closed by a successful exec
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            for s in (signal.SIGPIPE, signal.SIGXFSZ) + _TERMINATING:
+                signal.signal(s, signal.SIG_DFL)
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            _close_fds_but((gate_r, err_w))
+            os.chdir(cwd)
+            if os.read(gate_r, 1) != b"g":
+                os._exit(0)
+            os.close(gate_r)
+            os.execve(command[0], command, env)
+        except BaseException as e:
+            try:
+                os.write(err_w, str(e).encode("utf-8", "replace"))
+            finally:
+                os._exit(127)
+    os.close(gate_r)
+    os.close(err_w)
+    return pid, gate_w, err_r
+
+
+def _runs_trainer(rec):
+    """Whether the recorded trainer pid runs the trainer: a process still waiting at its gate
+    (runs/supervisor.py) is the supervisor's fork, with the supervisor's command line, and exits
+    without starting anything once its supervisor is gone."""
+    pid = rec.get("pid")
+    if not _alive(pid, rec.get("pid_start")):
+        return False
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            argv = f.read().split(b"\0")[:-1]
+    except OSError:
+        return True
+    return [a.decode("utf-8", "surrogateescape") for a in argv] == rec.get("command")
+
+
+def _supervise(rundir, rec, env, report_fd, go_r):
+    me = {"supervisor_pid": os.getpid(), "supervisor_start": _proc_start(os.getpid())}
+    _send(report_fd, me)
+    go = _read_line(go_r, HELLO_TIMEOUT_S)
+    os.close(go_r)
+    if not go:      # the agent died before it recorded this supervisor: nothing was started
+        os._exit(0)
+    _fault("supervisor.go")
 
     log_path = os.path.join(rundir, LOG)
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -140,42 +243,44 @@ def _supervise(rundir, rec, env, report_fd):
         os.write(log, ("dflash-ops: " + text + "\n").encode())
 
     note("run %s: %s" % (rec["run"], rec["command_line"]))
-    try:
-        # start_new_session: the trainer leads its own process group, which `stop` signals
-        # as a whole (torchrun and its ranks, dataloader workers), and this supervisor is not in it.
-        proc = subprocess.Popen(rec["command"], cwd=rec["cwd"], env=env, stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=log, close_fds=True, start_new_session=True)
-    except OSError as e:
-        note("cannot start the trainer: %s" % e)
-        open(os.path.join(rundir, "supervisor.failed"), "w").close()
-        # Report before _finish: the agent holds the slot guard until it hears from us.
-        os.write(report_fd, (json.dumps({"error": "cannot start the trainer: %s" % e}) + "\n").encode())
-        os.close(report_fd)
-        _finish(rundir, rec, None, None, "cannot start the trainer: %s" % e)
-        return
-    rec = dict(rec, pid=proc.pid, pgid=proc.pid, pid_start=_proc_start(proc.pid),
-               supervisor_pid=os.getpid(), supervisor_start=_proc_start(os.getpid()))
+    pid, gate, err = _fork_trainer(rec["command"], rec["cwd"], env, log)
+    _fault("supervisor.forked")
+    rec = dict(rec, pid=pid, pgid=pid, pid_start=_proc_start(pid), **me)
     with open(os.path.join(rundir, "pid"), "w") as f:
-        f.write("%d\n" % proc.pid)
+        f.write("%d\n" % pid)
     _write_json(os.path.join(rundir, "run.json"), rec)
-    os.write(report_fd, (json.dumps({"pid": proc.pid, "pid_start": rec["pid_start"],
-                                     "supervisor_pid": rec["supervisor_pid"],
-                                     "supervisor_start": rec["supervisor_start"]}) + "\n").encode())
-    os.close(report_fd)
+    _fault("supervisor.recorded")
+    os.write(gate, b"g")
+    os.close(gate)
+    with os.fdopen(err, "rb") as f:
+        failed = f.read().decode("utf-8", "replace")
+    if failed:
+        note("cannot start the trainer: %s" % failed)
+        open(os.path.join(rundir, "supervisor.failed"), "w").close()
+        os.waitpid(pid, 0)
+        # Report before _finish: the agent holds the slot guard until it hears from us.
+        _send(report_fd, {"error": "cannot start the trainer: %s" % failed})
+        os.close(report_fd)
+        os.close(log)
+        _finish(rundir, rec, None, None, "cannot start the trainer: %s" % failed)
+        return
+    _fault("supervisor.started")
 
     def forward(signum, frame):
         # Someone stopped the supervisor itself (a container shutdown): pass it on as a stop,
         # keep waiting so the exit status is still recorded.
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(pid, signal.SIGTERM)
         except OSError:
             pass
     for s in _TERMINATING:
         signal.signal(s, forward)
+    _send(report_fd, {"pid": pid, "pid_start": rec["pid_start"]})
+    os.close(report_fd)
 
     while True:
         try:
-            _, status = os.waitpid(proc.pid, 0)
+            _, status = os.waitpid(pid, 0)
             break
         except InterruptedError:
             continue
