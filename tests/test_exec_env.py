@@ -125,6 +125,8 @@ def test_exec_explains_command_not_found_and_a_command_without_dashes(inv_path):
     r = cli(inv_path, "exec", "ct200", "ct201", "--", "no-such-command-xyz")
     assert r.returncode == 1 and "[ct201] dflash-ops: exit status 127: `no-such-command-xyz` not on CT 201's PATH" \
         in r.stderr.decode()
+    r = cli(inv_path, "exec", "ct200", "--json", "--", "no-such-command-xyz")
+    assert "`no-such-command-xyz` not on CT 200's PATH" in json.loads(r.stdout)["targets"]["ct200"]["note"]
     r = cli(inv_path, "exec", "ct200", "--", "sh", "-c", "exit 127")     # the command's own 127: no note
     assert r.returncode == 127 and r.stderr == b""
     for typed, fixed in ((["ct200", "python", "-V"], "ct200 -- python -V"),

@@ -40,7 +40,7 @@ class ExecResult:
     def as_json(self) -> dict:
         return {"ok": self.ok, "exit_code": self.exit_code, "error": self.error,
                 "stdout": self.stdout.decode(errors="replace"),
-                "stderr": self.stderr.decode(errors="replace"), "seconds": self.seconds}
+                "stderr": self.stderr.decode(errors="replace"), "seconds": self.seconds, "note": self.note}
 
 
 class LinePrefixer:
