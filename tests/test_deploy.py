@@ -220,3 +220,41 @@ def test_install_deps_never_touches_torch(env, tmp_path):
     assert res.ok, res.error
     assert res.deps["installed"] and res.deps["requirements"] == ["PyYAML>=5"]
     assert res.deps["torch"] == res.torch   # still the target's own build
+
+
+def test_from_a_git_checkout_only_what_git_tracks_or_would_ships(env, tmp_path):
+    """Exports, run outputs and venvs left in a checkout never ship: git's own view of the source
+    (tracked + untracked not ignored, its global excludes included), less .dflashignore;
+    --all-files ships everything."""
+    inv, _, pct = env
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "pkg" / "mod.py").write_text("A = 1\n")
+    (repo / ".gitignore").write_text("/out/\n*.safetensors\n")
+    (repo / ".dflashignore").write_text("notes.txt\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "init"], check=True)
+    (repo / "new.py").write_text("untracked, not ignored: ships\n")
+    (repo / "notes.txt").write_text(".dflashignore'd\n")
+    (repo / "out" / "dflash-ct200").mkdir(parents=True)
+    (repo / "out" / "dflash-ct200" / "config.json").write_text("{}")
+    (repo / "pkg" / "model.safetensors").write_bytes(b"\0" * 4096)
+    (repo / "gone.py").write_text("tracked, then deleted\n")
+    subprocess.run([*git, "add", "gone.py"], check=True)
+    (repo / "gone.py").unlink()
+    excludes = tmp_path / "global-excludes"          # the user's own core.excludesFile
+    excludes.write_text("scratch/\n")
+    (repo / "scratch").mkdir()
+    (repo / "scratch" / "big.bin").write_bytes(b"x")
+    subprocess.run([*git, "config", "core.excludesFile", str(excludes)], check=True)
+
+    res = deploy.deploy(inv, ["ct200"], source=str(repo))["ct200"]
+    assert res.ok, res.error
+    assert sorted(p.relative_to(live(pct, 200)).as_posix() for p in live(pct, 200).rglob("*")
+                  if p.is_file() and not p.name.startswith(".dflash-")) == \
+        [".dflashignore", ".gitignore", "new.py", "pkg/mod.py"]
+    every = deploy.deploy(inv, ["ct200"], source=str(repo), all_files=True, dry_run=True)["ct200"]
+    assert sorted(every.changed) == ["out/dflash-ct200/config.json", "pkg/model.safetensors",
+                                     "scratch/big.bin"]   # .dflashignore still holds

@@ -1,6 +1,7 @@
 """`exec` and `env:` for real: commands through a real sshd into the pct stand-in (and on the
 node for a target without vmid), driven by the `dflash-ops` CLI as a user would."""
 import json
+import os
 import subprocess
 import sys
 import time
@@ -102,6 +103,50 @@ def test_exec_errors_are_one_line(inv_path, fakepct):
     assert cli(inv_path, "exec", "ct200").returncode == 2                   # no `--` command
     assert cli(inv_path, "exec", "ct200", "--env", "BAD-NAME=1", "--", "true").returncode == 2
     assert cli(inv_path, "exec", "ct200", "--all", "--", "true").returncode == 2
+
+
+def test_exec_runs_with_the_target_pythons_folder_first_on_path(inv_path, make_inventory, tmp_path):
+    venv = tmp_path / "venv"                   # a venv's shape: bin/python, bin/a tool, pyvenv.cfg
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    (venv / "pyvenv.cfg").write_text(f"home = {os.path.dirname(os.path.realpath(sys.executable))}\n")
+    tool = venv / "bin" / "venv-tool-xyz"
+    tool.write_text("#!/bin/sh\necho tool from the venv\n")
+    tool.chmod(0o755)
+    path = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": str(venv / "bin" / "python"),
+                                     "workdir": WORKDIR, "env": {"HF_HOME": "/srv/ct/hf"}}})
+    r = cli(path, "exec", "ct200", "--", "sh", "-c", 'echo "$PATH"; echo "$VIRTUAL_ENV $HF_HOME"')
+    assert r.returncode == 0, r.stderr
+    pct_path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"      # pct exec --keep-env 0's
+    assert r.stdout.decode().splitlines() == [f"{venv}/bin:{pct_path}", f"{venv} /srv/ct/hf"]
+    r = cli(path, "exec", "ct200", "--", "python", "-c", "import sys; print(sys.argv[1:])", "-V", "a b")
+    assert r.returncode == 0 and r.stdout == b"['-V', 'a b']\n", r.stderr
+    assert cli(path, "exec", "ct200", "--", "venv-tool-xyz").stdout == b"tool from the venv\n"
+
+
+def test_exec_explains_command_not_found_and_a_command_without_dashes(inv_path):
+    r = cli(inv_path, "exec", "ct200", "--", "no-such-command-xyz", "-V")
+    assert r.returncode == 127
+    assert r.stderr.decode().splitlines()[-1] == (
+        f"dflash-ops: ct200: `no-such-command-xyz` not on CT 200's PATH; the target's python is {sys.executable} "
+        f"(its folder {os.path.dirname(sys.executable)} was first on PATH)")
+    r = cli(inv_path, "exec", "ct200", "ct201", "--", "no-such-command-xyz")
+    assert r.returncode == 1 and "[ct201] dflash-ops: exit status 127: `no-such-command-xyz` not on CT 201's PATH" \
+        in r.stderr.decode()
+    r = cli(inv_path, "exec", "ct200", "--json", "--", "no-such-command-xyz")
+    assert "`no-such-command-xyz` not on CT 200's PATH" in json.loads(r.stdout)["targets"]["ct200"]["note"]
+    r = cli(inv_path, "exec", "ct200", "--", "sh", "-c", "exit 127")     # the command's own 127: no note
+    assert r.returncode == 127 and r.stderr == b""
+    for typed, fixed in ((["ct200", "python", "-V"], "ct200 -- python -V"),
+                         (["ct200", "ct201", "--env", "A=1", "ls", "-l"], "ct200 ct201 --env A=1 -- ls -l"),
+                         (["nvidia-smi", "-L"], "-- nvidia-smi -L")):
+        r = cli(inv_path, "exec", *typed)
+        err = r.stderr.decode()
+        assert r.returncode == 2 and f"the command goes after `--`: `dflash-ops exec {fixed}`" in err, err
+    r = cli(inv_path, "exec", "ct20", "ls")           # a target's typo is named as one
+    assert r.returncode == 2 and "unknown target 'ct20' (did you mean" in r.stderr.decode()
+    r = cli(inv_path, "exec", "--help")
+    assert r.returncode == 0 and "exec [OPTIONS] TARGET... -- CMD..." in r.stdout.decode()
 
 
 def test_exec_json(inv_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,8 @@ def ct(sshd, fakepct, make_inventory, tmp_path):
 
     def cli(*args, timeout=180):
         return subprocess.run([sys.executable, "-c", MAIN, "-i", str(path), *map(str, args)],
-                              capture_output=True, timeout=timeout, cwd=tmp_path)
+                              capture_output=True, timeout=timeout, cwd=tmp_path,
+                              env=dict(os.environ, DFLASH_OPS_HOME=str(tmp_path / "home")))
 
     r = cli("export", "ct200")
     assert r.returncode == 102 and b"no runs yet" in r.stderr, r.stderr
@@ -85,10 +87,11 @@ def test_export_streams_the_latest_succeeded_run_home_and_refuses_bad_input(ct):
     assert r.returncode == 0, r.stderr.decode()
     assert json.loads(r.stdout)["step"] == 2 and json.loads(r.stdout)["running"] is False
     assert json.loads((dest / "dflash_ops.json").read_text())["step"] == 2
-    r = ct.cli("export", "--step", "4")   # default target (the only one), default run
+    r = ct.cli("export", "--step", "4")   # default target (the only one), default run, outside the checkout
     assert r.returncode == 0, r.stderr.decode()
-    assert (ct.tmp / f"dflash-{ct.run}-step4" / "model.safetensors").is_file()
-    assert r.stdout.decode().strip() == str(ct.tmp / f"dflash-{ct.run}-step4")
+    home = ct.tmp / "home" / "exports" / "ct200" / f"dflash-{ct.run}-step4"
+    assert (home / "model.safetensors").is_file() and not (ct.tmp / f"dflash-{ct.run}-step4").exists()
+    assert r.stdout.decode().strip() == str(home)
     assert list(ct.exports.iterdir()) == []
 
     # bad input: one line (Click's own option errors: its usage block), documented exit codes

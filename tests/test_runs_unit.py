@@ -167,7 +167,7 @@ def test_a_job_over_nodes_is_one_status_row_with_rank_0s_numbers():
 
 
 def test_node_lines_are_led_by_target_and_rank():
-    from orchestrator.runs.commands import _prefixed
+    from orchestrator.runs.logview import _prefixed
 
     assert _prefixed("ct300", b"[rank3]: Traceback\n") == b"[ct300/rank3] Traceback\n"
     assert _prefixed("ct200", b'{"step": 1}\n') == b'[ct200] {"step": 1}\n'

@@ -14,18 +14,21 @@ from orchestrator.ui import State, emit, json_option, progress_bars
 @click.option("--dry-run", is_flag=True, help="List what would change; send nothing.")
 @click.option("--source", metavar="DIR", help="Folder to ship (default: this checkout; required elsewhere).")
 @click.option("--install-deps", is_flag=True, help="pip-install the trainer's missing requirements (never torch).")
+@click.option("--all-files", is_flag=True,
+              help="Send every file of the source (default in a git checkout: what git tracks, plus untracked "
+                   "files .gitignore does not exclude).")
 @click.option("--verify", is_flag=True,
               help="Hash every file of the live release (default: sizes and mtimes, hashes where they differ).")
 @json_option
 @click.pass_obj
-def deploy(state: State, names, dry_run, source, install_deps, verify, as_json):
+def deploy(state: State, names, dry_run, source, install_deps, all_files, verify, as_json):
     """Sync code into WORKDIR/releases/ID on each target and flip WORKDIR/current atomically."""
     from orchestrator.deploy import sync as deploy_mod
 
     root, _ = deploy_mod.source_root(source)      # refuses outside a checkout without --source
     shipping = f"{root} ({'--source' if source else 'this checkout'})"
     results = deploy_mod.deploy(state.inv, list(names), source=source, dry_run=dry_run,
-                                install_deps=install_deps, verify=verify,
+                                install_deps=install_deps, verify=verify, all_files=all_files,
                                 progress=None if as_json else progress_bars(),
                                 on_line=lambda t, line: click.echo(f"[{t}] {line}", err=True))
     doc = {"source": str(root), "targets": {n: r.as_json() for n, r in results.items()}}

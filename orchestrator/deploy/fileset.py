@@ -1,6 +1,9 @@
-"""Which files a deploy ships: the source tree less what `.gitignore`, `.git/info/exclude` and
-`.dflashignore` exclude (as SkyPilot and Ray do, docs/background.md#ops-conventions), never `.git`,
-`.venv`, `__pycache__`.
+"""Which files a deploy ships. In a git checkout: what git tracks plus the untracked files
+git does not ignore (`git ls-files --cached --others --exclude-standard`), so exports, run outputs
+and venvs never ship; elsewhere the source tree less what `.gitignore` and `.git/info/exclude`
+exclude (as SkyPilot and Ray do, docs/background.md#ops-conventions). Either way less what
+`.dflashignore` excludes, and never `.git`, `.venv`, `__pycache__`. `all_files`: every file but
+those (and `.dflashignore`'s).
 
 The matcher implements gitignore's rules (negation, directory-only `dir/`, anchored `/x`,
 `**`, per-directory files whose patterns are relative to their own folder) as pure functions.
@@ -11,6 +14,7 @@ import errno
 import hashlib
 import os
 import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,17 +142,68 @@ def _check_link(root: Path, path: Path, rel: str) -> bool:
     return real.is_file()
 
 
-def collect(root: Path) -> list[str]:
-    """Relative POSIX paths of every file to ship, sorted. Symlinks to files inside the tree are
-    followed (the file's content ships); symlinked folders inside it are skipped; a link that
-    leaves the tree, dangles or loops is an error naming it (it would ship someone else's files,
-    or nothing)."""
+def collect(root: Path, all_files: bool = False) -> list[str]:
+    """Relative POSIX paths of every file to ship, sorted (the module's docstring says which).
+    Symlinks to files inside the tree are followed (the file's content ships); symlinked folders
+    inside it are skipped; a link that leaves the tree, dangles or loops is an error naming it (it
+    would ship someone else's files, or nothing)."""
     root = root.resolve()
-    rules = _read_rules(root / ".git" / "info" / "exclude", "")
+    listed = None if all_files else git_files(root)
+    if listed:
+        return _from_git(root, listed)
+    return _walk(root, ("dflashignore",) if all_files else ("gitignore", "dflashignore"))
+
+
+def git_files(root: Path) -> list[str] | None:
+    """What git tracks under root plus the untracked files it does not ignore, relative to root;
+    None when root is not in a git work tree (or there is no git)."""
+    try:
+        r = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode != 0:
+        return None
+    return sorted({p.decode("utf-8", "surrogateescape") for p in r.stdout.split(b"\0") if p})
+
+
+def _from_git(root: Path, listed: list[str]) -> list[str]:
+    """git's list less .dflashignore and the always-excluded names; deleted tracked files, nested
+    repositories and links to folders left out, links checked as the walk checks them."""
+    rules: dict[str, list[Rule]] = {}
+
+    def rules_in(folder: str) -> list[Rule]:      # the .dflashignore rules that apply in folder
+        if folder not in rules:
+            parent = rules_in(folder.rpartition("/")[0]) if folder else []
+            rules[folder] = parent + _read_rules(root / folder / ".dflashignore", folder)
+        return rules[folder]
+
+    files = []
+    for rel in listed:
+        parts = rel.rstrip("/").split("/")
+        if rel.endswith("/") or any(p in ALWAYS_EXCLUDED for p in parts):
+            continue
+        if any(is_ignored("/".join(parts[:i + 1]), i < len(parts) - 1, rules_in("/".join(parts[:i])))
+               for i in range(len(parts))):
+            continue
+        path = root / rel
+        if path.is_symlink():
+            if _check_link(root, path, rel):
+                files.append(rel)
+        elif path.is_file():
+            files.append(rel)
+    return sorted(files)
+
+
+def _walk(root: Path, honour: tuple[str, ...]) -> list[str]:
+    """The tree's files less what the ignore files named in `honour` (gitignore, dflashignore)
+    exclude."""
+    rules = _read_rules(root / ".git" / "info" / "exclude", "") if "gitignore" in honour else []
+    names = tuple(n for n in IGNORE_FILES if n[1:] in honour)
     files: list[str] = []
 
     def walk(folder: Path, rel: str, rules: list[Rule]) -> None:
-        for name in IGNORE_FILES:
+        for name in names:
             rules = rules + _read_rules(folder / name, rel)
         try:
             entries = sorted(os.scandir(folder), key=lambda e: e.name)

@@ -70,10 +70,10 @@ def source_root(explicit: str | None) -> tuple[Path, Path]:
                      f"with --source DIR (the installed trainer: --source {trainer.parent})")
 
 
-def scan_source(root: Path, folder: Path) -> Source:
-    """The file set under folder and its content-hash manifest (paths relative to root)."""
+def scan_source(root: Path, folder: Path, all_files: bool = False) -> Source:
+    """The file set under folder (fileset.collect) and its content-hash manifest (paths relative to root)."""
     prefix = folder.relative_to(root).as_posix() if folder != root else ""
-    files = [f"{prefix}/{f}" if prefix else f for f in fileset.collect(folder)]
+    files = [f"{prefix}/{f}" if prefix else f for f in fileset.collect(folder, all_files)]
     if not files:
         raise UsageError(f"nothing to deploy in {root}")
     return Source(root.resolve(), files, fileset.manifest(root, files), sparse_files(root, files))
@@ -272,16 +272,17 @@ def _who() -> str:
 
 def deploy(inventory: Inventory, names: list[str], *, source: str | None = None, dry_run: bool = False,
            install_deps: bool = False, verify: bool = False, progress: Progress | None = None,
-           session: Session | None = None,
-           on_line: Callable[[str, str], None] | None = None) -> dict[str, TargetResult]:
+           session: Session | None = None, on_line: Callable[[str, str], None] | None = None,
+           all_files: bool = False) -> dict[str, TargetResult]:
     """Deploy to every named target in parallel; one result per target. on_line(target, line):
-    pip's output while it installs the requirements."""
+    pip's output while it installs the requirements. all_files: every file of the source, not only
+    what git tracks or would (fileset.collect)."""
     targets = inventory.select(names)
     where = source_root(source)
     # The local files are hashed while the targets connect and read their live manifests (the
     # remote side is mostly waiting); a target waits for the hashes when it needs them.
     with ThreadPoolExecutor(max_workers=1) as hasher, agent.session(inventory, session) as s:
-        src: Future = hasher.submit(scan_source, *where)
+        src: Future = hasher.submit(scan_source, *where, all_files)
         group = agent.fan_out(targets, lambda target: deploy_target(
             s, target, src.result, dry_run=dry_run, install_deps=install_deps, verify=verify,
             progress=progress, on_line=on_line))

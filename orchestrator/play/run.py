@@ -294,7 +294,7 @@ def _logs(run: Run, o: dict):
 def _export(run: Run, o: dict):
     from orchestrator.runs import export
 
-    res = export.export(run.inv, run.target, o.get("run", "latest"), output=o.get("output"), step=o.get("step"),
+    res = export.export(run.inv, run.target, o.get("run", "latest"), output=o.get("output") or None, step=o.get("step"),
                         dtype=o.get("dtype", "bfloat16"), force=o.get("force", False), session=run.session)
     return True, res.as_json(), f"run {res.run} step {res.step} -> {res.output}"
 

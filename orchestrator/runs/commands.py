@@ -1,54 +1,22 @@
 """Click commands of the run lifecycle: launch, logs, status, stop, report, export.
 
 Thin: parse options, call one function of `nodes.py` / `launch.py` /
-`report.py`, print.
-`logs` keeps stdout byte-for-byte the log, so `| grep`, `| head` and `> file` work; notes about
-signatures, reconnects and the closing summary go to stderr.
+`report.py`, print. How `logs` shows a run is `logview.py`.
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 
 import click
 
 from orchestrator.errors import OpsError, TargetsFailed, UsageError
+from orchestrator.runs.logview import fmt_elapsed, fmt_num, fmt_tau, print_job
 from orchestrator.runs.options import POLICIES, TOPOLOGIES
 from orchestrator.ui import State, emit, json_option, table
-
-SEVERITY_COLOUR = {"fatal": b"1;31", "warning": b"33"}
-
-
-def _isatty(stream) -> bool:
-    return bool(getattr(stream, "isatty", lambda: False)())
 
 
 def _note(text: str) -> None:
     click.echo(f"dflash-ops: {text}", err=True)
-
-
-def _fmt_num(v, digits: int = 4) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.{digits}g}"
-    return str(v)
-
-
-def _fmt_tau(v) -> str:
-    return "-" if v is None else f"{v:.3f}"
-
-
-def _fmt_elapsed(seconds) -> str:
-    if seconds is None:
-        return "-"
-    s = int(seconds)
-    if s < 60:
-        return f"{seconds:.0f}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
 def _split_launch_args(state: State, args: tuple[str, ...]) -> tuple[list, list[str]]:
@@ -114,7 +82,7 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
             return
         if not as_json:
             _note(info)
-        summary = _print_job(nodes.follow(state.inv, state.inv.target(res.target), res.run, session=session),
+        summary = print_job(nodes.follow(state.inv, state.inv.target(res.target), res.run, session=session),
                              as_json)
     if as_json:
         emit(True, {**res.as_json(), "logs": summary.as_json()}, "")
@@ -154,132 +122,16 @@ def logs(state: State, args, follow, tail, as_json):
     """Print a run's log (default: the latest run) and name the failures in it.
 
     Exit status: 0 succeeded, 100 failed, 101 still running (--no-follow), 102 not found,
-    103 stopped. stdout is the log itself; notes and the summary go to stderr.
+    103 stopped. stdout is the log itself (on a terminal, each step or event once, as a line of
+    text); notes and the summary go to stderr. Ctrl-C stops following; the run goes on.
     """
     from orchestrator.runs import nodes, launch as runs
 
     target, run = runs.split_target_run(state.inv, args)
-    summary = _print_job(nodes.follow(state.inv, target, run, follow=follow, tail=tail), as_json)
+    summary = print_job(nodes.follow(state.inv, target, run, follow=follow, tail=tail), as_json)
     if as_json:
         emit(True, summary.as_json(), "")
     sys.exit(summary.exit_code)
-
-
-def _print_job(events, as_json: bool):
-    """Write each line to stdout as it arrives; explain each signature once (per node) on stderr;
-    print the summary last and return it (a follow.Summary for a run on one node, a
-    nodes.JobSummary for a job over several).
-
-    The first event (nodes.Job) names the run's nodes. One node: its lines as they are (coloured
-    on a terminal where a signature hit). Several: each line led by `[target/rankN]` (rank 0
-    included: with several nodes its lines carry `[rank0]: ` in the log too) or `[target]` (the
-    node's launcher and torchrun), notes led by the node, and one summary for the job."""
-    from orchestrator.runs.follow import Line, Reconnecting, Resumed
-    from orchestrator.runs.nodes import NodeEvent
-
-    out = sys.stdout.buffer
-    tty = _isatty(sys.stdout)
-    explained: set = set()
-    with contextlib.closing(events):
-        job = next(events)
-        several = len(job.targets) > 1
-        for ev in events:
-            if not isinstance(ev, NodeEvent):       # the summary, last
-                if not as_json:
-                    _note(_job_summary_line(ev) if several else _summary_line(ev))
-                return ev
-            t, e = (ev.target if several else None), ev.event
-            at = f"{t}: " if t is not None else ""
-            if isinstance(e, Line):
-                if not as_json:
-                    data = _prefixed(t, e.data) if t is not None else _coloured(e) if tty else e.data
-                    try:
-                        out.write(data)
-                        out.flush()
-                    except BrokenPipeError:
-                        _reader_gone()
-                for sig in e.hits:
-                    if (t, sig.id) in explained or as_json:
-                        continue
-                    explained.add((t, sig.id))
-                    _note(f"{at}line {e.number}: `{sig.id}` ({sig.severity}): {sig.meaning}")
-                    click.echo(f"            what to do: {sig.remedy}", err=True)
-            elif isinstance(e, Reconnecting):
-                if not as_json:
-                    resuming = f", resuming at byte {max(e.offset, 0)}" if t is None else ""
-                    _note(f"{at}connection lost ({e.reason}); reconnecting in {e.delay:g} s "
-                          f"(attempt {e.attempt}{resuming})")
-            elif isinstance(e, Resumed):
-                if not as_json:
-                    _note(f"{at}reconnected after {e.down_s:.2f} s; resuming at byte {e.offset}")
-    raise OpsError("the log streams ended without a summary" if several
-                   else "the log stream ended without a summary")
-
-
-def _coloured(line) -> bytes:
-    """A line with a signature hit, in its severity's colour (the line ending left outside)."""
-    data = line.data
-    if not line.hits:
-        return data
-    body = data.rstrip(b"\r\n")
-    code = SEVERITY_COLOUR.get(line.hits[0].severity, b"1")
-    return b"\x1b[" + code + b"m" + body + b"\x1b[0m" + data[len(body):]
-
-
-def _prefixed(target: str, data: bytes) -> bytes:
-    """`[rank1]: text` -> `[target/rank1] text`; any other line -> `[target] line`."""
-    if data.startswith(b"[rank"):
-        head, sep, body = data.partition(b"]: ")
-        if sep and head[5:].isdigit():
-            return b"[" + target.encode() + b"/rank" + head[5:] + b"] " + body
-    return b"[" + target.encode() + b"] " + data
-
-
-def _job_summary_line(s) -> str:
-    nodes = ", ".join(f"{t} {n['state']}" + (f" (exit {(n.get('exit') or {}).get('exit_code')})"
-                                              if (n.get('exit') or {}).get('exit_code') not in (None, 0) else "")
-                      for t, n in s.nodes.items())
-    parts = [f"run {s.run}: {s.state} on {len(s.targets)} nodes ({nodes})", f"steps {_fmt_num(s.step)}",
-             f"last loss {_fmt_num(s.loss)}", f"tau {_fmt_tau(s.tau)}"]
-    rc = s.root_cause
-    if rc:
-        where = f"{rc['target']}" + (f"/rank{rc['rank']}" if rc.get("rank") is not None else "")
-        parts.append(f"first failure: {where}" + (f": {rc['error']}" if rc.get("error") else "")
-                     + (f" (signature {rc['signature']})" if rc.get("signature") else ""))
-    return "; ".join(parts)
-
-
-def _reader_gone() -> None:
-    """`logs | head`: the reader went away, which is not an error. Handled here because Click
-    turns EPIPE into exit 1 before cli.main could map it; stdout goes to /dev/null so the
-    interpreter's last flush stays quiet."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    sys.exit(0)
-
-
-def _summary_line(s) -> str:
-    ex = s.exit or {}
-    how = ""
-    if s.state == "running":
-        how = "still running"
-    elif ex.get("signal_name"):
-        how = f"{s.state} ({ex['signal_name']})"
-    elif ex.get("exit_code") is not None:
-        how = f"{s.state} (exit {ex['exit_code']})"
-    elif ex.get("lost"):
-        how = f"{s.state} (lost: {ex.get('reason')})"
-    else:
-        how = s.state
-    sigs = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in s.signatures.items()) or "none"
-    parts = [f"{s.target}: run {s.run}: {how}", f"steps {_fmt_num(s.step)}",
-             f"last loss {_fmt_num(s.loss)}", f"tau {_fmt_tau(s.tau)}",
-             f"elapsed {_fmt_elapsed(s.elapsed_s)}", f"signatures: {sigs}"]
-    if s.classified and s.state == "failed":
-        parts.append(f"cause: {s.classified}")
-    if s.outages:
-        parts.append(f"connection lost {s.outages} time(s), {s.reconnects} reconnect attempt(s)")
-    return "; ".join(parts)
 
 
 # --- status --------------------------------------------------------------------------------------
@@ -295,8 +147,8 @@ def status(state: State, names, all_targets, as_json):
 
     rows, errors = runs.status(state.inv, list(names), all_targets=all_targets)
     text = table(["RUN", "NAME", "TARGET", "STATE", "STEP", "LOSS", "TAU", "STARTED", "ELAPSED"],
-                 [[r["run"], r.get("name"), _where(r), _state_text(r), r.get("step"), _fmt_num(r.get("loss")),
-                   _fmt_tau(r.get("tau")), r.get("started"), _fmt_elapsed(r.get("elapsed_s"))]
+                 [[r["run"], r.get("name"), _where(r), _state_text(r), r.get("step"), fmt_num(r.get("loss")),
+                   fmt_tau(r.get("tau")), r.get("started"), fmt_elapsed(r.get("elapsed_s"))]
                   for r in rows]) if rows else ("" if errors else "no runs")
     if rows or not errors or as_json:
         emit(as_json, {"runs": rows, "errors": errors}, text)
@@ -409,7 +261,7 @@ def report(state: State, args, out, as_json):
 @click.command()
 @click.argument("args", nargs=-1, metavar="[TARGET] [RUN]")
 @click.option("-o", "--out", "output", type=click.Path(file_okay=False), metavar="DIR",
-              help="Where to write the folder (default: ./dflash-RUN-stepN).")
+              help="Where to write the folder (default: ~/.dflash-ops/exports/TARGET/dflash-RUN-stepN).")
 @click.option("--step", type=click.IntRange(min=0), metavar="N",
               help="The checkpoint of step N (default: the run's last).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",

@@ -141,12 +141,18 @@ def default_output(run: str, step: int) -> str:
     return f"dflash-{run}-step{step}"
 
 
+def exports_home(target: str) -> Path:
+    """Where an export lands without -o: $DFLASH_OPS_HOME/exports/TARGET (~/.dflash-ops/...),
+    outside any checkout, so a deploy never ships a drafter back to the target."""
+    return Path(os.environ.get("DFLASH_OPS_HOME", Path.home() / ".dflash-ops")) / "exports" / target
+
+
 def export(inv: Inventory, target: Target, run: str = "latest", *, output: str | None = None,
            step: int | None = None, dtype: str = "bfloat16", force: bool = False, running_ok: bool = False,
            target_changed_ok: bool = False, progress: Progress | None = None,
            session: Session | None = None) -> ExportResult:
     """Export RUN (default: the newest succeeded run) at `step` (default: its last checkpoint) and
-    write the folder to `output` (default: ./dflash-RUN-stepN). Raises NotFound for no such run.
+    write the folder to `output` (default: exports_home(TARGET)/dflash-RUN-stepN). Raises NotFound for no such run.
     running_ok and target_changed_ok go to the target's export (docs/export.md); force replaces an
     existing output folder here."""
     if dtype not in DTYPES:
@@ -155,7 +161,9 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
         raise UsageError("--step must be >= 0")
     if output is not None:
         _check_dest(Path(output), force)
-    where = Path(output).expanduser().resolve().parent if output else Path.cwd()
+    if output is None:
+        exports_home(target.name).mkdir(parents=True, exist_ok=True)
+    where = Path(output).expanduser().resolve().parent if output else exports_home(target.name)
     if not where.is_dir():
         raise UsageError(f"-o {output}: the folder {where} does not exist")
     partial = where / f".dflash-export.partial-{os.getpid()}-{time.monotonic_ns()}"
@@ -238,4 +246,4 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["export", "ExportResult", "TransferError", "default_output", "DTYPES"]
+__all__ = ["export", "ExportResult", "TransferError", "default_output", "exports_home", "DTYPES"]

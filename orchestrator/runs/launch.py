@@ -79,6 +79,16 @@ def refusal_message(target: Target, doc: dict) -> str:
     if reason == "no_probe":
         return (f"{t}: --policy auto needs the probe's choice and {target.workdir}/probe.json does "
                 f"not exist; run `dflash-ops probe {t}` first (or pass --policy NAME)")
+    if reason == "no_torch":
+        if target.is_local:
+            return f"{t}: {doc.get('python')} has no torch; install the trainer's side with `pip install -e '.[train]'`"
+        return (f"{t}: {doc.get('python')} (hosts.yaml `python:`) has no torch; install it with "
+                f"`dflash-ops play playbooks/bootstrap.yaml {t} --var torch=WHEEL|INDEX_URL|torch==VERSION`")
+    if reason == "has_gpus":
+        n = doc.get("gpus")
+        return (f"{t}: the container has {n} GPU(s) but hosts.yaml gives {t} none (`gpus:` is 0 when omitted), "
+                f"so the run would train on the CPU; set `gpus: {n}` under targets.{t} in hosts.yaml, or pass "
+                f"--gpus 0 to train on the CPU")
     if reason in ("too_many_gpus", "no_space", "io", "bad_gpu_ids", "bad_probe", "network"):
         return f"{t}: {doc.get('message')}"
     if reason == "not_found":
@@ -143,9 +153,11 @@ class LaunchSpec:
     env: dict[str, str] | None = None
 
 
-def launch_spec(inv: Inventory, target: Target, opts: LaunchOptions, run: str | None = None) -> LaunchSpec:
-    """The runs agent's launch spec of `opts` on `target` (run: the job's id, else a new one), with
-    the checks that need the target (UsageError, LaunchRefused)."""
+def launch_spec(inv: Inventory, target: Target, opts: LaunchOptions, run: str | None = None,
+                nnodes: int = 1) -> LaunchSpec:
+    """The runs agent's launch spec of `opts` on `target` (run: the job's id, else a new one; nnodes:
+    the job's nodes), with the checks that need the target (UsageError, LaunchRefused) and the
+    trainer's own check of its flags and config (UsageError)."""
     check_gpu_ids(opts, target)
     gpus = (None if opts.resume is not None else target.gpus) if opts.gpus is None else opts.gpus
     if gpus is not None and gpus > target.gpus:
@@ -154,8 +166,32 @@ def launch_spec(inv: Inventory, target: Target, opts: LaunchOptions, run: str | 
     env = dict(opts.env) or None
     spec = {**opts.doc(), "run": run or new_run_id(target.name), "target": target.name, "gpus": gpus,
             "target_gpus": target.gpus, "controller": _controller(),
-            "user_env": user_env(inv, target, env)}   # recorded in run.json, secrets masked
+            "user_env": user_env(inv, target, env),   # recorded in run.json, secrets masked
+            # CPU only because nobody said how many GPUs: the runs agent refuses it on a target with GPUs
+            "cpu_by_default": opts.gpus is None and opts.resume is None and not gpus}
+    if opts.resume is None:
+        check_trainer_config(spec, nnodes)
     return LaunchSpec(spec, env)
+
+
+def check_trainer_config(spec: dict, nnodes: int = 1) -> None:
+    """The trainer's own config rules (trainer/run/config.py, torch-free) applied here to the flags
+    and YAML the runs agent will give it, so a typo is exit 2 before anything starts, not a failed
+    run. What needs the target (its files, --flex-tiles) is still checked by the trainer there."""
+    from trainer.errors import UsageError as TrainerUsage
+    from trainer.run.config import check_before_launch
+
+    argv = ["--gpus", str(spec["gpus"] or 0), "--topology", spec["topology"], "--compile-policy", spec["policy"]]
+    if spec.get("workers") is not None:
+        argv += ["--workers", str(spec["workers"])]
+    if nnodes > 1:      # as the runs agent passes them; the values are placeholders of the right form
+        argv += ["--nnodes", str(nnodes), "--rdzv-endpoint", "node:1", "--rdzv-id", spec["run"],
+                 "--node-address", "node"]
+    try:
+        check_before_launch(argv + list(spec["extra"]), spec.get("config_text"), spec.get("config_name") or "config")
+    except TrainerUsage as e:
+        said = str(e) if str(e).startswith(f"{spec.get('config_name')}:") else f"the trainer would refuse: {e}"
+        raise UsageError(f"{said}; nothing was launched") from None
 
 
 def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:

@@ -83,7 +83,7 @@ def launch(inv: Inventory, targets: Sequence[Target], opts: LaunchOptions, *,
     names = [t.name for t in targets]
     specs = {}
     for i, t in enumerate(targets):
-        spec = launch_spec(inv, t, opts, run=run)
+        spec = launch_spec(inv, t, opts, run=run, nnodes=len(targets))
         if several:
             spec.doc["nodes"] = {"targets": names, "index": i, "endpoint": endpoint, "address": t.train_address}
         specs[t.name] = spec

@@ -1,6 +1,7 @@
 """Click commands targets, exec and scan (thin: parse options, call the library, print)."""
 from __future__ import annotations
 
+import difflib
 import sys
 
 import click
@@ -41,7 +42,11 @@ def targets(state: State, check, names, as_json):
 
 class _CommandAfterDashes(click.Command):
     """Everything after the first `--` is the remote command, kept verbatim (click would drop
-    the `--` itself and leave no way to tell targets from the command's words)."""
+    the `--` itself and leave no way to tell targets from the command's words). A command typed
+    without `--` is refused with the line that has it."""
+
+    def collect_usage_pieces(self, ctx):
+        return super().collect_usage_pieces(ctx) + ["-- CMD..."]
 
     def parse_args(self, ctx, args):
         if "--" in args:
@@ -50,7 +55,38 @@ class _CommandAfterDashes(click.Command):
             args = args[:i]
         else:
             ctx.meta["command"] = []
+            head, rest = _split_exec_words(ctx, args)
+            if rest:
+                raise click.UsageError("the command goes after `--`: `dflash-ops exec "
+                                       + " ".join([*head, "--", *rest]) + "`", ctx)
         return super().parse_args(ctx, args)
+
+
+def _split_exec_words(ctx, args: list[str]) -> tuple[list[str], list[str]]:
+    """exec's words typed without `--`: (its own options and the targets, the command's words).
+    Without an inventory to tell targets by, the first word is taken for the target."""
+    try:
+        inv = ctx.find_object(State).inv
+        known = lambda w: w in inv.targets or w in inv.groups or all(n in inv.targets for n in w.split(","))  # noqa: E731
+    except Exception:  # noqa: BLE001 - a broken inventory is reported by the command itself
+        known = None
+    head, i = [], 0
+    while i < len(args):
+        w = args[i]
+        if w in ("--all", "--json", "--help") or w.startswith("--env="):
+            head.append(w)
+        elif w == "--env":
+            head += args[i:i + 2]
+            i += 1
+        elif known(w) if known else not any(not h.startswith("-") for h in head):
+            head.append(w)
+        else:
+            break
+        i += 1
+    rest = list(args[i:])
+    if rest and known and difflib.get_close_matches(rest[0], list(inv.targets), n=1):
+        return head, []     # a target's typo, not a command: the inventory names it
+    return head, rest
 
 
 @click.command("exec", cls=_CommandAfterDashes)
@@ -70,9 +106,9 @@ def exec_(ctx, names, all_targets, env, as_json):
     from orchestrator.envvars import parse_assignments
 
     state: State = ctx.obj
+    targets = exec_mod.select(state.inv, names, all_targets)     # an unknown target first: it may be a typo
     argv = exec_mod.check_command(ctx.meta["command"])
     variables = parse_assignments(env)
-    targets = exec_mod.select(state.inv, names, all_targets)
     if as_json:
         results = exec_mod.exec_command(state.inv, targets, argv, env=variables)
         emit(True, {"targets": {r.target: r.as_json() for r in results}}, "")
@@ -83,11 +119,14 @@ def exec_(ctx, names, all_targets, env, as_json):
     streams.flush()
     if len(results) == 1 and results[0].error:
         raise OpsError(results[0].error)
+    if len(results) == 1 and results[0].note:
+        click.echo(f"dflash-ops: {results[0].note}", err=True)
     for r in results:
         if r.error:
             click.echo(f"[{r.target}] dflash-ops: {r.error}", err=True)
         elif len(results) > 1 and not r.ok:
-            click.echo(f"[{r.target}] dflash-ops: exit status {r.exit_code}", err=True)
+            click.echo(f"[{r.target}] dflash-ops: exit status {r.exit_code}"
+                       + (f": {r.note.split(': ', 1)[1]}" if r.note else ""), err=True)
     sys.exit(exec_mod.exit_status(results))
 
 

@@ -2,11 +2,13 @@
 vmid), output streamed as it comes, exit status passed through.
 
 The command travels as an argv, quoted once (transport.shell_join) for the node's shell; pct
-hands it to lxc-attach as argv, so no shell runs inside the container unless the command is
-one (`-- bash -lc 'nvidia-smi | head'`). The target's `env:` applies, as for every command.
+hands it to lxc-attach as argv. It runs in the target's environment: the target's `env:`, as for
+every command, and the folder of its `python:` first on PATH, as in an activated venv (a small
+`sh -c` in front of the argv, which then replaces itself with the command).
 """
 from __future__ import annotations
 
+import posixpath
 import threading
 import time
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ class ExecResult:
     stdout: bytes = b""
     stderr: bytes = b""
     seconds: float = 0.0
+    note: str | None = None             # what a failure means (exit 127: not found, and where)
 
     @property
     def ok(self) -> bool:
@@ -37,7 +40,7 @@ class ExecResult:
     def as_json(self) -> dict:
         return {"ok": self.ok, "exit_code": self.exit_code, "error": self.error,
                 "stdout": self.stdout.decode(errors="replace"),
-                "stderr": self.stderr.decode(errors="replace"), "seconds": self.seconds}
+                "stderr": self.stderr.decode(errors="replace"), "seconds": self.seconds, "note": self.note}
 
 
 class LinePrefixer:
@@ -80,22 +83,57 @@ def check_command(argv: Sequence[str]) -> list[str]:
     return list(argv)
 
 
+# `sh -c` script: $0 is the python's folder, "$@" the command.
+_ACTIVATE = ('export PATH="$0:$PATH"; if [ -f "$0/../pyvenv.cfg" ]; then export VIRTUAL_ENV="${0%/*}"; fi; '
+             'exec "$@"')
+
+
+def in_target_env(target: Target, argv: Sequence[str]) -> list[str]:
+    """argv as it runs in the target's environment: the folder of its `python:` first on PATH (and
+    VIRTUAL_ENV set when that folder is a venv's), as `source VENV/bin/activate` would. A python
+    named without a folder (`python3`) is found on PATH already: argv unchanged."""
+    folder = posixpath.dirname(target.python)
+    return ["sh", "-c", _ACTIVATE, folder, *argv] if folder else list(argv)
+
+
+def not_found_note(target: Target, argv: Sequence[str]) -> str:
+    """What exit status 127 (command not found) means on this target, in one line."""
+    where = f"CT {target.vmid}" if target.vmid is not None else target.host or "this machine"
+    folder = posixpath.dirname(target.python)
+    first = f" (its folder {folder} was first on PATH)" if folder else ""
+    if "/" in argv[0]:
+        return f"{target.name}: `{argv[0]}` not found in {where}; the target's python is {target.python}"
+    return f"{target.name}: `{argv[0]}` not on {where}'s PATH; the target's python is {target.python}{first}"
+
+
 def run_one(session: Session, target: Target, argv: Sequence[str], *, out: Write | None = None,
             err: Write | None = None, env: Mapping[str, str] | None = None) -> ExecResult:
-    """The command on one target. With out/err the output is streamed there, else kept."""
+    """The command on one target, in its environment (in_target_env). With out/err the output is
+    streamed there, else kept. A command not found (exit 127, the shell said so) gets `note`."""
     res = ExecResult(target.name)
     start = time.monotonic()
+    kept: list[bytes] = []      # all of stderr when it is kept, else its last chunks
+
+    def on_err(data: bytes) -> None:
+        kept.append(data)
+        if err:
+            err(target.name, data)
+            del kept[:-8]
     try:
         # The container's state first, on its own: pct's refusal must not reach the user's
         # stream as if the command had printed it.
         t = session.transport(target, env=env, check=False)
+        wrapped = in_target_env(target, argv)
         if isinstance(t, PctTransport):
             t.check()
         else:
-            argv = on_node(argv)
-        r = t.run(list(argv), stdout=(lambda b: out(target.name, b)) if out else None,
-                  stderr=(lambda b: err(target.name, b)) if err else None)
-        res.exit_code, res.stdout, res.stderr = r.exit_code, r.stdout, r.stderr
+            wrapped = on_node(wrapped)
+        r = t.run(wrapped, stdout=(lambda b: out(target.name, b)) if out else None, stderr=on_err)
+        res.exit_code, res.stdout = r.exit_code, r.stdout
+        res.stderr = b"" if err else b"".join(kept)
+        last = b"".join(kept).rstrip().splitlines()[-1:]
+        if r.exit_code == 127 and last and b"not found" in last[0]:
+            res.note = not_found_note(target, argv)
     except OpsError as e:
         res.error = e.render()
     res.seconds = round(time.monotonic() - start, 3)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
 from dataclasses import dataclass, fields
@@ -194,6 +195,13 @@ METAVAR = {"chat_template_kwargs": "JSON", "target": "PATH|small-code|tiny", "da
 
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse would print usage and exit; we want one line, exit 2
+        if message.startswith("unrecognized arguments:"):
+            flags = [o for o in self._option_string_actions if o.startswith("--")]
+            for word in message.split()[2:]:
+                near = difflib.get_close_matches(word, flags, n=1) if word.startswith("--") else []
+                if near:
+                    message += f" (did you mean {near[0]}?)"
+                    break
         raise UsageError(message)
 
 
@@ -217,25 +225,45 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv: list[str] | None = None) -> TrainConfig:
     """Flags and optional YAML -> a validated TrainConfig; any problem is a one-line UsageError."""
     ns = vars(build_parser().parse_args(argv))
-    values: dict = {}
-    if "config" in ns:
-        values.update(load_yaml(ns.pop("config")))
-    values.update(ns)
+    values = load_yaml(ns.pop("config")) if "config" in ns else {}
+    return _settle(values, ns, here=True)
+
+
+def check_before_launch(argv: list[str], config_text: str | None = None,
+                        config_name: str = "config.yaml") -> TrainConfig:
+    """What `dflash-ops launch` checks on the controller before anything starts: the flags the
+    trainer will get (argv) and the YAML config's text, by the same rules as parse, less what only
+    the target can check (its files and folders, --flex-tiles, which needs torch). A `--config` in
+    argv names a file on the target: it replaces config_text and is left to the trainer."""
+    ns = vars(build_parser().parse_args(argv))
+    values = yaml_settings(config_text, config_name) if config_text is not None and "config" not in ns else {}
+    ns.pop("config", None)
+    return _settle(values, ns, here=False)
+
+
+def _settle(values: dict, flags: dict, here: bool) -> TrainConfig:
+    """YAML values under the flags -> a validated TrainConfig (here: also the files it names)."""
+    values = {**values, **flags}
     if not values.get("workdir"):
         values["workdir"] = os.environ.get("DFLASH_OPS_WORKDIR", "")
     cfg = TrainConfig(**values)
-    validate(cfg)
+    validate(cfg, here=here)
     return cfg
 
 
 def load_yaml(path: str) -> dict:
-    import yaml
-
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"--config {path}: no such file")
+    return yaml_settings(p.read_text(), path)
+
+
+def yaml_settings(text: str, path: str) -> dict:
+    """A YAML config's text (path: its name in messages) -> {field: value}, each key and type checked."""
+    import yaml
+
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else path
@@ -247,11 +275,19 @@ def load_yaml(path: str) -> dict:
     for key, value in raw.items():
         name = str(key).replace("-", "_")
         if name not in types:
-            raise UsageError(f"{path}: unknown key '{key}' (keys are the flags of python -m trainer without dashes)")
+            near = difflib.get_close_matches(name, types, n=1)
+            hint = f"did you mean '{near[0]}'?" if near else "keys are the flags of python -m trainer without dashes"
+            raise UsageError(f"{path}:{_line_of(yaml, text, key)}: unknown key '{key}' ({hint})")
         if name == "chat_template_kwargs" and isinstance(value, dict):
             value = json.dumps(value)  # a YAML mapping, kept as the flag's JSON text
         out[name] = _coerce(path, key, value, types[name])
     return out
+
+
+def _line_of(yaml, text: str, key) -> int:
+    """The line of a top-level key in the YAML text (1-based)."""
+    root = yaml.compose(text)
+    return next((k.start_mark.line + 1 for k, _ in root.value if k.value == str(key)), 1)
 
 
 def _coerce(path: str, key, value, typ: str):
@@ -266,7 +302,8 @@ def _coerce(path: str, key, value, typ: str):
     return {"float": float, "str": str}.get(typ, lambda v: v)(value)
 
 
-def validate(c: TrainConfig) -> None:
+def validate(c: TrainConfig, here: bool = True) -> None:
+    """Every rule of a TrainConfig; here=False leaves out what needs the target's files or torch."""
     def need(cond: bool, msg: str):
         if not cond:
             raise UsageError(msg)
@@ -325,6 +362,8 @@ def validate(c: TrainConfig) -> None:
         need(all(x.strip().isdigit() for x in c.target_layers.split(",")),
              f"--target-layers {c.target_layers!r}: expected comma-separated layer ids, e.g. 1,9,17,25,33")
     chat_template_options(c)
+    if not here:
+        return
     if c.flex_tiles:  # attention imports torch: only when the option is set
         from trainer.model.attention import parse_tiles
 

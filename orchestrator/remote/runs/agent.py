@@ -52,7 +52,7 @@ import socket
 import sys
 import time
 
-from ..common import _fail, _home, _now_iso, _out, _read_json, _write_json, refuse
+from ..common import _dist_version, _fail, _home, _now_iso, _out, _read_json, _write_json, refuse
 from ..common import _workdir
 from .common import LOG, _fault, _find, _metric, _proc_start, _resolve, _run_ids, _runs_dir, _state, _status
 from ..release.store import _live
@@ -132,6 +132,22 @@ def _probe_policy(workdir, release_path, topology="threads"):
     return doc["policy"]
 
 
+def _visible_gpus():
+    """The GPUs this container can use, as `nvidia-smi -L` lists them (0 without nvidia-smi)."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return 0
+    try:
+        out = subprocess.run([exe, "-L"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.decode("utf-8", "replace").splitlines() if line.startswith("GPU "))
+
+
 def cmd_launch(workdir):
     spec = json.load(sys.stdin)
     prev = None
@@ -141,6 +157,12 @@ def cmd_launch(workdir):
     release, release_path, commit = _release_info(workdir)
     if release is None:
         refuse("no_release", "no release deployed in %s" % workdir)
+    if _dist_version("torch") is None:      # the trainer would die at its first import
+        refuse("no_torch", "%s has no torch" % sys.executable, python=sys.executable)
+    if spec.get("cpu_by_default"):
+        visible = _visible_gpus()
+        if visible:
+            refuse("has_gpus", "%d GPU(s) here, none in the launch" % visible, gpus=visible)
     policy = spec.get("policy") or "auto"
     probe_choice = None
     if policy == "auto":

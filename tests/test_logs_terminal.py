@@ -1,0 +1,73 @@
+"""`logs` on a terminal: each event once, as a human line (the trainer's JSON twins left out), and
+Ctrl-C ends the follow, not the run, saying how to stop it. A real tiny run in the pct stand-in
+through the real sshd; the CLI's stdout is a pseudo-terminal."""
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+
+from trainer_quick import CLI_MAIN, copy_trainer, tiny_run_config, wait_for
+
+from orchestrator import inventory
+from orchestrator.deploy import sync as deploy
+from orchestrator.runs.logview import for_terminal
+
+WORKDIR = "/srv/ct/dflash"
+
+
+def test_a_terminal_shows_each_event_once():
+    step = json.dumps({"step": 3, "loss": 1.5, "accuracy": 0.1}).encode() + b"\n"
+    assert for_terminal(step) is None                                  # its twin is the [trainer] line
+    assert for_terminal(b'[rank0]: ' + step) is None
+    assert for_terminal(b'{"event": "done", "step": 3, "loss": 1.5}\n') is None
+    assert for_terminal(b'{"event": "checkpoint", "step": 4, "path": "/r/ck-4", "seconds": 0.1}\n') == \
+        b"[trainer] checkpoint at step 4: /r/ck-4\n"
+    assert for_terminal(b'[rank0]: {"event": "stopped", "step": 9}\n') == b"[rank0]: [trainer] stopped at step 9\n"
+    for kept in (b"[trainer] step 3/10 | loss 1.5\n", b"{not json\n", b"[1, 2]\n", b'{"other": 1}\n'):
+        assert for_terminal(kept) == kept
+
+
+def test_ctrl_c_while_following_says_the_run_goes_on_and_how_to_stop_it(sshd, fakepct, make_inventory, tmp_path):
+    fakepct.create(200)
+    path = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable, "workdir": WORKDIR}})
+    assert deploy.deploy(inventory.load(str(path)), ["ct200"], source=str(copy_trainer(tmp_path / "src")))["ct200"].ok
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(tiny_run_config(checkpoint_every=2))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-c", CLI_MAIN, "-i", str(path), *map(str, args)],
+                              capture_output=True, timeout=180)
+
+    r = cli("launch", "ct200", "--gpus", "0", "--policy", "eager", "--config", cfg, "--", "--steps", "1000000")
+    assert r.returncode == 0, r.stderr.decode()
+    run = r.stdout.decode().strip()
+    try:
+        main, term = pty.openpty()
+        follow = subprocess.Popen([sys.executable, "-c", CLI_MAIN, "-i", str(path), "logs", "ct200", run],
+                                  stdout=term, stderr=subprocess.PIPE)
+        os.close(term)
+        seen = bytearray()
+
+        def shown() -> bool:
+            while select.select([main], [], [], 0.2)[0]:
+                seen.extend(os.read(main, 65536))
+            return seen.count(b"[trainer] step ") >= 3 and b"checkpoint at step" in seen
+
+        wait_for(shown, timeout=120, what="three steps and a checkpoint on the terminal")
+        follow.send_signal(signal.SIGINT)
+        _, err = follow.communicate(timeout=60)
+        assert follow.returncode == 130, err
+        assert err.decode().splitlines()[-1] == (
+            f"dflash-ops: stopped following; run {run} goes on (ct200): `dflash-ops logs ct200 {run}` follows it "
+            f"again, `dflash-ops stop ct200 {run}` stops it")
+        twins = [x for x in seen.splitlines() if b'{"step": ' in x or b'"event"' in x]
+        assert not twins, twins                                       # each event once, as a human line
+        time.sleep(1)
+        status = json.loads(cli("status", "ct200", "--json").stdout)["runs"]
+        assert [(s["run"], s["state"]) for s in status] == [(run, "running")]
+    finally:
+        cli("stop", "ct200", run, "--force")
