@@ -28,6 +28,7 @@ from orchestrator.ssh.session import Session
 STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_RUN_FAILED, "running": EXIT_RUN_RUNNING,
               "stopped": EXIT_RUN_STOPPED}
 STOP_TIMEOUT_S = 120.0
+UPLOAD_FLOOR_BPS = 1 << 20     # a launch's uploads get this long on top of its 120 s: a slow link's pace
 RUN_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]+$")
 
 
@@ -126,6 +127,8 @@ class LaunchResult:
     resumed_from: str | None = None     # the state of the attempt this one continues
     seconds: float = 0.0
     env: dict = field(default_factory=dict)     # the variables set for the trainer, secrets masked
+    kind: str = "train"                         # train | regen (LaunchOptions.kind)
+    output: str | None = None                   # regen: the JSONL it writes on the target
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -135,9 +138,12 @@ class LaunchResult:
 class LaunchSpec:
     """What launch_on sends: `doc`, the runs agent's launch spec (ONE JSON document on its stdin,
     recorded in run.json; its `user_env` masked), and `env`, the caller's variables unmasked, which
-    only travel in the launch command (EnvTransport) and are never sent as data or recorded."""
+    only travel in the launch command (EnvTransport) and are never sent as data or recorded.
+    uploads: (name, local path) of the files that follow the document on stdin, each as many
+    bytes as its entry in doc["files"] says."""
     doc: dict
     env: dict[str, str] | None = None
+    uploads: list[tuple[str, str]] = field(default_factory=list)
 
 
 def launch_spec(inv: Inventory, target: Target, opts: LaunchOptions, run: str | None = None) -> LaunchSpec:
@@ -152,16 +158,41 @@ def launch_spec(inv: Inventory, target: Target, opts: LaunchOptions, run: str | 
     spec = {**opts.doc(), "run": run or new_run_id(target.name), "target": target.name, "gpus": gpus,
             "target_gpus": target.gpus, "controller": _controller(),
             "user_env": user_env(inv, target, env)}   # recorded in run.json, secrets masked
-    return LaunchSpec(spec, env)
+    if opts.uploads:
+        spec["files"] = [upload_entry(name, path) for name, path in opts.uploads]
+    return LaunchSpec(spec, env, list(opts.uploads))
+
+
+def upload_entry(name: str, path: str) -> dict:
+    """A file sent with the launch: {"name", "size", "sha256"}, which the runs agent checks."""
+    h, size = hashlib.sha256(), 0
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+                size += len(chunk)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read: {e.strerror or e}") from None
+    return {"name": name, "size": size, "sha256": h.hexdigest()}
+
+
+def _launch_stdin(launch: LaunchSpec):
+    """The launch spec as one JSON line, then each upload's bytes."""
+    yield json.dumps(launch.doc).encode() + b"\n"
+    for _, path in launch.uploads:
+        with open(path, "rb") as f:
+            yield from iter(lambda: f.read(1 << 20), b"")
 
 
 def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
     """Send one launch spec to the target's runs agent; what it started."""
     spec = launch.doc
     start = time.monotonic()
+    sent = sum(f["size"] for f in spec.get("files") or [])
     try:
         doc = agent.call(s.transport(target, env=launch.env), target, agent.RUNS, ["launch", target.workdir],
-                         stdin=json.dumps(spec).encode(), what="launch the trainer", timeout=120)
+                         stdin=_launch_stdin(launch), what="launch the trainer",
+                         timeout=120 + sent / UPLOAD_FLOOR_BPS)
     except agent.Refused as e:
         if e.reason == "spawn":
             raise StepFailed(target.name, "launch the trainer", 1, e.doc.get("message", "")) from None
@@ -175,7 +206,7 @@ def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
         log=doc.get("log"), command_line=doc.get("command_line"),
         cleared=doc.get("cleared") or [], name=doc.get("name"), attempt=doc.get("attempt") or 1,
         resumed_from=doc.get("resumed_from"), seconds=round(time.monotonic() - start, 3),
-        env=spec["user_env"])
+        env=spec["user_env"], kind=doc.get("kind") or "train", output=doc.get("output"))
 
 
 def _controller() -> dict:

@@ -44,7 +44,10 @@ class LaunchOptions:
     """A launch's options, each checked (build). gpus None: all of the target's (a resumed run:
     its own); gpu_ids: exactly these GPUs; config: the YAML file's
     text, name and absolute path; extra: the trainer's arguments; env: variables for the
-    trainer, over the inventory's `env:` (they travel in the launch command, never as data)."""
+    trainer, over the inventory's `env:` (they travel in the launch command, never as data).
+    kind: what the run runs, `train` (`python -m trainer`) or `regen` (`python -m trainer.regen`,
+    built by runs/regen.py); uploads: (name, local path) of files sent with the launch into the
+    run's folder."""
     gpus: int | None = None
     gpu_ids: tuple[int, ...] | None = None
     topology: str = "threads"
@@ -57,6 +60,8 @@ class LaunchOptions:
     config_name: str | None = None
     config_source: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    kind: str = "train"
+    uploads: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def build(cls, *, gpus: int | None = None, gpu_ids: str | None = None, config: str | None = None,
@@ -107,7 +112,8 @@ class LaunchOptions:
         """The options as the runs agent's launch spec names them (env and the config's absence left out)."""
         doc = {"gpus": self.gpus, "topology": self.topology, "policy": self.policy, "workers": self.workers,
                "extra": list(self.extra), "name": self.name,
-               "gpu_ids": list(self.gpu_ids) if self.gpu_ids is not None else None, "resume": self.resume}
+               "gpu_ids": list(self.gpu_ids) if self.gpu_ids is not None else None, "resume": self.resume,
+               "kind": self.kind}
         if self.config_text is not None:
             doc.update(config_text=self.config_text, config_name=self.config_name,
                        config_source=self.config_source)

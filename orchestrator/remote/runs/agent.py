@@ -61,6 +61,7 @@ from .locks import _Guard, _claim, _hold
 from .probe import cmd_probe
 from .stop import cmd_stop
 from .supervisor import _exit_record, _spawn_supervisor, cmd_supervise
+from .upload import _command, _discard, _place, _receive
 
 STOP_TIMEOUT_S = 120.0
 RUN_MIN_FREE = 64 * 10**6    # bytes a new run folder needs free: its log, config and first checkpoints
@@ -130,7 +131,17 @@ def _probe_policy(workdir, release_path, topology="threads"):
 
 
 def cmd_launch(workdir):
-    spec = json.load(sys.stdin)
+    """The spec is stdin's first line; the files it names (`files`) follow it (runs/upload.py)."""
+    stdin = sys.stdin.buffer
+    spec = json.loads(stdin.readline().decode("utf-8"))
+    uploads = _receive(stdin, _runs_dir(workdir), spec) if not spec.get("resume") else None
+    try:
+        _launch(workdir, spec, uploads)
+    finally:
+        _discard(uploads)       # empty once placed in the run's folder
+
+
+def _launch(workdir, spec, uploads):
     prev = None
     if spec.get("resume"):          # continue a stopped or failed run in place, with its settings
         spec, prev = _resume_spec(workdir, spec)
@@ -138,7 +149,8 @@ def cmd_launch(workdir):
     release, release_path, commit = _release_info(workdir)
     if release is None:
         refuse("no_release", "no release deployed in %s" % workdir)
-    policy = spec.get("policy") or "auto"
+    regen = spec.get("kind") == "regen"     # answers by the target: no compile policy, no probe
+    policy = None if regen else spec.get("policy") or "auto"
     probe_choice = None
     if policy == "auto":
         probe_choice = _probe_policy(workdir, release_path, spec.get("topology") or "threads")
@@ -186,6 +198,7 @@ def cmd_launch(workdir):
         else:
             prev["previous_state"], attempts = _end_attempt(rundir, prev)
         try:
+            _place(uploads, rundir)
             started, rec = _start_run(workdir, spec, run, rundir, release, release_path, commit,
                                       policy, compile_policy, probe_choice, gpus, ids, chosen_slots,
                                       prev, attempts)
@@ -203,7 +216,8 @@ def cmd_launch(workdir):
           "probe_policy": probe_choice, "gpus": gpus,
           "gpu_ids": ids, "slots": chosen_slots, "rundir": rundir, "log": os.path.join(rundir, LOG),
           "cleared": cleared, "command_line": rec["command_line"], "name": rec.get("name"),
-          "attempt": rec["attempt"], "resumed_from": prev.get("previous_state") if prev else None})
+          "attempt": rec["attempt"], "resumed_from": prev.get("previous_state") if prev else None,
+          "kind": rec["kind"], "output": rec["output"]})
 
 
 def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy, compile_policy,
@@ -223,14 +237,8 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
     elif spec.get("config_file"):
         config = spec["config_file"]
     python = sys.executable
-    argv = [python, "-m", "trainer", "--out", rundir, "--gpus", str(gpus),
-            "--topology", spec.get("topology") or "threads", "--compile-policy", compile_policy]
-    if spec.get("workers") is not None:
-        argv += ["--workers", str(spec["workers"])]
-    if config:
-        argv += ["--config", config]
-    if prev is not None:
-        argv += ["--resume"]        # the trainer continues from the last checkpoint in --out
+    command, output = _command(spec, rundir, gpus, compile_policy, config, prev is not None)
+    argv = [python] + command
     nodes = spec.get("nodes")
     if nodes:                       # one node of a job over several: torchrun's c10d rendezvous
         argv += ["--nnodes", str(len(nodes["targets"])), "--rdzv-endpoint", nodes["endpoint"],
@@ -245,7 +253,8 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
     env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
     env.setdefault("LANG", "C.UTF-8")
     rec = {
-        "run": run, "target": spec.get("target"), "workdir": workdir, "rundir": rundir,
+        "run": run, "kind": spec.get("kind") or "train", "output": output,
+        "target": spec.get("target"), "workdir": workdir, "rundir": rundir,
         "release": release, "release_path": release_path, "commit": commit,
         "command": argv, "cwd": release_path,
         # the release `current` pointed at, so a deploy during the run changes nothing here

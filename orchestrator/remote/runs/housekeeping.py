@@ -29,7 +29,7 @@ def _resume_spec(workdir, spec):
     (spec, the run's record); the not-found refusal when there is no such run."""
     rid = _find(workdir, spec["resume"])
     rec = _read_json(os.path.join(_runs_dir(workdir), rid, "run.json")) or {}
-    new = {"run": rid, "resume": rid, "target": spec.get("target"),
+    new = {"run": rid, "resume": rid, "kind": rec.get("kind") or "train", "target": spec.get("target"),
            "gpus": rec.get("gpus", 0) if spec.get("gpus") is None else spec["gpus"],
            "gpu_ids": spec.get("gpu_ids"), "target_gpus": spec.get("target_gpus", 0),
            "topology": rec.get("topology") or "threads", "policy": rec.get("policy") or "auto",
