@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from trainer_quick import CLI_MAIN, copy_trainer, subprocess_env
+from trainer_quick import CLI_MAIN, copy_trainer, subprocess_env, wait_for
 
 from orchestrator import inventory
 from orchestrator.deploy import sync as deploy
@@ -44,6 +44,17 @@ def model(tmp_path_factory):
     return r.stdout.strip().splitlines()[-1]
 
 
+@pytest.fixture(scope="module")
+def direct(model, tmp_path_factory):
+    """The prompts answered here, directly by `python -m trainer.regen`: (prompts file, rows file)."""
+    folder = tmp_path_factory.mktemp("direct")
+    prompts, out = _write_prompts(folder / "prompts.jsonl"), folder / "direct.jsonl"
+    subprocess.run([sys.executable, "-m", "trainer.regen", "--target", model, "--prompts", str(prompts),
+                    "--out", str(out), *ANSWER], env=subprocess_env(OMP_NUM_THREADS="1"), cwd=REPO,
+                   check=True, capture_output=True, timeout=300)
+    return prompts, out
+
+
 @pytest.fixture
 def ct(sshd, fakepct, make_inventory, tmp_path):
     """CT 200 (CPU only) with the trainer deployed."""
@@ -68,8 +79,8 @@ def _write_prompts(path: Path) -> Path:
     return path
 
 
-def test_regen_runs_detached_with_progress_and_writes_what_a_direct_regen_writes(ct, model):
-    prompts = _write_prompts(ct.tmp / "prompts.jsonl")
+def test_regen_runs_detached_with_progress_and_writes_what_a_direct_regen_writes(ct, model, direct):
+    prompts, direct_rows = direct
     r = ct.cli("regen", "ct200", "--prompts", prompts, "--model", model, "--gpus", "0", "--env", "OMP_NUM_THREADS=1",
                *ANSWER, "--json")
     assert r.returncode == 0, r.stderr.decode()
@@ -77,10 +88,6 @@ def test_regen_runs_detached_with_progress_and_writes_what_a_direct_regen_writes
     run, out = doc["run"], doc["output"]
     assert doc["kind"] == "regen" and doc["target"] == "ct200" and doc["pid"] > 0 and doc["rows"] == 6
     assert doc["slots"] == ["cpu"] and out == f"{WORKDIR}/runs/{run}/regen.jsonl"
-    direct = ct.tmp / "direct.jsonl"     # the same input answered here, while the run goes on
-    here = subprocess.Popen([sys.executable, "-m", "trainer.regen", "--target", model, "--prompts", str(prompts),
-                             "--out", str(direct), *ANSWER], env=subprocess_env(OMP_NUM_THREADS="1"), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     r = ct.cli("logs", "ct200", run, "--follow")
     log = r.stdout.decode()
@@ -100,8 +107,31 @@ def test_regen_runs_detached_with_progress_and_writes_what_a_direct_regen_writes
     rows = [json.loads(line) for line in ct.host_path(out).read_text().splitlines()]
     assert [x["line"] for x in rows] == [1, 2, 4, 5, 6, 7]
     assert [m["role"] for m in rows[3]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
-    assert here.wait(timeout=300) == 0, here.stderr.read().decode()
-    assert ct.host_path(out).read_bytes() == direct.read_bytes()
+    assert ct.host_path(out).read_bytes() == direct_rows.read_bytes()
+
+
+def test_a_stopped_regen_resumes_where_its_file_ends_and_has_no_drafter_to_export(ct, model, direct):
+    prompts, direct_rows = direct
+    r = ct.cli("regen", "ct200", "--prompts", prompts, "--model", model, "--gpus", "0", "--env", "OMP_NUM_THREADS=1",
+               "--env", "DFLASH_TRAINER_FAULTS=regen_batch=2:hang", *ANSWER)     # hangs before its third batch
+    assert r.returncode == 0, r.stderr.decode()
+    run = r.stdout.decode().strip()
+    out = ct.runs / run / "regen.jsonl"
+    wait_for(lambda: out.exists() and out.read_bytes().count(b"\n") == 4, what="two batches written")
+    r = ct.cli("stop", "ct200", run)
+    assert r.returncode == 0 and b"stopped" in r.stdout, r.stderr.decode()
+    r = ct.cli("logs", "ct200", run)
+    remote = f"{WORKDIR}/runs/{run}/regen.jsonl"
+    assert r.returncode == 103 and r.stdout.decode().splitlines()[-1] == (
+        f"dflash-ops: the rows so far are in {remote}; `dflash-ops launch ct200 --resume {run}` continues from there")
+    r = ct.cli("export", "ct200", run, "-o", ct.tmp / "drafter")
+    assert r.returncode == 2 and b"a regen run has no drafter" in r.stderr and not (ct.tmp / "drafter").exists()
+
+    r = ct.cli("launch", "ct200", "--resume", run, "--env", "OMP_NUM_THREADS=1")   # the fault is not set again
+    assert r.returncode == 0 and f"regen into {remote}" in r.stderr.decode(), r.stderr.decode()
+    r = ct.cli("logs", "ct200", run)
+    assert r.returncode == 0 and b"regen: resuming after 4 of 6 rows" in r.stdout, r.stdout.decode()
+    assert out.read_bytes() == direct_rows.read_bytes()
 
 
 def test_a_bad_prompts_file_is_refused_before_anything_starts(ct):

@@ -13,6 +13,7 @@ The points (NAME=VALUE):
   pause_in_checkpoint=STEP:FLAGFILE
                           while writing checkpoint STEP, after model.safetensors is in the temporary
                           folder, the writer creates FLAGFILE and sleeps (a test kills it mid-write)
+  regen_batch=K           regen raises before it answers batch K; K:hang: it hangs there
   test_policies=1         the test-only compile policies are known (trainer/policies.py)
 
 Torch-free at import (the config and the policy names import it).
@@ -23,7 +24,7 @@ import os
 import time
 
 ENV = "DFLASH_TRAINER_FAULTS"
-POINTS = ("fail_worker", "diverge", "pause_in_checkpoint", "test_policies")
+POINTS = ("fail_worker", "diverge", "pause_in_checkpoint", "test_policies", "regen_batch")
 
 
 def _check(points: dict[str, str]) -> None:
@@ -81,5 +82,11 @@ def hit(name: str, **where) -> None:
             with open(flag, "w") as f:
                 f.write(str(os.getpid()))
             time.sleep(600)
+    elif name == "regen_batch":
+        at, _, how = v.partition(":")
+        if at == str(where["batch"]):
+            if how == "hang":
+                time.sleep(3600)
+            raise RuntimeError(f"test hook {name}={v}: regen fails before batch {at}")
     else:
         raise ValueError(f"fault point {name} is a switch: ask faults.enabled({name!r})")

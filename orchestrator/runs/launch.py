@@ -203,10 +203,11 @@ def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
         release=doc.get("release"), commit=doc.get("commit"), policy=spec["policy"] if resume is None else None,
         compile_policy=doc.get("compile_policy"), probe_policy=doc.get("probe_policy"),
         gpus=doc.get("gpus", spec["gpus"]), gpu_ids=doc.get("gpu_ids") or [], slots=doc.get("slots") or [],
-        log=doc.get("log"), command_line=doc.get("command_line"),
+        log=doc.get("log"), command_line=doc.get("command_line"), kind=doc.get("kind") or "train",
+        output=doc.get("output"),
         cleared=doc.get("cleared") or [], name=doc.get("name"), attempt=doc.get("attempt") or 1,
         resumed_from=doc.get("resumed_from"), seconds=round(time.monotonic() - start, 3),
-        env=spec["user_env"], kind=doc.get("kind") or "train", output=doc.get("output"))
+        env=spec["user_env"])
 
 
 def _controller() -> dict:

@@ -6,7 +6,8 @@ Python >= 3.8. Every command prints one JSON document as its last stdout line (a
 `{"ok": false, "reason": R, ...}`, exit 0), except `follow` and `export`, whose stdout is a JSON
 header line followed by raw bytes.
 
-    launch WORKDIR            stdin: the launch spec (JSON). Checks the release, the probe result
+    launch WORKDIR            stdin: the launch spec (one JSON line), then the bytes of the files
+                              it names ("files", runs/upload.py). Checks the release, the probe result
                               and the slot locks, then starts a detached supervisor (double fork,
                               setsid, all three streams redirected: docs/background.md#pct) that starts the
                               trainer and records its exit status whatever way it ends.
@@ -37,7 +38,9 @@ Options come before `--`, values (run ids) after it: a run id is never read as a
 
 A run lives in WORKDIR/runs/RUN/: run.json (what was launched), train.log (the trainer's stdout
 and stderr), pid (the trainer's), exit.json (written by the supervisor when the trainer ends),
-stop.json (a stop was requested). RUN "latest" (or "") names the newest run.
+stop.json (a stop was requested). RUN "latest" (or "") names the newest run. A run's "kind" is
+"train" (`python -m trainer`) or "regen" (`python -m trainer.regen`, no probe, no policy; its
+prompts.jsonl uploaded into the folder, its rows written to regen.jsonl there, run.json "output").
 
 A run holds slots (a GPU each, or the one `cpu` slot) until it ends: runs/locks.py.
 The supervisor that starts the trainer and records its end: runs/supervisor.py.
@@ -136,12 +139,12 @@ def cmd_launch(workdir):
     spec = json.loads(stdin.readline().decode("utf-8"))
     uploads = _receive(stdin, _runs_dir(workdir), spec) if not spec.get("resume") else None
     try:
-        _launch(workdir, spec, uploads)
+        _launch(workdir, dict(spec, upload_dir=uploads))
     finally:
-        _discard(uploads)       # empty once placed in the run's folder
+        _discard(uploads)       # empty once _start_run placed them in the run's folder
 
 
-def _launch(workdir, spec, uploads):
+def _launch(workdir, spec):
     prev = None
     if spec.get("resume"):          # continue a stopped or failed run in place, with its settings
         spec, prev = _resume_spec(workdir, spec)
@@ -198,7 +201,6 @@ def _launch(workdir, spec, uploads):
         else:
             prev["previous_state"], attempts = _end_attempt(rundir, prev)
         try:
-            _place(uploads, rundir)
             started, rec = _start_run(workdir, spec, run, rundir, release, release_path, commit,
                                       policy, compile_policy, probe_choice, gpus, ids, chosen_slots,
                                       prev, attempts)
@@ -213,11 +215,10 @@ def _launch(workdir, spec, uploads):
         _hold(guard, run, chosen_slots, started, rec["started"])
     _out({"ok": True, "run": run, "pid": started["pid"], "supervisor_pid": started["supervisor_pid"],
           "release": release, "commit": commit, "compile_policy": compile_policy,
-          "probe_policy": probe_choice, "gpus": gpus,
+          "probe_policy": probe_choice, "gpus": gpus, "kind": rec["kind"], "output": rec["output"],
           "gpu_ids": ids, "slots": chosen_slots, "rundir": rundir, "log": os.path.join(rundir, LOG),
           "cleared": cleared, "command_line": rec["command_line"], "name": rec.get("name"),
-          "attempt": rec["attempt"], "resumed_from": prev.get("previous_state") if prev else None,
-          "kind": rec["kind"], "output": rec["output"]})
+          "attempt": rec["attempt"], "resumed_from": prev.get("previous_state") if prev else None})
 
 
 def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy, compile_policy,
@@ -227,6 +228,7 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
     run's own config file). A spawn failure is recorded in exit.json and refused here."""
     # the log exists as soon as the run does, so `logs` right after launch reads an empty log
     open(os.path.join(rundir, LOG), "ab").close()
+    _place(spec.get("upload_dir"), rundir)      # the files sent with the launch (runs/upload.py)
 
     config = None
     if spec.get("config_text") is not None:
