@@ -28,7 +28,6 @@ from orchestrator.ssh.session import Session
 STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_RUN_FAILED, "running": EXIT_RUN_RUNNING,
               "stopped": EXIT_RUN_STOPPED}
 STOP_TIMEOUT_S = 120.0
-UPLOAD_FLOOR_BPS = 1 << 20     # a launch's uploads get this long on top of its 120 s: a slow link's pace
 RUN_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]+$")
 
 
@@ -121,14 +120,14 @@ class LaunchResult:
     slots: list[str] = field(default_factory=list)
     log: str | None = None
     command_line: str | None = None
+    kind: str = "train"                 # train | regen (LaunchOptions.kind)
+    output: str | None = None           # regen: the JSONL it writes on the target
     cleared: list[dict] = field(default_factory=list)
     name: str | None = None
     attempt: int = 1
     resumed_from: str | None = None     # the state of the attempt this one continues
     seconds: float = 0.0
     env: dict = field(default_factory=dict)     # the variables set for the trainer, secrets masked
-    kind: str = "train"                         # train | regen (LaunchOptions.kind)
-    output: str | None = None                   # regen: the JSONL it writes on the target
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -182,6 +181,9 @@ def _launch_stdin(launch: LaunchSpec):
     for _, path in launch.uploads:
         with open(path, "rb") as f:
             yield from iter(lambda: f.read(1 << 20), b"")
+
+
+UPLOAD_FLOOR_BPS = 1 << 20     # a launch's uploads get this long on top of its 120 s: a slow link's pace
 
 
 def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:

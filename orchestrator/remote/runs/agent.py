@@ -59,12 +59,12 @@ from .common import LOG, _find, _metric, _resolve, _run_ids, _runs_dir, _state, 
 from ..release.store import _live
 from .export import cmd_export
 from .follow import cmd_follow
+from .upload import _command, _discard, _place, _receive
 from .housekeeping import RESUMABLE, _end_attempt, _resume_spec, cmd_prune, cmd_rm
 from .locks import _Guard, _claim, _hold
 from .probe import cmd_probe
 from .stop import cmd_stop
 from .supervisor import _exit_record, _spawn_supervisor, cmd_supervise
-from .upload import _command, _discard, _place, _receive
 
 STOP_TIMEOUT_S = 120.0
 RUN_MIN_FREE = 64 * 10**6    # bytes a new run folder needs free: its log, config and first checkpoints
@@ -152,9 +152,10 @@ def _launch(workdir, spec):
     release, release_path, commit = _release_info(workdir)
     if release is None:
         refuse("no_release", "no release deployed in %s" % workdir)
-    regen = spec.get("kind") == "regen"     # answers by the target: no compile policy, no probe
-    policy = None if regen else spec.get("policy") or "auto"
+    policy = spec.get("policy") or "auto"
     probe_choice = None
+    if spec.get("kind") == "regen":     # answers by the target: no compile policy, no probe
+        policy = None
     if policy == "auto":
         probe_choice = _probe_policy(workdir, release_path, spec.get("topology") or "threads")
     # `auto` goes to the trainer as is: it resolves it from DFLASH_OPS_WORKDIR/probe.json and
