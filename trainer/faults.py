@@ -63,12 +63,13 @@ def hit(name: str, **where) -> None:
     v = value(name)
     if v is None:
         return
-    if name == "fail_worker":
+    if name in ("fail_worker", "regen_batch"):     # I or I:hang, I a worker's index or a regen batch
         who, _, how = v.partition(":")
         if who == str(where["index"]):
             if how == "hang":
                 time.sleep(3600)
-            raise RuntimeError(f"test hook {name}={v}: worker {where['index']} fails during warm-up")
+            what = f"worker {who} fails during warm-up" if name == "fail_worker" else f"regen fails at batch {who}"
+            raise RuntimeError(f"test hook {name}={v}: {what}")
     elif name == "diverge":
         who, _, at = v.partition(":")
         if who == str(where["index"]) and at == str(where["step"]):
@@ -82,11 +83,5 @@ def hit(name: str, **where) -> None:
             with open(flag, "w") as f:
                 f.write(str(os.getpid()))
             time.sleep(600)
-    elif name == "regen_batch":
-        at, _, how = v.partition(":")
-        if at == str(where["batch"]):
-            if how == "hang":
-                time.sleep(3600)
-            raise RuntimeError(f"test hook {name}={v}: regen fails before batch {at}")
     else:
         raise ValueError(f"fault point {name} is a switch: ask faults.enabled({name!r})")

@@ -137,12 +137,9 @@ class LaunchResult:
 class LaunchSpec:
     """What launch_on sends: `doc`, the runs agent's launch spec (ONE JSON document on its stdin,
     recorded in run.json; its `user_env` masked), and `env`, the caller's variables unmasked, which
-    only travel in the launch command (EnvTransport) and are never sent as data or recorded.
-    uploads: (name, local path) of the files that follow the document on stdin, each as many
-    bytes as its entry in doc["files"] says."""
+    only travel in the launch command (EnvTransport) and are never sent as data or recorded."""
     doc: dict
     env: dict[str, str] | None = None
-    uploads: list[tuple[str, str]] = field(default_factory=list)
 
 
 def launch_spec(inv: Inventory, target: Target, opts: LaunchOptions, run: str | None = None) -> LaunchSpec:
@@ -157,33 +154,19 @@ def launch_spec(inv: Inventory, target: Target, opts: LaunchOptions, run: str | 
     spec = {**opts.doc(), "run": run or new_run_id(target.name), "target": target.name, "gpus": gpus,
             "target_gpus": target.gpus, "controller": _controller(),
             "user_env": user_env(inv, target, env)}   # recorded in run.json, secrets masked
-    if opts.uploads:
-        spec["files"] = [upload_entry(name, path) for name, path in opts.uploads]
-    return LaunchSpec(spec, env, list(opts.uploads))
-
-
-def upload_entry(name: str, path: str) -> dict:
-    """A file sent with the launch: {"name", "size", "sha256"}, which the runs agent checks."""
-    h, size = hashlib.sha256(), 0
-    try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-                size += len(chunk)
-    except OSError as e:
-        raise UsageError(f"{path}: cannot read: {e.strerror or e}") from None
-    return {"name": name, "size": size, "sha256": h.hexdigest()}
-
-
-def _launch_stdin(launch: LaunchSpec):
-    """The launch spec as one JSON line, then each upload's bytes."""
-    yield json.dumps(launch.doc).encode() + b"\n"
-    for _, path in launch.uploads:
-        with open(path, "rb") as f:
-            yield from iter(lambda: f.read(1 << 20), b"")
+    return LaunchSpec(spec, env)
 
 
 UPLOAD_FLOOR_BPS = 1 << 20     # a launch's uploads get this long on top of its 120 s: a slow link's pace
+
+
+def _launch_stdin(spec: dict):
+    """The launch spec as one JSON line (its files without their local paths), then each file's bytes."""
+    files = spec.get("files") or []
+    yield json.dumps(dict(spec, files=[{k: v for k, v in f.items() if k != "path"} for f in files])).encode() + b"\n"
+    for f in files:
+        with open(f["path"], "rb") as src:
+            yield from iter(lambda: src.read(1 << 20), b"")
 
 
 def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
@@ -193,7 +176,7 @@ def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
     sent = sum(f["size"] for f in spec.get("files") or [])
     try:
         doc = agent.call(s.transport(target, env=launch.env), target, agent.RUNS, ["launch", target.workdir],
-                         stdin=_launch_stdin(launch), what="launch the trainer",
+                         stdin=_launch_stdin(spec), what="launch the trainer",
                          timeout=120 + sent / UPLOAD_FLOOR_BPS)
     except agent.Refused as e:
         if e.reason == "spawn":

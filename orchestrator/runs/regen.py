@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from orchestrator.errors import UsageError
-from orchestrator.runs.options import LaunchOptions
+from orchestrator.runs.options import LaunchOptions, upload
 
 PROMPTS = "prompts.jsonl"     # the upload's name in the run's folder (remote/runs/upload.py reads it there)
 
@@ -49,7 +49,8 @@ def regen_options(*, prompts: str, model: str, gpus: int | None = None, gpu_ids:
     if thinking:
         args.append("--thinking")
     opts = LaunchOptions.build(gpus=gpus, gpu_ids=gpu_ids, extra=[*args, *extra], name=name, env=env)
-    return replace(opts, kind="regen", uploads=((PROMPTS, str(Path(prompts).expanduser().resolve())),)), rows
+    path = str(Path(prompts).expanduser().resolve())
+    return replace(opts, kind="regen", uploads=(upload(PROMPTS, path),)), rows
 
 
 __all__ = ["regen_options", "check_prompts", "PROMPTS"]

@@ -1,13 +1,11 @@
 """Click command `regen`: the target model answers a prompts file, as a detached run (thin: parse
-options, build them with runs/regen.py, launch through nodes.launch, print as `launch` does)."""
+options, build them with runs/regen.py, launch through nodes.launch, print the run id as `launch` does)."""
 from __future__ import annotations
-
-import sys
 
 import click
 
 from orchestrator.errors import UsageError
-from orchestrator.runs.commands import _note, _print_job, _split_launch_args
+from orchestrator.runs.commands import _note, _split_launch_args
 from orchestrator.ui import State, emit, json_option
 
 
@@ -27,13 +25,12 @@ from orchestrator.ui import State, emit, json_option
 @click.option("--thinking", is_flag=True, help="Let the chat template think (enable_thinking on; off by default).")
 @click.option("--seed", type=int, metavar="N", help="For --temperature > 0.")
 @click.option("--name", metavar="NAME", help="A label for the run, shown by status.")
-@click.option("--follow", is_flag=True, help="Then follow the log, as `logs --follow` does.")
 @click.option("--env", "env", multiple=True, metavar="K=V",
               help="Set a variable for regen (repeatable; over hosts.yaml env:).")
 @json_option
 @click.pass_obj
 def regen(state: State, args, prompts, model, gpus, gpu_ids, max_new_tokens, batch_size, temperature, thinking,
-          seed, name, follow, env, as_json):
+          seed, name, env, as_json):
     """Answer prompts with the target model itself, detached like a run; print the run id.
 
     The rows (the chat-row JSONL the trainer reads, each with its input line number) land in the
@@ -43,7 +40,6 @@ def regen(state: State, args, prompts, model, gpus, gpu_ids, max_new_tokens, bat
     from orchestrator.envvars import parse_assignments
     from orchestrator.runs import nodes
     from orchestrator.runs.regen import regen_options
-    from orchestrator.ssh.agent import session as open_session
 
     targets, extra = _split_launch_args(state, args)
     if len(targets) > 1:
@@ -51,26 +47,13 @@ def regen(state: State, args, prompts, model, gpus, gpu_ids, max_new_tokens, bat
     opts, rows = regen_options(prompts=prompts, model=model, gpus=gpus, gpu_ids=gpu_ids,
                                max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature,
                                thinking=thinking, seed=seed, name=name, extra=extra, env=parse_assignments(env))
-    with open_session(state.inv) as session:   # one connection for the launch and the follow
-        res = nodes.launch(state.inv, targets or [state.inv.default_target()], opts, session=session)
-        node = res.nodes[0]
-        for c in node.cleared:
-            _note(f"{node.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
-        doc = {**res.as_json(), "rows": rows, "prompts": opts.uploads[0][1]}
-        where = f"GPU {', '.join(map(str, node.gpu_ids))}" if node.gpu_ids else "CPU"
-        info = (f"{node.target}: regen run {res.run} (pid {node.pid}, {where}, release {node.release}): "
-                f"{rows} rows from {prompts}; its rows land in {node.output}")
-        if not follow:
-            if as_json:
-                emit(True, doc, "")
-            else:
-                click.echo(res.run)
-                _note(info + f"; follow it with `dflash-ops logs {node.target} {res.run}`")
-            return
-        if not as_json:
-            _note(info)
-        summary = _print_job(nodes.follow(state.inv, state.inv.target(node.target), res.run, session=session),
-                             as_json)
-    if as_json:
-        emit(True, {**doc, "logs": summary.as_json()}, "")
-    sys.exit(summary.exit_code)
+    res = nodes.launch(state.inv, targets or [state.inv.default_target()], opts)
+    node = res.nodes[0]
+    for c in node.cleared:
+        _note(f"{node.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
+    where = f"GPU {', '.join(map(str, node.gpu_ids))}" if node.gpu_ids else "CPU"
+    emit(as_json, {**res.as_json(), "rows": rows, "prompts": opts.uploads[0]["path"]}, res.run)
+    if not as_json:
+        _note(f"{node.target}: regen run {res.run} (pid {node.pid}, {where}, release {node.release}): {rows} rows "
+              f"from {prompts}; its rows land in {node.output}; "
+              f"follow it with `dflash-ops logs {node.target} {res.run}`")

@@ -183,7 +183,7 @@ def regen(target_spec: str, prompts: str, out: str, *, max_new_tokens: int = 512
             for k in todo[w::len(devices)]:
                 if stop.is_set():
                     return
-                faults.hit("regen_batch", batch=k)
+                faults.hit("regen_batch", index=k)
                 torch.manual_seed(seed * 1_000_003 + k)  # the same draws for batch k on any resume
                 res = regen_batch(target.model, tok, batches[k], max_new_tokens=max_new_tokens,
                                   temperature=temperature, thinking=thinking, eos=eos, pad_id=pad)
