@@ -57,11 +57,11 @@ def direct(model, tmp_path_factory):
 
 @pytest.fixture
 def ct(sshd, fakepct, make_inventory, tmp_path):
-    """CT 200 (CPU only) with the trainer deployed."""
+    """CT 200 (2 GPUs in the inventory, CPU in fact) with the trainer deployed."""
     src = copy_trainer(tmp_path / "src")
     fakepct.create(200)
     path = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable,
-                                     "workdir": WORKDIR, "gpus": 0}})
+                                     "workdir": WORKDIR, "gpus": 2}})
     inv = inventory.load(str(path))
     assert deploy.deploy(inv, ["ct200"], source=str(src))["ct200"].ok
 
@@ -112,10 +112,13 @@ def test_regen_runs_detached_with_progress_and_writes_what_a_direct_regen_writes
 
 def test_a_stopped_regen_resumes_where_its_file_ends_and_has_no_drafter_to_export(ct, model, direct):
     prompts, direct_rows = direct
-    r = ct.cli("regen", "ct200", "--prompts", prompts, "--model", model, "--gpus", "0", "--env", "OMP_NUM_THREADS=1",
+    r = ct.cli("regen", "ct200", "--prompts", prompts, "--model", model, "--gpus", "2", "--env", "OMP_NUM_THREADS=1",
                "--env", "DFLASH_TRAINER_FAULTS=regen_batch=2:hang", *ANSWER)     # hangs before its third batch
     assert r.returncode == 0, r.stderr.decode()
     run = r.stdout.decode().strip()
+    rec = json.loads((ct.runs / run / "run.json").read_text())   # --gpus reaches regen: one worker per GPU
+    assert rec["slots"] == ["gpu0", "gpu1"] and rec["env"]["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert rec["command"][1:3] == ["-m", "trainer.regen"] and rec["command"][rec["command"].index("--gpus") + 1] == "2"
     out = ct.runs / run / "regen.jsonl"
     wait_for(lambda: out.exists() and out.read_bytes().count(b"\n") == 4, what="two batches written")
     r = ct.cli("stop", "ct200", run)
