@@ -157,18 +157,6 @@ def launch_spec(inv: Inventory, target: Target, opts: LaunchOptions, run: str | 
     return LaunchSpec(spec, env)
 
 
-UPLOAD_FLOOR_BPS = 1 << 20     # a launch's uploads get this long on top of its 120 s: a slow link's pace
-
-
-def _launch_stdin(spec: dict):
-    """The launch spec as one JSON line (its files without their local paths), then each file's bytes."""
-    files = spec.get("files") or []
-    yield json.dumps(dict(spec, files=[{k: v for k, v in f.items() if k != "path"} for f in files])).encode() + b"\n"
-    for f in files:
-        with open(f["path"], "rb") as src:
-            yield from iter(lambda: src.read(1 << 20), b"")
-
-
 def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
     """Send one launch spec to the target's runs agent; what it started."""
     spec = launch.doc
@@ -206,6 +194,19 @@ def _controller() -> dict:
     except Exception:  # noqa: BLE001
         ver = None
     return {"user": user, "host": socket.gethostname(), "dflash_ops": ver}
+
+
+UPLOAD_FLOOR_BPS = 1 << 20     # a launch's uploads get this long on top of its 120 s: a slow link's pace
+
+
+def _launch_stdin(spec: dict):
+    """The launch spec as one JSON line (its files without their local paths), then each file's bytes."""
+    files = spec.get("files") or []
+    head = dict(spec, files=[{k: v for k, v in f.items() if k != "path"} for f in files]) if files else spec
+    yield json.dumps(head).encode() + b"\n"
+    for f in files:
+        with open(f["path"], "rb") as src:
+            yield from iter(lambda: src.read(1 << 20), b"")
 
 
 # --- status -------------------------------------------------------------------------------------
