@@ -108,6 +108,11 @@ def test_regen_runs_detached_with_progress_and_writes_what_a_direct_regen_writes
     assert [x["line"] for x in rows] == [1, 2, 4, 5, 6, 7]
     assert [m["role"] for m in rows[3]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
     assert ct.host_path(out).read_bytes() == direct_rows.read_bytes()
+    r = ct.cli("prune", "ct200", "--keep", "0", "--json")   # rows that training reads are kept; `rm` removes them
+    assert r.returncode == 0 and json.loads(r.stdout)["targets"]["ct200"]["kept"] == [run], r.stdout
+    assert ct.host_path(out).is_file()
+    r = ct.cli("rm", "ct200", run)
+    assert r.returncode == 0 and not rundir.exists(), r.stderr.decode()
 
 
 def test_a_stopped_regen_resumes_where_its_file_ends_and_has_no_drafter_to_export(ct, model, direct):
