@@ -18,6 +18,7 @@ from orchestrator.play.commands import play
 from orchestrator.probe.commands import probe
 from orchestrator.runs.cleanup_commands import prune, rm
 from orchestrator.runs.commands import export, launch, logs, report, status, stop
+from orchestrator.runs.regen_commands import regen
 from orchestrator.targets.commands import exec_, scan, targets
 from orchestrator.ui import State
 
@@ -36,7 +37,7 @@ def cli(ctx, inventory, ssh_config, debug):
     ctx.obj = State(inventory, debug, ssh_config)
 
 
-for command in (targets, exec_, scan, deploy, probe, launch, logs, status, stop, report, export,
+for command in (targets, exec_, scan, deploy, probe, launch, regen, logs, status, stop, report, export,
                 rm, prune, play):
     cli.add_command(command)
 

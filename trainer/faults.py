@@ -13,6 +13,7 @@ The points (NAME=VALUE):
   pause_in_checkpoint=STEP:FLAGFILE
                           while writing checkpoint STEP, after model.safetensors is in the temporary
                           folder, the writer creates FLAGFILE and sleeps (a test kills it mid-write)
+  regen_batch=K           regen raises before it answers batch K; K:hang: it hangs there
   test_policies=1         the test-only compile policies are known (trainer/policies.py)
 
 Torch-free at import (the config and the policy names import it).
@@ -23,7 +24,7 @@ import os
 import time
 
 ENV = "DFLASH_TRAINER_FAULTS"
-POINTS = ("fail_worker", "diverge", "pause_in_checkpoint", "test_policies")
+POINTS = ("fail_worker", "diverge", "pause_in_checkpoint", "test_policies", "regen_batch")
 
 
 def _check(points: dict[str, str]) -> None:
@@ -62,12 +63,13 @@ def hit(name: str, **where) -> None:
     v = value(name)
     if v is None:
         return
-    if name == "fail_worker":
+    if name in ("fail_worker", "regen_batch"):     # I or I:hang, I a worker's index or a regen batch
         who, _, how = v.partition(":")
         if who == str(where["index"]):
             if how == "hang":
                 time.sleep(3600)
-            raise RuntimeError(f"test hook {name}={v}: worker {where['index']} fails during warm-up")
+            what = f"worker {who} fails during warm-up" if name == "fail_worker" else f"regen fails at batch {who}"
+            raise RuntimeError(f"test hook {name}={v}: {what}")
     elif name == "diverge":
         who, _, at = v.partition(":")
         if who == str(where["index"]) and at == str(where["step"]):

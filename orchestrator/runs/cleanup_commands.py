@@ -53,7 +53,7 @@ def rm(state: State, args, dry_run, as_json):
 @click.command()
 @click.argument("names", nargs=-1, metavar="[TARGET...]")
 @click.option("--keep", type=click.IntRange(min=0), required=True, metavar="N",
-              help="How many of the newest runs to keep (running runs are always kept).")
+              help="How many of the newest runs to keep (running runs and regen runs are always kept).")
 @click.option("--dry-run", is_flag=True, help="Say what would be removed and freed; remove nothing.")
 @json_option
 @click.pass_obj

@@ -91,7 +91,8 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
 
 def _launch_info(res) -> str:
     where = f"GPU {', '.join(map(str, res.gpu_ids))}" if res.gpu_ids else "CPU"
-    policy_text = res.compile_policy + (f" (probe chose {res.probe_policy})" if res.probe_policy else "")
+    policy_text = (res.compile_policy or f"none: {res.kind} into {res.output}") + (
+        f" (probe chose {res.probe_policy})" if res.probe_policy else "")
     what = (f"resumed run {res.run} (attempt {res.attempt}, was {res.resumed_from}; "
             if res.attempt > 1 else f"launched run {res.run} (")
     label = f"{res.name!r}, " if res.name else ""

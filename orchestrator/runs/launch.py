@@ -131,6 +131,8 @@ class LaunchResult:
     slots: list[str] = field(default_factory=list)
     log: str | None = None
     command_line: str | None = None
+    kind: str = "train"                 # train | regen (LaunchOptions.kind)
+    output: str | None = None           # regen: the JSONL it writes on the target
     cleared: list[dict] = field(default_factory=list)
     name: str | None = None
     attempt: int = 1
@@ -198,9 +200,11 @@ def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
     """Send one launch spec to the target's runs agent; what it started."""
     spec = launch.doc
     start = time.monotonic()
+    sent = sum(f["size"] for f in spec.get("files") or [])
     try:
         doc = agent.call(s.transport(target, env=launch.env), target, agent.RUNS, ["launch", target.workdir],
-                         stdin=json.dumps(spec).encode(), what="launch the trainer", timeout=120)
+                         stdin=_launch_stdin(spec), what="launch the trainer",
+                         timeout=120 + sent / UPLOAD_FLOOR_BPS)
     except agent.Refused as e:
         if e.reason == "spawn":
             raise StepFailed(target.name, "launch the trainer", 1, e.doc.get("message", "")) from None
@@ -215,7 +219,8 @@ def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
         release=doc.get("release"), commit=doc.get("commit"), policy=spec["policy"] if resume is None else None,
         compile_policy=doc.get("compile_policy"), probe_policy=doc.get("probe_policy"),
         gpus=doc.get("gpus", spec["gpus"]), gpu_ids=doc.get("gpu_ids") or [], slots=doc.get("slots") or [],
-        log=doc.get("log"), command_line=doc.get("command_line"),
+        log=doc.get("log"), command_line=doc.get("command_line"), kind=doc.get("kind") or "train",
+        output=doc.get("output"),
         cleared=doc.get("cleared") or [], name=doc.get("name"), attempt=doc.get("attempt") or 1,
         resumed_from=doc.get("resumed_from"), seconds=round(time.monotonic() - start, 3),
         env=spec["user_env"], unsupervised=bool(doc.get("unsupervised")), cut_off=doc.get("cut_off"))
@@ -253,6 +258,19 @@ def _controller() -> dict:
     except Exception:  # noqa: BLE001
         ver = None
     return {"user": user, "host": socket.gethostname(), "dflash_ops": ver}
+
+
+UPLOAD_FLOOR_BPS = 1 << 20     # a launch's uploads get this long on top of its 120 s: a slow link's pace
+
+
+def _launch_stdin(spec: dict):
+    """The launch spec as one JSON line (its files without their local paths), then each file's bytes."""
+    files = spec.get("files") or []
+    head = dict(spec, files=[{k: v for k, v in f.items() if k != "path"} for f in files]) if files else spec
+    yield json.dumps(head).encode() + b"\n"
+    for f in files:
+        with open(f["path"], "rb") as src:
+            yield from iter(lambda: src.read(1 << 20), b"")
 
 
 # --- status -------------------------------------------------------------------------------------

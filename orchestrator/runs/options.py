@@ -6,6 +6,7 @@ target by runs.launch_spec; everything else is checked here, before anything con
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,9 @@ class LaunchOptions:
     """A launch's options, each checked (build). gpus None: all of the target's (a resumed run:
     its own); gpu_ids: exactly these GPUs; config: the YAML file's
     text, name and absolute path; extra: the trainer's arguments; env: variables for the
-    trainer, over the inventory's `env:` (they travel in the launch command, never as data)."""
+    trainer, over the inventory's `env:` (they travel in the launch command, never as data).
+    kind: what the run runs, `train` (`python -m trainer`) or `regen` (`python -m trainer.regen`,
+    built by runs/regen.py); uploads: files sent with the launch into the run's folder (upload())."""
     gpus: int | None = None
     gpu_ids: tuple[int, ...] | None = None
     topology: str = "threads"
@@ -57,6 +60,8 @@ class LaunchOptions:
     config_name: str | None = None
     config_source: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    kind: str = "train"
+    uploads: tuple[dict, ...] = ()
 
     @classmethod
     def build(cls, *, gpus: int | None = None, gpu_ids: str | None = None, config: str | None = None,
@@ -107,11 +112,28 @@ class LaunchOptions:
         """The options as the runs agent's launch spec names them (env and the config's absence left out)."""
         doc = {"gpus": self.gpus, "topology": self.topology, "policy": self.policy, "workers": self.workers,
                "extra": list(self.extra), "name": self.name,
-               "gpu_ids": list(self.gpu_ids) if self.gpu_ids is not None else None, "resume": self.resume}
+               "gpu_ids": list(self.gpu_ids) if self.gpu_ids is not None else None, "resume": self.resume,
+               "kind": self.kind}
+        if self.uploads:
+            doc["files"] = [dict(u) for u in self.uploads]
         if self.config_text is not None:
             doc.update(config_text=self.config_text, config_name=self.config_name,
                        config_source=self.config_source)
         return doc
 
 
-__all__ = ["LaunchOptions", "POLICIES", "TOPOLOGIES", "check_run", "RUN_NAME_RE", "LABEL_RE"]
+def upload(name: str, path: str) -> dict:
+    """A file a launch sends into the run's folder as NAME: {"name", "path", "size", "sha256"} (the
+    runs agent checks size and hash; the local path stays here); UsageError when it cannot be read."""
+    h, size = hashlib.sha256(), 0
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+                size += len(chunk)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read: {e.strerror or e}") from None
+    return {"name": name, "path": path, "size": size, "sha256": h.hexdigest()}
+
+
+__all__ = ["LaunchOptions", "upload", "POLICIES", "TOPOLOGIES", "check_run", "RUN_NAME_RE", "LABEL_RE"]

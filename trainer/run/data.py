@@ -26,6 +26,7 @@ import torch
 from trainer.model import masks
 from trainer.errors import Stopped, UsageError
 from trainer.files import atomic_file
+from trainer.run.jsonl import read_jsonl
 
 
 @dataclass(frozen=True)
@@ -35,26 +36,6 @@ class Sample:
 
 
 # --------------------------------------------------------------------------- reading JSONL
-
-def read_jsonl(path: str, flag: str) -> list[tuple[int, object]]:
-    """(line number, value) for each non-empty line of a JSONL file; bad JSON is a UsageError
-    naming file:line, a missing or empty file one naming the option (`flag`)."""
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"{flag} {path}: no such file")
-    values = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                values.append((n, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{path}:{n}: not JSON: {e.msg}") from None
-    if not values:
-        raise UsageError(f"{flag} {path}: no rows")
-    return values
-
 
 def read_rows(path: str) -> list[tuple[int, dict]]:
     """(line number, row) for each non-empty line; bad JSON or a non-object is a UsageError."""

@@ -18,6 +18,9 @@ with its input line number (`"line"`). Rows are written a batch at a time (input
 [k*B, (k+1)*B)), appended, flushed and fsynced; a killed run is resumed (the default when the
 output exists) from the first batch not complete in the file: a torn last batch is cut off, so no
 row is lost or doubled and the batches, hence the answers, are those of an uninterrupted run.
+
+Progress goes to stderr at least every PROGRESS_S seconds, answered batches or not: rows done,
+rows/s, tokens/s and the ETA. The last stdout line is a JSON document with the output's path.
 """
 from __future__ import annotations
 
@@ -28,8 +31,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer import faults
 from trainer.errors import UsageError
+from trainer.run.jsonl import read_jsonl
 
+PROGRESS_S = 10.0
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
 
@@ -41,9 +47,8 @@ class Row:
 
 
 def read_prompts(path: str) -> list[Row]:
-    """Input rows -> the turns to answer; a bad row is a UsageError naming file:line."""
-    from trainer.run.data import read_jsonl
-
+    """Input rows -> the turns to answer; a bad row is a UsageError naming file:line. Torch-free:
+    the controller checks a prompts file with it before it uploads one."""
     return [Row(n, _turns(doc, f"{path}:{n}")) for n, doc in read_jsonl(path, "--prompts")]
 
 
@@ -161,6 +166,8 @@ def regen(target_spec: str, prompts: str, out: str, *, max_new_tokens: int = 512
     n_workers = max(1, min(gpus, torch.cuda.device_count())) if gpus > 0 else 1
     devices = [torch.device(f"cuda:{i}") for i in range(n_workers)] if gpus > 0 and torch.cuda.is_available() \
         else [torch.device("cpu")]
+    log(f"regen: {len(rows) - done} of {len(rows)} rows to answer, batches of {batch_size}, "
+        f"{len(devices)} worker(s): {', '.join(map(str, devices))}")
     results: dict[int, tuple[list[dict], int] | BaseException] = {}
     ready = threading.Condition()
 
@@ -176,6 +183,7 @@ def regen(target_spec: str, prompts: str, out: str, *, max_new_tokens: int = 512
             for k in todo[w::len(devices)]:
                 if stop.is_set():
                     return
+                faults.hit("regen_batch", index=k)
                 torch.manual_seed(seed * 1_000_003 + k)  # the same draws for batch k on any resume
                 res = regen_batch(target.model, tok, batches[k], max_new_tokens=max_new_tokens,
                                   temperature=temperature, thinking=thinking, eos=eos, pad_id=pad)
@@ -202,13 +210,16 @@ def regen(target_spec: str, prompts: str, out: str, *, max_new_tokens: int = 512
             t.join()
 
 
-def _write_in_order(out_path: Path, todo: list[int], results: dict, ready, total: int, done: int, log) -> dict:
-    """Append batch k's rows as soon as k and every batch before it are answered; fsync each."""
-    t0, last, rows_done, tokens = time.time(), time.time(), 0, 0
+def _write_in_order(out_path: Path, todo: list[int], results: dict, ready, total: int, done: int, log,
+                    every: float = PROGRESS_S) -> dict:
+    """Append batch k's rows as soon as k and every batch before it are answered; fsync each.
+    Progress is logged after the last batch and at least every `every` seconds while waiting."""
+    progress = _Progress(total, done, log, every)
     with out_path.open("ab") as f:
         for k in todo:
             with ready:
-                ready.wait_for(lambda: k in results)
+                while not ready.wait_for(lambda: k in results, timeout=progress.due()):
+                    progress.say()
                 res = results.pop(k)
             if isinstance(res, BaseException):
                 raise res
@@ -216,17 +227,37 @@ def _write_in_order(out_path: Path, todo: list[int], results: dict, ready, total
             f.write(b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in out_rows))
             f.flush()
             os.fsync(f.fileno())
-            rows_done += len(out_rows)
-            tokens += n_tok
-            now = time.time()
-            if now - last >= 10 or k == todo[-1]:
-                last = now
-                rate = rows_done / (now - t0)
-                left = total - done - rows_done
-                log(f"regen: {done + rows_done}/{total} rows, {rate:.2f} rows/s, "
-                    f"{tokens / (now - t0):.0f} tokens/s, eta {left / max(rate, 1e-9):.0f}s")
-    return {"rows": total, "resumed_at": done, "written": rows_done, "tokens": tokens,
-            "seconds": time.time() - t0, "out": str(out_path)}
+            progress.add(len(out_rows), n_tok, last=k == todo[-1])
+    return {"event": "done", "rows": total, "resumed_at": done, "written": progress.rows,
+            "tokens": progress.tokens, "seconds": time.time() - progress.t0, "out": str(out_path)}
+
+
+class _Progress:
+    """The progress line: rows done of all, rows/s and tokens/s since this run started, ETA."""
+
+    def __init__(self, total: int, done: int, log, every: float):
+        self.total, self.done, self.log, self.every = total, done, log, every
+        self.t0 = self.last = time.time()
+        self.rows = self.tokens = 0
+
+    def due(self) -> float:
+        """Seconds until the next line is due."""
+        return max(0.0, self.last + self.every - time.time())
+
+    def add(self, rows: int, tokens: int, last: bool) -> None:
+        self.rows += rows
+        self.tokens += tokens
+        if last or not self.due():
+            self.say()
+
+    def say(self) -> None:
+        self.last = now = time.time()
+        elapsed = max(now - self.t0, 1e-9)
+        rate = self.rows / elapsed
+        left = self.total - self.done - self.rows
+        eta = f"{left / rate:.0f}s" if rate > 0 else "unknown"
+        self.log(f"regen: {self.done + self.rows}/{self.total} rows, {rate:.2f} rows/s, "
+                 f"{self.tokens / elapsed:.0f} tokens/s, eta {eta}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,5 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = regen(a.target, a.prompts, a.out, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
                 temperature=a.temperature, thinking=a.thinking, gpus=a.gpus, resume=not a.no_resume, seed=a.seed,
                 log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(f"regen: done: {doc['rows']} rows in {doc['out']}; train on them with `--data {doc['out']}`",
+          file=sys.stderr, flush=True)
     print(json.dumps(doc), flush=True)
     return 0

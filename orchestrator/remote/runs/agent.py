@@ -6,7 +6,8 @@ Python >= 3.8. Every command prints one JSON document as its last stdout line (a
 `{"ok": false, "reason": R, ...}`, exit 0), except `follow` and `export`, whose stdout is a JSON
 header line followed by raw bytes.
 
-    launch WORKDIR            stdin: the launch spec (JSON). Checks the release, the probe result
+    launch WORKDIR            stdin: the launch spec (one JSON line), then the bytes of the files
+                              it names ("files", runs/upload.py). Checks the release, the probe result
                               and the slot locks, then starts a detached supervisor (double fork,
                               setsid, all three streams redirected: docs/background.md#pct) that starts the
                               trainer and records its exit status whatever way it ends.
@@ -37,7 +38,9 @@ Options come before `--`, values (run ids) after it: a run id is never read as a
 
 A run lives in WORKDIR/runs/RUN/: run.json (what was launched), train.log (the trainer's stdout
 and stderr), pid (the trainer's), exit.json (written by the supervisor when the trainer ends),
-stop.json (a stop was requested). RUN "latest" (or "") names the newest run.
+stop.json (a stop was requested). RUN "latest" (or "") names the newest run. A run's "kind" is
+"train" (`python -m trainer`) or "regen" (`python -m trainer.regen`, no probe, no policy; its
+prompts.jsonl uploaded into the folder, its rows written to regen.jsonl there, run.json "output").
 
 A run holds slots (a GPU each, or the one `cpu` slot) until it ends: runs/locks.py.
 The supervisor that starts the trainer and records its end: runs/supervisor.py. A node of a job over
@@ -58,6 +61,7 @@ from .common import LOG, _fault, _find, _metric, _proc_start, _resolve, _run_ids
 from ..release.store import _live
 from .export import cmd_export
 from .follow import cmd_follow
+from .upload import _command, _discard, _place, _receive
 from .housekeeping import RESUMABLE, _end_attempt, _resume_spec, cmd_prune, cmd_rm
 from .locks import _Guard, _claim, _drop, _hold
 from .net import IFNAME_VARS, _network_env
@@ -149,7 +153,17 @@ def _visible_gpus():
 
 
 def cmd_launch(workdir):
-    spec = json.load(sys.stdin)
+    """The spec is stdin's first line; the files it names (`files`) follow it (runs/upload.py)."""
+    stdin = sys.stdin.buffer
+    spec = json.loads(stdin.readline().decode("utf-8"))
+    uploads = _receive(stdin, _runs_dir(workdir), spec) if not spec.get("resume") else None
+    try:
+        _launch(workdir, dict(spec, upload_dir=uploads))
+    finally:
+        _discard(uploads)       # empty once _start_run placed them in the run's folder
+
+
+def _launch(workdir, spec):
     prev = None
     if spec.get("resume"):          # continue a stopped or failed run in place, with its settings
         spec, prev = _resume_spec(workdir, spec)
@@ -165,6 +179,8 @@ def cmd_launch(workdir):
             refuse("has_gpus", "%d GPU(s) here, none in the launch" % visible, gpus=visible)
     policy = spec.get("policy") or "auto"
     probe_choice = None
+    if spec.get("kind") == "regen":     # answers by the target: no compile policy, no probe
+        policy = None
     if policy == "auto":
         probe_choice = _probe_policy(workdir, release_path, spec.get("topology") or "threads")
     # `auto` goes to the trainer as is: it resolves it from DFLASH_OPS_WORKDIR/probe.json and
@@ -247,7 +263,7 @@ def cmd_launch(workdir):
         _fault("launch.held")
     _out({"ok": True, "run": run, "pid": started["pid"], "supervisor_pid": started["supervisor_pid"],
           "release": release, "commit": commit, "compile_policy": compile_policy,
-          "probe_policy": probe_choice, "gpus": gpus,
+          "probe_policy": probe_choice, "gpus": gpus, "kind": rec["kind"], "output": rec["output"],
           "gpu_ids": ids, "slots": chosen_slots, "rundir": rundir, "log": os.path.join(rundir, LOG),
           "cleared": cleared, "command_line": rec["command_line"], "name": rec.get("name"),
           "attempt": rec["attempt"], "resumed_from": prev.get("previous_state") if prev else None,
@@ -267,6 +283,7 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
     start anything. A spawn failure is recorded in exit.json and refused here."""
     # the log exists as soon as the run does, so `logs` right after launch reads an empty log
     open(os.path.join(rundir, LOG), "ab").close()
+    _place(spec.get("upload_dir"), rundir)      # the files sent with the launch (runs/upload.py)
 
     config = None
     if spec.get("config_text") is not None:
@@ -277,14 +294,8 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
     elif spec.get("config_file"):
         config = spec["config_file"]
     python = sys.executable
-    argv = [python, "-m", "trainer", "--out", rundir, "--gpus", str(gpus),
-            "--topology", spec.get("topology") or "threads", "--compile-policy", compile_policy]
-    if spec.get("workers") is not None:
-        argv += ["--workers", str(spec["workers"])]
-    if config:
-        argv += ["--config", config]
-    if prev is not None:
-        argv += ["--resume"]        # the trainer continues from the last checkpoint in --out
+    command, output = _command(spec, rundir, gpus, compile_policy, config, prev is not None)
+    argv = [python] + command
     nodes = spec.get("nodes")
     if nodes:                       # one node of a job over several: torchrun's c10d rendezvous
         argv += ["--nnodes", str(len(nodes["targets"])), "--rdzv-endpoint", nodes["endpoint"],
@@ -300,7 +311,8 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
     env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
     env.setdefault("LANG", "C.UTF-8")
     rec = {
-        "run": run, "target": spec.get("target"), "workdir": workdir, "rundir": rundir,
+        "run": run, "kind": spec.get("kind") or "train", "output": output,
+        "target": spec.get("target"), "workdir": workdir, "rundir": rundir,
         "release": release, "release_path": release_path, "commit": commit,
         "command": argv, "cwd": release_path,
         # the release `current` pointed at, so a deploy during the run changes nothing here

@@ -252,7 +252,8 @@ def _status(workdir, run):
     m = _last_metrics(os.path.join(rundir, LOG))
     ended = (ex or {}).get("ended_ts")
     started = rec.get("started_ts")
-    doc = {"run": run, "name": rec.get("name"), "attempt": rec.get("attempt") or 1, "state": state,
+    doc = {"run": run, "kind": rec.get("kind") or "train", "output": rec.get("output"),
+           "name": rec.get("name"), "attempt": rec.get("attempt") or 1, "state": state,
            "step": m.get("step"), "loss": m.get("loss"), "tau": m.get("tau"),
            "started": rec.get("started"), "started_ts": started, "ended": (ex or {}).get("ended"),
            "elapsed_s": round((ended or time.time()) - started, 1) if started else None,

@@ -6,7 +6,8 @@ and the removal of ended runs (`rm`, `prune`). Standard library only, Python >= 
                               remove those runs' folders (log, checkpoints, records); a running
                               run is refused, never touched
     prune WORKDIR --keep N [--dry-run]
-                              remove every ended run but the newest N (running runs stay)
+                              remove every ended run but the newest N (running runs stay, and
+                              regen runs: their rows are data; `rm` removes one)
 
 Both reply {"removed": [{"run", "state", "name", "bytes"}], "refused": [{"run", "state"}],
 "missing": [RUN...], "freed": BYTES, "dry_run": bool}. They hold the slot guard (runs/locks.py)
@@ -29,7 +30,7 @@ def _resume_spec(workdir, spec):
     (spec, the run's record); the not-found refusal when there is no such run."""
     rid = _find(workdir, spec["resume"])
     rec = _read_json(os.path.join(_runs_dir(workdir), rid, "run.json")) or {}
-    new = {"run": rid, "resume": rid, "target": spec.get("target"),
+    new = {"run": rid, "resume": rid, "kind": rec.get("kind") or "train", "target": spec.get("target"),
            "gpus": rec.get("gpus", 0) if spec.get("gpus") is None else spec["gpus"],
            "gpu_ids": spec.get("gpu_ids"), "target_gpus": spec.get("target_gpus", 0),
            "topology": rec.get("topology") or "threads", "policy": rec.get("policy") or "auto",
@@ -118,15 +119,21 @@ def cmd_rm(workdir, runs, dry_run):
     _out(reply)
 
 
+def _kind(workdir, rid):
+    return (_read_json(os.path.join(_runs_dir(workdir), rid, "run.json")) or {}).get("kind") or "train"
+
+
 def cmd_prune(workdir, keep, dry_run):
     reply = {"removed": [], "refused": [], "missing": [], "freed": 0, "dry_run": dry_run,
              "kept": []}
     with _Guard(workdir):
         _sweep_removals(workdir)
         ids = _run_ids(workdir)                      # oldest first
+        data = [r for r in ids if _kind(workdir, r) == "regen"]   # rows training runs read: only `rm` removes them
+        ids = [r for r in ids if r not in data]
         old, reply["kept"] = (ids[:-keep], ids[-keep:]) if keep > 0 else (ids, [])
         _remove(workdir, old, dry_run, reply)
     # a running run among the old ones is kept, not an error
-    reply["kept"] = [r["run"] for r in reply["refused"]] + reply["kept"]
+    reply["kept"] = [r["run"] for r in reply["refused"]] + data + reply["kept"]
     reply["refused"] = []
     _out(reply)

@@ -324,9 +324,21 @@ def _finish(rundir, rec, status, log, error):
         else:
             what = "exit code %d" % code
         os.write(log, ("dflash-ops: trainer (pid %s) ended: %s; run %s\n" % (pid, what, state)).encode())
+        if rec.get("output"):
+            os.write(log, _output_note(rec, state).encode())
         os.close(log)
     _write_json(os.path.join(rundir, "exit.json"), ex)
     _release_slots(rec["workdir"], rec["run"])
+
+
+def _output_note(rec, state):
+    """The log's last line for a run that writes a file (regen): where it is, what to do next."""
+    out, target = rec["output"], rec.get("target") or "TARGET"
+    if state == "succeeded":
+        return ("dflash-ops: the rows are in %s; train on them with `dflash-ops launch %s -- --data %s`\n"
+                % (out, target, out))
+    return ("dflash-ops: the rows so far are in %s; `dflash-ops launch %s --resume %s` continues from there\n"
+            % (out, target, rec["run"]))
 
 
 def _exit_record(rec, state, code, sig, stop_requested, error):

@@ -1,0 +1,89 @@
+"""Runs agent: files sent with a launch (`regen`'s prompts), and the command a run's kind starts.
+
+The launch spec names its files, `"files": [{"name", "size", "sha256"}]`, and their bytes follow
+the spec's line on stdin, one file after the other. They are read before the slot guard is taken
+(an upload may take a while; the guard is held briefly), into runs/.upload-RUN-PID (a dot folder,
+which the run listing skips), checked against size and sha256, and renamed into the run's folder
+once it exists. Whatever ends the launch before that, the folder goes (the caller's `finally`).
+Standard library only, Python >= 3.8, no `from __future__` line (runs/common.py says why).
+"""
+import errno
+import hashlib
+import os
+import shutil
+
+from ..common import _fail, refuse
+
+UPLOAD_CHUNK = 1 << 20
+REGEN_PROMPTS = "prompts.jsonl"     # regen's input in the run's folder (the controller's upload)
+REGEN_OUT = "regen.jsonl"           # what it writes there: the trainer's --data
+
+
+def _receive(stream, runs_dir, spec):
+    """Read spec["files"] from `stream` into a new runs/.upload-RUN-PID folder: its path, or None
+    without files. A short stream or a hash that differs fails the launch; a full disk refuses it."""
+    files = spec.get("files") or []
+    if not files:
+        return None
+    folder = os.path.join(runs_dir, ".upload-%s-%d" % (spec["run"], os.getpid()))
+    try:
+        os.makedirs(folder)
+        for f in files:
+            _receive_one(stream, folder, f)
+    except BaseException as e:
+        shutil.rmtree(folder, ignore_errors=True)
+        if isinstance(e, OSError):
+            reason = "no_space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "io"
+            refuse(reason, "cannot write the upload into %s: %s" % (runs_dir, e.strerror or e))
+        raise
+    return folder
+
+
+def _receive_one(stream, folder, f):
+    name = f.get("name") or ""
+    if not name or name != os.path.basename(name) or name.startswith("."):
+        _fail("upload name %r: a plain file name is expected" % name, 2)
+    h, left = hashlib.sha256(), int(f["size"])
+    with open(os.path.join(folder, name), "wb") as out:
+        while left:
+            chunk = stream.read(min(left, UPLOAD_CHUNK))
+            if not chunk:
+                _fail("upload %s: the stream ended %d bytes short" % (name, left))
+            h.update(chunk)
+            out.write(chunk)
+            left -= len(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    if h.hexdigest() != f["sha256"]:
+        _fail("upload %s: sha256 mismatch (the file changed while it was sent?)" % name)
+
+
+def _place(folder, rundir):
+    """Move the received files into the run's folder."""
+    if folder:
+        for name in os.listdir(folder):
+            os.rename(os.path.join(folder, name), os.path.join(rundir, name))
+
+
+def _discard(folder):
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _command(spec, rundir, gpus, compile_policy, config, resume):
+    """(argv after the python, the output file or None) of the run's kind: the trainer
+    (`python -m trainer`) or regen (`python -m trainer.regen`, its prompts and output in the run's
+    folder; it resumes by itself from an output that exists)."""
+    if spec.get("kind") == "regen":
+        out = os.path.join(rundir, REGEN_OUT)
+        return ["-m", "trainer.regen", "--prompts", os.path.join(rundir, REGEN_PROMPTS), "--out", out,
+                "--gpus", str(gpus)], out
+    argv = ["-m", "trainer", "--out", rundir, "--gpus", str(gpus),
+            "--topology", spec.get("topology") or "threads", "--compile-policy", compile_policy]
+    if spec.get("workers") is not None:
+        argv += ["--workers", str(spec["workers"])]
+    if config:
+        argv += ["--config", config]
+    if resume:
+        argv += ["--resume"]        # the trainer continues from the last checkpoint in --out
+    return argv, None

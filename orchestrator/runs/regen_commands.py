@@ -1,0 +1,59 @@
+"""Click command `regen`: the target model answers a prompts file, as a detached run (thin: parse
+options, build them with runs/regen.py, launch through nodes.launch, print the run id as `launch` does)."""
+from __future__ import annotations
+
+import click
+
+from orchestrator.errors import UsageError
+from orchestrator.runs.commands import _note, _split_launch_args
+from orchestrator.ui import State, emit, json_option
+
+
+@click.command()
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[TARGET] [-- REGEN_ARGS...]")
+@click.option("--prompts", required=True, metavar="FILE",
+              help="JSONL here: chat rows (messages, or ShareGPT conversations) or {\"prompt\": ...}; "
+                   "checked, then sent into the run's folder.")
+@click.option("--model", "--target-model", "model", required=True, metavar="PATH|small-code",
+              help="The model that answers: a Hugging Face folder on the target (the --target you train against).")
+@click.option("--gpus", type=click.IntRange(min=0), metavar="N",
+              help="GPUs to use, one worker each (default: all of the target's; 0 = CPU).")
+@click.option("--gpu-ids", metavar="I,J", help="Exactly these GPUs of the target (e.g. 0,3); sets --gpus.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), metavar="N", help="Tokens per answer (default 512).")
+@click.option("--batch-size", type=click.IntRange(min=1), metavar="B", help="Rows per generate call (default 16).")
+@click.option("--temperature", type=click.FloatRange(min=0), metavar="T", help="0 = greedy (the default).")
+@click.option("--thinking", is_flag=True, help="Let the chat template think (enable_thinking on; off by default).")
+@click.option("--seed", type=int, metavar="N", help="For --temperature > 0.")
+@click.option("--name", metavar="NAME", help="A label for the run, shown by status.")
+@click.option("--env", "env", multiple=True, metavar="K=V",
+              help="Set a variable for regen (repeatable; over hosts.yaml env:).")
+@json_option
+@click.pass_obj
+def regen(state: State, args, prompts, model, gpus, gpu_ids, max_new_tokens, batch_size, temperature, thinking,
+          seed, name, env, as_json):
+    """Answer prompts with the target model itself, detached like a run; print the run id.
+
+    The rows (the chat-row JSONL the trainer reads, each with its input line number) land in the
+    run's folder on the target; `logs` shows progress (rows/s, tokens/s, ETA) and, at the end,
+    the `--data PATH` to train on them. `launch --resume RUN` continues a stopped regen run.
+    """
+    from orchestrator.envvars import parse_assignments
+    from orchestrator.runs import nodes
+    from orchestrator.runs.regen import regen_options
+
+    targets, extra = _split_launch_args(state, args)
+    if len(targets) > 1:
+        raise UsageError(f"regen runs on one target; got {', '.join(t.name for t in targets)}")
+    opts, rows = regen_options(prompts=prompts, model=model, gpus=gpus, gpu_ids=gpu_ids,
+                               max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature,
+                               thinking=thinking, seed=seed, name=name, extra=extra, env=parse_assignments(env))
+    res = nodes.launch(state.inv, targets or [state.inv.default_target()], opts)
+    node = res.nodes[0]
+    for c in node.cleared:
+        _note(f"{node.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
+    where = f"GPU {', '.join(map(str, node.gpu_ids))}" if node.gpu_ids else "CPU"
+    emit(as_json, {**res.as_json(), "rows": rows, "prompts": opts.uploads[0]["path"]}, res.run)
+    if not as_json:
+        _note(f"{node.target}: regen run {res.run} (pid {node.pid}, {where}, release {node.release}): {rows} rows "
+              f"from {prompts}; its rows land in {node.output}; "
+              f"follow it with `dflash-ops logs {node.target} {res.run}`")
