@@ -171,7 +171,7 @@ def launch_spec(inv: Inventory, target: Target, opts: LaunchOptions, run: str | 
             "user_env": user_env(inv, target, env),   # recorded in run.json, secrets masked
             # CPU only because nobody said how many GPUs: the runs agent refuses it on a target with GPUs
             "cpu_by_default": opts.gpus is None and opts.resume is None and not gpus}
-    if opts.resume is None:
+    if opts.resume is None and opts.kind == "train":    # regen's flags are trainer.regen's, checked there
         check_trainer_config(spec, nnodes)
     return LaunchSpec(spec, env)
 

@@ -55,12 +55,11 @@ import socket
 import sys
 import time
 
-from ..common import _dist_version, _fail, _home, _now_iso, _out, _read_json, _write_json, refuse
-from ..common import _workdir
-from .common import LOG, _fault, _find, _metric, _proc_start, _resolve, _run_ids, _runs_dir, _state, _status
+from ..common import _dist_version, _fail, _home, _now_iso, _out, _read_json, _workdir, _write_json, refuse
+from .common import LOG, _fault, _proc_start, _resolve, _run_ids, _runs_dir, _state, _status
 from ..release.store import _live
 from .export import cmd_export
-from .follow import cmd_follow
+from .follow import cmd_follow, cmd_metrics
 from .upload import _command, _discard, _place, _receive
 from .housekeeping import RESUMABLE, _end_attempt, _resume_spec, cmd_prune, cmd_rm
 from .locks import _Guard, _claim, _drop, _hold
@@ -361,25 +360,6 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
 
 
 # --- metrics ------------------------------------------------------------------------------------
-
-def cmd_metrics(workdir, run):
-    """The trainer's OUT/metrics.jsonl when it wrote one, else the log's JSON lines."""
-    rid = _find(workdir, run)
-    rundir = os.path.join(_runs_dir(workdir), rid)
-    metrics = []
-    for name in ("metrics.jsonl", LOG):
-        try:
-            with open(os.path.join(rundir, name), "rb") as f:
-                for raw in f:
-                    doc = _metric(raw)
-                    if doc is not None:
-                        metrics.append(doc)
-        except OSError:
-            continue
-        if metrics:
-            break
-    _out({"found": True, "run": rid, "status": _status(workdir, rid), "metrics": metrics})
-
 
 # --- entry --------------------------------------------------------------------------------------
 

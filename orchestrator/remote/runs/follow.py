@@ -1,4 +1,4 @@
-"""Runs agent: the `follow` command.
+"""Runs agent: the `follow` and `metrics` commands.
 
 stdout: a JSON header line, then the raw log bytes from OFFSET as the log grows; it ends once the
 run has ended and every byte is out. stderr: JSON control lines, {"hb": T} every HEARTBEAT_S (so
@@ -8,8 +8,8 @@ import json
 import os
 import time
 
-from ..common import _read_json
-from .common import LOG, TAIL_SCAN, _find, _runs_dir, _state, _status
+from ..common import _out, _read_json
+from .common import LOG, TAIL_SCAN, _find, _metric, _runs_dir, _state, _status
 
 POLL_S = 0.05            # how often an idle log is looked at (latency budget: 0.3 s)
 HEARTBEAT_S = 2.0        # a stderr heartbeat this often, so dead connections are noticed
@@ -106,3 +106,22 @@ def cmd_follow(workdir, run, offset, follow, tail):
     doc = _status(workdir, rid)
     doc["offset"] = offset
     _control({"end": doc})
+
+
+def cmd_metrics(workdir, run):
+    """The trainer's OUT/metrics.jsonl when it wrote one, else the log's JSON lines."""
+    rid = _find(workdir, run)
+    rundir = os.path.join(_runs_dir(workdir), rid)
+    metrics = []
+    for name in ("metrics.jsonl", LOG):
+        try:
+            with open(os.path.join(rundir, name), "rb") as f:
+                for raw in f:
+                    doc = _metric(raw)
+                    if doc is not None:
+                        metrics.append(doc)
+        except OSError:
+            continue
+        if metrics:
+            break
+    _out({"found": True, "run": rid, "status": _status(workdir, rid), "metrics": metrics})
