@@ -2,7 +2,6 @@
 saying why where the rows or the GPU cannot take them, never silently."""
 from __future__ import annotations
 
-import json
 
 import pytest
 

@@ -91,8 +91,8 @@ def fit_anchors(anchors: int, s: Shape, d: Device, step_flops: Callable[[int], f
                                 f"(docs/recipe.md#memory)")
         if most < use:
             cut = most - most % ROUND if most >= ROUND else most
-            why.append(f"{use} anchors x block {s.block} x {s.seqs * d.workers} sequences need ~{_gib(need)} of activations "
-                       f"and {d.name} has ~{_gib(spare)} free after the target, the drafter's weights and "
+            why.append(f"{use} anchors x block {s.block} x {s.seqs * d.workers} sequences need ~{_gib(need)} "
+                       f"of activations and {d.name} has ~{_gib(spare)} free after the target, the drafter's weights and "
                        f"optimizer state (docs/recipe.md#memory)")
             use = cut
     line = f"anchors {use} instead of {anchors}: {'; and '.join(why)}" if use != anchors else None
