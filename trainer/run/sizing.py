@@ -92,8 +92,8 @@ def fit_anchors(anchors: int, s: Shape, d: Device, step_flops: Callable[[int], f
         if most < use:
             cut = most - most % ROUND if most >= ROUND else most
             why.append(f"{use} anchors x block {s.block} x {s.seqs * d.workers} sequences need ~{_gib(need)} "
-                       f"of activations and {d.name} has ~{_gib(spare)} free after the target, the drafter's weights and "
-                       f"optimizer state (docs/recipe.md#memory)")
+                       f"of activations and {d.name} has ~{_gib(spare)} free after the target, the drafter's "
+                       f"weights and optimizer state (docs/recipe.md#memory)")
             use = cut
     line = f"anchors {use} instead of {anchors}: {'; and '.join(why)}" if use != anchors else None
     if d.kind == "cpu" and step_flops(use) > CPU_SLOW_FLOPS:
