@@ -72,3 +72,12 @@ def test_the_trainer_says_it_once_at_start(tmp_path, capsys):
                                       "most 29 blocks of 4; more are padding"]
     first_step = next(i for i, line in enumerate(out) if line.startswith('{"step": 1'))
     assert said[0] < first_step
+
+
+@pytest.mark.parametrize("seqs, peak_gb", [(2, 54.2), (4, 76.5)])
+def test_the_estimate_covers_the_measured_peaks_at_the_recipes_shape(seqs, peak_gb):
+    """docs/benchmarks.md#9-memory (M1): the trainer's eager step at the recipe's shape on one H200.
+    Target (16.4 GB) + drafter state + the activations estimated lands at or a little above it."""
+    s = Shape(**{**RECIPE.__dict__, "seqs": seqs})
+    predicted = 16.4e9 + RECIPE.trainable * 16 + seqs * sequence_bytes(s, 512)
+    assert peak_gb * 1e9 <= predicted <= 1.08 * peak_gb * 1e9
