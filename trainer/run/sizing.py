@@ -88,7 +88,7 @@ def fit_anchors(anchors: int, s: Shape, d: Device, step_flops: Callable[[int], f
             return Fit(use, f"warning: {_gib(need)} of activations for {use} anchors x block {s.block} "
                                 f"(x{s.seqs * d.workers} sequences) will not fit {d.name}: {_gib(max(0, spare))} "
                                 f"free after the target, the drafter's weights and optimizer state; anchors kept "
-                                f"at {anchors}: lower --batch-size or --seq-len, or use more GPUs "
+                                f"at {use}: lower --batch-size or --seq-len, or use more GPUs "
                                 f"(docs/recipe.md#memory)")
         if most < use:
             cut = most - most % ROUND if most >= ROUND else most
