@@ -200,7 +200,8 @@ def _run(args, emit, res: dict, where: Placement) -> None:
             wrap = lambda m: wrap_ddp(m, device)  # noqa: E731
         compile_update = policies.compiled_part("auto", args.policy, device) or "compiled" in args.update
         return build_replica(i, device, copies[0 if procs else i], targets[device], policy=args.policy,
-                             n_devices=1 if procs else len(devices), lr=1e-5, weight_decay=0.0, pos_weights=pw,
+                             n_devices=1 if procs else len(devices), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0,
+                             pos_weights=pw,
                              wrap=wrap, compile_update=compile_update)
 
     batches = make_batches(args, dcfg.vocab_size, pw)

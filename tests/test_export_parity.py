@@ -41,7 +41,8 @@ NEW_TOKENS = 32
 TRAIN = ["--data", "synthetic", "--steps", "200", "--lr", "5e-3", "--batch-size", "8", "--block-size", "4",
          "--anchors", "16", "--synthetic-samples", "256", "--synthetic-prompt-len", "8",
          "--synthetic-new-tokens", "48", "--draft-layers", "2", "--cpu-threads", "1", "--eval-prompts", "4",
-         "--eval-new-tokens", str(NEW_TOKENS), "--checkpoint-every", "0", "--log-every", "50"]
+         "--eval-new-tokens", str(NEW_TOKENS), "--checkpoint-every", "0", "--log-every", "50",
+         "--adam-beta2", "0.95"]
 
 
 def quiet(fn, argv) -> str:

@@ -87,7 +87,8 @@ def test_batches_state_has_no_lookahead():
     loop resumed from it draws the batch an uninterrupted loop trains next."""
     samples = [Sample(tuple(range(i, i + 40)), (1,) * 40) for i in range(7)]
     cfg = TrainConfig(steps=6, batch_size=2, seed=3, block_size=16, anchors=2)
-    prep = train.Prepared(None, None, None, samples, [], 40, masks.position_weights(16, 7.0), None, None, 0.0)
+    prep = train.Prepared(None, None, None, samples, [], 40, masks.position_weights(16, 7.0), None, None, 0.0,
+                          anchors=cfg.anchors)
     plain, batches = Loader(len(samples), 3), train.Batches(cfg, prep, Loader(len(samples), 3))
     seen = []
     states = []

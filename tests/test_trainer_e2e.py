@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--target", "tiny", "--data", "synthetic", "--steps", "200", "--lr", "5e-3", "--batch-size", "8",
        "--block-size", "8", "--anchors", "16", "--synthetic-samples", "768", "--synthetic-new-tokens", "64",
        "--draft-layers", "2", "--cpu-threads", "1", "--eval-prompts", "8", "--eval-new-tokens", "64",
-       "--eval-at-start", "--log-every", "10", "--checkpoint-every", "100"]
+       "--eval-at-start", "--log-every", "10", "--checkpoint-every", "100", "--adam-beta2", "0.95"]
 STEP_KEYS = {"step", "loss", "accuracy", "acc_per_position", "lr", "grad_norm", "tokens_per_s", "samples_per_s"}
 
 

@@ -56,7 +56,7 @@ def tiny_engine(workers: int = 1, configure: Callable[[Replica], None] | None = 
 
     def build(i, device):
         r = build_replica(i, device, copies[i], target, policy="eager", n_devices=workers, lr=1e-3,
-                          weight_decay=0.1, pos_weights=pw)
+                          betas=(0.9, 0.95), weight_decay=0.1, pos_weights=pw)
         if configure is not None:
             configure(r)
         return r

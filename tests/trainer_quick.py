@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--target", "tiny", "--data", "synthetic", "--batch-size", "4", "--block-size", "4", "--anchors", "4",
          "--synthetic-samples", "32", "--synthetic-prompt-len", "8", "--synthetic-new-tokens", "24",
          "--draft-layers", "1", "--cpu-threads", "1", "--eval-prompts", "2", "--eval-new-tokens", "8",
-         "--checkpoint-every", "0", "--lr", "3e-3", "--seed", "5"]
+         "--checkpoint-every", "0", "--lr", "3e-3", "--seed", "5",
+         "--adam-beta2", "0.95", "--steps", "200"]  # the pre-recipe beta2 and steps: later flags override
 
 
 def train(out: Path, *extra: str) -> int:
@@ -79,7 +80,8 @@ def children(pid: int) -> list[int]:
 CLI_MAIN = "from orchestrator.cli import main; main()"   # `python -c CLI_MAIN -i INV ...` is dflash-ops
 TINY_RUN = {"target": "tiny", "data": "synthetic", "synthetic_samples": 8, "synthetic_prompt_len": 4,
             "synthetic_new_tokens": 32, "batch_size": 2, "seq_len": 64, "anchors": 4, "draft_layers": 1,
-            "eval_prompts": 1, "eval_new_tokens": 16, "cpu_threads": 1, "checkpoint_every": 0}
+            "eval_prompts": 1, "eval_new_tokens": 16, "cpu_threads": 1, "checkpoint_every": 0,
+            "adam_beta2": 0.95, "steps": 200}
 
 
 def tiny_run_config(**overrides) -> str:

@@ -133,8 +133,9 @@ class ShardStats:
 
 
 def build_replica(index: int, device: torch.device, drafter: Drafter, target: Target, *, policy: str,
-                  n_devices: int, lr: float, weight_decay: float, pos_weights: torch.Tensor,
-                  optimizer_state: dict | None = None, wrap: Callable[[nn.Module], nn.Module] | None = None,
+                  n_devices: int, lr: float, betas: tuple[float, float], weight_decay: float,
+                  pos_weights: torch.Tensor, optimizer_state: dict | None = None,
+                  wrap: Callable[[nn.Module], nn.Module] | None = None,
                   compile_target: bool = False, graph_target: bool = False, compile_update: bool = False) -> Replica:
     """Run IN the worker thread (or rank): per-thread compile config, device, target head, optimizer, compile.
 
@@ -157,7 +158,7 @@ def build_replica(index: int, device: torch.device, drafter: Drafter, target: Ta
     drafter.to(device)
     named = drafter.trainable_parameters()
     params = [p for _, p in named]
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
+    opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
                             **({"fused": True} if device.type == "cuda" else {}))
     if optimizer_state is not None:
         # A private copy: load_state_dict keeps same-device tensors as they are, and replicas must

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# gamma per block size from the DFlash recipe (docs/background.md#dflash).
+# gamma per block size from the DFlash recipe (docs/recipe.md, with its source).
 _GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 

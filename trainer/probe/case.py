@@ -40,6 +40,7 @@ from trainer.model import masks
 from trainer.exits import exit_process
 from trainer.run.data import Sample, make_batch
 from trainer.model.draft_loss import DraftLoss
+from trainer.run.config import TrainConfig
 from trainer.run.log import QuietLog
 from trainer.model.drafter import Drafter
 from trainer.engine.numerics import StepCheck, grad_errors, judge, snapshot_grads
@@ -50,6 +51,7 @@ SEED = 1234
 TEACHER_STEPS = 3
 LEARN_STEPS = 6
 LR = 1e-3           # teacher-forced and timed steps
+BETAS = (TrainConfig.adam_beta1, TrainConfig.adam_beta2)  # the trainer's defaults
 LEARN_LR = 1e-2     # the learnability steps: a clear fall of the loss in a few steps
 GRAD_CLIP = 1.0
 
@@ -153,7 +155,8 @@ class _Case:
 
         def build(i: int, device: torch.device, policy_=policy, n_devices=len(devices), wrap=None):
             return build_replica(i, device, copy.deepcopy(drafter), self.target, policy=policy_, n_devices=n_devices,
-                                 lr=LR, weight_decay=0.0, pos_weights=self.pos_weights, wrap=wrap)
+                                 lr=LR, betas=BETAS, weight_decay=0.0, pos_weights=self.pos_weights,
+                                 wrap=wrap)
 
         self.ref = build(0, self.device, "eager", 1)
         self.exact = _HigherPrecisionStep(self.ref)

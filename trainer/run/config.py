@@ -31,7 +31,7 @@ class TrainConfig:
     data: str = "synthetic"              # JSONL file, or synthetic (tests only)
     target_layers: str = ""              # comma-separated target layer ids; "" = evenly spaced 1..L-3
     # run
-    steps: int = 200
+    steps: int = 10000                   # the recipe's max_steps (docs/recipe.md)
     seed: int = 0
     out: str = "out"
     resume: bool = False
@@ -64,7 +64,7 @@ class TrainConfig:
     # drafter and objective
     draft_layers: int = 5
     block_size: int = 16
-    anchors: int = 64                    # anchors per sequence per step (at most)
+    anchors: int = 512                   # anchors per sequence per step (at most; fewer where memory is short)
     gamma: float = 0.0                   # loss decay; 0 = from the block size (7 for 16, 5 for 10, 4 for 8)
     mask_token_id: int = -1              # -1 = the target tokenizer's mask token or first unused row
     freeze_draft_norm: bool = False      # use the target's final norm, frozen (the pre-export behaviour)
@@ -73,10 +73,12 @@ class TrainConfig:
     train_thinking: bool = False         # also train on the <think>...</think> block a template injects
     # optimisation
     batch_size: int = 8                  # sequences per step, over all workers
-    seq_len: int = 2048                  # longer rows are truncated
+    seq_len: int = 3072                  # longer rows are truncated
     lr: float = 6e-4
     min_lr: float = 0.0
     warmup: float = 0.04                 # fraction of --steps
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     # synthetic data
@@ -152,7 +154,8 @@ HELP = {
     "ce_kernel": "on | off: the cross-entropy core as one Triton kernel on a GPU (off = the torch core)",
     "draft_layers": "drafter layers",
     "block_size": "tokens per block: the anchor plus block_size-1 predicted tokens",
-    "anchors": "anchors (blocks) per sequence per step, at most",
+    "anchors": "anchors (blocks) per sequence per step, at most; the trainer uses fewer, and says so in one "
+               "line at start, when rows are too short for them or the GPU's free memory is (docs/recipe.md)",
     "gamma": "loss decay w_k = exp(-(k-1)/gamma); 0 = from the block size",
     "mask_token_id": "token id of MASK (-1 = tokenizer's mask token, else the first unused embedding row)",
     "freeze_draft_norm": "use the target's final norm, frozen, instead of training the drafter's own "
@@ -166,6 +169,8 @@ HELP = {
     "lr": "peak learning rate (AdamW)",
     "min_lr": "learning rate at the end of the cosine",
     "warmup": "linear warmup as a fraction of --steps",
+    "adam_beta1": "AdamW beta1",
+    "adam_beta2": "AdamW beta2 (the recipe's 0.999; short, high-lr runs adapt faster with 0.95)",
     "weight_decay": "AdamW weight decay",
     "grad_clip": "max global gradient norm",
     "synthetic_samples": "rows of synthetic data to train on (--data synthetic, for tests only)",
@@ -347,6 +352,8 @@ def validate(c: TrainConfig, here: bool = True) -> None:
     need(c.lr > 0 and 0 <= c.min_lr <= c.lr, f"need 0 <= --min-lr <= --lr and --lr > 0 (got {c.min_lr}, {c.lr})")
     need(0 <= c.warmup < 1, f"--warmup is a fraction of --steps in [0, 1), got {c.warmup}")
     need(c.grad_clip > 0, f"--grad-clip must be > 0, got {c.grad_clip}")
+    need(0 <= c.adam_beta1 < 1 and 0 <= c.adam_beta2 < 1,
+         f"--adam-beta1 and --adam-beta2 must be in [0, 1), got {c.adam_beta1}, {c.adam_beta2}")
     need(c.keep_checkpoints >= 2,
          f"--keep-checkpoints must be >= 2 (the previous checkpoint must survive), got {c.keep_checkpoints}")
     need(c.log_every >= 1 and c.checkpoint_every >= 0 and c.eval_every >= 0,

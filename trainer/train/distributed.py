@@ -236,11 +236,13 @@ def _rank(cfg: TrainConfig, rank: int, world: int, local: int, device: torch.dev
                  + (" (auto: from probe.json)" if cfg.compile_policy == "auto" else ""))
         prep = loop.prepare(cfg, device, log, out, resume_from, stop, writer=writer,
                              barrier=lambda: device_barrier(device),
-                             load_checkpoint=lambda path: _checkpoint_everywhere(path, rank, world))
+                             load_checkpoint=lambda path: _checkpoint_everywhere(path, rank, world),
+                             agree_min=lambda n: _least(n, device))
 
         def build() -> Replica:
             return build_replica(rank, device, prep.drafter, prep.target, policy=policy, n_devices=1, lr=cfg.lr,
-                                 weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights,
+                                 betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
+                                 pos_weights=prep.pos_weights,
                                  optimizer_state=prep.ck.optimizer if prep.ck else None,
                                  wrap=lambda m: wrap_ddp(m, device),
                                  compile_target=policies.compiled_part(cfg.compile_target, policy, device),
@@ -250,6 +252,13 @@ def _rank(cfg: TrainConfig, rank: int, world: int, local: int, device: torch.dev
         if prep.ck is not None:
             checkpoint.restore_rng(prep.ck.rng)
         return loop.run_loop(cfg, engine, prep, log, stop)
+
+
+def _least(n: int, device: torch.device) -> int:
+    """The least n over every rank (one all-reduce)."""
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def _write_node_record(cfg: TrainConfig, rank: int, world: int) -> None:

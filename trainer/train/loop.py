@@ -22,7 +22,7 @@ from trainer.errors import EXIT_OK, EXIT_SIGTERM, UsageError
 from trainer.model import choices, masks
 from trainer.model.drafter import Drafter, DrafterConfig, flops_per_sample
 from trainer.engine.step import lr_at
-from trainer.run import checkpoint, provenance
+from trainer.run import checkpoint, provenance, sizing
 from trainer.run.config import RUN_CONFIG, TrainConfig, chat_template_options, layer_ids
 from trainer.run.data import Loader, check_samples, encode_rows, make_batch, overlap, read_rows, split_eval, synthetic
 from trainer.run.eval import acceptance_length
@@ -54,6 +54,7 @@ class Prepared:
     flops: float                 # training FLOPs per sample, for MFU
     identity: dict | None = None  # the target as trained against, recorded in every checkpoint (provenance.py)
     eval_overlap: int = 0        # eval prompts that are also training rows' prompts (--eval-overlap-ok)
+    anchors: int = 0             # anchors per sequence a step uses: --anchors, or fewer (sizing.py)
 
 
 def open_run(cfg: TrainConfig, *, writer: bool) -> tuple[Path, Path | None]:
@@ -88,11 +89,12 @@ def resolve_policy(cfg: TrainConfig, device: torch.device) -> str:
 
 
 def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from, stop: threading.Event, *,
-            writer: bool = True, barrier=lambda: None, load_checkpoint=None) -> Prepared:
-    """Target on `device`, data, eval prompts, the initial drafter. Ranks other than the writer wait
-    (barrier) for the writer to make the synthetic data and eval prompts, then read them (a rank on
-    another node makes the same data itself: same seed, same rows). load_checkpoint(resume_from)
-    gives the checkpoint to resume from (default: that folder's)."""
+            writer: bool = True, barrier=lambda: None, load_checkpoint=None, agree_min=lambda n: n) -> Prepared:
+    """Target on `device`, data, eval prompts, the initial drafter, the anchors a step uses. Ranks
+    other than the writer wait (barrier) for the writer to make the synthetic data and eval prompts,
+    then read them (a rank on another node makes the same data itself: same seed, same rows).
+    load_checkpoint(resume_from) gives the checkpoint to resume from (default: that folder's);
+    agree_min(n) is the least n over the ranks (every rank draws the same global batch)."""
     choices.configure(fp32_wgrad=cfg.fp32_wgrad == "on", flex_tiles=cfg.flex_tiles, ce_rows=cfg.ce_rows,
                       ce_kernel_on=cfg.ce_kernel == "on")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -126,9 +128,33 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
                  "it starts from the target's norm")
     log.info(f"drafter: {dcfg.num_layers} layers, {n_params / 1e6:.2f}M trainable params, block {dcfg.block_size}, "
              f"mask token {dcfg.mask_token_id}, gamma {gamma:g}")
+    anchors = _anchors(cfg, device, dcfg, n_params, pad_len, log, agree_min)
     return Prepared(out, ck, target, samples, eval_prompts, pad_len, pos_weights, dcfg, drafter,
-                    flops_per_sample(dcfg, pad_len, cfg.anchors * cfg.block_size),
-                    provenance.recorded(target, dcfg.mask_token_id), eval_overlap)
+                    flops_per_sample(dcfg, pad_len, anchors * cfg.block_size),
+                    provenance.recorded(target, dcfg.mask_token_id), eval_overlap, anchors)
+
+
+def _anchors(cfg: TrainConfig, device: torch.device, dcfg: DrafterConfig, n_params: int, pad_len: int, log,
+             agree_min) -> int:
+    """--anchors, or fewer where the rows or the device's free memory cannot take them: one line then."""
+    seqs = max(1, cfg.batch_size // (cfg.n_devices * cfg.nnodes))
+    shape = sizing.Shape(hidden=dcfg.hidden_size, intermediate=dcfg.intermediate_size, layers=dcfg.num_layers,
+                         kv_dim=dcfg.num_kv_heads * dcfg.head_dim, feature_layers=dcfg.num_target_layers,
+                         trainable=n_params, block=cfg.block_size, pad_len=pad_len, seqs=seqs)
+    if device.type == "cuda":
+        sharing = cfg.n_devices // cfg.gpus if cfg.topology == "threads" else 1
+        dev = sizing.Device("cuda", str(device), free=torch.cuda.mem_get_info(device)[0], workers=sharing)
+    else:
+        dev = sizing.Device("cpu", "cpu")
+    fit = sizing.fit_anchors(cfg.anchors, shape, dev,
+                             lambda n: seqs * flops_per_sample(dcfg, pad_len, n * cfg.block_size))
+    anchors = agree_min(fit.anchors)
+    line = fit.line
+    if anchors != fit.anchors:
+        line = f"anchors {anchors} instead of {cfg.anchors}: another rank's device has less free memory"
+    if line:
+        log.info(line)
+    return anchors
 
 
 def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Event) -> int:
@@ -255,7 +281,7 @@ class Batches:
         cfg, prep = self.cfg, self.prep
         batch = make_batch([prep.samples[i] for i in self.loader.next(cfg.batch_size)], pad_len=prep.pad_len,
                            pad_id=0, step=step, seed=cfg.seed, block_size=cfg.block_size,
-                           anchors=cfg.anchors, pos_weights=prep.pos_weights)
+                           anchors=prep.anchors, pos_weights=prep.pos_weights)
         return step, batch, self.loader.state()
 
 

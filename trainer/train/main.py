@@ -90,7 +90,8 @@ def _train(cfg: TrainConfig, stop: threading.Event, out, resume_from) -> int:
 
     def build(i: int, device: torch.device):
         return build_replica(i, device, copies[i], prep.target, policy=policy, n_devices=len(devices), lr=cfg.lr,
-                             weight_decay=cfg.weight_decay, pos_weights=prep.pos_weights, optimizer_state=opt_state,
+                             betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
+                             pos_weights=prep.pos_weights, optimizer_state=opt_state,
                              compile_target=policies.compiled_part(cfg.compile_target, policy, device),
                              # workers share one interpreter: a graph spares each the target's launches
                              graph_target=cfg.graph_target == "on" and len(set(devices)) == len(devices),

@@ -1,0 +1,83 @@
+"""The anchors a step uses (trainer/run/sizing.py): the recipe's where they fit, fewer with one line
+saying why where the rows or the GPU cannot take them, never silently."""
+from __future__ import annotations
+
+
+import pytest
+
+from trainer.run.sizing import GIB, Device, Fit, Shape, fit_anchors, sequence_bytes
+
+# The Qwen3-8B recipe (configs/qwen3-8b.yaml): 5 draft layers of the 8B shape, rows of 3072 tokens,
+# 4 sequences per GPU; the 8B target (16.4 GB) already on the device.
+RECIPE = Shape(hidden=4096, intermediate=12288, layers=5, kv_dim=1024, feature_layers=5, trainable=1_050_000_000,
+               block=16, pad_len=3072, seqs=4)
+
+
+def gpu(total_gb: float, workers: int = 1) -> Device:
+    return Device("cuda", "cuda:0", free=int((total_gb - 16.4) * GIB), workers=workers)
+
+
+@pytest.mark.parametrize("total_gb", [141, 80])
+def test_the_recipe_fits_an_h200_and_an_80gb_gpu_as_it_is(total_gb):
+    assert fit_anchors(512, RECIPE, gpu(total_gb)) == Fit(512, None)
+
+
+def test_a_smaller_gpu_gets_fewer_anchors_and_one_line_that_says_why():
+    fit = fit_anchors(512, RECIPE, gpu(48))
+    assert 8 <= fit.anchors < 512 and fit.anchors % 8 == 0
+    assert fit.line.startswith(f"anchors {fit.anchors} instead of 512: ")
+    assert "cuda:0" in fit.line and "GiB free" in fit.line and "\n" not in fit.line
+    # the most that fit: one anchor more (rounded) would not
+    spare = gpu(48).free - 3 * GIB - RECIPE.trainable * 16
+    assert RECIPE.seqs * sequence_bytes(RECIPE, fit.anchors) <= spare
+    assert RECIPE.seqs * sequence_bytes(RECIPE, fit.anchors + 8) > spare
+
+
+def test_workers_sharing_a_gpu_share_its_memory():
+    alone, shared = fit_anchors(512, RECIPE, gpu(80)), fit_anchors(512, RECIPE, gpu(80, workers=2))
+    assert shared.anchors < alone.anchors == 512 and "x 8 sequences" in shared.line
+
+
+def test_when_nothing_fits_the_config_is_kept_and_the_line_says_what_to_lower():
+    fit = fit_anchors(512, RECIPE, gpu(24))
+    assert fit.anchors == 512
+    assert fit.line.startswith("warning: ") and "--batch-size or --seq-len" in fit.line
+
+
+def test_anchors_past_what_the_rows_hold_are_cut_to_it():
+    short = Shape(**{**RECIPE.__dict__, "pad_len": 256})
+    fit = fit_anchors(512, short, gpu(141))
+    assert fit.anchors == 256 - 16 + 1
+    assert fit.line == ("anchors 241 instead of 512: the longest row (256 tokens) holds at most 241 blocks "
+                        "of 16; more are padding")
+
+
+def test_on_the_cpu_the_config_is_kept_and_a_heavy_step_says_it_will_be_slow():
+    cpu = Device("cpu", "cpu")
+    fit = fit_anchors(512, RECIPE, cpu, step_flops=lambda n: n * 1e10)
+    assert fit.anchors == 512 and fit.line.startswith("on the CPU: ") and "~5.1 TFLOP per worker step" in fit.line
+    assert fit_anchors(16, RECIPE, cpu, step_flops=lambda n: n * 1e10) == Fit(16, None)
+
+
+def test_the_trainer_says_it_once_at_start(tmp_path, capsys):
+    """A real run whose rows (32 tokens) cannot hold the 100 anchors asked: it trains with 29 blocks
+    of 4 and says so in one line, before the first step."""
+    pytest.importorskip("torch")
+    from trainer_quick import train
+
+    assert train(tmp_path / "run", "--anchors", "100", "--steps", "2", "--eval-prompts", "0") == 0
+    out = capsys.readouterr().out.splitlines()
+    said = [i for i, line in enumerate(out) if "instead of 100" in line]
+    assert [out[i] for i in said] == ["[trainer] anchors 29 instead of 100: the longest row (32 tokens) holds at "
+                                      "most 29 blocks of 4; more are padding"]
+    first_step = next(i for i, line in enumerate(out) if line.startswith('{"step": 1'))
+    assert said[0] < first_step
+
+
+@pytest.mark.parametrize("seqs, peak_gb", [(2, 54.2), (4, 76.5)])
+def test_the_estimate_covers_the_measured_peaks_at_the_recipes_shape(seqs, peak_gb):
+    """docs/benchmarks.md#9-memory (M1): the trainer's eager step at the recipe's shape on one H200.
+    Target (16.4 GB) + drafter state + the activations estimated lands at or a little above it."""
+    s = Shape(**{**RECIPE.__dict__, "seqs": seqs})
+    predicted = 16.4e9 + RECIPE.trainable * 16 + seqs * sequence_bytes(s, 512)
+    assert peak_gb * 1e9 <= predicted <= 1.08 * peak_gb * 1e9
