@@ -13,7 +13,6 @@ import io
 import json
 import os
 import socket
-import tarfile
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -140,6 +139,8 @@ def build_tar(source: Source, changed: list[str]):
     Each file goes as a regular file of the size it was hashed at, read through symlinks (the
     file set only keeps links to files inside the tree); a file that shrank since is an error
     naming it, one that changed content is caught by the agent's hash check."""
+    import tarfile       # here: a deploy that changes nothing never needs it
+
     spool = tempfile.SpooledTemporaryFile(max_size=64 << 20)
     with tarfile.open(fileobj=spool, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         for rel in changed:

@@ -122,23 +122,55 @@ def _listdir(path):
         return []
 
 
-def _dist_version(name):
-    """The installed version of distribution NAME, without importing it (torch takes seconds).
+# Under `python -S` (the release agent: a target's .pth files can import a good deal at every
+# start, and a deploy that changes nothing is mostly that start): what _site has done so far.
+_SITE_DONE = set()
 
-    First the `NAME-VERSION.dist-info` folder on sys.path, in sys.path order as importlib.metadata
-    searches: a listdir per path entry, cheaper than importing importlib.metadata in every
-    deploy. Anything else (egg-info, odd layouts) goes to importlib.metadata."""
-    want = name.lower().replace("-", "_")
-    for entry in sys.path:
-        try:
-            names = os.listdir(entry or ".")
-        except OSError:
-            continue
-        for folder in names:
+
+def _site(full=False):
+    """sys.path with the installed packages on it. Without -S: as it is. Under -S, `site.main()`
+    once, as a plain start runs it (venv, user site, site-packages, in their order) but without
+    running .pth files or sitecustomize, so paths only a .pth file adds are missing; full: the
+    real `site.main()`, .pth files included."""
+    want = "full" if full else "dirs"
+    if not sys.flags.no_site or want in _SITE_DONE or "full" in _SITE_DONE:
+        return sys.path
+    import site
+
+    saved = site.addpackage, site.execsitecustomize, site.execusercustomize
+    if not full:
+        site.addpackage = lambda *args, **kw: None
+        site.execsitecustomize = site.execusercustomize = lambda: None
+    try:
+        site.main()
+    finally:
+        site.addpackage, site.execsitecustomize, site.execusercustomize = saved
+    _SITE_DONE.add(want)
+    return sys.path
+
+
+def _dist_info_version(path, want):
+    for entry in path:
+        for folder in _listdir(entry or "."):
             if folder.endswith(".dist-info") and "-" in folder:
                 dist, version = folder[:-len(".dist-info")].split("-", 1)
                 if dist.lower().replace("-", "_").replace(".", "_") == want and "-" not in version:
                     return version
+    return None
+
+
+def _dist_version(name):
+    """The installed version of distribution NAME, without importing it (torch takes seconds).
+
+    The `NAME-VERSION.dist-info` folder on sys.path, in sys.path order as importlib.metadata
+    searches: a listdir per path entry, cheaper than importing importlib.metadata in every
+    deploy. Under -S first without the .pth files' paths, then with them. Anything else (egg-info,
+    odd layouts) goes to importlib.metadata."""
+    want = name.lower().replace("-", "_")
+    for full in ((False, True) if sys.flags.no_site else (False,)):
+        version = _dist_info_version(_site(full), want)
+        if version is not None:
+            return version
     try:
         from importlib import metadata
         return metadata.version(name)
@@ -149,7 +181,7 @@ def _dist_version(name):
 def _dists():
     """Every installed distribution as NAME-VERSION (its .dist-info folder on sys.path)."""
     found = set()
-    for entry in sys.path:
+    for entry in _site(full=True):
         for folder in _listdir(entry or "."):
             if folder.endswith(".dist-info"):
                 found.add(folder[:-len(".dist-info")])

@@ -36,6 +36,12 @@ from orchestrator.ssh.transport import Result, Transport
 
 RELEASE = "release.agent"     # deploy: manifest, apply, install-deps
 RUNS = "runs.agent"           # launch, status, follow, stop, metrics, export, probe
+# The target's python options per program. The release agent needs nothing that `site` sets up
+# at start, and a target's .pth files can cost more than the rest of a no-change deploy's agent:
+# -S skips them (remote/common.py `_site` puts the installed packages on sys.path where it
+# needs them: the torch version, install-deps). The runs agent starts trainers and imports
+# their modules: it keeps a plain start.
+OPTIONS = {RELEASE: ("-S",)}
 MAX_WORKERS = 16
 # ast.parse is not thread-safe in CPython 3.11 ("SystemError: AST constructor recursion depth
 # mismatch" when two fan-out threads build the agent's source at once): one builder at a time.
@@ -114,7 +120,7 @@ def _joined(entry: str) -> str:
 
 
 def argv(target: Target, program: str, args: Sequence[str]) -> list[str]:
-    return [target.python, "-c", source(program), *args]
+    return [target.python, *OPTIONS.get(program, ()), "-c", source(program), *args]
 
 
 # --- typed replies ------------------------------------------------------------------------------

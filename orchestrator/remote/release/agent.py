@@ -26,7 +26,6 @@ binaries needed in the container.
 """
 import json
 import os
-import platform
 import sys
 
 from ..common import _dist_version, _dists, _fail, _out, _read_json, _write_json, refuse
@@ -34,7 +33,9 @@ from ..common import _workdir
 from .store import MANIFEST, STATS, _check, _clear_leftovers, _holder, _live, _read_manifest, _stat_key, _try_lock
 
 # hashlib, shutil, subprocess, tarfile and tempfile are imported where they are used: the
-# `manifest` command of every deploy needs none of them, and importing them is a good part of its time.
+# `manifest` command of every deploy needs none of them, and importing them is a good part of its time
+# (platform too: sys.version's first word is its python_version()). The agent runs under `python -S`
+# (orchestrator/ssh/agent.py): common._site puts the installed packages on sys.path when asked.
 
 KEEP = 5
 
@@ -70,7 +71,7 @@ def cmd_manifest(workdir, full=False, tidy=False, no_files=False):
     finally:
         if lock is not None:
             lock.close()
-    _out({"python": platform.python_version(), "executable": sys.executable,
+    _out({"python": sys.version.split()[0], "executable": sys.executable,
           "torch": _dist_version("torch"), "release": release, "manifest": manifest,
           "damaged": damaged, "cleared": cleared, "workdir": workdir})
 

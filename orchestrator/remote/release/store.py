@@ -70,14 +70,14 @@ def _holder(workdir):
 def _clear_leftovers(workdir):
     """Remove what interrupted deploys left (partial releases, temporary links). Only under the
     deploy lock: a `.partial` folder is only ever written by the lock's holder."""
-    import shutil
-
     releases = os.path.join(workdir, "releases")
     cleared = []
     for folder, names in ((releases, _listdir(releases)), (workdir, _listdir(workdir))):
         for name in names:
             path = os.path.join(folder, name)
             if folder == releases and name.endswith(".partial"):
+                import shutil     # only when there is something to clear: every deploy comes here
+
                 shutil.rmtree(path, ignore_errors=True)
                 cleared.append(name)
             elif folder == workdir and name.startswith(".current.") and os.path.islink(path):
