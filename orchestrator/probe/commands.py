@@ -30,7 +30,7 @@ def _policy_list(ctx, param, value: str | None) -> str | None:
 @click.option("--case-timeout", type=click.IntRange(min=10),
               help="Seconds before one case counts as hung (default: 600 on CUDA, 300 on CPU).")
 @click.option("--topologies", type=click.Choice(["threads", "threads,processes"]),
-              help="threads: skip the DDP cases (default: both).")
+              help="threads: skip the DDP cases (default: both on a target with GPUs, threads on a CPU-only one).")
 @click.option("--reuse", is_flag=True,
               help="Keep the saved result (WORKDIR/probe.json) when the torch installed now made it.")
 @json_option
@@ -71,6 +71,9 @@ def probe(state: State, names, gpus, policies, case_timeout, topologies, reuse, 
                                    if res.get("processes_policy") else [])]))
     emit(as_json, doc, "\n\n".join(blocks))
     failed = {n: r.get("error") for n, r in doc["targets"].items() if not r.get("ok")}
+    # exit 1 also when a probed topology has no working policy (`auto` there would run a policy that failed)
+    failed.update({n: f"no working policy in {', '.join(r['no_working_policy'])}" for n, r in doc["targets"].items()
+                   if r.get("ok") and r.get("no_working_policy")})
     if failed:
         raise TargetsFailed(failed)
 
