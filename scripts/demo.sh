@@ -11,7 +11,27 @@ cache=${DFLASH_OPS_CACHE:-$HOME/.cache/dflash-ops}
 data=$cache/demo                # this machine is the `local` target: the files are where it reads them
 mkdir -p "$data"
 
-step() { printf '\n\033[1m== %s\033[0m\n' "$*" >&2; }
+# Each phase's time, printed at the end (bash's SECONDS: whole seconds since the script started).
+phases=()
+phase_start=$SECONDS
+phase_name=""
+step() {
+    [ -n "$phase_name" ] && phases+=("$(printf '%5d s  %s' $((SECONDS - phase_start)) "$phase_name")")
+    phase_name="$*"; phase_start=$SECONDS
+    printf '\n\033[1m== %s\033[0m\n' "$*" >&2
+}
+summary() {
+    step "done"
+    printf '\nphase times (%d s in all):\n' "$SECONDS" >&2
+    printf '  %s\n' "${phases[@]}" >&2
+    bin=$(dirname "$(command -v dflash-ops)")
+    printf '\ndflash-ops is %s; put it on PATH with:\n  export PATH="%s:$PATH"\n' "$bin/dflash-ops" "$bin" >&2
+    printf 'state: the local target keeps releases, runs and probe.json in %s;\n' \
+        "${DFLASH_OPS_HOME:-$HOME/.dflash-ops}/local" >&2
+    printf '       the small target and the demo data are cached in %s; reports and exports are in out/\n' \
+        "$cache" >&2
+}
+trap summary EXIT
 
 step "dflash-ops deploy $T"
 dflash-ops deploy "$T"
