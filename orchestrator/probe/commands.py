@@ -31,11 +31,14 @@ def _policy_list(ctx, param, value: str | None) -> str | None:
               help="Seconds before one case counts as hung (default: 600 on CUDA, 300 on CPU).")
 @click.option("--topologies", type=click.Choice(["threads", "threads,processes"]),
               help="threads: skip the DDP cases (default: both on a target with GPUs, threads on a CPU-only one).")
+@click.option("--fresh", is_flag=True,
+              help="Run every case again instead of reusing the verdicts kept on the target for this torch, "
+                   "hardware and trainer source.")
 @click.option("--reuse", is_flag=True,
               help="Keep the saved result (WORKDIR/probe.json) when the torch installed now made it.")
 @json_option
 @click.pass_obj
-def probe(state: State, names, gpus, policies, case_timeout, topologies, reuse, as_json):
+def probe(state: State, names, gpus, policies, case_timeout, topologies, fresh, reuse, as_json):
     """Verify the PyTorch build and find, by experiment, the compile policy for threaded training."""
     from orchestrator.probe import run as probe_mod
 
@@ -44,7 +47,7 @@ def probe(state: State, names, gpus, policies, case_timeout, topologies, reuse, 
 
     doc = probe_mod.probe(state.inv, list(names), gpus=gpus,
                           policies=policies.split(",") if policies else None,
-                          on_line=live, case_timeout=case_timeout, reuse=reuse,
+                          on_line=live, case_timeout=case_timeout, reuse=reuse, fresh=fresh,
                           topologies=topologies.split(",") if topologies else None)
     blocks = []
     for name, res in doc["targets"].items():
@@ -54,7 +57,8 @@ def probe(state: State, names, gpus, policies, case_timeout, topologies, reuse, 
         tv = res.get("torch", {})
         head = (f"{name}: torch {tv.get('version')} cuda {tv.get('cuda') or '-'} "
                 f"gpus {len(tv.get('gpus') or [])} {', '.join(sorted(set(tv.get('gpus') or [])))}"
-                + (f" (the saved result of {res['reused']}, reused)" if res.get("reused") else ""))
+                + (f" (the saved result of {res['reused']}, reused)" if res.get("reused") else "")
+                + (f"; verdicts reused: {', '.join(res['reused_cases'])}" if res.get("reused_cases") else ""))
         mismatches = (res.get("expect") or {}).get("mismatches") or []
         rows = [[c["policy"], c["topology"], c["threads"], c["outcome"],
                  f"{c['step_ms']:.1f}" if c.get("step_ms") is not None else None,

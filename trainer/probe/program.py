@@ -39,6 +39,7 @@ from trainer import policies
 from trainer.files import atomic_file
 from trainer.probe.build import build_report, call_or_default, check_expect, mode_options
 from trainer.probe.case import CPU_SHAPE, GPU_SHAPE, case_main
+from trainer.probe import verdicts
 from trainer.probe.watch import TAIL_LINES, explain, rendezvous_problem, run_isolated  # noqa: F401 - TAIL_LINES: tests
 
 TOPOLOGIES = ("threads", "processes")
@@ -244,11 +245,22 @@ def run_probe(args) -> dict:
     cases = []
     interrupted = False
     rendezvous = None   # checked once, before the first `processes` case
+    kept_in = None if args.fresh else verdicts.cache_dir(args.workdir)
+    store_in = verdicts.cache_dir(args.workdir)
+    base = verdicts.base_key(build, args.device, args.steps)
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     previous = signal.signal(signal.SIGTERM, _stop_probe)
     for i, (policy, topology, n) in enumerate(plan, 1):
         label = f"[{i}/{len(plan)}] {policy} {topology} x{n}"
         if interrupted:
             cases.append(_skipped(policy, topology, n, "not run: the probe was stopped"))
+            continue
+        key = verdicts.case_key(base, policy, topology, n)
+        kept = verdicts.load(kept_in, key)
+        if kept is not None:
+            cases.append(kept)
+            _progress(f"{label}: {kept['outcome']} (reused: the verdict of {kept['reused']} for this torch, "
+                      f"hardware and trainer source; --fresh runs it again)")
             continue
         if topology == "processes" and rendezvous is None:
             rendezvous = rendezvous_problem() or ""
@@ -270,6 +282,8 @@ def run_probe(args) -> dict:
             case = dict(_skipped(policy, topology, n, "the probe was stopped during this case"),
                         outcome="timeout")
         cases.append(case)
+        if not interrupted:
+            verdicts.store(store_in, key, case, now)
         if case["outcome"] in ("ok", "wrong"):
             detail = (f"{case['step_ms']:.2f} ms/step, gradient vs eager {_fmt(case['grad_err'])} "
                       f"(tolerance {_fmt(case['grad_tol'])})")
@@ -301,6 +315,7 @@ def run_probe(args) -> dict:
         "cases": cases, "policy": policy, "reason": reason, "interrupted": interrupted,
         "processes_policy": processes_policy, "processes_reason": processes_reason,
         "no_working_policy": no_working_policy(cases, args.topologies),
+        "reused_cases": [f"{c['policy']} {c['topology']}" for c in cases if c.get("reused")],
         "catalog_error": catalog_error,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": round(time.monotonic() - t_start, 2),
@@ -336,6 +351,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--policies", help=f"comma-separated subset of {','.join(policies.POLICY_NAMES)}")
     ap.add_argument("--topologies", help=f"comma-separated subset of {','.join(TOPOLOGIES)} (default: both on "
                                          "CUDA, threads on a CPU-only machine; threads alone skips the DDP cases)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="run every case again instead of reusing kept verdicts (verdicts.py: the cache and its key)")
     ap.add_argument("--signatures", help="signature catalog (default: the bundled signatures.yaml)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="where cases run (default: cuda when available)")
