@@ -36,9 +36,11 @@ trap summary EXIT
 step "dflash-ops deploy $T"
 dflash-ops deploy "$T"
 
-step "dflash-ops probe $T"
+# eager only: the demo shows the probe's verdict in ~30 s (kept on the target and reused by the next
+# demo); the whole matrix is `dflash-ops probe local` (minutes on 2 cores: every compile policy).
+step "dflash-ops probe $T --policies eager"
 policy=auto                  # the probe's choice, saved on the target
-if ! dflash-ops probe "$T"; then
+if ! dflash-ops probe "$T" --policies eager; then
     echo "demo: the probe could not run; launching with --policy eager" >&2
     policy=eager
 fi
@@ -48,11 +50,18 @@ fi
 # data), and prompts from the modules it never saw, for the held-out tau at the end.
 step "python -m trainer.small_lm --size cpu (built once, then cached)"
 python -m trainer.small_lm --size cpu
-python -m trainer.small_lm --size cpu --prompts train --n 192 --out "$data/prompts.jsonl" >/dev/null
-python -m trainer.small_lm --size cpu --prompts held-out --n 8 --seed 1 --out "$data/held-out.jsonl" >/dev/null
-step "python -m trainer.regen --target small-code (answers by the target itself)"
-python -m trainer.regen --target small-code --prompts "$data/prompts.jsonl" --out "$data/regen.jsonl" \
-    --max-new-tokens 48 --batch-size 64
+# The prompts and the target's answers depend only on the cached target: made once, kept beside it.
+if [ ! -s "$data/prompts.jsonl" ] || [ ! -s "$data/held-out.jsonl" ]; then
+    python -m trainer.small_lm --size cpu --prompts train --n 192 --out "$data/prompts.jsonl" >/dev/null
+    python -m trainer.small_lm --size cpu --prompts held-out --n 8 --seed 1 --out "$data/held-out.jsonl" >/dev/null
+fi
+step "python -m trainer.regen --target small-code (answers by the target itself; kept once complete)"
+if [ "$(wc -l < "$data/regen.jsonl" 2>/dev/null || echo 0)" -lt 192 ]; then
+    python -m trainer.regen --target small-code --prompts "$data/prompts.jsonl" --out "$data/regen.jsonl" \
+        --max-new-tokens 48 --batch-size 64
+else
+    echo "kept: $data/regen.jsonl (192 rows; delete it to answer the prompts again)" >&2
+fi
 
 # One GPU when this machine has any (the config's batch splits over it), else the CPU.
 gpus=$(dflash-ops targets "$T" --json | python3 -c \
