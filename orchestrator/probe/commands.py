@@ -56,7 +56,7 @@ def probe(state: State, names, gpus, policies, case_timeout, topologies, fresh, 
             continue
         tv = res.get("torch", {})
         head = (f"{name}: torch {tv.get('version')} cuda {tv.get('cuda') or '-'} "
-                f"gpus {len(tv.get('gpus') or [])} {', '.join(sorted(set(tv.get('gpus') or [])))}"
+                f"gpus {len(tv.get('gpus') or [])} {', '.join(sorted(set(tv.get('gpus') or [])))}".rstrip()
                 + (f" (the saved result of {res['reused']}, reused)" if res.get("reused") else "")
                 + (f"; verdicts reused: {', '.join(res['reused_cases'])}" if res.get("reused_cases") else ""))
         mismatches = (res.get("expect") or {}).get("mismatches") or []
