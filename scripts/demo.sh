@@ -11,14 +11,36 @@ cache=${DFLASH_OPS_CACHE:-$HOME/.cache/dflash-ops}
 data=$cache/demo                # this machine is the `local` target: the files are where it reads them
 mkdir -p "$data"
 
-step() { printf '\n\033[1m== %s\033[0m\n' "$*" >&2; }
+# Each phase's time, printed at the end (bash's SECONDS: whole seconds since the script started).
+phases=()
+phase_start=$SECONDS
+phase_name=""
+step() {
+    [ -n "$phase_name" ] && phases+=("$(printf '%5d s  %s' $((SECONDS - phase_start)) "$phase_name")")
+    phase_name="$*"; phase_start=$SECONDS
+    printf '\n\033[1m== %s\033[0m\n' "$*" >&2
+}
+summary() {
+    step "done"
+    printf '\nphase times (%d s in all):\n' "$SECONDS" >&2
+    printf '  %s\n' "${phases[@]}" >&2
+    bin=$(dirname "$(command -v dflash-ops)")
+    printf '\ndflash-ops is %s; put it on PATH with:\n  export PATH="%s:$PATH"\n' "$bin/dflash-ops" "$bin" >&2
+    printf 'state: the local target keeps releases, runs and probe.json in %s;\n' \
+        "${DFLASH_OPS_HOME:-$HOME/.dflash-ops}/local" >&2
+    printf '       the small target and the demo data are cached in %s; reports and exports are in out/\n' \
+        "$cache" >&2
+}
+trap summary EXIT
 
 step "dflash-ops deploy $T"
 dflash-ops deploy "$T"
 
-step "dflash-ops probe $T"
+# eager only: the demo shows the probe's verdict in ~30 s (kept on the target and reused by the next
+# demo); the whole matrix is `dflash-ops probe local` (minutes on 2 cores: every compile policy).
+step "dflash-ops probe $T --policies eager"
 policy=auto                  # the probe's choice, saved on the target
-if ! dflash-ops probe "$T"; then
+if ! dflash-ops probe "$T" --policies eager; then
     echo "demo: the probe could not run; launching with --policy eager" >&2
     policy=eager
 fi
@@ -28,11 +50,18 @@ fi
 # data), and prompts from the modules it never saw, for the held-out tau at the end.
 step "python -m trainer.small_lm --size cpu (built once, then cached)"
 python -m trainer.small_lm --size cpu
-python -m trainer.small_lm --size cpu --prompts train --n 192 --out "$data/prompts.jsonl" >/dev/null
-python -m trainer.small_lm --size cpu --prompts held-out --n 8 --seed 1 --out "$data/held-out.jsonl" >/dev/null
-step "python -m trainer.regen --target small-code (answers by the target itself)"
-python -m trainer.regen --target small-code --prompts "$data/prompts.jsonl" --out "$data/regen.jsonl" \
-    --max-new-tokens 48 --batch-size 64
+# The prompts and the target's answers depend only on the cached target: made once, kept beside it.
+if [ ! -s "$data/prompts.jsonl" ] || [ ! -s "$data/held-out.jsonl" ]; then
+    python -m trainer.small_lm --size cpu --prompts train --n 192 --out "$data/prompts.jsonl" >/dev/null
+    python -m trainer.small_lm --size cpu --prompts held-out --n 8 --seed 1 --out "$data/held-out.jsonl" >/dev/null
+fi
+step "python -m trainer.regen --target small-code (answers by the target itself; kept once complete)"
+if [ "$(wc -l < "$data/regen.jsonl" 2>/dev/null || echo 0)" -lt 192 ]; then
+    python -m trainer.regen --target small-code --prompts "$data/prompts.jsonl" --out "$data/regen.jsonl" \
+        --max-new-tokens 48 --batch-size 64
+else
+    echo "kept: $data/regen.jsonl (192 rows; delete it to answer the prompts again)" >&2
+fi
 
 # One GPU when this machine has any (the config's batch splits over it), else the CPU.
 gpus=$(dflash-ops targets "$T" --json | python3 -c \
@@ -57,12 +86,13 @@ if [ "$rc" -eq 0 ]; then
     dflash-ops export "$T" "$run" -o "out/dflash-drafter-$run" || rc=$?
 fi
 
-# tau on prompts from modules the target never trained on, the untrained drafter against the trained one.
+# tau on prompts from modules the target never trained on, the untrained drafter against the trained one
+# (32 new tokens a prompt, as the trainer's own eval: on 2 cores each run then takes well under a minute).
 if [ "$rc" -eq 0 ]; then
     for which in --untrained ""; do
         step "python -m trainer.specdec $which (held-out modules)"
         python -m trainer.specdec --target small-code --drafter "out/dflash-drafter-$run" \
-            --prompts "$data/held-out.jsonl" --max-new-tokens 48 --cpu $which >/dev/null || rc=$?
+            --prompts "$data/held-out.jsonl" --max-new-tokens 32 --cpu $which >/dev/null || rc=$?
     done
 fi
 

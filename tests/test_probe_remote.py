@@ -37,10 +37,45 @@ def test_probe_through_ssh_and_pct_matches_the_documented_shape(sshd, fakepct, m
         assert all(key in c for c in doc["cases"])
     assert cases[("eager", "threads")]["outcome"] == "ok"
     assert cases[("eager", "threads")]["threads"] >= 2
-    assert cases[("eager", "processes")]["outcome"] == "ok"       # 2 gloo ranks under torchrun, in the container
+    assert ("eager", "processes") not in cases    # a CPU-only target probes threads unless asked for DDP
     assert cases[("reduce-overhead", "threads")]["outcome"] == "skipped"   # CUDA only
     assert doc["policy"] == "eager"
     assert any("torch" in m for m in doc["expect"]["mismatches"])
     # The choice is saved on the target, where `launch --policy auto` reads it.
     saved = json.loads((fakepct.private(200) / "dflash" / "probe.json").read_text())
     assert saved["policy"] == doc["policy"]
+
+
+def test_a_verdict_is_reused_by_a_container_with_the_same_key_and_not_by_one_with_another_torch(
+        sshd, fakepct, make_inventory, tmp_path):
+    """Three containers point DFLASH_PROBE_CACHE at one folder of the node (a bind mount, in real life);
+    the third one's torch reports another build (a sitecustomize on its PYTHONPATH)."""
+    shared = tmp_path / "verdicts"
+    other = tmp_path / "other-torch"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import torch\ntorch.__version__ = torch.__version__ + '.other'\n")
+    for vmid in (201, 202, 203):
+        fakepct.create(vmid)
+    env = {"DFLASH_PROBE_CACHE": str(shared)}
+    inv = make_inventory({f"ct{v}": {"host": "node", "vmid": v, "python": sys.executable, "workdir": WORKDIR,
+                                     "gpus": 0, "env": dict(env, **({"PYTHONPATH": str(other)} if v == 203 else {}))}
+                          for v in (201, 202, 203)})
+    assert cli("-i", inv, "deploy", "ct201", "ct202", "ct203").returncode == 0
+
+    def probe(name, *extra):
+        r = cli("-i", inv, "probe", name, "--policies", "eager", "--json", *extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout)["targets"][name], r.stderr
+
+    first, _ = probe("ct201")
+    assert first["reused_cases"] == [] and first["cases"][0]["outcome"] == "ok"
+    assert len(list(shared.glob("*.json"))) == 1
+    second, err = probe("ct202")
+    assert second["reused_cases"] == ["eager threads"] and "reused: the verdict of" in err
+    assert second["cases"][0]["step_ms"] == first["cases"][0]["step_ms"] and second["seconds"] < 30
+    assert second["policy"] == "eager"
+    fresh, err = probe("ct202", "--fresh")
+    assert fresh["reused_cases"] == [] and "reused" not in err
+    third, _ = probe("ct203")
+    assert third["torch"]["version"].endswith(".other") and third["reused_cases"] == []
+    assert len(list(shared.glob("*.json"))) == 2

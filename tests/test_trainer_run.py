@@ -17,6 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trainer import faults  # noqa: E402
+from trainer.engine.numerics import rel_l2  # noqa: E402
+from tolerance import QUICK_CHAIN, bound, trained_weights_bound  # noqa: E402
 from trainer.run import checkpoint  # noqa: E402
 from trainer_quick import (QUICK, ROOT, metrics, sigterm_once_training, step_losses,  # noqa: E402
                            subprocess_env, train)
@@ -75,10 +77,11 @@ def test_two_workers_compute_the_same_update_as_one(tmp_path):
     assert train(one, "--steps", "4") == 0
     assert train(two, "--steps", "4", "--workers", "2") == 0
     la, lb = step_losses(one), step_losses(two)
-    assert all(abs(la[s] - lb[s]) < 1e-5 for s in la)
+    printed = 1e-6  # metrics.jsonl rounds a loss to 6 decimals
+    assert all(abs(la[s] - lb[s]) <= bound(torch.float32, QUICK_CHAIN) * abs(la[s]) + printed for s in la)
     wa, wb = final_weights(one), final_weights(two)
     # Sharded sums differ from the single pass only by float reassociation.
-    assert all(torch.allclose(wa[k], wb[k], atol=1e-5, rtol=1e-4) for k in wa)
+    assert max(rel_l2(wa[k], wb[k]) for k in wa) <= trained_weights_bound(4, QUICK_CHAIN)
 
 
 # ---- SIGTERM and kill -9 (real processes) ----------------------------------------------------------

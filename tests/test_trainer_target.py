@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trainer.run.target import load_target  # noqa: E402
+from tolerance import bound  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +114,9 @@ def test_compiled_layers_give_eager_features_and_leave_other_callers_eager():
     assert t.compiled
     got = t.features(ids)
     assert du.counters["stats"]["unique_graphs"] - graphs == 1  # 8 layers, one graph
-    # fp32 on the CPU: fused kernels reassociate a few sums; ~1e-7 measured. Features of a wrong
-    # layer or stale weights are off by O(1).
-    assert rel_l2(got, want) < 1e-5
+    # fp32 on the CPU: fused kernels reassociate the sums of 8 layers (hidden 64, MLP 128, 32 keys).
+    # Features of a wrong layer or stale weights are off by O(1).
+    assert rel_l2(got, want) <= bound(torch.float32, 8 * (4 * 64 + 16 + 32 + 64 + 128))
     assert not torch.equal(got, _full(t, _ids(4, B=2, S=32)))
     assert torch.equal(t.features(ids, eager=True), want)
     logits_after, _, _ = t.decode(ids[:, :6])

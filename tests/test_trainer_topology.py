@@ -2,7 +2,8 @@
 
 Tiny runs on the CPU with one torch thread each (deterministic). Tolerances:
 - 2 worker threads vs 1 worker, same global batch: the sharded gradient is the same sum in another
-  order (float reassociation), so weights agree to atol 1e-5 / rtol 1e-4 after 4 AdamW steps.
+  order (float reassociation), so losses and weights after 4 AdamW steps agree within the rounding
+  bound of that reduction (tests/tolerance.py), on any CPU's kernels.
 - torchrun (2 gloo processes, DDP with a SUM hook) vs 2 worker threads: the same shards, the same
   two-term sum (a + b == b + a), the same optimizer: bit-identical on the CPU; asserted to 1e-6.
 The failure paths use the trainer's test-only hooks (trainer/faults.py).
@@ -25,8 +26,12 @@ from trainer_quick import (QUICK, ROOT, children, metrics, sigterm_once_training
 from trainer import faults  # noqa: E402
 from trainer.engine.allreduce import gather_chunks, reduce_own_chunk  # noqa: E402
 from trainer.engine.step import FlatGrads  # noqa: E402
+from trainer.engine.numerics import rel_l2  # noqa: E402
+from tolerance import QUICK_CHAIN, bound, trained_weights_bound  # noqa: E402
 
 STEPS = ["--steps", "4", "--checksum-every", "2"]
+LOSS_TOL = bound(torch.float32, QUICK_CHAIN)
+PRINTED = 1e-6  # metrics.jsonl rounds a loss to 6 decimals
 
 
 def python_m_trainer(out: Path, *extra: str, env: dict | None = None, timeout: float = 180):
@@ -59,10 +64,10 @@ def test_two_worker_threads_train_the_same_weights_as_one(threaded_runs):
     one, two = threaded_runs
     la, lb = step_losses(one), step_losses(two)
     assert sorted(la) == sorted(lb) == [1, 2, 3, 4]
-    assert all(abs(la[s] - lb[s]) < 1e-5 for s in la)
+    assert all(abs(la[s] - lb[s]) <= LOSS_TOL * abs(la[s]) + PRINTED for s in la)
     wa, wb = final_weights(one), final_weights(two)
     assert wa.keys() == wb.keys()
-    assert all(torch.allclose(wa[k], wb[k], atol=1e-5, rtol=1e-4) for k in wa)
+    assert max(rel_l2(wa[k], wb[k]) for k in wa) <= trained_weights_bound(4, QUICK_CHAIN)
 
     # the handshake: worker 0 became ready first, then worker 1, each with its ready time
     ready = events(two, "worker_ready")
@@ -98,7 +103,8 @@ def test_flat_gradients_stay_in_place_and_the_reduce_sums_bit_identically():
     buffers = [r.grads.buffers[0] for r in replicas]
     assert all(torch.equal(b, buffers[0]) for b in buffers)  # every replica: the same bits
     for e, p in zip(expected, nets[2].parameters()):
-        assert torch.allclose(p.grad, e, atol=1e-6)
+        # three replicas' gradients summed in another order; each a sum over 4 rows
+        assert float((p.grad - e).abs().max()) <= bound(torch.float32, 3 * 4, float(e.abs().max()))
 
 
 def test_a_worker_that_fails_in_warm_up_ends_the_run_with_its_error(tmp_path, monkeypatch, capsys):

@@ -16,6 +16,18 @@ from trainer.engine.adamw import CompiledUpdate
 from trainer.errors import TrainerError
 from trainer.engine.step import apply_update
 
+from tolerance import bound
+
+# The gradient norm sums the squares of every element (3 tensors); the clip scales each gradient by
+# it, so that is the update's relative rounding. Each step also rounds each weight a few times
+# (decay, the step, fused vs foreach order): a few ulp per step.
+N = 1000 + 37 + 4096
+NORM = bound(torch.float32, N)
+
+
+def _same_weights(a, b, steps: int) -> bool:
+    return bool(torch.allclose(a, b, rtol=bound(torch.float32, 4 * steps), atol=steps * 1e-3 * NORM))  # lr 1e-3
+
 
 def _replica(fused, seed: int = 0, scale: float = 1.0):
     """fused: True (torch's fused AdamW, the clip folded in), False (clip_grad_norm_ + foreach AdamW),
@@ -41,11 +53,11 @@ def test_folded_clip_equals_clip_then_step(scale, kind):
     for step in range(3):
         n1 = apply_update(folded, 1e-3, 1.0, step)
         n2 = apply_update(plain, 1e-3, 1.0, step)
-        assert n1 == pytest.approx(n2, rel=1e-6)
+        assert n1 == pytest.approx(n2, rel=NORM)
         for a, b in zip(folded.params, plain.params):
             # Dividing by 1/c instead of multiplying by c, and fused vs foreach arithmetic: a few ulp.
-            # A skipped or unclipped update would be off by ~lr (1e-3) relative, 100x beyond this.
-            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (scale, step, (a - b).abs().max())
+            # A skipped or unclipped update would be off by ~lr (1e-3) relative, far beyond this.
+            assert _same_weights(a, b, step + 1), (scale, step, (a - b).abs().max())
         for a, b in zip(folded.params, plain.params):  # the next step's gradients, the same for both
             a.grad = torch.randn_like(a) * scale
             b.grad = a.grad.clone()
@@ -57,7 +69,7 @@ def test_folded_clip_equals_clip_then_step(scale, kind):
         assert float(sa["state"][k]["step"]) == float(v["step"]) == 3.0
         for name in ("exp_avg", "exp_avg_sq"):
             a = sa["state"][k][name]
-            assert float((a - v[name]).norm() / v[name].norm()) < 1e-5, (k, name)
+            assert float((a - v[name]).norm() / v[name].norm()) <= 3 * NORM, (k, name)
     if scale > 1:
         fresh, unclipped = _replica(kind, scale=scale), _replica(False, scale=scale)
         apply_update(fresh, 1e-3, 1.0, 0)
@@ -67,7 +79,7 @@ def test_folded_clip_equals_clip_then_step(scale, kind):
             b.grad = a.grad.clone()
         apply_update(fresh, 1e-3, 1.0, 1)
         unclipped.optimizer.step()
-        assert not torch.allclose(fresh.params[0], unclipped.params[0], rtol=1e-5, atol=1e-6)
+        assert not _same_weights(fresh.params[0], unclipped.params[0], 2)
 
 
 def test_the_compiled_update_equals_clip_then_step():
@@ -76,9 +88,9 @@ def test_the_compiled_update_equals_clip_then_step():
     for step in range(2):
         n1 = apply_update(compiled, 1e-3, 1.0, step)
         n2 = apply_update(plain, 1e-3, 1.0, step)
-        assert n1 == pytest.approx(n2, rel=1e-6)
+        assert n1 == pytest.approx(n2, rel=NORM)
         for a, b in zip(compiled.params, plain.params):
-            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (step, (a - b).abs().max())
+            assert _same_weights(a, b, step + 1), (step, (a - b).abs().max())
             a.grad = torch.randn_like(a) * 0.001
             b.grad = a.grad.clone()
 
@@ -115,7 +127,7 @@ def test_an_update_that_fails_to_compile_falls_back_to_torchs_adamw():
         n1 = apply_update(r, 1e-3, 1.0, 0)
     assert r.update is None
     n2 = apply_update(plain, 1e-3, 1.0, 0)
-    assert n1 == pytest.approx(n2, rel=1e-6)
+    assert n1 == pytest.approx(n2, rel=NORM)
     assert all(torch.equal(a, b) for a, b in zip(r.params, plain.params))
 
 

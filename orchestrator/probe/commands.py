@@ -30,12 +30,15 @@ def _policy_list(ctx, param, value: str | None) -> str | None:
 @click.option("--case-timeout", type=click.IntRange(min=10),
               help="Seconds before one case counts as hung (default: 600 on CUDA, 300 on CPU).")
 @click.option("--topologies", type=click.Choice(["threads", "threads,processes"]),
-              help="threads: skip the DDP cases (default: both).")
+              help="threads: skip the DDP cases (default: both on a target with GPUs, threads on a CPU-only one).")
+@click.option("--fresh", is_flag=True,
+              help="Run every case again instead of reusing the verdicts kept on the target for this torch, "
+                   "hardware and trainer source.")
 @click.option("--reuse", is_flag=True,
               help="Keep the saved result (WORKDIR/probe.json) when the torch installed now made it.")
 @json_option
 @click.pass_obj
-def probe(state: State, names, gpus, policies, case_timeout, topologies, reuse, as_json):
+def probe(state: State, names, gpus, policies, case_timeout, topologies, fresh, reuse, as_json):
     """Verify the PyTorch build and find, by experiment, the compile policy for threaded training."""
     from orchestrator.probe import run as probe_mod
 
@@ -44,7 +47,7 @@ def probe(state: State, names, gpus, policies, case_timeout, topologies, reuse, 
 
     doc = probe_mod.probe(state.inv, list(names), gpus=gpus,
                           policies=policies.split(",") if policies else None,
-                          on_line=live, case_timeout=case_timeout, reuse=reuse,
+                          on_line=live, case_timeout=case_timeout, reuse=reuse, fresh=fresh,
                           topologies=topologies.split(",") if topologies else None)
     blocks = []
     for name, res in doc["targets"].items():
@@ -53,8 +56,9 @@ def probe(state: State, names, gpus, policies, case_timeout, topologies, reuse, 
             continue
         tv = res.get("torch", {})
         head = (f"{name}: torch {tv.get('version')} cuda {tv.get('cuda') or '-'} "
-                f"gpus {len(tv.get('gpus') or [])} {', '.join(sorted(set(tv.get('gpus') or [])))}"
-                + (f" (the saved result of {res['reused']}, reused)" if res.get("reused") else ""))
+                f"gpus {len(tv.get('gpus') or [])} {', '.join(sorted(set(tv.get('gpus') or [])))}".rstrip()
+                + (f" (the saved result of {res['reused']}, reused)" if res.get("reused") else "")
+                + (f"; verdicts reused: {', '.join(res['reused_cases'])}" if res.get("reused_cases") else ""))
         mismatches = (res.get("expect") or {}).get("mismatches") or []
         rows = [[c["policy"], c["topology"], c["threads"], c["outcome"],
                  f"{c['step_ms']:.1f}" if c.get("step_ms") is not None else None,
@@ -71,6 +75,9 @@ def probe(state: State, names, gpus, policies, case_timeout, topologies, reuse, 
                                    if res.get("processes_policy") else [])]))
     emit(as_json, doc, "\n\n".join(blocks))
     failed = {n: r.get("error") for n, r in doc["targets"].items() if not r.get("ok")}
+    # exit 1 also when a probed topology has no working policy (`auto` there would run a policy that failed)
+    failed.update({n: f"no working policy in {', '.join(r['no_working_policy'])}" for n, r in doc["targets"].items()
+                   if r.get("ok") and r.get("no_working_policy")})
     if failed:
         raise TargetsFailed(failed)
 

@@ -21,7 +21,7 @@ TOTAL_TIMEOUT_S = 4 * 3600   # the program's own per-case timeouts end hung case
 
 def probe_args(target: Target, threads: int, *, policies: list[str] | None = None,
                case_timeout: float | None = None, reuse: bool = False,
-               topologies: list[str] | None = None) -> list[str]:
+               topologies: list[str] | None = None, fresh: bool = False) -> list[str]:
     """The agent command run on the target: pure, so tests can assert on it. The probe's own
     arguments are values, after `--`."""
     args = ["--threads", str(threads)]
@@ -33,13 +33,15 @@ def probe_args(target: Target, threads: int, *, policies: list[str] | None = Non
         args += ["--policies", ",".join(policies)]
     if topologies:
         args += ["--topologies", ",".join(topologies)]
+    if fresh:
+        args += ["--fresh"]
     return ["probe", target.workdir, *(["--reuse"] if reuse else []), "--", *args]
 
 
 def probe_target(session: Session, target: Target, threads: int, *, policies=None,
                  on_line: Callable[[str, str], None] | None = None,
                  case_timeout: float | None = None, reuse: bool = False,
-                 topologies: list[str] | None = None) -> dict:
+                 topologies: list[str] | None = None, fresh: bool = False) -> dict:
     """The probe's document for one target. reuse: the saved WORKDIR/probe.json when the torch
     installed now made it (the document then has "reused": the time it was made)."""
     lines = LineBuffer(lambda line: on_line(target.name, line)) if on_line else None
@@ -47,7 +49,7 @@ def probe_target(session: Session, target: Target, threads: int, *, policies=Non
     try:
         doc = agent.call(session.transport(target), target, agent.RUNS,
                          probe_args(target, threads, policies=policies, case_timeout=case_timeout,
-                                    reuse=reuse, topologies=topologies),
+                                    reuse=reuse, topologies=topologies, fresh=fresh),
                          what="python -m trainer.probe", stderr=lines or (lambda data: None),
                          timeout=TOTAL_TIMEOUT_S)["probe"]
     except agent.Refused as e:
@@ -65,14 +67,14 @@ def probe_target(session: Session, target: Target, threads: int, *, policies=Non
 
 def probe(inventory: Inventory, names: list[str], *, gpus: int | None = None,
           policies: list[str] | None = None, on_line=None, case_timeout: float | None = None,
-          reuse: bool = False, topologies: list[str] | None = None,
+          reuse: bool = False, topologies: list[str] | None = None, fresh: bool = False,
           session: Session | None = None) -> dict:
     """{"targets": {NAME: probe document | {"ok": False, "error": ...}}}"""
     targets = inventory.select(names)
     with agent.session(inventory, session) as s:
         group = agent.fan_out(targets, lambda target: probe_target(
             s, target, max(2, gpus if gpus is not None else target.gpus), policies=policies,
-            on_line=on_line, case_timeout=case_timeout, reuse=reuse, topologies=topologies))
+            on_line=on_line, case_timeout=case_timeout, reuse=reuse, topologies=topologies, fresh=fresh))
     return {"targets": {name: o.value if o.ok else
                         {"ok": False, "error": o.error.render(), "cases": [], "policy": None}
                         for name, o in group.items()}}

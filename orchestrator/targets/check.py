@@ -48,7 +48,11 @@ def check_one(session: Session, inv: Inventory, t: Target) -> Check:
         live = agent.call(transport, t, agent.RELEASE, ["manifest", t.workdir, "--no-files"],
                           what="check python")
         c.python, c.torch, c.release = live["python"], live["torch"], live["release"]
-        c.ok = True
+        c.ok = bool(c.torch)
+        if not c.torch:   # the trainer cannot run there: a failed check, with the command that fixes it
+            c.error = (f"{t.name}: {live.get('executable') or t.python} has no torch; install it with "
+                       f"`dflash-ops play playbooks/bootstrap.yaml {t.name} --var torch=...` "
+                       f"(or point `python:` in hosts.yaml at an interpreter that has it)")
     except ContainerError as e:
         c.container, c.error = e.message, e.render()
     except ConnectError as e:

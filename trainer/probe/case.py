@@ -45,8 +45,8 @@ from trainer.run.log import QuietLog
 from trainer.model.drafter import Drafter
 from trainer.engine.numerics import StepCheck, grad_errors, judge, snapshot_grads
 from trainer.engine.step import Replica, apply_update, build_replica, compute_grads, load_weights
+from trainer.probe.watch import CASE_MARK, PHASE_MARK  # noqa: F401 - CASE_MARK: the result line's mark
 
-CASE_MARK = "@@dflash-probe-case@@ "
 SEED = 1234
 TEACHER_STEPS = 3
 LEARN_STEPS = 6
@@ -208,6 +208,8 @@ class _Case:
             checks.append(StepCheck(loss_c, loss_e, loss_t, per_err, per_noise, tot_err, tot_noise))
             self.engine.update(LR, GRAD_CLIP, k)
             apply_update(self.ref, LR, GRAD_CLIP, k)
+            if k == 0:
+                phase("teacher-forced")   # the first step compiled; the rest are the checks
         return checks
 
     def replay(self) -> list[tuple[float, float]]:
@@ -248,12 +250,14 @@ def run_case(policy: str, topology: str, n: int, steps: int, device_kind: str, r
     if device_kind != "cuda" and topology == "threads":
         policies.share_cpu(n)
     t0 = time.perf_counter()
+    phase("compile")                         # building the replicas, then the first step compiles
     case = _Case(policy, topology, n, device_kind, rank)
     try:
         checks = case.teacher_forced()       # the first call of the engine compiles: its warm-up
         first_s = time.perf_counter() - t0
         replay = case.replay()
         learn = case.learn()
+        phase("timed")
         ms, ms_eager = case.timed(steps)
         verdict = judge(checks, replay, learn, case.names, case.dtype)
     finally:
@@ -265,6 +269,12 @@ def run_case(policy: str, topology: str, n: int, steps: int, device_kind: str, r
         "first_step_s": round(first_s, 3), "shape": asdict(case.shape),
         "backends": list(case.ref.loss_module.backends(case.device)),
     })
+
+
+def phase(name: str) -> None:
+    """Tell the parent (watch.run_isolated) what this case is doing now, for its heartbeat."""
+    sys.stdout.write(PHASE_MARK + name + "\n")
+    sys.stdout.flush()
 
 
 def _finite(x):

@@ -13,7 +13,8 @@ segfault or a hang loses only that case:
   processes  a real DDP run under torchrun: 2 ranks on the CPU (gloo), one per GPU up to 2 (NCCL).
 A case that runs is then judged against eager on identical weights and batches (gradients, not
 only losses: numerics.py): `ok`, or `wrong` (signature compiled-wrong), which is never chosen.
-The choice: the fastest `ok` policy in `threads` (eager is the fallback); with --workdir it is
+The choice: the fastest `ok` policy in `threads` (eager when none passed: the document then names
+the topology in `no_working_policy`, and `dflash-ops probe` exits 1); with --workdir it is
 saved atomically in WORKDIR/probe.json, which `--compile-policy auto` reads (policies.resolve).
 A second choice, `processes_policy`, answers `--topology processes` from the `processes` cases,
 where CUDA-graph policies are allowed.
@@ -27,7 +28,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -38,11 +38,12 @@ import torch
 from trainer import policies
 from trainer.files import atomic_file
 from trainer.probe.build import build_report, call_or_default, check_expect, mode_options
-from trainer.probe.case import CASE_MARK, CPU_SHAPE, GPU_SHAPE, case_main
+from trainer.probe.case import CPU_SHAPE, GPU_SHAPE, case_main
+from trainer.probe import verdicts
+from trainer.probe.watch import TAIL_LINES, explain, rendezvous_problem, run_isolated  # noqa: F401 - TAIL_LINES: tests
 
 TOPOLOGIES = ("threads", "processes")
 WRONG = "compiled-wrong"   # the signature of a case that ran but computes something else
-TAIL_LINES = 20
 HISTORY_KEEP = 20
 # Two policies within this fraction of each other's step time are a tie on a noisy machine:
 # the simpler one (earlier in POLICY_NAMES) wins.
@@ -59,7 +60,7 @@ def _stop_probe(signum, frame):
     raise _Stopped()
 
 
-def _run_child(policy: str, topology: str, n: int, args) -> dict:
+def _run_child(policy: str, topology: str, n: int, args, on_beat=None) -> dict:
     """One case: `python -m trainer.probe --case POLICY:TOPOLOGY:N` in the release's root; under
     `processes`, N ranks of it started by torchrun (`python -m torch.distributed.run`)."""
     root = str(Path(__file__).resolve().parents[2])  # the folder holding trainer/
@@ -75,58 +76,12 @@ def _run_child(policy: str, topology: str, n: int, args) -> dict:
                f"--nproc-per-node={n}", *case]
     else:
         cmd = [sys.executable, *case]
-    return run_isolated(cmd, args.timeout, cwd=root, env=env)
+    return run_isolated(cmd, args.timeout, cwd=root, env=env, on_beat=on_beat)
 
 
 def processes_ranks(device: str, n_gpus: int) -> int:
     """Ranks of the `processes` cases: 2 on the CPU (gloo); on GPUs one per GPU, at most 2 (NCCL)."""
     return 2 if device != "cuda" else max(1, min(2, n_gpus))
-
-
-def run_isolated(cmd: list[str], timeout: float, *, cwd: str | None = None,
-                 env: dict | None = None) -> dict:
-    """Run `cmd` in its own process group with stdout+stderr merged; on timeout kill the group
-    (the case and any compile workers it started). Returns the case result line (if printed),
-    exit code (negative: killed by that signal; None on timeout), output without it, tail, seconds."""
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            cwd=cwd, env=env, start_new_session=True)
-    timed_out = False
-    deadline = t0 + timeout
-    try:
-        while True:
-            try:
-                out, _ = proc.communicate(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
-                break
-            except subprocess.TimeoutExpired:
-                # the case exited but leftovers (compile workers) still hold the pipe; or time is up
-                exited = proc.poll() is not None
-                if exited or time.monotonic() >= deadline:
-                    timed_out = not exited
-                    _killpg(proc.pid)
-                    out, _ = proc.communicate()
-                    break
-    except BaseException:
-        _killpg(proc.pid)      # the probe itself is being stopped: take the case down with it
-        raise
-    _killpg(proc.pid)      # compile workers the case left behind
-    text = out.decode("utf-8", "replace")
-    result, lines = None, []
-    for line in text.splitlines():
-        if line.startswith(CASE_MARK):
-            result = call_or_default(lambda: json.loads(line[len(CASE_MARK):]))
-        else:
-            lines.append(line)
-    return {"result": result, "exit_code": None if timed_out else proc.returncode,
-            "timed_out": timed_out, "output": "\n".join(lines), "tail": lines[-TAIL_LINES:],
-            "seconds": round(time.monotonic() - t0, 2)}
-
-
-def _killpg(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _case_record(policy, topology, n, run, catalog) -> dict:
@@ -145,6 +100,7 @@ def _case_record(policy, topology, n, run, catalog) -> dict:
     elif outcome != "ok" and catalog is not None:
         sig = catalog.classify(run["output"], code)
     ran = outcome in ("ok", "wrong")
+    why = explain(run["output"], sig, catalog) if outcome in ("failed", "crashed", "timeout") else {}
     num = (res or {}).get("numerics") or {}
     return {
         "policy": policy, "topology": topology, "threads": n, "outcome": outcome, "signature": sig,
@@ -158,7 +114,8 @@ def _case_record(policy, topology, n, run, catalog) -> dict:
         "first_step_s": res.get("first_step_s") if ran else None,
         "eager_step_ms": res.get("eager_step_ms") if ran else None,
         "backends": res.get("backends") if ran else None,
-        "tail": run["tail"],
+        "exception": why.get("exception"), "remedy": why.get("remedy"), "missing_module": why.get("missing_module"),
+        "phase": run.get("phase"), "tail": run["tail"],
     }
 
 
@@ -166,7 +123,8 @@ def _skipped(policy, topology, n, why) -> dict:
     return {"policy": policy, "topology": topology, "threads": n, "outcome": "skipped",
             "signature": None, "step_ms": None, "agrees": None, "grad_err": None, "grad_tol": None,
             "grad_noise": None, "max_abs_diff": None, "numerics": None,
-            "exit_code": None, "seconds": 0.0, "error": why, "tail": []}
+            "exit_code": None, "seconds": 0.0, "error": why, "exception": None, "remedy": None,
+            "missing_module": None, "phase": None, "tail": []}
 
 
 def _passed(cases: list[dict], topology: str) -> list[dict]:
@@ -175,7 +133,8 @@ def _passed(cases: list[dict], topology: str) -> list[dict]:
 
 
 def choose(cases: list[dict]) -> tuple[str, str]:
-    """The fastest policy that ran in `threads` and computes what eager computes; eager as the fallback."""
+    """The fastest policy that ran in `threads` and computes what eager computes; when none did, eager
+    with a reason that says so."""
     passed = _passed(cases, "threads")
     failed = [f"{c['policy']} ({c['signature'] or c['outcome']})" for c in cases
               if c["topology"] == "threads" and c["outcome"] in ("failed", "crashed", "timeout")]
@@ -186,7 +145,7 @@ def choose(cases: list[dict]) -> tuple[str, str]:
     if wrong:
         notes += f"; ran but computed a different gradient than eager ({WRONG}): {', '.join(wrong)}"
     if not passed:
-        return "eager", "no policy passed in threads and matched eager: eager is the fallback" + notes
+        return "eager", _none_works(cases, "threads") + notes
     passed.sort(key=lambda c: c["step_ms"])
     best = _fastest_or_simpler(passed)
     others = ", ".join(f"{c['policy']} {c['step_ms']:.2f}" for c in passed if c is not best)
@@ -196,6 +155,20 @@ def choose(cases: list[dict]) -> tuple[str, str]:
     if best is not passed[0]:
         reason += f" (within {TIE_MARGIN:.0%} of {passed[0]['policy']}: the simpler policy wins)"
     return best["policy"], reason + notes
+
+
+def _none_works(cases: list[dict], topology: str) -> str:
+    """The reason when no policy passed in `topology`: eager is what `auto` then runs, named as a
+    policy that failed when it did, never as a fallback that works."""
+    eager = [c for c in cases if c["topology"] == topology and c["policy"] == "eager"]
+    how = (f"eager {eager[0]['outcome']}" + (f" ({eager[0].get('error')})" if eager[0]["outcome"] == "skipped" else "")
+           if eager else "eager not probed")
+    return f"NO WORKING POLICY in {topology}: no policy ran and matched eager ({how}); `auto` would run eager"
+
+
+def no_working_policy(cases: list[dict], topologies) -> list[str]:
+    """The probed topologies where no policy passed (the probe command then exits 1, naming them)."""
+    return [t for t in topologies if not _passed(cases, t)]
 
 
 def _fastest_or_simpler(passed: list[dict]) -> dict:
@@ -214,7 +187,7 @@ def choose_processes(cases: list[dict]) -> tuple[str, str]:
     wrong = [c["policy"] for c in cases if c["topology"] == "processes" and c["outcome"] == "wrong"]
     note = f"; ran but computed a different gradient than eager ({WRONG}): {', '.join(wrong)}" if wrong else ""
     if not passed:
-        return "eager", "no policy passed in processes and matched eager: eager is the fallback" + note
+        return "eager", _none_works(cases, "processes") + note
     best = _fastest_or_simpler(passed)
     graphs = [c["policy"] for c in passed if policies.needs_cuda(c["policy"])]
     reason = (f"{best['policy']}: fastest of {len(passed)} that ran as {best['threads']} DDP rank(s) "
@@ -271,23 +244,46 @@ def run_probe(args) -> dict:
               f"{len(plan)} cases, threads={n_threads}")
     cases = []
     interrupted = False
+    rendezvous = None   # checked once, before the first `processes` case
+    kept_in = None if args.fresh else verdicts.cache_dir(args.workdir)
+    store_in = verdicts.cache_dir(args.workdir)
+    base = verdicts.base_key(build, args.device, args.steps)
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     previous = signal.signal(signal.SIGTERM, _stop_probe)
     for i, (policy, topology, n) in enumerate(plan, 1):
         label = f"[{i}/{len(plan)}] {policy} {topology} x{n}"
         if interrupted:
             cases.append(_skipped(policy, topology, n, "not run: the probe was stopped"))
             continue
+        key = verdicts.case_key(base, policy, topology, n)
+        kept = verdicts.load(kept_in, key)
+        if kept is not None:
+            cases.append(kept)
+            _progress(f"{label}: {kept['outcome']} (reused: the verdict of {kept['reused']} for this torch, "
+                      f"hardware and trainer source; --fresh runs it again)")
+            continue
+        if topology == "processes" and rendezvous is None:
+            rendezvous = rendezvous_problem() or ""
+
+        def beat(phase: str, seconds: float, label=label) -> None:
+            _progress(f"{label}: running, {phase} ({seconds:.0f} s)")
+
         try:
             if policies.needs_cuda(policy) and not cuda:
                 case = _skipped(policy, topology, n, "needs CUDA; this machine has none")
+            elif topology == "processes" and rendezvous:
+                case = _skipped(policy, topology, n, f"rendezvous cannot form: {rendezvous}")
             else:
-                case = _case_record(policy, topology, n, _run_child(policy, topology, n, args), catalog)
+                _progress(f"{label}: starting")
+                case = _case_record(policy, topology, n, _run_child(policy, topology, n, args, beat), catalog)
         except _Stopped:
             # SIGTERM: report what is known rather than nothing (the cases so far cost minutes).
             interrupted = True
             case = dict(_skipped(policy, topology, n, "the probe was stopped during this case"),
                         outcome="timeout")
         cases.append(case)
+        if not interrupted:
+            verdicts.store(store_in, key, case, now)
         if case["outcome"] in ("ok", "wrong"):
             detail = (f"{case['step_ms']:.2f} ms/step, gradient vs eager {_fmt(case['grad_err'])} "
                       f"(tolerance {_fmt(case['grad_tol'])})")
@@ -295,6 +291,9 @@ def run_probe(args) -> dict:
                 detail += f" [{WRONG}] {case['error']}"
         else:
             detail = case["signature"] or case["error"] or ""
+            if case["outcome"] != "skipped":
+                detail += (f" in phase {case['phase']}" if case.get("phase") else "") + "".join(
+                    f"\n    {k}: {case[k]}" for k in ("exception", "remedy") if case.get(k))
         _progress(f"{label}: {case['outcome']} {detail} ({case['seconds']:.1f} s)")
     signal.signal(signal.SIGTERM, previous)
     policy, reason = choose(cases)
@@ -315,6 +314,8 @@ def run_probe(args) -> dict:
         "policies": {p: policies.describe(p) for p in names},
         "cases": cases, "policy": policy, "reason": reason, "interrupted": interrupted,
         "processes_policy": processes_policy, "processes_reason": processes_reason,
+        "no_working_policy": no_working_policy(cases, args.topologies),
+        "reused_cases": [f"{c['policy']} {c['topology']}" for c in cases if c.get("reused")],
         "catalog_error": catalog_error,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": round(time.monotonic() - t_start, 2),
@@ -348,8 +349,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--expect", type=_json_object, default=None,
                     help='JSON expectation, e.g. \'{"torch": ">=2.5", "cuda": "13.0", "gpus": 8}\'')
     ap.add_argument("--policies", help=f"comma-separated subset of {','.join(policies.POLICY_NAMES)}")
-    ap.add_argument("--topologies", help=f"comma-separated subset of {','.join(TOPOLOGIES)} (default: both; "
-                                         "threads alone skips the DDP cases)")
+    ap.add_argument("--topologies", help=f"comma-separated subset of {','.join(TOPOLOGIES)} (default: both on "
+                                         "CUDA, threads on a CPU-only machine; threads alone skips the DDP cases)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="run every case again instead of reusing kept verdicts (verdicts.py: the cache and its key)")
     ap.add_argument("--signatures", help="signature catalog (default: the bundled signatures.yaml)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="where cases run (default: cuda when available)")
@@ -372,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(t not in TOPOLOGIES for t in tops) or ("threads" not in tops and tops):
         _parser().error(f"--topologies: a subset of {', '.join(TOPOLOGIES)} that includes threads "
                         f"(the choice for `launch` comes from it)")
-    args.topologies = tops or list(TOPOLOGIES)
+    # On a CPU-only machine the trainer's default topology is threads; DDP over gloo there is slow to
+    # probe and is what nobody launches by default, so it is probed only when asked for.
+    args.topologies = tops or (list(TOPOLOGIES) if args.device == "cuda" else ["threads"])
     if args.timeout is None:
         # a GPU case compiles Triton kernels (max-autotune benchmarks them) in N threads at once
         args.timeout = 600.0 if args.device == "cuda" else 300.0
