@@ -51,9 +51,10 @@ def test_a_config_or_flag_typo_is_exit_2_with_did_you_mean_and_no_run(sshd, fake
     path = deployed(make_inventory, fakepct, source)
     cfg = tmp_path / "train.yaml"
     cfg.write_text(tiny_run_config() + "stpes: 200\n")
+    line = len(tiny_run_config().splitlines()) + 1
     r = cli(path, "launch", "ct200", "--gpus", "0", "--policy", "eager", "--config", cfg)
     assert r.returncode == 2
-    assert "train.yaml:14: unknown key 'stpes' (did you mean 'steps'?)" in one_line(r)
+    assert f"train.yaml:{line}: unknown key 'stpes' (did you mean 'steps'?)" in one_line(r)
     r = cli(path, "launch", "ct200", "--gpus", "0", "--policy", "eager", "--", "--stpes", "3")
     assert r.returncode == 2 and "--stpes 3 (did you mean --steps?)" in one_line(r)
     # a rule across settings: 3 sequences do not split over 2 workers
