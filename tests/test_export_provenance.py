@@ -162,3 +162,19 @@ def test_a_running_run_needs_running_ok_and_says_which_step(tmp_path):
     assert not provenance.is_running(out)
     rc, doc, _ = call(["--run", out, "-o", tmp_path / "e"])
     assert rc == 0 and doc["running"] is False
+
+
+def test_a_resume_against_a_changed_target_is_refused_unless_target_changed_ok(trained, tmp_path):
+    from trainer.train import train_entry
+
+    out = retargeted(trained, tmp_path, lambda p: variant(p, seed=11))
+    argv = ["--target", str(tmp_path / "target"), *QUICK[2:], "--steps", "4", "--out", str(out), "--resume"]
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        assert run(train_entry, argv) == 2
+    line = err.getvalue().strip()
+    assert len(line.splitlines()) == 1 and "is not the one" in line and "--target-changed-ok" in line, line
+    assert "embedding/lm_head weights" in line and checkpoint.find_latest(out).name.endswith("3")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert run(train_entry, argv + ["--target-changed-ok"]) == 0
+    assert checkpoint.load(checkpoint.find_latest(out)).step == 4

@@ -95,6 +95,7 @@ class TrainConfig:
     eval_every: int = 0                  # 0 = only at the end
     eval_at_start: bool = False          # also measure the untrained drafter (a baseline for tau)
     eval_overlap_ok: bool = False        # allow eval prompts that are also training rows' prompts
+    target_changed_ok: bool = False      # --resume against a target other than the checkpoint's
 
     @property
     def n_devices(self) -> int:
@@ -188,6 +189,8 @@ HELP = {
     "eval_overlap_ok": "run even when eval prompts are also training rows' prompts (too few rows to hold any "
                        "out, or repeated prompts); without it the run refuses, as tau would not be measured on "
                        "held-out prompts",
+    "target_changed_ok": "with --resume: continue even when the target at --target is not the one the checkpoint "
+                         "was trained against (same shape, another model); without it the resume refuses",
 }
 
 
