@@ -178,3 +178,21 @@ def test_a_resume_against_a_changed_target_is_refused_unless_target_changed_ok(t
     with contextlib.redirect_stdout(io.StringIO()):
         assert run(train_entry, argv + ["--target-changed-ok"]) == 0
     assert checkpoint.load(checkpoint.find_latest(out)).step == 4
+
+
+def test_eval_measures_with_the_trained_layers_and_refuses_a_changed_target(trained, tmp_path, monkeypatch):
+    from trainer.run import eval as trainer_eval
+    from trainer.run import target as target_mod
+
+    asked = []
+    real = target_mod.load_target
+    monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: asked.append(k.get("layers")) or real(*a, **k))
+    out = retargeted(trained, tmp_path, lambda p: variant(p, layers=12))
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        assert run(trainer_eval.main, ["--out", str(out), "--prompts", "1", "--new-tokens", "4"]) == 2
+    assert "(layers 8 -> 12" in err.getvalue() and "--target-changed-ok" in err.getvalue(), err.getvalue()
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert run(trainer_eval.main, ["--out", str(out), "--prompts", "1", "--new-tokens", "4",
+                                       "--target-changed-ok"]) == 0
+    assert list(asked[-1]) == TRAINED_IDS    # a 12-layer target's default would be [1, 3, 5, 7, 9]

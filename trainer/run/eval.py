@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, help="use only the first N held-out prompts")
     p.add_argument("--new-tokens", type=int, help="tokens to generate per prompt (default: the run's)")
     p.add_argument("--gpus", type=int, default=None, help="0 = CPU (default: the run's setting, if a GPU is there)")
+    p.add_argument("--target-changed-ok", action="store_true",
+                   help="measure even when the target at the run's --target is not the one the checkpoint records")
     a = p.parse_args(argv)
 
     out = Path(a.out)
@@ -282,19 +284,31 @@ def main(argv: list[str] | None = None) -> int:
     gpus = cfg.gpus if a.gpus is None else a.gpus
     device = torch.device("cuda:0" if gpus > 0 and torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = load_target(cfg.target, device=device, dtype=dtype, layers=layer_ids(cfg))
-    dcfg = target.drafter_config(num_layers=cfg.draft_layers, block_size=cfg.block_size,
-                                 mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id,
-                                 own_norm=not cfg.freeze_draft_norm)
-    torch.manual_seed(cfg.seed)
-    drafter = Drafter(dcfg)
-    drafter.init_norm(target.head_weights()[1])
-    step = 0
+    ck = None
     if not a.untrained:
         path = Path(a.checkpoint) if a.checkpoint else checkpoint.find_latest(out)
         if path is None or not checkpoint.verify(path):
             raise UsageError(f"no complete checkpoint {'at ' + a.checkpoint if a.checkpoint else 'in ' + a.out}")
         ck = checkpoint.load(path)
+    # What the checkpoint was trained with (layers read, mask token), not what the target gives now
+    record = ck.meta.get("target") if ck is not None else None
+    layers = tuple(record["layer_ids"]) if record else layer_ids(cfg)
+    mask = record["mask_token_id"] if record else None if cfg.mask_token_id < 0 else cfg.mask_token_id
+    target = load_target(cfg.target, device=device, dtype=dtype, layers=layers)
+    if record:
+        from trainer.run import provenance
+
+        changed = provenance.changes(record, provenance.identity(target))
+        if changed and not a.target_changed_ok:
+            raise UsageError(f"the target {cfg.target} is not the one {ck.path} was trained against "
+                             f"({', '.join(changed.values())}); pass --target-changed-ok to measure against it")
+    dcfg = target.drafter_config(num_layers=cfg.draft_layers, block_size=cfg.block_size, mask_token_id=mask,
+                                 own_norm=not cfg.freeze_draft_norm)
+    torch.manual_seed(cfg.seed)
+    drafter = Drafter(dcfg)
+    drafter.init_norm(target.head_weights()[1])
+    step = 0
+    if ck is not None:
         drafter.load_trainable_state_dict(ck.model)
         step = ck.step
     drafter.borrow_target_head(*target.head_weights())
