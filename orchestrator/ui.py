@@ -48,6 +48,15 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join(lines)
 
 
+def size_text(n: float) -> str:
+    """A byte count as a person reads it: `512 B`, `11.8 MiB`."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def colour(text: str, code: str, stream=None) -> str:
     stream = stream or sys.stdout
     if not getattr(stream, "isatty", lambda: False)():

@@ -6,7 +6,7 @@ import json
 import click
 
 from orchestrator.errors import TargetsFailed
-from orchestrator.ui import State, emit, json_option, progress_bars
+from orchestrator.ui import State, emit, json_option, progress_bars, size_text
 
 
 @click.command()
@@ -38,21 +38,21 @@ def deploy(state: State, names, dry_run, source, install_deps, all_files, verify
             lines.append(f"{r.target}: FAILED: {r.error}")
             continue
         if r.dry_run:
-            lines.append(f"{r.target}: would send {r.files_sent} file(s) ({_size(r.bytes_sent)}), "
+            lines.append(f"{r.target}: would send {r.files_sent} file(s) ({size_text(r.bytes_sent)}), "
                          f"delete {r.files_deleted}")
             lines += [f"  + {shown(p)}" for p in r.changed] + [f"  - {shown(p)}" for p in r.deleted]
         elif r.unchanged:
             lines.append(f"{r.target}: up to date at {r.release} ({r.seconds:.2f} s)")
         else:
             lines.append(f"{r.target}: release {r.release}: sent {r.files_sent} file(s) "
-                         f"({_size(r.bytes_sent)}), deleted {r.files_deleted} ({r.seconds:.2f} s)")
+                         f"({size_text(r.bytes_sent)}), deleted {r.files_deleted} ({r.seconds:.2f} s)")
         if r.repaired:
             lines.append(("  would repair" if r.dry_run else "  repaired")
                          + f" {len(r.repaired)} missing or damaged file(s) of the live release: "
                          + ", ".join(map(shown, r.repaired[:5]))
                          + (" ..." if len(r.repaired) > 5 else ""))
         if r.sparse:
-            files = ", ".join(f"{shown(p)} ({_size(size)}, {_size(disk)} on disk here)"
+            files = ", ".join(f"{shown(p)} ({size_text(size)}, {size_text(disk)} on disk here)"
                               for p, (size, disk) in r.sparse.items())
             lines.append(("  would send" if r.dry_run else "  sent") + " sparse file(s) in full, holes as zeros "
                          f"(they take their whole size there): {files}")
@@ -72,11 +72,4 @@ def shown(path: str) -> str:
     or space at either end, so a name cannot fake a line of the listing."""
     return path if path.isprintable() and path == path.strip() else json.dumps(path)
 
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 

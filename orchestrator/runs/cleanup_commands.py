@@ -4,17 +4,12 @@ from __future__ import annotations
 import click
 
 from orchestrator.errors import NotFound, OpsError
-from orchestrator.ui import State, emit, json_option
+from orchestrator.ui import State, emit, json_option, size_text
 
 
 def _bytes(n: int) -> str:
     """`12345678 bytes (11.8 MiB)`: the exact count, and a size a person reads."""
-    size, unit = float(n), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            break
-        size /= 1024
-    return f"{n} bytes" + ("" if unit == "B" else f" ({size:.1f} {unit})")
+    return f"{n} bytes" + ("" if n < 1024 else f" ({size_text(n)})")
 
 
 def _lines(r) -> list[str]:
