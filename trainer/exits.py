@@ -30,17 +30,25 @@ def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) 
         print(f"trainer: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     except TrainerError as e:
-        if e.__cause__ is not None:  # a worker's crash: keep where it happened
-            import traceback
-
-            traceback.print_exception(e.__cause__, file=sys.stderr)
-        print(f"trainer: error: {e}", file=sys.stderr, flush=True)
+        report(e)
         return e.exit_code
     except KeyboardInterrupt:
         print("trainer: interrupted", file=sys.stderr, flush=True)
         return 130
     except BrokenPipeError:
         return EXIT_FAILED
+
+
+def report(e: TrainerError, where: str = "") -> None:
+    """A failure on stderr: its cause's traceback (a worker's crash: where it happened), `where` (a
+    hung worker's stack), then the one `trainer: error:` line the signatures read."""
+    if e.__cause__ is not None:
+        import traceback
+
+        traceback.print_exception(e.__cause__, file=sys.stderr)
+    if where:
+        print(where, file=sys.stderr)
+    print(f"trainer: error: {e}", file=sys.stderr, flush=True)
 
 
 def in_rank() -> bool:

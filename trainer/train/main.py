@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import copy
 import faulthandler
-import sys
 import threading
 import time
-import traceback
 
 import torch
 
 from trainer import policies
 from trainer.engine.step import build_replica
 from trainer.engine.workers import ThreadEngine, WorkerFailed, WorkerHung
-from trainer.exits import exit_process
+from trainer.exits import exit_process, report
 from trainer.run import checkpoint
 from trainer.run.config import TrainConfig
 from trainer.run.log import RunLog
@@ -119,8 +117,5 @@ def _report(e: WorkerFailed | WorkerHung) -> None:
     cudagraph-trees-tls in trainer/signatures.yaml): exiting without finalization makes the exit
     status the one reported here.
     """
-    if e.__cause__ is not None:
-        traceback.print_exception(e.__cause__, file=sys.stderr)
-    if getattr(e, "stack", ""):
-        print(f"worker {e.index} was here when the run gave up on it:\n{e.stack}", file=sys.stderr)
-    print(f"trainer: error: {e}", file=sys.stderr)
+    stack = getattr(e, "stack", "")
+    report(e, f"worker {e.index} was here when the run gave up on it:\n{stack}" if stack else "")
