@@ -1,0 +1,130 @@
+"""The reliability battery: each fault case's reproductions, run as tests, and what held.
+
+    .venv/bin/python scripts/reliability_battery.py            # ~4 minutes on 2 cores
+    .venv/bin/python scripts/reliability_battery.py --list     # the cases and their tests, no run
+
+Every case is a fault that once broke the tool (a killed agent, a hostile inventory, an unsafe
+workdir, a loopback training address, ...). Its reproductions are ordinary tests in tests/ that run
+against the real loopback sshd and the pct stand-in; this script runs them in one pytest call and
+prints one line per case: held (every reproduction passed), BROKE (which did not), or not run
+(skipped, with why). Exit 0 when every case held.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (case, what broke, the tests that reproduce it: "file.py" or "file.py::name-prefix")
+CASES = (
+    ("1", "runs agent SIGKILLed at each point of the launch: no orphan trainer, no double-booked slot",
+     ("test_runs_agent.py::test_a_launch_killed_at_any_point", "test_launch_safety.py")),
+    ("2", "inventory without bounds: 50 MB, /dev/zero, deep nesting, python tags",
+     ("test_inventory_limits.py::test_what_is_not_plain_data", "test_inventory_limits.py::test_size_limit",
+      "test_inventory_limits.py::test_hostile_yaml", "test_inventory_limits.py::test_playbooks_have")),
+    ("3", "unsafe workdir: /, /etc, .., ~ resolving to /",
+     ("test_inventory_limits.py::test_unsafe_workdirs", "test_inventory_limits.py::test_home_is_resolved")),
+    ("4", "target names that cannot be used, or shadow a run id",
+     ("test_inventory_limits.py::test_names_outside", "test_inventory_limits.py::test_a_target_named_like")),
+    ("5", "YAML 1.1 integer spellings (0310, 0xC8, 3:20, 2_00)",
+     ("test_inventory_limits.py::test_yaml_1_1_integer",)),
+    ("6", "OpenSSH's known_hosts: markers, @revoked, @cert-authority, hashed entries",
+     ("test_ssh_trust.py::test_markers", "test_ssh_trust.py::test_hashed", "test_ssh_trust.py::test_a_revoked",
+      "test_ssh_trust.py::test_a_host_certificate")),
+    ("7", "logs of a job on several nodes: a follower that raises must not hang it",
+     ("test_follow_fan_in.py",)),
+    ("8", "two nodes whose hostname resolves to loopback; ranks that cannot meet",
+     ("test_node_network.py", "test_rank_mesh.py", "test_nodes.py::test_a_node_whose_ranks",
+      "test_nodes.py::test_ranks_that_cannot_meet")),
+    ("9", "smaller: exec 128+N on the node, disk full in blocks, sparse files, names faking lines, stop 102, "
+          "outages counted",
+     ("test_exec_env.py::test_a_command_killed_by_a_signal", "test_deploy_reliability.py::test_many_small_files",
+      "test_deploy_reliability.py::test_a_sparse_file", "test_launch_safety.py::test_stop_of_an_unknown_run",
+      "test_launch_safety.py::test_follow_counts_outages")),
+    ("-", "earlier rounds: overlapping deploys, dead deploys, damaged releases, full disks",
+     ("test_deploy_reliability.py::test_overlapping", "test_deploy_reliability.py::test_a_dead_deploy",
+      "test_deploy_reliability.py::test_damage", "test_deploy_reliability.py::test_a_full_disk")),
+)
+
+
+def selected(tests: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(files, -k name prefixes) that pytest must run for these tests."""
+    files = sorted({t.split("::")[0] for t in tests})
+    return files, [t.split("::")[1] for t in tests if "::" in t]
+
+
+def case_of(classname: str, name: str) -> str | None:
+    """The case a junit testcase (classname `tests.test_x`, name `test_y[param]`) reproduces."""
+    file = classname.rsplit(".", 1)[-1] + ".py"
+    for case, _, tests in CASES:
+        for t in tests:
+            f, _, prefix = t.partition("::")
+            if f == file and name.startswith(prefix):
+                return case
+    return None
+
+
+def verdicts(junit: Path) -> dict[str, dict]:
+    """{case: {"passed": n, "failed": [names], "skipped": [reasons]}} from a junit XML report."""
+    out = {case: {"passed": 0, "failed": [], "skipped": []} for case, _, _ in CASES}
+    for tc in ET.parse(junit).getroot().iter("testcase"):
+        case = case_of(tc.get("classname", ""), tc.get("name", ""))
+        if case is None:
+            continue
+        if tc.find("failure") is not None or tc.find("error") is not None:
+            out[case]["failed"].append(tc.get("name"))
+        elif (skip := tc.find("skipped")) is not None:
+            out[case]["skipped"].append(skip.get("message", "skipped"))
+        else:
+            out[case]["passed"] += 1
+    return out
+
+
+def line(case: str, what: str, v: dict) -> str:
+    if v["failed"]:
+        state = f"BROKE ({', '.join(v['failed'])})"
+    elif v["passed"]:
+        state = f"held ({v['passed']} reproductions" + (f", {len(v['skipped'])} skipped)" if v["skipped"] else ")")
+    else:
+        state = "not run" + (f" ({v['skipped'][0]})" if v["skipped"] else "")
+    return f"{case:>2}  {state:<28}  {what}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--list", action="store_true", help="print the cases and their tests; run nothing")
+    a = p.parse_args(argv)
+    if a.list:
+        for case, what, tests in CASES:
+            print(f"{case:>2}  {what}\n      " + "\n      ".join(tests))
+        return 0
+    files, prefixes = set(), []
+    for _, _, tests in CASES:
+        f, k = selected(tests)
+        files.update(f)
+        prefixes += k
+    whole = {t.split("::")[0] for _, _, tests in CASES for t in tests if "::" not in t}
+    # a file named whole runs whole; others only their named tests
+    keep = " or ".join(sorted(set(prefixes)) + [f.removesuffix(".py") for f in sorted(whole)])
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", "-k", keep,
+               *(f"tests/{f}" for f in sorted(files))]
+        print("running:", " ".join(cmd[2:]), flush=True)
+        subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
+        if not junit.exists():
+            print("reliability_battery: pytest wrote no report", file=sys.stderr)
+            return 2
+        result = verdicts(junit)
+    for case, what, _ in CASES:
+        print(line(case, what, result[case]))
+    return 0 if all(v["passed"] and not v["failed"] for v in result.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
