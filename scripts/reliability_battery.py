@@ -61,12 +61,9 @@ def selected(tests: tuple[str, ...]) -> tuple[list[str], list[str]]:
 def case_of(classname: str, name: str) -> str | None:
     """The case a junit testcase (classname `tests.test_x`, name `test_y[param]`) reproduces."""
     file = classname.rsplit(".", 1)[-1] + ".py"
-    for case, _, tests in CASES:
-        for t in tests:
-            f, _, prefix = t.partition("::")
-            if f == file and name.startswith(prefix):
-                return case
-    return None
+    matches = [(len(prefix), case) for case, _, tests in CASES for f, _, prefix in (t.partition("::") for t in tests)
+               if f == file and name.startswith(prefix)]
+    return max(matches)[1] if matches else None    # the most specific: a named test over its whole file
 
 
 def verdicts(junit: Path) -> dict[str, dict]:
