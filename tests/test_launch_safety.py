@@ -90,11 +90,11 @@ def test_a_trainer_without_its_supervisor_is_shown_and_keeps_its_slot(inv_path):
     assert status_row(inv_path, run)["state"] == "stopped"
 
 
-def test_stop_of_an_unknown_run_is_102_as_readme_says(inv_path):
+def test_stop_of_an_unknown_run_is_1_as_readme_says(inv_path):
     r = cli(inv_path, "stop", "ct200")
-    assert r.returncode == 102 and b"no runs yet" in r.stderr
+    assert r.returncode == 1 and b"no runs yet" in r.stderr
     r = cli(inv_path, "stop", "ct200", "20990101-000000-abcdef")
-    assert r.returncode == 102 and len(r.stderr.decode().strip().splitlines()) == 1
+    assert r.returncode == 1 and len(r.stderr.decode().strip().splitlines()) == 1
     assert "no run '20990101-000000-abcdef'" in r.stderr.decode()
 
 

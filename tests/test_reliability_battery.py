@@ -36,5 +36,5 @@ def test_a_failure_breaks_its_case_and_a_skip_alone_is_not_held(tmp_path):
     assert battery.line("5", "ints", v["5"]).split()[1] == "held"
     assert battery.case_of("tests.test_inventory_limits", "test_good_names_load") is None
     # a test named by one case inside a file another case takes whole counts for the named one
-    assert battery.case_of("tests.test_launch_safety", "test_stop_of_an_unknown_run_is_102_as_readme_says") == "9"
+    assert battery.case_of("tests.test_launch_safety", "test_stop_of_an_unknown_run_is_1_as_readme_says") == "9"
     assert battery.case_of("tests.test_launch_safety", "test_a_trainer_without_its_supervisor_is_shown") == "1"

@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from orchestrator.errors import OpsError, TargetsFailed, UsageError
+from orchestrator.errors import NotFound, OpsError, TargetsFailed, UsageError
 from orchestrator.runs.logview import fmt_elapsed, fmt_num, fmt_tau, print_job
 from orchestrator.runs.options import POLICIES, TOPOLOGIES
 from orchestrator.ui import State, emit, json_option, table
@@ -193,7 +193,10 @@ def stop(state: State, args, force, timeout, as_json):
     from orchestrator.runs import nodes, launch as runs
 
     target, run = runs.split_target_run(state.inv, args)
-    done = nodes.stop(state.inv, target, run, force=force, timeout=timeout)
+    try:
+        done = nodes.stop(state.inv, target, run, force=force, timeout=timeout)
+    except NotFound as e:   # stop's statuses are 0 / 1: no such run is a failure to stop, not 102
+        raise OpsError(str(e)) from None
     if len(done) > 1:
         rid = done[0][1]["run"]
         emit(as_json, {"run": rid, "targets": [name for name, _ in done], "nodes": dict(done)},
