@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # (case, what broke, the tests that reproduce it: "file.py" or "file.py::name-prefix")
 CASES = (
     ("1", "runs agent SIGKILLed at each point of the launch: no orphan trainer, no double-booked slot",
-     ("test_runs_agent.py::test_a_launch_killed_at_any_point", "test_launch_safety.py")),
+     ("test_runs_agent_launch.py::test_a_launch_killed_at_any_point", "test_launch_safety.py")),
     ("2", "inventory without bounds: 50 MB, /dev/zero, deep nesting, python tags",
      ("test_inventory_limits.py::test_what_is_not_plain_data", "test_inventory_limits.py::test_size_limit",
       "test_inventory_limits.py::test_hostile_yaml", "test_inventory_limits.py::test_playbooks_have")),

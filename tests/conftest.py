@@ -208,3 +208,13 @@ def make_inventory(tmp_path, sshd, fakepct):
         return path
 
     return make
+
+
+@pytest.fixture
+def wd(tmp_path):
+    """A runs-agent workdir whose one live release's trainer is a stub (tests/runs_agent_stub.py)."""
+    from runs_agent_stub import kill_leftovers, make_workdir
+
+    path = make_workdir(tmp_path)
+    yield path
+    kill_leftovers(path)

@@ -6,20 +6,18 @@ import builtins
 import json
 import os
 import signal
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from runs_agent_stub import SOURCE, _gone, _json, agent, ended, launch, state
 from trainer_quick import wait_for
 
 from orchestrator.ssh import agent as agent_mod
 
 REMOTE = Path(__file__).resolve().parent.parent / "orchestrator" / "remote"
-POLICIES = Path(__file__).resolve().parent.parent / "trainer" / "policies.py"
-SOURCE = agent_mod.source(agent_mod.RUNS)   # what the controller sends: `python -c SOURCE CMD ...`
 
 
 # ---- the parts, joined ------------------------------------------------------------------------
@@ -110,86 +108,6 @@ def test_the_joined_program_answers_usage_and_unknown_commands(tmp_path):
     empty = subprocess.run([sys.executable, "-c", SOURCE, "status", str(tmp_path)],
                            capture_output=True, text=True, timeout=60)
     assert empty.returncode == 0 and json.loads(empty.stdout) == {"runs": [], "missing": []}
-
-STUB = r'''
-import argparse, json, os, signal, sys, time
-p = argparse.ArgumentParser()
-p.add_argument("--out"); p.add_argument("--gpus", type=int); p.add_argument("--topology")
-p.add_argument("--compile-policy"); p.add_argument("--workers"); p.add_argument("--config")
-p.add_argument("--steps", type=int, default=5); p.add_argument("--sleep", type=float, default=0.01)
-p.add_argument("--resume", action="store_true")
-a = p.parse_args()
-first = 1
-if a.resume and os.path.exists(os.path.join(a.out, "checkpoint")):
-    first = int(open(os.path.join(a.out, "checkpoint")).read())
-    print(json.dumps({"event": "resume", "step": first - 1}), flush=True)
-print("[stub] CUDA_VISIBLE_DEVICES=%r HOME=%s unbuffered=%s cwd=%s config=%s" % (
-    os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("HOME"),
-    os.environ.get("PYTHONUNBUFFERED"), os.getcwd(), a.config), flush=True)
-stop = []
-signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-for i in range(first, a.steps + 1):
-    if stop:
-        open(os.path.join(a.out, "checkpoint"), "w").write(str(i))
-        print(json.dumps({"event": "stopped", "step": i - 1}), flush=True)
-        sys.exit(143)
-    print(json.dumps({"step": i, "loss": 1.0 / i, "tokens_per_s": 100.0 + i}), flush=True)
-    time.sleep(a.sleep)
-print(json.dumps({"event": "done", "step": a.steps, "loss": 1.0 / a.steps, "acceptance_length": 2.5}))
-'''
-
-
-@pytest.fixture
-def wd(tmp_path):
-    rel = tmp_path / "wd" / "releases" / "r1"
-    (rel / "trainer").mkdir(parents=True)
-    (rel / "trainer" / "__main__.py").write_text(STUB)
-    shutil.copy(POLICIES, rel / "trainer" / "policies.py")     # `auto`'s rule: the release's own
-    (rel / ".git-commit").write_text("abc1234\n")
-    os.symlink("releases/r1", tmp_path / "wd" / "current")
-    yield tmp_path / "wd"
-    # stop whatever a failed test left running
-    for run in (tmp_path / "wd" / "runs").glob("*"):
-        rec = _json(run / "run.json")
-        for pid in (rec.get("pid"), rec.get("supervisor_pid")):
-            if pid:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-
-
-def _json(path):
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def agent(cmd, wd, *args, stdin=None, timeout=60):
-    r = subprocess.run([sys.executable, "-c", SOURCE, cmd, str(wd), *map(str, args)],
-                       input=stdin, capture_output=True, timeout=timeout)
-    assert r.returncode == 0, r.stderr.decode()
-    return r
-
-
-def launch(wd, run, *, gpus=0, total=0, policy="eager", extra=(), **spec):
-    doc = {"run": run, "gpus": gpus, "target_gpus": total, "policy": policy, "extra": list(extra),
-           **spec}
-    r = agent("launch", wd, stdin=json.dumps(doc).encode())
-    return json.loads(r.stdout.decode().splitlines()[-1])
-
-
-
-
-def state(wd, run):
-    doc = json.loads(agent("status", wd, "--", run).stdout)
-    return doc["runs"][0]
-
-
-def ended(wd, run, timeout=30):
-    return wait_for(lambda: (wd / "runs" / run / "exit.json").exists(), timeout, f"{run} to end")
-
 
 def test_launch_returns_at_once_and_records_the_run(wd, tmp_path):
     cfg = tmp_path / "my.yaml"
@@ -376,15 +294,6 @@ def _kill_supervisor(wd, run):
     return rec
 
 
-def _gone(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
-
-
 def test_a_run_outlives_its_killed_supervisor_and_is_judged_by_its_log(wd):
     rec = _kill_supervisor(wd, launch(wd, "k-a", extra=["--steps", "60", "--sleep", "0.01"])["run"])
     wait_for(lambda: _gone(rec["pid"]), what="the trainer to finish")
@@ -495,109 +404,3 @@ def test_rm_and_prune_never_touch_a_running_run_and_say_what_they_free(wd):
     assert doc["freed"] > 0 and state(wd, "h-d")["state"] == "running"
     assert [p.name for p in (wd / "runs").iterdir()] == ["h-d"]
     agent("stop", wd, "--force", "--", "h-d")
-
-
-# ---- issue 29: the launch sequence, killed at each of its points --------------------------------
-
-# Where a SIGKILL leaves nothing running (the slot free), a supervised run, or (the supervisor killed
-# after the trainer started) a run that runs on unsupervised, its slot still taken.
-LAUNCH_POINTS = {"launch.claimed": "none", "launch.recorded": "none", "launch.spawned": "none",
-                 "launch.hello": "none", "launch.recorded_supervisor": "none", "launch.go": "supervised",
-                 "launch.started": "supervised", "launch.held": "supervised", "supervisor.go": "none",
-                 "supervisor.forked": "none", "supervisor.recorded": "none", "supervisor.started": "unsupervised"}
-
-
-def _procs_of(run):
-    """{pid: argv} of the processes started for `run` (the trainer's environment names it)."""
-    found = {}
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            env = (p / "environ").read_bytes().split(b"\0")
-            argv = (p / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"DFLASH_OPS_RUN={run}".encode() in env and argv[0] and not _gone(int(p.name)):
-            found[int(p.name)] = [a.decode() for a in argv if a]
-    return found
-
-
-def _trainers(run):
-    return [pid for pid, argv in _procs_of(run).items() if argv[1:3] == ["-m", "trainer"]]
-
-
-@pytest.mark.parametrize("point", list(LAUNCH_POINTS))
-def test_a_launch_killed_at_any_point_leaves_a_free_slot_or_a_recorded_run(wd, point):
-    run = "x-" + point.replace(".", "-").replace("_", "-")
-    doc = {"run": run, "gpus": 0, "target_gpus": 0, "policy": "eager", "extra": ["--steps", "50000"]}
-    env = {**os.environ, "DFLASH_OPS_AGENT_FAULTS": f"kill_at={point}"}
-    r = subprocess.run([sys.executable, "-c", SOURCE, "launch", str(wd)], input=json.dumps(doc).encode(),
-                       capture_output=True, timeout=60, env=env)
-    if point.startswith("launch."):
-        assert r.returncode == -signal.SIGKILL, r.stderr.decode()
-    # settled: either a trainer runs, or nothing of the run is left (a gated fork has exited)
-    wait_for(lambda: _trainers(run) or not _procs_of(run), 20, "the launch to settle")
-    outcome = LAUNCH_POINTS[point]
-    trainers = _trainers(run)
-    second = launch(wd, "y-" + run[2:], extra=["--steps", "1"])
-    if outcome == "none":
-        assert trainers == [] and second["ok"], second          # the slot is free, nothing runs
-        ended(wd, second["run"])
-        if (wd / "runs" / run / "run.json").exists():
-            st = state(wd, run)
-            assert st["state"] == "failed" and not st.get("unsupervised"), st
-        if point.startswith("supervisor."):
-            reply = json.loads(r.stdout.decode().splitlines()[-1])
-            assert reply["reason"] == "spawn"
-        return
-    # a trainer runs: recorded, its slot taken, a second launch refused naming it
-    assert len(trainers) == 1 and _json(wd / "runs" / run / "run.json")["pid"] == trainers[0]
-    st = state(wd, run)
-    assert st["state"] == "running" and st["pid"] == trainers[0]
-    assert second["reason"] == "busy" and second["holders"][0]["run"] == run, second
-    assert st.get("unsupervised", False) == (outcome == "unsupervised")
-    assert second["holders"][0]["unsupervised"] == (outcome == "unsupervised")
-    if outcome == "unsupervised":
-        reply = json.loads(r.stdout.decode().splitlines()[-1])
-        assert reply["ok"] and reply["unsupervised"] and reply["pid"] == trainers[0]
-    stopped = json.loads(agent("stop", wd, "--force", "--", run).stdout)
-    assert stopped["state"] == "stopped"
-    assert launch(wd, "z-" + run[2:], extra=["--steps", "1"])["ok"]     # the slot is free again
-    ended(wd, "z-" + run[2:])
-
-
-def _launch_env(wd, doc, **env):
-    r = subprocess.run([sys.executable, "-c", SOURCE, "launch", str(wd)], input=json.dumps(doc).encode(),
-                       capture_output=True, timeout=60, env={**os.environ, **env})
-    assert r.returncode == 0, r.stderr.decode()
-    return json.loads(r.stdout.decode().splitlines()[-1])
-
-
-def test_a_node_of_several_names_its_training_interface_or_is_refused(wd):
-    from orchestrator.remote.runs.net import _addresses
-
-    out = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
-    mine = [(n, a) for n, a in _addresses(out) if not a.is_loopback and a.version == 4]
-    if not mine:
-        pytest.skip("no non-loopback IPv4 address here")
-    iface, address = mine[0]
-
-    def spec(run, addr):
-        return {"run": run, "gpus": 0, "target_gpus": 0, "policy": "eager", "extra": [],
-                "nodes": {"targets": ["a", "b"], "index": 1, "endpoint": f"{addr}:29400", "address": addr}}
-
-    doc = _launch_env(wd, spec("n-a", str(address)))
-    assert doc["ok"], doc
-    assert _json(wd / "runs" / "n-a" / "run.json")["env"]["GLOO_SOCKET_IFNAME"] == iface
-    assert _json(wd / "runs" / "n-a" / "run.json")["env"]["NCCL_SOCKET_IFNAME"] == "=" + iface
-    ended(wd, "n-a")
-    doc = _launch_env(wd, spec("n-b", str(address)), NCCL_SOCKET_IFNAME="ib0")
-    assert _json(wd / "runs" / "n-b" / "run.json")["env"]["NCCL_SOCKET_IFNAME"] == "ib0"
-    ended(wd, "n-b")
-    refused = _launch_env(wd, spec("n-c", "127.0.0.1"))
-    assert refused["reason"] == "network" and "127.0.0.1 is a loopback address" in refused["message"]
-    refused = _launch_env(wd, spec("n-d", str(address)), GLOO_SOCKET_IFNAME="lo")
-    assert refused["reason"] == "network" and "GLOO_SOCKET_IFNAME=lo names a loopback" in refused["message"]
-    assert sorted(p.name for p in (wd / "runs").iterdir()) == ["n-a", "n-b"]     # nothing of a refused one
-    assert not list((wd / "locks").glob("*.json"))
