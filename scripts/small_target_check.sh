@@ -12,23 +12,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE=${SIZE:-gpu}; OUT=${OUT:-out/small-target-check}; WORK=${WORK:-/tmp/small-target-check}
 N_TRAIN=${N_TRAIN:-6000}; N_EVAL=${N_EVAL:-20}; NEW=${NEW:-128}; STEPS=${STEPS:-800}
-LAYERS=${LAYERS:-3}; BLOCK=${BLOCK:-16}; GPUS=${GPUS:-1}; BATCH=${BATCH:-32}
+LAYERS=${LAYERS:-3}; BLOCK=${BLOCK:-16}; GPUS=${GPUS:-1}; BATCH=${BATCH:-32}; REGEN_BATCH=${REGEN_BATCH:-256}
 PY=${PY:-python3}
 mkdir -p "$OUT" "$WORK"
 export DFLASH_OPS_CACHE=${DFLASH_OPS_CACHE:-$WORK/cache} PYTHONUNBUFFERED=1
-target=small-code-$SIZE
-[ "$SIZE" = cpu ] && target=small-code
 t0=$(date +%s)
 phase() { echo "$(( $(date +%s) - t0 )) s: $*" | tee -a "$OUT/phases.log" >&2; }
+# shellcheck source=scripts/small_target_data.sh
+. scripts/small_target_data.sh
 
-phase "build $target"
-$PY -m trainer.small_lm --size "$SIZE" 2>&1 | tee "$OUT/small_lm.log"
-phase "prompts: $N_TRAIN from the training modules, $N_EVAL from the held-out ones"
-$PY -m trainer.small_lm --size "$SIZE" --prompts train --n "$N_TRAIN" --out "$WORK/train_prompts.jsonl"
-$PY -m trainer.small_lm --size "$SIZE" --prompts held-out --n "$N_EVAL" --seed 1 --out "$WORK/eval_prompts.jsonl"
-phase "regen"
-$PY -m trainer.regen --target "$target" --prompts "$WORK/train_prompts.jsonl" --out "$WORK/regen.jsonl" \
-    --max-new-tokens "$NEW" --batch-size 256 --gpus "$GPUS" 2>&1 | tee "$OUT/regen.log"
+small_target_data
 phase "train a drafter: $LAYERS layers, block $BLOCK, $STEPS steps"
 rm -rf "$WORK/run"
 $PY -m trainer --target "$target" --data "$WORK/regen.jsonl" --out "$WORK/run" --gpus "$GPUS" \

@@ -26,10 +26,10 @@ PY=${PY:-python3}
 mkdir -p "$OUT" "$WORK"
 export DFLASH_OPS_CACHE=${DFLASH_OPS_CACHE:-$WORK/cache} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-target=small-code-$SIZE
-[ "$SIZE" = cpu ] && target=small-code
 t0=$(date +%s)
 phase() { echo "$(( $(date +%s) - t0 )) s: $*" | tee -a "$OUT/phases.log" >&2; }
+# shellcheck source=scripts/small_target_data.sh
+. scripts/small_target_data.sh
 
 # Each variant is the claims' baseline with one setting changed.
 flags() {
@@ -63,18 +63,7 @@ specdec() {  # LABEL NAME [FLAGS...]: decode the held-out prompts with drafter N
         --max-new-tokens "$NEW" --json "$OUT/specdec-$label.json" "$@" > "$OUT/specdec-$label.log" 2>&1
 }
 
-phase "build $target"
-$PY -m trainer.small_lm --size "$SIZE" > "$OUT/small_lm.log" 2>&1
-phase "prompts: $N_TRAIN from the training modules, $N_EVAL from the held-out ones"
-$PY -m trainer.small_lm --size "$SIZE" --prompts train --n "$N_TRAIN" --out "$WORK/train_prompts.jsonl"
-$PY -m trainer.small_lm --size "$SIZE" --prompts held-out --n "$N_EVAL" --seed 1 --out "$WORK/eval_prompts.jsonl"
-phase "regen, batch $REGEN_BATCH"
-if ! $PY -m trainer.regen --target "$target" --prompts "$WORK/train_prompts.jsonl" --out "$WORK/regen.jsonl" \
-        --max-new-tokens "$NEW" --batch-size "$REGEN_BATCH" --gpus "${GPUS:-1}" > "$OUT/regen.log" 2>&1; then
-    phase "regen at batch $REGEN_BATCH failed ($(tail -1 "$OUT/regen.log")); again at batch 256"
-    $PY -m trainer.regen --target "$target" --prompts "$WORK/train_prompts.jsonl" --out "$WORK/regen.jsonl" \
-        --max-new-tokens "$NEW" --batch-size 256 --gpus "${GPUS:-1}" --no-resume >> "$OUT/regen.log" 2>&1
-fi
+small_target_data
 
 runs=$VARIANTS
 [ "$MAIN_STEPS" -gt 0 ] && runs="main $runs"   # MAIN_STEPS=0: the variants only
