@@ -325,9 +325,9 @@ def _build(cls, name: str, node, line: int, file: str, where: str):
     if "connect_timeout" in values and not values["connect_timeout"] > 0:
         raise InventoryError(file, yamlnodes.line_of(node, "connect_timeout", line), f"{where}.connect_timeout",
                              "must be a number of seconds > 0")
-    if "workdir" in values and names.workdir_problem(values["workdir"]):
+    if "workdir" in values and (why := names.workdir_problem(values["workdir"])):
         raise InventoryError(file, yamlnodes.line_of(node, "workdir", line), f"{where}.workdir",
-                             f"{names.workdir_problem(values['workdir'])} (got {values['workdir']!r})")
+                             f"{why} (got {values['workdir']!r})")
     if "train_port" in values and not 0 < values["train_port"] < 65536:
         raise InventoryError(file, yamlnodes.line_of(node, "train_port", line), f"{where}.train_port",
                              "must be 1..65535")

@@ -85,7 +85,7 @@ def _workdir(arg):
     """WORKDIR as given (`~` expanded to this user's home); refused when it is not an absolute,
     normalised folder of its own: `/`, a system folder, `..`, a home of `/`."""
     path = os.path.expanduser(arg)
-    if (not path.startswith("/") or os.path.normpath(path) != path or "/../" in path + "/"
+    if (not path.startswith("/") or os.path.normpath(path) != path
             or any(ord(c) < 32 or ord(c) == 127 for c in path)):
         refuse("bad_workdir", "workdir %r (%r here) is not an absolute, normalised path" % (arg, path))
     if path in _SYSTEM_ROOTS or "/" + path.split("/")[1] in _SYSTEM_TREES:
