@@ -178,6 +178,16 @@ def test_a_resume_against_a_changed_target_is_refused_unless_target_changed_ok(t
     with contextlib.redirect_stdout(io.StringIO()):
         assert run(train_entry, argv + ["--target-changed-ok"]) == 0
     assert checkpoint.load(checkpoint.find_latest(out)).step == 4
+    # another shape is refused even with the flag, in one line, before its weights meet the drafter
+    out = retargeted(trained, tmp_path / "b", lambda p: variant(p, hidden=128))
+    argv = ["--target", str(tmp_path / "b" / "target"), *QUICK[2:], "--steps", "4", "--out", str(out), "--resume",
+            "--target-changed-ok"]
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        assert run(train_entry, argv) == 2
+    assert err.getvalue().strip().splitlines() == [
+        f"trainer: error: --target-changed-ok: the target at {tmp_path / 'b' / 'target'} has another shape "
+        "(hidden size 64 -> 128, config.json, embedding/lm_head weights); the drafter cannot serve it"], err.getvalue()
 
 
 def test_eval_measures_with_the_trained_layers_and_refuses_a_changed_target(trained, tmp_path, monkeypatch):

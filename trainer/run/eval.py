@@ -298,10 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     if record:
         from trainer.run import provenance
 
-        changed = provenance.changes(record, provenance.identity(target))
-        if changed and not a.target_changed_ok:
-            raise UsageError(f"the target {cfg.target} is not the one {ck.path} was trained against "
-                             f"({', '.join(changed.values())}); pass --target-changed-ok to measure against it")
+        provenance.check(record, provenance.changes(record, provenance.identity(target)), cfg.target,
+                         target.num_layers, a.target_changed_ok,
+                         refused=f"the target {cfg.target} is not the one {ck.path} was trained against",
+                         anyway="to measure against it")
     dcfg = target.drafter_config(num_layers=cfg.draft_layers, block_size=cfg.block_size, mask_token_id=mask,
                                  own_norm=not cfg.freeze_draft_norm)
     torch.manual_seed(cfg.seed)

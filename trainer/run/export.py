@@ -162,7 +162,9 @@ def export(run: str, output: str, *, step: int | None = None, dtype: str = "bflo
     changed = {}
     if record:
         changed = provenance.changes(record, provenance.identity(target))
-        _check_target(run, cfg.target, record, changed, target.num_layers, target_changed_ok)
+        provenance.check(record, changed, cfg.target, target.num_layers, target_changed_ok,
+                         refused=f"--run {run}: the target at {cfg.target} is not the one the run trained against",
+                         anyway=f"to export the trained layer ids {record['layer_ids']} for it anyway")
         target.layer_ids, mask = tuple(record["layer_ids"]), record["mask_token_id"]
     else:
         print(f"export: {path} records no target identity (an older trainer wrote it): layer ids and mask "
@@ -210,25 +212,6 @@ def _checkpoint_path(out: Path, run: str, step: int | None) -> Path:
         raise UsageError(f"--step {step}: no complete checkpoint of that step in {run} "
                          f"(complete: {', '.join(map(str, have)) or 'none'})")
     return path
-
-
-def _check_target(run: str, spec: str, record: dict, changed: dict, num_layers: int, ok: bool) -> None:
-    """Refuse a target that is not the one the run trained against, unless `ok` and it has the same
-    shape (hidden size, vocab) and the trained layers."""
-    from trainer.run.provenance import SERVES
-
-    if not changed:
-        return
-    what, ids = ", ".join(changed.values()), record["layer_ids"]
-    if not ok:
-        raise UsageError(f"--run {run}: the target at {spec} is not the one the run trained against ({what}); "
-                         f"pass --target-changed-ok to export the trained layer ids {ids} for it anyway")
-    if any(k in changed for k in SERVES):
-        raise UsageError(f"--target-changed-ok: the target at {spec} has another shape ({what}); "
-                         "the drafter cannot serve it")
-    if max(ids) >= num_layers:
-        raise UsageError(f"--target-changed-ok: the run read target layers {ids}; the target at {spec} "
-                         f"has layers 0..{num_layers - 1}")
 
 
 def _shape_only_target(spec: str, layers):

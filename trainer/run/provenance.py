@@ -70,6 +70,25 @@ def changes(then: dict, now: dict) -> dict[str, str]:
     return out
 
 
+def check(record: dict, changed: dict, spec: str, num_layers: int, ok: bool, *, refused: str, anyway: str) -> None:
+    """Refuse a target that is not the one a checkpoint records (`changed`, from `changes`):
+    `refused (what changed); pass --target-changed-ok ANYWAY` unless `ok`; and even with `ok`, one
+    of another shape (hidden size, vocab) or without the layers the drafter read. UsageError."""
+    from trainer.errors import UsageError
+
+    if not changed:
+        return
+    what, ids = ", ".join(changed.values()), record["layer_ids"]
+    if not ok:
+        raise UsageError(f"{refused} ({what}); pass --target-changed-ok {anyway}")
+    if any(k in changed for k in SERVES):
+        raise UsageError(f"--target-changed-ok: the target at {spec} has another shape ({what}); "
+                         "the drafter cannot serve it")
+    if max(ids) >= num_layers:
+        raise UsageError(f"--target-changed-ok: the run read target layers {ids}; the target at {spec} "
+                         f"has layers 0..{num_layers - 1}")
+
+
 # ---- running: a shared flock while a trainer runs -------------------------------------------------
 
 @contextmanager

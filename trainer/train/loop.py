@@ -120,6 +120,9 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
     drafter.init_norm(target.head_weights()[1].cpu())
     n_params = sum(p.numel() for _, p in drafter.trainable_parameters())
     ck = load_checkpoint(resume_from) if load_checkpoint else checkpoint.load(resume_from) if resume_from else None
+    record = provenance.recorded(target, dcfg.mask_token_id)
+    if ck is not None:      # before its weights meet a drafter of another target's shape
+        _check_resumed_target(cfg, ck, record, log)
     if ck is not None and drafter.load_trainable_state_dict(ck.model):
         # A checkpoint from before the drafter trained its own final norm: the norm starts from the
         # target's, and the optimizer gets a fresh state for it (the last trainable parameter).
@@ -128,9 +131,6 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
                  "it starts from the target's norm")
     log.info(f"drafter: {dcfg.num_layers} layers, {n_params / 1e6:.2f}M trainable params, block {dcfg.block_size}, "
              f"mask token {dcfg.mask_token_id}, gamma {gamma:g}")
-    record = provenance.recorded(target, dcfg.mask_token_id)
-    if ck is not None:
-        _check_resumed_target(cfg, ck, record, log)
     anchors = _anchors(cfg, device, dcfg, n_params, pad_len, log, agree_min)
     return Prepared(out, ck, target, samples, eval_prompts, pad_len, pos_weights, dcfg, drafter,
                     flops_per_sample(dcfg, pad_len, anchors * cfg.block_size), record, eval_overlap, anchors)
@@ -138,19 +138,19 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
 
 def _check_resumed_target(cfg: TrainConfig, ck, now: dict, log) -> None:
     """A resume continues against the target its checkpoint was trained with: one whose weights,
-    config, layers read or mask token changed is refused unless --target-changed-ok."""
+    config, layers read or mask token changed is refused unless --target-changed-ok (and then still
+    when its shape or layers cannot take the drafter)."""
     then = ck.meta.get("target")
     if not then:    # an older trainer wrote it: nothing to compare
         return
-    changed = list(provenance.changes(then, now).values())
-    changed += [f"{k} {then.get(k)} -> {now.get(k)}" for k in ("layer_ids", "mask_token_id")
-                if then.get(k) != now.get(k)]
-    if not changed:
-        return
-    what = f"--resume: the target {cfg.target} is not the one {ck.path} was trained against ({', '.join(changed)})"
-    if not cfg.target_changed_ok:
-        raise UsageError(f"{what}; pass --target-changed-ok to continue against it anyway")
-    log.info(f"{what}; continuing (--target-changed-ok)")
+    changed = provenance.changes(then, now)
+    changed.update({k: f"{k} {then.get(k)} -> {now.get(k)}" for k in ("layer_ids", "mask_token_id")
+                    if then.get(k) != now.get(k)})
+    what = f"--resume: the target {cfg.target} is not the one {ck.path} was trained against"
+    provenance.check(then, changed, cfg.target, now["num_layers"], cfg.target_changed_ok, refused=what,
+                     anyway="to continue against it anyway")
+    if changed:
+        log.info(f"{what} ({', '.join(changed.values())}); continuing (--target-changed-ok)")
 
 
 def _anchors(cfg: TrainConfig, device: torch.device, dcfg: DrafterConfig, n_params: int, pad_len: int, log,
