@@ -10,13 +10,9 @@ import sys
 import click
 
 from orchestrator.errors import NotFound, OpsError, TargetsFailed, UsageError
-from orchestrator.runs.logview import fmt_elapsed, fmt_num, fmt_tau, print_job
+from orchestrator.runs.logview import fmt_elapsed, fmt_num, fmt_tau, note, print_job
 from orchestrator.runs.options import POLICIES, TOPOLOGIES
 from orchestrator.ui import State, emit, json_option, table
-
-
-def _note(text: str) -> None:
-    click.echo(f"dflash-ops: {text}", err=True)
 
 
 def _split_launch_args(state: State, args: tuple[str, ...]) -> tuple[list, list[str]]:
@@ -72,16 +68,16 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
         info = _nodes_info(res) if len(res.nodes) > 1 else _launch_info(res.nodes[0])
         for n in res.nodes:
             for c in n.cleared:
-                _note(f"{n.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
+                note(f"{n.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
         if not follow:
             if as_json:
                 emit(True, res.as_json(), "")
             else:
                 click.echo(res.run)
-                _note(info + f"; follow it with `dflash-ops logs {res.target} {res.run}`")
+                note(info + f"; follow it with `dflash-ops logs {res.target} {res.run}`")
             return
         if not as_json:
-            _note(info)
+            note(info)
         summary = print_job(nodes.follow(state.inv, state.inv.target(res.target), res.run, session=session),
                              as_json)
     if as_json:
@@ -156,7 +152,7 @@ def status(state: State, names, all_targets, as_json):
     if errors:
         if not as_json:
             for name, err in errors.items():
-                _note(err if err.startswith(f"{name}:") else f"{name}: {err}")
+                note(err if err.startswith(f"{name}:") else f"{name}: {err}")
         raise TargetsFailed(errors)
 
 
@@ -298,9 +294,9 @@ def export(state: State, args, output, step, dtype, force, running_ok, target_ch
     emit(as_json, res.as_json(), f"{res.output}")
     if not as_json:
         if res.running:
-            _note(f"{target.name}: run {res.run} is still running: this is its checkpoint of step {res.step}")
+            note(f"{target.name}: run {res.run} is still running: this is its checkpoint of step {res.step}")
         if res.target_changed:
-            _note(f"{target.name}: the target changed since run {res.run} trained ({', '.join(res.target_changed)}); "
+            note(f"{target.name}: the target changed since run {res.run} trained ({', '.join(res.target_changed)}); "
                   "exported with the trained layer ids and mask token")
-        _note(f"{target.name}: run {res.run} step {res.step} exported ({res.dtype}, {len(res.files)} files, "
+        note(f"{target.name}: run {res.run} step {res.step} exported ({res.dtype}, {len(res.files)} files, "
               f"{size}, {res.seconds:.1f} s); serve it with `--speculative-draft-model-path {res.output}`")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from orchestrator.errors import UsageError
-from orchestrator.runs.commands import _note, _split_launch_args
+from orchestrator.runs.commands import _split_launch_args
+from orchestrator.runs.logview import note
 from orchestrator.ui import State, emit, json_option
 
 
@@ -50,10 +51,10 @@ def regen(state: State, args, prompts, model, gpus, gpu_ids, max_new_tokens, bat
     res = nodes.launch(state.inv, targets or [state.inv.default_target()], opts)
     node = res.nodes[0]
     for c in node.cleared:
-        _note(f"{node.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
+        note(f"{node.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
     where = f"GPU {', '.join(map(str, node.gpu_ids))}" if node.gpu_ids else "CPU"
     emit(as_json, {**res.as_json(), "rows": rows, "prompts": opts.uploads[0]["path"]}, res.run)
     if not as_json:
-        _note(f"{node.target}: regen run {res.run} (pid {node.pid}, {where}, release {node.release}): {rows} rows "
+        note(f"{node.target}: regen run {res.run} (pid {node.pid}, {where}, release {node.release}): {rows} rows "
               f"from {prompts}; its rows land in {node.output}; "
               f"follow it with `dflash-ops logs {node.target} {res.run}`")
