@@ -9,6 +9,8 @@
 #
 #   SIZE=gpu scripts/small_target_claims.sh            # one H200, about 30 minutes
 #   SIZE=gpu MAIN_STEPS=0 SPEED= scripts/small_target_claims.sh   # the claims' variants only
+#   POLICY=inductor TRAIN_FLAGS="--adam-beta2 0.95" ...   # the main drafter compiled (eager again if
+#                                         # that run fails), every run with extra trainer flags
 #   SIZE=smoke MAIN_STEPS=6 CLAIM_STEPS=4 N_TRAIN=48 N_EVAL=3 NEW=24 BATCH=4 CLAIM_BATCH=4 \
 #       REGEN_BATCH=16 scripts/small_target_claims.sh    # a CPU dry run
 #
@@ -22,6 +24,7 @@ N_TRAIN=${N_TRAIN:-16000}; N_EVAL=${N_EVAL:-30}; NEW=${NEW:-128}; REGEN_BATCH=${
 MAIN_STEPS=${MAIN_STEPS:-1600}; BATCH=${BATCH:-32}; CLAIM_STEPS=${CLAIM_STEPS:-400}; CLAIM_BATCH=${CLAIM_BATCH:-16}
 CLAIM_EVAL=${CLAIM_EVAL:-$N_EVAL}; SPEED=${SPEED:-main layers1}; PARALLEL=${PARALLEL:-3}
 VARIANTS=${VARIANTS:-base block8 uniform layers1 layers5 anchors64}
+POLICY=${POLICY:-eager}; TRAIN_FLAGS=${TRAIN_FLAGS:-}
 PY=${PY:-python3}
 mkdir -p "$OUT" "$WORK"
 export DFLASH_OPS_CACHE=${DFLASH_OPS_CACHE:-$WORK/cache} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
@@ -46,13 +49,24 @@ flags() {
     esac
 }
 
-train() {  # NAME: train, export; the log and metrics into $OUT
-    local name=$1
+fit() {  # NAME POLICY: one training run of NAME under a compile policy
+    local name=$1 policy=$2
     rm -rf "$WORK/run-$name" "$WORK/drafter-$name"
-    # shellcheck disable=SC2046
+    # shellcheck disable=SC2046,SC2086
     $PY -m trainer --target "$target" --data "$WORK/regen.jsonl" --out "$WORK/run-$name" --gpus "${GPUS:-1}" \
         $(flags "$name") --seq-len 512 --lr 6e-4 --eval-prompts 0 --log-every 50 --checkpoint-every 0 \
-        > "$OUT/train-$name.log" 2>&1
+        --compile-policy "$policy" $TRAIN_FLAGS > "$OUT/train-$name.log" 2>&1
+}
+
+train() {  # NAME: train (the main drafter under POLICY, eager again if that fails), export; logs into $OUT
+    local name=$1 policy=eager
+    [ "$name" = main ] && policy=$POLICY
+    if ! fit "$name" "$policy"; then
+        [ "$policy" != eager ] || return 1
+        mv "$OUT/train-$name.log" "$OUT/train-$name-$policy.log"
+        echo "$(( $(date +%s) - t0 )) s: $name under $policy FAILED ($(tail -n 1 "$OUT/train-$name-$policy.log" | cut -c1-200)); again eager" >> "$OUT/phases.log"
+        fit "$name" eager || return 1
+    fi
     cp "$WORK/run-$name/metrics.jsonl" "$OUT/metrics-$name.jsonl" 2>/dev/null || true
     $PY -m trainer.export --run "$WORK/run-$name" -o "$WORK/drafter-$name" --dtype float32 > "$OUT/export-$name.log"
 }
