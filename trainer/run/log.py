@@ -2,7 +2,7 @@
 
 Every JSON line goes to stdout (the run's log, what `dflash-ops logs` follows) and is appended to
 OUT/metrics.jsonl (what `dflash-ops report` plots). Readable lines start with `[trainer]` so they
-never parse as JSON.
+never parse as JSON. Standard library only: the controller reads TWINNED and tau_text from here.
 """
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ import threading
 import time
 from pathlib import Path
 from typing import TextIO
+
+# The JSON events the trainer also writes as a line of text (a [trainer] line, or its error's
+# line): `dflash-ops logs` on a terminal shows each of them once, by its text (the controller
+# imports this name; this module stays free of torch).
+TWINNED = ("eval", "done", "resume", "worker_ready", "compile_guard", "worker_hung", "worker_failed", "diverged")
 
 
 class RunLog:
