@@ -310,7 +310,7 @@ def test_run_summary_gives_tau_with_rounds_interval_and_acceptance_by_position(t
         assert len(m["accept_rate_by_position"]) == 3  # block 4: positions 1..3
         assert all(r is None or 0 <= r <= 1 for r in m["accept_rate_by_position"])
     last = printed.strip().splitlines()[-1]
-    assert last.startswith("[trainer] done: 2 steps; acceptance length ")
     lo, hi = done["tau_ci95"]
-    assert f"+- {(hi - lo) / 2:.3f} (95%) over {done['rounds']} rounds on 2 held-out prompts" in last
+    assert last.startswith(f"[trainer] done: 2 steps; tau {done['acceptance_length']:.3f} "
+                           f"(95% {lo:.3f}-{hi:.3f}, {done['rounds']} rounds, 2 held-out prompts); ")
     assert "acceptance by block position 1..3: " in last
