@@ -268,6 +268,11 @@ def test_launch_refusals(wd, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert launch(empty, "n-a")["reason"] == "no_release"
+    # a kind whose program takes no rendezvous flags never gets them (runs/kinds.py), nor an unknown kind
+    nodes = {"targets": ["a", "b"], "index": 0, "endpoint": "10.0.0.1:29400", "address": "10.0.0.1"}
+    assert launch(wd, "k-a", kind="regen", nodes=nodes)["reason"] == "one_node"
+    assert launch(wd, "k-b", kind="newer")["reason"] == "bad_kind"
+    assert not (wd / "runs" / "k-a").exists() and not (wd / "runs" / "k-b").exists()
 
 
 # ---- issue 11: values never options, deaths after the end, no space ---------------------------

@@ -27,16 +27,17 @@ import sys
 
 from ..common import _read_json, _sha256, refuse
 from .common import _alive, _not_found, _resolve, _run_ids, _runs_dir, _state
+from .kinds import kind_of
 
 CHUNK = 1 << 20
 
 
 def _latest_succeeded(workdir):
-    """The newest succeeded training run (a regen run has rows, no drafter)."""
+    """The newest succeeded run that leaves a drafter (a regen run has rows, no drafter)."""
     for rid in reversed(_run_ids(workdir)):
         rundir = os.path.join(_runs_dir(workdir), rid)
         rec = _read_json(os.path.join(rundir, "run.json")) or {}
-        if rec.get("kind", "train") == "train" and _state(rundir, rec)[0] == "succeeded":
+        if kind_of(rec)["drafter"] and _state(rundir, rec)[0] == "succeeded":
             return rid
     return None
 
@@ -66,8 +67,8 @@ def cmd_export(workdir, run, step, dtype, running_ok=False, target_changed_ok=Fa
         _not_found(workdir, run or "latest", any_runs=bool(_run_ids(workdir)))
     rundir = os.path.join(_runs_dir(workdir), rid)
     rec = _read_json(os.path.join(rundir, "run.json")) or {}
-    if rec.get("kind") == "regen":
-        refuse("regen_run", "a regen run has no drafter (its rows are in %s)" % rec.get("output"),
+    if not kind_of(rec)["drafter"]:
+        refuse("no_drafter", "a %s run has no drafter (its output is in %s)" % (rec.get("kind"), rec.get("output")),
                found=True, run=rid, exit_code=2)
     if _state(rundir)[0] == "running" and not running_ok:
         refuse("running", "the run is still running (pass --running-ok to export its newest complete checkpoint)",
