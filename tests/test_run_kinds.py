@@ -35,6 +35,21 @@ def test_the_controller_checks_the_trainers_flags_as_the_agent_builds_them():
         launch.launch_spec(inv, inv.target("a"), bad, run="r1", nnodes=2)
 
 
+def test_the_controller_has_no_copy_of_the_trainers_argv(monkeypatch):
+    """What the controller checks is what trainer_flags builds, the agent's own builder: a flag it
+    added would reach the check, not only the trainer."""
+    inv = inventory.parse("targets:\n  a: {gpus: 0}\n")
+    seen = []
+
+    def flags(spec, gpus, policy, config=None, resume=False):
+        seen.append(trainer_flags(spec, gpus, policy, config, resume))
+        return seen[-1] + ["--no-such-flag"]
+    monkeypatch.setattr(launch, "trainer_flags", flags)
+    with pytest.raises(UsageError, match="no-such-flag"):
+        launch.launch_spec(inv, inv.target("a"), LaunchOptions.build(gpus=0, policy="eager"), run="r1")
+    assert seen == [["--gpus", "0", "--topology", "threads", "--compile-policy", "eager"]]
+
+
 def test_a_regen_run_takes_no_policy_no_rendezvous_and_writes_its_rows_in_its_folder():
     argv, output = run_command({"kind": "regen", "extra": ["--target", "m"]}, "/w/runs/r2", 1, None, None, True)
     assert argv == ["-m", "trainer.regen", "--prompts", "/w/runs/r2/prompts.jsonl", "--out", "/w/runs/r2/regen.jsonl",

@@ -22,7 +22,7 @@ from orchestrator.errors import (EXIT_OK, EXIT_RUN_FAILED, EXIT_RUN_RUNNING, EXI
                      StepFailed, UsageError)
 from orchestrator.inventory import Inventory, Target
 from orchestrator.inventory.names import RUN_ID_RE
-from orchestrator.remote.runs.kinds import KINDS   # stdlib only, shared with the runs agent
+from orchestrator.remote.runs.kinds import KINDS, trainer_flags   # stdlib only, shared with the runs agent
 from orchestrator.runs.options import LaunchOptions, check_run
 from orchestrator.ssh.session import Session
 
@@ -182,19 +182,18 @@ def launch_spec(inv: Inventory, target: Target, opts: LaunchOptions, run: str | 
 
 def check_trainer_config(spec: dict, nnodes: int = 1) -> None:
     """The trainer's own config rules (trainer/run/config.py, torch-free) applied here to the flags
-    and YAML the runs agent will give it, so a typo is exit 2 before anything starts, not a failed
-    run. What needs the target (its files, --flex-tiles) is still checked by the trainer there."""
+    and YAML the runs agent will give it (built by the agent's own trainer_flags), so a typo is
+    exit 2 before anything starts, not a failed run. What needs the target (its files,
+    --flex-tiles) is still checked by the trainer there."""
     from trainer.errors import UsageError as TrainerUsage
     from trainer.run.config import check_before_launch
 
-    argv = ["--gpus", str(spec["gpus"] or 0), "--topology", spec["topology"], "--compile-policy", spec["policy"]]
-    if spec.get("workers") is not None:
-        argv += ["--workers", str(spec["workers"])]
-    if nnodes > 1:      # as the runs agent passes them; the values are placeholders of the right form
-        argv += ["--nnodes", str(nnodes), "--rdzv-endpoint", "node:1", "--rdzv-id", spec["run"],
-                 "--node-address", "node"]
+    # The config's text is checked as text (the agent's --config names its copy on the target); a
+    # job's rendezvous values are placeholders of the right form (nodes.launch adds the real ones).
+    nodes = {"targets": ["node"] * nnodes, "index": 0, "endpoint": "node:1", "address": "node"} if nnodes > 1 else None
+    argv = trainer_flags(dict(spec, nodes=nodes), spec["gpus"] or 0, spec["policy"])
     try:
-        check_before_launch(argv + list(spec["extra"]), spec.get("config_text"), spec.get("config_name") or "config")
+        check_before_launch(argv, spec.get("config_text"), spec.get("config_name") or "config")
     except TrainerUsage as e:
         said = str(e) if str(e).startswith(f"{spec.get('config_name')}:") else f"the trainer would refuse: {e}"
         raise UsageError(f"{said}; nothing was launched") from None
