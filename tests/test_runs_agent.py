@@ -321,6 +321,17 @@ def test_a_run_outlives_its_killed_supervisor_and_is_judged_by_its_log(wd):
     assert state(wd, "k-c")["elapsed_s"] == first["elapsed_s"]   # a lost run's clock stops
 
 
+def test_unsupervised_is_one_rule_for_status_and_the_slot_locks():
+    """A trainer alive whose supervisor is not, by pid and start time in run.json or a lock."""
+    from orchestrator.remote.runs.common import _proc_start, _unsupervised
+
+    me = {"pid": os.getpid(), "pid_start": _proc_start(os.getpid())}
+    dead = {"supervisor_pid": os.getpid(), "supervisor_start": -1}     # a recycled pid: not the supervisor
+    assert _unsupervised(me) and _unsupervised(dead, me) and _unsupervised({}, me)
+    alive = {"supervisor_pid": os.getpid(), "supervisor_start": _proc_start(os.getpid())}
+    assert not _unsupervised(dict(me, **alive)) and not _unsupervised(me, alive) and not _unsupervised({}, dead)
+
+
 def test_a_run_whose_supervisor_cannot_start_is_failed_at_once(wd):
     doc = launch(wd, "u-a", extra=["--x", "\udcff"])      # not UTF-8: the supervisor's log line fails
     assert not doc["ok"] and doc["reason"] == "spawn"
