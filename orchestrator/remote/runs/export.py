@@ -30,6 +30,9 @@ from .common import _alive, _not_found, _resolve, _run_ids, _runs_dir, _state
 from .kinds import kind_of
 
 CHUNK = 1 << 20
+# trainer.export's words for a run still running (a test holds them equal): the agent judges by the
+# run's state, so a run of a trainer older than the trainer's lock is refused too.
+STILL_RUNNING = "the run is still running (pass --running-ok to export its newest complete checkpoint)"
 
 
 def _latest_succeeded(workdir):
@@ -71,8 +74,7 @@ def cmd_export(workdir, run, step, dtype, running_ok=False, target_changed_ok=Fa
         refuse("no_drafter", "a %s run has no drafter (its output is in %s)" % (rec.get("kind"), rec.get("output")),
                found=True, run=rid, exit_code=2)
     if _state(rundir)[0] == "running" and not running_ok:
-        refuse("running", "the run is still running (pass --running-ok to export its newest complete checkpoint)",
-               found=True, run=rid)
+        refuse("running", STILL_RUNNING, found=True, run=rid)
     current = os.path.join(workdir, "current")
     if not os.path.isfile(os.path.join(current, "trainer", "export.py")):
         refuse("no_release", "the live release in %s has no trainer/export.py" % workdir, found=True, run=rid)
