@@ -278,7 +278,7 @@ def test_eval_prompts_that_are_also_training_prompts_are_refused_unless_eval_ove
     assert train(tmp_path / "c", "--data", data, "--steps", "1", "--eval-prompts", "2", "--eval-overlap-ok") == 0
     out = capsys.readouterr().out
     assert "2 of 2 eval prompts are training rows' prompts (--eval-overlap-ok)" in out
-    assert "on 2 prompts, 2 of them training rows' prompts" in out
+    assert " rounds, 2 prompts, 2 of them training rows' prompts)" in out
     # distinct prompts: the last rows are held out, and none of theirs is trained on
     other = str(write_jsonl(tmp_path / "other.jsonl", [{"input_ids": [9, i] + list(range(20, 40)),
                                                         "loss_mask": [0, 0] + [1] * 20} for i in range(6)]))
