@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _plot import save_png  # noqa: E402
+from trainer.run.log import tau_text  # noqa: E402
 
 # (claim, the drafter it favours, the one it beats)
 CLAIMS = (
@@ -41,9 +43,6 @@ def load(folder: Path) -> tuple[dict, dict]:
     return docs, curves
 
 
-def tau_text(doc: dict) -> str:
-    ci = doc.get("tau_ci95")
-    return f"{doc['tau']:.2f} ({ci[0]:.2f}-{ci[1]:.2f})" if ci else f"{doc['tau']:.2f}"
 
 
 def verdict(better: dict, worse: dict) -> str:
@@ -57,8 +56,9 @@ def table(docs: dict) -> str:
     lines = ["| claim | tau, favoured (95%) | tau, other (95%) | held? |", "| --- | --- | --- | --- |"]
     for claim, good, bad in CLAIMS:
         if good in docs and bad in docs:
-            lines.append(f"| {claim} | {LABELS[good]}: {tau_text(docs[good])} | {LABELS[bad]}: {tau_text(docs[bad])} "
-                         f"| **{verdict(docs[good], docs[bad])}** |")
+            g, b = (tau_text(docs[n]["tau"], docs[n].get("tau_ci95"), digits=2) for n in (good, bad))
+            held = verdict(docs[good], docs[bad])
+            lines.append(f"| {claim} | {LABELS[good]}: {g} | {LABELS[bad]}: {b} | **{held}** |")
         else:
             missing = " and ".join(n for n in (good, bad) if n not in docs)
             lines.append(f"| {claim} | | | not run ({missing} missing) |")
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             if n in docs:
                 d = docs[n]
                 speed = f", {d['speedup']:.2f}x" if d.get("speedup") else ""
-                print(f"\n{n}: tau {tau_text(d)}, {d['rounds']} rounds, {d['prompts']} prompts{speed}")
+                tau = tau_text(d["tau"], d.get("tau_ci95"), d["rounds"], f"{d['prompts']} prompts", digits=2)
+                print(f"\n{n}: tau {tau}{speed}")
         if a.out:
             print(plot(docs, curves, Path(a.out)))
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _plot import save_png  # noqa: E402
+from trainer.run.log import tau_text  # noqa: E402
 
 
 def plot(doc: dict, out: Path, title: str = "") -> Path:
@@ -29,8 +31,8 @@ def plot(doc: dict, out: Path, title: str = "") -> Path:
     a.set_ylabel("tokens/s (batch 1, greedy)")
     a.set_title(f"{doc['speedup']:.2f}x, lossless" if doc.get("lossless") else f"{doc['speedup']:.2f}x")
     b.bar(range(1, len(rates) + 1), [r or 0 for r in rates], color="#27a")
-    ci = f"95% {doc['tau_ci95'][0]:.2f}-{doc['tau_ci95'][1]:.2f}, " if doc.get("tau_ci95") else ""
-    b.set_title(f"tau {doc['tau']:.2f} ({ci}{doc['rounds']} rounds, {doc['prompts']} prompts)")
+    prompts = f"{doc['prompts']} prompts"
+    b.set_title(f"tau {tau_text(doc['tau'], doc.get('tau_ci95'), doc['rounds'], prompts, digits=2)}")
     b.set_xlabel("block position")
     b.set_ylabel("rounds with the draft accepted")
     b.set_xticks(range(1, len(rates) + 1))

@@ -48,11 +48,12 @@ class NotFound(OpsError):
 
 
 class ConnectError(OpsError):
-    """Could not reach a host (DNS, refused, timeout, auth); `where` is `user@address:port` and
-    the jump hosts crossed (`via ...`)."""
+    """Could not reach a host (DNS, refused, timeout, auth). `where` (`user@address:port` and the
+    jump hosts crossed, `via ...`) goes into the message; `reason` is kept for the callers that
+    judge it (a failed authentication is not retried)."""
 
     def __init__(self, host: str, reason: str, where: str | None = None):
-        self.host, self.reason, self.where = host, reason, where
+        self.host, self.reason = host, reason
         super().__init__(f"{host}: cannot connect{' to ' + where if where else ''}: {reason}")
 
 

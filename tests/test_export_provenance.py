@@ -206,3 +206,12 @@ def test_eval_measures_with_the_trained_layers_and_refuses_a_changed_target(trai
         assert run(trainer_eval.main, ["--out", str(out), "--prompts", "1", "--new-tokens", "4",
                                        "--target-changed-ok"]) == 0
     assert list(asked[-1]) == TRAINED_IDS    # a 12-layer target's default would be [1, 3, 5, 7, 9]
+
+
+def test_the_runs_agent_refuses_a_running_run_in_the_trainers_words():
+    """Two checks, each where it must be: the runs agent judges by the run's state (a trainer older
+    than the lock included) before it starts trainer.export, which checks the lock for a run by hand.
+    The agent cannot import the trainer: its copy of the words must stay the trainer's."""
+    from orchestrator.remote.runs import export as agent_side
+
+    assert agent_side.STILL_RUNNING == export.STILL_RUNNING

@@ -111,6 +111,9 @@ def test_several_targets_by_commas_or_group():
         inv.expand("a,pair")
     with pytest.raises(UsageError, match="unknown target 'c'"):
         inv.expand("a,c")
+    # what exec takes for targets when a command is typed without `--`: what expand takes, nothing else
+    assert all(inv.names_targets(w) for w in ("a", "pair", "a,b", "b,a"))
+    assert not any(inv.names_targets(w) for w in ("c", "a,c", "a,a", "a,pair", ",", "ls"))
 
 
 def test_unknown_target_suggests():

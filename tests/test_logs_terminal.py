@@ -31,6 +31,16 @@ def test_a_terminal_shows_each_event_once():
         assert for_terminal(kept) == kept
 
 
+
+def test_the_events_left_out_are_the_trainers_own_list():
+    """The trainer says which events it also writes as text; `logs` reads that list, not a copy."""
+    from orchestrator.runs import logview
+    from trainer.run import log
+
+    assert logview.TWINNED is log.TWINNED
+    for event in log.TWINNED:
+        assert for_terminal(json.dumps({"event": event, "step": 1}).encode() + b"\n") is None
+
 def test_ctrl_c_while_following_says_the_run_goes_on_and_how_to_stop_it(sshd, fakepct, make_inventory, tmp_path):
     fakepct.create(200)
     path = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable, "workdir": WORKDIR}})

@@ -181,11 +181,3 @@ def test_progress_is_logged_while_a_batch_takes_longer_than_the_interval(tmp_pat
     assert lines[-1].startswith("regen: 2/2 rows") and "tokens/s, eta 0s" in lines[-1]
     assert doc["written"] == 2 and doc["tokens"] == 12 and doc["event"] == "done"
     assert out.read_text().count("\n") == 2
-
-
-def test_the_controller_uploads_the_prompts_under_the_name_the_agent_reads():
-    """The agents cannot import the controller: the file name is written on both sides."""
-    from orchestrator.remote.runs import upload as agent_side
-    from orchestrator.runs import regen as controller_side
-
-    assert controller_side.PROMPTS == agent_side.REGEN_PROMPTS

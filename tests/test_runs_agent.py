@@ -268,6 +268,11 @@ def test_launch_refusals(wd, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert launch(empty, "n-a")["reason"] == "no_release"
+    # a kind whose program takes no rendezvous flags never gets them (runs/kinds.py), nor an unknown kind
+    nodes = {"targets": ["a", "b"], "index": 0, "endpoint": "10.0.0.1:29400", "address": "10.0.0.1"}
+    assert launch(wd, "k-a", kind="regen", nodes=nodes)["reason"] == "one_node"
+    assert launch(wd, "k-b", kind="newer")["reason"] == "bad_kind"
+    assert not (wd / "runs" / "k-a").exists() and not (wd / "runs" / "k-b").exists()
 
 
 # ---- issue 11: values never options, deaths after the end, no space ---------------------------
@@ -314,6 +319,17 @@ def test_a_run_outlives_its_killed_supervisor_and_is_judged_by_its_log(wd):
     assert first["state"] == "failed" and first["exit"]["lost"]
     time.sleep(1.2)
     assert state(wd, "k-c")["elapsed_s"] == first["elapsed_s"]   # a lost run's clock stops
+
+
+def test_unsupervised_is_one_rule_for_status_and_the_slot_locks():
+    """A trainer alive whose supervisor is not, by pid and start time in run.json or a lock."""
+    from orchestrator.remote.runs.common import _proc_start, _unsupervised
+
+    me = {"pid": os.getpid(), "pid_start": _proc_start(os.getpid())}
+    dead = {"supervisor_pid": os.getpid(), "supervisor_start": -1}     # a recycled pid: not the supervisor
+    assert _unsupervised(me) and _unsupervised(dead, me) and _unsupervised({}, me)
+    alive = {"supervisor_pid": os.getpid(), "supervisor_start": _proc_start(os.getpid())}
+    assert not _unsupervised(dict(me, **alive)) and not _unsupervised(me, alive) and not _unsupervised({}, dead)
 
 
 def test_a_run_whose_supervisor_cannot_start_is_failed_at_once(wd):

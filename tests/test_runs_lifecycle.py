@@ -131,7 +131,7 @@ def test_launch_detaches_then_logs_follow_to_success(ct, tmp_path):
     r = ct.cli("report", "ct200", "-o", png)
     path, tau = r.stdout.decode().strip().splitlines()
     assert r.returncode == 0 and path == str(png)
-    assert tau.startswith("tau ") and " rounds, at step 20; acceptance by block position 1..15: " in tau
+    assert tau.startswith("tau ") and " rounds), at step 20; acceptance by block position 1..15: " in tau
     assert png.read_bytes()[:4] == b"\x89PNG"
     r = ct.cli("stop", "ct200", run)
     assert r.returncode == 0 and b"already ended (succeeded); nothing to stop" in r.stdout

@@ -136,7 +136,7 @@ def test_report_gives_the_last_evals_tau_rounds_interval_and_a_bar_per_block_pos
                  "tau_ci95": [1.75, 2.25], "accept_rate_by_position": [0.8, 0.5, None]}]
     ev = report.last_eval(metrics)
     assert ev == {"step": 4, "tau": 2.0, "rounds": 30, "ci95": [1.75, 2.25], "by_position": [0.8, 0.5, None]}
-    assert report.eval_line(ev) == ("tau 2.000 [1.750, 2.250] 95%, 30 rounds, at step 4; "
+    assert report.eval_line(ev) == ("tau 2.000 (95% 1.750-2.250, 30 rounds), at step 4; "
                                     "acceptance by block position 1..3: 0.80 0.50 -")
     fig = report.figure(metrics)
     bars = fig.axes[3]
@@ -145,6 +145,11 @@ def test_report_gives_the_last_evals_tau_rounds_interval_and_a_bar_per_block_pos
     # an older trainer's records: tau alone
     assert report.eval_line(report.last_eval([{"event": "done", "step": 3, "acceptance_length": 2.5}])) == \
         "tau 2.500, at step 3"
+    # the trainer's way of writing tau, which report, specdec, the eval lines and the plots share
+    from trainer.run.log import tau_text
+    assert tau_text(2.0, None, 1) == "2.000 (1 round)"
+    assert tau_text(1.234, (1.1, 1.4), 812, "8 held-out prompts", digits=2) == \
+        "1.23 (95% 1.10-1.40, 812 rounds, 8 held-out prompts)"
 
 
 # ---- a run over several nodes ------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.run.sizing import GIB, Device, Fit, Shape, fit_anchors, sequence_bytes
+from trainer.run.sizing import GIB, Device, Fit, Shape, fit_anchors, record, resumed, sequence_bytes
 
 # The Qwen3-8B recipe (configs/qwen3-8b.yaml): 5 draft layers of the 8B shape, rows of 3072 tokens,
 # 4 sequences per GPU; the 8B target (16.4 GB) already on the device.
@@ -72,6 +72,38 @@ def test_the_trainer_says_it_once_at_start(tmp_path, capsys):
                                       "most 29 blocks of 4; more are padding"]
     first_step = next(i for i, line in enumerate(out) if line.startswith('{"step": 1'))
     assert said[0] < first_step
+
+
+def test_a_resume_keeps_what_its_start_chose_unless_anchors_changed():
+    assert resumed(record(512, 256), 512, Fit(512, None)) == Fit(
+        256, "anchors 256 instead of 512: as the run chose at its start (recorded in its checkpoint), so the "
+             "resumed steps are the same steps")
+    assert resumed(record(512, 256), 512, Fit(128, "x")).line.endswith(
+        "; the device's free memory would take 128 now")
+    assert resumed(record(64, 64), 64, Fit(64, None)).anchors == 64
+    assert resumed(record(512, 256), 1024, Fit(1024, None)) is None      # --anchors changed: fitted anew
+    assert resumed(None, 512, Fit(512, None)) is None                    # an older trainer's checkpoint
+
+
+def test_a_resumed_run_reuses_the_recorded_anchors_and_says_so(tmp_path, capsys):
+    pytest.importorskip("torch")
+    import json
+
+    from trainer.run import checkpoint
+    from trainer_quick import train
+
+    out = tmp_path / "run"
+    assert train(out, "--anchors", "100", "--steps", "2", "--eval-prompts", "0") == 0
+    meta = checkpoint.find_latest(out) / "meta.json"
+    assert json.loads(meta.read_text())["anchors"] == {"asked": 100, "used": 29}
+    # as if its start had had less room (a GPU with less free memory then): the resume keeps that
+    meta.write_text(meta.read_text().replace('"used": 29', '"used": 16'))
+    capsys.readouterr()
+    assert train(out, "--anchors", "100", "--steps", "3", "--eval-prompts", "0", "--resume") == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "anchors" in line and "instead of" in line]
+    assert said == ["[trainer] anchors 16 instead of 100: as the run chose at its start (recorded in its "
+                    "checkpoint), so the resumed steps are the same steps"]
+    assert json.loads((checkpoint.find_latest(out) / "meta.json").read_text())["anchors"]["used"] == 16
 
 
 @pytest.mark.parametrize("seqs, peak_gb", [(2, 54.2), (4, 76.5)])

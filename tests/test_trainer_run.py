@@ -278,7 +278,7 @@ def test_eval_prompts_that_are_also_training_prompts_are_refused_unless_eval_ove
     assert train(tmp_path / "c", "--data", data, "--steps", "1", "--eval-prompts", "2", "--eval-overlap-ok") == 0
     out = capsys.readouterr().out
     assert "2 of 2 eval prompts are training rows' prompts (--eval-overlap-ok)" in out
-    assert "on 2 prompts, 2 of them training rows' prompts" in out
+    assert " rounds, 2 prompts, 2 of them training rows' prompts)" in out
     # distinct prompts: the last rows are held out, and none of theirs is trained on
     other = str(write_jsonl(tmp_path / "other.jsonl", [{"input_ids": [9, i] + list(range(20, 40)),
                                                         "loss_mask": [0, 0] + [1] * 20} for i in range(6)]))
@@ -310,7 +310,7 @@ def test_run_summary_gives_tau_with_rounds_interval_and_acceptance_by_position(t
         assert len(m["accept_rate_by_position"]) == 3  # block 4: positions 1..3
         assert all(r is None or 0 <= r <= 1 for r in m["accept_rate_by_position"])
     last = printed.strip().splitlines()[-1]
-    assert last.startswith("[trainer] done: 2 steps; acceptance length ")
     lo, hi = done["tau_ci95"]
-    assert f"+- {(hi - lo) / 2:.3f} (95%) over {done['rounds']} rounds on 2 held-out prompts" in last
+    assert last.startswith(f"[trainer] done: 2 steps; tau {done['acceptance_length']:.3f} "
+                           f"(95% {lo:.3f}-{hi:.3f}, {done['rounds']} rounds, 2 held-out prompts); ")
     assert "acceptance by block position 1..3: " in last

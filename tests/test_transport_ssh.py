@@ -60,6 +60,19 @@ def test_streaming_sinks_and_signal_exit(ct):
     assert r.exit_code == 128 + 15
 
 
+def test_a_command_killed_by_a_signal_on_the_node_exits_128_plus_n_as_in_a_container(ct):
+    """sshd reports a command killed by a signal as an exit-signal, which paramiko drops: every
+    command over ssh, not one feature's, must still come back as 128+N (no 255)."""
+    session, _ = ct
+    node = session.ssh("node")
+    for sig, script in ((15, "echo before; kill -TERM $$"), (9, "kill -KILL $$")):
+        r = node.run(["sh", "-c", script])
+        assert r.exit_code == 128 + sig, (sig, r)
+    r = node.run(["sh", "-c", "echo out; echo err >&2; exit 7"])
+    assert (r.exit_code, r.stdout, r.stderr) == (7, b"out\n", b"err\n")
+    assert node.run(["no-such-command-xyz"]).exit_code == 127
+
+
 def test_keep_env_0_environment_only(ct):
     session, target = ct
     r = session.transport(target).run(["env"])

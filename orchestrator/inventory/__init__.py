@@ -107,6 +107,14 @@ class Inventory:
             raise UsageError(f"{word}: a target is named twice")
         return [self.target_or_group(n) for n in names]
 
+    def names_targets(self, word: str) -> bool:
+        """Whether `word` is what expand takes: a target, TARGET,TARGET... or a group name."""
+        try:
+            self.expand(word)
+        except UsageError:
+            return False
+        return True
+
     def target_or_group(self, name: str) -> Target:
         if name in self.groups:
             raise UsageError(f"{name!r} is a group; name it alone, not in a list of targets")

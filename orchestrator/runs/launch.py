@@ -22,6 +22,7 @@ from orchestrator.errors import (EXIT_OK, EXIT_RUN_FAILED, EXIT_RUN_RUNNING, EXI
                      StepFailed, UsageError)
 from orchestrator.inventory import Inventory, Target
 from orchestrator.inventory.names import RUN_ID_RE
+from orchestrator.remote.runs.kinds import KINDS, trainer_flags   # stdlib only, shared with the runs agent
 from orchestrator.runs.options import LaunchOptions, check_run
 from orchestrator.ssh.session import Session
 
@@ -89,7 +90,7 @@ def refusal_message(target: Target, doc: dict) -> str:
         return (f"{t}: the container has {n} GPU(s) but hosts.yaml gives {t} none (`gpus:` is 0 when omitted), "
                 f"so the run would train on the CPU; set `gpus: {n}` under targets.{t} in hosts.yaml, or pass "
                 f"--gpus 0 to train on the CPU")
-    if reason in ("too_many_gpus", "no_space", "io", "bad_gpu_ids", "bad_probe", "network"):
+    if reason in ("too_many_gpus", "no_space", "io", "bad_gpu_ids", "bad_probe", "network", "one_node", "bad_kind"):
         return f"{t}: {doc.get('message')}"
     if reason == "not_found":
         return f"{t}: {doc.get('message')} (see `dflash-ops status {t}`)"
@@ -131,7 +132,7 @@ class LaunchResult:
     slots: list[str] = field(default_factory=list)
     log: str | None = None
     command_line: str | None = None
-    kind: str = "train"                 # train | regen (LaunchOptions.kind)
+    kind: str = "train"                 # train | regen (LaunchOptions.kind; remote/runs/kinds.py)
     output: str | None = None           # regen: the JSONL it writes on the target
     cleared: list[dict] = field(default_factory=list)
     name: str | None = None
@@ -161,6 +162,9 @@ def launch_spec(inv: Inventory, target: Target, opts: LaunchOptions, run: str | 
     the job's nodes), with the checks that need the target (UsageError, LaunchRefused) and the
     trainer's own check of its flags and config (UsageError)."""
     check_gpu_ids(opts, target)
+    kind = KINDS[opts.kind]
+    if nnodes > 1 and not kind["nodes"]:     # its program takes no rendezvous flags
+        raise UsageError(f"a {opts.kind} run runs on one target; name one, not {nnodes}")
     gpus = (None if opts.resume is not None else target.gpus) if opts.gpus is None else opts.gpus
     if gpus is not None and gpus > target.gpus:
         raise LaunchRefused(f"{target.name}: --gpus {gpus} is more than the target's "
@@ -171,26 +175,25 @@ def launch_spec(inv: Inventory, target: Target, opts: LaunchOptions, run: str | 
             "user_env": user_env(inv, target, env),   # recorded in run.json, secrets masked
             # CPU only because nobody said how many GPUs: the runs agent refuses it on a target with GPUs
             "cpu_by_default": opts.gpus is None and opts.resume is None and not gpus}
-    if opts.resume is None and opts.kind == "train":    # regen's flags are trainer.regen's, checked there
+    if opts.resume is None and kind["checked"]:    # regen's flags are trainer.regen's, checked there
         check_trainer_config(spec, nnodes)
     return LaunchSpec(spec, env)
 
 
 def check_trainer_config(spec: dict, nnodes: int = 1) -> None:
     """The trainer's own config rules (trainer/run/config.py, torch-free) applied here to the flags
-    and YAML the runs agent will give it, so a typo is exit 2 before anything starts, not a failed
-    run. What needs the target (its files, --flex-tiles) is still checked by the trainer there."""
+    and YAML the runs agent will give it (built by the agent's own trainer_flags), so a typo is
+    exit 2 before anything starts, not a failed run. What needs the target (its files,
+    --flex-tiles) is still checked by the trainer there."""
     from trainer.errors import UsageError as TrainerUsage
     from trainer.run.config import check_before_launch
 
-    argv = ["--gpus", str(spec["gpus"] or 0), "--topology", spec["topology"], "--compile-policy", spec["policy"]]
-    if spec.get("workers") is not None:
-        argv += ["--workers", str(spec["workers"])]
-    if nnodes > 1:      # as the runs agent passes them; the values are placeholders of the right form
-        argv += ["--nnodes", str(nnodes), "--rdzv-endpoint", "node:1", "--rdzv-id", spec["run"],
-                 "--node-address", "node"]
+    # The config's text is checked as text (the agent's --config names its copy on the target); a
+    # job's rendezvous values are placeholders of the right form (nodes.launch adds the real ones).
+    nodes = {"targets": ["node"] * nnodes, "index": 0, "endpoint": "node:1", "address": "node"} if nnodes > 1 else None
+    argv = trainer_flags(dict(spec, nodes=nodes), spec["gpus"] or 0, spec["policy"])
     try:
-        check_before_launch(argv + list(spec["extra"]), spec.get("config_text"), spec.get("config_name") or "config")
+        check_before_launch(argv, spec.get("config_text"), spec.get("config_name") or "config")
     except TrainerUsage as e:
         said = str(e) if str(e).startswith(f"{spec.get('config_name')}:") else f"the trainer would refuse: {e}"
         raise UsageError(f"{said}; nothing was launched") from None

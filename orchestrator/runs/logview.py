@@ -15,12 +15,11 @@ import os
 import sys
 
 import click
+from trainer.run.log import TWINNED     # the trainer's list of events it also writes as text (torch-free)
 
 from orchestrator.errors import OpsError
 
 SEVERITY_COLOUR = {"fatal": b"1;31", "warning": b"33"}
-# JSON events the trainer also writes as a line of text (a [trainer] line, or its error's line)
-TWINNED = ("eval", "done", "resume", "worker_ready", "compile_guard", "worker_hung", "worker_failed", "diverged")
 
 
 def isatty(stream) -> bool:

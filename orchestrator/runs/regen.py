@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from orchestrator.errors import UsageError
+from orchestrator.remote.runs.kinds import REGEN_PROMPTS as PROMPTS   # the name the runs agent reads
 from orchestrator.runs.options import LaunchOptions, upload
-
-PROMPTS = "prompts.jsonl"     # the upload's name in the run's folder (remote/runs/upload.py reads it there)
 
 
 def check_prompts(path: str) -> int:

@@ -50,10 +50,10 @@ def last_eval(metrics: Sequence[dict]) -> dict | None:
 
 
 def eval_line(ev: dict) -> str:
-    """`tau 2.345 [2.201, 2.489] 95%, 812 rounds, at step 200; acceptance by block position 1..3: ...`"""
-    ci = f" [{ev['ci95'][0]:.3f}, {ev['ci95'][1]:.3f}] 95%" if ev["ci95"] else ""
-    rounds = f", {ev['rounds']} rounds" if ev["rounds"] is not None else ""
-    line = f"tau {ev['tau']:.3f}{ci}{rounds}, at step {ev['step']}"
+    """`tau 2.345 (95% 2.201-2.489, 812 rounds), at step 200; acceptance by block position 1..3: ...`"""
+    from trainer.run.log import tau_text     # the trainer's own way of writing it (stdlib only)
+
+    line = f"tau {tau_text(ev['tau'], ev['ci95'], ev['rounds'])}, at step {ev['step']}"
     if ev["by_position"]:
         rates = " ".join("-" if r is None else f"{r:.2f}" for r in ev["by_position"])
         line += f"; acceptance by block position 1..{len(ev['by_position'])}: {rates}"

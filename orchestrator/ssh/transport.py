@@ -58,6 +58,15 @@ def bash_argv(script: str) -> list[str]:
     return ["bash", "-c", script]
 
 
+def reporting_signals(argv: Sequence[str]) -> list[str]:
+    """argv run by a shell that exits 128+N when the command is killed by signal N, as a local
+    subprocess (LocalTransport) and lxc-attach in a container report it: sshd reports such a death
+    as an exit-signal, which paramiko drops (the status would read as 255). `; exit $?` keeps the
+    shell from exec'ing the command in its place. `sh`, not the login shell, so that the words the
+    shell may print about the death are its own short ones, never the command's text."""
+    return ["sh", "-c", '"$@"; exit $?', "sh", *argv]
+
+
 def pct_exec_argv(pct: str, vmid: int, argv: Sequence[str], *, sudo: bool,
                   env: Mapping[str, str] | None = None) -> list[str]:
     """`pct exec VMID --keep-env 0 -- [env K=V...] ARGV`: the `--` is mandatory (pct parses options
@@ -196,7 +205,7 @@ class SshTransport(Transport):
         return self.transport.open_channel("direct-tcpip", (address, port), ("127.0.0.1", 0))
 
     def run(self, argv, *, stdin=None, stdout=None, stderr=None, timeout=None) -> Result:
-        line = shell_join(argv)
+        line = shell_join(reporting_signals(argv))
         out, err = _Collector(stdout), _Collector(stderr)
         self.runs += 1
         try:
@@ -225,8 +234,8 @@ class SshTransport(Transport):
         code = chan.recv_exit_status()
         chan.close()
         if code == -1:
-            # No exit-status: the connection broke, or the remote was killed by a signal
-            # (sshd sends exit-signal instead of exit-status).
+            # No exit-status: the connection broke, or the shell of reporting_signals was killed
+            # itself (sshd then sends exit-signal instead of exit-status).
             if not self.transport.is_active():
                 raise ConnectionLost(self.host.name)
             code = 255

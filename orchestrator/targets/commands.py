@@ -67,7 +67,7 @@ def _split_exec_words(ctx, args: list[str]) -> tuple[list[str], list[str]]:
     Without an inventory to tell targets by, the first word is taken for the target."""
     try:
         inv = ctx.find_object(State).inv
-        known = lambda w: w in inv.targets or w in inv.groups or all(n in inv.targets for n in w.split(","))  # noqa: E731
+        known = inv.names_targets
     except Exception:  # noqa: BLE001 - a broken inventory is reported by the command itself
         known = None
     head, i = [], 0

@@ -123,12 +123,9 @@ def run_one(session: Session, target: Target, argv: Sequence[str], *, out: Write
         # The container's state first, on its own: pct's refusal must not reach the user's
         # stream as if the command had printed it.
         t = session.transport(target, env=env, check=False)
-        wrapped = in_target_env(target, argv)
         if isinstance(t, PctTransport):
             t.check()
-        else:
-            wrapped = on_node(wrapped)
-        r = t.run(wrapped, stdout=(lambda b: out(target.name, b)) if out else None, stderr=on_err)
+        r = t.run(in_target_env(target, argv), stdout=(lambda b: out(target.name, b)) if out else None, stderr=on_err)
         res.exit_code, res.stdout = r.exit_code, r.stdout
         res.stderr = b"" if err else b"".join(kept)
         last = b"".join(kept).rstrip().splitlines()[-1:]
@@ -138,13 +135,6 @@ def run_one(session: Session, target: Target, argv: Sequence[str], *, out: Write
         res.error = e.render()
     res.seconds = round(time.monotonic() - start, 3)
     return res
-
-
-def on_node(argv: Sequence[str]) -> list[str]:
-    """argv run by a shell that exits 128+N when the command is killed by signal N, as lxc-attach
-    does in a container: sshd reports such a death as an exit-signal, which paramiko drops (the
-    status would read as 255). `; exit $?` keeps the shell from exec'ing the command in its place."""
-    return ["sh", "-c", '"$@"; exit $?', "sh", *argv]
 
 
 def exec_command(inv: Inventory, targets: list[Target], argv: Sequence[str], *, out: Write | None = None,

@@ -37,6 +37,10 @@ from trainer.errors import TrainerError, UsageError
 DTYPES = ("bfloat16", "float16", "float32")
 ARCHITECTURE = "DFlashDraftModel"
 PROVENANCE = "dflash_ops.json"
+# The refusal of a run still running. The runs agent refuses with the same words by the run's state
+# (it cannot import this; a test holds the two equal), which also catches a trainer older than the
+# lock; this check is the one of `python -m trainer.export` run by hand.
+STILL_RUNNING = "the run is still running (pass --running-ok to export its newest complete checkpoint)"
 
 
 def draft_config(dcfg, *, target_config, target_num_layers: int, layer_ids, mask_token: str | None,
@@ -147,8 +151,7 @@ def export(run: str, output: str, *, step: int | None = None, dtype: str = "bflo
         raise UsageError(f"--run {run}: not a training run folder ({e})") from None
     running = provenance.is_running(out)
     if running and not running_ok:
-        raise UsageError(f"--run {run}: the run is still running (pass --running-ok to export its newest "
-                         "complete checkpoint)")
+        raise UsageError(f"--run {run}: {STILL_RUNNING}")
     path = _checkpoint_path(out, run, step)
     if dest.exists() and not force:
         raise UsageError(f"-o {output}: already exists (pass --force to replace it)")

@@ -2,7 +2,7 @@
 
 Every JSON line goes to stdout (the run's log, what `dflash-ops logs` follows) and is appended to
 OUT/metrics.jsonl (what `dflash-ops report` plots). Readable lines start with `[trainer]` so they
-never parse as JSON.
+never parse as JSON. Standard library only: the controller reads TWINNED and tau_text from here.
 """
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ import threading
 import time
 from pathlib import Path
 from typing import TextIO
+
+# The JSON events the trainer also writes as a line of text (a [trainer] line, or its error's
+# line): `dflash-ops logs` on a terminal shows each of them once, by its text (the controller
+# imports this name; this module stays free of torch).
+TWINNED = ("eval", "done", "resume", "worker_ready", "compile_guard", "worker_hung", "worker_failed", "diverged")
 
 
 class RunLog:
@@ -93,13 +98,23 @@ def step_line(m: dict, steps: int) -> str:
     return " | ".join(parts)
 
 
+def tau_text(tau: float, ci=None, rounds: int | None = None, *more: str, digits: int = 3) -> str:
+    """tau (the acceptance length) and what it rests on, as every program here writes it:
+    `2.345 (95% 2.201-2.489, 812 rounds)`. The interval is left out where there is none (fewer than
+    two rounds); `more` (`8 held-out prompts`) goes inside the parentheses after the rounds."""
+    parts = [f"95% {ci[0]:.{digits}f}-{ci[1]:.{digits}f}"] if ci else []
+    if rounds is not None:
+        parts.append(f"{rounds} round{'' if rounds == 1 else 's'}")
+    parts += more
+    return f"{tau:.{digits}f}" + (f" ({', '.join(parts)})" if parts else "")
+
+
 def eval_line(res: dict, overlap: int = 0) -> str:
     """An eval's readable summary: tau, its 95% interval and rounds, the prompts (held out, or how
     many are training rows' prompts), the acceptance rate per block position."""
-    tau, ci, rates = res["acceptance_length"], res.get("tau_ci95"), res.get("accept_rate_by_position") or []
-    half = f" +- {(ci[1] - ci[0]) / 2:.3f} (95%)" if ci else " (no interval: one round)"
+    rates = res.get("accept_rate_by_position") or []
     prompts = (f"{res['prompts']} prompts, {overlap} of them training rows' prompts" if overlap
                else f"{res['prompts']} held-out prompts")
     by_pos = " ".join("-" if r is None else f"{r:.2f}" for r in rates)
-    return (f"acceptance length {tau:.3f}{half} over {res['rounds']} rounds on {prompts}; "
+    return (f"tau {tau_text(res['acceptance_length'], res.get('tau_ci95'), res['rounds'], prompts)}; "
             f"acceptance by block position 1..{len(rates)}: {by_pos}")

@@ -11,6 +11,9 @@ The rule, applied once at start (trainer/train/loop.prepare), never changes a ru
    (seq_len would truncate rows, batch_size would change the optimisation), so it is the one knob
    turned. If even one anchor does not fit, the config is kept and the line says what to lower.
 3. On the CPU nothing is changed; a step costing more than CPU_SLOW_FLOPS says it will be slow.
+4. A resumed run keeps the anchors its start chose (its checkpoints record them, `resumed`), so a
+   resume on a device with more or less free memory does not change the step it continues; only a
+   changed --anchors is fitted anew.
 
 The memory estimate is documented with its calibration in docs/recipe.md#memory.
 """
@@ -103,6 +106,25 @@ def fit_anchors(anchors: int, s: Shape, d: Device, step_flops: Callable[[int], f
                 f"(trainer/demo.yaml is a CPU-sized run)")
         line = slow if line is None else f"{line}; {slow}"
     return Fit(use, line)
+
+
+def record(asked: int, used: int) -> dict:
+    """What a checkpoint records of the anchors (meta "anchors")."""
+    return {"asked": asked, "used": used}
+
+
+def resumed(recorded, asked: int, fit: Fit) -> Fit | None:
+    """The anchors a resumed run uses: those its checkpoint recorded (`record`) when it asked for the
+    same --anchors, with the line that says so (and what this device would take now, when less);
+    None without a record (an older trainer wrote it) or when --anchors changed: fit anew."""
+    if not isinstance(recorded, dict) or recorded.get("asked") != asked or not recorded.get("used"):
+        return None
+    used = int(recorded["used"])
+    line = f"anchors {used}{f' instead of {asked}' if used != asked else ''}: as the run chose at its start " \
+           f"(recorded in its checkpoint), so the resumed steps are the same steps"
+    if fit.anchors < used:
+        line += f"; the device's free memory would take {fit.anchors} now"
+    return Fit(used, line)
 
 
 def _gib(n: float) -> str:

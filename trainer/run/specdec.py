@@ -26,6 +26,7 @@ import torch
 
 from trainer.model.drafter import Drafter, DrafterConfig
 from trainer.run.eval import Timing, clock, speculative_generate, summarize
+from trainer.run.log import tau_text
 
 
 class NotLossless(RuntimeError):
@@ -194,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     doc = {"target": a.target, "drafter": a.drafter, "untrained": a.untrained, "device": dev.type, "dtype": a.dtype,
            "block_size": drafter.cfg.block_size, "draft_layers": drafter.cfg.num_layers, **doc}
-    ci = doc["tau_ci95"]
-    tau = f"tau {doc['tau']:.2f} ({f'95% {ci[0]:.2f}-{ci[1]:.2f}, ' if ci else ''}{doc['rounds']} rounds)"
+    tau = f"tau {tau_text(doc['tau'], doc['tau_ci95'], doc['rounds'], digits=2)}"
     if a.baseline:
         say(f"specdec: lossless; {tau}; {doc['target_tokens_per_s']:.1f} -> {doc['spec_tokens_per_s']:.1f} tokens/s, "
             f"speedup {doc['speedup']:.2f}x; drafter {100 * doc['time_share']['drafter']:.0f}% of the time")

@@ -131,7 +131,7 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
                  "it starts from the target's norm")
     log.info(f"drafter: {dcfg.num_layers} layers, {n_params / 1e6:.2f}M trainable params, block {dcfg.block_size}, "
              f"mask token {dcfg.mask_token_id}, gamma {gamma:g}")
-    anchors = _anchors(cfg, device, dcfg, n_params, pad_len, log, agree_min)
+    anchors = _anchors(cfg, device, dcfg, n_params, pad_len, log, agree_min, ck)
     return Prepared(out, ck, target, samples, eval_prompts, pad_len, pos_weights, dcfg, drafter,
                     flops_per_sample(dcfg, pad_len, anchors * cfg.block_size), record, eval_overlap, anchors)
 
@@ -154,8 +154,9 @@ def _check_resumed_target(cfg: TrainConfig, ck, now: dict, log) -> None:
 
 
 def _anchors(cfg: TrainConfig, device: torch.device, dcfg: DrafterConfig, n_params: int, pad_len: int, log,
-             agree_min) -> int:
-    """--anchors, or fewer where the rows or the device's free memory cannot take them: one line then."""
+             agree_min, ck=None) -> int:
+    """--anchors, or fewer where the rows or the device's free memory cannot take them: one line then.
+    A resume keeps what its checkpoint recorded (sizing.resumed), said in one line."""
     seqs = max(1, cfg.batch_size // (cfg.n_devices * cfg.nnodes))
     shape = sizing.Shape(hidden=dcfg.hidden_size, intermediate=dcfg.intermediate_size, layers=dcfg.num_layers,
                          kv_dim=dcfg.num_kv_heads * dcfg.head_dim, feature_layers=dcfg.num_target_layers,
@@ -167,10 +168,13 @@ def _anchors(cfg: TrainConfig, device: torch.device, dcfg: DrafterConfig, n_para
         dev = sizing.Device("cpu", "cpu")
     fit = sizing.fit_anchors(cfg.anchors, shape, dev,
                              lambda n: seqs * flops_per_sample(dcfg, pad_len, n * cfg.block_size))
-    anchors = agree_min(fit.anchors)
+    anchors = agree_min(fit.anchors)       # on every rank, resumed or not: it is a collective
     line = fit.line
     if anchors != fit.anchors:
         line = f"anchors {anchors} instead of {cfg.anchors}: another rank's device has less free memory"
+    kept = sizing.resumed(ck.meta.get("anchors"), cfg.anchors, sizing.Fit(anchors, line)) if ck else None
+    if kept is not None:
+        anchors, line = kept.anchors, kept.line
     if line:
         log.info(line)
     return anchors
@@ -387,7 +391,8 @@ def _save(cfg, log, prep, engine, batches, step) -> None:
     r0 = engine.primary
     path = checkpoint.save(prep.out, step, model=r0.drafter.trainable_state_dict(),
                            optimizer=r0.optimizer.state_dict(), keep=cfg.keep_checkpoints,
-                           meta={"data": batches.state(), "config": cfg.to_dict(), "target": prep.identity})
+                           meta={"data": batches.state(), "config": cfg.to_dict(), "target": prep.identity,
+                                 "anchors": sizing.record(cfg.anchors, prep.anchors)})
     log.metrics({"event": "checkpoint", "step": step, "path": str(path), "seconds": time.time() - t})
 
 

@@ -40,7 +40,8 @@ A run lives in WORKDIR/runs/RUN/: run.json (what was launched), train.log (the t
 and stderr), pid (the trainer's), exit.json (written by the supervisor when the trainer ends),
 stop.json (a stop was requested). RUN "latest" (or "") names the newest run. A run's "kind" is
 "train" (`python -m trainer`) or "regen" (`python -m trainer.regen`, no probe, no policy; its
-prompts.jsonl uploaded into the folder, its rows written to regen.jsonl there, run.json "output").
+prompts.jsonl uploaded into the folder, its rows written to regen.jsonl there, run.json "output"):
+one entry each in runs/kinds.py.
 
 A run holds slots (a GPU each, or the one `cpu` slot) until it ends: runs/locks.py.
 The supervisor that starts the trainer and records its end: runs/supervisor.py. A node of a job over
@@ -60,7 +61,8 @@ from .common import LOG, _fault, _proc_start, _resolve, _run_ids, _runs_dir, _st
 from ..release.store import _live
 from .export import cmd_export
 from .follow import cmd_follow, cmd_metrics
-from .upload import _command, _discard, _place, _receive
+from .kinds import kind_of, run_command
+from .upload import _discard, _place, _receive
 from .housekeeping import RESUMABLE, _end_attempt, _resume_spec, cmd_prune, cmd_rm
 from .locks import _Guard, _claim, _drop, _hold
 from .net import IFNAME_VARS, _network_env
@@ -176,10 +178,13 @@ def _launch(workdir, spec):
         visible = _visible_gpus()
         if visible:
             refuse("has_gpus", "%d GPU(s) here, none in the launch" % visible, gpus=visible)
-    policy = spec.get("policy") or "auto"
+    kind = kind_of(spec)
+    if kind["module"] is None:
+        refuse("bad_kind", "this dflash-ops does not know runs of kind %r" % spec.get("kind"))
+    if spec.get("nodes") and not kind["nodes"]:     # its program takes no rendezvous flags
+        refuse("one_node", "a %s run runs on one node; name one target" % spec.get("kind"))
+    policy = (spec.get("policy") or "auto") if kind["policy"] else None    # none: no probe either
     probe_choice = None
-    if spec.get("kind") == "regen":     # answers by the target: no compile policy, no probe
-        policy = None
     if policy == "auto":
         probe_choice = _probe_policy(workdir, release_path, spec.get("topology") or "threads")
     # `auto` goes to the trainer as is: it resolves it from DFLASH_OPS_WORKDIR/probe.json and
@@ -293,15 +298,9 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
     elif spec.get("config_file"):
         config = spec["config_file"]
     python = sys.executable
-    command, output = _command(spec, rundir, gpus, compile_policy, config, prev is not None)
+    command, output = run_command(spec, rundir, gpus, compile_policy, config, prev is not None)
     argv = [python] + command
     nodes = spec.get("nodes")
-    if nodes:                       # one node of a job over several: torchrun's c10d rendezvous
-        argv += ["--nnodes", str(len(nodes["targets"])), "--rdzv-endpoint", nodes["endpoint"],
-                 "--rdzv-id", run, "--node-address", nodes["address"]]
-        if nodes["index"] == 0:
-            argv += ["--rdzv-host"]
-    argv += list(spec.get("extra") or [])
     env = dict(os.environ)
     env.update({"HOME": _home(), "PYTHONUNBUFFERED": "1",
                 "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in ids),

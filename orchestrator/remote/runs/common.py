@@ -66,6 +66,15 @@ def _alive(pid, start=None):
         return True
 
 
+def _unsupervised(*docs):
+    """A run's trainer alive and its supervisor not (killed after it started the trainer), each
+    judged by its pid and start time in any of `docs` (run.json, a slot's lock): the trainer runs
+    on and holds its slots until it ends, and no exit.json will be written unless `stop` ends it."""
+    def alive(pid, start):
+        return any(_alive(d.get(pid), d.get(start)) for d in docs)
+    return alive("pid", "pid_start") and not alive("supervisor_pid", "supervisor_start")
+
+
 # --- runs ---------------------------------------------------------------------------------------
 
 def _runs_dir(workdir):
@@ -264,10 +273,7 @@ def _status(workdir, run):
            # a job over several nodes: the nodes, and which ranks this one ran (the trainer's node.json)
            "nodes": (rec.get("nodes") or {}).get("targets"),
            "node": _read_json(os.path.join(rundir, "node.json"))}
-    if state == "running" and _alive(rec.get("pid"), rec.get("pid_start")) and \
-            not _alive(rec.get("supervisor_pid"), rec.get("supervisor_start")):
-        # its supervisor was killed: the trainer runs on, its slots stay taken until it ends, and
-        # its end is judged from its log (no exit.json will be written unless `stop` ends it)
+    if state == "running" and _unsupervised(rec):   # its end is then judged from its log
         doc["unsupervised"] = True
     try:
         doc["log_bytes"] = os.path.getsize(os.path.join(rundir, LOG))

@@ -27,16 +27,20 @@ import sys
 
 from ..common import _read_json, _sha256, refuse
 from .common import _alive, _not_found, _resolve, _run_ids, _runs_dir, _state
+from .kinds import kind_of
 
 CHUNK = 1 << 20
+# trainer.export's words for a run still running (a test holds them equal): the agent judges by the
+# run's state, so a run of a trainer older than the trainer's lock is refused too.
+STILL_RUNNING = "the run is still running (pass --running-ok to export its newest complete checkpoint)"
 
 
 def _latest_succeeded(workdir):
-    """The newest succeeded training run (a regen run has rows, no drafter)."""
+    """The newest succeeded run that leaves a drafter (a regen run has rows, no drafter)."""
     for rid in reversed(_run_ids(workdir)):
         rundir = os.path.join(_runs_dir(workdir), rid)
         rec = _read_json(os.path.join(rundir, "run.json")) or {}
-        if rec.get("kind", "train") == "train" and _state(rundir, rec)[0] == "succeeded":
+        if kind_of(rec)["drafter"] and _state(rundir, rec)[0] == "succeeded":
             return rid
     return None
 
@@ -66,12 +70,11 @@ def cmd_export(workdir, run, step, dtype, running_ok=False, target_changed_ok=Fa
         _not_found(workdir, run or "latest", any_runs=bool(_run_ids(workdir)))
     rundir = os.path.join(_runs_dir(workdir), rid)
     rec = _read_json(os.path.join(rundir, "run.json")) or {}
-    if rec.get("kind") == "regen":
-        refuse("regen_run", "a regen run has no drafter (its rows are in %s)" % rec.get("output"),
+    if not kind_of(rec)["drafter"]:
+        refuse("no_drafter", "a %s run has no drafter (its output is in %s)" % (rec.get("kind"), rec.get("output")),
                found=True, run=rid, exit_code=2)
     if _state(rundir)[0] == "running" and not running_ok:
-        refuse("running", "the run is still running (pass --running-ok to export its newest complete checkpoint)",
-               found=True, run=rid)
+        refuse("running", STILL_RUNNING, found=True, run=rid)
     current = os.path.join(workdir, "current")
     if not os.path.isfile(os.path.join(current, "trainer", "export.py")):
         refuse("no_release", "the live release in %s has no trainer/export.py" % workdir, found=True, run=rid)

@@ -19,6 +19,7 @@ import shutil
 
 from ..common import _listdir, _out, _read_json, refuse
 from .common import _alive, _find, _resolve, _run_ids, _runs_dir, _state
+from .kinds import kind_of
 from .locks import _Guard
 
 RESUMABLE = ("stopped", "failed")
@@ -119,8 +120,9 @@ def cmd_rm(workdir, runs, dry_run):
     _out(reply)
 
 
-def _kind(workdir, rid):
-    return (_read_json(os.path.join(_runs_dir(workdir), rid, "run.json")) or {}).get("kind") or "train"
+def _pruned(workdir, rid):
+    """Whether `prune` may remove the run, by its kind (runs/kinds.py)."""
+    return kind_of(_read_json(os.path.join(_runs_dir(workdir), rid, "run.json")) or {})["pruned"]
 
 
 def cmd_prune(workdir, keep, dry_run):
@@ -129,7 +131,7 @@ def cmd_prune(workdir, keep, dry_run):
     with _Guard(workdir):
         _sweep_removals(workdir)
         ids = _run_ids(workdir)                      # oldest first
-        data = [r for r in ids if _kind(workdir, r) == "regen"]   # rows training runs read: only `rm` removes them
+        data = [r for r in ids if not _pruned(workdir, r)]   # e.g. regen's rows, which training runs read
         ids = [r for r in ids if r not in data]
         old, reply["kept"] = (ids[:-keep], ids[-keep:]) if keep > 0 else (ids, [])
         _remove(workdir, old, dry_run, reply)

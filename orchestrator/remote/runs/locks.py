@@ -13,7 +13,7 @@ judged and changed under an flock on WORKDIR/locks/.guard.
 import os
 
 from ..common import _flock, _read_json, _write_json
-from .common import _alive, _runs_dir
+from .common import _alive, _runs_dir, _unsupervised
 
 
 class _Guard:
@@ -48,7 +48,7 @@ def _holder_live(workdir, lock):
     if not live:
         return None
     return {"run": lock.get("run"), "pid": lock.get("pid") or rec.get("pid"),
-            "unsupervised": "pid" in live and "supervisor_pid" not in live}
+            "unsupervised": _unsupervised(lock, rec)}
 
 
 def _busy_slots(workdir, guard, slots):

@@ -23,6 +23,7 @@ import time
 
 from ..common import _now_iso, _read_json, _write_json
 from .common import LOG, _alive, _fault, _proc_start, _root_cause
+from .kinds import kind_of
 from .locks import _release_slots
 
 HELLO_TIMEOUT_S = 60.0
@@ -324,7 +325,7 @@ def _finish(rundir, rec, status, log, error):
         else:
             what = "exit code %d" % code
         os.write(log, ("dflash-ops: trainer (pid %s) ended: %s; run %s\n" % (pid, what, state)).encode())
-        if rec.get("output"):
+        if kind_of(rec)["ended"] and rec.get("output"):
             os.write(log, _output_note(rec, state).encode())
         os.close(log)
     _write_json(os.path.join(rundir, "exit.json"), ex)
@@ -332,13 +333,12 @@ def _finish(rundir, rec, status, log, error):
 
 
 def _output_note(rec, state):
-    """The log's last line for a run that writes a file (regen): where it is, what to do next."""
-    out, target = rec["output"], rec.get("target") or "TARGET"
-    if state == "succeeded":
-        return ("dflash-ops: the rows are in %s; train on them with `dflash-ops launch %s -- --data %s`\n"
-                % (out, target, out))
-    return ("dflash-ops: the rows so far are in %s; `dflash-ops launch %s --resume %s` continues from there\n"
-            % (out, target, rec["run"]))
+    """The log's last line for a run that writes a file (regen): where it is, what to do next, in
+    its kind's words (runs/kinds.py "ended")."""
+    done, not_done = kind_of(rec)["ended"]
+    line = (done if state == "succeeded" else not_done).format(
+        output=rec["output"], target=rec.get("target") or "TARGET", run=rec["run"])
+    return "dflash-ops: %s\n" % line
 
 
 def _exit_record(rec, state, code, sig, stop_requested, error):

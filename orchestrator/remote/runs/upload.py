@@ -1,4 +1,4 @@
-"""Runs agent: files sent with a launch (`regen`'s prompts), and the command a run's kind starts.
+"""Runs agent: files sent with a launch (a kind's inputs, runs/kinds.py: `regen`'s prompts).
 
 The launch spec names its files, `"files": [{"name", "size", "sha256"}]`, and their bytes follow
 the spec's line on stdin, one file after the other. They are read before the slot guard is taken
@@ -15,8 +15,6 @@ import shutil
 from ..common import _fail, refuse
 
 UPLOAD_CHUNK = 1 << 20
-REGEN_PROMPTS = "prompts.jsonl"     # regen's input in the run's folder (the controller's upload)
-REGEN_OUT = "regen.jsonl"           # what it writes there: the trainer's --data
 
 
 def _receive(stream, runs_dir, spec):
@@ -69,21 +67,3 @@ def _discard(folder):
     if folder:
         shutil.rmtree(folder, ignore_errors=True)
 
-
-def _command(spec, rundir, gpus, compile_policy, config, resume):
-    """(argv after the python, the output file or None) of the run's kind: the trainer
-    (`python -m trainer`) or regen (`python -m trainer.regen`, its prompts and output in the run's
-    folder; it resumes by itself from an output that exists)."""
-    if spec.get("kind") == "regen":
-        out = os.path.join(rundir, REGEN_OUT)
-        return ["-m", "trainer.regen", "--prompts", os.path.join(rundir, REGEN_PROMPTS), "--out", out,
-                "--gpus", str(gpus)], out
-    argv = ["-m", "trainer", "--out", rundir, "--gpus", str(gpus),
-            "--topology", spec.get("topology") or "threads", "--compile-policy", compile_policy]
-    if spec.get("workers") is not None:
-        argv += ["--workers", str(spec["workers"])]
-    if config:
-        argv += ["--config", config]
-    if resume:
-        argv += ["--resume"]        # the trainer continues from the last checkpoint in --out
-    return argv, None
