@@ -351,6 +351,9 @@ class ThreadEngine:
     def agree(self, flag: bool) -> bool:
         return flag  # one process: every worker sees the same flag
 
+    def collectives_done(self) -> None:
+        """(RankEngine's: no collective follows.)"""
+
     def barrier(self) -> None:
         pass
 

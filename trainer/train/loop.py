@@ -254,7 +254,9 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
     finish()
     engine.check_replicas(step)
     _save(cfg, log, prep, engine, batches, step)
-    if engine.agree(stop.is_set()):
+    stopped = engine.agree(stop.is_set())
+    engine.collectives_done()   # rank 0's final eval is its own
+    if stopped:
         log.metrics({"event": "stopped", "step": step})
         return EXIT_SIGTERM
     if not engine.writer:
@@ -395,6 +397,7 @@ def _stopped(cfg, log, prep, engine, batches, step) -> int:
     log.info(f"SIGTERM: writing a checkpoint at step {step}, then exiting")
     _save(cfg, log, prep, engine, batches, step)
     engine.barrier()  # ranks leave together, after rank 0's checkpoint is complete
+    engine.collectives_done()
     log.metrics({"event": "stopped", "step": step})
     return EXIT_SIGTERM
 
