@@ -29,7 +29,9 @@ file and torchrun names it as the root cause; the launcher prints torchrun's sum
 the failing rank's status (1 failure, 2 bad input, 128+N for a signal).
 SIGTERM to the launcher: torchrun forwards it to every rank; the ranks agree at the next step
 boundary (one tiny all-reduce per step), rank 0 writes a checkpoint, all exit 143, and so does the
-launcher. If the launcher dies, the ranks get SIGTERM too (PR_SET_PDEATHSIG).
+launcher; a rank that reaches no step boundary within its grace exits 143 without one. If the
+launcher dies, the ranks get SIGTERM too (PR_SET_PDEATHSIG). With several nodes the job ends as one:
+the first rank that fails anywhere ends every other within seconds (exit 3; trainer/train/watch.py).
 """
 from __future__ import annotations
 
