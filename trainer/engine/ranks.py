@@ -6,6 +6,7 @@ weight, as in threads, so the two topologies compute the same update.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -135,7 +136,12 @@ class RankEngine:
             self.log.metrics({"event": "checksum", "step": step, "replicas": self.size})
 
     def on_primary(self, fn, *args, **kwargs):
-        return fn(*args, **kwargs)
+        with self.own_work():       # rank 0's eval
+            return fn(*args, **kwargs)
+
+    def own_work(self):
+        """While this rank works alone (a checkpoint, an eval), a SIGTERM's grace does not run out."""
+        return self.grace.busy() if self.grace is not None else contextlib.nullcontext()
 
     def barrier(self) -> None:
         device_barrier(self.device)

@@ -22,6 +22,7 @@ The main thread never touches a replica's tensors; it submits phases and waits f
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import queue
 import sys
 import threading
@@ -353,6 +354,10 @@ class ThreadEngine:
 
     def collectives_done(self) -> None:
         """(RankEngine's: no collective follows.)"""
+
+    def own_work(self):
+        """(RankEngine's: this rank works alone, not waiting for the others.)"""
+        return contextlib.nullcontext()
 
     def barrier(self) -> None:
         pass

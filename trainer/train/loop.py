@@ -387,9 +387,10 @@ def _save(cfg, log, prep, engine, batches, step) -> None:
         return
     t = time.time()
     r0 = engine.primary
-    path = checkpoint.save(prep.out, step, model=r0.drafter.trainable_state_dict(),
-                           optimizer=r0.optimizer.state_dict(), keep=cfg.keep_checkpoints,
-                           meta={"data": batches.state(), "config": cfg.to_dict(), "target": prep.identity})
+    with engine.own_work():  # a SIGTERM's grace does not run out while this rank writes
+        path = checkpoint.save(prep.out, step, model=r0.drafter.trainable_state_dict(),
+                               optimizer=r0.optimizer.state_dict(), keep=cfg.keep_checkpoints,
+                               meta={"data": batches.state(), "config": cfg.to_dict(), "target": prep.identity})
     log.metrics({"event": "checkpoint", "step": step, "path": str(path), "seconds": time.time() - t})
 
 

@@ -307,6 +307,7 @@ class StopGrace:
         self._last: float | None = None
         self._held = threading.Event()
         self._armed = threading.Event()
+        self._busy = 0
 
     def boundary(self) -> None:
         """A step boundary (the ranks' agreement on SIGTERM): the longest stretch between two."""
@@ -317,6 +318,16 @@ class StopGrace:
 
     def seconds(self) -> float:
         return min(STOP_GRACE_MAX_S, max(self.least, 3 * self.longest))
+
+    @contextmanager
+    def busy(self):
+        """This rank works alone (writes a checkpoint, evaluates): a deadline that passes meanwhile
+        starts again when the work ends."""
+        self._busy += 1
+        try:
+            yield
+        finally:
+            self._busy -= 1
 
     def hold(self) -> None:
         """The ranks agreed to stop: they checkpoint and leave together; no deadline."""
@@ -351,9 +362,14 @@ class StopGrace:
             os.close(r)
 
     def _expire(self, seconds: float) -> None:
-        if self._held.wait(seconds):
+        while not self._held.wait(seconds):
+            if not self._busy:
+                break
+            while self._busy and not self._held.is_set():
+                time.sleep(POLL_S)
+        if self._held.is_set():
             return
-        print(f"[trainer] rank {self.rank}: SIGTERM {seconds:.0f} s ago and no step boundary reached (blocked in "
-              f"a collective or outside a step): exiting {EXIT_SIGTERM} without a checkpoint", file=sys.stderr,
+        print(f"[trainer] rank {self.rank}: no step boundary within {seconds:.0f} s of SIGTERM (blocked in a "
+              f"collective or outside a step): exiting {EXIT_SIGTERM} without a checkpoint", file=sys.stderr,
               flush=True)
         exit_process(EXIT_SIGTERM, finalize=False)
