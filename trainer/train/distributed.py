@@ -203,28 +203,31 @@ def rank_main(cfg: TrainConfig) -> int:
     collectives = timedelta(seconds=max(60.0, cfg.warmup_timeout))
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     mesh = float(os.environ.get("DFLASH_MESH_TIMEOUT_S") or MESH_TIMEOUT_S)
-    with _deadline(mesh, f"rank {rank}: the process group's mesh did not form within {mesh:g} s (a rank on "
-                         f"another node failed, or cannot reach this node's address)"):
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=mesh) if set_timeout else collectives)
-    if set_timeout:
-        set_timeout(collectives)
-    stop, restore_signal = loop.on_sigterm()
-    # From here on a SIGTERM that finds no step boundary within its grace ends the rank, and with
-    # several nodes the job's first failure, wherever it happened, ends it (trainer/train/watch.py).
-    grace, job = StopGrace(rank), watch_rank(cfg, rank)
+    # With several nodes the job's first failure, wherever it happens, ends this rank from here on
+    # (trainer/train/watch.py); after the mesh, so does a SIGTERM that finds no step boundary in time.
+    job, restore_signal = watch_rank(cfg, rank), None
     try:
+        with _deadline(mesh, f"rank {rank}: the process group's mesh did not form within {mesh:g} s (a rank on "
+                             f"another node failed, or cannot reach this node's address)"):
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                    timeout=timedelta(seconds=mesh) if set_timeout else collectives)
+        if set_timeout:
+            set_timeout(collectives)
+        stop, restore_signal = loop.on_sigterm()
+        grace = StopGrace(rank)
         with grace.watching():
             return _rank(cfg, rank, world, local, device, stop, grace, job)
     except Exception:
-        if job is not None:   # a failure caused by another rank's (a collective that lost its peer): the
-            job.wait(FAILURE_SEEN_S)  # watch ends this rank naming that one, unless none is recorded
+        if job is not None:   # a failure caused by another rank's (a collective or mesh that lost its peer):
+            job.wait(FAILURE_SEEN_S)  # the watch ends this rank naming that one, unless none is recorded
         raise
     finally:
         if job is not None:
             job.disarm()
-        dist.destroy_process_group()
-        restore_signal()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if restore_signal is not None:
+            restore_signal()
 
 
 @contextmanager
