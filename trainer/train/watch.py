@@ -69,13 +69,14 @@ def describe(failure: dict) -> str:
 
 
 class Watch:
-    """Reads the key space from a thread; `on_end(why)` runs once, while armed, when the job has
-    failed or its store is gone. A second thread judges the first: a store that froze blocks a
+    """Reads the key space from a thread; `on_end(why, failed)` runs once, while armed, when the job
+    has failed (failed=True) or its store is gone. A second thread judges the first: a store that froze blocks a
     read forever (TCPStore's check has no timeout)."""
 
     def __init__(self, endpoint: str, run_id: str, on_end):
         self.endpoint, self.run_id, self._on_end = endpoint, run_id, on_end
         self._armed = True
+        self._connected = False
         self._answered = time.monotonic()
         self._ended = threading.Event()
         self._lock = threading.Lock()
@@ -96,12 +97,27 @@ class Watch:
     def tick(self, store: dist.Store) -> None:
         """Each read's own work (a launcher's beat)."""
 
+    def _connect(self) -> dist.Store | None:
+        """The store, once it answers. It may not be up yet (the host's launcher starts it, maybe later
+        than this one); a host that never comes is torchrun's join timeout's business."""
+        while not self._ended.is_set():
+            try:
+                store = key_space(self.endpoint, self.run_id)
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(POLL_S)
+                continue
+            self._answered, self._connected = time.monotonic(), True
+            return store
+        return None
+
     def _read(self) -> None:
+        store = self._connect()
+        if store is None:
+            return
         try:
-            store = key_space(self.endpoint, self.run_id)
             while not self._ended.is_set():
                 if store.check([FAILED]):
-                    self._end(describe(json.loads(store.get(FAILED))))
+                    self._end(describe(json.loads(store.get(FAILED))), failed=True)
                     return
                 self.tick(store)
                 self._answered = time.monotonic()
@@ -113,17 +129,17 @@ class Watch:
 
     def _judge(self) -> None:
         while not self._ended.wait(POLL_S):
-            if time.monotonic() - self._answered > UNREACHABLE_S:
+            if self._connected and time.monotonic() - self._answered > UNREACHABLE_S:
                 self._end(f"the job's store at {self.endpoint} has not answered for {UNREACHABLE_S:g} s: the node "
                           "serving it (the rendezvous host) froze or lost its network")
 
-    def _end(self, why: str) -> None:
+    def _end(self, why: str, failed: bool = False) -> None:
         with self._lock:
             if self._ended.is_set():
                 return
             self._ended.set()
         if self._armed:
-            self._on_end(why)
+            self._on_end(why, failed)
 
 
 def watch_rank(cfg, rank: int) -> Watch | None:
@@ -131,7 +147,7 @@ def watch_rank(cfg, rank: int) -> Watch | None:
     if cfg.nnodes <= 1:
         return None
 
-    def end(why: str) -> None:
+    def end(why: str, failed: bool) -> None:
         print(f"[trainer] rank {rank}: ending (exit {EXIT_PEER_FAILED}): {why}", file=sys.stderr, flush=True)
         exit_process(EXIT_PEER_FAILED, finalize=False)
     return Watch(cfg.rdzv_endpoint, cfg.rdzv_id, end).start()
@@ -200,13 +216,14 @@ class NodeWatch(Watch):
         t.start()
         t.join(2.0)
 
-    def _kill_ranks_later(self, why: str) -> None:
-        """After the job failed: SIGKILL this node's ranks that still run GRACE_S later; then end the
-        launcher itself if torchrun has not returned GRACE_S after its ranks ended (torchrun's own
-        shutdown talks to the rendezvous store, and one that froze never answers)."""
+    def _kill_ranks_later(self, why: str, failed: bool) -> None:
+        """After the job failed: SIGKILL this node's ranks that still run GRACE_S later (a store gone is
+        the ranks' own business: one may be alone in its final eval); then end the launcher itself if
+        torchrun has not returned GRACE_S after its ranks ended (torchrun's own shutdown talks to the
+        rendezvous store, and one that froze never answers)."""
         def kill() -> None:
             waited = 0.0
-            while waited < GRACE_S and _ranks_running():
+            while (waited < GRACE_S or not failed) and _ranks_running():
                 time.sleep(POLL_S)
                 waited += POLL_S
             ranks = _ranks_running() if self._armed else []
