@@ -165,7 +165,6 @@ class NodeWatch(Watch):
         self._registered = False
         self._beats: dict[str, tuple[int, float]] = {}   # node -> (its beat, when it last moved)
         self.silent = float(os.environ.get("DFLASH_NODE_SILENT_S") or SILENT_S)
-        self._writer: dist.Store | None = None
 
     def tick(self, store: dist.Store) -> None:
         if not self._registered:
