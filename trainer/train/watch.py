@@ -8,7 +8,7 @@ launcher.
   launcher writes it as soon as its torchrun sees one of its ranks fail (record_failures: the exit
   status or signal, the error file's line), or when another node's launcher has not been heard from
   for SILENT_S.
-- `node/I`, `beat/ADDR`, `left/ADDR`: each launcher registers its node, adds 1 to its beat every
+- `node/I`, `beat/ADDR/PID`, `left/ADDR/PID`: each launcher registers its node, adds 1 to its beat every
   POLL_S while its ranks run, and says when it leaves (a node that left is not silent).
 
 A rank (RankWatch, from its mesh on) reads `failed` every POLL_S: once it is set the rank logs one
@@ -162,6 +162,7 @@ class NodeWatch(Watch):
     def __init__(self, cfg):
         super().__init__(cfg.rdzv_endpoint, cfg.rdzv_id, self._kill_ranks_later)
         self.node = cfg.node_address or socket.gethostname()
+        self.key = f"{self.node}/{os.getpid()}"     # unique where two "nodes" share an address (one host)
         self._registered = False
         self._beats: dict[str, tuple[int, float]] = {}   # node -> (its beat, when it last moved)
         self.silent = float(os.environ.get("DFLASH_NODE_SILENT_S") or SILENT_S)
@@ -169,22 +170,22 @@ class NodeWatch(Watch):
     def tick(self, store: dist.Store) -> None:
         if not self._registered:
             index = store.add("nodes", 1) - 1
-            store.set(f"node/{index}", self.node)
+            store.set(f"node/{index}", self.key)
             self._registered = True
-        store.add(f"beat/{self.node}", 1)
+        store.add(f"beat/{self.key}", 1)
         now = time.monotonic()
         for i in range(store.add("nodes", 0)):
             other = store.get(f"node/{i}").decode()
-            if other == self.node or store.check([f"left/{other}"]):
+            if other == self.key or store.check([f"left/{other}"]):
                 continue
             beat = store.add(f"beat/{other}", 0)
             seen = self._beats.get(other)
             if seen is None or seen[0] != beat:
                 self._beats[other] = (beat, now)
             elif now - seen[1] > self.silent:
-                self.fail({"rank": None, "node": other, "error": f"its launcher has not been heard from for "
-                                                                  f"{self.silent:g} s (the node died, froze or "
-                                                                  "lost its network)"}, store)
+                why = f"its launcher has not been heard from for {self.silent:g} s (the node died, froze or lost " \
+                      "its network)"
+                self.fail({"rank": None, "node": other.rpartition("/")[0], "error": why}, store)
 
     def fail(self, failure: dict, store: dist.Store | None = None) -> None:
         """Record the job's first failure (a later one changes nothing). From torchrun's monitor it is
@@ -208,7 +209,7 @@ class NodeWatch(Watch):
 
         def say() -> None:
             try:
-                key_space(self.endpoint, self.run_id).set(f"left/{self.node}", "1")
+                key_space(self.endpoint, self.run_id).set(f"left/{self.key}", "1")
             except Exception:  # noqa: BLE001 - a store that is gone needs no word
                 pass
         t = threading.Thread(target=say, name="dflash-watch-leave", daemon=True)
