@@ -1,6 +1,6 @@
 """The reliability battery: each fault case's reproductions, run as tests, and what held.
 
-    .venv/bin/python scripts/reliability_battery.py            # ~4 minutes on 2 cores
+    .venv/bin/python scripts/reliability_battery.py            # ~5 minutes on 2 cores
     .venv/bin/python scripts/reliability_battery.py --list     # the cases and their tests, no run
 
 Every case is a fault that once broke the tool (a killed agent, a hostile inventory, an unsafe
@@ -38,9 +38,11 @@ CASES = (
       "test_ssh_trust.py::test_a_host_certificate")),
     ("7", "logs of a job on several nodes: a follower that raises must not hang it",
      ("test_follow_fan_in.py",)),
-    ("8", "two nodes whose hostname resolves to loopback; ranks that cannot meet",
+    ("8", "two nodes whose hostname resolves to loopback; ranks that cannot meet; a job whose node failed, froze "
+          "or was stopped mid-collective ends on every node within seconds",
      ("test_node_network.py", "test_rank_mesh.py", "test_nodes.py::test_a_node_whose_ranks",
-      "test_nodes.py::test_ranks_that_cannot_meet")),
+      "test_nodes.py::test_ranks_that_cannot_meet", "test_job_ends_as_one.py",
+      "test_follow_fan_in.py::test_the_first_failure_is")),
     ("9", "smaller: exec 128+N on the node, disk full in blocks, sparse files, names faking lines, stop 102, "
           "outages counted",
      ("test_exec_env.py::test_a_command_killed_by_a_signal", "test_deploy_reliability.py::test_many_small_files",

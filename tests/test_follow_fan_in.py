@@ -116,3 +116,22 @@ def test_every_node_of_a_large_job_streams_at_once(monkeypatch):
         assert _within(10, until_every_node_spoke) is None and len(seen) == n
     finally:
         stop.set()
+
+
+def test_the_first_failure_is_the_node_that_failed_not_one_its_failure_ended():
+    """ct200's ranks were ended by the job's watch (exit 3) a moment before ct300's supervisor
+    recorded its own rank's SIGKILL: the summary names ct300's rank, not the earlier end."""
+    def failed(target, ended, exit_code, cause):
+        return follow_mod.Summary(target, "R", "failed", 100, classified="killed" if exit_code == 137 else None,
+                                  exit={"exit_code": exit_code, "ended_ts": ended, "root_cause": cause})
+
+    summaries = {"ct200": failed("ct200", 100.0, 3, {"rank": 0, "exitcode": 3, "error": None}),
+                 "ct300": failed("ct300", 100.4, 137, {"rank": 1, "exitcode": -9, "error": "Signal 9 (SIGKILL)"})}
+    s = nodes.job_summary("R", ["ct200", "ct300"], summaries, "ct200")
+    assert (s.root_cause["target"], s.root_cause["rank"], s.root_cause["signature"]) == ("ct300", 1, "killed")
+    # a launcher the watch ended has no torchrun root cause; its exit status says the same
+    summaries["ct200"] = failed("ct200", 100.0, 3, None)
+    assert nodes.job_summary("R", ["ct200", "ct300"], summaries, "ct200").root_cause["target"] == "ct300"
+    # with only such nodes, the earliest is named all the same
+    s = nodes.job_summary("R", ["ct200"], {"ct200": summaries["ct200"]}, "ct200")
+    assert s.root_cause["target"] == "ct200"

@@ -8,6 +8,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_PEER_FAILED = 3  # a rank of a job over several nodes ended because another rank or node failed first
 EXIT_SIGTERM = 143  # 128 + SIGTERM, what a shell reports for a process killed by TERM
 
 

@@ -261,14 +261,19 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
 
 def job_summary(run: str, targets: list[str], summaries: dict, first: str) -> JobSummary:
     """One summary for the job: failed if any node failed, the root cause from the node that failed
-    first (the earliest end), rank 0's step, loss and tau."""
+    first (the earliest end, a node whose ranks another's failure ended coming after any other),
+    rank 0's step, loss and tau."""
+    from trainer.errors import EXIT_PEER_FAILED
     states = [summaries[n].state if n in summaries else "failed" for n in targets]
     state = job_state(states)
     head = summaries.get(first) or next(iter(summaries.values()), None)
     cause = None
     failed = [summaries[n] for n in targets if n in summaries and summaries[n].state == "failed"]
     if failed:
-        s = min(failed, key=lambda x: ((x.exit or {}).get("ended_ts") or float("inf")))
+        def ended_by_another(x) -> bool:
+            ex = x.exit or {}
+            return EXIT_PEER_FAILED in (ex.get("exit_code"), (ex.get("root_cause") or {}).get("exitcode"))
+        s = min(failed, key=lambda x: (ended_by_another(x), (x.exit or {}).get("ended_ts") or float("inf")))
         rc = (s.exit or {}).get("root_cause") or {}
         cause = {"target": s.target, "rank": rc.get("rank"), "exitcode": rc.get("exitcode"),
                  "error": rc.get("error"), "error_file": rc.get("error_file"), "signature": s.classified}

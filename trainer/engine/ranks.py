@@ -6,6 +6,7 @@ weight, as in threads, so the two topologies compute the same update.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -24,11 +25,14 @@ class RankEngine:
     """This rank's replica in DDP; the same interface as workers.ThreadEngine for trainer.train.loop.run_loop."""
 
     def __init__(self, build: Callable[[], Replica], rank: int, world: int, device: torch.device, log,
-                 guard: bool = True, node_first: bool = False):
+                 guard: bool = True, node_first: bool = False, grace=None, job=None):
         """`build()` makes this rank's replica (its DraftLoss inside DDP). With `guard`, the first
         compiled step is checked against eager (numerics.guard_first_step), on every rank.
-        `node_first`: this is the first rank of its node (LOCAL_RANK 0), which writes checkpoints."""
+        `node_first`: this is the first rank of its node (LOCAL_RANK 0), which writes checkpoints.
+        `grace` (trainer/train/watch.StopGrace) learns each step boundary and that the ranks agreed to
+        stop; `job` (its Watch, several nodes) is disarmed when no collective is left."""
         self.rank, self.size, self.device, self.log, self.guard = rank, world, device, log, guard
+        self.grace, self.job = grace, job
         self.writer = rank == 0
         # Every node keeps its own copy of the checkpoints (its first rank writes them into its --out):
         # a node's folder is then complete on its own, for --resume and to compare the nodes' weights.
@@ -105,7 +109,17 @@ class RankEngine:
         """Any rank's flag, on every rank (SIGTERM may reach the ranks at different steps)."""
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
         dist.all_reduce(t)
-        return bool(t.item() > 0)
+        agreed = bool(t.item() > 0)
+        if self.grace is not None:
+            self.grace.boundary()
+            if agreed:      # every rank checkpoints and leaves together: SIGTERM's deadline is off
+                self.grace.hold()
+        return agreed
+
+    def collectives_done(self) -> None:
+        """No collective follows: another node that ends from now on ended normally."""
+        if self.job is not None:
+            self.job.disarm()
 
     def check_replicas(self, step: int) -> None:
         mine = weight_checksum(self.replica).to(self.device)
@@ -122,7 +136,12 @@ class RankEngine:
             self.log.metrics({"event": "checksum", "step": step, "replicas": self.size})
 
     def on_primary(self, fn, *args, **kwargs):
-        return fn(*args, **kwargs)
+        with self.own_work():       # rank 0's eval
+            return fn(*args, **kwargs)
+
+    def own_work(self):
+        """While this rank works alone (a checkpoint, an eval), a SIGTERM's grace does not run out."""
+        return self.grace.busy() if self.grace is not None else contextlib.nullcontext()
 
     def barrier(self) -> None:
         device_barrier(self.device)

@@ -22,6 +22,7 @@ The main thread never touches a replica's tensors; it submits phases and waits f
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import queue
 import sys
 import threading
@@ -350,6 +351,13 @@ class ThreadEngine:
 
     def agree(self, flag: bool) -> bool:
         return flag  # one process: every worker sees the same flag
+
+    def collectives_done(self) -> None:
+        """(RankEngine's: no collective follows.)"""
+
+    def own_work(self):
+        """(RankEngine's: this rank works alone, not waiting for the others.)"""
+        return contextlib.nullcontext()
 
     def barrier(self) -> None:
         pass

@@ -29,7 +29,9 @@ file and torchrun names it as the root cause; the launcher prints torchrun's sum
 the failing rank's status (1 failure, 2 bad input, 128+N for a signal).
 SIGTERM to the launcher: torchrun forwards it to every rank; the ranks agree at the next step
 boundary (one tiny all-reduce per step), rank 0 writes a checkpoint, all exit 143, and so does the
-launcher. If the launcher dies, the ranks get SIGTERM too (PR_SET_PDEATHSIG).
+launcher; a rank that reaches no step boundary within its grace exits 143 without one. If the
+launcher dies, the ranks get SIGTERM too (PR_SET_PDEATHSIG). With several nodes the job ends as one:
+the first rank that fails anywhere ends every other within seconds (exit 3; trainer/train/watch.py).
 """
 from __future__ import annotations
 
@@ -53,11 +55,12 @@ from trainer.run import checkpoint
 from trainer.exits import exit_process, in_rank
 from trainer.files import atomic_file
 from trainer.run.config import TrainConfig
-from trainer.errors import UsageError
+from trainer.errors import EXIT_PEER_FAILED, UsageError
 from trainer.run.log import QuietLog, RunLog
 from trainer.engine.ranks import RankEngine, device_barrier, wrap_ddp
 from trainer.engine.step import Replica, build_replica
 from trainer.train import loop
+from trainer.train.watch import StopGrace, record_failures, watch_rank
 
 # torchrun waits this long for the ranks to checkpoint and exit after forwarding SIGTERM, then
 # SIGKILLs them (its default is 30 s: too short to save a 1B-parameter drafter's optimizer state).
@@ -66,6 +69,9 @@ SHUTDOWN_TIMEOUT_S = "300"
 # How long a rank waits for the other ranks to connect the process group's mesh (gloo's full mesh);
 # DFLASH_MESH_TIMEOUT_S in the environment (`launch --env`) changes it.
 MESH_TIMEOUT_S = 120.0
+# How long a rank that failed waits for the job's watch to name an earlier failure elsewhere (its own
+# is then a consequence: a collective whose peer died) before its own error ends it.
+FAILURE_SEEN_S = 3.0
 
 
 def main(cfg: TrainConfig) -> int:
@@ -96,12 +102,14 @@ def launch(cfg: TrainConfig) -> int:
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     # torchrun installs its own handlers (SIGTERM -> forward to the ranks); put ours back after.
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
     try:
         try:
-            torchrun.run(torchrun.parse_args(args))
+            with record_failures(cfg):     # several nodes: the job's first failure ends every node's ranks
+                torchrun.run(torchrun.parse_args(args))
             return 0
         finally:
             # From here on a SIGTERM must not kill the launcher. With several nodes, a stop that
@@ -119,6 +127,10 @@ def launch(cfg: TrainConfig) -> int:
         else:
             print(str(e), file=sys.stderr, flush=True)
         return code
+    except RendezvousConnectionError as e:   # several nodes: the node hosting the rendezvous ended
+        print(f"[trainer] torchrun lost the rendezvous store at {cfg.rdzv_endpoint} (the node hosting it "
+              f"ended): {e}", file=sys.stderr, flush=True)
+        return EXIT_PEER_FAILED
     finally:
         for s, h in saved.items():
             if s != signal.SIGTERM or not loop.owns_process():   # a late SIGTERM stays harmless to the end
@@ -191,18 +203,31 @@ def rank_main(cfg: TrainConfig) -> int:
     collectives = timedelta(seconds=max(60.0, cfg.warmup_timeout))
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     mesh = float(os.environ.get("DFLASH_MESH_TIMEOUT_S") or MESH_TIMEOUT_S)
-    with _deadline(mesh, f"rank {rank}: the process group's mesh did not form within {mesh:g} s (a rank on "
-                         f"another node failed, or cannot reach this node's address)"):
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=mesh) if set_timeout else collectives)
-    if set_timeout:
-        set_timeout(collectives)
-    stop, restore_signal = loop.on_sigterm()
+    # With several nodes the job's first failure, wherever it happens, ends this rank from here on
+    # (trainer/train/watch.py); after the mesh, so does a SIGTERM that finds no step boundary in time.
+    job, restore_signal = watch_rank(cfg, rank), None
     try:
-        return _rank(cfg, rank, world, local, device, stop)
+        with _deadline(mesh, f"rank {rank}: the process group's mesh did not form within {mesh:g} s (a rank on "
+                             f"another node failed, or cannot reach this node's address)"):
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                    timeout=timedelta(seconds=mesh) if set_timeout else collectives)
+        if set_timeout:
+            set_timeout(collectives)
+        stop, restore_signal = loop.on_sigterm()
+        grace = StopGrace(rank)
+        with grace.watching():
+            return _rank(cfg, rank, world, local, device, stop, grace, job)
+    except Exception:
+        if job is not None:   # a failure caused by another rank's (a collective or mesh that lost its peer):
+            job.wait(FAILURE_SEEN_S)  # the watch ends this rank naming that one, unless none is recorded
+        raise
     finally:
-        dist.destroy_process_group()
-        restore_signal()
+        if job is not None:
+            job.disarm()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if restore_signal is not None:
+            restore_signal()
 
 
 @contextmanager
@@ -223,7 +248,7 @@ def _deadline(seconds: float, message: str):
         done.set()
 
 
-def _rank(cfg: TrainConfig, rank: int, world: int, local: int, device: torch.device, stop) -> int:
+def _rank(cfg: TrainConfig, rank: int, world: int, local: int, device: torch.device, stop, grace, job) -> int:
     """One rank's run; `local` is its rank on this node (LOCAL_RANK), 0 for the node's first."""
     writer = rank == 0
     # every node's first rank records the settings in its own --out (with its checkpoints, a node's
@@ -248,7 +273,8 @@ def _rank(cfg: TrainConfig, rank: int, world: int, local: int, device: torch.dev
                                  compile_target=policies.compiled_part(cfg.compile_target, policy, device),
                                  compile_update=policies.compiled_part(cfg.compile_update, policy, device))
 
-        engine = RankEngine(build, rank, world, device, log, guard=not cfg.skip_compile_guard, node_first=local == 0)
+        engine = RankEngine(build, rank, world, device, log, guard=not cfg.skip_compile_guard, node_first=local == 0,
+                            grace=grace, job=job)
         if prep.ck is not None:
             checkpoint.restore_rng(prep.ck.rng)
         return loop.run_loop(cfg, engine, prep, log, stop)

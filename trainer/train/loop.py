@@ -258,7 +258,9 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
     finish()
     engine.check_replicas(step)
     _save(cfg, log, prep, engine, batches, step)
-    if engine.agree(stop.is_set()):
+    stopped = engine.agree(stop.is_set())
+    engine.collectives_done()   # rank 0's final eval is its own
+    if stopped:
         log.metrics({"event": "stopped", "step": step})
         return EXIT_SIGTERM
     if not engine.writer:
@@ -389,10 +391,11 @@ def _save(cfg, log, prep, engine, batches, step) -> None:
         return
     t = time.time()
     r0 = engine.primary
-    path = checkpoint.save(prep.out, step, model=r0.drafter.trainable_state_dict(),
-                           optimizer=r0.optimizer.state_dict(), keep=cfg.keep_checkpoints,
-                           meta={"data": batches.state(), "config": cfg.to_dict(), "target": prep.identity,
-                                 "anchors": sizing.record(cfg.anchors, prep.anchors)})
+    with engine.own_work():  # a SIGTERM's grace does not run out while this rank writes
+        path = checkpoint.save(prep.out, step, model=r0.drafter.trainable_state_dict(),
+                               optimizer=r0.optimizer.state_dict(), keep=cfg.keep_checkpoints,
+                               meta={"data": batches.state(), "config": cfg.to_dict(), "target": prep.identity,
+                                     "anchors": sizing.record(cfg.anchors, prep.anchors)})
     log.metrics({"event": "checkpoint", "step": step, "path": str(path), "seconds": time.time() - t})
 
 
@@ -400,6 +403,7 @@ def _stopped(cfg, log, prep, engine, batches, step) -> int:
     log.info(f"SIGTERM: writing a checkpoint at step {step}, then exiting")
     _save(cfg, log, prep, engine, batches, step)
     engine.barrier()  # ranks leave together, after rank 0's checkpoint is complete
+    engine.collectives_done()
     log.metrics({"event": "stopped", "step": step})
     return EXIT_SIGTERM
 
