@@ -10,6 +10,10 @@ config=trainer/demo-small-code.yaml   # a drafter for the small real target, on 
 cache=${DFLASH_OPS_CACHE:-$HOME/.cache/dflash-ops}
 data=$cache/demo                # this machine is the `local` target: the files are where it reads them
 mkdir -p "$data"
+# The demo's own python phases (regen, specdec) on ONE intra-op thread: they decode small batches of a
+# small model, where a second OpenMP thread gains nothing and, on 2 cores that something else also
+# uses, its spin-waits cost 3x (regen) to 4x (specdec) the time. The trainer has cpu_threads: 1 in the config.
+one_thread="env OMP_NUM_THREADS=1"
 
 # Each phase's time, printed at the end (bash's SECONDS: whole seconds since the script started).
 phases=()
@@ -57,7 +61,7 @@ if [ ! -s "$data/prompts.jsonl" ] || [ ! -s "$data/held-out.jsonl" ]; then
 fi
 step "python -m trainer.regen --target small-code (answers by the target itself; kept once complete)"
 if [ "$(wc -l < "$data/regen.jsonl" 2>/dev/null || echo 0)" -lt 192 ]; then
-    python -m trainer.regen --target small-code --prompts "$data/prompts.jsonl" --out "$data/regen.jsonl" \
+    $one_thread python -m trainer.regen --target small-code --prompts "$data/prompts.jsonl" --out "$data/regen.jsonl" \
         --max-new-tokens 48 --batch-size 64
 else
     echo "kept: $data/regen.jsonl (192 rows; delete it to answer the prompts again)" >&2
@@ -91,7 +95,7 @@ fi
 if [ "$rc" -eq 0 ]; then
     for which in --untrained ""; do
         step "python -m trainer.specdec $which (held-out modules)"
-        python -m trainer.specdec --target small-code --drafter "out/dflash-drafter-$run" \
+        $one_thread python -m trainer.specdec --target small-code --drafter "out/dflash-drafter-$run" \
             --prompts "$data/held-out.jsonl" --max-new-tokens 32 --cpu $which >/dev/null || rc=$?
     done
 fi
