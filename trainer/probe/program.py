@@ -64,7 +64,7 @@ def _stop_probe(signum, frame):
 def _run_child(policy: str, topology: str, n: int, args, on_beat=None, control=None, env=None) -> dict:
     """One case: `python -m trainer.probe --case POLICY:TOPOLOGY:N` in the release's root; under
     `processes`, N ranks of it started by torchrun (`python -m torch.distributed.run`). `env`: what
-    every case shares (schedule.compile_cache_env); `control`: its place in the schedule."""
+    every case shares (schedule.compile_caches); `control`: its place in the schedule."""
     root = str(Path(__file__).resolve().parents[2])  # the folder holding trainer/
     # faulthandler prints "Fatal Python error: Segmentation fault" and every thread's stack
     env = dict(os.environ, **(env or {}), **(control.env() if control else {}), PYTHONUNBUFFERED="1",

@@ -16,7 +16,7 @@ cores to spare, `--jobs N` case processes run at once, and every timed phase run
 A case's timeout does not count the seconds it was stopped or waited for its turn. A timed phase
 that has not ended after MAX_ALONE_S lets the others go on (a stopped case might hold a lock the
 timed one needs); that case's `schedule.alone` is then false. What stays shared is the GPU's
-memory (the stopped cases keep theirs) and the compile caches (program.compile_cache_env).
+memory (the stopped cases keep theirs) and the compile caches (compile_caches).
 The compile time of a case (`first_step_s`) does include the neighbours' load; the step times do not.
 
 `run_all` runs the cases, at most `jobs` at once, in the order given (`run_order`); with jobs=1 one
