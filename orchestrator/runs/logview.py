@@ -69,7 +69,7 @@ class Seen:
         self.steps: dict = {}
 
     def line(self, target: str | None, line) -> None:
-        doc = _json_line(line.data)
+        _, doc = _json_line(line.data)
         at = {"target": target} if target is not None else {}
         sigs = [{"signature": s.id, "severity": s.severity} for s in line.hits]
         if doc is not None and doc.get("event") is None and "step" in doc and "loss" in doc:
@@ -97,19 +97,20 @@ class Seen:
         return {"events": self.events, "steps": self.steps if several else self.steps.get(None, {"lines": 0})}
 
 
-def _json_line(data: bytes) -> dict | None:
-    """A log line's JSON object (a rank's `[rankN]: ` lead allowed), or None."""
+def _json_line(data: bytes) -> tuple[bytes, dict | None]:
+    """A log line's rank lead (`[rankN]: `, or b"") and its JSON object (None when it is not one)."""
+    lead, body = b"", data
     if data.startswith(b"[rank"):
         head, sep, rest = data.partition(b"]: ")
         if sep and head[5:].isdigit():
-            data = rest
-    if not data.startswith(b"{"):
-        return None
+            lead, body = head + sep, rest
+    if not body.startswith(b"{"):
+        return lead, None
     try:
-        doc = json.loads(data)
+        doc = json.loads(body)
     except ValueError:
-        return None
-    return doc if isinstance(doc, dict) else None
+        return lead, None
+    return lead, (doc if isinstance(doc, dict) else None)
 
 
 def print_job(events, as_json: bool, seen: Seen | None = None):
@@ -186,18 +187,8 @@ def for_terminal(data: bytes) -> bytes | None:
     """A log line as a terminal shows it: None for the JSON twin of a `[trainer]` line (a step, an
     eval, the end), a checkpoint or a stop as a line of its own, anything else as it is. A rank's
     `[rankN]: ` lead is kept."""
-    lead, body = b"", data
-    if data.startswith(b"[rank"):
-        head, sep, rest = data.partition(b"]: ")
-        if sep and head[5:].isdigit():
-            lead, body = head + sep, rest
-    if not body.startswith(b"{"):
-        return data
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        return data
-    if not isinstance(doc, dict):
+    lead, doc = _json_line(data)
+    if doc is None:
         return data
     event = doc.get("event")
     if event in TWINNED or (event is None and "step" in doc and "loss" in doc):
