@@ -60,7 +60,7 @@ if [ ! -s "$data/prompts.jsonl" ] || [ ! -s "$data/held-out.jsonl" ]; then
     python -m trainer.small_lm --size cpu --prompts held-out --n 8 --seed 1 --out "$data/held-out.jsonl" >/dev/null
 fi
 step "python -m trainer.regen --target small-code (answers by the target itself; kept once complete)"
-if [ "$(wc -l < "$data/regen.jsonl" 2>/dev/null || echo 0)" -lt 192 ]; then
+if [ "$(wc -l 2>/dev/null < "$data/regen.jsonl" || echo 0)" -lt 192 ]; then
     # Two halves side by side, one thread each (each resumes where it stopped), then one file.
     head -n 96 "$data/prompts.jsonl" > "$data/prompts-a.jsonl"
     tail -n +97 "$data/prompts.jsonl" > "$data/prompts-b.jsonl"
