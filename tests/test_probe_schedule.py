@@ -22,6 +22,7 @@ FAKE = r"""
 import json, os, subprocess, sys, time
 from trainer.probe.watch import PHASE_MARK, CASE_MARK, wait_for_turn
 name, out, before, child = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4] == "child"
+timed = float(sys.argv[5]) if len(sys.argv) > 5 else 0.6
 
 def tick(seconds, who=name):
     end = time.time() + seconds
@@ -39,7 +40,7 @@ print(PHASE_MARK + "compile", flush=True)
 tick(before)
 print(PHASE_MARK + "timed", flush=True)
 wait_for_turn()
-t0 = time.time(); tick(0.6); t1 = time.time()
+t0 = time.time(); tick(timed); t1 = time.time()
 print(PHASE_MARK + "verdict", flush=True)
 tick(0.3)
 print(CASE_MARK + json.dumps({"ok": True, "window": [t0, t1]}), flush=True)
@@ -90,16 +91,15 @@ def test_a_stopped_case_is_not_timed_out_for_the_time_it_was_stopped(tmp_path):
     ctl_long, ctl_short = {}, {}
 
     def run_one(name, control):
-        # "slow" is stopped while "quick" is timed; its 2.6 s timeout holds only its own 2.2 s
-        before, timeout = {"quick": (0.1, 30), "slow": (1.6, 2.6)}[name]
+        # "slow" is stopped for the 5 s "quick" is timed; its 6 s timeout holds only its own ~3 s of work
+        before, timed, timeout = {"quick": (0.1, "5", 60), "slow": (1.6, "0.6", 6)}[name]
         (ctl_long if name == "slow" else ctl_short)["c"] = control
-        return watch.run_isolated([sys.executable, str(script), name, str(tmp_path), str(before), "-"], timeout,
-                                  env=dict(env, **control.env()), control=control)
+        return watch.run_isolated([sys.executable, str(script), name, str(tmp_path), str(before), "-", timed],
+                                  timeout, env=dict(env, **control.env()), control=control)
 
-    turns_settle = schedule.SETTLE_S
     results = schedule.run_all(["quick", "slow"], 2, run_one)
     assert not results["slow"]["timed_out"] and results["slow"]["result"]["ok"], results["slow"]["tail"]
-    assert ctl_long["c"].paused_s >= 0.5 - turns_settle
+    assert ctl_long["c"].paused_s >= 4.0 and results["slow"]["seconds"] > 6
 
 
 def test_one_at_a_time_there_is_no_gate_and_the_planned_order(tmp_path):
