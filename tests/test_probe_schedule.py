@@ -145,18 +145,23 @@ def _probe(workdir: Path, *args: str) -> dict:
     return json.loads(p.stdout)
 
 
-def test_the_real_probe_side_by_side_shares_its_compile_cache_and_times_alone(tmp_path):
+def test_the_real_probe_side_by_side_times_each_case_alone_ddp_ranks_included(tmp_path):
     pytest.importorskip("torch")
-    doc = _probe(tmp_path, "--policies", "eager,inductor", "--jobs", "2")
-    cases = {c["policy"]: c for c in doc["cases"]}
+    doc = _probe(tmp_path, "--policies", "eager", "--topologies", "threads,processes", "--jobs", "2")
+    cases = {c["topology"]: c for c in doc["cases"]}
     assert doc["jobs"] == 2 and [c["outcome"] for c in cases.values()] == ["ok", "ok"], doc["cases"]
-    cache = str(tmp_path / "probe-compile-cache" / "inductor")
-    assert {c["caches"]["inductor"] for c in cases.values()} == {cache}
-    assert {c["caches"]["triton"] for c in cases.values()} == {str(tmp_path / "probe-compile-cache" / "triton")}
     (a0, a1), (b0, b1) = (c["schedule"]["timed_at"] for c in cases.values())
-    assert a1 <= b0 or b1 <= a0 and all(c["schedule"]["alone"] for c in cases.values())
-    assert cases["inductor"]["caches"]["fxgraph_miss"] > 0 and any(Path(cache).rglob("*.py"))
-    # the next probe's inductor case compiles nothing: every graph comes from the shared cache
-    again = _probe(tmp_path, "--policies", "inductor")["cases"][0]
+    assert (a1 <= b0 or b1 <= a0) and all(c["schedule"]["alone"] for c in cases.values()), doc["cases"]
+    cache = str(tmp_path / "probe-compile-cache")
+    assert {(c["caches"]["inductor"], c["caches"]["triton"]) for c in cases.values()} == {
+        (f"{cache}/inductor", f"{cache}/triton")}                      # every case, the ranks' too
+
+
+def test_the_next_inductor_case_compiles_nothing_it_finds_everything_in_the_shared_cache(tmp_path):
+    pytest.importorskip("torch")
+    first = _probe(tmp_path, "--policies", "inductor")["cases"][0]
+    cache = str(tmp_path / "probe-compile-cache" / "inductor")
+    assert first["outcome"] == "ok" and first["caches"]["inductor"] == cache and first["caches"]["fxgraph_miss"] > 0
+    again = _probe(tmp_path, "--policies", "inductor")["cases"][0]      # (--fresh: the verdict is not reused)
     assert again["outcome"] == "ok" and again["caches"]["inductor"] == cache
     assert again["caches"]["fxgraph_hit"] > 0 and again["caches"]["fxgraph_miss"] == 0, again["caches"]
