@@ -244,7 +244,8 @@ def _said(label: str, case: dict) -> dict:
 
 def default_jobs(cuda: bool, cores: int) -> int:
     """Cases side by side: one on a CPU (its cases use every core, and time on them); on a GPU host,
-    one per 3 cores, at most 5 (a case compiles on about that many; the GPU's memory holds far more)."""
+    one per 3 cores, at most 5 (a case traces and lowers on one core, its compile workers burst on a few
+    more; the probe's small shapes leave the GPU's memory mostly free)."""
     return max(1, min(5, cores // 3)) if cuda else 1
 
 
@@ -310,7 +311,7 @@ def run_probe(args) -> dict:
 
     interrupted, stopped = False, []
     previous = signal.signal(signal.SIGTERM, _stop_probe)
-    with schedule.compile_caches(args.workdir, jobs) as shared:
+    with schedule.compile_caches(args.workdir) as shared:
         try:
             ran = schedule.run_all(schedule.run_order(to_run, plan, jobs, COST_ORDER), jobs, run_one, t_start,
                                    name=lambda i: labels[i].split(" ", 1)[1])

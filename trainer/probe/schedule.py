@@ -32,7 +32,6 @@ import tempfile
 import threading
 import time
 
-from trainer import policies
 from trainer.probe.watch import GATE_ENV, kill_tree, signal_tree
 
 SETTLE_S = 0.25        # after stopping the others: their queued GPU kernels finish meanwhile
@@ -205,20 +204,19 @@ def run_order(indexes: list[int], plan: list[tuple], jobs: int, cost_order: tupl
 
 
 @contextlib.contextmanager
-def compile_caches(workdir: str | None, jobs: int, cores: int | None = None):
+def compile_caches(workdir: str | None):
     """The environment every case gets so that a kernel compiled by one case is not compiled again by
     the next: one inductor cache (FX graphs, AOTAutograd, C++/Triton kernels, autotuning results) and
     one Triton cache, in WORKDIR/probe-compile-cache (kept for the next probe; delete it freely), else
     in a temporary folder for this probe. The FX graph and AOTAutograd caches on (torch's default;
-    set here so that an environment that turned them off does not cost every case its compile). Side
-    by side, each case's compile workers get its share of the cores. A variable already set wins."""
+    set here so that an environment that turned them off does not cost every case its compile). A
+    variable already set wins. Each case keeps torch's own count of compile workers (one per core, up
+    to 32): side by side they are idle most of the time, and max-autotune, the longest case, compiles
+    its candidate kernels on all of them."""
     folder = os.path.join(workdir, "probe-compile-cache") if workdir else tempfile.mkdtemp(prefix="dflash-probe-")
-    cores = cores or policies.cores()
     want = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, "inductor"),
             "TRITON_CACHE_DIR": os.path.join(folder, "triton"),
             "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
-    if jobs > 1:
-        want["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, cores // jobs))
     try:
         yield {k: v for k, v in want.items() if not os.environ.get(k)}
     finally:
