@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,39 @@ def test_the_next_inductor_case_compiles_nothing_it_finds_everything_in_the_shar
     again = _probe(tmp_path, "--policies", "inductor")["cases"][0]      # (--fresh: the verdict is not reused)
     assert again["outcome"] == "ok" and again["caches"]["inductor"] == cache
     assert again["caches"]["fxgraph_hit"] > 0 and again["caches"]["fxgraph_miss"] == 0, again["caches"]
+
+
+def test_a_probe_stopped_by_sigterm_kills_its_running_cases_and_reports_what_it_has(tmp_path):
+    pytest.importorskip("torch")
+    cmd = [sys.executable, "-m", "trainer.probe", "--threads", "2", "--steps", "2", "--timeout", "300",
+           "--workdir", str(tmp_path), "--policies", "eager,inductor"]
+    mark = f"DFLASH_TEST_MARK={os.getpid()}-{time.time()}".encode()    # inherited by every case process
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, DFLASH_TEST_MARK=mark.decode().split("=", 1)[1]))
+    err = []
+    for line in p.stderr:                          # SIGTERM once the second case has started
+        err.append(line)
+        if "inductor threads x2: starting" in line:
+            time.sleep(2)
+            p.terminate()
+            break
+    out, rest = p.communicate(timeout=120)
+    assert p.returncode == 0, "".join(err) + rest
+    doc = json.loads(out)
+    eager, inductor = doc["cases"]
+    assert doc["interrupted"] and eager["outcome"] == "ok" and doc["policy"] == "eager"
+    assert (inductor["outcome"], inductor["error"]) == ("timeout", "the probe was stopped during this case")
+    assert len(list((tmp_path / "probe-cache").iterdir())) == 1          # eager's verdict kept, not the stopped one
+    assert not _marked(mark), "a case process outlived the probe"
+
+
+def _marked(mark: bytes) -> list[int]:
+    """The processes whose environment holds `mark`."""
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and mark in Path(f"/proc/{name}/environ").read_bytes().split(b"\0"):
+                found.append(int(name))
+        except OSError:
+            pass
+    return found
