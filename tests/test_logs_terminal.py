@@ -81,3 +81,58 @@ def test_ctrl_c_while_following_says_the_run_goes_on_and_how_to_stop_it(sshd, fa
         assert [(s["run"], s["state"]) for s in status] == [(run, "running")]
     finally:
         cli("stop", "ct200", run, "--force")
+
+
+def test_json_carries_each_event_once_with_a_signature_line_and_the_steps_summarised():
+    from orchestrator.runs.follow import Line, Reconnecting
+    from orchestrator.runs.logview import Seen
+    from trainer.signatures import load_catalog
+
+    oom = next(s for s in load_catalog().signatures if s.id == "cuda-oom")
+    seen = Seen()
+    log = [Line(b'{"step": 1, "loss": 3.0, "accuracy": 0.1}\n', 1), Line(b"[trainer] step 1/9 | loss 3.0\n", 2),
+           Line(b'{"event": "checkpoint", "step": 1, "path": "/r/ck-1"}\n', 3),
+           Line(b"[trainer] checkpoint at step 1\n", 4),
+           Line(b'{"step": 2, "loss": 2.5, "accuracy": 0.2}\n', 5),
+           Line(b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n", 6, [oom]),
+           Line(b'{"event": "worker_failed", "worker": 1, "error": "CUDA out of memory"}\n', 7, [oom])]
+    for line in log:
+        seen.line(None, line)
+    seen.connection(None, Reconnecting(attempt=1, delay=0.5, reason="EOF", offset=10), "connection_lost")
+    doc = seen.as_json()
+    assert [(e["event"], e["line"]) for e in doc["events"][:3]] == [("checkpoint", 3), ("signature", 6),
+                                                                     ("worker_failed", 7)]
+    assert doc["events"][1]["signature"] == "cuda-oom" and "out of memory" in doc["events"][1]["text"]
+    assert doc["events"][2]["signatures"] == [{"signature": "cuda-oom", "severity": oom.severity}]
+    assert doc["events"][3]["event"] == "connection_lost" and doc["events"][3]["attempt"] == 1
+    assert doc["steps"] == {"lines": 2, "first_step": 1, "first_loss": 3.0, "min_loss": 2.5, "last_step": 2,
+                            "last_loss": 2.5, "last": {"step": 2, "loss": 2.5, "accuracy": 0.2}}
+    several = Seen()
+    several.line("ct300", Line(b'[rank0]: {"step": 4, "loss": 1.0}\n', 1))
+    assert several.as_json()["steps"]["ct300"]["last_step"] == 4
+
+
+def test_logs_json_is_one_document_following_or_not(sshd, fakepct, make_inventory, tmp_path):
+    fakepct.create(200)
+    path = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable, "workdir": WORKDIR}})
+    assert deploy.deploy(inventory.load(str(path)), ["ct200"], source=str(copy_trainer(tmp_path / "src")))["ct200"].ok
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(tiny_run_config(checkpoint_every=4, log_every=2, steps=8))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-c", CLI_MAIN, "-i", str(path), *map(str, args)],
+                              capture_output=True, timeout=180)
+
+    r = cli("launch", "ct200", "--gpus", "0", "--policy", "eager", "--config", cfg)
+    assert r.returncode == 0, r.stderr.decode()
+    run = r.stdout.decode().strip()
+    followed = cli("logs", "ct200", run, "--follow", "--json")       # from the start to the end, as it runs
+    assert followed.returncode == 0, followed.stderr.decode()
+    doc = json.loads(followed.stdout)                                # ONE document, nothing else on stdout
+    assert doc["state"] == "succeeded" and doc["run"] == run
+    kinds = [e["event"] for e in doc["events"]]
+    assert kinds.count("checkpoint") == 2 and kinds.count("done") == 1, kinds     # each once
+    assert doc["steps"]["lines"] == 4 and doc["steps"]["last_step"] == 8 and doc["steps"]["first_step"] == 2
+    assert b"[trainer]" not in followed.stderr                       # no per-event streaming with --json
+    again = cli("logs", "ct200", run, "--no-follow", "--json")
+    assert json.loads(again.stdout)["events"] == doc["events"]

@@ -10,7 +10,7 @@ import sys
 import click
 
 from orchestrator.errors import NotFound, OpsError, TargetsFailed, UsageError
-from orchestrator.runs.logview import fmt_elapsed, fmt_num, fmt_tau, note, print_job
+from orchestrator.runs.logview import Seen, fmt_elapsed, fmt_num, fmt_tau, note, print_job
 from orchestrator.runs.options import POLICIES, TOPOLOGIES
 from orchestrator.ui import State, emit, json_option, table
 
@@ -78,10 +78,11 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
             return
         if not as_json:
             note(info)
+        seen = Seen() if as_json else None
         summary = print_job(nodes.follow(state.inv, state.inv.target(res.target), res.run, session=session),
-                             as_json)
+                             as_json, seen)
     if as_json:
-        emit(True, {**res.as_json(), "logs": summary.as_json()}, "")
+        emit(True, {**res.as_json(), "logs": {**summary.as_json(), **seen.as_json()}}, "")
     sys.exit(summary.exit_code)
 
 
@@ -125,9 +126,10 @@ def logs(state: State, args, follow, tail, as_json):
     from orchestrator.runs import nodes, launch as runs
 
     target, run = runs.split_target_run(state.inv, args)
-    summary = print_job(nodes.follow(state.inv, target, run, follow=follow, tail=tail), as_json)
-    if as_json:
-        emit(True, summary.as_json(), "")
+    seen = Seen() if as_json else None
+    summary = print_job(nodes.follow(state.inv, target, run, follow=follow, tail=tail), as_json, seen)
+    if as_json:   # ONE document, at the end (also with --follow): the summary and each event once
+        emit(True, {**summary.as_json(), **seen.as_json()}, "")
     sys.exit(summary.exit_code)
 
 

@@ -4,8 +4,10 @@ and the summary on stderr.
 stdout piped or redirected is the log byte for byte (`| grep`, `> file`). On a terminal each event
 prints once, as a human line: the trainer writes every step, eval and end twice (a `[trainer]`
 line and its JSON twin, which `report` reads), so there the JSON twin is left out; a JSON event
-without a twin (a checkpoint, a stop) is shown as a line of its own. With --json, nothing but the
-summary document. Ctrl-C stops following, never the run: it says so and how to stop it.
+without a twin (a checkpoint, a stop) is shown as a line of its own. With --json, nothing but ONE
+document at the end (also with --follow): the summary, plus `events` and `steps` (Seen): the
+per-event streaming is the human output. Ctrl-C stops following, never the run: it says so and how
+to stop it.
 """
 from __future__ import annotations
 
@@ -53,7 +55,64 @@ def fmt_elapsed(seconds) -> str:
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
-def print_job(events, as_json: bool):
+class Seen:
+    """What `--json` carries of the log besides the summary, each event once: `events`, in order, the
+    trainer's JSON events (eval, checkpoint, worker_failed, done, ...; not their `[trainer]` twins),
+    each with the line it came on and the signatures that line matched; every other line that
+    matched a failure signature (`"event": "signature"`, its text); the connection lost and resumed.
+    `steps`: the step lines summarised (how many, first and last step, first, last and lowest loss,
+    the last step's whole record); with several nodes, per node."""
+
+    def __init__(self):
+        self.events: list[dict] = []
+        self.steps: dict = {}
+
+    def line(self, target: str | None, line) -> None:
+        _, doc = _json_line(line.data)
+        at = {"target": target} if target is not None else {}
+        sigs = [{"signature": s.id, "severity": s.severity} for s in line.hits]
+        if doc is not None and doc.get("event") is None and "step" in doc and "loss" in doc:
+            self._step(target, doc)
+        elif doc is not None and doc.get("event") is not None:
+            self.events.append({**at, "line": line.number, **doc, **({"signatures": sigs} if sigs else {})})
+        else:
+            self.events.extend({**at, "event": "signature", "line": line.number, **sig, "text": line.text[:500]}
+                               for sig in sigs)
+
+    def connection(self, target: str | None, event, kind: str) -> None:
+        at = {"target": target} if target is not None else {}
+        self.events.append({**at, "event": kind, **{k: v for k, v in vars(event).items() if k != "since"}})
+
+    def _step(self, target, doc: dict) -> None:
+        s = self.steps.setdefault(target, {"lines": 0, "first_step": doc["step"], "first_loss": doc["loss"],
+                                           "min_loss": None})
+        loss = doc["loss"]
+        s.update(lines=s["lines"] + 1, last_step=doc["step"], last_loss=loss, last=doc)
+        if isinstance(loss, (int, float)) and (s["min_loss"] is None or loss < s["min_loss"]):
+            s["min_loss"] = loss
+
+    def as_json(self) -> dict:
+        several = any(k is not None for k in self.steps) or any("target" in e for e in self.events)
+        return {"events": self.events, "steps": self.steps if several else self.steps.get(None, {"lines": 0})}
+
+
+def _json_line(data: bytes) -> tuple[bytes, dict | None]:
+    """A log line's rank lead (`[rankN]: `, or b"") and its JSON object (None when it is not one)."""
+    lead, body = b"", data
+    if data.startswith(b"[rank"):
+        head, sep, rest = data.partition(b"]: ")
+        if sep and head[5:].isdigit():
+            lead, body = head + sep, rest
+    if not body.startswith(b"{"):
+        return lead, None
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return lead, None
+    return lead, (doc if isinstance(doc, dict) else None)
+
+
+def print_job(events, as_json: bool, seen: Seen | None = None):
     """Write each line to stdout as it arrives; explain each signature once (per node) on stderr;
     print the summary last and return it (a follow.Summary for a run on one node, a
     nodes.JobSummary for a job over several).
@@ -62,13 +121,14 @@ def print_job(events, as_json: bool):
     on a terminal where a signature hit). Several: each line led by `[target/rankN]` (rank 0
     included: with several nodes its lines carry `[rank0]: ` in the log too) or `[target]` (the
     node's launcher and torchrun), notes led by the node, and one summary for the job. On a
-    terminal each event once (for_terminal). Ctrl-C ends the follow (exit 130) saying the run goes
-    on and how to stop it."""
+    terminal each event once (for_terminal). With --json nothing is printed; `seen` collects the
+    events for the one document. Ctrl-C ends the follow (exit 130) saying the run goes on and how to
+    stop it."""
     out = sys.stdout.buffer
     with contextlib.closing(events):
         job = next(events)
         try:
-            return _print_events(events, job, as_json, out, isatty(sys.stdout))
+            return _print_events(events, job, as_json, out, isatty(sys.stdout), seen)
         except KeyboardInterrupt:       # Ctrl-C stops this follow, not the run
             first = job.targets[0]
             note(f"stopped following; run {job.run} goes on ({', '.join(job.targets)}): "
@@ -76,7 +136,7 @@ def print_job(events, as_json: bool):
             sys.exit(130)
 
 
-def _print_events(events, job, as_json: bool, out, tty: bool):
+def _print_events(events, job, as_json: bool, out, tty: bool, seen: Seen | None = None):
     """print_job's loop over the events after the Job; the summary."""
     from orchestrator.runs.follow import Line, Reconnecting, Resumed
     from orchestrator.runs.nodes import NodeEvent
@@ -90,6 +150,11 @@ def _print_events(events, job, as_json: bool, out, tty: bool):
             return ev
         t, e = (ev.target if several else None), ev.event
         at = f"{t}: " if t is not None else ""
+        if seen is not None:
+            if isinstance(e, Line):
+                seen.line(t, e)
+            elif isinstance(e, (Reconnecting, Resumed)):
+                seen.connection(t, e, "connection_lost" if isinstance(e, Reconnecting) else "resumed")
         if isinstance(e, Line):
             data = for_terminal(e.data) if tty else e.data
             if not as_json and data is not None:
@@ -121,18 +186,8 @@ def for_terminal(data: bytes) -> bytes | None:
     """A log line as a terminal shows it: None for the JSON twin of a `[trainer]` line (a step, an
     eval, the end), a checkpoint or a stop as a line of its own, anything else as it is. A rank's
     `[rankN]: ` lead is kept."""
-    lead, body = b"", data
-    if data.startswith(b"[rank"):
-        head, sep, rest = data.partition(b"]: ")
-        if sep and head[5:].isdigit():
-            lead, body = head + sep, rest
-    if not body.startswith(b"{"):
-        return data
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        return data
-    if not isinstance(doc, dict):
+    lead, doc = _json_line(data)
+    if doc is None:
         return data
     event = doc.get("event")
     if event in TWINNED or (event is None and "step" in doc and "loss" in doc):

@@ -17,7 +17,8 @@ Then, against an eager replica built from the same weights in this process (nume
      at a higher precision), so drift can neither hide an error nor excuse one;
   2. replay: fixed weights, batches 0, 1, 2, 0: a stale static input repeats batch 0's loss;
   3. learnability: a few free-running steps on one repeated batch: the loss must fall as eager's does;
-and `--steps` timed training steps. The outcome: `ok`, or `wrong` (it ran, but computes something
+and `--steps` timed training steps, alone when the parent runs cases side by side (it stops the others
+first: schedule.py). The outcome: `ok`, or `wrong` (it ran, but computes something
 else; signature compiled-wrong), or a failure the parent names from the output. The result is ONE
 stdout line, CASE_MARK + JSON (rank 0's under processes), which the parent (program.py) picks out.
 """
@@ -45,7 +46,7 @@ from trainer.run.log import QuietLog
 from trainer.model.drafter import Drafter
 from trainer.engine.numerics import StepCheck, grad_errors, judge, snapshot_grads
 from trainer.engine.step import Replica, apply_update, build_replica, compute_grads, load_weights
-from trainer.probe.watch import CASE_MARK, PHASE_MARK  # noqa: F401 - CASE_MARK: the result line's mark
+from trainer.probe.watch import CASE_MARK, PHASE_MARK, wait_for_turn  # noqa: F401 - CASE_MARK: the result line's mark
 
 SEED = 1234
 TEACHER_STEPS = 3
@@ -258,7 +259,9 @@ def run_case(policy: str, topology: str, n: int, steps: int, device_kind: str, r
         replay = case.replay()
         learn = case.learn()
         phase("timed")
+        wait_for_turn()                      # side by side (schedule.py): until the other cases are stopped
         ms, ms_eager = case.timed(steps)
+        phase("verdict")                     # the others may go on
         verdict = judge(checks, replay, learn, case.names, case.dtype)
     finally:
         case.close()
@@ -268,7 +271,24 @@ def run_case(policy: str, topology: str, n: int, steps: int, device_kind: str, r
         "eager_step_ms": round(statistics.median(ms_eager), 3) if ms_eager else None,
         "first_step_s": round(first_s, 3), "shape": asdict(case.shape),
         "backends": list(case.ref.loss_module.backends(case.device)),
+        "caches": _caches(),
     })
+
+
+def _caches() -> dict:
+    """The compile caches this case used (the parent gives every case the same ones:
+    schedule.compile_caches) and how many graphs came from them or were compiled."""
+    from torch._dynamo.utils import counters
+
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        inductor = cache_dir()
+    except Exception:  # noqa: BLE001 - where this torch keeps it elsewhere: what the parent said
+        inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return {"inductor": inductor, "triton": os.environ.get("TRITON_CACHE_DIR"),
+            "fxgraph_hit": counters["inductor"]["fxgraph_cache_hit"],
+            "fxgraph_miss": counters["inductor"]["fxgraph_cache_miss"],
+            "autograd_hit": counters["aot_autograd"]["autograd_cache_hit"]}
 
 
 def phase(name: str) -> None:

@@ -1,6 +1,6 @@
 """The probe: which compile policy works, and is fastest, for threaded training on THIS torch build.
 
-    python -m trainer.probe [--threads N] [--steps K] [--timeout S] [--workdir DIR]
+    python -m trainer.probe [--threads N] [--steps K] [--timeout S] [--workdir DIR] [--jobs N]
                             [--expect JSON] [--policies a,b] [--signatures PATH]
 
 Runs on the target with only torch (+ PyYAML for the signature catalog). Prints ONE JSON document
@@ -8,7 +8,8 @@ on stdout; one progress line per case on stderr. It reports the build (python, t
 NCCL, Triton, driver, GPUs, bf16) against an optional expectation, the options of every compile
 mode this torch knows, and the policy x topology matrix. Each case (case.py) runs the
 trainer's own replica and engine at a small shape, in its OWN subprocess with a timeout, so a
-segfault or a hang loses only that case:
+segfault or a hang loses only that case (on a GPU host several at once, each timed alone, all
+sharing one compile cache: schedule.py):
   threads    N worker threads as the trainer's ThreadEngine runs them (N = GPUs, at least 2);
   processes  a real DDP run under torchrun: 2 ranks on the CPU (gloo), one per GPU up to 2 (NCCL).
 A case that runs is then judged against eager on identical weights and batches (gradients, not
@@ -20,7 +21,7 @@ A second choice, `processes_policy`, answers `--topology processes` from the `pr
 where CUDA-graph policies are allowed.
 
 This module is the parent: the matrix, each case's isolation, the choice, the saved result.
-One case (`--case`) is case.py; the build report, build.py.
+One case (`--case`) is case.py; the build report, build.py; cases side by side, schedule.py.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from trainer import policies
 from trainer.files import atomic_file
 from trainer.probe.build import build_report, call_or_default, check_expect, mode_options
 from trainer.probe.case import CPU_SHAPE, GPU_SHAPE, case_main
-from trainer.probe import verdicts
+from trainer.probe import schedule, verdicts
 from trainer.probe.watch import TAIL_LINES, explain, rendezvous_problem, run_isolated  # noqa: F401 - TAIL_LINES: tests
 
 TOPOLOGIES = ("threads", "processes")
@@ -60,13 +61,14 @@ def _stop_probe(signum, frame):
     raise _Stopped()
 
 
-def _run_child(policy: str, topology: str, n: int, args, on_beat=None) -> dict:
+def _run_child(policy: str, topology: str, n: int, args, on_beat=None, control=None, env=None) -> dict:
     """One case: `python -m trainer.probe --case POLICY:TOPOLOGY:N` in the release's root; under
-    `processes`, N ranks of it started by torchrun (`python -m torch.distributed.run`)."""
+    `processes`, N ranks of it started by torchrun (`python -m torch.distributed.run`). `env`: what
+    every case shares (schedule.compile_caches); `control`: its place in the schedule."""
     root = str(Path(__file__).resolve().parents[2])  # the folder holding trainer/
     # faulthandler prints "Fatal Python error: Segmentation fault" and every thread's stack
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, **(env or {}), **(control.env() if control else {}), PYTHONUNBUFFERED="1",
+               PYTHONFAULTHANDLER="1", PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     case = ["-m", "trainer.probe", "--case", f"{policy}:{topology}:{n}", "--steps", str(args.steps),
             "--device", args.device, "--timeout", str(args.timeout)]
     if topology == "processes":
@@ -76,7 +78,7 @@ def _run_child(policy: str, topology: str, n: int, args, on_beat=None) -> dict:
                f"--nproc-per-node={n}", *case]
     else:
         cmd = [sys.executable, *case]
-    return run_isolated(cmd, args.timeout, cwd=root, env=env, on_beat=on_beat)
+    return run_isolated(cmd, args.timeout, cwd=root, env=env, on_beat=on_beat, control=control)
 
 
 def processes_ranks(device: str, n_gpus: int) -> int:
@@ -114,6 +116,7 @@ def _case_record(policy, topology, n, run, catalog) -> dict:
         "first_step_s": res.get("first_step_s") if ran else None,
         "eager_step_ms": res.get("eager_step_ms") if ran else None,
         "backends": res.get("backends") if ran else None,
+        "caches": res.get("caches") if ran else None,
         "exception": why.get("exception"), "remedy": why.get("remedy"), "missing_module": why.get("missing_module"),
         "phase": run.get("phase"), "tail": run["tail"],
     }
@@ -223,6 +226,33 @@ def _progress(msg: str) -> None:
     sys.stderr.flush()
 
 
+def _said(label: str, case: dict) -> dict:
+    """Print a case's end line (outcome, figures or what failed and how to fix it); return the case."""
+    if case["outcome"] in ("ok", "wrong"):
+        detail = (f"{case['step_ms']:.2f} ms/step, gradient vs eager {_fmt(case['grad_err'])} "
+                  f"(tolerance {_fmt(case['grad_tol'])})")
+        if case["outcome"] == "wrong":
+            detail += f" [{WRONG}] {case['error']}"
+    else:
+        detail = case["signature"] or case["error"] or ""
+        if case["outcome"] != "skipped":
+            detail += (f" in phase {case['phase']}" if case.get("phase") else "") + "".join(
+                f"\n    {k}: {case[k]}" for k in ("exception", "remedy") if case.get(k))
+    _progress(f"{label}: {case['outcome']} {detail} ({case['seconds']:.1f} s)")
+    return case
+
+
+def default_jobs(cuda: bool, cores: int) -> int:
+    """Cases side by side: one on a CPU (its cases use every core, and time on them); on a GPU host,
+    one per 3 cores, at most 5 (a case traces and lowers on one core, its compile workers burst on a few
+    more; the probe's small shapes leave the GPU's memory mostly free)."""
+    return max(1, min(5, cores // 3)) if cuda else 1
+
+
+def args_jobs(args, cuda: bool) -> int:
+    return getattr(args, "jobs", None) or default_jobs(cuda, policies.cores())
+
+
 def run_probe(args) -> dict:
     t_start = time.monotonic()
     build = build_report()
@@ -242,60 +272,62 @@ def run_probe(args) -> dict:
     plan = [(p, t, ranks if t == "processes" else n_threads) for p in names for t in args.topologies]
     _progress(f"torch {build['torch']}, {args.device}, {len(build['gpus'])} GPU(s); "
               f"{len(plan)} cases, threads={n_threads}")
-    cases = []
-    interrupted = False
-    rendezvous = None   # checked once, before the first `processes` case
+    labels = [f"[{i}/{len(plan)}] {p} {t} x{n}" for i, (p, t, n) in enumerate(plan, 1)]
+    cases: list = [None] * len(plan)
+    rendezvous = rendezvous_problem() if "processes" in args.topologies else None   # < 1 s
     kept_in = None if args.fresh else verdicts.cache_dir(args.workdir)
     store_in = verdicts.cache_dir(args.workdir)
     base = verdicts.base_key(build, args.device, args.steps)
+    keys = [verdicts.case_key(base, p, t, n) for p, t, n in plan]
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    previous = signal.signal(signal.SIGTERM, _stop_probe)
-    for i, (policy, topology, n) in enumerate(plan, 1):
-        label = f"[{i}/{len(plan)}] {policy} {topology} x{n}"
-        if interrupted:
-            cases.append(_skipped(policy, topology, n, "not run: the probe was stopped"))
-            continue
-        key = verdicts.case_key(base, policy, topology, n)
-        kept = verdicts.load(kept_in, key)
+    to_run = []
+    for i, (policy, topology, n) in enumerate(plan):
+        kept = verdicts.load(kept_in, keys[i])
         if kept is not None:
-            cases.append(kept)
-            _progress(f"{label}: {kept['outcome']} (reused: the verdict of {kept['reused']} for this torch, "
+            cases[i] = kept
+            _progress(f"{labels[i]}: {kept['outcome']} (reused: the verdict of {kept['reused']} for this torch, "
                       f"hardware and trainer source; --fresh runs it again)")
-            continue
-        if topology == "processes" and rendezvous is None:
-            rendezvous = rendezvous_problem() or ""
-
-        def beat(phase: str, seconds: float, label=label) -> None:
-            _progress(f"{label}: running, {phase} ({seconds:.0f} s)")
-
-        try:
-            if policies.needs_cuda(policy) and not cuda:
-                case = _skipped(policy, topology, n, "needs CUDA; this machine has none")
-            elif topology == "processes" and rendezvous:
-                case = _skipped(policy, topology, n, f"rendezvous cannot form: {rendezvous}")
-            else:
-                _progress(f"{label}: starting")
-                case = _case_record(policy, topology, n, _run_child(policy, topology, n, args, beat), catalog)
-        except _Stopped:
-            # SIGTERM: report what is known rather than nothing (the cases so far cost minutes).
-            interrupted = True
-            case = dict(_skipped(policy, topology, n, "the probe was stopped during this case"),
-                        outcome="timeout")
-        cases.append(case)
-        if not interrupted:
-            verdicts.store(store_in, key, case, now)
-        if case["outcome"] in ("ok", "wrong"):
-            detail = (f"{case['step_ms']:.2f} ms/step, gradient vs eager {_fmt(case['grad_err'])} "
-                      f"(tolerance {_fmt(case['grad_tol'])})")
-            if case["outcome"] == "wrong":
-                detail += f" [{WRONG}] {case['error']}"
+        elif policies.needs_cuda(policy) and not cuda:
+            cases[i] = _said(labels[i], _skipped(policy, topology, n, "needs CUDA; this machine has none"))
+        elif topology == "processes" and rendezvous:
+            cases[i] = _said(labels[i], _skipped(policy, topology, n, f"rendezvous cannot form: {rendezvous}"))
         else:
-            detail = case["signature"] or case["error"] or ""
-            if case["outcome"] != "skipped":
-                detail += (f" in phase {case['phase']}" if case.get("phase") else "") + "".join(
-                    f"\n    {k}: {case[k]}" for k in ("exception", "remedy") if case.get(k))
-        _progress(f"{label}: {case['outcome']} {detail} ({case['seconds']:.1f} s)")
+            to_run.append(i)
+    jobs = max(1, min(args_jobs(args, cuda), len(to_run) or 1))
+    if jobs > 1:
+        _progress(f"{len(to_run)} cases, {jobs} at a time; each one's timed phase alone (the others stopped)")
+
+    def run_one(i: int, control) -> dict:
+        policy, topology, n = plan[i]
+        _progress(f"{labels[i]}: starting")
+
+        def beat(phase: str, seconds: float) -> None:
+            _progress(f"{labels[i]}: running, {phase} ({seconds:.0f} s)")
+
+        case = _case_record(policy, topology, n, _run_child(policy, topology, n, args, beat, control, shared), catalog)
+        if control.turns is not None:
+            case["schedule"] = control.record()
+        return case if control.halted else _said(labels[i], case)
+
+    interrupted, stopped = False, []
+    previous = signal.signal(signal.SIGTERM, _stop_probe)
+    with schedule.compile_caches(args.workdir) as shared:
+        try:
+            ran = schedule.run_all(schedule.run_order(to_run, plan, jobs, COST_ORDER), jobs, run_one, t_start,
+                                   name=lambda i: labels[i].split(" ", 1)[1])
+        except schedule.Interrupted as e:
+            # SIGTERM: report what is known rather than nothing (the cases so far cost minutes).
+            interrupted, ran, stopped = True, e.results, e.stopped
     signal.signal(signal.SIGTERM, previous)
+    for i, case in ran.items():
+        if i not in stopped:
+            cases[i] = case
+            verdicts.store(store_in, keys[i], case, now)
+    for i in to_run:
+        if cases[i] is None:
+            p, t, n = plan[i]
+            cases[i] = (dict(_skipped(p, t, n, "the probe was stopped during this case"), outcome="timeout")
+                        if i in stopped else _skipped(p, t, n, "not run: the probe was stopped"))
     policy, reason = choose(cases)
     if interrupted:
         reason += " (probe stopped early: later cases not run)"
@@ -310,7 +342,8 @@ def run_probe(args) -> dict:
         "expect": check_expect(build, args.expect or {}),
         "modes": mode_options(),
         "device": args.device, "threads": n_threads, "steps": args.steps,
-        "ranks": ranks, "model": asdict(shape), "dtype": "bfloat16" if cuda and build["bf16"] else "float32",
+        "ranks": ranks, "jobs": jobs, "model": asdict(shape),
+        "dtype": "bfloat16" if cuda and build["bf16"] else "float32",
         "policies": {p: policies.describe(p) for p in names},
         "cases": cases, "policy": policy, "reason": reason, "interrupted": interrupted,
         "processes_policy": processes_policy, "processes_reason": processes_reason,
@@ -353,6 +386,9 @@ def _parser() -> argparse.ArgumentParser:
                                          "CUDA, threads on a CPU-only machine; threads alone skips the DDP cases)")
     ap.add_argument("--fresh", action="store_true",
                     help="run every case again instead of reusing kept verdicts (verdicts.py: the cache and its key)")
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="cases run side by side, each timed alone (default: 1 on a CPU; on a GPU host one per "
+                         "3 cores, at most 5)")
     ap.add_argument("--signatures", help="signature catalog (default: the bundled signatures.yaml)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="where cases run (default: cuda when available)")
@@ -364,8 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.steps < 1 or args.threads < 0:
-        _parser().error("--steps must be >= 1, --threads >= 0")
+    if args.steps < 1 or args.threads < 0 or args.jobs < 0:
+        _parser().error("--steps must be >= 1, --threads and --jobs >= 0")
     names = [p.strip() for p in (args.policies or "").split(",") if p.strip()]
     unknown = [p for p in names if p not in policies.known()]
     if unknown:

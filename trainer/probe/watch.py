@@ -7,12 +7,15 @@ failure means.
 - `explain` turns a failed case into what a user acts on: the last line of the real exception, the
   catalog's remedy (trainer/signatures.yaml) and, for a module that is not installed, which one and
   how to install it.
+- `kill_tree` ends a case and every process under it, torchrun's ranks included (they run in sessions
+  of their own); `descendants` finds them.
 - `rendezvous_problem` says, in well under a second, why a torchrun rendezvous on this machine
   cannot form (the hostname does not resolve, no local port binds), before a `processes` case waits
   minutes for it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -24,7 +27,10 @@ import time
 
 CASE_MARK = "@@dflash-probe-case@@ "
 PHASE_MARK = "@@dflash-probe-phase@@ "
-PHASES = ("import", "compile", "teacher-forced", "timed")
+PHASES = ("import", "compile", "teacher-forced", "timed", "verdict")
+# Set by the parent when cases run side by side (schedule.py): a file whose existence means "your
+# timed phase may start now, the other cases are stopped". Unset: no wait.
+GATE_ENV = "DFLASH_PROBE_GATE"
 BEAT_S = 10.0          # a heartbeat at least this often while a case runs
 TAIL_LINES = 20
 _EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit|Interrupt|Failed)\b(?::.*)?$")
@@ -32,14 +38,33 @@ _NO_MODULE = re.compile(r"No module named '([\w.]+)'")
 
 
 def run_isolated(cmd: list[str], timeout: float, *, cwd: str | None = None, env: dict | None = None,
-                 on_beat=None, beat_s: float = BEAT_S) -> dict:
-    """Run `cmd` in its own process group with stdout+stderr merged; on timeout kill the group
-    (the case and any compile workers it started). Returns the case result line (if printed),
-    exit code (negative: killed by that signal; None on timeout), output without it, tail, seconds,
-    and the last phase the case announced."""
+                 on_beat=None, beat_s: float = BEAT_S, control=None) -> dict:
+    """Run `cmd` in its own process group with stdout+stderr merged; on timeout kill it and every
+    process under it (the case, its compile workers, torchrun's ranks). Returns the case result
+    line (if printed), exit code (negative: killed by that signal; None on timeout), output without
+    it, tail, seconds, and the last phase the case announced.
+
+    `control` (schedule.Control, when cases run side by side): told when the process starts, each
+    phase and the end; the seconds it held the case (stopped while another was timed, or waiting
+    for its own turn) do not count against `timeout`."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            cwd=cwd, env=env, start_new_session=True)
+    with control.launch() if control else _nothing() as register:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=cwd, env=env, start_new_session=True)
+        register(proc.pid)
+    try:
+        return _watch(proc, t0, timeout, on_beat, beat_s, control)
+    finally:
+        if control:
+            control.ended()
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield lambda pid: None
+
+
+def _watch(proc, t0: float, timeout: float, on_beat, beat_s: float, control) -> dict:
     state = {"phase": PHASES[0], "result": None}
     lines: list[str] = []
 
@@ -50,6 +75,8 @@ def run_isolated(cmd: list[str], timeout: float, *, cwd: str | None = None, env:
                 state["result"] = _json(line[len(CASE_MARK):])
             elif line.startswith(PHASE_MARK):
                 state["phase"] = line[len(PHASE_MARK):].strip()
+                if control:
+                    control.on_phase(state["phase"])
             else:
                 lines.append(line)
 
@@ -60,17 +87,18 @@ def run_isolated(cmd: list[str], timeout: float, *, cwd: str | None = None, env:
     try:
         while proc.poll() is None:
             now = time.monotonic()
-            if now >= t0 + timeout:
+            deadline = t0 + timeout + (control.held_s() if control else 0.0)
+            if now >= deadline:
                 timed_out = True
                 break
             if on_beat and now >= next_beat:
-                on_beat(state["phase"], now - t0)
+                on_beat(control.phase_text(state["phase"]) if control else state["phase"], now - t0)
                 next_beat = now + beat_s
-            time.sleep(min(0.2, max(0.01, t0 + timeout - now)))
+            time.sleep(min(0.2, max(0.01, deadline - now)))
     except BaseException:
-        _killpg(proc.pid)      # the probe itself is being stopped: take the case down with it
+        kill_tree(proc.pid)    # the probe itself is being stopped: take the case down with it
         raise
-    _killpg(proc.pid)          # a hung case, or compile workers the case left behind
+    kill_tree(proc.pid)        # a hung case, or compile workers the case left behind
     proc.wait()
     reader.join(timeout=5)     # the pipe closes once every process of the group is gone
     return {"result": state["result"], "exit_code": None if timed_out else proc.returncode,
@@ -85,11 +113,59 @@ def _json(text: str):
         return None
 
 
-def _killpg(pid: int) -> None:
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` (children, theirs, ...), from /proc; [] where there is no /proc.
+    torchrun starts each rank in a session of its own, so a process group does not reach them."""
+    children: dict[int, list[int]] = {}
     try:
-        os.killpg(pid, signal.SIGKILL)
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue       # ended meanwhile
+        children.setdefault(ppid, []).append(int(name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def signal_tree(pid: int, sig: int, known: list[int] = ()) -> list[int]:
+    """Send `sig` to the process group led by `pid`, then to every process under it (and to `known`,
+    processes found before); returns the processes reached. The group first: a stopped or killed
+    parent starts no new child while the tree is walked."""
+    try:
+        os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+    reached = list(dict.fromkeys([*known, *descendants(pid)]))
+    for p in reached:
+        try:
+            os.kill(p, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return reached
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a case's process group and every process under it."""
+    signal_tree(pid, signal.SIGKILL, descendants(pid))
+
+
+def wait_for_turn(poll_s: float = 0.005) -> None:
+    """In a case, before its timed phase: when the parent runs cases side by side (GATE_ENV set),
+    wait until it has stopped the others and says go."""
+    gate = os.environ.get(GATE_ENV)
+    while gate and not os.path.exists(gate):
+        time.sleep(poll_s)
 
 
 def last_exception(output: str) -> str | None:
