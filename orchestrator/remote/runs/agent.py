@@ -389,7 +389,7 @@ def _split(args, flags=(), options=()):
 
 def main(argv):
     if len(argv) < 2:
-        _fail("usage: runs_agent launch|status|follow|stop|metrics|export|bench|probe|rm|prune "
+        _fail("usage: runs_agent launch|status|follow|stop|metrics|export|probe|rm|prune|bench "
               "WORKDIR [OPTIONS] -- [VALUE ...]", 2)
     cmd, workdir, args = argv[0], _workdir(argv[1]), list(argv[2:])
     try:
