@@ -90,3 +90,35 @@ def test_bench_decode_measures_a_trained_run_on_its_held_out_rows_or_a_file_and_
     regen = r.stdout.decode().strip()
     one_line(ct.cli("bench-decode", "ct200", regen), 2, "a regen run has no drafter")
     assert list(ct.exports.iterdir()) == []     # (the regen run ends with the container at teardown)
+
+
+def test_the_held_out_prompts_are_the_last_eval_prompts_rows_cut_before_their_first_answer(tmp_path, capsys):
+    from orchestrator.remote.runs.bench import _held_out
+
+    rundir, out = tmp_path / "run", tmp_path / "prompts.jsonl"
+    rundir.mkdir()
+    (rundir / "run.json").write_text(json.dumps({"cwd": str(tmp_path)}))
+    turns = [{"role": "system", "content": "#"}, {"role": "user", "content": "a"},
+             {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    rows = [{"messages": [{"role": "user", "content": str(i)}, {"role": "assistant", "content": "x"}]}
+            for i in range(4)] + [{"messages": turns}]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n\n" for r in rows))   # blank lines: no rows
+    (tmp_path / "ids.jsonl").write_text("[1]\n" + json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+
+    def held(**cfg):
+        (rundir / "trainer-config.json").write_text(json.dumps(cfg))
+        try:
+            return _held_out("R", str(rundir), str(out))
+        except SystemExit:
+            return json.loads(capsys.readouterr().out)
+
+    assert held(data="data.jsonl", eval_prompts=2) == 2      # relative to the trainer's cwd, as it read it
+    assert [json.loads(line) for line in out.read_text().splitlines()] == [
+        {"messages": [{"role": "user", "content": "3"}]}, {"messages": turns[:2]}]
+    for cfg, why in [({"data": "synthetic", "eval_prompts": 2}, "synthetic data"),
+                     ({"data": "data.jsonl", "eval_prompts": 0}, "held out no rows"),
+                     ({"data": "data.jsonl", "eval_prompts": 3}, "5 rows were too few to hold 3 out"),
+                     ({"data": "missing.jsonl", "eval_prompts": 1}, "cannot read its data"),
+                     ({"data": str(tmp_path / "ids.jsonl"), "eval_prompts": 1}, "not chat rows")]:
+        doc = held(**cfg)
+        assert doc["reason"] == "no_prompts" and why in doc["message"] and doc["exit_code"] == 2, doc

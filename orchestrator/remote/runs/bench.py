@@ -28,7 +28,7 @@ import subprocess
 import sys
 
 from ..common import _out, _read_json, refuse
-from .common import LOG
+from .common import LOG, _run_ids, _runs_dir, _state
 from .export import _export_into, _private_tmp, _run_to_export
 
 PROMPTS = "prompts.jsonl"
@@ -60,10 +60,14 @@ def _held_out(rid, rundir, dest):
         refuse("no_prompts", "%s; pass --prompts FILE" % why, found=True, run=rid, exit_code=2)
     out = []
     for line in rows[-n:]:
-        msgs = (json.loads(line.decode("utf-8")) or {}).get("messages")
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except ValueError:
+            row = None
+        msgs = row.get("messages") if isinstance(row, dict) else None
         if not isinstance(msgs, list):
-            refuse("no_prompts", "its data %s has token-id rows, not chat rows; pass --prompts FILE" % data,
-                   found=True, run=rid, exit_code=2)
+            refuse("no_prompts", "its data %s has rows that are not chat rows (token ids?); pass --prompts FILE"
+                   % data, found=True, run=rid, exit_code=2)
         cut = next((i for i, m in enumerate(msgs) if isinstance(m, dict) and m.get("role") == "assistant"),
                    len(msgs))
         out.append(json.dumps({"messages": msgs[:cut]}) + "\n")
@@ -80,6 +84,11 @@ def _skipped(rundir):
     except OSError:
         return 0
     return int(m.group(1)) if m else 0
+
+
+def _busy(workdir):
+    """Runs running on this target now: their GPUs and CPU time are not the measurement's alone."""
+    return [r for r in _run_ids(workdir) if _state(os.path.join(_runs_dir(workdir), r))[0] == "running"]
 
 
 def _specdec(rid, cfg, folder, prompts, tmp, max_new_tokens, limit, current):
@@ -136,6 +145,10 @@ def cmd_bench(workdir, opts, values):
         if skipped:
             sys.stderr.write("agent: the trainer skipped %d rows of its data: the last %d rows taken here may "
                              "not be exactly those it held out\n" % (skipped, n))
+        busy = _busy(workdir)
+        if busy:
+            sys.stderr.write("agent: run %s is running here too: the timings share the machine with it\n"
+                             % ", ".join(busy))
         folder = os.path.join(tmp, "draft")
         info = _export_into(workdir, rid, rundir, folder, "float32", step, running_ok)
         doc = _specdec(rid, cfg, folder, prompts, tmp, max_new_tokens, limit, current)
