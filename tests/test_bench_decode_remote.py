@@ -27,8 +27,10 @@ def ct(sshd, fakepct, make_inventory, tmp_path):
     """CT 200 with the trainer deployed and one succeeded 4-step `tiny` run on 8 chat rows, 2 held out."""
     src = copy_trainer(tmp_path / "src")
     fakepct.create(200)
-    path = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable, "workdir": WORKDIR,
-                                     "gpus": 0, "env": {"OMP_NUM_THREADS": "1"}}})
+    ct200 = {"host": "node", "vmid": 200, "python": sys.executable, "workdir": WORKDIR, "gpus": 0,
+             "env": {"OMP_NUM_THREADS": "1"}}
+    differ = {**ct200, "env": {"OMP_NUM_THREADS": "1", "DFLASH_TRAINER_FAULTS": "specdec_differ=0"}}
+    path = make_inventory({"ct200": ct200, "differ": differ}, default="ct200")
     assert deploy.deploy(inventory.load(str(path)), ["ct200"], source=str(src))["ct200"].ok
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
@@ -81,6 +83,13 @@ def test_bench_decode_measures_a_trained_run_on_its_held_out_rows_or_a_file_and_
     out = r.stdout.decode().strip()
     assert out.startswith(f"ct200: run {run} step 4, 2 prompts ({prompts}),") and "tau " in out, out
     assert "tokens/s alone" in out and "speedup" in out and out.endswith("lossless yes"), out
+    assert list(ct.exports.iterdir()) == []
+
+    # the same container, specdec's reference decode of prompt 0 changed by a test hook: exit 1, said last
+    r = ct.cli("bench-decode", "differ", run, "--max-new-tokens", "4", "--limit", "1")
+    err = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 1 and "Traceback" not in r.stderr.decode() and r.stdout == b"", err
+    assert err[-1].startswith(f"dflash-ops: differ: run {run}: prompt 0: ") and err[-1].endswith("NOT lossless"), err
     assert list(ct.exports.iterdir()) == []
 
     prompts = ct.tmp / "one.jsonl"
