@@ -69,7 +69,7 @@ def test_bench_decode_measures_a_trained_run_on_its_held_out_rows_or_a_file_and_
     assert doc["target"] == "ct200" and doc["run"] == run and doc["step"] == 4
     assert doc["prompts_source"] == "held-out" and doc["prompts"] == 2 and doc["lossless"] is True
     assert doc["tau"] >= 1 and doc["tokens"] > 0 and doc["speedup"] > 0 and doc["target"] == "ct200"
-    assert r.stderr == b""      # --json: the document alone
+    assert r.stderr == b"" and doc["notes"] == []      # --json: the document alone, nothing to warn of
     assert ct.exports.is_dir() and list(ct.exports.iterdir()) == []     # the temporary folder is gone
 
     prompts = ct.tmp / "prompts.jsonl"
@@ -85,20 +85,22 @@ def test_bench_decode_measures_a_trained_run_on_its_held_out_rows_or_a_file_and_
     assert "tokens/s alone" in out and "speedup" in out and out.endswith("lossless yes"), out
     assert list(ct.exports.iterdir()) == []
 
+    prompts = ct.tmp / "one.jsonl"
+    prompts.write_text(json.dumps({"prompt": "x"}) + "\n")
+    r = ct.cli("regen", "ct200", "--prompts", prompts, "--model", "tiny", "--gpus", "0",     # hangs until teardown
+               "--env", "DFLASH_TRAINER_FAULTS=regen_batch=0:hang")
+    assert r.returncode == 0, r.stderr.decode()
+    regen = r.stdout.decode().strip()
+    one_line(ct.cli("bench-decode", "ct200", regen), 2, "a regen run has no drafter")
+
     # the same container, specdec's reference decode of prompt 0 changed by a test hook: exit 1, said last
     r = ct.cli("bench-decode", "differ", run, "--max-new-tokens", "4", "--limit", "1")
     err = r.stderr.decode().strip().splitlines()
+    assert f"agent: run {regen} is running here too: the timings share the machine with it" in err, err
     assert r.returncode == 1 and "Traceback" not in r.stderr.decode() and r.stdout == b"", err
     assert err[-1].startswith(f"dflash-ops: differ: run {run}: prompt 0: ") and err[-1].endswith("NOT lossless"), err
     assert list(ct.exports.iterdir()) == []
 
-    prompts = ct.tmp / "one.jsonl"
-    prompts.write_text(json.dumps({"prompt": "x"}) + "\n")
-    r = ct.cli("regen", "ct200", "--prompts", prompts, "--model", "tiny", "--gpus", "0", "--max-new-tokens", "1")
-    assert r.returncode == 0, r.stderr.decode()
-    regen = r.stdout.decode().strip()
-    one_line(ct.cli("bench-decode", "ct200", regen), 2, "a regen run has no drafter")
-    assert list(ct.exports.iterdir()) == []     # (the regen run ends with the container at teardown)
 
 
 def test_the_held_out_prompts_are_the_last_eval_prompts_rows_cut_before_their_first_answer(tmp_path, capsys):

@@ -34,8 +34,9 @@ def bench_decode(inv: Inventory, target: Target, run: str = "latest", *, prompts
                  session: Session | None = None) -> dict:
     """specdec's document of RUN's drafter (default: the newest succeeded run; its last checkpoint,
     or `step`) with target, run, step and the prompts' source ("held-out" or the local file);
-    "target" is the inventory's name, "model" the run's --target. progress(line) gets specdec's
-    live lines. Raises NotFound (no such run), UsageError (bad input, a regen run), NotLossless."""
+    "target" is the inventory's name, "model" the run's --target; "notes": what the target warned
+    of. progress(line) gets specdec's live lines. Raises NotFound (no such run), UsageError (bad
+    input, a regen run), NotLossless."""
     if max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
     if limit is not None and limit < 1:
@@ -63,7 +64,7 @@ def bench_decode(inv: Inventory, target: Target, run: str = "latest", *, prompts
     result = dict(doc["result"])
     result.pop("drafter", None)     # the target's temporary folder, gone
     return {**result, "target": target.name, "model": result.get("target"), "run": doc["run"], "step": doc["step"],
-            "running": bool(doc.get("running")),
+            "running": bool(doc.get("running")), "notes": doc.get("notes") or [],
             "prompts_source": doc["prompts_source"] if prompts is None else str(Path(prompts).expanduser())}
 
 

@@ -142,17 +142,21 @@ def cmd_bench(workdir, opts, values):
             n, skipped = None, 0
         else:
             n, skipped = _held_out(rid, rundir, prompts), _skipped(rundir)
+        notes = []      # said on stderr now, and kept in the reply (the controller's --json shows no stderr)
         if skipped:
-            sys.stderr.write("agent: the trainer skipped %d rows of its data: the last %d rows taken here may "
-                             "not be exactly those it held out\n" % (skipped, n))
+            notes.append("the trainer skipped %d rows of its data: the last %d rows taken here may not be "
+                         "exactly those it held out" % (skipped, n))
         busy = _busy(workdir)
         if busy:
-            sys.stderr.write("agent: run %s is running here too: the timings share the machine with it\n"
-                             % ", ".join(busy))
+            notes.append("run %s is running here too: the timings share the machine with it" % ", ".join(busy))
+        for note in notes:
+            sys.stderr.write("agent: %s\n" % note)
+        sys.stderr.flush()
         folder = os.path.join(tmp, "draft")
         info = _export_into(workdir, rid, rundir, folder, "float32", step, running_ok)
         doc = _specdec(rid, cfg, folder, prompts, tmp, max_new_tokens, limit, current)
         _out({"ok": True, "found": True, "run": rid, "step": info.get("step"), "running": info.get("running"),
-              "prompts_source": "upload" if n is None else "held-out", "held_out": n, "result": doc})
+              "prompts_source": "upload" if n is None else "held-out", "held_out": n, "notes": notes,
+              "result": doc})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
