@@ -18,6 +18,7 @@ from orchestrator.deploy.commands import deploy
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, OpsError
 from orchestrator.play.commands import play
 from orchestrator.probe.commands import probe
+from orchestrator.runs.bench_commands import bench_decode
 from orchestrator.runs.cleanup_commands import prune, rm
 from orchestrator.runs.commands import export, launch, logs, report, status, stop
 from orchestrator.runs.regen_commands import regen
@@ -40,7 +41,7 @@ def cli(ctx, inventory, ssh_config, debug):
 
 
 for command in (targets, exec_, scan, deploy, probe, launch, regen, logs, status, stop, report, export,
-                rm, prune, play):
+                bench_decode, rm, prune, play):
     cli.add_command(command)
 
 

@@ -14,6 +14,7 @@ The points (NAME=VALUE):
                           while writing checkpoint STEP, after model.safetensors is in the temporary
                           folder, the writer creates FLAGFILE and sleeps (a test kills it mid-write)
   regen_batch=K           regen raises before it answers batch K; K:hang: it hangs there
+  specdec_differ=I        specdec's reference decode of prompt I gets its last token changed (not lossless)
   test_policies=1         the test-only compile policies are known (trainer/policies.py)
 
 Torch-free at import (the config and the policy names import it).
@@ -24,7 +25,7 @@ import os
 import time
 
 ENV = "DFLASH_TRAINER_FAULTS"
-POINTS = ("fail_worker", "diverge", "pause_in_checkpoint", "test_policies", "regen_batch")
+POINTS = ("fail_worker", "diverge", "pause_in_checkpoint", "test_policies", "regen_batch", "specdec_differ")
 
 
 def _check(points: dict[str, str]) -> None:

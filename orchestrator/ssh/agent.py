@@ -35,7 +35,7 @@ from orchestrator.ssh.session import Session
 from orchestrator.ssh.transport import Result, Transport
 
 RELEASE = "release.agent"     # deploy: manifest, apply, install-deps
-RUNS = "runs.agent"           # launch, status, follow, stop, metrics, export, probe
+RUNS = "runs.agent"           # launch, status, follow, stop, metrics, export, bench, probe
 # The target's python options per program. The release agent needs nothing that `site` sets up
 # at start, and a target's .pth files can cost more than the rest of a no-change deploy's agent:
 # -S skips them (remote/common.py `_site` puts the installed packages on sys.path where it

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from trainer import faults
 from trainer.model.drafter import Drafter, DrafterConfig
 from trainer.run.eval import Timing, clock, speculative_generate, summarize
 from trainer.run.log import tau_text
@@ -113,6 +114,8 @@ def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_token
         out, produced, acc = speculative_generate(target, drafter, p, max_new_tokens=max_new_tokens, eos=eos,
                                                   cached=True, timing=ts)
         ref, ta = target_greedy(target, p, max_new_tokens, eos) if baseline else (out, None)
+        if faults.value("specdec_differ") == str(i):     # a test's stand-in for a lossy drafter loop
+            ref = ref[:-1] + [ref[-1] + 1]
         if out != ref:
             k = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
             raise NotLossless(f"prompt {i}: speculative output differs from the target's greedy decode at new "

@@ -24,6 +24,9 @@ header line followed by raw bytes.
     metrics WORKDIR -- RUN    the log's JSON metric lines
     export WORKDIR [--step N] [--dtype D] [--running-ok] [--target-changed-ok] -- RUN
                               the run's drafter as a DFlash folder, streamed (runs/export.py)
+    bench WORKDIR [--step N] [--max-new-tokens N] [--limit N] [--running-ok] [--prompts-stdin] -- RUN
+                              decoding with the run's drafter vs the target alone; specdec's live
+                              lines on stderr, its document in the reply (runs/bench.py)
     probe WORKDIR [--reuse] -- PROBE_ARGS...
                               the live release's probe program, its document as the reply
                               (runs/probe.py)
@@ -59,6 +62,7 @@ import time
 from ..common import _dist_version, _fail, _home, _now_iso, _out, _read_json, _workdir, _write_json, refuse
 from .common import LOG, _fault, _proc_start, _resolve, _run_ids, _runs_dir, _state, _status
 from ..release.store import _live
+from .bench import BENCH_FLAGS, BENCH_OPTIONS, cmd_bench
 from .export import cmd_export
 from .follow import cmd_follow, cmd_metrics
 from .kinds import kind_of, run_command
@@ -384,7 +388,7 @@ def _split(args, flags=(), options=()):
 
 def main(argv):
     if len(argv) < 2:
-        _fail("usage: runs_agent launch|status|follow|stop|metrics|export|probe|rm|prune "
+        _fail("usage: runs_agent launch|status|follow|stop|metrics|export|probe|rm|prune|bench "
               "WORKDIR [OPTIONS] -- [VALUE ...]", 2)
     cmd, workdir, args = argv[0], _workdir(argv[1]), list(argv[2:])
     try:
@@ -413,6 +417,8 @@ def main(argv):
             cmd_export(workdir, values[0] if values else "latest",
                        None if step is None else int(step), opts.get("--dtype", "bfloat16"),
                        running_ok="--running-ok" in opts, target_changed_ok="--target-changed-ok" in opts)
+        elif cmd == "bench":
+            cmd_bench(workdir, *_split(args, BENCH_FLAGS, BENCH_OPTIONS))
         elif cmd == "rm":
             opts, values = _split(args, ("--dry-run",))
             cmd_rm(workdir, values, "--dry-run" in opts)

@@ -61,7 +61,9 @@ def _interrupted(signum, frame):
     raise SystemExit(128 + signum)   # runs the finally blocks: the temporary folder goes
 
 
-def cmd_export(workdir, run, step, dtype, running_ok=False, target_changed_ok=False):
+def _run_to_export(workdir, run, running_ok=False):
+    """(run id, its folder) of RUN as export takes it ("latest"/"": the newest succeeded training
+    run), or the refusal: no such run, a regen run, a running run without --running-ok, no release."""
     if run in ("", "latest", None):
         rid = _latest_succeeded(workdir)
     else:
@@ -75,35 +77,55 @@ def cmd_export(workdir, run, step, dtype, running_ok=False, target_changed_ok=Fa
                found=True, run=rid, exit_code=2)
     if _state(rundir)[0] == "running" and not running_ok:
         refuse("running", STILL_RUNNING, found=True, run=rid)
-    current = os.path.join(workdir, "current")
-    if not os.path.isfile(os.path.join(current, "trainer", "export.py")):
+    if not os.path.isfile(os.path.join(workdir, "current", "trainer", "export.py")):
         refuse("no_release", "the live release in %s has no trainer/export.py" % workdir, found=True, run=rid)
+    return rid, rundir
+
+
+def _private_tmp(workdir):
+    """A new WORKDIR/exports/.tmp-PID (leftovers of killed agents swept first); SIGHUP/SIGTERM then
+    end this agent through its finally blocks, so the caller's `finally` removes the folder."""
     exports = os.path.join(workdir, "exports")
     os.makedirs(exports, exist_ok=True)
     _sweep(exports)
-    tmp = os.path.join(exports, ".tmp-%d" % os.getpid())
     for sig in (signal.SIGHUP, signal.SIGTERM):
         signal.signal(sig, _interrupted)
-    proc = None
+    return os.path.join(exports, ".tmp-%d" % os.getpid())
+
+
+def _export_into(workdir, rid, rundir, folder, dtype, step, running_ok=False, target_changed_ok=False):
+    """`python -m trainer.export` of the live release into `folder`: its document (step, checkpoint,
+    ...), or the refusal "export" with the trainer's last line and exit status."""
+    argv = [sys.executable, "-m", "trainer.export", "--run", rundir, "-o", folder, "--dtype", dtype]
+    if step is not None:
+        argv += ["--step", str(step)]
+    argv += ["--running-ok"] * running_ok + ["--target-changed-ok"] * target_changed_ok
+    env = dict(os.environ)
+    env.update({"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
+    proc = subprocess.Popen(argv, cwd=os.path.realpath(os.path.join(workdir, "current")), env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        lines = err.decode("utf-8", "replace").strip().splitlines() or ["(no message)"]
+        msg = lines[-1]
+        if msg.startswith("trainer: error: "):
+            msg = msg[len("trainer: error: "):]
+        refuse("export", msg, found=True, run=rid, exit_code=proc.returncode)
+    return json.loads(out.decode("utf-8", "replace").strip().splitlines()[-1])
+
+
+def cmd_export(workdir, run, step, dtype, running_ok=False, target_changed_ok=False):
+    rid, rundir = _run_to_export(workdir, run, running_ok)
+    tmp = _private_tmp(workdir)
     try:
         os.mkdir(tmp)
         folder = os.path.join(tmp, "draft")
-        argv = [sys.executable, "-m", "trainer.export", "--run", rundir, "-o", folder, "--dtype", dtype]
-        if step is not None:
-            argv += ["--step", str(step)]
-        argv += ["--running-ok"] * running_ok + ["--target-changed-ok"] * target_changed_ok
-        env = dict(os.environ)
-        env.update({"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
-        proc = subprocess.Popen(argv, cwd=os.path.realpath(current), env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        out, err = proc.communicate()
-        if proc.returncode != 0:
-            lines = err.decode("utf-8", "replace").strip().splitlines() or ["(no message)"]
-            msg = lines[-1]
-            if msg.startswith("trainer: error: "):
-                msg = msg[len("trainer: error: "):]
-            refuse("export", msg, found=True, run=rid, exit_code=proc.returncode)
-        info = json.loads(out.decode("utf-8", "replace").strip().splitlines()[-1])
+        info = _export_into(workdir, rid, rundir, folder, dtype, step, running_ok, target_changed_ok)
         files = []
         for name in sorted(os.listdir(folder)):
             path = os.path.join(folder, name)
@@ -120,7 +142,4 @@ def cmd_export(workdir, run, step, dtype, running_ok=False, target_changed_ok=Fa
                     stream.write(block)
         stream.flush()
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)

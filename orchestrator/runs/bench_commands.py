@@ -1,0 +1,42 @@
+"""Click command `bench-decode`: decoding with a run's drafter against the target alone (thin: parse
+options, call runs/bench_decode.py, show specdec's live lines on stderr and the summary line)."""
+from __future__ import annotations
+
+import click
+
+from orchestrator.ui import State, emit, json_option
+
+
+@click.command("bench-decode")
+@click.argument("args", nargs=-1, metavar="[TARGET] [RUN]")
+@click.option("--prompts", metavar="FILE",
+              help="JSONL here (the spellings regen reads), checked, then sent to the target "
+                   "(default: the prompts the run held out of its --data for its eval).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True, metavar="N",
+              help="Tokens decoded per prompt, each way.")
+@click.option("--limit", type=click.IntRange(min=1), metavar="N", help="Only the first N prompts.")
+@click.option("--step", type=click.IntRange(min=0), metavar="N", help="The checkpoint of step N (default: the last).")
+@click.option("--running-ok", is_flag=True, help="Measure a run that is still running (its newest checkpoint).")
+@json_option
+@click.pass_obj
+def bench_decode(state: State, args, prompts, max_new_tokens, limit, step, running_ok, as_json):
+    """Decode with a run's trained drafter against the target alone, on the target, and check the output is
+    the target's own, token for token.
+
+    RUN defaults to the target's newest succeeded run. Prints tau (with its 95% interval), tokens/s
+    of the target alone and with the drafter, and the speedup; exits 1 when the output differs.
+    """
+    from orchestrator.runs import bench_decode as bench
+    from orchestrator.runs import launch as runs
+    from orchestrator.runs import nodes
+    from orchestrator.runs.logview import note
+
+    target, run = runs.split_target_run(state.inv, args)
+    if run != "latest":     # a run over several nodes: rank 0's node holds its checkpoints
+        target = nodes.rank0_of(state.inv, target, run)
+    doc = bench.bench_decode(state.inv, target, run, prompts=prompts, max_new_tokens=max_new_tokens, limit=limit,
+                             step=step, running_ok=running_ok,
+                             progress=None if as_json else lambda line: click.echo(line, err=True))
+    emit(as_json, doc, bench.summary(doc))
+    if doc["running"] and not as_json:
+        note(f"{target.name}: run {doc['run']} is still running: this is its checkpoint of step {doc['step']}")
