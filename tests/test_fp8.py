@@ -169,3 +169,31 @@ def test_an_emulated_fp8_run_trains_with_worker_threads(tmp_path, capsys):
     assert "precision fp8-rowwise: the drafter's Linear layers train with torchao" in capsys.readouterr().out
     losses = [m["loss"] for m in metrics(out) if "loss" in m and "event" not in m]
     assert len(losses) == 6 and all(x == x for x in losses)
+
+
+def test_the_probe_judges_fp8_against_eager_bf16_within_fp8s_noise(monkeypatch):
+    """The probe's case (trainer/probe/case.py) with --precision fp8: the engine's fp8 replicas against
+    the eager bf16 replica, the noise measured as eager fp8 against eager bf16; wrong scales are `wrong`."""
+    import torchao.float8.float8_scaling_utils as scaling
+
+    from trainer.engine.numerics import FP8_NOISE_FACTOR
+    from trainer.probe import case
+
+    out = case.run_case("eager", "threads", 1, steps=1, device_kind="cpu", precision="fp8", emulate=True)
+    num = out["numerics"]
+    assert out["ok"] and not out["wrong"], out["why"]
+    assert 1e-3 < num["grad_noise"] and num["grad_err"] <= num["grad_tol"] <= FP8_NOISE_FACTOR * num["grad_noise"]
+    assert num["grad_tol"] <= fp8.step_error("fp8", case.CPU_SHAPE.draft_layers)
+    to_scale = scaling.tensor_to_scale
+    monkeypatch.setattr(scaling, "tensor_to_scale", lambda *a, **k: to_scale(*a, **k) * 64)  # saturates
+    out = case.run_case("eager", "threads", 1, steps=1, device_kind="cpu", precision="fp8", emulate=True)
+    assert out["wrong"] and "gradient differs from eager" in out["why"] and "the limit" in out["why"], out["why"]
+
+
+def test_a_capped_tolerance_says_so():
+    from trainer.engine.numerics import StepCheck, judge
+
+    s = StepCheck(2.0, 2.0, 2.01, [0.3], [0.2], 0.3, 0.2)
+    assert judge([s], [], None, ["w"], torch.float32, factor=2.0)["ok"]
+    capped = judge([s], [], None, ["w"], torch.float32, factor=2.0, limit=0.25)
+    assert not capped["ok"] and "(tolerance 0.25 = the limit, below 2 x noise 0.2)" in capped["why"]
