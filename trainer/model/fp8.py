@@ -21,6 +21,7 @@ product's rms error: sqrt(ua^2 + ub^2) / sqrt(3). tests/test_fp8.py holds a whol
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -107,9 +108,7 @@ class Fp8Matmul:
             from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
         finally:
             log.setLevel(level)
-        config = Float8LinearConfig.from_recipe_name(RECIPES[precision])
-        config = Float8LinearConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__},
-                                       "emulate": emulate})
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(RECIPES[precision]), emulate=emulate)
         # torchao's own conversion, of a stand-in layer: its checks, its LinearMMConfig, and its patch
         # of inductor's fp8 codegen (triton-lang/triton#11111), which it applies before any fp8 compile.
         with torch.device("meta"):
