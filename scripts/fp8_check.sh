@@ -24,8 +24,9 @@
 #          held-out prompts (tau); then benchmarks/fp8_tau.py: the table, the verdict and the plot
 #          of the loss curves together (OUT/tau/fp8-tau.png). It makes the data first when WORK
 #          has none (the machine went back between the calls).
-set -u
+set -uo pipefail
 cd "$(dirname "$0")/.."
+status=0   # 1 when a stage failed; every stage still runs
 SIZE=${SIZE:-gpu}; OUT=${OUT:-out/fp8_check}; WORK=${WORK:-/tmp/fp8-check}
 STAGES=${STAGES:-step whole data tau}; VARIANT=${VARIANT:-inductor/flex/chunked}; BENCH_STEPS=(12 2 24 8)
 ORDER=${ORDER:-bf16 fp8 fp8-rowwise bf16}; WHOLE_ORDER=${WHOLE_ORDER:-bf16 fp8 fp8-rowwise}
@@ -38,7 +39,7 @@ EXTRA=(); EMULATE=()
 if [ "$SIZE" = smoke ]; then   # the CPU: tiny shapes, fp8 emulated, a few steps
     EXTRA=(--tiny); EMULATE=(--fp8-emulate); GPUS=0; BENCH_STEPS=(3 1 4 2)
     [ "$VARIANT" = inductor/flex/chunked ] && VARIANT=eager/sdpa/chunked   # FlexAttention has no CPU backward
-    N_TRAIN=48; N_EVAL=3; NEW=24; REGEN_BATCH=16; STEPS=6; BATCH=4; ANCHORS=4; SEQ=128
+    N_TRAIN=48; N_EVAL=3; NEW=24; REGEN_BATCH=16; STEPS=6; BATCH=4; ANCHORS=4
 fi
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 DFLASH_OPS_CACHE=${DFLASH_OPS_CACHE:-$WORK/cache}
@@ -82,7 +83,7 @@ for stage in $STAGES; do
             emulate=(); [ "$p" != bf16 ] && emulate=("${EMULATE[@]}")
             timeout 200 "$PY" benchmarks/drafter_bench.py "${EXTRA[@]}" --out "$OUT/step-$k-$p" --profile "" \
                 --timeout 190 --steps "${BENCH_STEPS[0]}" --warmup "${BENCH_STEPS[1]}" --variants "$VARIANT" --precision "$p" "${emulate[@]}" \
-                2>&1 | tail -2
+                2>&1 | tail -2 || status=1
         done
         ;;
     whole)
@@ -90,11 +91,11 @@ for stage in $STAGES; do
             emulate=(); [ "$p" != bf16 ] && emulate=("${EMULATE[@]}")
             echo "-- $p"
             timeout 200 "$PY" benchmarks/train_step_bench.py "${EXTRA[@]}" --out "$OUT/whole-$p" \
-                --target-mode compiled --steps "${BENCH_STEPS[2]}" --warmup "${BENCH_STEPS[3]}" --precision "$p" "${emulate[@]}" 2>&1 | tail -4
+                --target-mode compiled --steps "${BENCH_STEPS[2]}" --warmup "${BENCH_STEPS[3]}" --precision "$p" "${emulate[@]}" 2>&1 | tail -4 || status=1
         done
         ;;
     data)
-        small_target_data && touch "$WORK/data.done"
+        small_target_data && touch "$WORK/data.done" || status=1
         ;;
     tau)
         [ -f "$WORK/data.done" ] || { small_target_data && touch "$WORK/data.done"; } || exit 1
@@ -109,9 +110,10 @@ for stage in $STAGES; do
         done
         wait
         "$PY" benchmarks/fp8_tau.py "$OUT/tau" -o "$OUT/tau/fp8-tau.png" --json "$OUT/tau/verdict.json" \
-            | tee "$OUT/tau/summary.md"
+            | tee "$OUT/tau/summary.md" || status=1
         ;;
     *) echo "fp8_check: unknown stage $stage (step, whole, data, tau)" >&2; exit 2 ;;
     esac
 done
 phase "done"
+exit $status
