@@ -42,7 +42,7 @@ if [ "$SIZE" = smoke ]; then   # the CPU: tiny shapes, fp8 emulated, a few steps
     N_TRAIN=48; N_EVAL=3; NEW=24; REGEN_BATCH=16; STEPS=6; BATCH=4; ANCHORS=4
 fi
 mkdir -p "$OUT" "$WORK"
-export PYTHONUNBUFFERED=1 DFLASH_OPS_CACHE=${DFLASH_OPS_CACHE:-$WORK/cache}
+export PYTHONUNBUFFERED=1 DFLASH_OPS_CACHE=${DFLASH_OPS_CACHE:-$WORK/cache} OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/fp8_check_inductor}
 t0=$(date +%s)
 phase() { echo "$(( $(date +%s) - t0 )) s: $*" | tee -a "$OUT/phases.log" >&2; }
