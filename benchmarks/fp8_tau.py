@@ -94,6 +94,18 @@ def plot(docs: dict, curves: dict, out: Path) -> Path:
     return save_png(fig, out)
 
 
+def report(folder: Path, png: str | None, figures: str | None) -> str:
+    """The table and a verdict line per fp8 recipe (and the plot, the figures where asked for)."""
+    docs, curves = load(folder)
+    if not docs:
+        raise ValueError("no specdec-PRECISION-sSEED.json in it")
+    found = {p: verdict(docs, p) for p in sorted({p for p, _ in docs} - {"bf16"})}
+    if figures:
+        Path(figures).write_text(json.dumps({p: fig for p, (_, fig) in found.items()}, indent=1))
+    lines = [table(docs, curves), ""] + [line for line, _ in found.values()]
+    return "\n".join(lines + ([str(plot(docs, curves, Path(png)))] if png else []))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", help="the tau stage's folder: OUT/tau of scripts/fp8_check.sh")
@@ -101,22 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the verdicts' figures here")
     a = ap.parse_args(argv)
     try:
-        docs, curves = load(Path(a.folder))
-        if not docs:
-            raise ValueError("no specdec-PRECISION-sSEED.json in it")
-        print(table(docs, curves) + "\n")
-        found = {}
-        for precision in sorted({p for p, _ in docs} - {"bf16"}):
-            line, found[precision] = verdict(docs, precision)
-            print(line)
-        if a.json:
-            Path(a.json).write_text(json.dumps(found, indent=1))
-        if a.out:
-            print(plot(docs, curves, Path(a.out)))
+        print(report(Path(a.folder), a.out, a.json))
+        return 0
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"fp8_tau: {a.folder}: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":
