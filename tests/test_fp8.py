@@ -197,3 +197,18 @@ def test_a_capped_tolerance_says_so():
     assert judge([s], [], None, ["w"], torch.float32, factor=2.0)["ok"]
     capped = judge([s], [], None, ["w"], torch.float32, factor=2.0, limit=0.25)
     assert not capped["ok"] and "(tolerance 0.25 = the limit, below 2 x noise 0.2)" in capped["why"]
+
+
+def test_drafter_bench_takes_the_trainers_precision(tmp_path):
+    """benchmarks/drafter_bench.py --precision (the fp8 A/B of scripts/fp8_check.sh), emulated at the
+    tiny shape: the step runs with fp8 and its record says so."""
+    import json
+
+    p = subprocess.run([sys.executable, "benchmarks/drafter_bench.py", "--tiny", "--out", str(tmp_path),
+                        "--variants", "eager/sdpa/dense", "--precision", "fp8-rowwise", "--fp8-emulate",
+                        "--steps", "2", "--warmup", "1", "--profile", ""],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    (rec,) = json.loads((tmp_path / "results.json").read_text())
+    assert rec["ok"] and rec["precision"] == "fp8-rowwise", rec
+    assert "precision fp8-rowwise" in (tmp_path / "summary.md").read_text()
