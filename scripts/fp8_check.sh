@@ -4,7 +4,7 @@
 # registry); each call carries .scratch, and the script installs the wheel with pip --no-deps.
 #
 #     STAGES=step  OUT=$OUT bash scripts/fp8_check.sh          # (a) drafter step, A/B/A, ~9 min
-#     STAGES=whole OUT=$OUT bash scripts/fp8_check.sh          #     the whole step per precision, ~8 min
+#     STAGES="tests whole" OUT=$OUT bash scripts/fp8_check.sh  #     fp8's tests; the whole step, ~9 min
 #     STAGES=data  OUT=$OUT WORK=/tmp/fp8 bash scripts/fp8_check.sh   # (b) small target + regen, ~5 min
 #     STAGES=tau   OUT=$OUT WORK=/tmp/fp8 bash scripts/fp8_check.sh   #     3 seeds x {bf16, fp8}, ~8 min
 #
@@ -12,7 +12,8 @@
 #
 #     SIZE=smoke PY=.venv/bin/python OUT=/tmp/f8 WORK=/tmp/f8w bash scripts/fp8_check.sh
 #
-# Stages (STAGES, default all four, in this order):
+# Stages (STAGES, default all five, in this order):
+#   tests  tests/test_fp8.py, whose torch._scaled_mm test needs FP8 tensor cores (skipped elsewhere);
 #   step   benchmarks/drafter_bench.py's 8B drafter step (VARIANT, default the trainer's
 #          inductor/flex/chunked in a worker thread), one process per precision in ORDER
 #          (default bf16 fp8 fp8-rowwise bf16: A/B/C/A), each in OUT/step-K-PRECISION;
@@ -28,7 +29,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 status=0   # 1 when a stage failed; every stage still runs
 SIZE=${SIZE:-gpu}; OUT=${OUT:-out/fp8_check}; WORK=${WORK:-/tmp/fp8-check}
-STAGES=${STAGES:-step whole data tau}; VARIANT=${VARIANT:-inductor/flex/chunked}; BENCH_STEPS=(12 2 24 8)
+STAGES=${STAGES:-tests step whole data tau}; VARIANT=${VARIANT:-inductor/flex/chunked}; BENCH_STEPS=(12 2 24 8)
 ORDER=${ORDER:-bf16 fp8 fp8-rowwise bf16}; WHOLE_ORDER=${WHOLE_ORDER:-bf16 fp8 fp8-rowwise}
 SEEDS=${SEEDS:-0 1 2}; TAU_PRECISION=${TAU_PRECISION:-fp8}; PARALLEL=${PARALLEL:-3}
 N_TRAIN=${N_TRAIN:-16000}; N_EVAL=${N_EVAL:-30}; NEW=${NEW:-128}; REGEN_BATCH=${REGEN_BATCH:-1024}
@@ -75,6 +76,9 @@ tau_run() {  # PRECISION SEED: train, export, decode the held-out prompts; files
 for stage in $STAGES; do
     phase "== $stage"
     case $stage in
+    tests)
+        timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_fp8.py 2>&1 | tail -3 || status=1
+        ;;
     step)
         k=0
         for p in $ORDER; do
@@ -112,7 +116,7 @@ for stage in $STAGES; do
         "$PY" benchmarks/fp8_tau.py "$OUT/tau" -o "$OUT/tau/fp8-tau.png" --json "$OUT/tau/verdict.json" \
             | tee "$OUT/tau/summary.md" || status=1
         ;;
-    *) echo "fp8_check: unknown stage $stage (step, whole, data, tau)" >&2; exit 2 ;;
+    *) echo "fp8_check: unknown stage $stage (tests, step, whole, data, tau)" >&2; exit 2 ;;
     esac
 done
 phase "done"

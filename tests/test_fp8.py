@@ -212,3 +212,32 @@ def test_drafter_bench_takes_the_trainers_precision(tmp_path):
     (rec,) = json.loads((tmp_path / "results.json").read_text())
     assert rec["ok"] and rec["precision"] == "fp8-rowwise", rec
     assert "precision fp8-rowwise" in (tmp_path / "summary.md").read_text()
+
+
+fp8_cores = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability(0) < (8, 9),
+                               reason="needs FP8 tensor cores (sm89+): scripts/fp8_check.sh runs it on the H200")
+
+
+@fp8_cores
+@pytest.mark.parametrize("precision", list(fp8.RECIPES))
+def test_the_fp8_step_on_fp8_tensor_cores_is_the_bf16_step_within_fp8s_rounding(setup, precision):
+    """The trainer's GPU path: bf16 autocast, torch._scaled_mm, against the same step in bf16."""
+    drafter, pw, batch, feats = setup
+    dev = torch.device("cuda", 0)
+    b, f = batch.to(dev), feats.to(dev)
+
+    def step(d):
+        d = copy.deepcopy(d).to(dev)
+        for p in d.parameters():
+            p.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss_sum, _, _ = DraftLoss(d, pw.to(dev))(f, b.input_ids, b.loss_mask, b.anchors, b.valid)
+        (loss_sum / batch.weight_total).backward()
+        return float(loss_sum.detach()), [p.grad.detach().cpu() for _, p in d.trainable_parameters()]
+
+    d8 = copy.deepcopy(drafter)
+    fp8.use(d8, precision)
+    (loss, grads), (loss8, grads8) = step(drafter), step(d8)
+    err = grad_errors(grads8, grads)[1]
+    assert 1e-3 < err <= fp8.step_error(precision, LAYERS), err
+    assert abs(loss8 - loss) <= fp8.step_error(precision, LAYERS, backward=False) * abs(loss)
