@@ -157,6 +157,18 @@ def test_without_fp8_hardware_the_trainer_refuses_in_one_line(tmp_path):
     assert p.returncode == 2 and "--fp8-emulate goes with --precision fp8" in p.stderr
 
 
+def test_refusals_name_what_is_missing(monkeypatch):
+    import importlib.util
+
+    cpu = torch.device("cpu")
+    assert fp8.refusal(cpu, emulate=True) is None
+    assert fp8.refusal(cpu, emulate=False) == ("the cpu has no FP8 matmul; --fp8-emulate runs fp8's arithmetic "
+                                               "without them (slowly, for tests)")
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find(name, *a))
+    assert fp8.refusal(cpu, emulate=True).startswith("needs torchao (pip install torchao==0.18.0; ")
+
+
 @pytest.mark.slow
 def test_an_emulated_fp8_run_trains_with_worker_threads(tmp_path, capsys):
     """The trainer end to end with --precision fp8-rowwise --fp8-emulate and two worker threads: it
