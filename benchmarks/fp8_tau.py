@@ -80,7 +80,7 @@ def plot(docs: dict, curves: dict, out: Path) -> Path:
         if pts:
             steps, loss = zip(*pts)
             a.plot(steps, loss, color=COLORS[p], ls="-" if p == "bf16" else "--", lw=1,
-                   label=f"{p} seed {seed}")
+                   marker="." if len(steps) < 20 else None, label=f"{p} seed {seed}")
     a.set_xlabel("step")
     a.set_ylabel("training loss")
     a.set_title("training loss, same data and steps")

@@ -33,14 +33,14 @@ STAGES=${STAGES:-tests step whole data tau}; VARIANT=${VARIANT:-inductor/flex/ch
 ORDER=${ORDER:-bf16 fp8 fp8-rowwise bf16}; WHOLE_ORDER=${WHOLE_ORDER:-bf16 fp8 fp8-rowwise}
 SEEDS=${SEEDS:-0 1 2}; TAU_PRECISION=${TAU_PRECISION:-fp8}; PARALLEL=${PARALLEL:-3}
 N_TRAIN=${N_TRAIN:-16000}; N_EVAL=${N_EVAL:-30}; NEW=${NEW:-128}; REGEN_BATCH=${REGEN_BATCH:-1024}
-STEPS=${STEPS:-400}; BATCH=${BATCH:-16}; ANCHORS=${ANCHORS:-512}; SEQ=${SEQ:-512}; GPUS=${GPUS:-1}
+STEPS=${STEPS:-400}; BATCH=${BATCH:-16}; LOG_EVERY=${LOG_EVERY:-10}; ANCHORS=${ANCHORS:-512}; SEQ=${SEQ:-512}; GPUS=${GPUS:-1}
 PY=${PY:-python3}
 WHEEL=.scratch/wheels/torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl
 EXTRA=(); EMULATE=()
 if [ "$SIZE" = smoke ]; then   # the CPU: tiny shapes, fp8 emulated, a few steps
     EXTRA=(--tiny); EMULATE=(--fp8-emulate); GPUS=0; BENCH_STEPS=(3 1 4 2)
     [ "$VARIANT" = inductor/flex/chunked ] && VARIANT=eager/sdpa/chunked   # FlexAttention has no CPU backward
-    N_TRAIN=48; N_EVAL=3; NEW=24; REGEN_BATCH=16; STEPS=6; BATCH=4; ANCHORS=4
+    N_TRAIN=48; N_EVAL=3; NEW=24; REGEN_BATCH=16; STEPS=6; BATCH=4; ANCHORS=4; LOG_EVERY=1
 fi
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 DFLASH_OPS_CACHE=${DFLASH_OPS_CACHE:-$WORK/cache} OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
@@ -63,7 +63,7 @@ tau_run() {  # PRECISION SEED: train, export, decode the held-out prompts; files
     rm -rf "$WORK/run-$name" "$WORK/drafter-$name"
     $PY -m trainer --target "$target" --data "$WORK/regen.jsonl" --out "$WORK/run-$name" --gpus "$GPUS" \
         --steps "$STEPS" --batch-size "$BATCH" --draft-layers 3 --block-size 16 --anchors "$ANCHORS" --seq-len "$SEQ" \
-        --lr 6e-4 --eval-prompts 0 --log-every 10 --checkpoint-every 0 --seed "$2" --precision "$1" \
+        --lr 6e-4 --eval-prompts 0 --log-every "$LOG_EVERY" --checkpoint-every 0 --seed "$2" --precision "$1" \
         "${emulate[@]}" > "$OUT/tau/train-$name.log" 2>&1 || return 1
     cp "$WORK/run-$name/metrics.jsonl" "$OUT/tau/metrics-$name.jsonl"
     $PY -m trainer.export --run "$WORK/run-$name" -o "$WORK/drafter-$name" --dtype float32 \
