@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 DFLASH_REF ?= dflash==0.1.0
 
-.PHONY: test lint demo venv clean
+.PHONY: test lint demo venv clean fp8-wheel
 
 venv: $(STAMP)
 
@@ -33,6 +33,21 @@ test: lint
 
 demo: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/demo.sh
+
+# torchao's wheel for --precision fp8 on a GPU machine that reaches no package registry
+# (docs/precision.md): downloaded here into an ignored folder, carried with the device call, and
+# installed there with `pip install --no-deps` (scripts/fp8_check.sh does). One abi3 wheel for
+# Python >= 3.10 on x86-64 Linux, whatever this machine's Python; its sha256 is checked.
+TORCHAO_VERSION := 0.18.0
+TORCHAO_WHEEL   := torchao-$(TORCHAO_VERSION)-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl
+TORCHAO_SHA256  := 6540b148e40ba81cbd4de86392225a076a1591146e9cebb099b3b234ba9feebe
+fp8-wheel: .scratch/wheels/$(TORCHAO_WHEEL)
+
+.scratch/wheels/$(TORCHAO_WHEEL):
+	$(PYTHON) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+		--platform manylinux_2_28_x86_64 --python-version 3.10 --implementation cp \
+		torchao==$(TORCHAO_VERSION) -d .scratch/wheels
+	echo "$(TORCHAO_SHA256)  $@" | sha256sum -c --quiet
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -141,6 +141,8 @@ def run_one(args) -> dict:
 
     choices.configure(fp32_wgrad=args.fp32_wgrad == "on", flex_tiles=args.flex_tiles, ce_rows=args.ce_rows,
                       ce_kernel_on=args.ce_kernel == "on")  # the trainer's --fp32-wgrad ... options, for A/Bs
+    from trainer.model import fp8
+
     policy, att, loss, shape = parse_variant(args.one, "tiny" if args.tiny else "8b")
     sh = SHAPES[shape]
     cuda = torch.cuda.is_available() and not args.tiny
@@ -157,7 +159,7 @@ def run_one(args) -> dict:
                         head_dim=sh["hd"], intermediate_size=sh["inter"], block_size=Bs)
     res: dict = {"variant": args.one, "policy": policy, "attention": att, "loss": loss, "shape": shape,
                  "device": torch.cuda.get_device_name(dev) if cuda else "cpu", "torch": torch.__version__,
-                 "batch": B, "ok": False}
+                 "batch": B, "ok": False, "precision": "bf16" if policy == REFERENCE else args.precision}
 
     # Synthetic batches (CPU generator: the same in every variant), rotated so anchors change per step.
     g = torch.Generator().manual_seed(1234)
@@ -193,6 +195,8 @@ def run_one(args) -> dict:
             norm = torch.ones(cfg.hidden_size)
         up = (lambda t: t.to(head_dtype).float()) if reference else (lambda t: t.to(head_dtype))
         drafter.borrow_target_head(up(embed), up(norm), up(lm_head))
+        if res["precision"] != "bf16":  # the trainer's --precision (trainer/model/fp8.py)
+            fp8.use(drafter, args.precision, args.fp8_emulate)
         module = DraftLoss(drafter, pw, attention=att, loss=loss).to(dev)
         res["backends"] = module.backends(dev)
         fn = policies.compile_module(module, policy, n_devices=1)
@@ -303,7 +307,7 @@ def _run_child(variant: str, args, out: Path, limit: float) -> dict:
            "--warmup", str(args.warmup), "--update", args.update] + (["--tiny"] if args.tiny else []) + \
           ["--profile", variant if variant in args.profile else "", "--profile-top", str(args.profile_top),
            "--fp32-wgrad", args.fp32_wgrad, "--flex-tiles", args.flex_tiles, "--ce-rows", str(args.ce_rows),
-           "--ce-kernel", args.ce_kernel]
+           "--ce-kernel", args.ce_kernel, "--precision", args.precision] + ["--fp8-emulate"] * args.fp8_emulate
     t0 = time.time()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
@@ -362,7 +366,8 @@ def summarize(results: list[dict]) -> str:
         f"torch {first.get('torch', '?')}, {first.get('device', '?')}; "
         f"FLOP/sample: dense {first.get('flops_dense', 0) / 1e12:.1f} T (flops_per_sample), "
         f"needed {first.get('flops_needed', 0) / 1e12:.1f} T (flops_needed, {first.get('keys_per_query')} keys/query); "
-        f"flex computes {first.get('attention_tiles_computed')} of the 128x128 attention tiles",
+        f"flex computes {first.get('attention_tiles_computed')} of the 128x128 attention tiles; "
+        f"precision {first.get('precision', 'bf16')}",
         "",
         "| variant (policy/attention/loss) | ms/sample | TFLOP/s needed / dense | MFU needed / dense | "
         "peak GB | first step s | step-0 loss | vs dense: loss / grad-norm rel. diff |"
@@ -393,6 +398,9 @@ def main(argv=None) -> int:
     ap.add_argument("--flex-tiles", default="", help="as the trainer's --flex-tiles (default: the tuned choice)")
     ap.add_argument("--ce-rows", type=int, default=0, help="as the trainer's --ce-rows (0: sized to 1 GiB)")
     ap.add_argument("--ce-kernel", default="on", choices=("on", "off"), help="as the trainer's --ce-kernel")
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8-rowwise"),
+                    help="as the trainer's --precision (not for the fp32 reference)")
+    ap.add_argument("--fp8-emulate", action="store_true", help="as the trainer's --fp8-emulate (CPU dry runs)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -188,6 +188,11 @@ def _run(args, emit, res: dict, where: Placement) -> None:
     torch.manual_seed(0)
     with torch.device(devices[0]):
         drafter = Drafter(dcfg)
+    if args.precision != "bf16":  # the trainer's --precision (trainer/model/fp8.py), before the copies
+        from trainer.model import fp8
+
+        fp8.use(drafter, args.precision, args.fp8_emulate)
+    res["precision"] = args.precision
     copies = [drafter] + [copy.deepcopy(drafter) for _ in devices[1:]]
     pw = masks.position_weights(sh["block"], masks.default_gamma(sh["block"]))
     res["trainable_params"] = sum(p.numel() for _, p in drafter.trainable_parameters())
@@ -379,6 +384,9 @@ def main(argv=None) -> int:
     ap.add_argument("--flex-tiles", default="", help="as the trainer's --flex-tiles (default: the tuned choice)")
     ap.add_argument("--ce-rows", type=int, default=0, help="as the trainer's --ce-rows (0: sized to 1 GiB)")
     ap.add_argument("--ce-kernel", default="on", choices=("on", "off"), help="as the trainer's --ce-kernel")
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8-rowwise"),
+                    help="as the trainer's --precision")
+    ap.add_argument("--fp8-emulate", action="store_true", help="as the trainer's --fp8-emulate (CPU dry runs)")
     ap.add_argument("--out", default="out/train_step_bench")
     ap.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)  # tests: the 8B code path on the CPU
     args = ap.parse_args(argv)

@@ -1,5 +1,6 @@
 """The drafter's Linear layers: nn.Linear with the weight gradient written in fp32 by cuBLAS under
-CUDA bf16 autocast, and the first layer's projections computed on a block's distinct rows only.
+CUDA bf16 autocast, and the first layer's projections computed on a block's distinct rows only;
+or, given an fp8 matmul (trainer/model/fp8.py, --precision fp8), that matmul while they train.
 """
 from __future__ import annotations
 
@@ -62,11 +63,21 @@ def _bf16_fp32_grad(x: torch.Tensor, w: torch.Tensor) -> bool:
             and torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16)
 
 
+def _fp8(layer: nn.Linear) -> bool:
+    """Whether `layer` computes with its fp8 matmul now: it has one, and its weight trains."""
+    return getattr(layer, "fp8", None) is not None and layer.weight.requires_grad and torch.is_grad_enabled()
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state dict) whose fp32 weight gets its gradient in fp32 straight
-    from the matmul when it trains under CUDA bf16 autocast; everywhere else plain nn.Linear."""
+    from the matmul when it trains under CUDA bf16 autocast; everywhere else plain nn.Linear. With an
+    fp8 matmul set (fp8.use), that matmul computes it while it trains (not under no_grad)."""
+
+    fp8 = None  # fp8.Fp8Matmul, set by fp8.use: (x, w) -> x @ w.T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fp8(self):
+            return self.fp8(x, self.weight)
         if self.bias is None and _bf16_fp32_grad(x, self.weight):
             return _Bf16LinearFp32Grad.apply(x, self.weight)
         return super().forward(x)
@@ -139,6 +150,7 @@ def block_rows_linear(layer: nn.Linear, x: torch.Tensor, lead: int, n_blocks: in
     """`layer` (bias-free) on the stream that the compact rows x stand for (expand_blocks' layout):
     its matmuls run on lead + n + 1 rows per sample instead of lead + n * block_size."""
     bf16 = _bf16_fp32_grad(x, layer.weight)
-    if not bf16 and torch.is_autocast_enabled(x.device.type):
-        return expand_blocks(layer(x), lead, n_blocks, block_size)  # another autocast: as Linear computes it
+    if _fp8(layer) or (not bf16 and torch.is_autocast_enabled(x.device.type)):
+        # fp8 on the distinct rows (the input's amax, so its scale, is the full stream's), or another autocast
+        return expand_blocks(layer(x), lead, n_blocks, block_size)  # as Linear computes it
     return _BlockRowsLinear.apply(x, layer.weight, lead, n_blocks, block_size, bf16)

@@ -18,12 +18,16 @@ Then, against an eager replica built from the same weights in this process (nume
   2. replay: fixed weights, batches 0, 1, 2, 0: a stale static input repeats batch 0's loss;
   3. learnability: a few free-running steps on one repeated batch: the loss must fall as eager's does;
 and `--steps` timed training steps, alone when the parent runs cases side by side (it stops the others
-first: schedule.py). The outcome: `ok`, or `wrong` (it ran, but computes something
+first: schedule.py). With `--precision fp8 | fp8-rowwise` the engine's replicas train
+with fp8 matmuls (trainer/model/fp8.py) while the eager reference stays bf16, and the noise is fp8's
+own: eager fp8 against eager bf16 on the same weights and batch (numerics.py: FP8_NOISE_FACTOR, and
+fp8.step_error as the limit). The outcome: `ok`, or `wrong` (it ran, but computes something
 else; signature compiled-wrong), or a failure the parent names from the output. The result is ONE
 stdout line, CASE_MARK + JSON (rank 0's under processes), which the parent (program.py) picks out.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -37,14 +41,14 @@ from datetime import timedelta
 import torch
 
 from trainer import policies
-from trainer.model import masks
+from trainer.model import fp8, masks
 from trainer.exits import exit_process
 from trainer.run.data import Sample, make_batch
 from trainer.model.draft_loss import DraftLoss
 from trainer.run.config import TrainConfig
 from trainer.run.log import QuietLog
 from trainer.model.drafter import Drafter
-from trainer.engine.numerics import StepCheck, grad_errors, judge, snapshot_grads
+from trainer.engine.numerics import FP8_NOISE_FACTOR, NOISE_FACTOR, StepCheck, grad_errors, judge, snapshot_grads
 from trainer.engine.step import Replica, apply_update, build_replica, compute_grads, load_weights
 from trainer.probe.watch import CASE_MARK, PHASE_MARK, wait_for_turn  # noqa: F401 - CASE_MARK: the result line's mark
 
@@ -109,11 +113,16 @@ def _batches(shape: Shape, rows: int, n: int, pos_weights: torch.Tensor) -> list
 
 class _HigherPrecisionStep:
     """Eager at a higher precision than the working one (fp32 for bf16 autocast on CUDA, fp64 for fp32
-    on the CPU), on the same weights and batch: how far the working precision is from the exact step."""
+    on the CPU), on the same weights and batch: how far the working precision is from the exact step.
+    With an fp8 precision, eager fp8 instead, at the working precision: how far fp8 is from it."""
 
-    def __init__(self, ref: Replica):
+    def __init__(self, ref: Replica, precision: str = "bf16", emulate: bool = False):
         self.dtype = torch.float32 if ref.device.type == "cuda" else torch.float64
+        self.autocast = contextlib.nullcontext()
+        if precision != "bf16":
+            self.dtype, self.autocast = ref.params[0].dtype, ref.autocast
         drafter = copy.deepcopy(ref.drafter).to(self.dtype)
+        fp8.use(drafter, precision, emulate)
         self.module = DraftLoss(drafter, ref.loss_module.pos_weights.to(self.dtype)).to(ref.device)
         self.params = [p for _, p in drafter.trainable_parameters()]
         self.target, self.device = ref.target, ref.device
@@ -125,7 +134,8 @@ class _HigherPrecisionStep:
                 p.grad = None
         b = batch.to(self.device)
         feats = self.target.features(b.input_ids).to(self.dtype)
-        loss_sum, _, _ = self.module(feats, b.input_ids, b.loss_mask, b.anchors, b.valid)
+        with self.autocast:
+            loss_sum, _, _ = self.module(feats, b.input_ids, b.loss_mask, b.anchors, b.valid)
         (loss_sum / batch.weight_total).backward()
         return float(loss_sum.detach()) / batch.weight_total, snapshot_grads(self.params)
 
@@ -133,7 +143,8 @@ class _HigherPrecisionStep:
 class _Case:
     """The engine under test (threads or processes) and the eager reference, from the same weights."""
 
-    def __init__(self, policy: str, topology: str, n: int, device_kind: str, rank: int = 0):
+    def __init__(self, policy: str, topology: str, n: int, device_kind: str, rank: int = 0,
+                 precision: str = "bf16", emulate: bool = False):
         cuda = device_kind == "cuda"
         self.topology, self.n, self.rank = topology, n, rank
         self.shape = GPU_SHAPE if cuda else CPU_SHAPE
@@ -154,13 +165,17 @@ class _Case:
         drafter = Drafter(dcfg)
         self.dtype = torch.bfloat16 if cuda else torch.float32
 
-        def build(i: int, device: torch.device, policy_=policy, n_devices=len(devices), wrap=None):
-            return build_replica(i, device, copy.deepcopy(drafter), self.target, policy=policy_, n_devices=n_devices,
+        def build(i: int, device: torch.device, policy_=policy, n_devices=len(devices), wrap=None,
+                  precision_=precision):
+            copied = copy.deepcopy(drafter)
+            fp8.use(copied, precision_, emulate)
+            return build_replica(i, device, copied, self.target, policy=policy_, n_devices=n_devices,
                                  lr=LR, betas=BETAS, weight_decay=0.0, pos_weights=self.pos_weights,
                                  wrap=wrap)
 
-        self.ref = build(0, self.device, "eager", 1)
-        self.exact = _HigherPrecisionStep(self.ref)
+        self.ref = build(0, self.device, "eager", 1, precision_="bf16")   # eager bf16: the reference
+        self.exact = _HigherPrecisionStep(self.ref, precision, emulate)
+        self.precision = precision
         if topology == "processes":
             from trainer.engine.ranks import RankEngine, wrap_ddp
 
@@ -247,12 +262,13 @@ class _Case:
         self.engine.close()
 
 
-def run_case(policy: str, topology: str, n: int, steps: int, device_kind: str, rank: int = 0) -> dict:
+def run_case(policy: str, topology: str, n: int, steps: int, device_kind: str, rank: int = 0,
+             precision: str = "bf16", emulate: bool = False) -> dict:
     if device_kind != "cuda" and topology == "threads":
         policies.share_cpu(n)
     t0 = time.perf_counter()
     phase("compile")                         # building the replicas, then the first step compiles
-    case = _Case(policy, topology, n, device_kind, rank)
+    case = _Case(policy, topology, n, device_kind, rank, precision, emulate)
     try:
         checks = case.teacher_forced()       # the first call of the engine compiles: its warm-up
         first_s = time.perf_counter() - t0
@@ -262,7 +278,9 @@ def run_case(policy: str, topology: str, n: int, steps: int, device_kind: str, r
         wait_for_turn()                      # side by side (schedule.py): until the other cases are stopped
         ms, ms_eager = case.timed(steps)
         phase("verdict")                     # the others may go on
-        verdict = judge(checks, replay, learn, case.names, case.dtype)
+        fp8_case = precision != "bf16"
+        verdict = judge(checks, replay, learn, case.names, case.dtype, FP8_NOISE_FACTOR if fp8_case else NOISE_FACTOR,
+                        fp8.step_error(precision, case.shape.draft_layers) if fp8_case else None)
     finally:
         case.close()
     return _finite({
@@ -326,7 +344,7 @@ def case_main(args) -> int:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
             dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
                                     timeout=timedelta(seconds=max(60.0, args.timeout)))
-        out = run_case(policy, topology, int(n), args.steps, args.device, rank)
+        out = run_case(policy, topology, int(n), args.steps, args.device, rank, args.precision, args.fp8_emulate)
     except BaseException as e:  # noqa: BLE001 - the failure is the case's result
         traceback.print_exc()
         out = {"ok": False, "error": _one_line(e)}

@@ -2,6 +2,7 @@
 
     python -m trainer.probe [--threads N] [--steps K] [--timeout S] [--workdir DIR] [--jobs N]
                             [--expect JSON] [--policies a,b] [--signatures PATH]
+                            [--precision fp8|fp8-rowwise [--fp8-emulate]]
 
 Runs on the target with only torch (+ PyYAML for the signature catalog). Prints ONE JSON document
 on stdout; one progress line per case on stderr. It reports the build (python, torch, CUDA, cuDNN,
@@ -18,7 +19,9 @@ The choice: the fastest `ok` policy in `threads` (eager when none passed: the do
 the topology in `no_working_policy`, and `dflash-ops probe` exits 1); with --workdir it is
 saved atomically in WORKDIR/probe.json, which `--compile-policy auto` reads (policies.resolve).
 A second choice, `processes_policy`, answers `--topology processes` from the `processes` cases,
-where CUDA-graph policies are allowed.
+where CUDA-graph policies are allowed. `--precision fp8|fp8-rowwise` probes the trainer's fp8 path
+instead (case.py: judged against eager bf16 within fp8's own measured noise); it reports, and keeps
+its verdicts, but never writes probe.json, whose choice is the default path's.
 
 This module is the parent: the matrix, each case's isolation, the choice, the saved result.
 One case (`--case`) is case.py; the build report, build.py; cases side by side, schedule.py.
@@ -41,6 +44,7 @@ from trainer.files import atomic_file
 from trainer.probe.build import build_report, call_or_default, check_expect, mode_options
 from trainer.probe.case import CPU_SHAPE, GPU_SHAPE, case_main
 from trainer.probe import schedule, verdicts
+from trainer.run.config import PRECISIONS
 from trainer.probe.watch import TAIL_LINES, explain, rendezvous_problem, run_isolated  # noqa: F401 - TAIL_LINES: tests
 
 TOPOLOGIES = ("threads", "processes")
@@ -70,7 +74,8 @@ def _run_child(policy: str, topology: str, n: int, args, on_beat=None, control=N
     env = dict(os.environ, **(env or {}), **(control.env() if control else {}), PYTHONUNBUFFERED="1",
                PYTHONFAULTHANDLER="1", PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     case = ["-m", "trainer.probe", "--case", f"{policy}:{topology}:{n}", "--steps", str(args.steps),
-            "--device", args.device, "--timeout", str(args.timeout)]
+            "--device", args.device, "--timeout", str(args.timeout), "--precision", args.precision]
+    case += ["--fp8-emulate"] if args.fp8_emulate else []
     if topology == "processes":
         if args.device != "cuda" and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(max(1, policies.cores() // n))   # the ranks share the cores
@@ -278,6 +283,8 @@ def run_probe(args) -> dict:
     kept_in = None if args.fresh else verdicts.cache_dir(args.workdir)
     store_in = verdicts.cache_dir(args.workdir)
     base = verdicts.base_key(build, args.device, args.steps)
+    if args.precision != "bf16":
+        base = dict(base, precision=args.precision, fp8_emulate=args.fp8_emulate)
     keys = [verdicts.case_key(base, p, t, n) for p, t, n in plan]
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     to_run = []
@@ -352,9 +359,9 @@ def run_probe(args) -> dict:
         "catalog_error": catalog_error,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": round(time.monotonic() - t_start, 2),
-        "saved": None,
+        "saved": None, "precision": args.precision,
     }
-    if args.workdir:
+    if args.workdir and args.precision == "bf16":
         doc["saved"] = os.path.join(args.workdir, "probe.json")
         save_result(args.workdir, doc)
     return doc
@@ -392,6 +399,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--signatures", help="signature catalog (default: the bundled signatures.yaml)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="where cases run (default: cuda when available)")
+    ap.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                    help="the drafter's matmuls, as the trainer's --precision (fp8*: reported, not saved)")
+    ap.add_argument("--fp8-emulate", action="store_true", help="as the trainer's --fp8-emulate (CPU, tests)")
     ap.add_argument("--case", help=argparse.SUPPRESS)   # internal: POLICY:TOPOLOGY:N, one case
     return ap
 
@@ -414,6 +424,14 @@ def main(argv: list[str] | None = None) -> int:
     # On a CPU-only machine the trainer's default topology is threads; DDP over gloo there is slow to
     # probe and is what nobody launches by default, so it is probed only when asked for.
     args.topologies = tops or (list(TOPOLOGIES) if args.device == "cuda" else ["threads"])
+    if args.precision != "bf16":
+        from trainer.model import fp8
+
+        why = fp8.refusal(torch.device(args.device), args.fp8_emulate)
+        if why:
+            _parser().error(f"--precision {args.precision}: {why}")
+    elif args.fp8_emulate:
+        _parser().error("--fp8-emulate goes with --precision fp8 or fp8-rowwise")
     if args.timeout is None:
         # a GPU case compiles Triton kernels (max-autotune benchmarks them) in N threads at once
         args.timeout = 600.0 if args.device == "cuda" else 300.0

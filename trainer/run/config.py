@@ -22,6 +22,8 @@ from trainer.policies import POLICY_NAMES, known as known_policies  # torch-free
 # The run's resolved settings (flags + YAML) in OUT, for --resume checks and `python -m trainer.eval`.
 # Not config.json/config.yaml: `launch` puts the user's own config file in the same folder.
 RUN_CONFIG = "trainer-config.json"
+# --precision: the default path, or the drafter's matmuls in fp8 (trainer/model/fp8.py RECIPES)
+PRECISIONS = ("bf16", "fp8", "fp8-rowwise")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ class TrainConfig:
                                          # (Hopper), else torch's
     ce_rows: int = 0                     # rows per chunk of the fused cross-entropy; 0 = sized to 1 GiB of fp32 logits
     ce_kernel: str = "on"                # on | off: the cross-entropy core as one Triton kernel where it can run
+    precision: str = "bf16"              # bf16 | fp8 | fp8-rowwise: the drafter's Linear matmuls (model/fp8.py)
+    fp8_emulate: bool = False            # fp8's arithmetic without FP8 hardware (the CPU: tests)
     # several nodes (--topology processes): one DDP job joined by torchrun's c10d rendezvous
     nnodes: int = 1                      # nodes in the job; each runs this command with its own --node-address
     rdzv_endpoint: str = ""              # HOST:PORT where the nodes meet (the hosting node's training address)
@@ -153,6 +157,10 @@ HELP = {
                   "Hopper, else torch's",
     "ce_rows": "rows per chunk of the fused cross-entropy, for an A/B; 0 = the most whose fp32 logits fit in 1 GiB",
     "ce_kernel": "on | off: the cross-entropy core as one Triton kernel on a GPU (off = the torch core)",
+    "precision": "bf16 | fp8 | fp8-rowwise: the drafter's Linear layers train with torchao's float8 matmuls, "
+                 "tensorwise or rowwise scaled (opt-in, not yet proven: docs/precision.md); fp32 master weights "
+                 "and optimizer, target, lm_head and loss unchanged; bf16 = the default path",
+    "fp8_emulate": "with --precision fp8*: the same fp8 rounding without FP8 hardware (slow; the CPU, tests)",
     "draft_layers": "drafter layers",
     "block_size": "tokens per block: the anchor plus block_size-1 predicted tokens",
     "anchors": "anchors (blocks) per sequence per step, at most; the trainer uses fewer, and says so in one "
@@ -198,7 +206,8 @@ METAVAR = {"chat_template_kwargs": "JSON", "target": "PATH|small-code|tiny", "da
            "workdir": "DIR", "target_layers": "I,J,..", "topology": "threads|processes", "compile_policy": "NAME|auto",
            "rdzv_endpoint": "HOST:PORT", "rdzv_id": "ID", "node_address": "ADDR",
            "compile_target": "auto|on|off", "compile_update": "auto|on|off", "graph_target": "on|off",
-           "fp32_wgrad": "on|off", "flex_tiles": "TILES", "ce_rows": "N", "ce_kernel": "on|off"}
+           "fp32_wgrad": "on|off", "flex_tiles": "TILES", "ce_rows": "N", "ce_kernel": "on|off",
+           "precision": "|".join(PRECISIONS)}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -334,6 +343,11 @@ def validate(c: TrainConfig, here: bool = True) -> None:
     need(c.graph_target in ("on", "off"), f"--graph-target must be on or off, got {c.graph_target!r}")
     need(c.fp32_wgrad in ("on", "off"), f"--fp32-wgrad must be on or off, got {c.fp32_wgrad!r}")
     need(c.ce_kernel in ("on", "off"), f"--ce-kernel must be on or off, got {c.ce_kernel!r}")
+    need(c.precision in PRECISIONS, f"--precision {c.precision!r}: expected one of {', '.join(PRECISIONS)}")
+    need(not c.fp8_emulate or c.precision != "bf16", "--fp8-emulate goes with --precision fp8 or fp8-rowwise")
+    need(c.precision == "bf16" or c.gpus > 0 or c.fp8_emulate,
+         f"--precision {c.precision} needs GPUs with FP8 matmuls (sm89+); --fp8-emulate runs its arithmetic "
+         "on the CPU (slowly, for tests)")
     need(c.ce_rows >= 0,
          f"--ce-rows: expected a positive number of rows, e.g. 2048 (0 = sized to 1 GiB), got {c.ce_rows}")
     need(c.block_size >= 2, f"--block-size must be >= 2, got {c.block_size}")

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import functools
 import hashlib
+import logging
 import json
 import os
 import threading
@@ -351,6 +352,9 @@ def _quiet_transformers() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    # transformers imports torchao where it is installed (--precision fp8); torchao's compiled
+    # extensions, which the trainer never uses, then warn that they do not load on this torch build
+    logging.getLogger("torchao").setLevel(logging.ERROR)
 
 
 def _freeze(model: torch.nn.Module) -> torch.nn.Module:

@@ -19,7 +19,7 @@ import torch
 
 from trainer import policies
 from trainer.errors import EXIT_OK, EXIT_SIGTERM, UsageError
-from trainer.model import choices, masks
+from trainer.model import choices, fp8, masks
 from trainer.model.drafter import Drafter, DrafterConfig, flops_per_sample
 from trainer.engine.step import lr_at
 from trainer.run import checkpoint, provenance, sizing
@@ -97,6 +97,8 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
     agree_min(n) is the least n over the ranks (every rank draws the same global batch)."""
     choices.configure(fp32_wgrad=cfg.fp32_wgrad == "on", flex_tiles=cfg.flex_tiles, ce_rows=cfg.ce_rows,
                       ce_kernel_on=cfg.ce_kernel == "on")
+    if cfg.precision != "bf16" and (why := fp8.refusal(device, cfg.fp8_emulate)):
+        raise UsageError(f"--precision {cfg.precision}: {why}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = load_target(cfg.target, device=device, dtype=dtype, layers=layer_ids(cfg))
     log.info(f"target {cfg.target}: {target.num_layers} layers, hidden {target.config.hidden_size}, "
@@ -131,6 +133,12 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
                  "it starts from the target's norm")
     log.info(f"drafter: {dcfg.num_layers} layers, {n_params / 1e6:.2f}M trainable params, block {dcfg.block_size}, "
              f"mask token {dcfg.mask_token_id}, gamma {gamma:g}")
+    if cfg.precision != "bf16":
+        left = fp8.use(drafter, cfg.precision, cfg.fp8_emulate)
+        log.info(f"precision {cfg.precision}: the drafter's Linear layers train with torchao {fp8.torchao_version()}'s "
+                 f"float8 matmuls ({fp8.RECIPES[cfg.precision]} scales{', emulated' if cfg.fp8_emulate else ''})"
+                 + (f", but for {', '.join(left)} (sizes not multiples of 16)" if left else "")
+                 + "; lm_head, loss and eval as without")
     anchors = _anchors(cfg, device, dcfg, n_params, pad_len, log, agree_min, ck)
     return Prepared(out, ck, target, samples, eval_prompts, pad_len, pos_weights, dcfg, drafter,
                     flops_per_sample(dcfg, pad_len, anchors * cfg.block_size), record, eval_overlap, anchors)

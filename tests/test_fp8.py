@@ -1,0 +1,255 @@
+"""--precision fp8 | fp8-rowwise (trainer/model/fp8.py): the drafter's step with torchao's float8 matmuls,
+emulated on the CPU (the same casts to e4m3/e5m2 and scales, then fp32 matmuls), against the step
+without fp8 on the same weights and batch.
+
+The tolerance is fp8's rounding (fp8.step_error, derived in trainer/model/fp8.py): rounding to p
+mantissa bits is off by at most u = 2^-(p+1) (e4m3, p = 3: 1/16; e5m2, p = 2: 1/8), with an rms of
+u / sqrt(3); one matmul's output, a sum of products of two rounded operands, is then off by
+sqrt(ua^2 + ub^2) / sqrt(3) relative (tensorwise's backward, e5m2 x e4m3: 0.081; rowwise's, e4m3 x
+e4m3: 0.051); a gradient of this 2-layer drafter passes through at most 2 (1 + 4 x 2) = 18 fp8
+matmuls whose errors add in quadrature: within sqrt(18) x that (0.34 and 0.22; measured 0.08 and
+0.14). The loss passes through the forward's 9: within 3 x 0.051. A path whose scales are wrong
+(saturating, or not undone) misses those by far; a path that did not quantize shows no error at all.
+"""
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchao", reason="--precision fp8 needs torchao (the test extra installs it)")
+
+from trainer.engine.numerics import grad_errors  # noqa: E402
+from trainer.model import fp8, masks  # noqa: E402
+from trainer.model.draft_loss import DraftLoss  # noqa: E402
+from trainer.model.drafter import Drafter  # noqa: E402
+from trainer.run.data import Sample, make_batch  # noqa: E402
+from trainer.run.target import load_target  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    target = load_target("tiny", device=torch.device("cpu"), dtype=torch.float32)
+    drafter = Drafter(target.drafter_config(num_layers=LAYERS, block_size=16, mask_token_id=None))
+    drafter.borrow_target_head(*target.head_weights())
+    pw = masks.position_weights(16, masks.default_gamma(16))
+    g = torch.Generator().manual_seed(1)
+    rows = [tuple(torch.randint(0, 250, (64,), generator=g).tolist()) for _ in range(4)]
+    batch = make_batch([Sample(r, (1,) * 64) for r in rows], pad_len=64, pad_id=0, step=0, seed=0,
+                       block_size=16, anchors=4, pos_weights=pw)
+    return drafter, pw, batch, target.features(batch.input_ids)
+
+
+def _step(drafter, pw, batch, feats) -> tuple[float, list[torch.Tensor]]:
+    """The draft loss and its gradients, as the trainer's step computes them on the CPU."""
+    for p in drafter.parameters():
+        p.grad = None
+    loss_sum, _, _ = DraftLoss(drafter, pw)(feats, batch.input_ids, batch.loss_mask, batch.anchors, batch.valid)
+    (loss_sum / batch.weight_total).backward()
+    return float(loss_sum.detach()) / batch.weight_total, [p.grad.clone() for _, p in drafter.trainable_parameters()]
+
+
+def _errors(setup, precision: str) -> tuple[float, float]:
+    """(loss, gradient) relative errors of the fp8 step against the step without fp8."""
+    drafter, pw, batch, feats = setup
+    loss, grads = _step(drafter, pw, batch, feats)
+    d8 = copy.deepcopy(drafter)
+    assert fp8.use(d8, precision, emulate=True) == []   # every Linear of the tiny drafter takes fp8
+    loss8, grads8 = _step(d8, pw, batch, feats)
+    return abs(loss8 - loss) / abs(loss), grad_errors(grads8, grads)[1]
+
+
+@pytest.mark.parametrize("precision", list(fp8.RECIPES))
+def test_the_fp8_step_is_the_step_within_fp8s_rounding(setup, precision):
+    loss_err, grad_err = _errors(setup, precision)
+    assert grad_err <= fp8.step_error(precision, LAYERS), (grad_err, fp8.step_error(precision, LAYERS))
+    assert loss_err <= fp8.step_error(precision, LAYERS, backward=False), loss_err
+    # and it did quantize: fp32 alone (the same matmuls reassociated) is ~1e-7 off
+    assert grad_err > 1e-3 and loss_err > 1e-6, (grad_err, loss_err)
+
+
+def test_wrong_scales_fail_the_same_check(setup, monkeypatch):
+    import torchao.float8.float8_scaling_utils as scaling
+
+    precision = "fp8"
+    tol = fp8.step_error(precision, LAYERS)
+    to_scale = scaling.tensor_to_scale
+    monkeypatch.setattr(scaling, "tensor_to_scale", lambda *a, **k: to_scale(*a, **k) * 64)  # saturates
+    assert _errors(setup, precision)[1] > 2 * tol
+    monkeypatch.setattr(scaling, "tensor_to_scale", to_scale)
+    to_fp8 = scaling.hp_tensor_and_scale_to_float8
+
+    def not_undone(hp, scale, *a, **k):  # cast with one scale, dequantized with another
+        t = to_fp8(hp, scale, *a, **k)
+        t._scale = t._scale * 2
+        return t
+
+    monkeypatch.setattr(scaling, "hp_tensor_and_scale_to_float8", not_undone)
+    assert _errors(setup, precision)[1] > 2 * tol
+
+
+def test_fp8_only_while_training_and_the_weights_are_the_same(setup):
+    """Under no_grad (eval, export) an fp8 drafter computes what the bf16 one does, bit for bit, and
+    its state dict is the same: fp8 changes the training matmuls only."""
+    drafter, pw, batch, feats = setup
+    d8 = copy.deepcopy(drafter)
+    fp8.use(d8, "fp8", emulate=True)
+    assert d8.state_dict().keys() == drafter.state_dict().keys()
+    with torch.no_grad():
+        a = DraftLoss(drafter, pw)(feats, batch.input_ids, batch.loss_mask, batch.anchors, batch.valid)[0]
+        b = DraftLoss(d8, pw)(feats, batch.input_ids, batch.loss_mask, batch.anchors, batch.valid)[0]
+    assert torch.equal(a, b)
+    fp8.use(d8, "bf16")   # and taken away, the step is the bf16 one again
+    assert _step(d8, pw, batch, feats)[0] == _step(drafter, pw, batch, feats)[0]
+
+
+def test_compiled_fp8_linear_is_eagers():
+    """torch.compile (inductor, as the compile policies run it) traces torchao's float8 matmul inside
+    the drafter's Linear: forward and both gradients stay within fp32 reassociation of eager's, far
+    inside fp8's own error (one layer: the whole step's compile costs minutes of CPU here)."""
+    from trainer.model.linear import Linear
+
+    torch.manual_seed(3)
+    layer = Linear(64, 128, bias=False)
+    fp8.use(layer, "fp8", emulate=True)
+    x, dy = torch.randn(4, 32, 64), torch.randn(4, 32, 128)
+
+    def run(fn):
+        layer.weight.grad = None
+        xi = x.clone().requires_grad_()
+        y = fn(xi)
+        y.backward(dy)
+        return y.detach(), xi.grad, layer.weight.grad.clone()
+
+    eager = run(layer)
+    torch._dynamo.reset()
+    from trainer import policies
+
+    compiled = run(policies.compile_module(layer, "inductor", n_devices=1))
+    plain = run(lambda t: torch.nn.functional.linear(t, layer.weight))  # without fp8
+    for c, e, p in zip(compiled, eager, plain):
+        err, fp8_err = grad_errors([c], [e])[1], grad_errors([e], [p])[1]
+        assert err < 1e-4 < fp8_err, (err, fp8_err)
+
+
+def _trainer(*flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer", *flags], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_without_fp8_hardware_the_trainer_refuses_in_one_line(tmp_path):
+    p = _trainer("--precision", "fp8", "--out", str(tmp_path / "run"), "--steps", "1")
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == [
+        "trainer: error: --precision fp8 needs GPUs with FP8 matmuls (sm89+); --fp8-emulate runs its "
+        "arithmetic on the CPU (slowly, for tests)"]
+    p = _trainer("--precision", "fp16", "--out", str(tmp_path / "run"))
+    assert p.returncode == 2 and "expected one of bf16, fp8, fp8-rowwise" in p.stderr
+    p = _trainer("--fp8-emulate", "--out", str(tmp_path / "run"))
+    assert p.returncode == 2 and "--fp8-emulate goes with --precision fp8" in p.stderr
+
+
+def test_refusals_name_what_is_missing(monkeypatch):
+    import importlib.util
+
+    cpu = torch.device("cpu")
+    assert fp8.refusal(cpu, emulate=True) is None
+    assert fp8.refusal(cpu, emulate=False) == ("the cpu has no FP8 matmul; --fp8-emulate runs fp8's arithmetic "
+                                               "without them (slowly, for tests)")
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find(name, *a))
+    assert fp8.refusal(cpu, emulate=True).startswith("needs torchao (pip install torchao==0.18.0; ")
+
+
+@pytest.mark.slow
+def test_an_emulated_fp8_run_trains_with_worker_threads(tmp_path, capsys):
+    """The trainer end to end with --precision fp8-rowwise --fp8-emulate and two worker threads: it
+    says so, trains, and the replicas stay bit-identical (the run's checksums)."""
+    from trainer_quick import metrics, train
+
+    out = tmp_path / "run"
+    assert train(out, "--precision", "fp8-rowwise", "--fp8-emulate", "--workers", "2", "--steps", "6",
+                 "--eval-prompts", "0") == 0
+    assert "precision fp8-rowwise: the drafter's Linear layers train with torchao" in capsys.readouterr().out
+    losses = [m["loss"] for m in metrics(out) if "loss" in m and "event" not in m]
+    assert len(losses) == 6 and all(x == x for x in losses)
+
+
+def test_the_probe_judges_fp8_against_eager_bf16_within_fp8s_noise(monkeypatch):
+    """The probe's case (trainer/probe/case.py) with --precision fp8: the engine's fp8 replicas against
+    the eager bf16 replica, the noise measured as eager fp8 against eager bf16; wrong scales are `wrong`."""
+    import torchao.float8.float8_scaling_utils as scaling
+
+    from trainer.engine.numerics import FP8_NOISE_FACTOR
+    from trainer.probe import case
+
+    out = case.run_case("eager", "threads", 1, steps=1, device_kind="cpu", precision="fp8", emulate=True)
+    num = out["numerics"]
+    assert out["ok"] and not out["wrong"], out["why"]
+    assert 1e-3 < num["grad_noise"] and num["grad_err"] <= num["grad_tol"] <= FP8_NOISE_FACTOR * num["grad_noise"]
+    assert num["grad_tol"] <= fp8.step_error("fp8", case.CPU_SHAPE.draft_layers)
+    to_scale = scaling.tensor_to_scale
+    monkeypatch.setattr(scaling, "tensor_to_scale", lambda *a, **k: to_scale(*a, **k) * 64)  # saturates
+    out = case.run_case("eager", "threads", 1, steps=1, device_kind="cpu", precision="fp8", emulate=True)
+    assert out["wrong"] and "gradient differs from eager" in out["why"] and "the limit" in out["why"], out["why"]
+
+
+def test_a_capped_tolerance_says_so():
+    from trainer.engine.numerics import StepCheck, judge
+
+    s = StepCheck(2.0, 2.0, 2.01, [0.3], [0.2], 0.3, 0.2)
+    assert judge([s], [], None, ["w"], torch.float32, factor=2.0)["ok"]
+    capped = judge([s], [], None, ["w"], torch.float32, factor=2.0, limit=0.25)
+    assert not capped["ok"] and "(tolerance 0.25 = the limit, below 2 x noise 0.2)" in capped["why"]
+
+
+def test_drafter_bench_takes_the_trainers_precision(tmp_path):
+    """benchmarks/drafter_bench.py --precision (the fp8 A/B of scripts/fp8_check.sh), emulated at the
+    tiny shape: the step runs with fp8 and its record says so."""
+    import json
+
+    p = subprocess.run([sys.executable, "benchmarks/drafter_bench.py", "--tiny", "--out", str(tmp_path),
+                        "--variants", "eager/sdpa/dense", "--precision", "fp8-rowwise", "--fp8-emulate",
+                        "--steps", "2", "--warmup", "1", "--profile", ""],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    (rec,) = json.loads((tmp_path / "results.json").read_text())
+    assert rec["ok"] and rec["precision"] == "fp8-rowwise", rec
+    assert "precision fp8-rowwise" in (tmp_path / "summary.md").read_text()
+
+
+fp8_cores = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability(0) < (8, 9),
+                               reason="needs FP8 tensor cores (sm89+): scripts/fp8_check.sh runs it on the H200")
+
+
+@fp8_cores
+@pytest.mark.parametrize("precision", list(fp8.RECIPES))
+def test_the_fp8_step_on_fp8_tensor_cores_is_the_bf16_step_within_fp8s_rounding(setup, precision):
+    """The trainer's GPU path: bf16 autocast, torch._scaled_mm, against the same step in bf16."""
+    drafter, pw, batch, feats = setup
+    dev = torch.device("cuda", 0)
+    b, f = batch.to(dev), feats.to(dev)
+
+    def step(d):
+        d = copy.deepcopy(d).to(dev)
+        for p in d.parameters():
+            p.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss_sum, _, _ = DraftLoss(d, pw.to(dev))(f, b.input_ids, b.loss_mask, b.anchors, b.valid)
+        (loss_sum / batch.weight_total).backward()
+        return float(loss_sum.detach()), [p.grad.detach().cpu() for _, p in d.trainable_parameters()]
+
+    d8 = copy.deepcopy(drafter)
+    fp8.use(d8, precision)
+    (loss, grads), (loss8, grads8) = step(drafter), step(d8)
+    err = grad_errors(grads8, grads)[1]
+    assert 1e-3 < err <= fp8.step_error(precision, LAYERS), err
+    assert abs(loss8 - loss) <= fp8.step_error(precision, LAYERS, backward=False) * abs(loss)
