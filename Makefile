@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 DFLASH_REF ?= dflash==0.1.0
 
-.PHONY: test lint demo venv clean fp8-wheel
+.PHONY: test test-fp8 lint demo venv clean fp8-wheel
 
 venv: $(STAMP)
 
@@ -30,6 +30,17 @@ lint: $(STAMP)
 # worker): the suite waits on sshd, subprocesses and torch start-ups more than it computes.
 test: lint
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
+	$(MAKE) --no-print-directory test-fp8
+
+# --precision fp8's tests with torchao importable, and nothing else: torchao is installed into an
+# ignored folder on their PYTHONPATH only. Wherever torchao is importable, transformers imports it in
+# every process that builds a model (about a second each, and torchao's warnings on stderr), so it is
+# not in the venv the rest of the suite, the demo and the trainer's users run in.
+TORCHAO_DIR := .scratch/torchao
+test-fp8: $(STAMP)
+	test -d $(TORCHAO_DIR)/torchao || $(PY) -m pip install -q --disable-pip-version-check --no-deps \
+		--target $(TORCHAO_DIR) torchao==$(TORCHAO_VERSION)
+	PYTHONPATH="$(abspath $(TORCHAO_DIR))" $(PY) -m pytest -q -p no:cacheprovider tests/test_fp8.py
 
 demo: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/demo.sh

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("torchao", reason="--precision fp8 needs torchao (the test extra installs it)")
+pytest.importorskip("torchao", reason="--precision fp8 needs torchao (`make test-fp8` puts it on the PYTHONPATH)")
 
 from trainer.engine.numerics import grad_errors  # noqa: E402
 from trainer.model import fp8, masks  # noqa: E402
