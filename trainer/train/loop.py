@@ -248,6 +248,8 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
         evaluate = cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and prep.eval_prompts
         if checksum or save or evaluate:
             finish()
+        if save or evaluate:    # rank 0 (and each node's first rank) works alone; the others wait for it
+            engine.excuse_until_boundary()
         if checksum:
             engine.check_replicas(step)
         if save:
@@ -257,6 +259,7 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
 
     finish()
     engine.check_replicas(step)
+    engine.excuse_until_boundary()
     _save(cfg, log, prep, engine, batches, step)
     stopped = engine.agree(stop.is_set())
     engine.collectives_done()   # rank 0's final eval is its own
