@@ -203,6 +203,7 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
     peak = _peak_flops(r0.device) if r0.device.type == "cuda" else None
     peak = peak * max(1, cfg.gpus) if peak else None  # workers may share a GPU: count GPUs
     if cfg.eval_at_start and step == 0 and prep.eval_prompts:
+        engine.excuse_until_boundary()
         _eval(cfg, log, engine, prep, step)
 
     last_loss = None
