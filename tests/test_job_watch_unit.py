@@ -159,7 +159,7 @@ def test_the_launcher_kills_its_ranks_only_while_the_job_is_unfinished(store, mo
         assert not rank0_done or not log
         if not rank0_done:       # a rank its launcher SIGKILLed for another node's failure is no OOM
             assert "this node's ranks still ran 0.3 s later: SIGKILL" in log
-            assert classify(log + "traceback : Signal 9 (SIGKILL) received by PID 7\n", -9) == "peer-failed"
+            assert classify(log, 3) == "peer-failed"     # (launch prints no torchrun summary then: no OOM line)
     finally:
         rank.kill()
         rank.wait()
