@@ -29,7 +29,7 @@ class RankEngine:
         """`build()` makes this rank's replica (its DraftLoss inside DDP). With `guard`, the first
         compiled step is checked against eager (numerics.guard_first_step), on every rank.
         `node_first`: this is the first rank of its node (LOCAL_RANK 0), which writes checkpoints.
-        `grace` (trainer/train/watch.StopGrace) learns each step boundary and that the ranks agreed to
+        `grace` (trainer/train/grace.StopGrace) learns each step boundary and that the ranks agreed to
         stop; `job` (its Watch, several nodes) is disarmed when no collective is left."""
         self.rank, self.size, self.device, self.log, self.guard = rank, world, device, log, guard
         self.grace, self.job = grace, job
@@ -117,9 +117,16 @@ class RankEngine:
         return agreed
 
     def collectives_done(self) -> None:
-        """No collective follows: another node that ends from now on ended normally."""
+        """No collective follows: another node that ends from now on ended normally, and this rank's
+        end is no failure of the job (its launcher and the others read `done/RANK`)."""
         if self.job is not None:
-            self.job.disarm()
+            self.job.finished(self.rank)
+
+    def excuse_until_boundary(self) -> None:
+        """A rank works alone before the next step boundary (a checkpoint, an eval): this one's SIGTERM
+        grace does not run out while it waits for it there."""
+        if self.grace is not None:
+            self.grace.excuse_until_boundary()
 
     def check_replicas(self, step: int) -> None:
         mine = weight_checksum(self.replica).to(self.device)

@@ -355,6 +355,9 @@ class ThreadEngine:
     def collectives_done(self) -> None:
         """(RankEngine's: no collective follows.)"""
 
+    def excuse_until_boundary(self) -> None:
+        """(RankEngine's: a rank works alone before the next step boundary.)"""
+
     def own_work(self):
         """(RankEngine's: this rank works alone, not waiting for the others.)"""
         return contextlib.nullcontext()

@@ -13,10 +13,11 @@ cores to spare, `--jobs N` case processes run at once, and every timed phase run
   3. The case times its steps and announces `verdict`; the parent SIGCONTs the others and gives the
      turn back. No case STARTS while a turn is held, so nothing new runs beside a timed phase.
 
-A case's timeout does not count the seconds it was stopped or waited for its turn. A timed phase
-that has not ended after MAX_ALONE_S lets the others go on (a stopped case might hold a lock the
-timed one needs); that case's `schedule.alone` is then false. What stays shared is the GPU's
-memory (the stopped cases keep theirs) and the compile caches (compile_caches).
+A case's timeout does not count the seconds it waited to start, was stopped or waited for its turn.
+A timed phase that has not ended after MAX_ALONE_S lets the others go on and the next cases start (a
+stopped case might hold a lock the timed one needs); that case's `schedule.alone` is then false.
+What stays shared is the GPU's memory (the stopped cases keep theirs) and the compile caches
+(compile_caches).
 The compile time of a case (`first_step_s`) does include the neighbours' load; the step times do not.
 
 `run_all` runs the cases, at most `jobs` at once, in the order given (`run_order`); with jobs=1 one
@@ -51,6 +52,7 @@ class Turns:
         self.holder: Control | None = None
         self.stopped: list[Control] = []
         self.timer: threading.Timer | None = None
+        self.overrun = False    # the holder's timed phase passed max_alone_s: the others go on, cases start
 
     def take(self, ctl: "Control") -> None:
         """`ctl`'s timed phase: wait for the turn, stop every other running case, open its gate.
@@ -89,14 +91,17 @@ class Turns:
             if ctl.window and ctl.window[1] is None:
                 ctl.window[1] = time.monotonic() - self.t0
             self._resume()
-            self.holder = None
+            self.holder, self.overrun = None, False
             self.cv.notify_all()
 
     def _overrun(self, ctl: "Control") -> None:
         with self.cv:
-            if self.holder is ctl and self.stopped:
-                ctl.alone = False
-                self._resume()
+            if self.holder is ctl:
+                self.overrun = True
+                if self.stopped:
+                    ctl.alone = False
+                    self._resume()
+                self.cv.notify_all()     # a case waiting to start starts now
 
     def _resume(self) -> None:
         for c in self.stopped:
@@ -128,13 +133,16 @@ class Control:
 
     @contextlib.contextmanager
     def launch(self):
-        """Around the case's Popen: no case starts while a timed phase runs; registered at once."""
+        """Around the case's Popen: no case starts while a timed phase runs (unless it overran
+        max_alone_s: then that phase is not alone anyway); registered at once."""
         if self.turns is None:
             yield self._register
             return
         with self.turns.cv:
-            while self.turns.holder is not None:
+            while self.turns.holder is not None and not self.turns.overrun:
                 self.turns.cv.wait()
+            if self.turns.holder is not None:
+                self.turns.holder.alone = False
             yield self._register
             self.turns.running.append(self)
 
@@ -231,7 +239,7 @@ def run_all(items: list, jobs: int, run_one, started: float | None = None, name=
     what had ended and what was running. `name(item)` names a case in the others' heartbeats."""
     started = time.monotonic() if started is None else started
     gate_dir = tempfile.mkdtemp(prefix="dflash-probe-gates-") if jobs > 1 else None
-    turns = Turns(gate_dir, started) if jobs > 1 else None
+    turns = Turns(gate_dir, started, max_alone_s=MAX_ALONE_S) if jobs > 1 else None
     slots = threading.Semaphore(max(1, jobs))
     results: dict = {}
     errors: list = []

@@ -45,13 +45,13 @@ def run_isolated(cmd: list[str], timeout: float, *, cwd: str | None = None, env:
     it, tail, seconds, and the last phase the case announced.
 
     `control` (schedule.Control, when cases run side by side): told when the process starts, each
-    phase and the end; the seconds it held the case (stopped while another was timed, or waiting
-    for its own turn) do not count against `timeout`."""
-    t0 = time.monotonic()
+    phase and the end; the seconds it held the case (waiting to start while another was timed,
+    stopped while another was timed, or waiting for its own turn) do not count against `timeout`."""
     with control.launch() if control else _nothing() as register:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 cwd=cwd, env=env, start_new_session=True)
         register(proc.pid)
+    t0 = time.monotonic()     # from the start: the wait for it is not the case's time
     try:
         return _watch(proc, t0, timeout, on_beat, beat_s, control)
     finally:

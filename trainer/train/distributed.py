@@ -60,7 +60,8 @@ from trainer.run.log import QuietLog, RunLog
 from trainer.engine.ranks import RankEngine, device_barrier, wrap_ddp
 from trainer.engine.step import Replica, build_replica
 from trainer.train import loop
-from trainer.train.watch import StopGrace, record_failures, watch_rank
+from trainer.train.grace import StopGrace
+from trainer.train.watch import describe, record_failures, watch_rank
 
 # torchrun waits this long for the ranks to checkpoint and exit after forwarding SIGTERM, then
 # SIGKILLs them (its default is 30 s: too short to save a 1B-parameter drafter's optimizer state).
@@ -106,9 +107,10 @@ def launch(cfg: TrainConfig) -> int:
 
     # torchrun installs its own handlers (SIGTERM -> forward to the ranks); put ours back after.
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    job = None
     try:
         try:
-            with record_failures(cfg):     # several nodes: the job's first failure ends every node's ranks
+            with record_failures(cfg) as job:   # several nodes: the job's first failure ends every node's ranks
                 torchrun.run(torchrun.parse_args(args))
             return 0
         finally:
@@ -121,6 +123,10 @@ def launch(cfg: TrainConfig) -> int:
         print(f"[trainer] {e.sigval.name}: the ranks were told to checkpoint and stop", flush=True)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
+        if job is not None and job.ended_by_peer(e.failures):   # its SIGKILL, for another node's failure
+            print(f"[trainer] {describe(job.failure)}: this node's ranks were ended for it (exit {EXIT_PEER_FAILED})",
+                  file=sys.stderr, flush=True)
+            return EXIT_PEER_FAILED
         code = child_exit_code([f.exitcode for f in e.failures.values()], e.get_first_failure()[1].exitcode)
         if code == 143:   # a stop that reached another node first (above): not a failure
             print("[trainer] SIGTERM on another node: the ranks checkpointed and stopped", flush=True)

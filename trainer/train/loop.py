@@ -211,6 +211,7 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
     peak = _peak_flops(r0.device) if r0.device.type == "cuda" else None
     peak = peak * max(1, cfg.gpus) if peak else None  # workers may share a GPU: count GPUs
     if cfg.eval_at_start and step == 0 and prep.eval_prompts:
+        engine.excuse_until_boundary()
         _eval(cfg, log, engine, prep, step)
 
     last_loss = None
@@ -256,6 +257,8 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
         evaluate = cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and prep.eval_prompts
         if checksum or save or evaluate:
             finish()
+        if save or evaluate:    # rank 0 (and each node's first rank) works alone; the others wait for it
+            engine.excuse_until_boundary()
         if checksum:
             engine.check_replicas(step)
         if save:
@@ -265,6 +268,7 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
 
     finish()
     engine.check_replicas(step)
+    engine.excuse_until_boundary()
     _save(cfg, log, prep, engine, batches, step)
     stopped = engine.agree(stop.is_set())
     engine.collectives_done()   # rank 0's final eval is its own

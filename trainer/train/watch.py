@@ -10,22 +10,19 @@ launcher.
   for SILENT_S.
 - `node/I`, `beat/ADDR/PID`, `left/ADDR/PID`: each launcher registers its node, adds 1 to its beat every
   POLL_S while its ranks run, and says when it leaves (a node that left is not silent).
+- `done/RANK`: the rank has passed its last collective. Its end from then on (a crash in teardown) is
+  no failure of the job; once `done/0` is set (every rank has passed the last agreement) no launcher
+  ends a rank or judges another node's silence: rank 0's final eval is its own.
 
-A rank (RankWatch, from its mesh on) reads `failed` every POLL_S: once it is set the rank logs one
+A rank (its Watch, from its mesh on) reads `failed` every POLL_S: once it is set the rank logs one
 line naming the failed rank, its node and the error, and exits EXIT_PEER_FAILED (3) at once,
 wherever it is blocked: a collective whose peer died otherwise waits for the process group's
 timeout, and NCCL may not notice the death at all. A store that answers with an error (the node
-serving it ended) or does not answer within UNREACHABLE_S (it froze, or its network went) ends the
-rank the same way. The watch stops (`disarm`) once no collective is left, so a node that ended
+serving it ended) or leaves one call unanswered for UNREACHABLE_S (it froze, or its network went) ends
+the rank the same way. The watch stops (`finished`) once no collective is left, so a node that ended
 normally never ends another's checkpoint or final eval. A launcher (NodeWatch) watches the same way
 and SIGKILLs its own ranks that still run GRACE_S after the job failed (a rank stopped, or stuck
 where its watch thread cannot run).
-
-SIGTERM (StopGrace): the loop checkpoints at the next step boundary, as before; a rank that reaches
-none within max(STOP_GRACE_S, 3 x the longest step-to-step time measured so far), blocked in a
-collective or outside a step, logs why and exits 143 without a checkpoint. Python runs a signal's
-handler only when the main thread returns from C++, so the signal reaches the grace thread through
-the interpreter's wakeup fd, which its C handler writes at once.
 """
 from __future__ import annotations
 
@@ -48,8 +45,6 @@ POLL_S = 1.0          # how often ranks and launchers read the key space
 UNREACHABLE_S = 10.0  # a store that has not answered for this long is gone
 SILENT_S = 15.0       # a node whose launcher has not beaten for this long has died (DFLASH_NODE_SILENT_S)
 GRACE_S = 10.0        # a launcher SIGKILLs its ranks still running this long after the job failed
-STOP_GRACE_S = 30.0   # SIGTERM's least grace (DFLASH_STOP_GRACE_S changes it)
-STOP_GRACE_MAX_S = 240.0  # below torchrun's wait before it SIGKILLs the ranks (distributed.SHUTDOWN_TIMEOUT)
 FAILED = "failed"
 
 
@@ -76,8 +71,8 @@ class Watch:
     def __init__(self, endpoint: str, run_id: str, on_end):
         self.endpoint, self.run_id, self._on_end = endpoint, run_id, on_end
         self._armed = True
-        self._connected = False
-        self._answered = time.monotonic()
+        self._call_started: float | None = None     # when the store call in flight began
+        self.failure: dict | None = None             # the `failed` record read, once read
         self._ended = threading.Event()
         self._lock = threading.Lock()
 
@@ -89,6 +84,11 @@ class Watch:
     def disarm(self) -> None:
         """No collective is left: a failure from here on is none of this process's business."""
         self._armed = False
+
+    def finished(self, rank: int) -> None:
+        """`rank` has passed its last collective: disarm, and say so (`done/RANK`; waits 2 s at most)."""
+        self.disarm()
+        _in_thread(lambda: key_space(self.endpoint, self.run_id).set(f"done/{rank}", "1"), 2.0)
 
     def wait(self, seconds: float) -> bool:
         """True once the job has ended for this watch (its on_end ran or was skipped)."""
@@ -106,8 +106,7 @@ class Watch:
             except Exception:  # noqa: BLE001 - not up yet
                 time.sleep(POLL_S)
                 continue
-            self._answered, self._connected = time.monotonic(), True
-            return store
+            return _Timed(store, self)
         return None
 
     def _read(self) -> None:
@@ -116,11 +115,11 @@ class Watch:
             return
         try:
             while not self._ended.is_set():
-                if store.check([FAILED]):
-                    self._end(describe(json.loads(store.get(FAILED))), failed=True)
-                    return
                 self.tick(store)
-                self._answered = time.monotonic()
+                if store.check([FAILED]):
+                    self.failure = json.loads(store.get(FAILED))
+                    self._end(describe(self.failure), failed=True)
+                    return
                 time.sleep(POLL_S)
         except Exception as e:  # noqa: BLE001 - the store's errors (DistNetworkError, ...) all mean it is gone
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -128,8 +127,16 @@ class Watch:
                       "(the rendezvous host) ended")
 
     def _judge(self) -> None:
+        """Fires when one store call has been in flight for UNREACHABLE_S. A wake-up late by more than
+        POLL_S means this process stalled (swapped, stopped), not the store: the call's time counts
+        from then on."""
+        woke = resumed = time.monotonic()
         while not self._ended.wait(POLL_S):
-            if self._connected and time.monotonic() - self._answered > UNREACHABLE_S:
+            now = time.monotonic()
+            if now - woke > 2 * POLL_S:
+                resumed = now
+            woke, started = now, self._call_started
+            if started is not None and now - max(started, resumed) > UNREACHABLE_S:
                 self._end(f"the job's store at {self.endpoint} has not answered for {UNREACHABLE_S:g} s: the node "
                           "serving it (the rendezvous host) froze or lost its network")
 
@@ -164,6 +171,8 @@ class NodeWatch(Watch):
         self.node = cfg.node_address or socket.gethostname()
         self.key = f"{self.node}/{os.getpid()}"     # unique where two "nodes" share an address (one host)
         self._registered = False
+        self.killed = False     # this launcher SIGKILLed its ranks after the job failed
+        self.own_failed: set[int] = set()   # this node's ranks that torchrun saw fail
         self._beats: dict[str, tuple[int, float]] = {}   # node -> (its beat, when it last moved)
         self.silent = float(os.environ.get("DFLASH_NODE_SILENT_S") or SILENT_S)
 
@@ -173,8 +182,14 @@ class NodeWatch(Watch):
             store.set(f"node/{index}", self.key)
             self._registered = True
         store.add(f"beat/{self.key}", 1)
+        if store.check(["done/0"]):     # every rank passed the last agreement: nothing left to end
+            self.disarm()
+        if not self._armed:
+            return
         now = time.monotonic()
         for i in range(store.add("nodes", 0)):
+            if not store.check([f"node/{i}"]):      # counted, not yet written (get would wait for it)
+                continue
             other = store.get(f"node/{i}").decode()
             if other == self.key or store.check([f"left/{other}"]):
                 continue
@@ -187,38 +202,45 @@ class NodeWatch(Watch):
                       "its network)"
                 self.fail({"rank": None, "node": other.rpartition("/")[0], "error": why}, store)
 
-    def fail(self, failure: dict, store: dist.Store | None = None) -> None:
-        """Record the job's first failure (a later one changes nothing). From torchrun's monitor it is
-        written by a thread of its own: a frozen store never answers, and torchrun must go on."""
-        def write(store) -> None:
+    def fail(self, failure: dict, store: dist.Store) -> None:
+        """Record the job's first failure (a later one changes nothing)."""
+        store.compare_set(FAILED, "", json.dumps(failure))
+
+    def ranks_failed(self, failures: dict) -> None:
+        """torchrun's monitor saw ranks of this node fail: the first that failed on its own before its
+        last collective is the job's failure. Written by a thread of its own: a frozen store never
+        answers, and torchrun must go on."""
+        self.own_failed |= set(failures)
+
+        def write() -> None:
+            failure = None
             try:
-                store = store or key_space(self.endpoint, self.run_id)
-                store.compare_set(FAILED, "", json.dumps(failure))
+                store = key_space(self.endpoint, self.run_id)
+                done = {r for r in failures if store.check([f"done/{r}"])}
+                failure = first_failure(failures, self.node, done)
+                if failure:
+                    self.fail(failure, store)
             except Exception as e:  # noqa: BLE001 - the store is gone: the other nodes see that themselves
-                print(f"[trainer] could not record {describe(failure)} in the job's store: {e}", file=sys.stderr,
-                      flush=True)
-        if store is not None:
-            write(store)
-        else:
-            threading.Thread(target=write, args=(None,), name="dflash-watch-fail", daemon=True).start()
+                print(f"[trainer] could not record {describe(failure) if failure else 'a failure'} in the job's "
+                      f"store: {e}", file=sys.stderr, flush=True)
+        threading.Thread(target=write, name="dflash-watch-fail", daemon=True).start()
+
+    def ended_by_peer(self, failures=()) -> bool:
+        """This launcher SIGKILLed its ranks for another node's failure (not one of `failures`, this
+        node's ranks' as torchrun reports them, nor one its monitor saw)."""
+        return self.killed and self.failure is not None and \
+            self.failure.get("rank") not in {*failures, *self.own_failed}
 
     def leave(self) -> None:
         """This node's ranks have ended: not silent from now on; stop watching (waits 2 s at most)."""
         self.disarm()
         self._ended.set()
-
-        def say() -> None:
-            try:
-                key_space(self.endpoint, self.run_id).set(f"left/{self.key}", "1")
-            except Exception:  # noqa: BLE001 - a store that is gone needs no word
-                pass
-        t = threading.Thread(target=say, name="dflash-watch-leave", daemon=True)
-        t.start()
-        t.join(2.0)
+        _in_thread(lambda: key_space(self.endpoint, self.run_id).set(f"left/{self.key}", "1"), 2.0)
 
     def _kill_ranks_later(self, why: str, failed: bool) -> None:
         """After the job failed: SIGKILL this node's ranks that still run GRACE_S later (a store gone is
-        the ranks' own business: one may be alone in its final eval); then end the launcher itself if
+        the ranks' own business: one may be alone in its final eval), unless rank 0 has passed its last
+        collective by then (`done/0`: the job has finished, whatever ends now); then end the launcher itself if
         torchrun has not returned GRACE_S after its ranks ended (torchrun's own shutdown talks to the
         rendezvous store, and one that froze never answers)."""
         def kill() -> None:
@@ -227,8 +249,13 @@ class NodeWatch(Watch):
                 time.sleep(POLL_S)
                 waited += POLL_S
             ranks = _ranks_running() if self._armed else []
+            if ranks and _in_thread(lambda: key_space(self.endpoint, self.run_id).check(["done/0"]), GRACE_S):
+                self.disarm()
+                ranks = []
             if ranks:
-                print(f"[trainer] {why}; this node's ranks still ran {GRACE_S:g} s later: SIGKILL "
+                self.killed = True
+                which = "ranks" if self.ended_by_peer() else "other ranks"    # peer-failed's pattern: "ranks"
+                print(f"[trainer] {why}; this node's {which} still ran {GRACE_S:g} s later: SIGKILL "
                       f"{' '.join(map(str, ranks))}", file=sys.stderr, flush=True)
             for pid in ranks:
                 try:
@@ -251,7 +278,7 @@ def record_failures(cfg):
     wrapped, in this process only, for the duration (torch 2.x's LocalElasticAgent; without it the
     other nodes still end through their own ranks' failures, the silent-node check or the timeouts)."""
     if cfg.nnodes <= 1:
-        yield
+        yield None
         return
     watch = NodeWatch(cfg).start()
     try:
@@ -263,26 +290,25 @@ def record_failures(cfg):
     def monitor(agent, group):
         result = original(agent, group)
         if result.is_failed():
-            first = first_failure(result.failures, watch.node)
-            if first:
-                watch.fail(first)
+            watch.ranks_failed(result.failures)
         return result
 
     if original is not None:
         LocalElasticAgent._monitor_workers = monitor
     try:
-        yield
+        yield watch
     finally:
         if original is not None:
             LocalElasticAgent._monitor_workers = original
         watch.leave()
 
 
-def first_failure(failures: dict, node: str) -> dict | None:
-    """The earliest of torchrun's ProcessFailures (by global rank) that is a failure of its own: not a
-    rank that a stop ended (143, SIGTERM) nor one another rank's failure ended (EXIT_PEER_FAILED)."""
+def first_failure(failures: dict, node: str, done: set | frozenset = frozenset()) -> dict | None:
+    """The earliest of torchrun's ProcessFailures (by timestamp, then global rank) that is a failure of
+    its own: not a rank that a stop ended (143, SIGTERM), nor one another rank's failure ended
+    (EXIT_PEER_FAILED), nor one that ended after its last collective (in `done`)."""
     own = [(r, f) for r, f in failures.items()
-           if f.exitcode not in (EXIT_SIGTERM, -signal.SIGTERM, EXIT_PEER_FAILED)]
+           if f.exitcode not in (EXIT_SIGTERM, -signal.SIGTERM, EXIT_PEER_FAILED) and r not in done]
     if not own:
         return None
     rank, f = min(own, key=lambda rf: (getattr(rf[1], "timestamp", 0) or 0, rf[0]))
@@ -293,6 +319,40 @@ def first_failure(failures: dict, node: str) -> dict | None:
         lines = message.strip().splitlines() if isinstance(message, str) else []
         error = lines[0] if lines else f"exit status {f.exitcode}"
     return {"rank": rank, "node": node, "error": error}
+
+
+def _in_thread(call, seconds: float):
+    """call()'s result, from a thread of its own waited for `seconds` at most (a frozen store never
+    answers); None when it did not return in time or raised (a store that is gone)."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append(call())
+        except Exception:  # noqa: BLE001 - a store that is gone answers nothing
+            pass
+    t = threading.Thread(target=run, name="dflash-watch-call", daemon=True)
+    t.start()
+    t.join(seconds)
+    return box[0] if box else None
+
+
+class _Timed:
+    """A store whose calls mark their start on the watch while in flight (the judge reads it)."""
+
+    def __init__(self, store: dist.Store, watch: Watch):
+        self._store, self._watch = store, watch
+
+    def __getattr__(self, name: str):
+        call = getattr(self._store, name)
+
+        def timed(*args):
+            self._watch._call_started = time.monotonic()
+            try:
+                return call(*args)
+            finally:
+                self._watch._call_started = None
+        return timed
 
 
 def _ranks_running() -> list[int]:
@@ -309,84 +369,3 @@ def _ranks_running() -> list[int]:
             if int(parent) == me and state != "Z":
                 kids.append(int(entry))
     return kids
-
-
-# ---- SIGTERM --------------------------------------------------------------------------------------
-
-class StopGrace:
-    """How long a rank may take from SIGTERM to its next step boundary, measured from its own steps;
-    past it the rank exits 143 (nothing to save that a step boundary would not have saved)."""
-
-    def __init__(self, rank: int):
-        self.rank = rank
-        self.least = float(os.environ.get("DFLASH_STOP_GRACE_S") or STOP_GRACE_S)
-        self.longest = 0.0
-        self._last: float | None = None
-        self._held = threading.Event()
-        self._armed = threading.Event()
-        self._busy = 0
-
-    def boundary(self) -> None:
-        """A step boundary (the ranks' agreement on SIGTERM): the longest stretch between two."""
-        now = time.monotonic()
-        if self._last is not None:
-            self.longest = max(self.longest, now - self._last)
-        self._last = now
-
-    def seconds(self) -> float:
-        return min(STOP_GRACE_MAX_S, max(self.least, 3 * self.longest))
-
-    @contextmanager
-    def busy(self):
-        """This rank works alone (writes a checkpoint, evaluates): a deadline that passes meanwhile
-        starts again when the work ends."""
-        self._busy += 1
-        try:
-            yield
-        finally:
-            self._busy -= 1
-
-    def hold(self) -> None:
-        """The ranks agreed to stop: they checkpoint and leave together; no deadline."""
-        self._held.set()
-
-    @contextmanager
-    def watching(self):
-        """While the rank runs: SIGTERM (its handler installed by the caller) starts the deadline."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        threading.Thread(target=self._wait_for_sigterm, args=(r,), name="dflash-sigterm", daemon=True).start()
-        try:
-            yield
-        finally:
-            signal.set_wakeup_fd(previous)
-            os.close(w)     # the thread's read returns b"" and it ends
-
-    def _wait_for_sigterm(self, r: int) -> None:
-        try:
-            while True:
-                got = os.read(r, 64)
-                if not got:
-                    return
-                if signal.SIGTERM in got and not self._armed.is_set():
-                    self._armed.set()
-                    threading.Thread(target=self._expire, args=(self.seconds(),), daemon=True).start()
-        finally:
-            os.close(r)
-
-    def _expire(self, seconds: float) -> None:
-        while not self._held.wait(seconds):
-            if not self._busy:
-                break
-            while self._busy and not self._held.is_set():
-                time.sleep(POLL_S)
-        if self._held.is_set():
-            return
-        print(f"[trainer] rank {self.rank}: no step boundary within {seconds:.0f} s of SIGTERM (blocked in a "
-              f"collective or outside a step): exiting {EXIT_SIGTERM} without a checkpoint", file=sys.stderr,
-              flush=True)
-        exit_process(EXIT_SIGTERM, finalize=False)
