@@ -133,3 +133,11 @@ def use(module: nn.Module, precision: str, emulate: bool = False) -> list[str]:
             if mm is not None and not fits:
                 left.append(name)
     return left
+
+
+def described(precision: str, emulate: bool, left: list[str]) -> str:
+    """The trainer's line saying what `use` did."""
+    return (f"precision {precision}: the drafter's Linear layers train with torchao {torchao_version()}'s "
+            f"float8 matmuls ({RECIPES[precision]} scales{', emulated' if emulate else ''})"
+            + (f", but for {', '.join(left)} (sizes not multiples of 16)" if left else "")
+            + "; lm_head, loss and eval as without")

@@ -134,11 +134,7 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
     log.info(f"drafter: {dcfg.num_layers} layers, {n_params / 1e6:.2f}M trainable params, block {dcfg.block_size}, "
              f"mask token {dcfg.mask_token_id}, gamma {gamma:g}")
     if cfg.precision != "bf16":
-        left = fp8.use(drafter, cfg.precision, cfg.fp8_emulate)
-        log.info(f"precision {cfg.precision}: the drafter's Linear layers train with torchao {fp8.torchao_version()}'s "
-                 f"float8 matmuls ({fp8.RECIPES[cfg.precision]} scales{', emulated' if cfg.fp8_emulate else ''})"
-                 + (f", but for {', '.join(left)} (sizes not multiples of 16)" if left else "")
-                 + "; lm_head, loss and eval as without")
+        log.info(fp8.described(cfg.precision, cfg.fp8_emulate, fp8.use(drafter, cfg.precision, cfg.fp8_emulate)))
     anchors = _anchors(cfg, device, dcfg, n_params, pad_len, log, agree_min, ck)
     return Prepared(out, ck, target, samples, eval_prompts, pad_len, pos_weights, dcfg, drafter,
                     flops_per_sample(dcfg, pad_len, anchors * cfg.block_size), record, eval_overlap, anchors)
