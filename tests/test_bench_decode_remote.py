@@ -250,3 +250,18 @@ def test_the_held_out_rows_are_the_ones_the_trainers_split_eval_holds_out(tmp_pa
                                  out.read_text().splitlines()] == [p[0] for p in prompts], (rows, n)
         else:       # the trainer evaluated on training rows: none held out to measure on
             assert got["reason"] == "no_prompts" and "too few" in got["message"], (rows, n, got)
+
+
+def test_refusals_say_what_the_user_wanted_done():
+    from orchestrator.errors import NotFound, OpsError
+    from orchestrator.inventory import Target
+    from orchestrator.runs import bench_decode, export
+    from orchestrator.ssh.agent import Refused
+
+    t = Target(name="ct200", workdir="/w")
+    none = Refused("ct200", {"reason": "not_found", "any_runs": True})
+    for refusal, verb in ((bench_decode._refusal, "measure"), (export.refusal, "export")):
+        e = refusal(t, "latest", none)
+        assert isinstance(e, NotFound) and str(e).startswith(f"ct200: no succeeded run in /w/runs to {verb}; "), e
+    e = bench_decode._refusal(t, "R", Refused("ct200", {"reason": "busy", "run": "R", "message": "no free GPU"}))
+    assert type(e) is OpsError and str(e) == "ct200: run R: cannot measure decoding: no free GPU"
