@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -42,12 +43,15 @@ def ct(sshd, fakepct, make_inventory, tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(tiny_run_config(data=data, block_size=4, eval_prompts=2, eval_new_tokens=8, checkpoint_every=2))
 
-    def cli(*args, timeout=180):
-        return subprocess.run([sys.executable, "-c", CLI_MAIN, "-i", str(path), *map(str, args)],
-                              capture_output=True, timeout=timeout, cwd=tmp_path)
+    def cli(*args, timeout=180, wait=True):
+        argv = [sys.executable, "-c", CLI_MAIN, "-i", str(path), *map(str, args)]
+        if not wait:
+            return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+        return subprocess.run(argv, capture_output=True, timeout=timeout, cwd=tmp_path)
 
     private = fakepct.private(200) / "dflash"
     return type("CT", (), dict(cli=staticmethod(cli), cfg=cfg, tmp=tmp_path, exports=private / "exports",
+                               private=private,
                                locks=lambda: sorted(p.name for p in (private / "locks").glob("*.json"))))
 
 
@@ -120,6 +124,23 @@ def test_bench_decode_measures_a_trained_run_on_its_held_out_rows_or_a_file_and_
     finally:
         assert ct.cli("stop", "ct200", running).returncode == 0
     assert ct.locks() == []
+
+    # the agent ended by SIGTERM mid-measurement (as when its connection goes): its slot and folder go too
+    proc = ct.cli("bench-decode", "gpu1", run, "--max-new-tokens", "100000", wait=False)
+    lock = ct.private / "locks" / "gpu0.json"
+    agent = wait_for(lambda: lock.is_file() and json.loads(lock.read_text())["pid"], 120, "the bench's slot")
+    wait_for(lambda: list(ct.exports.iterdir()), 60, "its temporary folder")
+    os.kill(agent, signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and b"Traceback" not in err, err.decode()
+    assert ct.locks() == [] and list(ct.exports.iterdir()) == [], err.decode()
+
+    # the target at the run's path is another one now (tiny's seed 1, same shapes): as export, only when told
+    config = ct.private / "runs" / run / "trainer-config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "target": "tiny:1"}))
+    one_line(ct.cli("bench-decode", "gpu1", run, "--limit", "1"), 2, "--target-changed-ok")
+    r = ct.cli("bench-decode", "gpu1", run, "--limit", "1", "--max-new-tokens", "4", "--target-changed-ok", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["model"] == "tiny:1", r.stderr.decode()
 
     prompts = ct.tmp / "one.jsonl"
     prompts.write_text(json.dumps({"prompt": "x"}) + "\n")
