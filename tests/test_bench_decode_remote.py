@@ -286,3 +286,14 @@ def test_refusals_say_what_the_user_wanted_done():
         assert isinstance(e, NotFound) and str(e).startswith(f"ct200: no succeeded run in /w/runs to {verb}; "), e
     e = bench_decode._refusal(t, "R", Refused("ct200", {"reason": "busy", "run": "R", "message": "no free GPU"}))
     assert type(e) is OpsError and str(e) == "ct200: run R: cannot measure decoding: no free GPU"
+
+
+def test_the_rows_the_trainer_skipped_are_read_from_the_logs_head_only(tmp_path, monkeypatch):
+    from orchestrator.remote.runs import bench
+
+    monkeypatch.setattr(bench, "LOG_HEAD", 100)
+    line = "[trainer] data d.jsonl: 6 rows for training, 2 skipped (no room for a block in the loss mask)\n"
+    (tmp_path / "train.log").write_text(line + "x" * 100 + "\n")
+    assert bench._skipped(str(tmp_path)) == 2
+    (tmp_path / "train.log").write_text("x" * 100 + "\n" + line)
+    assert bench._skipped(str(tmp_path)) == 0 and bench._skipped(str(tmp_path / "none")) == 0

@@ -5,8 +5,8 @@ line (runs/common.py says why).
 
 Runs `python -m trainer.export` of the live release (WORKDIR/current) on the run's folder, from the
 run's own cwd (run.json "cwd": its relative --target is relative to it) with its launch-time
-variables (run.json "user_env"), into a private temporary folder WORKDIR/exports/.tmp-PID, and sends the result over this one connection:
-stdout is one JSON header line
+variables (run.json "user_env"), into a private temporary folder WORKDIR/exports/.tmp-PID, and
+sends the result over this one connection: stdout is one JSON header line
 
     {"ok": true, "run", "step", "running", "dtype", "checkpoint", "mask_token_id", "target_layer_ids",
      "target_changed", "files": [{"name", "size", "sha256"}, ...]}
@@ -17,8 +17,8 @@ are removed by the next export. A refusal is a header with "ok": false (and exit
 "reason": "not_found" when there is no such run (RUN "latest" or "": the newest SUCCEEDED run), else
 "reason": "no_drafter" (a run of a kind that leaves none: regen) | "running" (the run is still
 running and --running-ok was not given) | "no_release" | "export" with "message" and, for "export",
-the trainer's "exit_code" (its last line, or "export killed by signal N (NAME)" and 128 + N). --running-ok and
---target-changed-ok are passed on to the trainer's export (docs/export.md).
+the trainer's "exit_code" (its last line, or "export killed by signal N (NAME)" and 128 + N).
+--running-ok and --target-changed-ok are passed on to the trainer's export (docs/export.md).
 """
 import json
 import os
