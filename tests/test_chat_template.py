@@ -75,3 +75,18 @@ def test_eval_prompts_of_chat_data_use_the_same_template(tmp_path):
     want = [tok.apply_chat_template(r["messages"][:1], tokenize=True, add_generation_prompt=True,
                                     enable_thinking=False)["input_ids"] for r in rows[2:]]
     assert prompts == want
+
+
+def test_specdec_renders_its_prompts_with_the_runs_template_options(tok, tmp_path):
+    """bench-decode passes a run's --chat-template-kwargs to specdec: its prompts' generation prompt is
+    then rendered with the run's options (thinking on here: no empty think block); without them, regen's way."""
+    from trainer.run.specdec import read_prompt_ids
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"messages": MSGS[:1]}) + "\n")
+
+    def gen(**opts):
+        return [tok.apply_chat_template(MSGS[:1], tokenize=True, add_generation_prompt=True, **opts)["input_ids"]]
+
+    assert read_prompt_ids(str(path), tok, template_kwargs={"enable_thinking": True}) == gen(enable_thinking=True)
+    assert read_prompt_ids(str(path), tok) == gen(enable_thinking=False) != gen(enable_thinking=True)

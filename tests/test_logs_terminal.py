@@ -110,6 +110,8 @@ def test_json_carries_each_event_once_with_a_signature_line_and_the_steps_summar
     several = Seen()
     several.line("ct300", Line(b'[rank0]: {"step": 4, "loss": 1.0}\n', 1))
     assert several.as_json()["steps"]["ct300"]["last_step"] == 4
+    several.line("ct300", Line(b'{"event": "x", "target": "tiny", "line": 99}\n', 2))   # ours win
+    assert several.as_json()["events"] == [{"event": "x", "target": "ct300", "line": 2}]
 
 
 def test_logs_json_is_one_document_following_or_not(sshd, fakepct, make_inventory, tmp_path):

@@ -70,3 +70,28 @@ def test_regen_on_several_nodes_is_refused_before_anything_connects(tmp_path):
     with pytest.raises(UsageError, match="^a regen run runs on one target; name one, not 2$"):
         launch.launch_spec(inv, inv.target("a"), opts, run="r1", nnodes=2)
     assert launch.launch_spec(inv, inv.target("a"), opts, run="r1").doc["kind"] == "regen"
+
+
+def test_a_launch_uploads_exactly_its_kinds_inputs(tmp_path, capsys):
+    """runs/upload.py takes the files KINDS names for the launch's kind, no other, before reading a byte."""
+    import io
+    import json
+
+    from orchestrator.remote.runs.upload import _receive
+
+    def received(spec):
+        try:
+            return _receive(io.BytesIO(b""), str(tmp_path), dict(spec, run="r1"))
+        except SystemExit:
+            return json.loads(capsys.readouterr().out)
+
+    empty = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"     # sha256 of b""
+    one = [{"name": "prompts.jsonl", "size": 0, "sha256": empty}]
+    assert received({}) is None
+    for spec, sent in (({"files": one}, "prompts.jsonl"), ({"kind": "regen"}, "none"),
+                       ({"kind": "regen", "files": one + [dict(one[0], name="x")]}, "prompts.jsonl, x")):
+        doc = received(spec)
+        assert doc["reason"] == "bad_upload" and doc["message"].endswith(f"this launch sent {sent}"), doc
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    folder = received({"kind": "regen", "files": one})
+    assert [p.name for p in (tmp_path / folder).iterdir()] == ["prompts.jsonl"]

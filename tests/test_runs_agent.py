@@ -3,6 +3,7 @@ statuses, the follow protocol; and the joining of its parts into one program. Fa
 deterministic; the real trainer over sshd + pct is in test_runs_lifecycle.py."""
 import ast
 import builtins
+import hashlib
 import json
 import os
 import signal
@@ -270,7 +271,8 @@ def test_launch_refusals(wd, tmp_path):
     assert launch(empty, "n-a")["reason"] == "no_release"
     # a kind whose program takes no rendezvous flags never gets them (runs/kinds.py), nor an unknown kind
     nodes = {"targets": ["a", "b"], "index": 0, "endpoint": "10.0.0.1:29400", "address": "10.0.0.1"}
-    assert launch(wd, "k-a", kind="regen", nodes=nodes)["reason"] == "one_node"
+    prompts = [{"name": "prompts.jsonl", "size": 0, "sha256": hashlib.sha256(b"").hexdigest()}]   # its input
+    assert launch(wd, "k-a", kind="regen", nodes=nodes, files=prompts)["reason"] == "one_node"
     assert launch(wd, "k-b", kind="newer")["reason"] == "bad_kind"
     assert not (wd / "runs" / "k-a").exists() and not (wd / "runs" / "k-b").exists()
 

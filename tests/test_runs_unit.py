@@ -60,6 +60,8 @@ def test_refusal_messages_say_what_to_do():
     cpu = runs.refusal_message(t, {"reason": "busy", "busy": {"cpu": {}},
                                    "holders": [{"run": "R2", "pid": 7}]})
     assert "the CPU slot is in use by run R2" in cpu
+    bench = runs.refusal_message(t, {"reason": "busy", "busy": {"gpu0": {}}, "holders": [{"run": "bench-9", "pid": 9}]})
+    assert bench == "ct200: GPU(s) 0 are in use by a bench-decode (pid 9); wait for it to end"
     assert "\n" not in msg
 
 

@@ -17,14 +17,22 @@ from orchestrator.ui import State, emit, json_option
 @click.option("--limit", type=click.IntRange(min=1), metavar="N", help="Only the first N prompts.")
 @click.option("--step", type=click.IntRange(min=0), metavar="N", help="The checkpoint of step N (default: the last).")
 @click.option("--running-ok", is_flag=True, help="Measure a run that is still running (its newest checkpoint).")
+@click.option("--target-changed-ok", is_flag=True,
+              help="Measure although the target at the run's --target path is not the one it trained against "
+                   "(same shapes; as export's).")
+@click.option("--gpu", type=click.IntRange(min=0), metavar="ID",
+              help="Measure on this GPU of the target (default: any free one; never the run's own).")
 @json_option
 @click.pass_obj
-def bench_decode(state: State, args, prompts, max_new_tokens, limit, step, running_ok, as_json):
+def bench_decode(state: State, args, prompts, max_new_tokens, limit, step, running_ok, target_changed_ok, gpu,
+                 as_json):
     """Decode with a run's trained drafter against the target alone, on the target, and check the output is
     the target's own, token for token.
 
-    RUN defaults to the target's newest succeeded run. Prints tau (with its 95% interval), tokens/s
-    of the target alone and with the drafter, and the speedup; exits 1 when the output differs.
+    RUN defaults to the target's newest succeeded run. It holds one free GPU of the target (its CPU
+    slot on one without) while it measures, as a launch would; none free: exit 1. Prints tau (with
+    its 95% interval), tokens/s of the target alone and with the drafter, and the speedup; exits 1
+    when the output differs.
     """
     from orchestrator.runs import bench_decode as bench
     from orchestrator.runs import launch as runs
@@ -35,7 +43,7 @@ def bench_decode(state: State, args, prompts, max_new_tokens, limit, step, runni
     if run != "latest":     # a run over several nodes: rank 0's node holds its checkpoints
         target = nodes.rank0_of(state.inv, target, run)
     doc = bench.bench_decode(state.inv, target, run, prompts=prompts, max_new_tokens=max_new_tokens, limit=limit,
-                             step=step, running_ok=running_ok,
+                             step=step, running_ok=running_ok, target_changed_ok=target_changed_ok, gpu=gpu,
                              progress=None if as_json else lambda line: click.echo(line, err=True))
     emit(as_json, doc, bench.summary(doc))
     if doc["running"] and not as_json:

@@ -5,7 +5,9 @@ private temporary folder on the target and runs `python -m trainer.specdec` of t
 there against the run's own --target: every prompt decoded both ways, the outputs compared token
 for token (lossless), tokens/s alone and with the drafter, tau. The prompts are a local JSONL file
 (checked here as trainer.regen reads it, then sent on the agent's stdin) or, by default, the rows
-the run's trainer held out for its eval. specdec's live lines come back on the agent's stderr.
+the run's trainer held out for its eval. specdec's live lines come back on the agent's stderr. The
+agent holds one free GPU of the target (or its CPU slot) for the whole measurement, as a launch
+would; none free is refused (exit 1) naming the runs that hold them.
 Library function: returns data, never prints.
 """
 from __future__ import annotations
@@ -16,10 +18,11 @@ from typing import Callable
 from orchestrator.errors import OpsError, UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.lines import LineBuffer
-from orchestrator.runs.export import _refusal as export_refusal
+from orchestrator.runs.export import refusal as export_refusal
 from orchestrator.runs.regen import check_prompts
 from orchestrator.ssh import agent
 from orchestrator.ssh.session import Session
+from trainer.run.log import tau_text
 
 TIMEOUT_S = 6 * 3600.0
 
@@ -30,28 +33,33 @@ class NotLossless(OpsError):
 
 def bench_decode(inv: Inventory, target: Target, run: str = "latest", *, prompts: str | None = None,
                  max_new_tokens: int = 128, limit: int | None = None, step: int | None = None,
-                 running_ok: bool = False, progress: Callable[[str], None] | None = None,
-                 session: Session | None = None) -> dict:
+                 running_ok: bool = False, target_changed_ok: bool = False, gpu: int | None = None,
+                 progress: Callable[[str], None] | None = None, session: Session | None = None) -> dict:
     """specdec's document of RUN's drafter (default: the newest succeeded run; its last checkpoint,
-    or `step`) with target, run, step and the prompts' source ("held-out" or the local file);
-    "target" is the inventory's name, "model" the run's --target; "notes": what the target warned
-    of. progress(line) gets specdec's live lines. Raises NotFound (no such run), UsageError (bad
-    input, a regen run), NotLossless."""
+    or `step`; on GPU `gpu` or any free one) with target, run, step, gpu and the prompts' source
+    ("held-out" or the local file); "target" is the inventory's name, "model" the run's --target;
+    "notes": what the target warned of. progress(line) gets specdec's live lines. Raises NotFound
+    (no such run), UsageError (bad input, a regen run), NotLossless, OpsError (no free GPU, the
+    measurement failed)."""
     if max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
     if limit is not None and limit < 1:
         raise UsageError("--limit must be at least 1")
     if step is not None and step < 0:
         raise UsageError("--step must be >= 0")
+    if gpu is not None and not 0 <= gpu < target.gpus:
+        raise UsageError(f"--gpu {gpu}: {target.name} has "
+                         + (f"GPUs 0..{target.gpus - 1}" if target.gpus else "no GPUs (gpus: 0 in the inventory)"))
     data = None
     if prompts is not None:
         check_prompts(prompts)
         data = Path(prompts).expanduser().read_bytes()
-    args = ["bench", target.workdir, "--max-new-tokens", str(max_new_tokens)]
-    for flag, value in (("--step", step), ("--limit", limit)):
+    args = ["bench", target.workdir, "--max-new-tokens", str(max_new_tokens), "--gpus", str(target.gpus)]
+    for flag, value in (("--step", step), ("--limit", limit), ("--gpu", gpu)):
         if value is not None:
             args += [flag, str(value)]
-    args += ["--running-ok"] * running_ok + ["--prompts-stdin"] * (data is not None) + ["--", run]
+    args += ["--running-ok"] * running_ok + ["--target-changed-ok"] * target_changed_ok
+    args += ["--prompts-stdin"] * (data is not None) + ["--", run]
     lines = LineBuffer(progress or (lambda line: None))
     try:
         with agent.session(inv, session) as s:
@@ -64,7 +72,7 @@ def bench_decode(inv: Inventory, target: Target, run: str = "latest", *, prompts
     result = dict(doc["result"])
     result.pop("drafter", None)     # the target's temporary folder, gone
     return {**result, "target": target.name, "model": result.get("target"), "run": doc["run"], "step": doc["step"],
-            "running": bool(doc.get("running")), "notes": doc.get("notes") or [],
+            "running": bool(doc.get("running")), "gpu": doc.get("gpu"), "notes": doc.get("notes") or [],
             "prompts_source": doc["prompts_source"] if prompts is None else str(Path(prompts).expanduser())}
 
 
@@ -72,16 +80,15 @@ def _refusal(target: Target, run: str, refused: agent.Refused) -> OpsError:
     t, head = target.name, refused.doc
     if refused.reason == "not_lossless":
         return NotLossless(f"{t}: run {head.get('run')}: {head.get('message')}")
-    if refused.reason in ("bench", "no_prompts", "no_drafter"):
+    if refused.reason in ("bench", "no_prompts", "no_drafter", "busy", "bad_gpu"):
         msg = f"{t}: run {head.get('run')}: cannot measure decoding: {head.get('message')}"
         return UsageError(msg) if head.get("exit_code") == 2 else OpsError(msg)
-    return export_refusal(target, run, refused)
+    return export_refusal(target, run, refused, "measure")
 
 
 def summary(doc: dict) -> str:
     """The one line: tau with its interval, tokens/s alone and with the drafter, speedup, lossless."""
-    ci = doc.get("tau_ci95")
-    tau = f"tau {doc['tau']:.2f}" + (f" (95% {ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
+    tau = f"tau {tau_text(doc['tau'], doc.get('tau_ci95'), doc.get('rounds'), digits=2)}"
     return (f"{doc['target']}: run {doc['run']} step {doc['step']}, {doc['prompts']} prompts "
             f"({doc['prompts_source']}), {doc['tokens']} tokens: {tau}; "
             f"{doc['target_tokens_per_s']:.1f} tokens/s alone, "

@@ -182,7 +182,7 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
         try:
             agent.reply(target, head)
         except agent.Refused as e:
-            raise _refusal(target, run, e) from None
+            raise refusal(target, run, e) from None
         recv.check()
         dest = Path(output).expanduser() if output else where / default_output(head["run"], head["step"])
         _check_dest(dest, force)
@@ -197,12 +197,14 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
                         seconds=round(time.monotonic() - start, 3))
 
 
-def _refusal(target: Target, run: str, refused: agent.Refused) -> OpsError:
+def refusal(target: Target, run: str, refused: agent.Refused, verb: str = "export") -> OpsError:
+    """The runs agent's refusal of RUN (export's, or bench-decode's before its own) in the user's
+    words; `verb`: what the user wanted done with the run."""
     t, head = target.name, refused.doc
     if refused.reason == "not_found":
         if run in ("", "latest"):
             if head.get("any_runs"):
-                return NotFound(f"{t}: no succeeded run in {target.workdir}/runs to export; name one "
+                return NotFound(f"{t}: no succeeded run in {target.workdir}/runs to {verb}; name one "
                                 f"(`dflash-ops status {t}`)")
             return NotFound(f"{t}: no runs yet in {target.workdir}/runs; start one with `dflash-ops launch {t}`")
         return NotFound(f"{t}: no run {run!r} (see `dflash-ops status {t}`)")
@@ -246,4 +248,4 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["export", "ExportResult", "TransferError", "default_output", "exports_home", "DTYPES"]
+__all__ = ["export", "refusal", "ExportResult", "TransferError", "default_output", "exports_home", "DTYPES"]

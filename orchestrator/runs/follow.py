@@ -200,10 +200,15 @@ def _follow(session: Session, own: bool, target: Target, run: str, follow: bool,
                     events.put(("error", not_found(target, run)))
                     return
                 if stream.end is None:
-                    if stream.header is not None and r.exit_code in (0, 255) and \
-                            not "".join(stream.stderr_text).strip():
-                        # the agent was cut off mid-stream (sshd sends exit-signal, not status)
-                        raise ConnectionLost(target.name, "the log stream ended early")
+                    killed = r.exit_code - 128 if 128 < r.exit_code < 128 + 65 else None
+                    if stream.header is not None and (killed or r.exit_code in (0, 255) and
+                                                      not "".join(stream.stderr_text).strip()):
+                        # The agent was cut off mid-stream: killed by signal N, which every transport
+                        # reports as 128+N (over plain SSH as in a container, whatever the shell said
+                        # about it on stderr), or its shell was (255: no exit status): the run goes
+                        # on, so the follow reconnects and resumes at its offset.
+                        raise ConnectionLost(target.name, "the log stream ended early" +
+                                             (f" (its agent was killed by signal {killed})" if killed else ""))
                     raise StepFailed(target.name, "follow the log", r.exit_code,
                                      "\n".join(stream.stderr_text) or "no log stream")
                 events.put(("end", stream.end))

@@ -100,16 +100,20 @@ def refusal_message(target: Target, doc: dict) -> str:
         return f"{t}: {doc.get('message')}"
     if reason == "busy":
         holders = doc.get("holders") or []
-        who = ", ".join(f"run {h['run']} (pid {h['pid']}" + (", no supervisor: it holds them until it ends)"
+        # a bench-decode's agent holds its slot as `bench-PID` (remote/runs/bench.py) until it ends
+        who = ", ".join(f"a bench-decode (pid {h['pid']})" if str(h["run"]).startswith("bench-") else
+                        f"run {h['run']} (pid {h['pid']}" + (", no supervisor: it holds them until it ends)"
                                                              if h.get("unsupervised") else ")")
                         for h in holders) or "another run"
+        run_ids = [h["run"] for h in holders if not str(h["run"]).startswith("bench-")] or ["RUN"]
         busy = sorted(doc.get("busy") or {})
         if busy == ["cpu"]:
             what = "the CPU slot is"
         else:
             what = "GPU(s) " + ", ".join(s[3:] for s in busy) + " are"
-        first = holders[0]["run"] if holders else "RUN"
-        return (f"{t}: {what} in use by {who}; free them with `dflash-ops stop {t} {first}` "
+        if holders and all(str(h["run"]).startswith("bench-") for h in holders):
+            return f"{t}: {what} in use by {who}; wait for it to end"
+        return (f"{t}: {what} in use by {who}; free them with `dflash-ops stop {t} {run_ids[0]}` "
                 f"or wait for it to end")
     return f"{t}: launch failed: {doc.get('message')}"
 

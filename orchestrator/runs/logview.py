@@ -74,7 +74,8 @@ class Seen:
         if doc is not None and doc.get("event") is None and "step" in doc and "loss" in doc:
             self._step(target, doc)
         elif doc is not None and doc.get("event") is not None:
-            self.events.append({**at, "line": line.number, **doc, **({"signatures": sigs} if sigs else {})})
+            # where it was said last: an event of the trainer's with a "target" or "line" key keeps ours
+            self.events.append({**doc, **at, "line": line.number, **({"signatures": sigs} if sigs else {})})
         else:
             self.events.extend({**at, "event": "signature", "line": line.number, **sig, "text": line.text[:500]}
                                for sig in sigs)

@@ -423,12 +423,17 @@ def check_target_spec(spec: str) -> None:
 
 def chat_template_options(c: TrainConfig) -> dict:
     """--chat-template-kwargs as a dict (a UsageError when it is not a JSON object)."""
+    return template_kwargs(c.chat_template_kwargs)
+
+
+def template_kwargs(text: str) -> dict:
+    """A --chat-template-kwargs JSON text as a dict (a UsageError when it is not a JSON object)."""
     try:
-        opts = json.loads(c.chat_template_kwargs) if c.chat_template_kwargs.strip() else {}
+        opts = json.loads(text) if text.strip() else {}
     except ValueError as e:
-        raise UsageError(f"--chat-template-kwargs {c.chat_template_kwargs!r}: not JSON ({e})") from None
+        raise UsageError(f"--chat-template-kwargs {text!r}: not JSON ({e})") from None
     if not isinstance(opts, dict):
-        raise UsageError(f"--chat-template-kwargs {c.chat_template_kwargs!r}: expected a JSON object, "
+        raise UsageError(f"--chat-template-kwargs {text!r}: expected a JSON object, "
                          'e.g. {"enable_thinking": false}')
     return opts
 

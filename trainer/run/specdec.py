@@ -146,17 +146,25 @@ def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_token
 
 # --------------------------------------------------------------------------- python -m trainer.specdec
 
-def read_prompt_ids(path: str, tokenizer, *, thinking: bool = False, limit: int | None = None) -> list[list[int]]:
-    """Prompts of a JSONL file (regen's input spellings) as token ids through the target's chat template."""
+def read_prompt_ids(path: str, tokenizer, *, thinking: bool = False, limit: int | None = None,
+                    template_kwargs: dict | None = None) -> list[list[int]]:
+    """Prompts of a JSONL file (regen's input spellings) as token ids through the target's chat template
+    with a generation prompt: with template_kwargs (a training run's --chat-template-kwargs) as the
+    trainer renders its eval prompts, else as regen does (thinking off unless `thinking`)."""
     from trainer.run.regen import _render, read_prompts
 
     rows = read_prompts(path)[:limit]
-    return [_render(tokenizer, [{"role": r, "content": c} for r, c in row.turns], thinking) for row in rows]
+    convs = [[{"role": r, "content": c} for r, c in row.turns] for row in rows]
+    if template_kwargs is not None:
+        from trainer.run import data
+
+        return [data._render(tokenizer, conv, True, template_kwargs) for conv in convs]
+    return [_render(tokenizer, conv, thinking) for conv in convs]
 
 
 def main(argv: list[str] | None = None) -> int:
     from trainer.errors import UsageError
-    from trainer.run.config import OneLineParser, check_target_spec
+    from trainer.run.config import OneLineParser, check_target_spec, template_kwargs
     from trainer.run.target import load_target
 
     p = OneLineParser(prog="python -m trainer.specdec",
@@ -176,11 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-baseline", dest="baseline", action="store_false",
                    help="decode with the drafter only: tau and acceptance, no lossless check and no speedup "
                         "(for comparing drafters; several can then share one GPU)")
+    p.add_argument("--chat-template-kwargs", metavar="JSON",
+                   help="a JSON object of chat template options for the prompts, as a training run's (default: "
+                        "thinking off, as regen renders them)")
     p.add_argument("--json", dest="json_out", help="also write the result document to this file")
     a = p.parse_args(argv)
     if a.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
     check_target_spec(a.target)
+    kwargs = None if a.chat_template_kwargs is None else template_kwargs(a.chat_template_kwargs)
     dev = torch.device("cuda:0" if torch.cuda.is_available() and not a.cpu else "cpu")
     dtype = getattr(torch, a.dtype)
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
@@ -188,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     drafter = load_drafter(a.drafter, target, dev, dtype, untrained=a.untrained)
     if target.tokenizer is None:
         raise UsageError(f"--target {a.target}: no tokenizer to encode the prompts with")
-    prompts = read_prompt_ids(a.prompts, target.tokenizer, limit=a.limit)
+    prompts = read_prompt_ids(a.prompts, target.tokenizer, limit=a.limit, template_kwargs=kwargs)
     say(f"specdec: {len(prompts)} prompts, {a.max_new_tokens} new tokens each, block {drafter.cfg.block_size}, "
         f"{drafter.cfg.num_layers} draft layers, {dev.type} {a.dtype}")
     try:

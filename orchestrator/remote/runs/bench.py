@@ -1,12 +1,20 @@
 """Runs agent: the `bench` command. Standard library only, Python >= 3.8, no `from __future__`
 line (runs/common.py says why).
 
-    bench WORKDIR [--step N] [--max-new-tokens N] [--limit N] [--running-ok] [--prompts-stdin] -- RUN
+    bench WORKDIR [--step N] [--max-new-tokens N] [--limit N] [--gpus N] [--gpu ID] [--running-ok]
+          [--target-changed-ok] [--prompts-stdin] -- RUN
 
 Decoding with a run's trained drafter against the target alone, measured here: the drafter is
 exported (float32, as `export` takes RUN: default the newest succeeded training run) into a private
 temporary folder WORKDIR/exports/.tmp-PID, then `python -m trainer.specdec` of the live release
-runs on it against the run's own --target. Its live lines (stderr) pass through to this agent's
+runs on it against the run's own --target, both from the run's own cwd (its relative --target and
+--data are relative to it) with its launch-time variables (run.json "user_env") and the run's
+--chat-template-kwargs. For the whole measurement this agent holds one free slot as a launch does
+(runs/locks.py): a GPU of the target's `--gpus N` (exactly `--gpu ID` when named; never the benched
+run's own, which holds its slots while it runs), or the one `cpu` slot of a CPU-only target, and
+export and specdec see only that GPU; none free is the refusal "busy" (exit_code 1) naming the
+holders. The slot goes when the agent ends (SIGHUP/SIGTERM too; a SIGKILLed agent's lock is stale,
+so free, at once). Its live lines (stderr) pass through to this agent's
 stderr as they come; the reply (the last stdout line) is
 
     {"ok": true, "run", "step", "running", "prompts_source": "upload"|"held-out", "prompts", "result"}
@@ -17,29 +25,32 @@ trainer held out for its eval (trainer/run/data.py split_eval: the last `eval_pr
 `--data`, when there are at least twice as many), each cut before its first assistant turn. The
 temporary folder is removed whatever happens (export's sweep takes one left by SIGKILL).
 Refusals: export's (not_found, no_drafter, running, no_release, export), "no_prompts" (synthetic
-data, or nothing held out, and no upload), "not_lossless" and "bench" (specdec failed; its last
-line and "exit_code").
+data, or nothing held out, and no upload), "bad_gpu" (--gpu not one of the target's), "busy",
+"not_lossless" and "bench" (specdec failed: its last line, or "specdec killed by signal N (NAME)",
+and "exit_code", 128 + N for a signal).
 """
 import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 
-from ..common import _out, _read_json, refuse
-from .common import LOG, _run_ids, _runs_dir, _state
-from .export import _export_into, _private_tmp, _run_to_export
+from ..common import _now_iso, _out, _read_json, refuse
+from .common import LOG, _proc_start, _run_ids, _runs_dir, _state
+from .export import _child, _export_into, _private_tmp, _program, _run_cwd, _run_env, _run_to_export
+from .locks import _Guard, _claim, _hold, _release_slots
 
 PROMPTS = "prompts.jsonl"
-BENCH_FLAGS = ("--running-ok", "--prompts-stdin")
-BENCH_OPTIONS = ("--step", "--max-new-tokens", "--limit")
+BENCH_FLAGS = ("--running-ok", "--target-changed-ok", "--prompts-stdin")
+BENCH_OPTIONS = ("--step", "--max-new-tokens", "--limit", "--gpus", "--gpu")
+LOG_HEAD = 4 << 20      # the trainer says how many rows it skipped near its log's start
 
 
-def _held_out(rid, rundir, dest):
-    """Write the run's held-out prompts (chat rows cut before the first assistant turn) to dest: how many."""
+def _held_out(rid, rundir, dest, cwd):
+    """Write the run's held-out prompts (chat rows cut before the first assistant turn) to dest: how
+    many. cwd: the trainer's, against which a relative --data was read. The same rows as the trainer's
+    split_eval (a test holds the two equal): the last eval_prompts rows, when there are twice as many."""
     cfg = _read_json(os.path.join(rundir, "trainer-config.json")) or {}
-    rec = _read_json(os.path.join(rundir, "run.json")) or {}
     data, n = cfg.get("data"), int(cfg.get("eval_prompts") or 0)
     why = None
     if not data or data == "synthetic":
@@ -47,7 +58,7 @@ def _held_out(rid, rundir, dest):
     elif n <= 0:
         why = "it held out no rows (eval_prompts 0)"
     if why is None:
-        path = os.path.join(rec.get("cwd") or rundir, os.path.expanduser(data))
+        path = os.path.join(cwd, os.path.expanduser(data))
         try:
             with open(path, "rb") as f:
                 rows = [line for line in f.read().splitlines() if line.strip()]
@@ -80,51 +91,59 @@ def _skipped(rundir):
     """Rows the trainer skipped (no room for a block): the held-out rows may then be other ones."""
     try:
         with open(os.path.join(rundir, LOG), "rb") as f:
-            m = re.search(rb"rows for training, (\d+) skipped", f.read())
+            m = re.search(rb"rows for training, (\d+) skipped", f.read(LOG_HEAD))
     except OSError:
         return 0
     return int(m.group(1)) if m else 0
 
 
-def _busy(workdir):
-    """Runs running on this target now: their GPUs and CPU time are not the measurement's alone."""
-    return [r for r in _run_ids(workdir) if _state(os.path.join(_runs_dir(workdir), r))[0] == "running"]
+def _busy(workdir, rid):
+    """Other runs running on this target now: their GPUs and CPU time are not the measurement's alone."""
+    return [r for r in _run_ids(workdir)
+            if r != rid and _state(os.path.join(_runs_dir(workdir), r))[0] == "running"]
 
 
-def _specdec(rid, cfg, folder, prompts, tmp, max_new_tokens, limit, current):
+def _claim_slot(workdir, rid, total, gpu=None):
+    """Hold one free slot for this agent (runs/locks.py): a GPU of the target's `total` (exactly
+    `gpu` when named), or `cpu` where it has none. (the lock's name, CUDA_VISIBLE_DEVICES)."""
+    if gpu is not None and not 0 <= gpu < total:
+        refuse("bad_gpu", "--gpu %d: the target's GPUs are %s" % (gpu, "0..%d" % (total - 1) if total else "none"),
+               found=True, run=rid, exit_code=2)
+    name, me = "bench-%d" % os.getpid(), {}
+    for pid, start in (("launcher_pid", "launcher_start"), ("supervisor_pid", "supervisor_start"),
+                       ("pid", "pid_start")):   # this agent is each of a run's holders: held while it lives
+        me.update({pid: os.getpid(), start: _proc_start(os.getpid())})
+    with _Guard(workdir) as guard:
+        slots, ids, busy, _ = _claim(workdir, guard, 1 if total else 0, total, None if gpu is None else [gpu])
+        if slots is None:
+            held = ", ".join("%s by run %s (pid %s)" % ("the CPU slot" if s == "cpu" else "GPU " + s[3:],
+                                                         h.get("run"), h.get("pid")) for s, h in sorted(busy.items()))
+            refuse("busy", "no free %s to measure on: %s" % ("GPU" if total else "CPU slot", held), found=True, run=rid,
+                   busy={s: {"run": h.get("run"), "pid": h.get("pid")} for s, h in busy.items()}, exit_code=1)
+        _hold(guard, name, slots, dict(me, bench=rid), _now_iso())
+    return name, ",".join(map(str, ids))
+
+
+def _specdec(workdir, rid, cfg, rec, folder, prompts, tmp, max_new_tokens, limit, cuda_visible):
     """`python -m trainer.specdec` with its stderr passed through line by line: its document."""
     result = os.path.join(tmp, "result.json")
-    argv = [sys.executable, "-m", "trainer.specdec", "--target", str(cfg.get("target")), "--drafter", folder,
-            "--prompts", prompts, "--max-new-tokens", str(max_new_tokens), "--json", result]
+    argv = _program(workdir, "trainer.specdec") + [
+        "--target", str(cfg.get("target")), "--drafter", folder, "--prompts", prompts,
+        "--max-new-tokens", str(max_new_tokens), "--json", result]
     if limit is not None:
         argv += ["--limit", str(limit)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(argv, cwd=os.path.realpath(current), env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    last = "(no message)"
-    try:
-        for line in iter(proc.stderr.readline, b""):
-            sys.stderr.buffer.write(line)
-            sys.stderr.flush()
-            last = line.decode("utf-8", "replace").strip() or last
-        proc.wait()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    if proc.returncode != 0:
-        for head in ("specdec: error: ", "trainer: error: "):
-            last = last[len(head):] if last.startswith(head) else last
-        refuse("not_lossless" if "NOT lossless" in last else "bench", last, found=True, run=rid,
-               exit_code=proc.returncode)
+    kwargs = cfg.get("chat_template_kwargs")
+    if kwargs is not None:          # how its trainer rendered the chat rows (a YAML mapping kept as JSON)
+        argv += ["--chat-template-kwargs", kwargs if isinstance(kwargs, str) else json.dumps(kwargs)]
+    _child(rid, "specdec", argv, _run_cwd(workdir, rec), _run_env(rec, os.environ, cuda_visible), echo=True,
+           reason=lambda last: "not_lossless" if "NOT lossless" in last else "bench")
     with open(result) as f:
         return json.load(f)
 
 
 def cmd_bench(workdir, opts, values):
     """opts: BENCH_FLAGS and BENCH_OPTIONS as the agent's _split found them; values: [RUN]."""
-    step, limit = opts.get("--step"), opts.get("--limit")
-    step, limit = None if step is None else int(step), None if limit is None else int(limit)
+    step, limit, gpu = (None if opts.get(k) is None else int(opts[k]) for k in ("--step", "--limit", "--gpu"))
     max_new_tokens, running_ok = int(opts.get("--max-new-tokens", 128)), "--running-ok" in opts
     upload = sys.stdin.buffer.read() if "--prompts-stdin" in opts else None
     rid, rundir = _run_to_export(workdir, values[0] if values else "latest", running_ok)
@@ -132,7 +151,8 @@ def cmd_bench(workdir, opts, values):
     if not os.path.isfile(os.path.join(current, "trainer", "specdec.py")):
         refuse("no_release", "the live release in %s has no trainer/specdec.py" % workdir, found=True, run=rid)
     cfg = _read_json(os.path.join(rundir, "trainer-config.json")) or {}
-    tmp = _private_tmp(workdir)
+    rec = _read_json(os.path.join(rundir, "run.json")) or {}
+    tmp, lock = _private_tmp(workdir), None
     try:
         os.mkdir(tmp)
         prompts = os.path.join(tmp, PROMPTS)
@@ -141,22 +161,26 @@ def cmd_bench(workdir, opts, values):
                 f.write(upload)
             n, skipped = None, 0
         else:
-            n, skipped = _held_out(rid, rundir, prompts), _skipped(rundir)
+            n, skipped = _held_out(rid, rundir, prompts, _run_cwd(workdir, rec)), _skipped(rundir)
+        lock, cuda_visible = _claim_slot(workdir, rid, int(opts.get("--gpus", 0)), gpu)
         notes = []      # said on stderr now, and kept in the reply (the controller's --json shows no stderr)
         if skipped:
             notes.append("the trainer skipped %d rows of its data: the last %d rows taken here may not be "
                          "exactly those it held out" % (skipped, n))
-        busy = _busy(workdir)
+        busy = _busy(workdir, rid)
         if busy:
             notes.append("run %s is running here too: the timings share the machine with it" % ", ".join(busy))
         for note in notes:
             sys.stderr.write("agent: %s\n" % note)
         sys.stderr.flush()
         folder = os.path.join(tmp, "draft")
-        info = _export_into(workdir, rid, rundir, folder, "float32", step, running_ok)
-        doc = _specdec(rid, cfg, folder, prompts, tmp, max_new_tokens, limit, current)
+        info = _export_into(workdir, rid, rundir, folder, "float32", step, running_ok,
+                            "--target-changed-ok" in opts, cuda_visible)
+        doc = _specdec(workdir, rid, cfg, rec, folder, prompts, tmp, max_new_tokens, limit, cuda_visible)
         _out({"ok": True, "found": True, "run": rid, "step": info.get("step"), "running": info.get("running"),
               "prompts_source": "upload" if n is None else "held-out", "held_out": n, "notes": notes,
-              "result": doc})
+              "gpu": cuda_visible or None, "result": doc})
     finally:
+        if lock is not None:
+            _release_slots(workdir, lock)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -3,9 +3,10 @@ line (runs/common.py says why).
 
     export WORKDIR [--step N] [--dtype D] [--running-ok] [--target-changed-ok] -- RUN
 
-Runs `python -m trainer.export` of the live release (WORKDIR/current) on the run's folder, into a
-private temporary folder WORKDIR/exports/.tmp-PID, and sends the result over this one connection:
-stdout is one JSON header line
+Runs `python -m trainer.export` of the live release (WORKDIR/current) on the run's folder, from the
+run's own cwd (run.json "cwd": its relative --target is relative to it) with its launch-time
+variables (run.json "user_env"), into a private temporary folder WORKDIR/exports/.tmp-PID, and
+sends the result over this one connection: stdout is one JSON header line
 
     {"ok": true, "run", "step", "running", "dtype", "checkpoint", "mask_token_id", "target_layer_ids",
      "target_changed", "files": [{"name", "size", "sha256"}, ...]}
@@ -14,9 +15,10 @@ followed by the files' bytes back to back, in the header's order. The temporary 
 whatever happens (the reader going away, SIGHUP/SIGTERM); ones left by an agent killed with SIGKILL
 are removed by the next export. A refusal is a header with "ok": false (and exit status 0):
 "reason": "not_found" when there is no such run (RUN "latest" or "": the newest SUCCEEDED run), else
-"reason": "running" (the run is still running and --running-ok was not given) | "no_release" |
-"export" with "message" and, for "export", the trainer's "exit_code". --running-ok and
---target-changed-ok are passed on to the trainer's export (docs/export.md).
+"reason": "no_drafter" (a run of a kind that leaves none: regen) | "running" (the run is still
+running and --running-ok was not given) | "no_release" | "export" with "message" and, for "export",
+the trainer's "exit_code" (its last line, or "export killed by signal N (NAME)" and 128 + N).
+--running-ok and --target-changed-ok are passed on to the trainer's export (docs/export.md).
 """
 import json
 import os
@@ -24,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 from ..common import _read_json, _sha256, refuse
 from .common import _alive, _not_found, _resolve, _run_ids, _runs_dir, _state
@@ -93,29 +96,86 @@ def _private_tmp(workdir):
     return os.path.join(exports, ".tmp-%d" % os.getpid())
 
 
-def _export_into(workdir, rid, rundir, folder, dtype, step, running_ok=False, target_changed_ok=False):
-    """`python -m trainer.export` of the live release into `folder`: its document (step, checkpoint,
-    ...), or the refusal "export" with the trainer's last line and exit status."""
-    argv = [sys.executable, "-m", "trainer.export", "--run", rundir, "-o", folder, "--dtype", dtype]
+# `python -m MODULE` of the live release (argv[1]) run from another folder (the run's own cwd, against
+# which its relative --target and --data were written): the release's code first on sys.path, not the cwd.
+_RUN_MODULE = ("import runpy, sys; p = sys.argv.pop(1); sys.path[:] = [p] + [x for x in sys.path if x]; "
+               "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
+MASKED = "***"      # a secret's value as run.json's user_env records it (the controller's envvars.MASK)
+
+
+def _run_cwd(workdir, rec):
+    """Where the run's trainer ran (its relative --target and --data are relative to it): run.json's
+    "cwd" while that release is kept, else the live release."""
+    cwd = rec.get("cwd")
+    return cwd if cwd and os.path.isdir(cwd) else os.path.realpath(os.path.join(workdir, "current"))
+
+
+def _run_env(rec, environ, cuda_visible):
+    """The environment of a program run on the run's behalf: this agent's (the target's env: now),
+    the run's launch-time variables over it (run.json "user_env", hosts.yaml env: and launch --env;
+    a masked secret keeps this agent's value), unbuffered, with only `cuda_visible` GPUs."""
+    env = dict(environ)
+    env.update({k: v for k, v in (rec.get("user_env") or {}).items() if isinstance(v, str) and v != MASKED})
+    env.update({"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": cuda_visible})
+    return env
+
+
+def _signal_text(n):
+    try:
+        name = signal.Signals(n).name
+    except ValueError:
+        return "signal %d" % n
+    return "signal %d (%s)" % (n, "SIGKILL: out of memory?" if n == signal.SIGKILL else name)
+
+
+def _child(rid, what, argv, cwd, env, echo=False, reason=None):
+    """Run argv (stdin closed) to its end: its stdout. Its stderr lines pass through to this agent's
+    stderr as they come when `echo`, else only the last one is kept. A failure is refused with
+    `reason(last line)` (default "export"): the last line less its program's `WHAT: error: `, or,
+    killed by a signal, "WHAT killed by signal N (NAME)", and "exit_code" (128 + N then)."""
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE)
+        last = "(no message)"
+        try:
+            for line in iter(proc.stderr.readline, b""):
+                if echo:
+                    sys.stderr.buffer.write(line)
+                    sys.stderr.flush()
+                last = line.decode("utf-8", "replace").strip() or last
+            proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stderr.close()
+        code = proc.returncode
+        if code < 0:
+            refuse((reason or (lambda _: "export"))(""), "%s killed by %s" % (what, _signal_text(-code)),
+                   found=True, run=rid, exit_code=128 - code)
+        if code != 0:
+            for head in (what + ": error: ", "trainer: error: "):
+                last = last[len(head):] if last.startswith(head) else last
+            refuse((reason or (lambda _: "export"))(last), last, found=True, run=rid, exit_code=code)
+        out.seek(0)
+        return out.read()
+
+
+def _program(workdir, module):
+    """argv of `python -m MODULE` of the live release, whatever the cwd (_RUN_MODULE)."""
+    return [sys.executable, "-c", _RUN_MODULE, os.path.realpath(os.path.join(workdir, "current")), module]
+
+
+def _export_into(workdir, rid, rundir, folder, dtype, step, running_ok=False, target_changed_ok=False,
+                 cuda_visible=""):
+    """`python -m trainer.export` of the live release into `folder`, from the run's cwd with its
+    launch-time env: its document (step, checkpoint, ...), or the refusal "export" with the
+    trainer's last line and exit status."""
+    rec = _read_json(os.path.join(rundir, "run.json")) or {}
+    argv = _program(workdir, "trainer.export") + ["--run", rundir, "-o", folder, "--dtype", dtype]
     if step is not None:
         argv += ["--step", str(step)]
     argv += ["--running-ok"] * running_ok + ["--target-changed-ok"] * target_changed_ok
-    env = dict(os.environ)
-    env.update({"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
-    proc = subprocess.Popen(argv, cwd=os.path.realpath(os.path.join(workdir, "current")), env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        out, err = proc.communicate()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    if proc.returncode != 0:
-        lines = err.decode("utf-8", "replace").strip().splitlines() or ["(no message)"]
-        msg = lines[-1]
-        if msg.startswith("trainer: error: "):
-            msg = msg[len("trainer: error: "):]
-        refuse("export", msg, found=True, run=rid, exit_code=proc.returncode)
+    out = _child(rid, "export", argv, _run_cwd(workdir, rec), _run_env(rec, os.environ, cuda_visible))
     return json.loads(out.decode("utf-8", "replace").strip().splitlines()[-1])
 
 

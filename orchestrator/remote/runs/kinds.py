@@ -12,7 +12,7 @@ runs and how the other verbs treat it; a new kind is one entry of KINDS:
                 trainer's own rules (trainer/run/config.check_before_launch) with trainer_flags
     drafter     leaves a drafter (what `export` takes; its newest succeeded run is `latest` there)
     pruned      `prune` may remove it (a regen run's rows are data training runs read: `rm` only)
-    inputs      files the launch uploads into the run's folder, by name
+    inputs      files the launch uploads into the run's folder, by name: exactly these (runs/upload.py)
     output      the file it writes in its folder (run.json "output"), or None
     ended       the log's last line once it ends, succeeded / not, for a kind with an output:
                 a format with {output}, {target} and {run}

@@ -13,14 +13,20 @@ import os
 import shutil
 
 from ..common import _fail, refuse
+from .kinds import kind_of
 
 UPLOAD_CHUNK = 1 << 20
 
 
 def _receive(stream, runs_dir, spec):
     """Read spec["files"] from `stream` into a new runs/.upload-RUN-PID folder: its path, or None
-    without files. A short stream or a hash that differs fails the launch; a full disk refuses it."""
+    without files. Files other than the kind's inputs are refused ("bad_upload") before a byte is
+    read; a short stream or a hash that differs fails the launch; a full disk refuses it."""
     files = spec.get("files") or []
+    names, inputs = sorted(str(f.get("name")) for f in files), sorted(kind_of(spec)["inputs"])
+    if names != inputs:
+        refuse("bad_upload", "a %s run takes %s; this launch sent %s" % (
+            spec.get("kind") or "train", ", ".join(inputs) or "no files", ", ".join(names) or "none"))
     if not files:
         return None
     folder = os.path.join(runs_dir, ".upload-%s-%d" % (spec["run"], os.getpid()))
