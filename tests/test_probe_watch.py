@@ -74,7 +74,8 @@ def test_a_rendezvous_that_cannot_form_skips_the_processes_cases_in_under_a_seco
         "result": {"ok": True, "step_ms": 5.0, "numerics": {}}, "exit_code": 0, "timed_out": False,
         "output": "", "tail": [], "seconds": 1.0, "phase": "timed"})
     args = SimpleNamespace(device="cpu", threads=2, policies=["eager", "inductor"], topologies=["threads", "processes"],
-                           signatures=None, steps=1, timeout=60, workdir=None, expect=None, fresh=True)
+                           signatures=None, steps=1, timeout=60, workdir=None, expect=None, fresh=True,
+                           precision="bf16", fp8_emulate=False, jobs=1)
     t = time.monotonic()
     doc = program.run_probe(args)
     assert ran == [("eager", "threads"), ("inductor", "threads")]      # no processes case started
