@@ -211,9 +211,9 @@ def test_probe_runs_the_matrix_for_real(probe_run):
             assert c["agrees"] is True and c["grad_err"] <= c["grad_tol"] and c["step_ms"] > 0
             assert c["numerics"]["learn"]["compiled_drop"] > 0 and c["backends"] == ["sdpa", "dense"]
     assert got[("eager", "threads")]["grad_err"] < 1e-5   # eager shards vs eager whole batch: reassociation only
-    # one compile cache for every case: the DDP ranks' inductor case finds graphs the threads case compiled
-    cache = str(probe_run.workdir / "probe-compile-cache" / "inductor")
-    assert {c["caches"]["inductor"] for c in doc["cases"] if c.get("caches")} == {cache}
+    # one compile cache for every case (WORKDIR/probe-compile-cache unless the environment names one, as
+    # the suite's may): the DDP ranks' inductor case finds graphs compiled before it
+    assert len({c["caches"]["inductor"] for c in doc["cases"] if c.get("caches")}) == 1
     assert got[("inductor", "processes")]["caches"]["fxgraph_hit"] > 0, got[("inductor", "processes")]["caches"]
     for topology in ("threads", "processes"):
         c = got[("test-drop-first-grad", topology)]
