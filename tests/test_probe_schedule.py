@@ -132,6 +132,13 @@ def test_every_case_gets_the_one_compile_cache_under_the_workdir(tmp_path, monke
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
     with schedule.compile_caches(str(tmp_path)) as env:
         assert "TORCHINDUCTOR_CACHE_DIR" not in env     # the caller's choice is kept
+    # inductor's first use in this process exports torch's default dir: not a choice, the shared one wins
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") is None and cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == schedule._inductor_default()
+    with schedule.compile_caches(str(tmp_path)) as env:
+        assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "probe-compile-cache" / "inductor")
 
 
 # ---- the real probe, on this machine ------------------------------------------------------------

@@ -226,10 +226,31 @@ def compile_caches(workdir: str | None):
             "TRITON_CACHE_DIR": os.path.join(folder, "triton"),
             "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
     try:
-        yield {k: v for k, v in want.items() if not os.environ.get(k)}
+        yield {k: v for k, v in want.items() if not _callers(k)}
     finally:
         if not workdir:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _callers(key: str) -> str | None:
+    """The caller's own setting of `key`. Inductor's first use in a process exports its default
+    TORCHINDUCTOR_CACHE_DIR into os.environ (torch/_inductor/runtime/cache_dir_utils.cache_dir), so
+    that value, once the probe has touched inductor, is torch's doing, not a choice to keep."""
+    value = os.environ.get(key)
+    if key == "TORCHINDUCTOR_CACHE_DIR" and value and os.path.abspath(value) == _inductor_default():
+        return None
+    return value
+
+
+def _inductor_default() -> str:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        return os.path.abspath(default_cache_dir())
+    except ImportError:   # an older torch: the same rule
+        import getpass
+        import re
+        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+        return os.path.abspath(os.path.join(tempfile.gettempdir(), "torchinductor_" + user))
 
 
 def run_all(items: list, jobs: int, run_one, started: float | None = None, name=str) -> dict:
