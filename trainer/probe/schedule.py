@@ -242,15 +242,13 @@ def _callers(key: str) -> str | None:
     return value
 
 
-def _inductor_default() -> str:
+def _inductor_default() -> str | None:
+    """torch's default inductor cache dir (None on a torch without cache_dir_utils, before 2.6)."""
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-        return os.path.abspath(default_cache_dir())
-    except ImportError:   # an older torch: the same rule
-        import getpass
-        import re
-        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
-        return os.path.abspath(os.path.join(tempfile.gettempdir(), "torchinductor_" + user))
+    except ImportError:
+        return None
+    return os.path.abspath(default_cache_dir())
 
 
 def run_all(items: list, jobs: int, run_one, started: float | None = None, name=str) -> dict:
