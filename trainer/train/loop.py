@@ -207,7 +207,6 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
     peak = _peak_flops(r0.device) if r0.device.type == "cuda" else None
     peak = peak * max(1, cfg.gpus) if peak else None  # workers may share a GPU: count GPUs
     if cfg.eval_at_start and step == 0 and prep.eval_prompts:
-        engine.excuse_until_boundary()
         _eval(cfg, log, engine, prep, step)
 
     last_loss = None
@@ -253,8 +252,6 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
         evaluate = cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and prep.eval_prompts
         if checksum or save or evaluate:
             finish()
-        if save or evaluate:    # rank 0 (and each node's first rank) works alone; the others wait for it
-            engine.excuse_until_boundary()
         if checksum:
             engine.check_replicas(step)
         if save:
@@ -264,7 +261,6 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
 
     finish()
     engine.check_replicas(step)
-    engine.excuse_until_boundary()
     _save(cfg, log, prep, engine, batches, step)
     stopped = engine.agree(stop.is_set())
     engine.collectives_done()   # rank 0's final eval is its own
@@ -394,6 +390,7 @@ def _read_samples(path: str, cfg, target):
 
 
 def _save(cfg, log, prep, engine, batches, step) -> None:
+    engine.excuse_until_boundary()   # on every rank: the saver works alone, the others wait for it
     engine.settle()  # the last step's update has run and its norm is finite
     if not engine.saver:     # rank 0, and under several nodes the first rank of each node
         return
@@ -419,6 +416,8 @@ def _stopped(cfg, log, prep, engine, batches, step) -> int:
 def _eval(cfg, log, engine, prep, step, final=False, stop=None):
     """Acceptance length on the eval prompts, measured by the primary replica (worker 0's thread, or
     rank 0); its result (None on other ranks)."""
+    if not final:
+        engine.excuse_until_boundary()   # on every rank: the writer works alone, the others wait for it
     if not engine.writer:
         return None
     t = time.time()
