@@ -23,7 +23,7 @@ from typing import IO, Callable, Iterable, Mapping, Sequence, Union
 from orchestrator.envvars import env_argv
 from orchestrator.errors import ConnectionLost, ContainerError, OpsError
 from orchestrator.inventory import Host, sshconfig
-from orchestrator.ssh.connect import _reason, open_client
+from orchestrator.ssh.connect import _reason, open_client, where
 
 Stdin = Union[None, bytes, IO[bytes], Iterable[bytes]]
 Sink = Callable[[bytes], None]
@@ -193,7 +193,7 @@ class SshTransport(Transport):
     def __init__(self, host: Host, *, sock=None, chain: Sequence[Host] = ()):
         """chain: the jump hosts crossed to reach `host` (outermost first), for the messages."""
         self.host = host
-        self.description = f"{host.user}@{host.address}:{host.port}"
+        self.description = where(host)
         client = open_client(host, chain, sock)
         self.client = client
         self.runs = 0            # commands run over this connection (round trips)

@@ -38,7 +38,7 @@ import sys
 from ..common import _now_iso, _out, _read_json, refuse
 from .common import LOG, _proc_start, _run_ids, _runs_dir, _state
 from .export import _child, _export_into, _private_tmp, _program, _run_cwd, _run_env, _run_to_export
-from .locks import _Guard, _claim, _hold, _release_slots
+from .locks import _HOLDERS, _Guard, _claim, _hold, _release_slots
 
 PROMPTS = "prompts.jsonl"
 BENCH_FLAGS = ("--running-ok", "--target-changed-ok", "--prompts-stdin")
@@ -109,10 +109,10 @@ def _claim_slot(workdir, rid, total, gpu=None):
     if gpu is not None and not 0 <= gpu < total:
         refuse("bad_gpu", "--gpu %d: the target's GPUs are %s" % (gpu, "0..%d" % (total - 1) if total else "none"),
                found=True, run=rid, exit_code=2)
-    name, me = "bench-%d" % os.getpid(), {}
-    for pid, start in (("launcher_pid", "launcher_start"), ("supervisor_pid", "supervisor_start"),
-                       ("pid", "pid_start")):   # this agent is each of a run's holders: held while it lives
-        me.update({pid: os.getpid(), start: _proc_start(os.getpid())})
+    name, started = "bench-%d" % os.getpid(), _proc_start(os.getpid())
+    me = {}   # this agent is each of a run's holders: held while it lives
+    for pid, start in _HOLDERS:
+        me.update({pid: os.getpid(), start: started})
     with _Guard(workdir) as guard:
         slots, ids, busy, _ = _claim(workdir, guard, 1 if total else 0, total, None if gpu is None else [gpu])
         if slots is None:
