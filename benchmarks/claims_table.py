@@ -43,8 +43,6 @@ def load(folder: Path) -> tuple[dict, dict]:
     return docs, curves
 
 
-
-
 def verdict(better: dict, worse: dict) -> str:
     if better["tau"] <= worse["tau"]:
         return "did not hold"
@@ -84,7 +82,7 @@ def plot(docs: dict, curves: dict, out: Path) -> Path:
     for n, pts in curves.items():  # the variants' curves (the main run's is longer and its own)
         if pts and n in LABELS and n != "main":
             steps, loss = zip(*pts)
-            b.plot(steps, loss, label=LABELS[n], lw=2 if n == "main" else 1)
+            b.plot(steps, loss, label=LABELS[n], lw=1)
     b.set_xlabel("step")
     b.set_ylabel("training loss")
     b.set_title("training loss (uniform weights: another sum)")

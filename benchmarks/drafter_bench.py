@@ -379,6 +379,8 @@ def summarize(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
+    from trainer.run.config import PRECISIONS   # torch-free
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CPU-sized shape, CPU device")
     ap.add_argument("--variants", help="comma-separated POLICY/ATTENTION/LOSS[@SHAPE]; default: all")
@@ -398,7 +400,7 @@ def main(argv=None) -> int:
     ap.add_argument("--flex-tiles", default="", help="as the trainer's --flex-tiles (default: the tuned choice)")
     ap.add_argument("--ce-rows", type=int, default=0, help="as the trainer's --ce-rows (0: sized to 1 GiB)")
     ap.add_argument("--ce-kernel", default="on", choices=("on", "off"), help="as the trainer's --ce-kernel")
-    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8-rowwise"),
+    ap.add_argument("--precision", default="bf16", choices=PRECISIONS,
                     help="as the trainer's --precision (not for the fp32 reference)")
     ap.add_argument("--fp8-emulate", action="store_true", help="as the trainer's --fp8-emulate (CPU dry runs)")
     ap.add_argument("--one", help=argparse.SUPPRESS)

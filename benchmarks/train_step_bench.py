@@ -341,6 +341,8 @@ def blocks(args) -> list[list[int]]:
 
 
 def main(argv=None) -> int:
+    from trainer.run.config import PRECISIONS   # torch-free
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="the trainer's tiny target on the CPU, end to end")
     ap.add_argument("--policy", default="inductor", help="compile policy (trainer/policies.py); default inductor")
@@ -384,7 +386,7 @@ def main(argv=None) -> int:
     ap.add_argument("--flex-tiles", default="", help="as the trainer's --flex-tiles (default: the tuned choice)")
     ap.add_argument("--ce-rows", type=int, default=0, help="as the trainer's --ce-rows (0: sized to 1 GiB)")
     ap.add_argument("--ce-kernel", default="on", choices=("on", "off"), help="as the trainer's --ce-kernel")
-    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8-rowwise"),
+    ap.add_argument("--precision", default="bf16", choices=PRECISIONS,
                     help="as the trainer's --precision")
     ap.add_argument("--fp8-emulate", action="store_true", help="as the trainer's --fp8-emulate (CPU dry runs)")
     ap.add_argument("--out", default="out/train_step_bench")
