@@ -77,7 +77,7 @@ def test_bench_decode_measures_a_trained_run_on_its_held_out_rows_or_a_file_and_
     doc = json.loads(r.stdout)
     assert doc["target"] == "ct200" and doc["run"] == run and doc["step"] == 4
     assert doc["prompts_source"] == "held-out" and doc["prompts"] == 2 and doc["lossless"] is True
-    assert doc["tau"] >= 1 and doc["tokens"] > 0 and doc["speedup"] > 0 and doc["target"] == "ct200"
+    assert doc["tau"] >= 1 and doc["tokens"] > 0 and doc["speedup"] > 0 and doc["rounds"] > 0
     assert r.stderr == b"" and doc["notes"] == []      # --json: the document alone, nothing to warn of
     assert ct.exports.is_dir() and list(ct.exports.iterdir()) == []     # the temporary folder is gone
     assert doc["gpu"] is None and ct.locks() == []     # it held the CPU slot while it measured, and let it go

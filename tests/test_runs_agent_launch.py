@@ -59,6 +59,8 @@ def test_a_launch_killed_at_any_point_leaves_a_free_slot_or_a_recorded_run(wd, p
     if outcome == "none":
         assert trainers == [] and second["ok"], second          # the slot is free, nothing runs
         ended(wd, second["run"])
+        if point.startswith("launch."):     # the record is written before launch.recorded, and stays
+            assert (wd / "runs" / run / "run.json").exists() == (point != "launch.claimed"), point
         if (wd / "runs" / run / "run.json").exists():
             st = state(wd, run)
             assert st["state"] == "failed" and not st.get("unsupervised"), st
