@@ -25,6 +25,10 @@ from trainer import faults
 
 POLICY_NAMES = ("eager", "inductor", "max-autotune-no-cudagraphs", "reduce-overhead",
                 "cudagraphs-no-trees")
+# What a probe without --policies tries: every policy but max-autotune-no-cudagraphs, whose first
+# compile autotunes GEMMs for minutes (no first step in 280 s at the 8B shape, > 190 s for the probe's
+# unit on one H200; docs/probe-h200.md). It stays a policy: --policies names it to probe it.
+PROBED_BY_DEFAULT = tuple(p for p in POLICY_NAMES if p != "max-autotune-no-cudagraphs")
 
 # What each policy hands torch.compile: never mode= and options= together, torch refuses that
 # ("Either mode or options can be specified", signature compile-mode-and-options).

@@ -26,7 +26,8 @@ def _policy_list(ctx, param, value: str | None) -> str | None:
 @click.option("--gpus", type=click.IntRange(min=1),
               help="Worker threads to test (default: the target's gpus, at least 2).")
 @click.option("--policies", metavar="A,B", callback=_policy_list,
-              help="Only these policies (default: all).")
+              help="Only these policies (default: all but max-autotune-no-cudagraphs, whose "
+                   "first compile takes minutes).")
 @click.option("--case-timeout", type=click.IntRange(min=10),
               help="Seconds before one case counts as hung (default: 600 on CUDA, 300 on CPU).")
 @click.option("--topologies", type=click.Choice(["threads", "threads,processes"]),

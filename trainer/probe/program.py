@@ -388,7 +388,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--workdir", help="save the choice in WORKDIR/probe.json (read by --compile-policy auto)")
     ap.add_argument("--expect", type=_json_object, default=None,
                     help='JSON expectation, e.g. \'{"torch": ">=2.5", "cuda": "13.0", "gpus": 8}\'')
-    ap.add_argument("--policies", help=f"comma-separated subset of {','.join(policies.POLICY_NAMES)}")
+    ap.add_argument("--policies", help=f"comma-separated subset of {','.join(policies.POLICY_NAMES)} (default: "
+                                       f"{','.join(policies.PROBED_BY_DEFAULT)}; max-autotune's first compile "
+                                       "takes minutes, so it is probed only when named)")
     ap.add_argument("--topologies", help=f"comma-separated subset of {','.join(TOPOLOGIES)} (default: both on "
                                          "CUDA, threads on a CPU-only machine; threads alone skips the DDP cases)")
     ap.add_argument("--fresh", action="store_true",
@@ -406,17 +408,25 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def chosen_policies(text: str | None) -> list[str]:
+    """--policies A,B as a list, or the policies probed by default; ValueError names unknown ones."""
+    names = [p.strip() for p in (text or "").split(",") if p.strip()]
+    unknown = [p for p in names if p not in policies.known()]
+    if unknown:
+        raise ValueError(f"--policies: unknown {', '.join(unknown)}; known: {', '.join(policies.POLICY_NAMES)}")
+    return names or list(policies.PROBED_BY_DEFAULT)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.steps < 1 or args.threads < 0 or args.jobs < 0:
         _parser().error("--steps must be >= 1, --threads and --jobs >= 0")
-    names = [p.strip() for p in (args.policies or "").split(",") if p.strip()]
-    unknown = [p for p in names if p not in policies.known()]
-    if unknown:
-        _parser().error(f"--policies: unknown {', '.join(unknown)}; known: {', '.join(policies.POLICY_NAMES)}")
-    args.policies = names or list(policies.POLICY_NAMES)
+    try:
+        args.policies = chosen_policies(args.policies)
+    except ValueError as e:
+        _parser().error(str(e))
     tops = [t.strip() for t in (args.topologies or "").split(",") if t.strip()]
     if any(t not in TOPOLOGIES for t in tops) or ("threads" not in tops and tops):
         _parser().error(f"--topologies: a subset of {', '.join(TOPOLOGIES)} that includes threads "
