@@ -60,16 +60,17 @@ def test_on_the_cpu_the_config_is_kept_and_a_heavy_step_says_it_will_be_slow():
 
 
 def test_the_trainer_says_it_once_at_start(tmp_path, capsys):
-    """A real run whose rows (32 tokens) cannot hold the 100 anchors asked: it trains with 29 blocks
-    of 4 and says so in one line, before the first step."""
+    """A real run whose rows (32 tokens, the loss on part of each) cannot hold the 100 anchors asked:
+    it trains with the 21 that its fullest row takes and says so in one line, before the first step."""
     pytest.importorskip("torch")
     from trainer_quick import train
 
     assert train(tmp_path / "run", "--anchors", "100", "--steps", "2", "--eval-prompts", "0") == 0
     out = capsys.readouterr().out.splitlines()
     said = [i for i, line in enumerate(out) if "instead of 100" in line]
-    assert [out[i] for i in said] == ["[trainer] anchors 29 instead of 100: the longest row (32 tokens) holds at "
-                                      "most 29 blocks of 4; more are padding"]
+    assert [out[i] for i in said] == ["[trainer] anchors 21 instead of 100: no row has more than 21 loss positions "
+                                      "with a whole block of 4 after them (the anchors a row can take); every one "
+                                      "is drawn, more are padding"]
     first_step = next(i for i, line in enumerate(out) if line.startswith('{"step": 1'))
     assert said[0] < first_step
 
@@ -95,9 +96,9 @@ def test_a_resumed_run_reuses_the_recorded_anchors_and_says_so(tmp_path, capsys)
     out = tmp_path / "run"
     assert train(out, "--anchors", "100", "--steps", "2", "--eval-prompts", "0") == 0
     meta = checkpoint.find_latest(out) / "meta.json"
-    assert json.loads(meta.read_text())["anchors"] == {"asked": 100, "used": 29}
+    assert json.loads(meta.read_text())["anchors"] == {"asked": 100, "used": 21}
     # as if its start had had less room (a GPU with less free memory then): the resume keeps that
-    meta.write_text(meta.read_text().replace('"used": 29', '"used": 16'))
+    meta.write_text(meta.read_text().replace('"used": 21', '"used": 16'))
     capsys.readouterr()
     assert train(out, "--anchors", "100", "--steps", "3", "--eval-prompts", "0", "--resume") == 0
     said = [line for line in capsys.readouterr().out.splitlines() if "anchors" in line and "instead of" in line]
@@ -113,3 +114,75 @@ def test_the_estimate_covers_the_measured_peaks_at_the_recipes_shape(seqs, peak_
     s = Shape(**{**RECIPE.__dict__, "seqs": seqs})
     predicted = 16.4e9 + RECIPE.trainable * 16 + seqs * sequence_bytes(s, 512)
     assert peak_gb * 1e9 <= predicted <= 1.08 * peak_gb * 1e9
+
+
+def test_anchors_past_what_any_row_can_take_are_cut_to_that():
+    """An anchor is a loss position with a whole block after it: rows whose answers are 128 tokens
+    take ~113 however long their prompts, so 512 anchors would be ~78% padding."""
+    answers = Shape(**{**RECIPE.__dict__, "pad_len": 512, "room": 113})
+    fit = fit_anchors(512, answers, gpu(141))
+    assert fit.anchors == 113
+    assert fit.line == ("anchors 113 instead of 512: no row has more than 113 loss positions with a whole block "
+                        "of 16 after them (the anchors a row can take); every one is drawn, more are padding")
+    assert fit_anchors(64, answers, gpu(141)) == Fit(64, None)
+
+
+def test_most_anchors_counts_what_sample_anchors_can_draw():
+    import torch
+
+    from trainer.model import masks
+    from trainer.run.data import Sample, most_anchors
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for length in (40, 90, 17, 5):
+        ids = tuple(range(length))
+        lm = tuple(int(v) for v in (torch.rand(length, generator=g) > 0.3))
+        rows.append(Sample(ids, lm))
+    want = max(len(masks.anchor_candidates(torch.tensor(s.loss_mask, dtype=torch.float32), len(s.input_ids), 16))
+               for s in rows)
+    assert most_anchors(rows, 16) == want > 0
+    assert most_anchors([Sample((1, 2, 3), (1, 1, 1))], 16) == 0
+
+
+def test_cutting_padding_anchors_leaves_the_loss_and_gradients_as_they_were():
+    """The cut is only safe because every anchor a row has is still drawn: the same rows with the
+    anchors cut to most_anchors and with 40 more (padding) give the same loss and gradients, within
+    the rounding of the longer reductions (tests/tolerance.py)."""
+    import torch
+
+    from tiny_engine import tiny_engine
+    from tolerance import assert_close, loss_chain
+    from trainer.run.data import Sample, make_batch, most_anchors
+
+    tiny = tiny_engine(1)
+    try:
+        r = tiny.engine.primary
+        g = torch.Generator().manual_seed(3)
+        rows = []
+        for length, answer in ((64, 20), (48, 30), (64, 9)):      # loss on the answer at the row's end
+            ids = torch.randint(0, tiny.vocab - 1, (length,), generator=g).tolist()
+            rows.append(Sample(tuple(ids), (0,) * (length - answer) + (1,) * answer))
+        room = most_anchors(rows, 16)
+        assert room == 30 - 16 + 1
+
+        def loss_and_grads(anchors: int):
+            b = make_batch(rows, pad_len=64, pad_id=0, step=0, seed=0, block_size=16, anchors=anchors,
+                           pos_weights=tiny.pos_weights)
+            for p in r.params:
+                p.grad = None
+            feats = r.target.features(b.input_ids, eager=True)
+            loss_sum, _, count = r.loss_module(feats, b.input_ids, b.loss_mask, b.anchors, b.valid)
+            (loss_sum / b.weight_total).backward()
+            return loss_sum.detach(), count.detach(), [p.grad.clone() for p in r.params], int(b.valid.sum())
+
+        cut, padded = loss_and_grads(room), loss_and_grads(room + 40)
+        assert cut[3] == padded[3] == room + 5        # every anchor of every row, both times (the third has none)
+        n = loss_chain(r.drafter.cfg, keys=64 + 16, rows=int(cut[1].sum()))
+        assert_close(cut[0], padded[0], n=n, msg="loss")
+        assert torch.equal(cut[1], padded[1])
+        for a, b in zip(cut[2], padded[2]):
+            assert_close(a, b, n=2 * n, msg="gradient")
+        assert float(cut[0]) > 0 and any(float(x.abs().max()) > 0 for x in cut[2])
+    finally:
+        tiny.engine.close()

@@ -355,6 +355,12 @@ def anchor_seed(seed: int, step: int, row: int) -> int:
     return (seed * 1_000_003 + step * 8191 + row) % (2**63 - 1)
 
 
+def most_anchors(samples: Sequence[Sample], block_size: int) -> int:
+    """The most anchors any row holds: its loss positions with a whole block after them (the count of
+    masks.anchor_candidates), which sample_anchors draws all of when --anchors is at least this."""
+    return max((sum(v > 0 for v in s.loss_mask[: len(s.input_ids) - block_size + 1]) for s in samples), default=0)
+
+
 def make_batch(samples: Sequence[Sample], *, pad_len: int, pad_id: int, step: int, seed: int,
                block_size: int, anchors: int, pos_weights: torch.Tensor) -> Batch:
     B = len(samples)

@@ -3,8 +3,10 @@
 The recipe's 512 anchors x block 16 over 3072 tokens (docs/recipe.md) is sized for an 80-141 GB GPU.
 The rule, applied once at start (trainer/train/loop.prepare), never changes a run silently:
 
-1. Anchors past what the rows can hold are padding (computed, with no loss): at most
-   pad_len - block + 1 blocks fit in the longest row, so more are cut to that.
+1. Anchors past what the rows can hold are padding (computed, with no loss): an anchor is a loss
+   position with a whole block after it (masks.anchor_candidates), so no row holds more than
+   `room` of them (at most pad_len - block + 1), and more are cut to that. Every anchor a row has
+   is still drawn, so the loss and its gradients are the same as with the padding.
 2. On a GPU, the activations of one worker's sequences must fit the device's free memory once the
    target, the drafter's weights and optimizer state and a reserve are placed; if not, anchors drop
    to the most that fit (a multiple of 8). Lowering anchors changes neither the data nor the model
@@ -48,6 +50,7 @@ class Shape:
     block: int
     pad_len: int             # tokens per sequence in a batch: min(seq_len, the longest row)
     seqs: int                # sequences one worker computes per step
+    room: int = 0            # the most anchors any row holds (0: not counted, pad_len - block + 1)
 
 
 @dataclass(frozen=True)
@@ -75,12 +78,16 @@ def sequence_bytes(s: Shape, anchors: int) -> int:
 def fit_anchors(anchors: int, s: Shape, d: Device, step_flops: Callable[[int], float] = lambda n: 0.0) -> Fit:
     """The anchors to use for `anchors` asked, and why when they differ (rules in the module doc).
     step_flops(n): one worker's training FLOPs per step with n anchors (for the CPU's line)."""
-    room = max(1, s.pad_len - s.block + 1)
+    fits = max(1, s.pad_len - s.block + 1)
+    room = min(fits, s.room) if s.room > 0 else fits
     why = []
     use = anchors
     if use > room:
         use = room
-        why.append(f"the longest row ({s.pad_len} tokens) holds at most {room} blocks of {s.block}; more are padding")
+        why.append(f"the longest row ({s.pad_len} tokens) holds at most {room} blocks of {s.block}; more are padding"
+                   if room == fits else
+                   f"no row has more than {room} loss positions with a whole block of {s.block} after them "
+                   f"(the anchors a row can take); every one is drawn, more are padding")
     if d.kind == "cuda":
         spare = d.free - RESERVE - d.workers * s.trainable * TRAINABLE_BYTES
         per_seq = spare / max(1, d.workers * s.seqs)

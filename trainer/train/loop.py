@@ -24,7 +24,8 @@ from trainer.model.drafter import Drafter, DrafterConfig, flops_per_sample
 from trainer.engine.step import lr_at
 from trainer.run import checkpoint, provenance, sizing
 from trainer.run.config import RUN_CONFIG, TrainConfig, chat_template_options, layer_ids
-from trainer.run.data import Loader, check_samples, encode_rows, make_batch, overlap, read_rows, split_eval, synthetic
+from trainer.run.data import (Loader, check_samples, encode_rows, make_batch, most_anchors, overlap, read_rows,
+                              split_eval, synthetic)
 from trainer.run.eval import acceptance_length
 from trainer.run.log import eval_line, heartbeat, step_line
 from trainer.run.target import Target, load_target
@@ -135,7 +136,7 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
              f"mask token {dcfg.mask_token_id}, gamma {gamma:g}")
     if cfg.precision != "bf16":
         log.info(fp8.described(cfg.precision, cfg.fp8_emulate, fp8.use(drafter, cfg.precision, cfg.fp8_emulate)))
-    anchors = _anchors(cfg, device, dcfg, n_params, pad_len, log, agree_min, ck)
+    anchors = _anchors(cfg, device, dcfg, n_params, pad_len, samples, log, agree_min, ck)
     return Prepared(out, ck, target, samples, eval_prompts, pad_len, pos_weights, dcfg, drafter,
                     flops_per_sample(dcfg, pad_len, anchors * cfg.block_size), record, eval_overlap, anchors)
 
@@ -157,14 +158,15 @@ def _check_resumed_target(cfg: TrainConfig, ck, now: dict, log) -> None:
         log.info(f"{what} ({', '.join(changed.values())}); continuing (--target-changed-ok)")
 
 
-def _anchors(cfg: TrainConfig, device: torch.device, dcfg: DrafterConfig, n_params: int, pad_len: int, log,
-             agree_min, ck=None) -> int:
+def _anchors(cfg: TrainConfig, device: torch.device, dcfg: DrafterConfig, n_params: int, pad_len: int, samples,
+             log, agree_min, ck=None) -> int:
     """--anchors, or fewer where the rows or the device's free memory cannot take them: one line then.
     A resume keeps what its checkpoint recorded (sizing.resumed), said in one line."""
     seqs = max(1, cfg.batch_size // (cfg.n_devices * cfg.nnodes))
     shape = sizing.Shape(hidden=dcfg.hidden_size, intermediate=dcfg.intermediate_size, layers=dcfg.num_layers,
                          kv_dim=dcfg.num_kv_heads * dcfg.head_dim, feature_layers=dcfg.num_target_layers,
-                         trainable=n_params, block=cfg.block_size, pad_len=pad_len, seqs=seqs)
+                         trainable=n_params, block=cfg.block_size, pad_len=pad_len, seqs=seqs,
+                         room=most_anchors(samples, cfg.block_size))
     if device.type == "cuda":
         sharing = cfg.n_devices // cfg.gpus if cfg.topology == "threads" else 1
         dev = sizing.Device("cuda", str(device), free=torch.cuda.mem_get_info(device)[0], workers=sharing)
