@@ -12,7 +12,7 @@
 #   POLICY=inductor TRAIN_FLAGS="--adam-beta2 0.95" ...   # the main drafter compiled (eager again if
 #                                         # that run fails), every run with extra trainer flags
 #   SIZE=smoke MAIN_STEPS=6 CLAIM_STEPS=4 N_TRAIN=48 N_EVAL=3 NEW=24 BATCH=4 CLAIM_BATCH=4 \
-#       REGEN_BATCH=16 scripts/small_target_claims.sh    # a CPU dry run
+#       REGEN_BATCH=16 GPUS=0 scripts/small_target_claims.sh    # a CPU dry run
 #
 # Writes $OUT (default out/small-target-claims): phases.log, each phase's and run's log, each run's
 # metrics.jsonl, specdec-NAME.json; `python benchmarks/claims_table.py $OUT` turns them into the
@@ -23,7 +23,7 @@ SIZE=${SIZE:-gpu}; OUT=${OUT:-out/small-target-claims}; WORK=${WORK:-/tmp/small-
 N_TRAIN=${N_TRAIN:-16000}; N_EVAL=${N_EVAL:-30}; NEW=${NEW:-128}; REGEN_BATCH=${REGEN_BATCH:-1024}
 MAIN_STEPS=${MAIN_STEPS:-1600}; BATCH=${BATCH:-32}; CLAIM_STEPS=${CLAIM_STEPS:-400}; CLAIM_BATCH=${CLAIM_BATCH:-16}
 CLAIM_EVAL=${CLAIM_EVAL:-$N_EVAL}; SPEED=${SPEED:-main layers1}; PARALLEL=${PARALLEL:-3}
-VARIANTS=${VARIANTS:-base block8 uniform layers1 layers5 anchors64}
+VARIANTS=${VARIANTS-base block8 uniform layers1 layers5 anchors64}   # VARIANTS= (empty): none
 POLICY=${POLICY:-eager}; TRAIN_FLAGS=${TRAIN_FLAGS:-}
 PY=${PY:-python3}
 mkdir -p "$OUT" "$WORK"
