@@ -259,9 +259,8 @@ def test_probe_refuses_bad_arguments():
 def test_max_autotune_is_probed_only_when_named():
     """Its first compile autotunes for minutes (> 190 s on one H200), longer than every other case
     together: the default cases leave it out, and --policies still takes it."""
-    from trainer.probe.program import chosen_policies
-
-    assert chosen_policies(None) == ["eager", "inductor", "reduce-overhead", "cudagraphs-no-trees"]
-    assert chosen_policies("max-autotune-no-cudagraphs, eager") == ["max-autotune-no-cudagraphs", "eager"]
+    chosen = policies.chosen
+    assert chosen(None) == ["eager", "inductor", "reduce-overhead", "cudagraphs-no-trees"]
+    assert chosen("max-autotune-no-cudagraphs, eager") == ["max-autotune-no-cudagraphs", "eager"]
     with pytest.raises(ValueError, match="unknown warp"):
-        chosen_policies("eager,warp")
+        chosen("eager,warp")

@@ -81,6 +81,15 @@ def known() -> tuple[str, ...]:
     return POLICY_NAMES + (tuple(_TEST_RECIPES) if faults.enabled("test_policies") else ())
 
 
+def chosen(text: str | None) -> list[str]:
+    """The probe's --policies A,B as a list, or PROBED_BY_DEFAULT; ValueError names unknown ones."""
+    names = [p.strip() for p in (text or "").split(",") if p.strip()]
+    unknown = [p for p in names if p not in known()]
+    if unknown:
+        raise ValueError(f"--policies: unknown {', '.join(unknown)}; known: {', '.join(POLICY_NAMES)}")
+    return names or list(PROBED_BY_DEFAULT)
+
+
 def _recipe(name: str) -> dict[str, Any]:
     _check_name(name)
     return _RECIPES.get(name) or _TEST_RECIPES[name]

@@ -408,15 +408,6 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def chosen_policies(text: str | None) -> list[str]:
-    """--policies A,B as a list, or the policies probed by default; ValueError names unknown ones."""
-    names = [p.strip() for p in (text or "").split(",") if p.strip()]
-    unknown = [p for p in names if p not in policies.known()]
-    if unknown:
-        raise ValueError(f"--policies: unknown {', '.join(unknown)}; known: {', '.join(policies.POLICY_NAMES)}")
-    return names or list(policies.PROBED_BY_DEFAULT)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.device == "auto":
@@ -424,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.threads < 0 or args.jobs < 0:
         _parser().error("--steps must be >= 1, --threads and --jobs >= 0")
     try:
-        args.policies = chosen_policies(args.policies)
+        args.policies = policies.chosen(args.policies)
     except ValueError as e:
         _parser().error(str(e))
     tops = [t.strip() for t in (args.topologies or "").split(",") if t.strip()]
