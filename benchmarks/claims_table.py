@@ -11,13 +11,13 @@ one but the intervals overlap; "did not hold" otherwise.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _plot import save_png  # noqa: E402
+from _runs import load  # noqa: E402
 from trainer.run.log import tau_text  # noqa: E402
 
 # (claim, the drafter it favours, the one it beats)
@@ -31,16 +31,6 @@ CLAIMS = (
 )
 LABELS = {"main": "main (long)", "base": "baseline", "untrained": "untrained", "block8": "block 8",
           "uniform": "uniform weights", "layers1": "1 layer", "layers5": "5 layers", "anchors64": "64 anchors"}
-
-
-def load(folder: Path) -> tuple[dict, dict]:
-    """{name: specdec document}, {name: [(step, loss)]} of the drafters in `folder`."""
-    docs = {p.stem[len("specdec-"):]: json.loads(p.read_text()) for p in sorted(folder.glob("specdec-*.json"))}
-    curves = {}
-    for p in sorted(folder.glob("metrics-*.jsonl")):
-        rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-        curves[p.stem[len("metrics-"):]] = [(r["step"], r["loss"]) for r in rows if "loss" in r and "step" in r]
-    return docs, curves
 
 
 def verdict(better: dict, worse: dict) -> str:

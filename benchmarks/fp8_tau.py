@@ -19,26 +19,23 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import _runs as runs  # noqa: E402
 from _plot import save_png  # noqa: E402
+from trainer.run.log import tau_text  # noqa: E402
 
 RUN = re.compile(r"^(?P<precision>bf16|fp8|fp8-rowwise)-s(?P<seed>\d+)$")
 COLORS = {"bf16": "#27a", "fp8": "#d62", "fp8-rowwise": "#2a7"}
 
 
 def load(folder: Path) -> tuple[dict, dict]:
-    """{(precision, seed): specdec document}, {(precision, seed): [(step, loss)]}."""
-    docs, curves = {}, {}
-    for p in sorted(folder.glob("specdec-*.json")):
-        m = RUN.match(p.stem[len("specdec-"):])
-        if m:
-            docs[(m["precision"], int(m["seed"]))] = json.loads(p.read_text())
-    for p in sorted(folder.glob("metrics-*.jsonl")):
-        m = RUN.match(p.stem[len("metrics-"):])
-        if m:
-            rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-            curves[(m["precision"], int(m["seed"]))] = [(r["step"], r["loss"]) for r in rows
-                                                        if "loss" in r and "step" in r and "event" not in r]
-    return docs, curves
+    """{(precision, seed): specdec document}, {(precision, seed): [(step, loss)]} of the runs named
+    PRECISION-sSEED."""
+    def keyed(found: dict) -> dict:
+        return {(m["precision"], int(m["seed"])): v for name, v in found.items() if (m := RUN.match(name))}
+
+    docs, curves = runs.load(folder)
+    return keyed(docs), keyed(curves)
 
 
 def verdict(docs: dict, precision: str) -> tuple[str, dict]:
@@ -58,14 +55,11 @@ def verdict(docs: dict, precision: str) -> tuple[str, dict]:
 
 
 def table(docs: dict, curves: dict) -> str:
-    lines = ["| precision | seed | held-out tau (95%) | rounds | last training loss |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = ["| precision | seed | held-out tau | last training loss |", "| --- | --- | --- | --- |"]
     for (p, seed), d in sorted(docs.items()):
-        ci = d.get("tau_ci95")
-        tau = f"{d['tau']:.3f}" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
         last = curves.get((p, seed)) or []
-        lines.append(f"| {p} | {seed} | {tau} | {d.get('rounds', '')} | {last[-1][1]:.4f} |" if last else
-                     f"| {p} | {seed} | {tau} | {d.get('rounds', '')} | |")
+        lines.append(f"| {p} | {seed} | {tau_text(d['tau'], d.get('tau_ci95'), d.get('rounds'))} | "
+                     + (f"{last[-1][1]:.4f} |" if last else "|"))
     return "\n".join(lines)
 
 

@@ -164,6 +164,16 @@ def test_a_running_run_needs_running_ok_and_says_which_step(tmp_path):
     assert rc == 0 and doc["running"] is False
 
 
+def test_changes_names_the_layers_read_and_the_mask_token_where_both_sides_record_them():
+    then = {"target": "t", "config_sha256": "c", "num_layers": 8, "hidden_size": 64, "vocab_size": 300,
+            "weights_sha256": "w", "weights_sample_rows": 256, "layer_ids": [1, 3, 5], "mask_token_id": 7}
+    now = {**then, "layer_ids": [1, 3, 6], "mask_token_id": 8}        # a resume: the target recorded as now
+    assert provenance.changes(then, now) == {"layer_ids": "layer_ids [1, 3, 5] -> [1, 3, 6]",
+                                             "mask_token_id": "mask_token_id 7 -> 8"}
+    identity = {k: v for k, v in now.items() if k not in ("layer_ids", "mask_token_id")}   # export, eval
+    assert provenance.changes(then, identity) == {}
+
+
 def test_a_resume_against_a_changed_target_is_refused_unless_target_changed_ok(trained, tmp_path):
     from trainer.train import train_entry
 

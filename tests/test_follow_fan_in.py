@@ -132,6 +132,7 @@ def test_the_first_failure_is_the_node_that_failed_not_one_its_failure_ended():
     # a launcher the watch ended has no torchrun root cause; its exit status says the same
     summaries["ct200"] = failed("ct200", 100.0, 3, None)
     assert nodes.job_summary("R", ["ct200", "ct300"], summaries, "ct200").root_cause["target"] == "ct300"
-    # with only such nodes, the earliest is named all the same
-    s = nodes.job_summary("R", ["ct200"], {"ct200": summaries["ct200"]}, "ct200")
-    assert s.root_cause["target"] == "ct200"
+    # with only such nodes, the earliest is named all the same: here the second of the list
+    summaries = {"ct200": failed("ct200", 100.5, 3, None), "ct300": failed("ct300", 100.2, 3, None)}
+    s = nodes.job_summary("R", ["ct200", "ct300"], summaries, "ct200")
+    assert s.root_cause["target"] == "ct300"

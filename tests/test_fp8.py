@@ -101,14 +101,17 @@ def test_fp8_only_while_training_and_the_weights_are_the_same(setup):
     its state dict is the same: fp8 changes the training matmuls only."""
     drafter, pw, batch, feats = setup
     d8 = copy.deepcopy(drafter)
-    fp8.use(d8, "fp8", emulate=True)
+    assert fp8.use(d8, "fp8", emulate=True) == []     # every Linear of the tiny drafter takes fp8
     assert d8.state_dict().keys() == drafter.state_dict().keys()
     with torch.no_grad():
         a = DraftLoss(drafter, pw)(feats, batch.input_ids, batch.loss_mask, batch.anchors, batch.valid)[0]
         b = DraftLoss(d8, pw)(feats, batch.input_ids, batch.loss_mask, batch.anchors, batch.valid)[0]
     assert torch.equal(a, b)
-    fp8.use(d8, "bf16")   # and taken away, the step is the bf16 one again
-    assert _step(d8, pw, batch, feats)[0] == _step(drafter, pw, batch, feats)[0]
+    bf16 = _step(drafter, pw, batch, feats)
+    assert grad_errors(_step(d8, pw, batch, feats)[1], bf16[1])[1] > 1e-3    # while training it is fp8's step
+    assert fp8.use(d8, "bf16") == []   # and taken away, the step is the bf16 one again
+    loss, grads = _step(d8, pw, batch, feats)
+    assert loss == bf16[0] and all(torch.equal(g, h) for g, h in zip(grads, bf16[1]))
 
 
 def test_compiled_fp8_linear_is_eagers():
@@ -177,10 +180,12 @@ def test_an_emulated_fp8_run_trains_with_worker_threads(tmp_path, capsys):
 
     out = tmp_path / "run"
     assert train(out, "--precision", "fp8-rowwise", "--fp8-emulate", "--workers", "2", "--steps", "6",
-                 "--eval-prompts", "0") == 0
+                 "--eval-prompts", "0", "--checksum-every", "2") == 0
     assert "precision fp8-rowwise: the drafter's Linear layers train with torchao" in capsys.readouterr().out
     losses = [m["loss"] for m in metrics(out) if "loss" in m and "event" not in m]
     assert len(losses) == 6 and all(x == x for x in losses)
+    checks = [(m["step"], m["replicas"]) for m in metrics(out) if m.get("event") == "checksum"]
+    assert checks == [(2, 2), (4, 2), (6, 2)], checks
 
 
 def test_the_probe_judges_fp8_against_eager_bf16_within_fp8s_noise(monkeypatch):

@@ -43,7 +43,8 @@ def test_cli_prints_the_table_and_plots_the_curves_together(tmp_path, capsys):
     folder = _runs(tmp_path / "tau", {**BF16, ("fp8-rowwise", 0): 1.46, ("fp8-rowwise", 1): 1.48})
     assert fp8_tau.main([str(folder), "-o", str(tmp_path / "p.png"), "--json", str(tmp_path / "v.json")]) == 0
     out = capsys.readouterr().out
-    assert "| bf16 | 0 | 1.450 (1.35-1.55) | 900 | 4.7000 |" in out and "fp8-rowwise: held-out tau 1.470" in out
+    assert "| bf16 | 0 | 1.450 (95% 1.350-1.550, 900 rounds) | 4.7000 |" in out
+    assert "fp8-rowwise: held-out tau 1.470" in out
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "v.json").read_text())["fp8-rowwise"]["seeds"] == [3, 2]
     assert fp8_tau.main([str(tmp_path / "empty")]) == 2

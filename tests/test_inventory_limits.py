@@ -187,12 +187,3 @@ def test_home_is_resolved_and_checked_on_the_target(sshd, fakepct, make_inventor
     r = cli("-i", path, "deploy", "mine", "--source", src)
     assert r.returncode == 0, r.stderr
     assert (home / "dflash" / "current" / "a.py").read_text() == "A = 1\n"
-
-
-def test_the_target_refuses_the_same_system_folders_as_the_controller():
-    """The runs and release agents cannot import the controller's names.py: their copy of the
-    folder lists must stay the same as its."""
-    from orchestrator.inventory import names
-    from orchestrator.remote import common
-
-    assert (common._SYSTEM_TREES, common._SYSTEM_ROOTS) == (names.SYSTEM_TREES, names.SYSTEM_ROOTS)

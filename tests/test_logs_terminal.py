@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 
 from trainer_quick import CLI_MAIN, copy_trainer, tiny_run_config, wait_for
 
@@ -32,14 +33,46 @@ def test_a_terminal_shows_each_event_once():
 
 
 
-def test_the_events_left_out_are_the_trainers_own_list():
-    """The trainer says which events it also writes as text; `logs` reads that list, not a copy."""
+# Each event's words on a terminal: the trainer's own text line (a twinned event) or the one
+# for_terminal writes in its place.
+SHOWN = {"worker_ready": lambda e: f"worker {e['worker']} ({e['device']}) ready in",
+         "eval": lambda e: f"eval at step {e['step']}: tau",
+         "done": lambda e: f"done: {e['step']} steps",
+         "resume": lambda e: f"resumed from {e['path']} at step {e['step']}",
+         "checkpoint": lambda e: f"checkpoint at step {e['step']}: {e['path']}",
+         "checksum": lambda e: f"replicas' weights agree at step {e['step']}"}
+
+
+def test_the_events_left_out_are_the_trainers_own_list(tmp_path, capsys):
+    """The trainer says which events it also writes as text; `logs` reads that list, not a copy. A real
+    run's output (two workers, checkpoints, evals, checksums, then a resume), as a terminal shows it:
+    no JSON line, and each of its events on exactly one line (a twinned event by the trainer's text)."""
+    from trainer_quick import train
+
     from orchestrator.runs import logview
     from trainer.run import log
 
     assert logview.TWINNED is log.TWINNED
-    for event in log.TWINNED:
-        assert for_terminal(json.dumps({"event": event, "step": 1}).encode() + b"\n") is None
+    out = tmp_path / "run"
+    every = ("--checkpoint-every", "2", "--eval-every", "2", "--checksum-every", "2")
+    assert train(out, "--steps", "4", "--workers", "2", *every) == 0
+    assert train(out, "--steps", "6", "--workers", "2", "--resume", *every) == 0
+    lines = capsys.readouterr().out.encode().splitlines(keepends=True)
+    shown = [t.decode() for t in map(for_terminal, lines) if t is not None]
+    assert not [t for t in shown if t.startswith("{")], shown
+    events = [json.loads(line) for line in lines if line.startswith(b'{"event"')]
+    assert {e["event"] for e in events} == set(SHOWN), events
+    for e in events:
+        if e["event"] == "resume":      # the checkpoint it resumed from
+            e["path"] = out / "checkpoints" / f"step-{e['step']:08d}"
+    said = Counter(SHOWN[e["event"]](e) for e in events)
+    for words, n in said.items():       # (each run's workers are ready once: twice in all)
+        assert sum(words in t for t in shown) == n, (words, n, shown)
+    steps = Counter(f"[trainer] step {json.loads(line)['step']}/" for line in lines if line.startswith(b'{"step"'))
+    assert sorted(steps) == [f"[trainer] step {i}/" for i in range(1, 7)]
+    for words, n in steps.items():
+        assert sum(t.startswith(words) for t in shown) == n, (words, n, shown)
+
 
 def test_ctrl_c_while_following_says_the_run_goes_on_and_how_to_stop_it(sshd, fakepct, make_inventory, tmp_path):
     fakepct.create(200)

@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+from trainer import procs
 from trainer.exits import run
 
 from trainer.train import train_entry
@@ -62,17 +63,8 @@ def sigterm_once_training(cmd: list[str], *, after_step: int = 3, timeout: float
 
 
 def children(pid: int) -> list[int]:
-    """The pids of `pid`'s child processes (a launcher's torchrun ranks), from /proc."""
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(entry.name))
-    return kids
+    """The pids of `pid`'s child processes (a launcher's torchrun ranks), ended ones included."""
+    return [p for p, (parent, _) in procs.table().items() if parent == pid]
 
 
 # ---- a trainer launched through dflash-ops (tests against the sshd + pct stand-in) ----------------

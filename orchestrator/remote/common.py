@@ -74,11 +74,12 @@ def _flock(path, wait=True):
     return f
 
 
-# The controller checks `workdir:` when it loads hosts.yaml (orchestrator/inventory/names.py);
-# here the folder is checked again as this machine sees it, once `~` is this user's home.
-_SYSTEM_TREES = ("/etc", "/proc", "/sys", "/dev", "/usr", "/bin", "/sbin", "/boot", "/lib", "/lib32", "/lib64",
-                 "/libx32")
-_SYSTEM_ROOTS = ("/", "/var", "/var/lib")
+# The controller checks `workdir:` when it loads hosts.yaml (orchestrator/inventory/names.py, which
+# imports these two lists); here the folder is checked again as this machine sees it, once `~` is
+# this user's home. Folders a workdir may not be or be inside of; it may be inside /var/lib but not it.
+SYSTEM_TREES = ("/etc", "/proc", "/sys", "/dev", "/usr", "/bin", "/sbin", "/boot", "/lib", "/lib32", "/lib64",
+                "/libx32")
+SYSTEM_ROOTS = ("/", "/var", "/var/lib")
 
 
 def _workdir(arg):
@@ -88,7 +89,7 @@ def _workdir(arg):
     if (not path.startswith("/") or os.path.normpath(path) != path
             or any(ord(c) < 32 or ord(c) == 127 for c in path)):
         refuse("bad_workdir", "workdir %r (%r here) is not an absolute, normalised path" % (arg, path))
-    if path in _SYSTEM_ROOTS or "/" + path.split("/")[1] in _SYSTEM_TREES:
+    if path in SYSTEM_ROOTS or "/" + path.split("/")[1] in SYSTEM_TREES:
         refuse("bad_workdir", "workdir %r is %s here, a system folder; set `workdir:` to a folder of its own"
                % (arg, path))
     return path

@@ -17,10 +17,21 @@ from orchestrator.ui import State, emit, json_option, table
 
 def _split_launch_args(state: State, args: tuple[str, ...]) -> tuple[list, list[str]]:
     """`[TARGET|T1,T2|GROUP] [-- TRAINER_ARGS...]`: the first word names the target(s) unless it is
-    a flag; [] for the default target."""
+    a flag; else the default target."""
     if args and not args[0].startswith("-"):
         return state.inv.expand(args[0]), list(args[1:])   # unknown: a clear error with a suggestion
-    return [], list(args)
+    return [state.inv.default_target()], list(args)
+
+
+def _note_cleared(launched) -> None:
+    """A note per stale slot lock a launch cleared, on any of its nodes."""
+    for n in launched.nodes:
+        for c in n.cleared:
+            note(f"{n.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
+
+
+def _devices(gpu_ids) -> str:
+    return f"GPU {', '.join(map(str, gpu_ids))}" if gpu_ids else "CPU"
 
 
 # --- launch --------------------------------------------------------------------------------------
@@ -64,11 +75,9 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
                                workers=workers, extra=extra, name=name, resume=resume,
                                env=parse_assignments(env))
     with open_session(state.inv) as session:   # one connection for the launch and the follow
-        res = nodes.launch(state.inv, targets or [state.inv.default_target()], opts, session=session)
+        res = nodes.launch(state.inv, targets, opts, session=session)
         info = _nodes_info(res) if len(res.nodes) > 1 else _launch_info(res.nodes[0])
-        for n in res.nodes:
-            for c in n.cleared:
-                note(f"{n.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
+        _note_cleared(res)
         if not follow:
             if as_json:
                 emit(True, res.as_json(), "")
@@ -87,12 +96,12 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
 
 
 def _launch_info(res) -> str:
-    where = f"GPU {', '.join(map(str, res.gpu_ids))}" if res.gpu_ids else "CPU"
     policy_text = (res.compile_policy or f"none: {res.kind} into {res.output}") + (
         f" (probe chose {res.probe_policy})" if res.probe_policy else "")
     what = (f"resumed run {res.run} (attempt {res.attempt}, was {res.resumed_from}; "
             if res.attempt > 1 else f"launched run {res.run} (")
     label = f"{res.name!r}, " if res.name else ""
+    where = _devices(res.gpu_ids)
     return (f"{res.target}: {what}{label}pid {res.pid}, {where}, release {res.release}, policy {policy_text})"
             + (", env " + " ".join(f"{k}={v}" for k, v in res.env.items()) if res.env else "")
             + (f"; its launch was cut off ({res.cut_off}) after it started" if res.cut_off else "")

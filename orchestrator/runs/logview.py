@@ -97,13 +97,18 @@ class Seen:
         return {"events": self.events, "steps": self.steps if several else self.steps.get(None, {"lines": 0})}
 
 
-def _json_line(data: bytes) -> tuple[bytes, dict | None]:
-    """A log line's rank lead (`[rankN]: `, or b"") and its JSON object (None when it is not one)."""
-    lead, body = b"", data
+def _rank_lead(data: bytes) -> tuple[bytes, bytes]:
+    """A log line as its rank lead (`[rankN]: `, torchrun's, or b"") and the rest."""
     if data.startswith(b"[rank"):
         head, sep, rest = data.partition(b"]: ")
         if sep and head[5:].isdigit():
-            lead, body = head + sep, rest
+            return head + sep, rest
+    return b"", data
+
+
+def _json_line(data: bytes) -> tuple[bytes, dict | None]:
+    """A log line's rank lead (`[rankN]: `, or b"") and its JSON object (None when it is not one)."""
+    lead, body = _rank_lead(data)
     if not body.startswith(b"{"):
         return lead, None
     try:
@@ -215,11 +220,8 @@ def _coloured(line, data: bytes) -> bytes:
 
 def _prefixed(target: str, data: bytes) -> bytes:
     """`[rank1]: text` -> `[target/rank1] text`; any other line -> `[target] line`."""
-    if data.startswith(b"[rank"):
-        head, sep, body = data.partition(b"]: ")
-        if sep and head[5:].isdigit():
-            return b"[" + target.encode() + b"/rank" + head[5:] + b"] " + body
-    return b"[" + target.encode() + b"] " + data
+    lead, body = _rank_lead(data)
+    return b"[" + target.encode() + (b"/rank" + lead[5:-3] if lead else b"") + b"] " + body
 
 
 def _job_summary_line(s) -> str:

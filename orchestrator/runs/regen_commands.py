@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from orchestrator.errors import UsageError
-from orchestrator.runs.commands import _split_launch_args
+from orchestrator.runs.commands import _devices, _note_cleared, _split_launch_args
 from orchestrator.runs.logview import note
 from orchestrator.ui import State, emit, json_option
 
@@ -48,13 +48,12 @@ def regen(state: State, args, prompts, model, gpus, gpu_ids, max_new_tokens, bat
     opts, rows = regen_options(prompts=prompts, model=model, gpus=gpus, gpu_ids=gpu_ids,
                                max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature,
                                thinking=thinking, seed=seed, name=name, extra=extra, env=parse_assignments(env))
-    res = nodes.launch(state.inv, targets or [state.inv.default_target()], opts)
+    res = nodes.launch(state.inv, targets, opts)
+    _note_cleared(res)
     node = res.nodes[0]
-    for c in node.cleared:
-        note(f"{node.target}: cleared a stale lock on {c['slot']} left by run {c['run']}")
-    where = f"GPU {', '.join(map(str, node.gpu_ids))}" if node.gpu_ids else "CPU"
     emit(as_json, {**res.as_json(), "rows": rows, "prompts": opts.uploads[0]["path"]}, res.run)
     if not as_json:
+        where = _devices(node.gpu_ids)
         note(f"{node.target}: regen run {res.run} (pid {node.pid}, {where}, release {node.release}): {rows} rows "
               f"from {prompts}; its rows land in {node.output}; "
               f"follow it with `dflash-ops logs {node.target} {res.run}`")

@@ -8,7 +8,7 @@ failure means.
   catalog's remedy (trainer/signatures.yaml) and, for a module that is not installed, which one and
   how to install it.
 - `kill_tree` ends a case and every process under it, torchrun's ranks included (they run in sessions
-  of their own); `descendants` finds them.
+  of their own); `trainer.procs.descendants` finds them.
 - `rendezvous_problem` says, in well under a second, why a torchrun rendezvous on this machine
   cannot form (the hostname does not resolve, no local port binds), before a `processes` case waits
   minutes for it.
@@ -24,6 +24,8 @@ import socket
 import subprocess
 import threading
 import time
+
+from trainer.procs import descendants
 
 CASE_MARK = "@@dflash-probe-case@@ "
 PHASE_MARK = "@@dflash-probe-phase@@ "
@@ -111,31 +113,6 @@ def _json(text: str):
         return json.loads(text)
     except ValueError:
         return None
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process under `pid` (children, theirs, ...), from /proc; [] where there is no /proc.
-    torchrun starts each rank in a session of its own, so a process group does not reach them."""
-    children: dict[int, list[int]] = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return []
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue       # ended meanwhile
-        children.setdefault(ppid, []).append(int(name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def signal_tree(pid: int, sig: int, known: list[int] = ()) -> list[int]:

@@ -17,7 +17,8 @@ Every checkpoint's meta.json records `target`, the target's identity as the run 
     layer_ids         the target layers whose outputs fed the drafter
     mask_token_id     the id whose embedding marked the positions to draft
 
-`changes(recorded, now)` names what differs between a record and the target as it is now.
+`changes(recorded, now)` names what differs between a record and the target as it is now (and the
+layers read and mask token, where `now` is a `recorded` too).
 
 A trainer holds a shared flock on OUT/trainer.lock while it runs (`running`); `is_running(out)` is
 whether any process holds it now. The kernel drops the lock when the process ends, however it ends.
@@ -60,13 +61,17 @@ def recorded(target, mask_token_id: int) -> dict:
 
 
 def changes(then: dict, now: dict) -> dict[str, str]:
-    """What differs between a recorded identity and the target now: {key: words}, in a fixed order."""
+    """What differs between a recorded identity and the target now: {key: words}, in a fixed order.
+    The layers read and the mask token are compared where `now` has them (a resume's `recorded`; an
+    export or eval takes the recorded ones, so compares the `identity` only)."""
     out = {k: f"{label} {then.get(k)} -> {now.get(k)}" for k, label in SHAPE if then.get(k) != now.get(k)}
     if then.get("config_sha256") != now.get("config_sha256"):
         out["config_sha256"] = "config.json"
     w0, w1 = then.get("weights_sha256"), now.get("weights_sha256")
     if w0 and w1 and (w0 != w1 or then.get("weights_sample_rows") != now.get("weights_sample_rows")):
         out["weights_sha256"] = "embedding/lm_head weights"
+    out.update({k: f"{k} {then.get(k)} -> {now[k]}" for k in ("layer_ids", "mask_token_id")
+                if k in now and then.get(k) != now[k]})
     return out
 
 

@@ -94,9 +94,10 @@ def resume_point(out: Path, batch_size: int, total: int) -> int:
 
 
 def _render(tokenizer, messages, thinking: bool) -> list[int]:
-    kw = {} if thinking else {"enable_thinking": False}
-    r = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **kw)
-    return list(r["input_ids"] if isinstance(r, dict) or hasattr(r, "keys") else r)
+    """A conversation's prompt with the generation prompt, rendered as the trainer renders chat rows."""
+    from trainer.run import data
+
+    return data._render(tokenizer, messages, True, {} if thinking else {"enable_thinking": False})
 
 
 def answer_batch(model, tokenizer, convs: list[list[dict]], *, max_new_tokens: int, temperature: float,

@@ -146,20 +146,17 @@ def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_token
 
 # --------------------------------------------------------------------------- python -m trainer.specdec
 
-def read_prompt_ids(path: str, tokenizer, *, thinking: bool = False, limit: int | None = None,
+def read_prompt_ids(path: str, tokenizer, *, limit: int | None = None,
                     template_kwargs: dict | None = None) -> list[list[int]]:
     """Prompts of a JSONL file (regen's input spellings) as token ids through the target's chat template
-    with a generation prompt: with template_kwargs (a training run's --chat-template-kwargs) as the
-    trainer renders its eval prompts, else as regen does (thinking off unless `thinking`)."""
-    from trainer.run.regen import _render, read_prompts
+    with a generation prompt, as the trainer renders its eval prompts: with template_kwargs (a training
+    run's --chat-template-kwargs), else thinking off, as regen renders them."""
+    from trainer.run import data
+    from trainer.run.regen import read_prompts
 
-    rows = read_prompts(path)[:limit]
-    convs = [[{"role": r, "content": c} for r, c in row.turns] for row in rows]
-    if template_kwargs is not None:
-        from trainer.run import data
-
-        return [data._render(tokenizer, conv, True, template_kwargs) for conv in convs]
-    return [_render(tokenizer, conv, thinking) for conv in convs]
+    kwargs = {"enable_thinking": False} if template_kwargs is None else template_kwargs
+    return [data._render(tokenizer, [{"role": r, "content": c} for r, c in row.turns], True, kwargs)
+            for row in read_prompts(path)[:limit]]
 
 
 def main(argv: list[str] | None = None) -> int:

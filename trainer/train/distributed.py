@@ -70,6 +70,9 @@ SHUTDOWN_TIMEOUT_S = "300"
 # How long a rank waits for the other ranks to connect the process group's mesh (gloo's full mesh);
 # DFLASH_MESH_TIMEOUT_S in the environment (`launch --env`) changes it.
 MESH_TIMEOUT_S = 120.0
+# torch's own timeout for the mesh comes this much later, so the line that ends a rank is ours, which
+# says what to check, not torch's store error racing it.
+MESH_MARGIN_S = 10.0
 # How long a rank that failed waits for the job's watch to name an earlier failure elsewhere (its own
 # is then a consequence: a collective whose peer died) before its own error ends it.
 FAILURE_SEEN_S = 3.0
@@ -216,7 +219,7 @@ def rank_main(cfg: TrainConfig) -> int:
         with _deadline(mesh, f"rank {rank}: the process group's mesh did not form within {mesh:g} s (a rank on "
                              f"another node failed, or cannot reach this node's address)"):
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                    timeout=timedelta(seconds=mesh) if set_timeout else collectives)
+                                    timeout=timedelta(seconds=mesh + MESH_MARGIN_S) if set_timeout else collectives)
         if set_timeout:
             set_timeout(collectives)
         stop, restore_signal = loop.on_sigterm()

@@ -149,8 +149,6 @@ def _check_resumed_target(cfg: TrainConfig, ck, now: dict, log) -> None:
     if not then:    # an older trainer wrote it: nothing to compare
         return
     changed = provenance.changes(then, now)
-    changed.update({k: f"{k} {then.get(k)} -> {now.get(k)}" for k in ("layer_ids", "mask_token_id")
-                    if then.get(k) != now.get(k)})
     what = f"--resume: the target {cfg.target} is not the one {ck.path} was trained against"
     provenance.check(then, changed, cfg.target, now["num_layers"], cfg.target_changed_ok, refused=what,
                      anyway="to continue against it anyway")

@@ -38,6 +38,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from trainer import procs
 from trainer.errors import EXIT_PEER_FAILED, EXIT_SIGTERM
 from trainer.exits import exit_process
 
@@ -356,16 +357,5 @@ class _Timed:
 
 
 def _ranks_running() -> list[int]:
-    """This launcher's child processes (its ranks) that still run (a zombie has ended, not yet reaped
-    by torchrun), from /proc."""
-    me, kids = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    state, parent = f.read().rsplit(")", 1)[1].split()[:2]
-            except (OSError, ValueError):
-                continue
-            if int(parent) == me and state != "Z":
-                kids.append(int(entry))
-    return kids
+    """This launcher's child processes (its ranks) that still run."""
+    return procs.children(os.getpid())

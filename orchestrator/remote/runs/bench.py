@@ -146,12 +146,11 @@ def cmd_bench(workdir, opts, values):
     step, limit, gpu = (None if opts.get(k) is None else int(opts[k]) for k in ("--step", "--limit", "--gpu"))
     max_new_tokens, running_ok = int(opts.get("--max-new-tokens", 128)), "--running-ok" in opts
     upload = sys.stdin.buffer.read() if "--prompts-stdin" in opts else None
-    rid, rundir = _run_to_export(workdir, values[0] if values else "latest", running_ok)
+    rid, rundir, rec = _run_to_export(workdir, values[0] if values else "latest", running_ok)
     current = os.path.join(workdir, "current")
     if not os.path.isfile(os.path.join(current, "trainer", "specdec.py")):
         refuse("no_release", "the live release in %s has no trainer/specdec.py" % workdir, found=True, run=rid)
     cfg = _read_json(os.path.join(rundir, "trainer-config.json")) or {}
-    rec = _read_json(os.path.join(rundir, "run.json")) or {}
     tmp, lock = _private_tmp(workdir), None
     try:
         os.mkdir(tmp)
@@ -174,7 +173,7 @@ def cmd_bench(workdir, opts, values):
             sys.stderr.write("agent: %s\n" % note)
         sys.stderr.flush()
         folder = os.path.join(tmp, "draft")
-        info = _export_into(workdir, rid, rundir, folder, "float32", step, running_ok,
+        info = _export_into(workdir, rid, rundir, rec, folder, "float32", step, running_ok,
                             "--target-changed-ok" in opts, cuda_visible)
         doc = _specdec(workdir, rid, cfg, rec, folder, prompts, tmp, max_new_tokens, limit, cuda_visible)
         _out({"ok": True, "found": True, "run": rid, "step": info.get("step"), "running": info.get("running"),

@@ -65,7 +65,7 @@ def _interrupted(signum, frame):
 
 
 def _run_to_export(workdir, run, running_ok=False):
-    """(run id, its folder) of RUN as export takes it ("latest"/"": the newest succeeded training
+    """(run id, its folder, its run.json) of RUN as export takes it ("latest"/"": the newest succeeded training
     run), or the refusal: no such run, a regen run, a running run without --running-ok, no release."""
     if run in ("", "latest", None):
         rid = _latest_succeeded(workdir)
@@ -78,11 +78,11 @@ def _run_to_export(workdir, run, running_ok=False):
     if not kind_of(rec)["drafter"]:
         refuse("no_drafter", "a %s run has no drafter (its output is in %s)" % (rec.get("kind"), rec.get("output")),
                found=True, run=rid, exit_code=2)
-    if _state(rundir)[0] == "running" and not running_ok:
+    if _state(rundir, rec)[0] == "running" and not running_ok:
         refuse("running", STILL_RUNNING, found=True, run=rid)
     if not os.path.isfile(os.path.join(workdir, "current", "trainer", "export.py")):
         refuse("no_release", "the live release in %s has no trainer/export.py" % workdir, found=True, run=rid)
-    return rid, rundir
+    return rid, rundir, rec
 
 
 def _private_tmp(workdir):
@@ -165,12 +165,11 @@ def _program(workdir, module):
     return [sys.executable, "-c", _RUN_MODULE, os.path.realpath(os.path.join(workdir, "current")), module]
 
 
-def _export_into(workdir, rid, rundir, folder, dtype, step, running_ok=False, target_changed_ok=False,
+def _export_into(workdir, rid, rundir, rec, folder, dtype, step, running_ok=False, target_changed_ok=False,
                  cuda_visible=""):
     """`python -m trainer.export` of the live release into `folder`, from the run's cwd with its
-    launch-time env: its document (step, checkpoint, ...), or the refusal "export" with the
-    trainer's last line and exit status."""
-    rec = _read_json(os.path.join(rundir, "run.json")) or {}
+    launch-time env (rec: its run.json): its document (step, checkpoint, ...), or the refusal "export"
+    with the trainer's last line and exit status."""
     argv = _program(workdir, "trainer.export") + ["--run", rundir, "-o", folder, "--dtype", dtype]
     if step is not None:
         argv += ["--step", str(step)]
@@ -180,12 +179,12 @@ def _export_into(workdir, rid, rundir, folder, dtype, step, running_ok=False, ta
 
 
 def cmd_export(workdir, run, step, dtype, running_ok=False, target_changed_ok=False):
-    rid, rundir = _run_to_export(workdir, run, running_ok)
+    rid, rundir, rec = _run_to_export(workdir, run, running_ok)
     tmp = _private_tmp(workdir)
     try:
         os.mkdir(tmp)
         folder = os.path.join(tmp, "draft")
-        info = _export_into(workdir, rid, rundir, folder, dtype, step, running_ok, target_changed_ok)
+        info = _export_into(workdir, rid, rundir, rec, folder, dtype, step, running_ok, target_changed_ok)
         files = []
         for name in sorted(os.listdir(folder)):
             path = os.path.join(folder, name)
