@@ -77,7 +77,9 @@ for stage in $STAGES; do
     phase "== $stage"
     case $stage in
     tests)
-        timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_fp8.py 2>&1 | tail -3 || status=1
+        # the whole report into OUT (a failure's text is what the next step needs), its end here
+        timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_fp8.py > "$OUT/tests.log" 2>&1 || status=1
+        tail -3 "$OUT/tests.log"
         ;;
     step)
         k=0
@@ -120,4 +122,6 @@ for stage in $STAGES; do
     esac
 done
 phase "done"
+# one file to bring back: a device call returns a limited number of files
+tar czf "$OUT.tgz" -C "$OUT" . && mv "$OUT.tgz" "$OUT/fp8_check.tgz"
 exit $status
