@@ -48,8 +48,8 @@ sshd_module = _load_sshd_module()
 SLOW_FILES = (
     "test_probe_program.py",        # 170: the probe's policy x topology matrix, inductor compiled cold
     "test_runs_lifecycle.py",       # 113
-    "test_bench_decode_remote.py",  # 105
-    "test_export_remote.py",        # 80
+    "test_bench_decode_remote.py",  # 111
+    "test_export_remote.py",        # 79
     "test_nodes.py",                # 69
     "test_numerics.py",             # 56
     "test_probe_remote.py",         # 51
