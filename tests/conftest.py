@@ -39,6 +39,34 @@ def _load_sshd_module():
 sshd_module = _load_sshd_module()
 
 
+# ---- order: the slowest files first ------------------------------------------------------------
+
+# `make test` runs two workers, each one test file at a time, handed out in collection order
+# (--dist loadfile --no-loadscope-reorder). These files take 30 s or more, so they start first,
+# longest first: a long file started last would run on while the other worker has nothing left.
+# Seconds: each file alone on the 2-core machine (docs/benchmarks.md, "CPU figures").
+SLOW_FILES = (
+    "test_probe_program.py",        # 170: the probe's policy x topology matrix, inductor compiled cold
+    "test_runs_lifecycle.py",       # 113
+    "test_bench_decode_remote.py",  # 111
+    "test_export_remote.py",        # 79
+    "test_nodes.py",                # 69
+    "test_numerics.py",             # 56
+    "test_probe_remote.py",         # 51
+    "test_play_remote.py",          # 49
+    "test_probe_schedule.py",       # 48
+    "test_trainer_e2e.py",          # 44
+    "test_job_ends_as_one.py",      # 39
+    "test_trainer_topology.py",     # 38
+    "test_small_target.py",         # 32
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))    # stable: the rest keep their order
+
+
 # ---- sshd ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")

@@ -115,12 +115,18 @@ def test_bench_decode_measures_a_trained_run_on_its_held_out_rows_or_a_file_and_
         assert err[-1].startswith(f"dflash-ops: differ: run {run}: prompt 0: ") and err[-1].endswith("NOT lossless")
         assert list(ct.exports.iterdir()) == [] and ct.locks() == ["cpu.json"]      # the running run's
 
-        # the running run itself: only with --running-ok, on a GPU it does not hold, not named as running beside itself
+        # the running run itself: only with --running-ok, on a GPU it does not hold, not named as running beside
+        # itself; and the target at its path another one now (tiny's seed 1, same shapes): as export, only when told
         one_line(ct.cli("bench-decode", "gpu1", running), 2, "still running (pass --running-ok")
-        r = ct.cli("bench-decode", "gpu1", running, "--running-ok", "--max-new-tokens", "4", "--limit", "1", "--json")
+        config = ct.private / "runs" / running / "trainer-config.json"     # read at --resume only, not while it runs
+        config.write_text(json.dumps({**json.loads(config.read_text()), "target": "tiny:1"}))
+        one_line(ct.cli("bench-decode", "gpu1", running, "--running-ok", "--limit", "1"), 2, "--target-changed-ok")
+        r = ct.cli("bench-decode", "gpu1", running, "--running-ok", "--target-changed-ok", "--max-new-tokens", "4",
+                   "--limit", "1", "--json")
         assert r.returncode == 0, r.stderr.decode()
         doc = json.loads(r.stdout)
         assert doc["running"] is True and doc["step"] >= 2 and doc["gpu"] == "0" and doc["notes"] == [], doc
+        assert doc["model"] == "tiny:1", doc
     finally:
         assert ct.cli("stop", "ct200", running).returncode == 0
     assert ct.locks() == []
@@ -134,13 +140,6 @@ def test_bench_decode_measures_a_trained_run_on_its_held_out_rows_or_a_file_and_
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0 and b"Traceback" not in err, err.decode()
     assert ct.locks() == [] and list(ct.exports.iterdir()) == [], err.decode()
-
-    # the target at the run's path is another one now (tiny's seed 1, same shapes): as export, only when told
-    config = ct.private / "runs" / run / "trainer-config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), "target": "tiny:1"}))
-    one_line(ct.cli("bench-decode", "gpu1", run, "--limit", "1"), 2, "--target-changed-ok")
-    r = ct.cli("bench-decode", "gpu1", run, "--limit", "1", "--max-new-tokens", "4", "--target-changed-ok", "--json")
-    assert r.returncode == 0 and json.loads(r.stdout)["model"] == "tiny:1", r.stderr.decode()
 
     prompts = ct.tmp / "one.jsonl"
     prompts.write_text(json.dumps({"prompt": "x"}) + "\n")

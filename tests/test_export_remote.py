@@ -24,8 +24,8 @@ TINY = tiny_run_config(block_size=4, eval_new_tokens=8, checkpoint_every=2)
 
 
 @pytest.fixture
-def ct(sshd, fakepct, make_inventory, tmp_path):
-    """CT 200 with the trainer deployed and one succeeded 4-step run (launched with dflash-ops)."""
+def deployed(sshd, fakepct, make_inventory, tmp_path):
+    """CT 200 with the trainer deployed, no run yet."""
     src = tmp_path / "src"
     copy_trainer(src)
     fakepct.create(200)
@@ -43,13 +43,20 @@ def ct(sshd, fakepct, make_inventory, tmp_path):
     r = cli("export", "ct200")
     assert r.returncode == 102 and b"no runs yet" in r.stderr, r.stderr
     assert deploy.deploy(inv, ["ct200"], source=str(src))["ct200"].ok
-    r = cli("launch", "ct200", "--gpus", "0", "--policy", "eager", "--config", cfg, "--", "--steps", "4")
-    assert r.returncode == 0, r.stderr.decode()
-    run = r.stdout.decode().strip()
-    r = cli("logs", "ct200", run, "--follow")
-    assert r.returncode == 0, r.stderr.decode()
-    return type("CT", (), dict(inv=inv, cli=staticmethod(cli), run=run, pct=fakepct, tmp=tmp_path,
+    return type("CT", (), dict(inv=inv, cli=staticmethod(cli), pct=fakepct, tmp=tmp_path,
                                exports=fakepct.private(200) / "dflash" / "exports"))
+
+
+@pytest.fixture
+def ct(deployed):
+    """The same, with one succeeded 4-step run (launched with dflash-ops)."""
+    r = deployed.cli("launch", "ct200", "--gpus", "0", "--policy", "eager", "--config", deployed.tmp / "tiny.yaml",
+                     "--", "--steps", "4")
+    assert r.returncode == 0, r.stderr.decode()
+    deployed.run = r.stdout.decode().strip()
+    r = deployed.cli("logs", "ct200", deployed.run, "--follow")
+    assert r.returncode == 0, r.stderr.decode()
+    return deployed
 
 
 def sha256(path: Path) -> str:
@@ -122,26 +129,26 @@ def test_export_streams_the_latest_succeeded_run_home_and_refuses_bad_input(ct):
     assert r.returncode == 0 and json.loads(r.stdout)["target_changed"] != [], r.stderr.decode()
 
 
-def test_a_running_run_exports_only_with_running_ok_which_says_its_step(ct):
-    r = ct.cli("launch", "ct200", "--gpus", "0", "--policy", "eager", "--config", ct.tmp / "tiny.yaml", "--",
-               "--steps", "100000")
+def test_a_running_run_exports_only_with_running_ok_which_says_its_step(deployed):
+    r = deployed.cli("launch", "ct200", "--gpus", "0", "--policy", "eager", "--config", deployed.tmp / "tiny.yaml",
+                     "--", "--steps", "100000")
     assert r.returncode == 0, r.stderr.decode()
     run = r.stdout.decode().strip()
     try:
-        ck = ct.pct.private(200) / "dflash" / "runs" / run / "checkpoints" / "latest"
+        ck = deployed.pct.private(200) / "dflash" / "runs" / run / "checkpoints" / "latest"
         wait_for(ck.is_file, timeout=120, what="the running run's first checkpoint")
-        r = ct.cli("export", "ct200", run, "-o", ct.tmp / "d")
+        r = deployed.cli("export", "ct200", run, "-o", deployed.tmp / "d")
         err = r.stderr.decode()
         assert r.returncode == 2 and "still running (pass --running-ok" in err and len(err.splitlines()) == 1, err
-        r = ct.cli("export", "ct200", run, "-o", ct.tmp / "d", "--running-ok", "--json")
+        r = deployed.cli("export", "ct200", run, "-o", deployed.tmp / "d", "--running-ok", "--json")
         assert r.returncode == 0, r.stderr.decode()
         doc = json.loads(r.stdout)
         assert doc["running"] is True and doc["step"] >= 2 and doc["step"] % 2 == 0
-        assert json.loads((ct.tmp / "d" / "dflash_ops.json").read_text())["step"] == doc["step"]
-        r = ct.cli("export", "ct200", run, "-o", ct.tmp / "e", "--running-ok")
+        assert json.loads((deployed.tmp / "d" / "dflash_ops.json").read_text())["step"] == doc["step"]
+        r = deployed.cli("export", "ct200", run, "-o", deployed.tmp / "e", "--running-ok")
         assert r.returncode == 0 and b"is still running: this is its checkpoint of step" in r.stderr, r.stderr
     finally:
-        assert ct.cli("stop", "ct200", run).returncode == 0
+        assert deployed.cli("stop", "ct200", run).returncode == 0
 
 
 def test_a_damaged_stream_never_reaches_the_destination(tmp_path):
