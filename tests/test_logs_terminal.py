@@ -8,6 +8,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 
@@ -74,6 +75,18 @@ def test_the_events_left_out_are_the_trainers_own_list(tmp_path, capsys):
         assert sum(t.startswith(words) for t in shown) == n, (words, n, shown)
 
 
+def _drain(fd: int, into: bytearray) -> None:
+    """Read a pty's master side until its slave side is closed everywhere (EIO) or it is closed."""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            return
+        if not chunk:
+            return
+        into.extend(chunk)
+
+
 def test_ctrl_c_while_following_says_the_run_goes_on_and_how_to_stop_it(sshd, fakepct, make_inventory, tmp_path):
     fakepct.create(200)
     path = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable, "workdir": WORKDIR}})
@@ -101,8 +114,13 @@ def test_ctrl_c_while_following_says_the_run_goes_on_and_how_to_stop_it(sshd, fa
             return seen.count(b"[trainer] step ") >= 3 and b"checkpoint at step" in seen
 
         wait_for(shown, timeout=120, what="three steps and a checkpoint on the terminal")
+        # Keep reading the terminal until the follower has gone: a full pty buffer would block its
+        # last writes (the flush at exit), and it would never end.
+        drain = threading.Thread(target=_drain, args=(main, seen), daemon=True)
+        drain.start()
         follow.send_signal(signal.SIGINT)
         _, err = follow.communicate(timeout=60)
+        drain.join(timeout=10)
         assert follow.returncode == 130, err
         assert err.decode().splitlines()[-1] == (
             f"dflash-ops: stopped following; run {run} goes on (ct200): `dflash-ops logs ct200 {run}` follows it "
