@@ -26,12 +26,12 @@ $(STAMP): pyproject.toml trainer/requirements.txt Makefile
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-# Lint first, then two pytest workers, one test file each at a time (module fixtures stay within one
+# Lint first, then three pytest workers (on 2 cores: a third of the time they wait, not compute), one test file each at a time (module fixtures stay within one
 # worker): the suite waits on sshd, subprocesses and torch start-ups more than it computes. Files go
 # out in collection order, where tests/conftest.py puts the slowest first (SLOW_FILES), not xdist's
 # own (most tests first), which left the long files of few tests to the end.
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder tests
 	$(MAKE) --no-print-directory test-fp8
 
 # --precision fp8's tests with torchao importable, and nothing else: torchao is installed into an
