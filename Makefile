@@ -26,10 +26,11 @@ $(STAMP): pyproject.toml trainer/requirements.txt Makefile
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-# Lint first, then three pytest workers (on 2 cores: a third of the time they wait, not compute), one test file each at a time (module fixtures stay within one
-# worker): the suite waits on sshd, subprocesses and torch start-ups more than it computes. Files go
-# out in collection order, where tests/conftest.py puts the slowest first (SLOW_FILES), not xdist's
-# own (most tests first), which left the long files of few tests to the end.
+# Lint first, then three pytest workers, one test file each at a time (module fixtures stay within one
+# worker): the suite waits on sshd, subprocesses and torch start-ups more than it computes (on 2 cores,
+# 15.8 CPU-minutes in 12.1 minutes with three workers, 807 s -> 728 s against two). Files go out in
+# collection order, where tests/conftest.py puts the slowest first (SLOW_FILES), not xdist's own
+# (most tests first), which left the long files of few tests to the end.
 test: lint
 	$(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder tests
 	$(MAKE) --no-print-directory test-fp8
