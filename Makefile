@@ -27,8 +27,9 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 # Lint first, then three pytest workers, one test file each at a time (module fixtures stay within one
-# worker): the suite waits on sshd, subprocesses and torch start-ups more than it computes (on 2 cores,
-# 15.8 CPU-minutes in 12.1 minutes with three workers, 807 s -> 728 s against two). Files go out in
+# worker): the suite waits on sshd, subprocesses and torch start-ups more than it computes (two workers
+# kept 2 cores ~70% busy). On this 2-core machine three took 728-741 s where two took 749-807 s, a gain
+# inside the runs' noise; no test has failed for the third worker (docs/benchmarks.md 14). Files go out in
 # collection order, where tests/conftest.py puts the slowest first (SLOW_FILES), not xdist's own
 # (most tests first), which left the long files of few tests to the end.
 test: lint
