@@ -151,8 +151,7 @@ def test_bench_decode_measures_a_trained_run_on_its_held_out_rows_or_a_file_and_
 def test_the_held_out_prompts_are_the_last_eval_prompts_rows_cut_before_their_first_answer(tmp_path, capsys):
     from orchestrator.remote.runs.bench import _held_out
 
-    rundir, out = tmp_path / "run", tmp_path / "prompts.jsonl"
-    rundir.mkdir()
+    out = tmp_path / "prompts.jsonl"
     turns = [{"role": "system", "content": "#"}, {"role": "user", "content": "a"},
              {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
     rows = [{"messages": [{"role": "user", "content": str(i)}, {"role": "assistant", "content": "x"}]}
@@ -161,9 +160,8 @@ def test_the_held_out_prompts_are_the_last_eval_prompts_rows_cut_before_their_fi
     (tmp_path / "ids.jsonl").write_text("[1]\n" + json.dumps({"input_ids": [1, 2, 3]}) + "\n")
 
     def held(**cfg):
-        (rundir / "trainer-config.json").write_text(json.dumps(cfg))
         try:
-            return _held_out("R", str(rundir), str(out), str(tmp_path))
+            return _held_out("R", cfg, str(out), str(tmp_path))
         except SystemExit:
             return json.loads(capsys.readouterr().out)
 
@@ -257,14 +255,12 @@ def test_the_held_out_rows_are_the_ones_the_trainers_split_eval_holds_out(tmp_pa
     from orchestrator.remote.runs.bench import _held_out
     from trainer.run.data import Sample, split_eval
 
-    rundir, out = tmp_path / "run", tmp_path / "prompts.jsonl"
-    rundir.mkdir()
+    out = tmp_path / "prompts.jsonl"
     for rows, n in ((8, 2), (4, 2), (3, 2), (5, 1), (1, 1), (6, 3)):
         (tmp_path / "data.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": str(i)}]})
                                                      + "\n" for i in range(rows)))
-        (rundir / "trainer-config.json").write_text(json.dumps({"data": "data.jsonl", "eval_prompts": n}))
         _, prompts, held_out = split_eval([Sample((i,), (1,)) for i in range(rows)], n)
-        got = refusal(capsys, _held_out, "R", str(rundir), str(out), str(tmp_path))
+        got = refusal(capsys, _held_out, "R", {"data": "data.jsonl", "eval_prompts": n}, str(out), str(tmp_path))
         if held_out:
             assert got == n and [int(json.loads(line)["messages"][0]["content"]) for line in
                                  out.read_text().splitlines()] == [p[0] for p in prompts], (rows, n)

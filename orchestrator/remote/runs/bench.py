@@ -46,11 +46,11 @@ BENCH_OPTIONS = ("--step", "--max-new-tokens", "--limit", "--gpus", "--gpu")
 LOG_HEAD = 4 << 20      # the trainer says how many rows it skipped near its log's start
 
 
-def _held_out(rid, rundir, dest, cwd):
-    """Write the run's held-out prompts (chat rows cut before the first assistant turn) to dest: how
-    many. cwd: the trainer's, against which a relative --data was read. The same rows as the trainer's
-    split_eval (a test holds the two equal): the last eval_prompts rows, when there are twice as many."""
-    cfg = _read_json(os.path.join(rundir, "trainer-config.json")) or {}
+def _held_out(rid, cfg, dest, cwd):
+    """Write the held-out prompts of run `rid` (chat rows cut before the first assistant turn) to dest:
+    how many. cfg: its trainer-config.json; cwd: the trainer's, against which a relative --data was
+    read. The same rows as the trainer's split_eval (a test holds the two equal): the last
+    eval_prompts rows, when there are twice as many."""
     data, n = cfg.get("data"), int(cfg.get("eval_prompts") or 0)
     why = None
     if not data or data == "synthetic":
@@ -160,7 +160,7 @@ def cmd_bench(workdir, opts, values):
                 f.write(upload)
             n, skipped = None, 0
         else:
-            n, skipped = _held_out(rid, rundir, prompts, _run_cwd(workdir, rec)), _skipped(rundir)
+            n, skipped = _held_out(rid, cfg, prompts, _run_cwd(workdir, rec)), _skipped(rundir)
         lock, cuda_visible = _claim_slot(workdir, rid, int(opts.get("--gpus", 0)), gpu)
         notes = []      # said on stderr now, and kept in the reply (the controller's --json shows no stderr)
         if skipped:
