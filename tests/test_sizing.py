@@ -128,6 +128,8 @@ def test_anchors_past_what_any_row_can_take_are_cut_to_that():
 
 
 def test_most_anchors_counts_what_sample_anchors_can_draw():
+    """Asked for far more, sample_anchors draws every anchor a row has: the fullest row's count is
+    most_anchors, and with exactly that many no row loses one."""
     import torch
 
     from trainer.model import masks
@@ -136,12 +138,16 @@ def test_most_anchors_counts_what_sample_anchors_can_draw():
     g = torch.Generator().manual_seed(0)
     rows = []
     for length in (40, 90, 17, 5):
-        ids = tuple(range(length))
         lm = tuple(int(v) for v in (torch.rand(length, generator=g) > 0.3))
-        rows.append(Sample(ids, lm))
-    want = max(len(masks.anchor_candidates(torch.tensor(s.loss_mask, dtype=torch.float32), len(s.input_ids), 16))
-               for s in rows)
-    assert most_anchors(rows, 16) == want > 0
+        rows.append(Sample(tuple(range(length)), lm))
+
+    def drawn(n: int) -> list[int]:
+        return [int(masks.sample_anchors(torch.tensor(s.loss_mask, dtype=torch.float32), len(s.input_ids), 16, n,
+                                         torch.Generator().manual_seed(1))[1].sum()) for s in rows]
+
+    every = drawn(500)
+    assert most_anchors(rows, 16) == max(every) > 0
+    assert drawn(most_anchors(rows, 16)) == every
     assert most_anchors([Sample((1, 2, 3), (1, 1, 1))], 16) == 0
 
 

@@ -356,9 +356,10 @@ def anchor_seed(seed: int, step: int, row: int) -> int:
 
 
 def most_anchors(samples: Sequence[Sample], block_size: int) -> int:
-    """The most anchors any row holds: its loss positions with a whole block after them (the count of
-    masks.anchor_candidates), which sample_anchors draws all of when --anchors is at least this."""
-    return max((sum(v > 0 for v in s.loss_mask[: len(s.input_ids) - block_size + 1]) for s in samples), default=0)
+    """The most anchors any row holds (masks.anchor_candidates: its loss positions with a whole block
+    after them), which sample_anchors draws all of when --anchors is at least this."""
+    return max((len(masks.anchor_candidates(torch.tensor(s.loss_mask), len(s.input_ids), block_size))
+                for s in samples), default=0)
 
 
 def make_batch(samples: Sequence[Sample], *, pad_len: int, pad_id: int, step: int, seed: int,
