@@ -234,3 +234,13 @@ def test_share_cpu_gives_each_worker_its_share_of_the_cores(monkeypatch):
         assert policies.share_cpu(1) == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_max_autotune_is_probed_only_when_named():
+    """Its first compile autotunes for minutes (> 190 s on one H200), longer than every other case
+    together: the default cases leave it out, and --policies still takes it."""
+    chosen = policies.chosen
+    assert chosen(None) == ["eager", "inductor", "reduce-overhead", "cudagraphs-no-trees"]
+    assert chosen("max-autotune-no-cudagraphs, eager") == ["max-autotune-no-cudagraphs", "eager"]
+    with pytest.raises(ValueError, match="unknown warp"):
+        chosen("eager,warp")

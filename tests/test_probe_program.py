@@ -255,12 +255,3 @@ def test_probe_refuses_bad_arguments():
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "must be a JSON object" in p.stderr
 
-
-def test_max_autotune_is_probed_only_when_named():
-    """Its first compile autotunes for minutes (> 190 s on one H200), longer than every other case
-    together: the default cases leave it out, and --policies still takes it."""
-    chosen = policies.chosen
-    assert chosen(None) == ["eager", "inductor", "reduce-overhead", "cudagraphs-no-trees"]
-    assert chosen("max-autotune-no-cudagraphs, eager") == ["max-autotune-no-cudagraphs", "eager"]
-    with pytest.raises(ValueError, match="unknown warp"):
-        chosen("eager,warp")
