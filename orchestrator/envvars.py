@@ -11,11 +11,11 @@ import re
 from typing import Iterable, Mapping
 
 from orchestrator.errors import UsageError
+from orchestrator.remote.common import MASKED as MASK   # stdlib only: the agents read run.json with it
 
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # A name containing one of these holds a credential: its value is never printed or recorded.
 SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "PASS", "CREDENTIAL", "AUTH", "PRIVATE")
-MASK = "***"
 
 
 def env_argv(env: Mapping[str, str] | None) -> list[str]:

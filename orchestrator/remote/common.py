@@ -80,6 +80,9 @@ def _flock(path, wait=True):
 SYSTEM_TREES = ("/etc", "/proc", "/sys", "/dev", "/usr", "/bin", "/sbin", "/boot", "/lib", "/lib32", "/lib64",
                 "/libx32")
 SYSTEM_ROOTS = ("/", "/var", "/var/lib")
+# A secret's value as run.json's user_env records it: the controller masks it (envvars.masked), an
+# agent running a program on a run's behalf keeps its own value for it (runs/export.py _run_env).
+MASKED = "***"
 
 
 def _workdir(arg):

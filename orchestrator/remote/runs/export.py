@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 
-from ..common import _read_json, _sha256, refuse
+from ..common import MASKED, _read_json, _sha256, refuse
 from .common import _alive, _not_found, _resolve, _run_ids, _runs_dir, _state
 from .kinds import kind_of
 
@@ -100,7 +100,6 @@ def _private_tmp(workdir):
 # which its relative --target and --data were written): the release's code first on sys.path, not the cwd.
 _RUN_MODULE = ("import runpy, sys; p = sys.argv.pop(1); sys.path[:] = [p] + [x for x in sys.path if x]; "
                "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
-MASKED = "***"      # a secret's value as run.json's user_env records it (the controller's envvars.MASK)
 
 
 def _run_cwd(workdir, rec):
@@ -148,14 +147,14 @@ def _child(rid, what, argv, cwd, env, echo=False, reason=None):
                 proc.kill()
                 proc.wait()
             proc.stderr.close()
-        code = proc.returncode
+        code, reason = proc.returncode, reason or (lambda _: "export")
         if code < 0:
-            refuse((reason or (lambda _: "export"))(""), "%s killed by %s" % (what, _signal_text(-code)),
+            refuse(reason(""), "%s killed by %s" % (what, _signal_text(-code)),
                    found=True, run=rid, exit_code=128 - code)
         if code != 0:
             for head in (what + ": error: ", "trainer: error: "):
                 last = last[len(head):] if last.startswith(head) else last
-            refuse((reason or (lambda _: "export"))(last), last, found=True, run=rid, exit_code=code)
+            refuse(reason(last), last, found=True, run=rid, exit_code=code)
         out.seek(0)
         return out.read()
 
