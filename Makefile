@@ -26,14 +26,14 @@ $(STAMP): pyproject.toml trainer/requirements.txt Makefile
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-# Lint first, then three pytest workers, one test file each at a time (module fixtures stay within one
-# worker): the suite waits on sshd, subprocesses and torch start-ups more than it computes (two workers
-# kept 2 cores ~70% busy). On this 2-core machine three took 728-741 s where two took 749-807 s, a gain
-# inside the runs' noise; no test has failed for the third worker (docs/benchmarks.md 14). Files go out in
-# collection order, where tests/conftest.py puts the slowest first (SLOW_FILES), not xdist's own
-# (most tests first), which left the long files of few tests to the end.
+# Lint first, then two pytest workers, one test file each at a time (module fixtures stay within one
+# worker): the suite waits on sshd, subprocesses and torch start-ups more than it computes, but a third
+# worker on 2 cores did not pay: 728-866 s against 749-807 s with two, and the probe test's compile (the
+# longest file) took 223-309 s beside two others against 153 s beside one (docs/benchmarks.md 14).
+# Files go out in collection order, where tests/conftest.py puts the slowest first (SLOW_FILES), not
+# xdist's own (most tests first), which left the long files of few tests to the end.
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder tests
 	$(MAKE) --no-print-directory test-fp8
 
 # --precision fp8's tests with torchao importable, and nothing else: torchao is installed into an

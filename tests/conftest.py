@@ -41,7 +41,7 @@ sshd_module = _load_sshd_module()
 
 # ---- order: the slowest files first ------------------------------------------------------------
 
-# `make test` runs three workers, each one test file at a time, handed out in collection order
+# `make test` runs two workers, each one test file at a time, handed out in collection order
 # (--dist loadfile --no-loadscope-reorder). These files take 30 s or more, so they start first,
 # longest first: a long file started last would run on while the other workers have nothing left.
 # Seconds: each file alone on the 2-core machine (docs/benchmarks.md, "CPU figures").
