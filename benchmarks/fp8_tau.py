@@ -25,6 +25,7 @@ from _plot import save_png  # noqa: E402
 from trainer.run.log import tau_text  # noqa: E402
 
 RUN = re.compile(r"^(?P<precision>bf16|fp8|fp8-rowwise)-s(?P<seed>\d+)$")
+SEEDS = 3   # seeds per precision the proof takes; fewer give a preliminary verdict
 COLORS = {"bf16": "#27a", "fp8": "#d62", "fp8-rowwise": "#2a7"}
 
 
@@ -49,9 +50,13 @@ def verdict(docs: dict, precision: str) -> tuple[str, dict]:
     figures = {"bf16_mean": statistics.mean(base), "bf16_spread": spread, "mean": statistics.mean(new),
                "difference": diff, "seeds": [len(base), len(new)]}
     keeps = abs(diff) <= spread
+    short = "" if min(len(base), len(new)) >= SEEDS else \
+        f" (PRELIMINARY: {len(base)} and {len(new)} seed(s); the proof takes {SEEDS} each)"
+    figures["complete"] = not short
     return (f"{precision}: held-out tau {statistics.mean(new):.3f} vs bf16 {statistics.mean(base):.3f} "
             f"({diff:+.3f}; bf16's spread over {len(base)} seeds {spread:.3f}): "
-            + ("KEEPS tau (within bf16's spread)" if keeps else f"does NOT keep tau (costs {-diff:.3f})")), figures
+            + ("KEEPS tau (within bf16's spread)" if keeps else f"does NOT keep tau (costs {-diff:.3f})")
+            + short), figures
 
 
 def table(docs: dict, curves: dict) -> str:

@@ -14,6 +14,7 @@ matmuls whose errors add in quadrature: within sqrt(18) x that (0.34 and 0.22; m
 from __future__ import annotations
 
 import copy
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -112,6 +113,32 @@ def test_fp8_only_while_training_and_the_weights_are_the_same(setup):
     assert fp8.use(d8, "bf16") == []   # and taken away, the step is the bf16 one again
     loss, grads = _step(d8, pw, batch, feats)
     assert loss == bf16[0] and all(torch.equal(g, h) for g, h in zip(grads, bf16[1]))
+
+
+@pytest.mark.parametrize("precision", list(fp8.RECIPES))
+def test_rows_reach_scaled_mm_in_multiples_of_16_and_the_padding_changes_nothing(precision):
+    """torch._scaled_mm takes the weight gradient's inner size, the rows, only in multiples of 16: an
+    H200 refused a step over 276 rows. The fp8 matmul pads the rows with zeros, which change no
+    output row and no gradient (to fp32's summation order: 1e-6)."""
+    mm = fp8.Fp8Matmul.build(precision, emulate=True)
+    rows = []
+
+    class Spy:
+        @staticmethod
+        def apply(x, *args):
+            rows.append(x.shape[0])
+            return mm.matmul.apply(x, *args)
+
+    g = torch.Generator().manual_seed(0)
+    x0, w0 = torch.randn(3, 92, 64, generator=g), torch.randn(32, 64, generator=g)   # 276 rows
+    x, w, xr, wr = (t.clone().requires_grad_() for t in (x0, w0, x0, w0))
+    y = dataclasses.replace(mm, matmul=Spy)(x, w)
+    ref = mm.matmul.apply(xr.reshape(-1, 64), wr.t(), mm.mm_config, mm.config).reshape(3, 92, 32)
+    assert rows == [288] and y.shape == ref.shape
+    (y * ref.detach()).sum().backward()
+    (ref * ref.detach()).sum().backward()
+    for a, b in ((y, ref), (x.grad, xr.grad), (w.grad, wr.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()))
 
 
 def test_compiled_fp8_linear_is_eagers():

@@ -34,7 +34,11 @@ def test_fp8_keeps_tau_within_bf16s_spread_and_not_outside_it(tmp_path):
     assert fig["difference"] == pytest.approx((1.44 + 1.47 + 1.46) / 3 - (1.45 + 1.50 + 1.47) / 3)
     docs, _ = fp8_tau.load(_runs(tmp_path / "b", {**BF16, ("fp8", 0): 1.38, ("fp8", 1): 1.40, ("fp8", 2): 1.41}))
     line, fig = fp8_tau.verdict(docs, "fp8")
-    assert "does NOT keep tau (costs 0.077)" in line
+    assert "does NOT keep tau (costs 0.077)" in line and fig["complete"] and "PRELIMINARY" not in line
+    docs, _ = fp8_tau.load(_runs(tmp_path / "c", {("bf16", 0): 1.45, ("bf16", 1): 1.50, ("fp8", 0): 1.46}))
+    line, fig = fp8_tau.verdict(docs, "fp8")   # a call cut short: a verdict, said to be preliminary
+    assert line.endswith("KEEPS tau (within bf16's spread) (PRELIMINARY: 2 and 1 seed(s); the proof takes 3 each)")
+    assert not fig["complete"]
     line, fig = fp8_tau.verdict({("bf16", 0): {"tau": 1.5}, ("fp8", 0): {"tau": 1.5}}, "fp8")
     assert "no verdict" in line and fig == {}
 

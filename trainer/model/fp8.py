@@ -34,6 +34,7 @@ from trainer.model.linear import Linear
 TORCHAO = "0.18.0"  # the version tested: float8 training on torch 2.11 (the GPU machine) and 2.13 (CPU)
 # --precision value -> torchao's recipe; "bf16" (the default) is the path without fp8.
 RECIPES = {"fp8": "tensorwise", "fp8-rowwise": "rowwise"}
+MULTIPLE = 16  # torch._scaled_mm takes sizes in multiples of 16 (the weight gradient's inner size: the rows)
 # (mantissa bits of the forward's operands, of the backward's output gradient) per recipe
 _MANTISSA = {"tensorwise": (3, 2), "rowwise": (3, 3)}
 
@@ -118,17 +119,26 @@ class Fp8Matmul:
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):  # as Float8Linear: the output in autocast's dtype
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        return self.matmul.apply(x, w.t(), self.mm_config, self.config)
+        lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
+        # The weight's gradient is out x rows @ rows x in: torch._scaled_mm wants its inner size, the
+        # number of rows, a multiple of 16, and refuses the step otherwise (the 276 rows of a small
+        # batch did, on an H200). Zero rows change no amax, no output row and no gradient.
+        pad = -x.shape[0] % MULTIPLE
+        if pad:
+            x = nn.functional.pad(x, (0, 0, 0, pad))
+        y = self.matmul.apply(x, w.t(), self.mm_config, self.config)
+        return y[: y.shape[0] - pad].reshape(*lead, y.shape[-1])
 
 
 def use(module: nn.Module, precision: str, emulate: bool = False) -> list[str]:
-    """Give every Linear in `module` whose sizes torch._scaled_mm takes (multiples of 16) the fp8
-    matmul of `precision` ("bf16": take it away). Returns the names of the layers left in bf16."""
+    """Give every Linear in `module` whose sizes torch._scaled_mm takes (multiples of 16; the rows
+    are padded to one) the fp8 matmul of `precision` ("bf16": take it away). Returns the names of
+    the layers left in bf16."""
     mm = None if precision == "bf16" else Fp8Matmul.build(precision, emulate)
     left = []
     for name, m in module.named_modules():
         if isinstance(m, Linear):
-            fits = m.in_features % 16 == 0 and m.out_features % 16 == 0
+            fits = m.in_features % MULTIPLE == 0 and m.out_features % MULTIPLE == 0
             m.fp8 = mm if fits else None
             if mm is not None and not fits:
                 left.append(name)
