@@ -24,7 +24,8 @@
 #          (STEPS x BATCH rows), PARALLEL trainings at a time, each exported and decoded on the
 #          held-out prompts (tau); then benchmarks/fp8_tau.py: the table, the verdict and the plot
 #          of the loss curves together (OUT/tau/fp8-tau.png). It makes the data first when WORK
-#          has none (the machine went back between the calls).
+#          has none (the machine went back between the calls). TAU_RUNS="fp8:1 fp8:2 bf16:2" runs
+#          just those (the rest of a proof a call left short; merge the folders for fp8_tau.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 status=0   # 1 when a stage failed; every stage still runs
@@ -106,8 +107,8 @@ for stage in $STAGES; do
     tau)
         [ -f "$WORK/data.done" ] || { small_target_data && touch "$WORK/data.done"; } || exit 1
         mkdir -p "$OUT/tau"
-        runs=""
-        for s in $SEEDS; do runs="$runs bf16:$s $TAU_PRECISION:$s"; done
+        runs=${TAU_RUNS:-}   # PRECISION:SEED ..., to finish a proof a call left short; else SEEDS x both
+        [ -n "$runs" ] || for s in $SEEDS; do runs="$runs bf16:$s $TAU_PRECISION:$s"; done
         phase "train, export and decode, $PARALLEL at a time:$runs ($STEPS steps x $BATCH rows)"
         for r in $runs; do
             while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do sleep 2; done
