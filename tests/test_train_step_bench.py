@@ -103,14 +103,15 @@ def test_cases_alternate_and_the_trace_is_kept(tmp_path):
 
 def test_processes_train_the_same_steps_as_threads(tmp_path):
     """--topology processes starts torchrun ranks (DDP, RankEngine): the same losses as two worker
-    threads on the same global batch, and the ranks' weights stay bit-identical."""
+    threads on the same global batch, and the ranks' weights stay bit-identical. main() runs here (the
+    threads in this process, as the 8B path's test; for processes it starts torchrun, whose ranks are
+    processes of their own)."""
+    bench = _load()
     losses = {}
     for topology in ("threads", "processes"):
         out = tmp_path / topology
-        p = subprocess.run([sys.executable, str(BENCH), "--tiny", "--policy", "eager", "--workers", "2", "--steps", "2",
-                            "--warmup", "1", "--case-steps", "1", "--topology", topology, "--out", str(out)],
-                           capture_output=True, text=True, timeout=300, cwd=REPO)
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        assert bench.main(["--tiny", "--policy", "eager", "--workers", "2", "--steps", "2", "--warmup", "1",
+                           "--case-steps", "1", "--topology", topology, "--out", str(out)]) == 0
         res = json.loads((out / "results.json").read_text())
         if topology == "threads":  # (a rank times its own target forward only: one entry, not one per worker)
             _check(res, 2)
@@ -124,14 +125,14 @@ def test_processes_train_the_same_steps_as_threads(tmp_path):
 def test_the_host_running_ahead_trains_the_same_steps_as_waiting(tmp_path):
     """--host ahead (the trainer: the next step is queued before this one's results are read) and
     --host sync give the same losses on the same steps: the run-ahead changes when the host reads,
-    not what the devices compute."""
+    not what the devices compute. In this process, as the 8B path's test: the command line's own
+    start-up (torch, transformers: seconds each) is test_tiny_runs_end_to_end_from_the_command_line's."""
+    bench = _load()
     losses = {}
     for host in ("ahead", "sync"):
         out = tmp_path / host
-        p = subprocess.run([sys.executable, str(BENCH), "--tiny", "--policy", "eager", "--steps", "4", "--warmup", "1",
-                            "--case-steps", "4", "--host", host, "--out", str(out)],
-                           capture_output=True, text=True, timeout=300, cwd=REPO)
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        assert bench.main(["--tiny", "--policy", "eager", "--steps", "4", "--warmup", "1", "--case-steps", "4",
+                           "--host", host, "--out", str(out)]) == 0
         res = json.loads((out / "results.json").read_text())
         _check(res, 4)
         losses[host] = [(s["loss"], s["grad_norm"]) for s in res["steps"]]

@@ -314,3 +314,16 @@ def test_run_summary_gives_tau_with_rounds_interval_and_acceptance_by_position(t
     assert last.startswith(f"[trainer] done: 2 steps; tau {done['acceptance_length']:.3f} "
                            f"(95% {lo:.3f}-{hi:.3f}, {done['rounds']} rounds, 2 held-out prompts); ")
     assert "acceptance by block position 1..3: " in last
+
+
+def test_step_pause_sleeps_before_each_step_after_its_first_ones(tmp_path, monkeypatch):
+    """The test hook for runs that only have to keep running: from step AFTER on, a sleep before each step;
+    a run trains the same steps either way."""
+    slept, sleep = [], time.sleep
+    monkeypatch.setattr(faults.time, "sleep", lambda s: slept.append(s) if s == 0.25 else sleep(s))
+    monkeypatch.setenv(*faults.setting(step_pause="2:0.25"))
+    assert train(tmp_path / "paused", "--steps", "5", "--eval-prompts", "0") == 0
+    assert slept == [0.25, 0.25]                       # before steps 4 and 5 (the loop's step 3 and 4)
+    monkeypatch.delenv(faults.ENV)
+    assert train(tmp_path / "plain", "--steps", "5", "--eval-prompts", "0") == 0
+    assert step_losses(tmp_path / "paused") == step_losses(tmp_path / "plain") and len(slept) == 2

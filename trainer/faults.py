@@ -15,6 +15,8 @@ The points (NAME=VALUE):
                           folder, the writer creates FLAGFILE and sleeps (a test kills it mid-write)
   regen_batch=K           regen raises before it answers batch K; K:hang: it hangs there
   specdec_differ=I        specdec's reference decode of prompt I gets its last token changed (not lossless)
+  step_pause=AFTER:S      after step AFTER, the training loop sleeps S seconds before each step (a test's run
+                          that only has to keep running leaves the cores to the test's other processes)
   test_policies=1         the test-only compile policies are known (trainer/policies.py)
 
 Torch-free at import (the config and the policy names import it).
@@ -25,7 +27,8 @@ import os
 import time
 
 ENV = "DFLASH_TRAINER_FAULTS"
-POINTS = ("fail_worker", "diverge", "pause_in_checkpoint", "test_policies", "regen_batch", "specdec_differ")
+POINTS = ("fail_worker", "diverge", "pause_in_checkpoint", "test_policies", "regen_batch", "specdec_differ",
+          "step_pause")
 
 
 def _check(points: dict[str, str]) -> None:
@@ -78,6 +81,10 @@ def hit(name: str, **where) -> None:
 
             with torch.no_grad():
                 where["params"][0].view(-1)[0] += 1e-3
+    elif name == "step_pause":
+        after, _, seconds = v.partition(":")
+        if where["step"] > int(after):
+            time.sleep(float(seconds))
     elif name == "pause_in_checkpoint":
         at, _, flag = v.partition(":")
         if flag and at == str(where["step"]):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from trainer import policies
+from trainer import faults, policies
 from trainer.errors import EXIT_OK, EXIT_SIGTERM, UsageError
 from trainer.model import choices, fp8, masks
 from trainer.model.drafter import Drafter, DrafterConfig, flops_per_sample
@@ -237,6 +237,7 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
             log.metrics(m)
 
     while step < cfg.steps:
+        faults.hit("step_pause", step=step)
         if engine.agree(stop.is_set()):
             finish()
             return _stopped(cfg, log, prep, engine, batches, step)
