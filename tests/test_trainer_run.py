@@ -311,7 +311,9 @@ def test_run_summary_gives_tau_with_rounds_interval_and_acceptance_by_position(t
         assert all(r is None or 0 <= r <= 1 for r in m["accept_rate_by_position"])
     last = printed.strip().splitlines()[-1]
     lo, hi = done["tau_ci95"]
-    assert last.startswith(f"[trainer] done: 2 steps; tau {done['acceptance_length']:.3f} "
+    assert done["steps_trained"] == 2 and done["trained_s"] > 0   # the run's own wall clock of its steps
+    assert last.startswith(f"[trainer] done: 2 steps (2 trained in {done['trained_s']:.1f} s, warm-up included); "
+                           f"tau {done['acceptance_length']:.3f} "
                            f"(95% {lo:.3f}-{hi:.3f}, {done['rounds']} rounds, 2 held-out prompts); ")
     assert "acceptance by block position 1..3: " in last
 

@@ -209,7 +209,7 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
     if cfg.eval_at_start and step == 0 and prep.eval_prompts:
         _eval(cfg, log, engine, prep, step)
 
-    last_loss = None
+    last_loss, t_loop, first = None, time.perf_counter(), step   # the last two: the run's own wall clock
     # The step queued last, logged once the next one is queued (engine.step returns before the
     # devices have run it), or at a step boundary that needs its results.
     pending = None
@@ -263,6 +263,7 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
     finish()
     engine.check_replicas(step)
     _save(cfg, log, prep, engine, batches, step)
+    trained = {"steps_trained": step - first, "trained_s": round(time.perf_counter() - t_loop, 3)}  # warm-up too
     stopped = engine.agree(stop.is_set())
     engine.collectives_done()   # rank 0's final eval is its own
     if stopped:
@@ -274,8 +275,9 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
     if stop.is_set():  # SIGTERM during the final eval: the checkpoint above is complete
         log.metrics({"event": "stopped", "step": step})
         return EXIT_SIGTERM
-    log.metrics({"event": "done", "step": step, "loss": last_loss, **_tau_metrics(res)})
-    log.info(f"done: {step} steps" + (f"; {eval_line(res, prep.eval_overlap)}" if res else ""))
+    log.metrics({"event": "done", "step": step, "loss": last_loss, **trained, **_tau_metrics(res)})
+    log.info(f"done: {step} steps ({step - first} trained in {trained['trained_s']:.1f} s, warm-up included)"
+             + (f"; {eval_line(res, prep.eval_overlap)}" if res else ""))
     return EXIT_OK
 
 
