@@ -22,6 +22,7 @@ import torch
 from tiny_engine import tiny_engine
 from trainer.model import masks
 from trainer.train import loop as train
+from trainer.train.batches import Batches
 from trainer.engine.adamw import CompiledUpdate
 from trainer.run.config import TrainConfig
 from trainer.run.data import Loader, Sample
@@ -89,7 +90,7 @@ def test_batches_state_has_no_lookahead():
     cfg = TrainConfig(steps=6, batch_size=2, seed=3, block_size=16, anchors=2)
     prep = train.Prepared(None, None, None, samples, [], 40, masks.position_weights(16, 7.0), None, None, 0.0,
                           anchors=cfg.anchors)
-    plain, batches = Loader(len(samples), 3), train.Batches(cfg, prep, Loader(len(samples), 3))
+    plain, batches = Loader(len(samples), 3), Batches(cfg, prep, Loader(len(samples), 3))
     seen = []
     states = []
     for step in range(cfg.steps):
@@ -102,7 +103,7 @@ def test_batches_state_has_no_lookahead():
         assert states[-1] == plain.state()
     resumed_loader = Loader(len(samples), 3)
     resumed_loader.load_state(json.loads(json.dumps(states[2])))  # as a checkpoint stores it
-    resumed = train.Batches(cfg, prep, resumed_loader)
+    resumed = Batches(cfg, prep, resumed_loader)
     for step in range(3, cfg.steps):
         resumed.peek(step)
         assert torch.equal(resumed.take(step).input_ids, seen[step])

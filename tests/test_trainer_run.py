@@ -36,7 +36,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
 
     # The same run, stopped by SIGTERM after step 5: the loop draws each batch one step early (the
     # look-ahead), so batch index 5 is built during the 5th step, and the loop stops after it.
-    import trainer.train.loop as tt
+    import trainer.train.batches as tt
 
     real = tt.make_batch
 

@@ -24,11 +24,12 @@ from trainer.model.drafter import Drafter, DrafterConfig, flops_per_sample
 from trainer.engine.step import lr_at
 from trainer.run import checkpoint, provenance, sizing
 from trainer.run.config import RUN_CONFIG, TrainConfig, chat_template_options, layer_ids
-from trainer.run.data import (Loader, check_samples, encode_rows, make_batch, most_anchors, overlap, read_rows,
-                              split_eval, synthetic)
+from trainer.run.data import (Loader, check_samples, encode_rows, most_anchors, overlap, read_rows, split_eval,
+                              synthetic)
 from trainer.run.eval import acceptance_length
 from trainer.run.log import eval_line, heartbeat, step_line
 from trainer.run.target import Target, load_target
+from trainer.train.batches import Batches
 
 # Settings that must not change across --resume (they change the model or the data it sees).
 RESUME_FIXED = ("target", "target_layers", "data", "draft_layers", "block_size", "mask_token_id", "seq_len",
@@ -279,42 +280,6 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
     log.info(f"done: {step} steps ({step - first} trained in {trained['trained_s']:.1f} s, warm-up included)"
              + (f"; {eval_line(res, prep.eval_overlap)}" if res else ""))
     return EXIT_OK
-
-
-class Batches:
-    """The loop's batches, one step ahead: take(step) is the batch to train now, peek(step + 1) the
-    next one (the engine makes its target features during this step's gradient sum). Drawing the
-    next batch moves the loader, so state() is the loader's position right after the last TAKEN
-    batch: a checkpoint at a step boundary resumes exactly where the run left off, look-ahead or not."""
-
-    def __init__(self, cfg: TrainConfig, prep: Prepared, loader: Loader):
-        self.cfg, self.prep, self.loader = cfg, prep, loader
-        self._state = loader.state()
-        self._next: tuple[int, object, dict] | None = None  # (step, batch, loader state after it)
-
-    def take(self, step: int):
-        _, batch, self._state = self._drawn(step)
-        self._next = None
-        return batch
-
-    def peek(self, step: int):
-        """The batch of `step`, drawn now and kept for take(step); None past the last step."""
-        return self._drawn(step)[1] if step < self.cfg.steps else None
-
-    def _drawn(self, step: int):
-        if self._next is None or self._next[0] != step:
-            self._next = self._draw(step)
-        return self._next
-
-    def state(self) -> dict:
-        return self._state
-
-    def _draw(self, step: int):
-        cfg, prep = self.cfg, self.prep
-        batch = make_batch([prep.samples[i] for i in self.loader.next(cfg.batch_size)], pad_len=prep.pad_len,
-                           pad_id=0, step=step, seed=cfg.seed, block_size=cfg.block_size,
-                           anchors=prep.anchors, pos_weights=prep.pos_weights)
-        return step, batch, self.loader.state()
 
 
 def on_sigterm():
