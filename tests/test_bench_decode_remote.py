@@ -12,16 +12,10 @@ import subprocess
 import sys
 
 import pytest
-from trainer_quick import CLI_MAIN, copy_trainer, tiny_run_config, wait_for
+from trainer_quick import CLI_MAIN, IDLE_RUN, copy_trainer, tiny_run_config, wait_for
 
 from orchestrator import inventory
 from orchestrator.deploy import sync as deploy
-from trainer import faults
-
-# For a run that only has to be running while the test measures beside it: after its first steps
-# (its first checkpoint: checkpoint_every 2) it sleeps 0.2 s before each step instead of keeping a
-# core busy that the measurements and the other test worker's processes share.
-IDLE_RUN = ["--env", "=".join(faults.setting(step_pause="4:0.2"))]
 
 WORKDIR = "/srv/ct/dflash"
 CODE = [("def add(a, b):\n", "    return a + b\n"), ("import os\n", "import sys\nimport re\n"),

@@ -11,12 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from trainer_quick import CLI_MAIN, copy_trainer, tiny_run_config, wait_for
+from trainer_quick import CLI_MAIN, IDLE_RUN, copy_trainer, tiny_run_config, wait_for
 
 from orchestrator import inventory
 from orchestrator.deploy import sync as deploy
 from orchestrator.runs import export
-from trainer import faults
 
 REPO = Path(__file__).resolve().parent.parent
 WORKDIR = "/srv/ct/dflash"
@@ -134,7 +133,7 @@ def test_a_running_run_exports_only_with_running_ok_which_says_its_step(deployed
     # after its first checkpoint (checkpoint_every 2) the run sleeps 0.2 s before each step: it only has to
     # be running, not to keep a core busy that the exports beside it share
     r = deployed.cli("launch", "ct200", "--gpus", "0", "--policy", "eager", "--config", deployed.tmp / "tiny.yaml",
-                     "--env", "=".join(faults.setting(step_pause="4:0.2")), "--", "--steps", "100000")
+                     *IDLE_RUN, "--", "--steps", "100000")
     assert r.returncode == 0, r.stderr.decode()
     run = r.stdout.decode().strip()
     try:

@@ -9,20 +9,17 @@ import time
 from pathlib import Path
 
 import pytest
-from trainer_quick import CLI_MAIN, copy_trainer, tiny_run_config, wait_for
+from trainer_quick import CLI_MAIN, IDLE_RUN, copy_trainer, tiny_run_config, wait_for
 
 from orchestrator import inventory
 from orchestrator.deploy import sync as deploy
 from orchestrator.runs import launch as runs
-from trainer import faults
 
 REPO = Path(__file__).resolve().parent.parent
 WORKDIR = "/srv/ct/dflash"
 MAIN = CLI_MAIN
 TINY = tiny_run_config()
-# Runs until the test stops or kills it; after its first steps it sleeps 0.2 s before each step (a
-# fault point of the trainer's) rather than keep a core busy that the test's own processes share.
-LONG = ["--env", "=".join(faults.setting(step_pause="4:0.2")), "--", "--steps", "1000000"]
+LONG = [*IDLE_RUN, "--", "--steps", "1000000"]   # runs until the test stops or kills it
 
 
 @pytest.fixture(scope="module")

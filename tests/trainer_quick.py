@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from trainer import procs
+from trainer import faults, procs
 from trainer.exits import run
 
 from trainer.train import train_entry
@@ -69,6 +69,10 @@ def children(pid: int) -> list[int]:
 
 # ---- a trainer launched through dflash-ops (tests against the sshd + pct stand-in) ----------------
 
+# `launch` flags for a run that only has to keep running while a test works beside it: after its first
+# steps (its first checkpoint at checkpoint_every 2) it sleeps 0.2 s before each step (the trainer's
+# step_pause fault point) instead of keeping a core busy that the test's own processes share.
+IDLE_RUN = ["--env", "=".join(faults.setting(step_pause="4:0.2"))]
 CLI_MAIN = "from orchestrator.cli import main; main()"   # `python -c CLI_MAIN -i INV ...` is dflash-ops
 TINY_RUN = {"target": "tiny", "data": "synthetic", "synthetic_samples": 8, "synthetic_prompt_len": 4,
             "synthetic_new_tokens": 32, "batch_size": 2, "seq_len": 64, "anchors": 4, "draft_layers": 1,
