@@ -210,7 +210,8 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
     if cfg.eval_at_start and step == 0 and prep.eval_prompts:
         _eval(cfg, log, engine, prep, step)
 
-    last_loss, t_loop, first = None, time.perf_counter(), step   # the last two: the run's own wall clock
+    last_loss = None
+    t_loop, first = time.perf_counter(), step   # the wall clock of this process's steps (the done event)
     # The step queued last, logged once the next one is queued (engine.step returns before the
     # devices have run it), or at a step boundary that needs its results.
     pending = None
@@ -264,7 +265,8 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
     finish()
     engine.check_replicas(step)
     _save(cfg, log, prep, engine, batches, step)
-    trained = {"steps_trained": step - first, "trained_s": round(time.perf_counter() - t_loop, 3)}  # warm-up too
+    # every step this process ran, the first one's warm-up and the checkpoints too; not the final eval
+    trained = {"steps_trained": step - first, "trained_s": round(time.perf_counter() - t_loop, 3)}
     stopped = engine.agree(stop.is_set())
     engine.collectives_done()   # rank 0's final eval is its own
     if stopped:
