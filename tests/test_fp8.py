@@ -220,14 +220,14 @@ def test_the_probe_judges_fp8_against_eager_bf16_within_fp8s_noise(monkeypatch):
     the eager bf16 replica, the noise measured as eager fp8 against eager bf16; wrong scales are `wrong`."""
     import torchao.float8.float8_scaling_utils as scaling
 
-    from trainer.engine.numerics import FP8_NOISE_FACTOR
+    from trainer.engine.numerics import FP8_NOISE_FACTOR, fp8_limit
     from trainer.probe import case
 
     out = case.run_case("eager", "threads", 1, steps=1, device_kind="cpu", precision="fp8", emulate=True)
     num = out["numerics"]
     assert out["ok"] and not out["wrong"], out["why"]
     assert 1e-3 < num["grad_noise"] and num["grad_err"] <= num["grad_tol"] <= FP8_NOISE_FACTOR * num["grad_noise"]
-    assert num["grad_tol"] <= fp8.step_error("fp8", case.CPU_SHAPE.draft_layers)
+    assert num["grad_tol"] <= fp8_limit("fp8", case.CPU_SHAPE.draft_layers)
     to_scale = scaling.tensor_to_scale
     monkeypatch.setattr(scaling, "tensor_to_scale", lambda *a, **k: to_scale(*a, **k) * 64)  # saturates
     out = case.run_case("eager", "threads", 1, steps=1, device_kind="cpu", precision="fp8", emulate=True)
@@ -241,6 +241,30 @@ def test_a_capped_tolerance_says_so():
     assert judge([s], [], None, ["w"], torch.float32, factor=2.0)["ok"]
     capped = judge([s], [], None, ["w"], torch.float32, factor=2.0, limit=0.25)
     assert not capped["ok"] and "(tolerance 0.25 = the limit, below 2 x noise 0.2)" in capped["why"]
+
+
+def test_the_probes_fp8_limit_admits_the_noise_an_h200_measured_and_stops_a_wrong_gradient():
+    """The probe's first fp8 run on an H200 (docs/data/fp8-h200-2026-12-02c/probe): eager fp8 against
+    eager bf16 measured 0.374 at step 1, over fp8.step_error's first-order 0.342 for the probe's
+    2-layer drafter. A limit of 0.342 rejects a compiled case 1.25x that noise (what 2 worker threads'
+    own scales measured), fp8's own error; the limit the probe passes must not, and must still stop a
+    wrong gradient (stale CUDA graphs: relative L2 0.997)."""
+    from trainer.engine.numerics import FP8_NOISE_FACTOR, StepCheck, fp8_limit, judge
+    from trainer.probe import case
+
+    estimate, limit = fp8.step_error("fp8", case.GPU_SHAPE.draft_layers), fp8_limit("fp8", case.GPU_SHAPE.draft_layers)
+    noise = [0.374, 0.221, 0.150]                  # per step, as measured
+    assert noise[0] > estimate
+
+    def verdict(err: float, cap: float) -> dict:
+        steps = [StepCheck(64.6, 64.6, 64.6, [err], [n], err, n) for n in noise]
+        return judge(steps, [], None, ["w"], torch.bfloat16, FP8_NOISE_FACTOR, cap)
+
+    threads = 1.25 * noise[0]
+    assert not verdict(threads, estimate)["ok"]    # the old limit
+    assert verdict(threads, limit)["ok"], verdict(threads, limit)["why"]
+    wrong = verdict(0.997, limit)
+    assert not wrong["ok"] and "the limit" in wrong["why"], wrong["why"]
 
 
 def test_drafter_bench_takes_the_trainers_precision(tmp_path):

@@ -21,7 +21,7 @@ and `--steps` timed training steps, alone when the parent runs cases side by sid
 first: schedule.py). With `--precision fp8 | fp8-rowwise` the engine's replicas train
 with fp8 matmuls (trainer/model/fp8.py) while the eager reference stays bf16, and the noise is fp8's
 own: eager fp8 against eager bf16 on the same weights and batch (numerics.py: FP8_NOISE_FACTOR, and
-fp8.step_error as the limit). The outcome: `ok`, or `wrong` (it ran, but computes something
+numerics.fp8_limit as the limit). The outcome: `ok`, or `wrong` (it ran, but computes something
 else; signature compiled-wrong), or a failure the parent names from the output. The result is ONE
 stdout line, CASE_MARK + JSON (rank 0's under processes), which the parent (program.py) picks out.
 """
@@ -48,7 +48,8 @@ from trainer.model.draft_loss import DraftLoss
 from trainer.run.config import TrainConfig
 from trainer.run.log import QuietLog
 from trainer.model.drafter import Drafter
-from trainer.engine.numerics import FP8_NOISE_FACTOR, NOISE_FACTOR, StepCheck, grad_errors, judge, snapshot_grads
+from trainer.engine.numerics import (FP8_NOISE_FACTOR, NOISE_FACTOR, StepCheck, fp8_limit, grad_errors, judge,
+                                     snapshot_grads)
 from trainer.engine.step import Replica, apply_update, build_replica, compute_grads, load_weights
 from trainer.probe.watch import CASE_MARK, PHASE_MARK, wait_for_turn  # noqa: F401 - CASE_MARK: the result line's mark
 
@@ -280,7 +281,7 @@ def run_case(policy: str, topology: str, n: int, steps: int, device_kind: str, r
         phase("verdict")                     # the others may go on
         fp8_case = precision != "bf16"
         verdict = judge(checks, replay, learn, case.names, case.dtype, FP8_NOISE_FACTOR if fp8_case else NOISE_FACTOR,
-                        fp8.step_error(precision, case.shape.draft_layers) if fp8_case else None)
+                        fp8_limit(precision, case.shape.draft_layers) if fp8_case else None)
     finally:
         case.close()
     return _finite({
