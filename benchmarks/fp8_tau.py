@@ -22,11 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _runs as runs  # noqa: E402
 from _plot import save_png  # noqa: E402
+from trainer.run.config import PRECISIONS  # noqa: E402
 from trainer.run.log import tau_text  # noqa: E402
 
-RUN = re.compile(r"^(?P<precision>bf16|fp8|fp8-rowwise)-s(?P<seed>\d+)$")
+RUN = re.compile(rf"^(?P<precision>{'|'.join(map(re.escape, PRECISIONS))})-s(?P<seed>\d+)$")
 SEEDS = 3   # seeds per precision the proof takes; fewer give a preliminary verdict
-COLORS = {"bf16": "#27a", "fp8": "#d62", "fp8-rowwise": "#2a7"}
+COLORS = {"bf16": "#27a", "fp8": "#d62", "fp8-rowwise": "#2a7", "fp8-lmhead": "#a3c"}
 
 
 def load(folder: Path) -> tuple[dict, dict]:

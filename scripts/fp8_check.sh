@@ -52,8 +52,12 @@ t0=$(date +%s)
 phase() { echo "$(( $(date +%s) - t0 )) s: $*" | tee -a "$OUT/phases.log" >&2; }
 
 if ! "$PY" -c "import torchao.float8" 2>/dev/null; then
-    [ -f "$WHEEL" ] || { echo "fp8_check: no torchao here and no $WHEEL: run make fp8-wheel, carry .scratch" >&2; exit 2; }
-    "$PY" -m pip install -q --no-deps "$WHEEL" || exit 2
+    if [ -d .scratch/torchao/torchao ]; then   # make test-fp8's copy: on the path, never into the venv
+        export PYTHONPATH="$PWD/.scratch/torchao${PYTHONPATH:+:$PYTHONPATH}"
+    else
+        [ -f "$WHEEL" ] || { echo "fp8_check: no torchao here and no $WHEEL: run make fp8-wheel, carry .scratch" >&2; exit 2; }
+        "$PY" -m pip install -q --no-deps "$WHEEL" || exit 2
+    fi
 fi
 phase "torchao $("$PY" -c 'from importlib.metadata import version; print(version("torchao"))' 2>/dev/null)"
 

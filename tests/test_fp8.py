@@ -49,11 +49,12 @@ def setup():
     return drafter, pw, batch, target.features(batch.input_ids)
 
 
-def _step(drafter, pw, batch, feats) -> tuple[float, list[torch.Tensor]]:
+def _step(drafter, pw, batch, feats, loss: str = "auto") -> tuple[float, list[torch.Tensor]]:
     """The draft loss and its gradients, as the trainer's step computes them on the CPU."""
     for p in drafter.parameters():
         p.grad = None
-    loss_sum, _, _ = DraftLoss(drafter, pw)(feats, batch.input_ids, batch.loss_mask, batch.anchors, batch.valid)
+    loss_sum, _, _ = DraftLoss(drafter, pw, loss=loss)(feats, batch.input_ids, batch.loss_mask, batch.anchors,
+                                                       batch.valid)
     (loss_sum / batch.weight_total).backward()
     return float(loss_sum.detach()) / batch.weight_total, [p.grad.clone() for _, p in drafter.trainable_parameters()]
 
@@ -97,12 +98,13 @@ def test_wrong_scales_fail_the_same_check(setup, monkeypatch):
     assert _errors(setup, precision)[1] > 2 * tol
 
 
-def test_fp8_only_while_training_and_the_weights_are_the_same(setup):
+@pytest.mark.parametrize("precision", ["fp8", "fp8-lmhead"])
+def test_fp8_only_while_training_and_the_weights_are_the_same(setup, precision):
     """Under no_grad (eval, export) an fp8 drafter computes what the bf16 one does, bit for bit, and
     its state dict is the same: fp8 changes the training matmuls only."""
     drafter, pw, batch, feats = setup
     d8 = copy.deepcopy(drafter)
-    assert fp8.use(d8, "fp8", emulate=True) == []     # every Linear of the tiny drafter takes fp8
+    assert fp8.use(d8, precision, emulate=True) == []     # every Linear of the tiny drafter takes fp8
     assert d8.state_dict().keys() == drafter.state_dict().keys()
     with torch.no_grad():
         a = DraftLoss(drafter, pw)(feats, batch.input_ids, batch.loss_mask, batch.anchors, batch.valid)[0]
@@ -141,6 +143,59 @@ def test_rows_reach_scaled_mm_in_multiples_of_16_and_the_padding_changes_nothing
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()))
 
 
+def _head_case(seed: int = 0):
+    """The tiny target's lm_head shape (vocabulary 264, not a multiple of 16; hidden 64), 21 rows."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(264, 64, generator=g), torch.randn(21, 64, generator=g), torch.randn(21, 264, generator=g)
+
+
+def _head_errors(head: fp8.Fp8Head, w, y, dlogits) -> tuple[float, float]:
+    """(logits, hidden gradient) relative L2 errors of the fp8 head's matmuls against fp32's."""
+    hw = head.weight(w)
+    logits, dy = head.logits(y, hw, torch.float32), head.grad_input(dlogits, hw, torch.float32)
+    assert logits.shape == (21, 264) and dy.shape == (21, 64)
+    return grad_errors([logits], [y @ w.T])[1], grad_errors([dy], [dlogits @ w])[1]
+
+
+def test_the_fp8_heads_matmuls_are_the_lm_heads_within_fp8s_rounding(monkeypatch):
+    """--precision fp8-lmhead: the lm_head's forward (e4m3 x e4m3) and hidden-state gradient (e5m2 x
+    e4m3) within one fp8 matmul's rounding (fp8.matmul_error: 0.051, 0.081; measured 0.035-0.038
+    and 0.056-0.062 over 5 seeds), and quantized (fp32 alone: ~1e-7). The sizes reach the fp8 casts in
+    multiples of 16 (rows 21 -> 32, vocabulary 264 -> 272); saturating scales miss by far."""
+    import torchao.float8.float8_utils as utils
+
+    head = fp8.Fp8Head(emulate=True)
+    w, y, dlogits = _head_case()
+    cast = fp8._to_fp8
+    shapes = []
+    monkeypatch.setattr(fp8, "_to_fp8", lambda x, dtype: shapes.append(tuple(x.shape)) or cast(x, dtype))
+    err_fwd, err_bwd = _head_errors(head, w, y, dlogits)
+    assert 1e-3 < err_fwd <= fp8.matmul_error("fp8-lmhead", backward=False), err_fwd
+    assert 1e-3 < err_bwd <= fp8.matmul_error("fp8-lmhead"), err_bwd
+    assert shapes == [(272, 64), (32, 64), (32, 272)], shapes
+    to_scale = utils.tensor_to_scale
+    monkeypatch.setattr(utils, "tensor_to_scale", lambda *a, **k: to_scale(*a, **k) * 64)  # saturates
+    err_fwd, err_bwd = _head_errors(head, w, y, dlogits)
+    assert err_fwd > 2 * fp8.matmul_error("fp8-lmhead", backward=False) and err_bwd > 2 * fp8.matmul_error("fp8")
+
+
+def test_the_fp8_head_quantizes_the_step_and_only_with_its_precision(setup):
+    """On the same (chunked) loss, fp8-lmhead's step differs from fp8's (its lm_head's matmuls are
+    fp8 too; fp8's are not), where the two are otherwise the same arithmetic to the bit; the loss
+    goes the chunked way by itself, where those matmuls are, and the dense loss is refused."""
+    drafter, pw, batch, feats = setup
+    steps = {}
+    for precision in ("fp8", "fp8-lmhead"):
+        d8 = copy.deepcopy(drafter)
+        fp8.use(d8, precision, emulate=True)
+        assert (getattr(d8.lm_head, "fp8", None) is not None) == (precision in fp8.HEAD)
+        steps[precision] = _step(d8, pw, batch, feats, loss="chunked")
+    assert grad_errors(steps["fp8-lmhead"][1], steps["fp8"][1])[1] > 1e-3
+    assert DraftLoss(d8, pw).backends(torch.device("cpu")) == ("sdpa", "chunked")
+    with pytest.raises(ValueError, match="need the chunked loss"):
+        DraftLoss(d8, pw, loss="dense")(feats, batch.input_ids, batch.loss_mask, batch.anchors, batch.valid)
+
+
 def test_compiled_fp8_linear_is_eagers():
     """torch.compile (inductor, as the compile policies run it) traces torchao's float8 matmul inside
     the drafter's Linear: forward and both gradients stay within fp32 reassociation of eager's, far
@@ -170,6 +225,37 @@ def test_compiled_fp8_linear_is_eagers():
         assert err < 1e-4 < fp8_err, (err, fp8_err)
 
 
+def test_compiled_fp8_head_is_eagers():
+    """torch.compile (inductor) traces the chunked loss with the lm_head's fp8 matmuls as one graph
+    (no break), and its loss and hidden-state gradient are eager's within fp32 reassociation, far
+    inside fp8's own error (measured 8e-8)."""
+    from trainer import policies
+    from trainer.model import fused_ce
+
+    w, _, _ = _head_case()
+    g = torch.Generator().manual_seed(4)
+    norm = torch.nn.RMSNorm(64, eps=1e-6)
+    h0, labels, weights = torch.randn(1, 45, 64, generator=g), torch.randint(0, 264, (1, 45), generator=g), \
+        torch.rand(1, 45, generator=g)
+
+    def loss(h, head):
+        return fused_ce.block_loss(h, norm, w, labels, weights, 15, rows=16, fp8=head)[0]
+
+    def run(fn, head):
+        h = h0.clone().requires_grad_()
+        out = fn(h, head)
+        out.backward()
+        return out.detach(), h.grad
+
+    head = fp8.Fp8Head(emulate=True)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(loss)(h0, head).graph_break_count == 0
+    torch._dynamo.reset()
+    compiled, eager = run(policies.compile_module(loss, "inductor", n_devices=1), head), run(loss, head)
+    err, fp8_err = grad_errors(list(compiled), list(eager))[1], grad_errors(list(eager), list(run(loss, None)))[1]
+    assert err < 1e-5 < 1e-3 < fp8_err, (err, fp8_err)
+
+
 def _trainer(*flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "trainer", *flags], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
@@ -182,7 +268,7 @@ def test_without_fp8_hardware_the_trainer_refuses_in_one_line(tmp_path):
         "trainer: error: --precision fp8 needs GPUs with FP8 matmuls (sm89+); --fp8-emulate runs its "
         "arithmetic on the CPU (slowly, for tests)"]
     p = _trainer("--precision", "fp16", "--out", str(tmp_path / "run"))
-    assert p.returncode == 2 and "expected one of bf16, fp8, fp8-rowwise" in p.stderr
+    assert p.returncode == 2 and "expected one of bf16, fp8, fp8-rowwise, fp8-lmhead" in p.stderr
     p = _trainer("--fp8-emulate", "--out", str(tmp_path / "run"))
     assert p.returncode == 2 and "--fp8-emulate goes with --precision fp8" in p.stderr
 
@@ -200,15 +286,18 @@ def test_refusals_name_what_is_missing(monkeypatch):
 
 
 @pytest.mark.slow
-def test_an_emulated_fp8_run_trains_with_worker_threads(tmp_path, capsys):
-    """The trainer end to end with --precision fp8-rowwise --fp8-emulate and two worker threads: it
-    says so, trains, and the replicas stay bit-identical (the run's checksums)."""
+@pytest.mark.parametrize("precision", ["fp8-rowwise", "fp8-lmhead"])
+def test_an_emulated_fp8_run_trains_with_worker_threads(tmp_path, capsys, precision):
+    """The trainer end to end with --precision fp8-rowwise | fp8-lmhead --fp8-emulate and two worker
+    threads: it says so, trains, and the replicas stay bit-identical (the run's checksums)."""
     from trainer_quick import metrics, train
 
     out = tmp_path / "run"
-    assert train(out, "--precision", "fp8-rowwise", "--fp8-emulate", "--workers", "2", "--steps", "6",
+    assert train(out, "--precision", precision, "--fp8-emulate", "--workers", "2", "--steps", "6",
                  "--eval-prompts", "0", "--checksum-every", "2") == 0
-    assert "precision fp8-rowwise: the drafter's Linear layers train with torchao" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"precision {precision}: the drafter's Linear layers train with torchao" in said
+    assert ("lm_head's matmuls in fp8 too" in said) == (precision in fp8.HEAD)
     losses = [m["loss"] for m in metrics(out) if "loss" in m and "event" not in m]
     assert len(losses) == 6 and all(x == x for x in losses)
     checks = [(m["step"], m["replicas"]) for m in metrics(out) if m.get("event") == "checksum"]

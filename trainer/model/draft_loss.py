@@ -50,8 +50,13 @@ class DraftLoss(nn.Module):
         loss = self.loss
         if loss == "auto":
             frozen = not self.drafter.lm_head.weight.requires_grad
-            loss = "chunked" if fast and frozen else "dense"
+            # the lm_head's fp8 matmuls (--precision fp8-lmhead) live in the chunked loss
+            loss = "chunked" if (fast or self._fp8_head()) and frozen else "dense"
         return att, loss
+
+    def _fp8_head(self):
+        """The lm_head's fp8 matmuls (fp8.Fp8Head) while gradients are computed; None otherwise."""
+        return getattr(self.drafter.lm_head, "fp8", None) if torch.is_grad_enabled() else None
 
     def forward(self, feats, input_ids, loss_mask, anchors, valid):
         # feats (B, S, n*H) target features; input_ids, loss_mask (B, S); anchors, valid (B, N)
@@ -75,7 +80,9 @@ class DraftLoss(nn.Module):
         labels, weights = predicted_rows(labels, bs), predicted_rows(weights, bs)
         if loss == "chunked":
             loss_sum, correct, count = fused_ce.block_loss(hidden, self.drafter.norm, self.drafter.lm_head.weight,
-                                                           labels, weights, bs - 1)
+                                                           labels, weights, bs - 1, fp8=self._fp8_head())
+        elif self._fp8_head() is not None:
+            raise ValueError("the lm_head's fp8 matmuls (--precision fp8-lmhead) need the chunked loss")
         else:
             loss_sum, correct, count = masks.block_loss(self.drafter.logits(hidden), labels, weights, bs - 1)
         zero = correct.new_zeros(1)   # per-position counts keep position 0 (always 0 of 0)

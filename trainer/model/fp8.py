@@ -1,5 +1,6 @@
 """FP8 matmuls for the drafter's Linear layers while they train (`--precision fp8 | fp8-rowwise`),
-with torchao's float8 training (docs/precision.md).
+with torchao's float8 training (docs/precision.md); with `--precision fp8-lmhead`, also the frozen
+lm_head's two matmuls in the chunked loss (`Fp8Head`).
 
 `use(drafter, precision, emulate)` gives every Linear of the drafter (fc, q/k/v/o, the MLP) an
 Fp8Matmul: while gradients are computed, the layer's matmul, its input gradient and its weight
@@ -10,8 +11,9 @@ e4m3 (tensorwise casts the output gradient to e5m2), then torch._scaled_mm multi
 
 What does not change: the fp32 master weights (quantized from fp32 at every matmul; the weight's
 gradient leaves the matmul in bf16 and lands in its fp32 .grad), the fp32 AdamW moments, the target
-(bf16), the lm_head and the cross-entropy (fused_ce.py), and everything under no_grad: eval and
-export run the bf16 path on the same weights, as a deployed drafter does.
+(bf16), the lm_head and the cross-entropy (fused_ce.py; but for fp8-lmhead's lm_head matmuls), and
+everything under no_grad: eval and export run the bf16 path on the same weights, as a deployed
+drafter does.
 
 The numerics (`matmul_error`): rounding to a format with p mantissa bits is off by at most 2^-(p+1)
 relative (e4m3, p = 3: 1/16; e5m2, p = 2: 1/8), uniformly, so with an rms of that / sqrt(3). A
@@ -33,7 +35,9 @@ from trainer.model.linear import Linear
 
 TORCHAO = "0.18.0"  # the version tested: float8 training on torch 2.11 (the GPU machine) and 2.13 (CPU)
 # --precision value -> torchao's recipe; "bf16" (the default) is the path without fp8.
-RECIPES = {"fp8": "tensorwise", "fp8-rowwise": "rowwise"}
+RECIPES = {"fp8": "tensorwise", "fp8-rowwise": "rowwise", "fp8-lmhead": "tensorwise"}
+# the precisions whose lm_head matmuls (logits, and the hidden state's gradient) run in fp8 too: Fp8Head
+HEAD = ("fp8-lmhead",)
 MULTIPLE = 16  # torch._scaled_mm takes sizes in multiples of 16 (the weight gradient's inner size: the rows)
 # (mantissa bits of the forward's operands, of the backward's output gradient) per recipe
 _MANTISSA = {"tensorwise": (3, 2), "rowwise": (3, 3)}
@@ -81,8 +85,9 @@ def step_error(precision: str, layers: int, backward: bool = True) -> float:
     relative (L2): its gradients (backward) or its loss. A value passes through at most M fp8 matmuls,
     whose independent errors add in quadrature (to first order): the forward chain is the fc, then per
     layer q/k/v, o_proj, gate/up and down_proj (1 + 4L); a gradient goes back along as long a chain,
-    M = 2 (1 + 4L). So within sqrt(M) x matmul_error (L = 2: 0.34 tensorwise, 0.22 rowwise)."""
-    chain = 1 + 4 * layers
+    M = 2 (1 + 4L). So within sqrt(M) x matmul_error (L = 2: 0.34 tensorwise, 0.22 rowwise). The
+    lm_head in fp8 (HEAD) adds one matmul to each chain (L = 2: 0.36)."""
+    chain = 1 + 4 * layers + (precision in HEAD)
     return math.sqrt(2 * chain if backward else chain) * matmul_error(precision, backward)
 
 
@@ -130,12 +135,67 @@ class Fp8Matmul:
         return y[: y.shape[0] - pad].reshape(*lead, y.shape[-1])
 
 
+def _to_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x -> (x scaled into fp8 `dtype`, saturated; the inverse scale): one scale from x's amax, as
+    torchao's tensorwise recipe computes it."""
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+    scale = tensor_to_scale(x, dtype)
+    return to_fp8_saturated(x.float() * scale, dtype), scale.reciprocal()
+
+
+@dataclass(frozen=True)
+class Fp8Head:
+    """The frozen lm_head's two matmuls in the chunked loss (fused_ce.py) in fp8, scaled per tensor
+    as `fp8` scales the Linear layers: logits = y @ W.T with y and W in e4m3, and the hidden state's
+    gradient d y = d logits @ W with d logits in e5m2 (the lm_head has no weight gradient: frozen).
+    W is cast once per loss call (`weight`), in the two layouts torch._scaled_mm takes. Sizes go to
+    multiples of 16 with zeros, which change no amax and no result: the rows as Fp8Matmul pads them,
+    and the vocabulary (W's rows, d logits' columns; the padded logits are cut off again).
+    `emulate`: the same casts, an fp32 matmul."""
+    emulate: bool
+
+    def weight(self, w: torch.Tensor) -> tuple:
+        """(W (V', H) in e4m3, the same transposed and contiguous (H, V'), W's inverse scale, V)."""
+        pad = -w.shape[0] % MULTIPLE
+        w8, inv = _to_fp8(nn.functional.pad(w, (0, 0, 0, pad)) if pad else w, torch.float8_e4m3fn)
+        return w8, w8.t().contiguous(), inv, w.shape[0]
+
+    def logits(self, y: torch.Tensor, w: tuple, out_dtype: torch.dtype) -> torch.Tensor:
+        # as torchao's forward GEMM: fast accumulation (Float8LinearConfig.gemm_config_output)
+        out = self._mm(y, torch.float8_e4m3fn, w[0].t(), w[2], out_dtype, fast=True)
+        return out if out.shape[1] == w[3] else out[:, : w[3]].contiguous()
+
+    def grad_input(self, g: torch.Tensor, w: tuple, out_dtype: torch.dtype) -> torch.Tensor:
+        pad = w[1].shape[1] - g.shape[1]
+        g = nn.functional.pad(g, (0, pad)) if pad else g
+        return self._mm(g, torch.float8_e5m2, w[1].t(), w[2], out_dtype, fast=False)
+
+    def _mm(self, a, dtype, b8, inv_b, out_dtype, fast: bool) -> torch.Tensor:
+        pad = -a.shape[0] % MULTIPLE
+        if pad:
+            a = nn.functional.pad(a, (0, 0, 0, pad))
+        a8, inv_a = _to_fp8(a, dtype)
+        if self.emulate:
+            out = ((a8.float() * inv_a) @ (b8.float() * inv_b)).to(out_dtype)
+        else:
+            out = torch._scaled_mm(a8, b8, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype, use_fast_accum=fast)
+        return out[: out.shape[0] - pad]
+
+
 def use(module: nn.Module, precision: str, emulate: bool = False) -> list[str]:
     """Give every Linear in `module` whose sizes torch._scaled_mm takes (multiples of 16; the rows
-    are padded to one) the fp8 matmul of `precision` ("bf16": take it away). Returns the names of
-    the layers left in bf16."""
+    are padded to one) the fp8 matmul of `precision` ("bf16": take it away), and, for HEAD, its
+    `lm_head` an Fp8Head where its hidden size is a multiple of 16. Returns the names of the layers
+    left in bf16."""
     mm = None if precision == "bf16" else Fp8Matmul.build(precision, emulate)
     left = []
+    head = getattr(module, "lm_head", None)
+    if isinstance(head, nn.Linear):
+        fits = head.in_features % MULTIPLE == 0   # the vocabulary is padded to a multiple
+        head.fp8 = Fp8Head(emulate) if precision in HEAD and fits else None
+        if precision in HEAD and not fits:
+            left.append("lm_head")
     for name, m in module.named_modules():
         if isinstance(m, Linear):
             fits = m.in_features % MULTIPLE == 0 and m.out_features % MULTIPLE == 0
@@ -150,4 +210,5 @@ def described(precision: str, emulate: bool, left: list[str]) -> str:
     return (f"precision {precision}: the drafter's Linear layers train with torchao {torchao_version()}'s "
             f"float8 matmuls ({RECIPES[precision]} scales{', emulated' if emulate else ''})"
             + (f", but for {', '.join(left)} (sizes not multiples of 16)" if left else "")
-            + "; lm_head, loss and eval as without")
+            + ("; lm_head's matmuls in fp8 too; loss and eval as without" if precision in HEAD and "lm_head" not in left
+               else "; lm_head, loss and eval as without"))

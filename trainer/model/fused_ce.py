@@ -107,8 +107,9 @@ class _LinearCE(torch.autograd.Function):
     """loss_sum and argmax of rms_norm(h) @ lm_w.T; grads for h and norm_w (lm_head is frozen)."""
 
     @staticmethod
-    def forward(ctx, h, norm_w, lm_w, labels, weights, eps: float, rows: int):
-        # h (T, H) in the residual dtype; norm_w (H,); lm_w (V, H); labels, weights (T,)
+    def forward(ctx, h, norm_w, lm_w, labels, weights, eps: float, rows: int, fp8):
+        # h (T, H) in the residual dtype; norm_w (H,); lm_w (V, H); labels, weights (T,); fp8 an
+        # fp8.Fp8Head for the two lm_head matmuls, or None
         want_grad = ctx.needs_input_grad[0]
         want_norm = ctx.needs_input_grad[1]
         dnorm = torch.zeros(norm_w.shape, dtype=torch.float32, device=h.device) if want_norm else None
@@ -116,6 +117,7 @@ class _LinearCE(torch.autograd.Function):
                 _compiled if h.device.type == "cuda" else _ce_core)
         loss = h.new_zeros((), dtype=torch.float32)
         preds, grads = [], []
+        w8 = fp8.weight(lm_w) if fp8 is not None else None
         for s in range(0, h.shape[0], rows):
             hc = h[s:s + rows]
             # RMSNorm exactly as model.RMSNorm computes it (so that the dense path's numbers come out)
@@ -123,12 +125,14 @@ class _LinearCE(torch.autograd.Function):
             r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
             xn = x * r
             y = norm_w * xn.to(hc.dtype)
-            logits = F.linear(y, lm_w)  # (C, V): bf16 under autocast, as lm_head() would give
+            logits = F.linear(y, lm_w) if fp8 is None else fp8.logits(y, w8, _out_dtype(y))  # (C, V): bf16
+            # under autocast, as lm_head() would give
             chunk_loss, pred, dlogits = core(logits, labels[s:s + rows], weights[s:s + rows])
             loss = loss + chunk_loss
             preds.append(pred)
             if want_grad or want_norm:
-                dy = (dlogits @ lm_w).float()  # (C, H): autocast's bf16 matmul, like linear's backward
+                # (C, H): autocast's bf16 matmul, like linear's backward
+                dy = (dlogits @ lm_w if fp8 is None else fp8.grad_input(dlogits, w8, dlogits.dtype)).float()
             if want_norm:
                 dnorm += (dy * xn.to(hc.dtype).float()).sum(0)  # y = norm_w * xn (in h's dtype)
             if want_grad:
@@ -146,16 +150,22 @@ class _LinearCE(torch.autograd.Function):
         dh, dnorm = ctx.saved_tensors
         dh = dh * grad_loss.to(dh.dtype) if dh is not None else None
         dnorm = (dnorm * grad_loss).to(ctx.norm_dtype) if dnorm is not None else None
-        return dh, dnorm, None, None, None, None, None
+        return dh, dnorm, None, None, None, None, None, None
+
+
+def _out_dtype(y: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear gives y's matmul: autocast's where it is on, else y's."""
+    return torch.get_autocast_dtype(y.device.type) if torch.is_autocast_enabled(y.device.type) else y.dtype
 
 
 def block_loss(hidden: torch.Tensor, norm, lm_weight: torch.Tensor, labels: torch.Tensor,
-               weights: torch.Tensor, block_size: int, rows: int | None = None):
+               weights: torch.Tensor, block_size: int, rows: int | None = None, fp8=None):
     """masks.block_loss(lm_head(norm(hidden)), labels, weights, block_size) without the full logits.
 
     hidden (B, Tq, H); norm an RMSNorm (weight, eps); lm_weight (V, H); labels, weights (B, Tq).
     Returns loss_sum (scalar), correct (Bs,), count (Bs,). Needs the lm_head frozen (requires_grad
-    False): its gradient is not computed. The norm's is, when its weight requires grad.
+    False): its gradient is not computed. The norm's is, when its weight requires grad. `fp8` (an
+    fp8.Fp8Head, --precision fp8-lmhead) computes the lm_head's two matmuls while gradients are.
     """
     if lm_weight.requires_grad:
         raise ValueError("fused_ce.block_loss computes no gradient for the lm_head: "
@@ -164,7 +174,7 @@ def block_loss(hidden: torch.Tensor, norm, lm_weight: torch.Tensor, labels: torc
     T, V = h.shape[0], lm_weight.shape[0]
     rows = rows or ROWS or chunk_rows(T, V)
     loss_sum, pred = _LinearCE.apply(h, norm.weight, lm_weight, labels.flatten(), weights.flatten(),
-                                     norm.eps, rows)
+                                     norm.eps, rows, fp8 if torch.is_grad_enabled() else None)
     live = (weights > 0).view(weights.shape[0], -1, block_size)  # (B, N, Bs)
     hit = (pred.view_as(labels) == labels).view_as(live) & live
     return loss_sum, hit.sum(dim=(0, 1)), live.sum(dim=(0, 1))

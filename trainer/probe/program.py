@@ -2,7 +2,7 @@
 
     python -m trainer.probe [--threads N] [--steps K] [--timeout S] [--workdir DIR] [--jobs N]
                             [--expect JSON] [--policies a,b] [--signatures PATH]
-                            [--precision fp8|fp8-rowwise [--fp8-emulate]]
+                            [--precision fp8|fp8-rowwise|fp8-lmhead [--fp8-emulate]]
 
 Runs on the target with only torch (+ PyYAML for the signature catalog). Prints ONE JSON document
 on stdout; one progress line per case on stderr. It reports the build (python, torch, CUDA, cuDNN,
@@ -19,7 +19,7 @@ The choice: the fastest `ok` policy in `threads` (eager when none passed: the do
 the topology in `no_working_policy`, and `dflash-ops probe` exits 1); with --workdir it is
 saved atomically in WORKDIR/probe.json, which `--compile-policy auto` reads (policies.resolve).
 A second choice, `processes_policy`, answers `--topology processes` from the `processes` cases,
-where CUDA-graph policies are allowed. `--precision fp8|fp8-rowwise` probes the trainer's fp8 path
+where CUDA-graph policies are allowed. `--precision fp8*` probes the trainer's fp8 path
 instead (case.py: judged against eager bf16 within fp8's own measured noise); it reports, and keeps
 its verdicts, but never writes probe.json, whose choice is the default path's.
 
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         if why:
             _parser().error(f"--precision {args.precision}: {why}")
     elif args.fp8_emulate:
-        _parser().error("--fp8-emulate goes with --precision fp8 or fp8-rowwise")
+        _parser().error(f"--fp8-emulate goes with --precision {'|'.join(PRECISIONS[1:])}")
     if args.timeout is None:
         # a GPU case compiles Triton kernels (max-autotune benchmarks them) in N threads at once
         args.timeout = 600.0 if args.device == "cuda" else 300.0

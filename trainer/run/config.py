@@ -23,7 +23,7 @@ from trainer.policies import POLICY_NAMES, known as known_policies  # torch-free
 # Not config.json/config.yaml: `launch` puts the user's own config file in the same folder.
 RUN_CONFIG = "trainer-config.json"
 # --precision: the default path, or the drafter's matmuls in fp8 (trainer/model/fp8.py RECIPES)
-PRECISIONS = ("bf16", "fp8", "fp8-rowwise")
+PRECISIONS = ("bf16", "fp8", "fp8-rowwise", "fp8-lmhead")
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class TrainConfig:
                                          # (Hopper), else torch's
     ce_rows: int = 0                     # rows per chunk of the fused cross-entropy; 0 = sized to 1 GiB of fp32 logits
     ce_kernel: str = "on"                # on | off: the cross-entropy core as one Triton kernel where it can run
-    precision: str = "bf16"              # bf16 | fp8 | fp8-rowwise: the drafter's Linear matmuls (model/fp8.py)
+    precision: str = "bf16"              # bf16 | fp8 | fp8-rowwise | fp8-lmhead: the drafter's matmuls (model/fp8.py)
     fp8_emulate: bool = False            # fp8's arithmetic without FP8 hardware (the CPU: tests)
     # several nodes (--topology processes): one DDP job joined by torchrun's c10d rendezvous
     nnodes: int = 1                      # nodes in the job; each runs this command with its own --node-address
@@ -157,9 +157,10 @@ HELP = {
                   "Hopper, else torch's",
     "ce_rows": "rows per chunk of the fused cross-entropy, for an A/B; 0 = the most whose fp32 logits fit in 1 GiB",
     "ce_kernel": "on | off: the cross-entropy core as one Triton kernel on a GPU (off = the torch core)",
-    "precision": "bf16 | fp8 | fp8-rowwise: the drafter's Linear layers train with torchao's float8 matmuls, "
-                 "tensorwise or rowwise scaled (opt-in, not yet proven: docs/precision.md); fp32 master weights "
-                 "and optimizer, target, lm_head and loss unchanged; bf16 = the default path",
+    "precision": "bf16 | fp8 | fp8-rowwise | fp8-lmhead: the drafter's Linear layers train with torchao's float8 "
+                 "matmuls, tensorwise or rowwise scaled (opt-in: docs/precision.md); fp8-lmhead: fp8, and the "
+                 "lm_head's matmuls in the loss too (unproven); fp32 master weights and optimizer, target and loss "
+                 "unchanged; bf16 = the default path",
     "fp8_emulate": "with --precision fp8*: the same fp8 rounding without FP8 hardware (slow; the CPU, tests)",
     "draft_layers": "drafter layers",
     "block_size": "tokens per block: the anchor plus block_size-1 predicted tokens",
@@ -344,7 +345,7 @@ def validate(c: TrainConfig, here: bool = True) -> None:
     need(c.fp32_wgrad in ("on", "off"), f"--fp32-wgrad must be on or off, got {c.fp32_wgrad!r}")
     need(c.ce_kernel in ("on", "off"), f"--ce-kernel must be on or off, got {c.ce_kernel!r}")
     need(c.precision in PRECISIONS, f"--precision {c.precision!r}: expected one of {', '.join(PRECISIONS)}")
-    need(not c.fp8_emulate or c.precision != "bf16", "--fp8-emulate goes with --precision fp8 or fp8-rowwise")
+    need(not c.fp8_emulate or c.precision != "bf16", f"--fp8-emulate goes with --precision {'|'.join(PRECISIONS[1:])}")
     need(c.precision == "bf16" or c.gpus > 0 or c.fp8_emulate,
          f"--precision {c.precision} needs GPUs with FP8 matmuls (sm89+); --fp8-emulate runs its arithmetic "
          "on the CPU (slowly, for tests)")
