@@ -125,8 +125,8 @@ class _LinearCE(torch.autograd.Function):
             r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
             xn = x * r
             y = norm_w * xn.to(hc.dtype)
-            logits = F.linear(y, lm_w) if fp8 is None else fp8.logits(y, w8, _out_dtype(y))  # (C, V): bf16
-            # under autocast, as lm_head() would give
+            # (C, V): bf16 under autocast, as lm_head() would give
+            logits = F.linear(y, lm_w) if fp8 is None else fp8.logits(y, w8, _out_dtype(y))
             chunk_loss, pred, dlogits = core(logits, labels[s:s + rows], weights[s:s + rows])
             loss = loss + chunk_loss
             preds.append(pred)
