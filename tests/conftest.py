@@ -45,10 +45,10 @@ sshd_module = _load_sshd_module()
 # (--dist loadfile --no-loadscope-reorder). These files take 20 s or more, so they start first,
 # longest first: a long file started last would run on while the other workers have nothing left.
 # Seconds: each file alone on the 2-core machine, others' work beside it (docs/benchmarks.md, "CPU figures");
-# re-measured after the test sshd stopped reading root's .bashrc and the trainer's programs froze their
-# objects at exit, at load ~1 (probe_program's figure is the older one, at load 1.5-4).
+# re-measured at load ~1 after the test sshd stopped reading root's .bashrc and the trainer's programs
+# froze their objects at exit.
 SLOW_FILES = (
-    "test_probe_program.py",        # 162: the probe's policy x topology matrix, inductor compiled cold
+    "test_probe_program.py",        # 130: the probe's policy x topology matrix, inductor compiled cold
     "test_runs_lifecycle.py",       # 112
     "test_numerics.py",             # 88 with a cold inductor cache (67 warmer)
     "test_bench_decode_remote.py",  # 60-69
