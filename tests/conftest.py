@@ -42,30 +42,32 @@ sshd_module = _load_sshd_module()
 # ---- order: the slowest files first ------------------------------------------------------------
 
 # `make test` runs two workers, each one test file at a time, handed out in collection order
-# (--dist loadfile --no-loadscope-reorder). These files take 25 s or more, so they start first,
+# (--dist loadfile --no-loadscope-reorder). These files take 20 s or more, so they start first,
 # longest first: a long file started last would run on while the other workers have nothing left.
-# Seconds: each file alone on the 2-core machine, others' work beside it (docs/benchmarks.md, "CPU figures").
+# Seconds: each file alone on the 2-core machine, others' work beside it (docs/benchmarks.md, "CPU figures");
+# re-measured at load ~1 after the test sshd stopped reading root's .bashrc and the trainer's programs
+# froze their objects at exit.
 SLOW_FILES = (
-    "test_probe_program.py",        # 162: the probe's policy x topology matrix, inductor compiled cold
-    "test_runs_lifecycle.py",       # 122
-    "test_bench_decode_remote.py",  # 106
-    "test_export_remote.py",        # 86
-    "test_nodes.py",                # 84
-    "test_numerics.py",             # 67
-    "test_probe_schedule.py",       # 54
-    "test_trainer_e2e.py",          # 52
-    "test_regen_remote.py",         # 52
-    "test_play_remote.py",          # 51
-    "test_probe_remote.py",         # 49
-    "test_job_ends_as_one.py",      # 43
-    "test_train_step_bench.py",     # 43
-    "test_trainer_topology.py",     # 41
-    "test_transport_ssh.py",        # 33
-    "test_launch_safety.py",        # 32
-    "test_deploy_reliability.py",   # 32
-    "test_small_target.py",         # 31
-    "test_logs_terminal.py",        # 29
-    "test_deploy.py",               # 25
+    "test_probe_program.py",        # 130: the probe's policy x topology matrix, inductor compiled cold
+    "test_runs_lifecycle.py",       # 112
+    "test_numerics.py",             # 88 with a cold inductor cache (67 warmer)
+    "test_bench_decode_remote.py",  # 60-69
+    "test_export_remote.py",        # 54
+    "test_probe_remote.py",         # 53
+    "test_play_remote.py",          # 52
+    "test_nodes.py",                # 52
+    "test_probe_schedule.py",       # 50
+    "test_trainer_topology.py",     # 47
+    "test_regen_remote.py",         # 45
+    "test_job_ends_as_one.py",      # 39
+    "test_train_step_bench.py",     # 34
+    "test_trainer_e2e.py",          # 29
+    "test_small_target.py",         # 28
+    "test_launch_safety.py",        # 27
+    "test_deploy_reliability.py",   # 24
+    "test_transport_ssh.py",        # 23
+    "test_deploy.py",               # 20
+    "test_logs_terminal.py",        # 20
 )
 
 

@@ -112,7 +112,8 @@ def test_the_guard_stops_a_wrong_policy_in_ddp_ranks(tmp_path):
 @pytest.mark.slow
 def test_skip_compile_guard_trains_whatever_the_policy_computes(tmp_path):
     out = tmp_path / "skipped"
-    p = python_m_trainer(out, "--steps", "2", "--compile-policy", "test-drop-first-grad",
+    # 2 workers, as the first test's wrong run: the same graphs, which inductor's caches then hold
+    p = python_m_trainer(out, "--steps", "2", "--workers", "2", "--compile-policy", "test-drop-first-grad",
                          "--skip-compile-guard", env=TEST_POLICIES, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert not [m for m in metrics(out) if m.get("event") == "compile_guard"]

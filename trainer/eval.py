@@ -1,8 +1,6 @@
 """`python -m trainer.eval`: the acceptance length of a run's drafter (trainer/run/eval.py)."""
-import sys
-
-from trainer.exits import run
+from trainer.exits import exit_process, run
 from trainer.run.eval import main
 
 if __name__ == "__main__":
-    sys.exit(run(main))
+    exit_process(run(main))

@@ -9,6 +9,7 @@ finalization (flush, then os._exit, as every path of the trainer that must skip 
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Callable
@@ -59,7 +60,11 @@ def in_rank() -> bool:
 def exit_process(code: int, *, finalize: bool | None = None) -> NoReturn:
     """End the process with status `code`: the one way the trainer's programs exit.
 
-    finalize=True: `sys.exit` (atexit handlers and finalizers run). finalize=False: flush stdout and
+    finalize=True: `sys.exit` (atexit handlers and finalizers run), every object alive then frozen
+    first: the interpreter's last collections would walk all of torch's and transformers' objects
+    several times over (0.8 s of a `tiny` run's exit on 2 cores; 0.1 s frozen). Frozen objects are
+    left to the OS, as the process's memory is; garbage in cycles goes unfinalized, and nothing
+    needs it: files are closed where they are written. finalize=False: flush stdout and
     stderr, then `os._exit`, where finalization could crash or hang after the outcome is known (a
     worker thread stuck in a compile, native state a failed CUDA-graph warm-up left behind).
     The default: finalize, except in a torchrun rank (in_rank()). Gloo's worker threads outlive
@@ -70,6 +75,7 @@ def exit_process(code: int, *, finalize: bool | None = None) -> NoReturn:
     if finalize is None:
         finalize = not in_rank()
     if finalize:
+        gc.freeze()
         sys.exit(code)
     for stream in (sys.stdout, sys.stderr):
         try:

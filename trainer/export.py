@@ -1,8 +1,6 @@
 """`python -m trainer.export`: a run's drafter in the upstream DFlash format (trainer/run/export.py)."""
-import sys
-
-from trainer.exits import run
+from trainer.exits import exit_process, run
 from trainer.run.export import main
 
 if __name__ == "__main__":
-    sys.exit(run(main))
+    exit_process(run(main))

@@ -1,8 +1,6 @@
 """`python -m trainer.regen`: training rows answered by the target itself (trainer/run/regen.py)."""
-import sys
-
-from trainer.exits import run
+from trainer.exits import exit_process, run
 from trainer.run.regen import main
 
 if __name__ == "__main__":
-    sys.exit(run(main))
+    exit_process(run(main))

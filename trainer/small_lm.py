@@ -1,9 +1,7 @@
 """`python -m trainer.small_lm`: the small real target: a code LM trained on the standard library
 (trainer/run/small_lm.py)."""
-import sys
-
-from trainer.exits import run
+from trainer.exits import exit_process, run
 from trainer.run.small_lm import main
 
 if __name__ == "__main__":
-    sys.exit(run(main))
+    exit_process(run(main))

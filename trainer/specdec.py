@@ -1,9 +1,7 @@
 """`python -m trainer.specdec`: decoding with the drafter against the target alone, measured
 (trainer/run/specdec.py)."""
-import sys
-
-from trainer.exits import run
+from trainer.exits import exit_process, run
 from trainer.run.specdec import main
 
 if __name__ == "__main__":
-    sys.exit(run(main))
+    exit_process(run(main))

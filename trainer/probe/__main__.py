@@ -1,7 +1,6 @@
 """`python -m trainer.probe`: see trainer/probe/program.py."""
-import sys
-
+from trainer.exits import exit_process
 from trainer.probe.program import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
