@@ -124,15 +124,20 @@ class Fp8Matmul:
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):  # as Float8Linear: the output in autocast's dtype
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
+        lead = x.shape[:-1]
         # The weight's gradient is out x rows @ rows x in: torch._scaled_mm wants its inner size, the
         # number of rows, a multiple of 16, and refuses the step otherwise (the 276 rows of a small
-        # batch did, on an H200). Zero rows change no amax, no output row and no gradient.
-        pad = -x.shape[0] % MULTIPLE
-        if pad:
-            x = nn.functional.pad(x, (0, 0, 0, pad))
+        # batch did, on an H200).
+        x, pad = _pad_rows(x.reshape(-1, x.shape[-1]))
         y = self.matmul.apply(x, w.t(), self.mm_config, self.config)
         return y[: y.shape[0] - pad].reshape(*lead, y.shape[-1])
+
+
+def _pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x (N, K) with zero rows to a multiple of MULTIPLE, and how many were added (cut them off the
+    result again). Zero rows change no amax, no other output row and no gradient."""
+    pad = -x.shape[0] % MULTIPLE
+    return (nn.functional.pad(x, (0, 0, 0, pad)) if pad else x), pad
 
 
 def _to_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,8 +162,7 @@ class Fp8Head:
 
     def weight(self, w: torch.Tensor) -> tuple:
         """(W (V', H) in e4m3, the same transposed and contiguous (H, V'), W's inverse scale, V)."""
-        pad = -w.shape[0] % MULTIPLE
-        w8, inv = _to_fp8(nn.functional.pad(w, (0, 0, 0, pad)) if pad else w, torch.float8_e4m3fn)
+        w8, inv = _to_fp8(_pad_rows(w)[0], torch.float8_e4m3fn)
         return w8, w8.t().contiguous(), inv, w.shape[0]
 
     def logits(self, y: torch.Tensor, w: tuple, out_dtype: torch.dtype) -> torch.Tensor:
@@ -172,9 +176,7 @@ class Fp8Head:
         return self._mm(g, torch.float8_e5m2, w[1].t(), w[2], out_dtype, fast=False)
 
     def _mm(self, a, dtype, b8, inv_b, out_dtype, fast: bool) -> torch.Tensor:
-        pad = -a.shape[0] % MULTIPLE
-        if pad:
-            a = nn.functional.pad(a, (0, 0, 0, pad))
+        a, pad = _pad_rows(a)
         a8, inv_a = _to_fp8(a, dtype)
         if self.emulate:
             out = ((a8.float() * inv_a) @ (b8.float() * inv_b)).to(out_dtype)
@@ -192,9 +194,10 @@ def use(module: nn.Module, precision: str, emulate: bool = False) -> list[str]:
     left = []
     head = getattr(module, "lm_head", None)
     if isinstance(head, nn.Linear):
-        fits = head.in_features % MULTIPLE == 0   # the vocabulary is padded to a multiple
-        head.fp8 = Fp8Head(emulate) if precision in HEAD and fits else None
-        if precision in HEAD and not fits:
+        head.fp8 = None
+        if precision in HEAD and head.in_features % MULTIPLE == 0:   # the vocabulary is padded to a multiple
+            head.fp8 = Fp8Head(emulate)
+        elif precision in HEAD:
             left.append("lm_head")
     for name, m in module.named_modules():
         if isinstance(m, Linear):
