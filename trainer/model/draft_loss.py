@@ -78,10 +78,11 @@ class DraftLoss(nn.Module):
         hidden = self.drafter(block_ids, block_pos, feats, ctx_pos, mask, masked_blocks=True,
                               predicted_only=True)  # (B, n * (Bs-1), H)
         labels, weights = predicted_rows(labels, bs), predicted_rows(weights, bs)
+        head = self._fp8_head()
         if loss == "chunked":
             loss_sum, correct, count = fused_ce.block_loss(hidden, self.drafter.norm, self.drafter.lm_head.weight,
-                                                           labels, weights, bs - 1, fp8=self._fp8_head())
-        elif self._fp8_head() is not None:
+                                                           labels, weights, bs - 1, fp8=head)
+        elif head is not None:
             raise ValueError("the lm_head's fp8 matmuls (--precision fp8-lmhead) need the chunked loss")
         else:
             loss_sum, correct, count = masks.block_loss(self.drafter.logits(hidden), labels, weights, bs - 1)

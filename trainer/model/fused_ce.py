@@ -165,7 +165,8 @@ def block_loss(hidden: torch.Tensor, norm, lm_weight: torch.Tensor, labels: torc
     hidden (B, Tq, H); norm an RMSNorm (weight, eps); lm_weight (V, H); labels, weights (B, Tq).
     Returns loss_sum (scalar), correct (Bs,), count (Bs,). Needs the lm_head frozen (requires_grad
     False): its gradient is not computed. The norm's is, when its weight requires grad. `fp8` (an
-    fp8.Fp8Head, --precision fp8-lmhead) computes the lm_head's two matmuls while gradients are.
+    fp8.Fp8Head, --precision fp8-lmhead) computes the lm_head's two matmuls (DraftLoss passes it
+    while gradients are computed only).
     """
     if lm_weight.requires_grad:
         raise ValueError("fused_ce.block_loss computes no gradient for the lm_head: "
@@ -174,7 +175,7 @@ def block_loss(hidden: torch.Tensor, norm, lm_weight: torch.Tensor, labels: torc
     T, V = h.shape[0], lm_weight.shape[0]
     rows = rows or ROWS or chunk_rows(T, V)
     loss_sum, pred = _LinearCE.apply(h, norm.weight, lm_weight, labels.flatten(), weights.flatten(),
-                                     norm.eps, rows, fp8 if torch.is_grad_enabled() else None)
+                                     norm.eps, rows, fp8)
     live = (weights > 0).view(weights.shape[0], -1, block_size)  # (B, N, Bs)
     hit = (pred.view_as(labels) == labels).view_as(live) & live
     return loss_sum, hit.sum(dim=(0, 1)), live.sum(dim=(0, 1))
