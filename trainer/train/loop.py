@@ -279,8 +279,8 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
         log.metrics({"event": "stopped", "step": step})
         return EXIT_SIGTERM
     log.metrics({"event": "done", "step": step, "loss": last_loss, **trained, **_tau_metrics(res)})
-    log.info(f"done: {step} steps ({step - first} trained in {trained['trained_s']:.1f} s, warm-up included)"
-             + (f"; {eval_line(res, prep.eval_overlap)}" if res else ""))
+    log.info(f"done: {step} steps ({trained['steps_trained']} trained in {trained['trained_s']:.1f} s, "
+             "warm-up included)" + (f"; {eval_line(res, prep.eval_overlap)}" if res else ""))
     return EXIT_OK
 
 
