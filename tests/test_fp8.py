@@ -176,7 +176,7 @@ def test_the_fp8_heads_matmuls_are_the_lm_heads_within_fp8s_rounding(monkeypatch
     to_scale = utils.tensor_to_scale
     monkeypatch.setattr(utils, "tensor_to_scale", lambda *a, **k: to_scale(*a, **k) * 64)  # saturates
     err_fwd, err_bwd = _head_errors(head, w, y, dlogits)
-    assert err_fwd > 2 * fp8.matmul_error("fp8-lmhead", backward=False) and err_bwd > 2 * fp8.matmul_error("fp8")
+    assert err_fwd > 2 * fp8.matmul_error("fp8-lmhead", backward=False) and err_bwd > 2 * fp8.matmul_error("fp8-lmhead")
 
 
 def test_the_fp8_head_quantizes_the_step_and_only_with_its_precision(setup):
@@ -253,7 +253,7 @@ def test_compiled_fp8_head_is_eagers():
     torch._dynamo.reset()
     compiled, eager = run(policies.compile_module(loss, "inductor", n_devices=1), head), run(loss, head)
     err, fp8_err = grad_errors(list(compiled), list(eager))[1], grad_errors(list(eager), list(run(loss, None)))[1]
-    assert err < 1e-5 < 1e-3 < fp8_err, (err, fp8_err)
+    assert err < 1e-5 and fp8_err > 1e-3, (err, fp8_err)
 
 
 def _trainer(*flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
