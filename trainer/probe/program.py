@@ -44,7 +44,7 @@ from trainer.files import atomic_file
 from trainer.probe.build import build_report, call_or_default, check_expect, mode_options
 from trainer.probe.case import CPU_SHAPE, GPU_SHAPE, case_main
 from trainer.probe import schedule, verdicts
-from trainer.run.config import PRECISIONS
+from trainer.run.config import EMULATE_ALONE, PRECISIONS
 from trainer.probe.watch import TAIL_LINES, explain, rendezvous_problem, run_isolated  # noqa: F401 - TAIL_LINES: tests
 
 TOPOLOGIES = ("threads", "processes")
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         if why:
             _parser().error(f"--precision {args.precision}: {why}")
     elif args.fp8_emulate:
-        _parser().error(f"--fp8-emulate goes with --precision {'|'.join(PRECISIONS[1:])}")
+        _parser().error(EMULATE_ALONE)
     if args.timeout is None:
         # a GPU case compiles Triton kernels (max-autotune benchmarks them) in N threads at once
         args.timeout = 600.0 if args.device == "cuda" else 300.0

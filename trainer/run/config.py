@@ -24,6 +24,7 @@ from trainer.policies import POLICY_NAMES, known as known_policies  # torch-free
 RUN_CONFIG = "trainer-config.json"
 # --precision: the default path, or the drafter's matmuls in fp8 (trainer/model/fp8.py RECIPES)
 PRECISIONS = ("bf16", "fp8", "fp8-rowwise", "fp8-lmhead")
+EMULATE_ALONE = f"--fp8-emulate goes with --precision {'|'.join(PRECISIONS[1:])}"  # the trainer's and the probe's
 
 
 @dataclass(frozen=True)
@@ -345,7 +346,7 @@ def validate(c: TrainConfig, here: bool = True) -> None:
     need(c.fp32_wgrad in ("on", "off"), f"--fp32-wgrad must be on or off, got {c.fp32_wgrad!r}")
     need(c.ce_kernel in ("on", "off"), f"--ce-kernel must be on or off, got {c.ce_kernel!r}")
     need(c.precision in PRECISIONS, f"--precision {c.precision!r}: expected one of {', '.join(PRECISIONS)}")
-    need(not c.fp8_emulate or c.precision != "bf16", f"--fp8-emulate goes with --precision {'|'.join(PRECISIONS[1:])}")
+    need(not c.fp8_emulate or c.precision != "bf16", EMULATE_ALONE)
     need(c.precision == "bf16" or c.gpus > 0 or c.fp8_emulate,
          f"--precision {c.precision} needs GPUs with FP8 matmuls (sm89+); --fp8-emulate runs its arithmetic "
          "on the CPU (slowly, for tests)")
