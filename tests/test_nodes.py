@@ -61,12 +61,24 @@ def _remove_namespace(ns: str) -> None:
     subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+def _free_base(first: int) -> int:
+    """The first base from `first` on (in steps of 4, wrapping within 16..175) whose three subnets
+    10.213.base..base+2 no link of this machine holds: a run killed before its teardown leaves its
+    namespaces and links behind, and a second pair on the same subnet takes the other's traffic."""
+    held = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    for k in range(40):
+        base = 16 + (first - 16 + 4 * k) % 160
+        if not any(f"10.213.{base + i}." in held for i in range(3)):
+            return base
+    return first
+
+
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     """Nodes A and B (addresses 10.213.X.Y of this test's own), each with sshd and pct, CT 200 on A
     and CT 300 on B running; torn down with everything they started."""
     tag = os.getpid() % 100000
-    base = 16 + (os.getpid() % 40) * 4            # third octets base..base+2: mgmt A, mgmt B, training
+    base = _free_base(16 + (os.getpid() % 40) * 4)   # third octets base..base+2: mgmt A, mgmt B, training
     spec = [Node("pve-a", f"dfo{tag}a", f"10.213.{base}.1", f"10.213.{base + 2}.1", 200),
             Node("pve-b", f"dfo{tag}b", f"10.213.{base + 1}.1", f"10.213.{base + 2}.2", 300)]
     made: list[str] = []
