@@ -160,8 +160,8 @@ HELP = {
     "ce_kernel": "on | off: the cross-entropy core as one Triton kernel on a GPU (off = the torch core)",
     "precision": "bf16 | fp8 | fp8-rowwise | fp8-lmhead: the drafter's Linear layers train with torchao's float8 "
                  "matmuls, tensorwise or rowwise scaled (opt-in: docs/precision.md); fp8-lmhead: fp8, and the "
-                 "lm_head's matmuls in the loss too (unproven); fp32 master weights and optimizer, target and loss "
-                 "unchanged; bf16 = the default path",
+                 "lm_head's matmuls in the loss too (the fastest at the 8B shape); fp32 master weights and "
+                 "optimizer, target and loss unchanged; bf16 = the default path",
     "fp8_emulate": "with --precision fp8*: the same fp8 rounding without FP8 hardware (slow; the CPU, tests)",
     "draft_layers": "drafter layers",
     "block_size": "tokens per block: the anchor plus block_size-1 predicted tokens",
