@@ -304,6 +304,34 @@ def test_an_emulated_fp8_run_trains_with_worker_threads(tmp_path, capsys, precis
     assert checks == [(2, 2), (4, 2), (6, 2)], checks
 
 
+def test_dflash_ops_probes_the_fp8_path_on_a_target_and_never_saves_it(sshd, fakepct, make_inventory):
+    """`dflash-ops probe --precision fp8-lmhead` through the sshd and the pct stand-in: the target's
+    probe runs the fp8 case (emulated: no FP8 tensor cores here) and judges it against eager bf16
+    within fp8's own noise; the choice `--policy auto` reads (WORKDIR/probe.json) is never written."""
+    import json
+
+    import torchao
+
+    fakepct.create(230)
+    inv = make_inventory({"ct230": {"host": "node", "vmid": 230, "python": sys.executable, "workdir": "/srv/ct/dflash",
+                                    "gpus": 0, "env": {"PYTHONPATH": str(Path(torchao.__file__).parents[1])}}})
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(inv), *args],
+                              capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+    assert cli("deploy", "ct230").returncode == 0
+    r = cli("probe", "ct230", "--precision", "fp8-lmhead", "--fp8-emulate", "--policies", "eager",
+            "--topologies", "threads", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)["targets"]["ct230"]
+    assert doc["precision"] == "fp8-lmhead" and doc["saved"] is None and doc["policy"] == "eager"
+    (case,) = doc["cases"]
+    # fp8's rounding shows against bf16 (a bf16 probe's eager case has no error to show), within its limit
+    assert case["outcome"] == "ok" and 0.01 < case["grad_err"] <= case["grad_tol"], case
+    assert not (fakepct.private(230) / "dflash" / "probe.json").exists()
+
+
 def test_the_probe_judges_fp8_against_eager_bf16_within_fp8s_noise(monkeypatch):
     """The probe's case (trainer/probe/case.py) with --precision fp8: the engine's fp8 replicas against
     the eager bf16 replica, the noise measured as eager fp8 against eager bf16; wrong scales are `wrong`."""

@@ -47,12 +47,17 @@ def test_scripts_run_under_bash_c():
 
 def test_probe_is_a_runs_agent_command_with_its_arguments_after_double_dash():
     from orchestrator.inventory import Target
-    from orchestrator.probe.run import probe_args
+    from orchestrator.probe.run import Matrix, probe_args
     t = Target(name="t", python="/opt/py thon", workdir="/root/it's here", expect={"torch": ">=2.5"})
-    args = probe_args(t, 4, policies=["eager", "inductor"])
+    args = probe_args(t, 4, Matrix(policies=("eager", "inductor")))
     assert args[:3] == ["probe", "/root/it's here", "--"]
     assert args[3:] == ["--threads", "4", "--expect", '{"torch": ">=2.5"}', "--policies", "eager,inductor"]
     # --reuse is the agent's own option (before `--`); --topologies is the probe's
-    args = probe_args(t, 2, policies=["eager"], topologies=["threads"], reuse=True)
+    args = probe_args(t, 2, Matrix(policies=("eager",), topologies=("threads",)), reuse=True)
     assert args == ["probe", "/root/it's here", "--reuse", "--", "--threads", "2", "--expect", '{"torch": ">=2.5"}',
                     "--policies", "eager", "--topologies", "threads"]
+    # bf16 is the program's default: named only when it is not, with fp8's emulation after it
+    args = probe_args(t, 2, Matrix(precision="fp8-lmhead", fp8_emulate=True, fresh=True))
+    assert args[3:] == ["--threads", "2", "--expect", '{"torch": ">=2.5"}', "--fresh",
+                        "--precision", "fp8-lmhead", "--fp8-emulate"]
+    assert "--precision" not in probe_args(t, 2, Matrix(fp8_emulate=True))

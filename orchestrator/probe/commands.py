@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from trainer.policies import POLICY_NAMES   # names only: importing it does not import torch
+from trainer.run.config import EMULATE_ALONE, PRECISIONS   # torch-free, as the line above
 
 from orchestrator.errors import TargetsFailed
 from orchestrator.ui import State, emit, json_option, table
@@ -37,19 +38,31 @@ def _policy_list(ctx, param, value: str | None) -> str | None:
                    "hardware and trainer source.")
 @click.option("--reuse", is_flag=True,
               help="Keep the saved result (WORKDIR/probe.json) when the torch installed now made it.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True,
+              help="The drafter's matmuls, as the trainer's --precision: fp8* probes the trainer's fp8 path "
+                   "(judged against eager bf16 within fp8's own noise; reported, never saved as the choice; "
+                   "needs torchao and FP8 tensor cores on the target).")
+@click.option("--fp8-emulate", is_flag=True,
+              help="With --precision fp8*: fp8's rounding without FP8 hardware (a CPU target; slow).")
 @json_option
 @click.pass_obj
-def probe(state: State, names, gpus, policies, case_timeout, topologies, fresh, reuse, as_json):
+def probe(state: State, names, gpus, policies, case_timeout, topologies, fresh, reuse, precision, fp8_emulate,
+          as_json):
     """Verify the PyTorch build and find, by experiment, the compile policy for threaded training."""
     from orchestrator.probe import run as probe_mod
+
+    if fp8_emulate and precision == "bf16":
+        raise click.UsageError(EMULATE_ALONE)
+    if reuse and precision != "bf16":
+        raise click.UsageError(probe_mod.REUSE_IS_BF16)
 
     def live(target: str, line: str) -> None:
         click.echo(f"[{target}] {line}", err=True)
 
-    doc = probe_mod.probe(state.inv, list(names), gpus=gpus,
-                          policies=policies.split(",") if policies else None,
-                          on_line=live, case_timeout=case_timeout, reuse=reuse, fresh=fresh,
-                          topologies=topologies.split(",") if topologies else None)
+    matrix = probe_mod.Matrix(policies=tuple(policies.split(",")) if policies else (),
+                              topologies=tuple(topologies.split(",")) if topologies else (),
+                              case_timeout=case_timeout, fresh=fresh, precision=precision, fp8_emulate=fp8_emulate)
+    doc = probe_mod.probe(state.inv, list(names), matrix, gpus=gpus, on_line=live, reuse=reuse)
     blocks = []
     for name, res in doc["targets"].items():
         if not res.get("ok"):
@@ -59,7 +72,9 @@ def probe(state: State, names, gpus, policies, case_timeout, topologies, fresh, 
         head = (f"{name}: torch {tv.get('version')} cuda {tv.get('cuda') or '-'} "
                 f"gpus {len(tv.get('gpus') or [])} {', '.join(sorted(set(tv.get('gpus') or [])))}".rstrip()
                 + (f" (the saved result of {res['reused']}, reused)" if res.get("reused") else "")
-                + (f"; verdicts reused: {', '.join(res['reused_cases'])}" if res.get("reused_cases") else ""))
+                + (f"; verdicts reused: {', '.join(res['reused_cases'])}" if res.get("reused_cases") else "")
+                + (f"; precision {precision}: reported, not saved (--policy auto reads the bf16 probe's choice)"
+                   if precision != "bf16" else ""))
         mismatches = (res.get("expect") or {}).get("mismatches") or []
         rows = [[c["policy"], c["topology"], c["threads"], c["outcome"],
                  f"{c['step_ms']:.1f}" if c.get("step_ms") is not None else None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from orchestrator.ssh import agent
@@ -17,39 +18,54 @@ from orchestrator.lines import LineBuffer
 from orchestrator.ssh.session import Session
 
 TOTAL_TIMEOUT_S = 4 * 3600   # the program's own per-case timeouts end hung cases long before
+REUSE_IS_BF16 = ("--reuse keeps the saved result, which is bf16's; a --precision fp8* probe is "
+                 "reported, never saved: drop --reuse (its cases' verdicts are still reused)")
 
 
-def probe_args(target: Target, threads: int, *, policies: list[str] | None = None,
-               case_timeout: float | None = None, reuse: bool = False,
-               topologies: list[str] | None = None, fresh: bool = False) -> list[str]:
+@dataclass(frozen=True)
+class Matrix:
+    """What the probe program runs on a target: its arguments after `--`. Empty or None: the
+    program's own default (every policy but max-autotune-no-cudagraphs; both topologies on CUDA;
+    600 s a case on CUDA, 300 on CPU; bf16)."""
+    policies: tuple[str, ...] = ()
+    topologies: tuple[str, ...] = ()
+    case_timeout: float | None = None
+    fresh: bool = False                # run every case again instead of reusing the kept verdicts
+    precision: str = "bf16"            # fp8*: the trainer's fp8 path, reported, never saved as the choice
+    fp8_emulate: bool = False          # fp8's rounding without FP8 hardware (a CPU target)
+
+
+def probe_args(target: Target, threads: int, matrix: Matrix = Matrix(), *, reuse: bool = False) -> list[str]:
     """The agent command run on the target: pure, so tests can assert on it. The probe's own
     arguments are values, after `--`."""
     args = ["--threads", str(threads)]
-    if case_timeout:   # else the program's default: 600 s a case on CUDA, 300 s on CPU
-        args += ["--timeout", str(int(case_timeout))]
+    if matrix.case_timeout:
+        args += ["--timeout", str(int(matrix.case_timeout))]
     if target.expect:
         args += ["--expect", json.dumps(dict(target.expect))]
-    if policies:
-        args += ["--policies", ",".join(policies)]
-    if topologies:
-        args += ["--topologies", ",".join(topologies)]
-    if fresh:
+    if matrix.policies:
+        args += ["--policies", ",".join(matrix.policies)]
+    if matrix.topologies:
+        args += ["--topologies", ",".join(matrix.topologies)]
+    if matrix.fresh:
         args += ["--fresh"]
+    if matrix.precision != "bf16":
+        args += ["--precision", matrix.precision, *(["--fp8-emulate"] if matrix.fp8_emulate else [])]
     return ["probe", target.workdir, *(["--reuse"] if reuse else []), "--", *args]
 
 
-def probe_target(session: Session, target: Target, threads: int, *, policies=None,
-                 on_line: Callable[[str, str], None] | None = None,
-                 case_timeout: float | None = None, reuse: bool = False,
-                 topologies: list[str] | None = None, fresh: bool = False) -> dict:
+def probe_target(session: Session, target: Target, threads: int, matrix: Matrix = Matrix(), *,
+                 on_line: Callable[[str, str], None] | None = None, reuse: bool = False) -> dict:
     """The probe's document for one target. reuse: the saved WORKDIR/probe.json when the torch
-    installed now made it (the document then has "reused": the time it was made)."""
+    installed now made it (the document then has "reused": the time it was made); it is bf16's,
+    so an fp8 matrix never reuses it."""
+    if reuse and matrix.precision != "bf16":
+        raise OpsError(REUSE_IS_BF16)
     lines = LineBuffer(lambda line: on_line(target.name, line)) if on_line else None
     start = time.monotonic()
     try:
         doc = agent.call(session.transport(target), target, agent.RUNS,
-                         probe_args(target, threads, policies=policies, case_timeout=case_timeout,
-                                    reuse=reuse, topologies=topologies, fresh=fresh),
+                         probe_args(target, threads, matrix, reuse=reuse),
                          what="python -m trainer.probe", stderr=lines or (lambda data: None),
                          timeout=TOTAL_TIMEOUT_S)["probe"]
     except agent.Refused as e:
@@ -65,16 +81,13 @@ def probe_target(session: Session, target: Target, threads: int, *, policies=Non
     return doc
 
 
-def probe(inventory: Inventory, names: list[str], *, gpus: int | None = None,
-          policies: list[str] | None = None, on_line=None, case_timeout: float | None = None,
-          reuse: bool = False, topologies: list[str] | None = None, fresh: bool = False,
-          session: Session | None = None) -> dict:
+def probe(inventory: Inventory, names: list[str], matrix: Matrix = Matrix(), *, gpus: int | None = None,
+          on_line=None, reuse: bool = False, session: Session | None = None) -> dict:
     """{"targets": {NAME: probe document | {"ok": False, "error": ...}}}"""
     targets = inventory.select(names)
     with agent.session(inventory, session) as s:
         group = agent.fan_out(targets, lambda target: probe_target(
-            s, target, max(2, gpus if gpus is not None else target.gpus), policies=policies,
-            on_line=on_line, case_timeout=case_timeout, reuse=reuse, topologies=topologies, fresh=fresh))
+            s, target, max(2, gpus if gpus is not None else target.gpus), matrix, on_line=on_line, reuse=reuse))
     return {"targets": {name: o.value if o.ok else
                         {"ok": False, "error": o.error.render(), "cases": [], "policy": None}
                         for name, o in group.items()}}
