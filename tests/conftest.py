@@ -56,16 +56,16 @@ SLOW_FILES = (
     "test_probe_remote.py",         # 53
     "test_play_remote.py",          # 52
     "test_nodes.py",                # 52
-    "test_probe_schedule.py",       # 50
     "test_trainer_topology.py",     # 47
     "test_export_remote.py",        # 46 (54 before two export processes fewer)
     "test_regen_remote.py",         # 45
+    "test_probe_schedule.py",       # 43 (50 before its stand-in case's child stopped holding the case's pipe)
     "test_job_ends_as_one.py",      # 39
     "test_train_step_bench.py",     # 34
     "test_trainer_e2e.py",          # 29
     "test_small_target.py",         # 28
-    "test_trainer_kernels.py",      # ~26 (20.8 alone on a quiet machine, where small_target took 17.7): flex compiles
     "test_launch_safety.py",        # 27
+    "test_trainer_kernels.py",      # ~26 (20.8 alone on a quiet machine, where small_target took 17.7): flex compiles
     "test_deploy_reliability.py",   # 24
     "test_deploy.py",               # 20
     "test_logs_terminal.py",        # 20
