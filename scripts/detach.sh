@@ -35,7 +35,8 @@ poll)
     secs=${1:-}
     [[ "$secs" =~ ^[0-9]+$ ]] || { echo "detach.sh poll: SECONDS must be a whole number, got '$secs'" >&2; exit 2; }
     end=$(( $(date +%s) + secs ))
-    while [ ! -f "$dir/rc" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+    # checked every second: a driver that ends is reported within a second, not up to five later
+    while [ ! -f "$dir/rc" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 1; done
     tail -n 20 "$dir/driver.log" 2>/dev/null
     if [ -f "$dir/rc" ]; then echo "detach.sh: ended, rc $(cat "$dir/rc")"; else echo "detach.sh: still running"; fi
     tar czf "${OUT:-.}/detached.tgz" -C "$dir" out driver.log 2>/dev/null

@@ -35,7 +35,10 @@ if child:
     code = ("import time\nend = time.time() + 30\nf = open(%r, 'a')\nwhile time.time() < end:\n"
             "    f.write(repr(time.time()) + '\\n'); f.flush(); time.sleep(0.005)\n") % (
         os.path.join(out, name + "-child.ticks"),)
-    kid = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    # (not on this case's pipes: a child that outlives its case would hold them open, and the parent's
+    # reader would wait its 5 s for them to close; it is found and stopped as a descendant, not by them)
+    kid = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     open(os.path.join(out, "child.pid"), "w").write(str(kid.pid))
 print(PHASE_MARK + "compile", flush=True)
 tick(before)

@@ -277,14 +277,20 @@ def _final_weights(rundir: Path):
     return torch, checkpoint.load(checkpoint.find_latest(rundir)).model
 
 
-def test_resume_of_a_stopped_run_reaches_the_weights_of_an_uninterrupted_run(ct):
-    ct.deploy()
-    steps = ["--", "--steps", "150"]
-    whole = ct.launch("--name", "uninterrupted", *steps)
-    r = ct.cli("logs", "ct200", whole, "--follow")
-    assert r.returncode == 0, r.stderr.decode()
+def _uninterrupted(cfg: Path, out: Path, steps: int) -> Path:
+    """The run as `launch --gpus 0 --workers 1 --policy eager --config CFG -- --steps N` starts it
+    (orchestrator/remote/runs/kinds.py), uninterrupted, in this process: no torch start-up of its own."""
+    from trainer.exits import run
+    from trainer.train import train_entry
 
-    split = ct.launch("--name", "split", *steps)
+    assert run(train_entry, ["--out", str(out), "--gpus", "0", "--topology", "threads", "--compile-policy", "eager",
+                             "--workers", "1", "--config", str(cfg), "--steps", str(steps)]) == 0
+    return out
+
+
+def test_resume_of_a_stopped_run_reaches_the_weights_of_an_uninterrupted_run(ct, tmp_path):
+    ct.deploy()
+    split = ct.launch("--name", "split", "--", "--steps", "150")
     wait_for(lambda: ct.steps_logged(split) >= 5, what="training steps")
     r = ct.cli("stop", "ct200", split)
     assert r.returncode == 0 and b"stopped" in r.stdout, r.stdout + r.stderr
@@ -294,6 +300,7 @@ def test_resume_of_a_stopped_run_reaches_the_weights_of_an_uninterrupted_run(ct)
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.decode().strip() == split                       # the same run id
     assert b"resumed run " + split.encode() + b" (attempt 2, was stopped" in r.stderr
+    whole = _uninterrupted(ct.cfg, tmp_path / "uninterrupted", 150)     # meanwhile
     r = ct.cli("logs", "ct200", split, "--follow")
     assert r.returncode == 0, r.stderr.decode()
 
@@ -302,11 +309,11 @@ def test_resume_of_a_stopped_run_reaches_the_weights_of_an_uninterrupted_run(ct)
     assert "--resume" in rec["command"] and rec["name"] == "split"
     st = ct.status(split)
     assert (st["state"], st["step"], st["name"]) == ("succeeded", 150, "split")
-    torch, wa = _final_weights(ct.rundir(whole))
+    torch, wa = _final_weights(whole)
     _, wb = _final_weights(ct.rundir(split))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     r = ct.cli("status", "ct200")
-    assert b"uninterrupted" in r.stdout and b"NAME" in r.stdout
+    assert b"split" in r.stdout and b"NAME" in r.stdout
     r = ct.cli("launch", "ct200", "--resume", split)
     assert r.returncode == 1 and b"only a stopped or failed run can be resumed" in r.stderr
 

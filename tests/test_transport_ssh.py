@@ -148,13 +148,17 @@ def test_jump_host_gateway(sshd, fakepct, make_inventory):
 def test_dropped_connection_is_redialled_by_the_session(ct, sshd):
     session, target = ct
     assert session.transport(target).run(["true"]).ok
-    sshd.kill_connections()
+    dropped = session.ssh("node")           # the connection in use
+    assert sshd.kill_connections()
     import time
+    # until the client has seen it closed (at once here); session.ssh() must not be what is polled:
+    # it redials a closed connection, so it always answers alive (the wait then lasted the 10 s)
     deadline = time.time() + 10
-    while session.ssh("node").alive() and time.time() < deadline:
+    while dropped.alive() and time.time() < deadline:
         time.sleep(0.05)
+    assert not dropped.alive()
     assert session.transport(target).run(["true"]).ok
-    assert session.connections == 2
+    assert session.connections == 2 and session.ssh("node") is not dropped
 
 
 def test_local_transport_behaves_like_ssh(tmp_path):
