@@ -277,14 +277,20 @@ def _final_weights(rundir: Path):
     return torch, checkpoint.load(checkpoint.find_latest(rundir)).model
 
 
-def _uninterrupted(cfg: Path, out: Path, steps: int) -> Path:
-    """The run as `launch --gpus 0 --workers 1 --policy eager --config CFG -- --steps N` starts it
-    (orchestrator/remote/runs/kinds.py), uninterrupted, in this process: no torch start-up of its own."""
-    from trainer.exits import run
+def _uninterrupted(ct, run: str, out: Path) -> Path:
+    """RUN again from its start, uninterrupted, in this process (no torch start-up of its own), with the
+    trainer's flags the runs agent recorded for it (run.json's command, less the resumed attempt's
+    --resume; its container paths seen from here): the reference is what `launch` started, not a copy."""
+    from trainer.exits import run as run_program
     from trainer.train import train_entry
 
-    assert run(train_entry, ["--out", str(out), "--gpus", "0", "--topology", "threads", "--compile-policy", "eager",
-                             "--workers", "1", "--config", str(cfg), "--steps", str(steps)]) == 0
+    command = ct.record(run)["command"]
+    argv = command[command.index("-m") + 2:]         # python -m trainer ARGS
+    mount = "/srv/ct"                                 # the container's view of ct.pct.private(200)
+    argv = [str(ct.pct.private(200)) + a[len(mount):] if a.startswith(mount + "/") else a
+            for a in argv if a != "--resume"]
+    argv[argv.index("--out") + 1] = str(out)
+    assert run_program(train_entry, argv) == 0
     return out
 
 
@@ -300,7 +306,7 @@ def test_resume_of_a_stopped_run_reaches_the_weights_of_an_uninterrupted_run(ct,
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.decode().strip() == split                       # the same run id
     assert b"resumed run " + split.encode() + b" (attempt 2, was stopped" in r.stderr
-    whole = _uninterrupted(ct.cfg, tmp_path / "uninterrupted", 150)     # meanwhile
+    whole = _uninterrupted(ct, split, tmp_path / "uninterrupted")     # meanwhile
     r = ct.cli("logs", "ct200", split, "--follow")
     assert r.returncode == 0, r.stderr.decode()
 
