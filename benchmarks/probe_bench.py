@@ -28,14 +28,14 @@ def main() -> None:
         inv = inventory.load(str(node.inventory))
         res = deploy.deploy(inv, names, source=str(REPO))
         assert all(r.ok for r in res.values()), {n: r.error for n, r in res.items()}
-        pols = args.policies.split(",")
-        probe.probe(inv, names[:1], probe.Matrix(policies=tuple(pols)))          # warm caches (inductor, page cache)
+        matrix = probe.Matrix(policies=tuple(args.policies.split(",")))
+        probe.probe(inv, names[:1], matrix)          # warm caches (inductor, page cache)
 
         t0 = time.perf_counter()
-        one = probe.probe(inv, names[:1], probe.Matrix(policies=tuple(pols)))
+        one = probe.probe(inv, names[:1], matrix)
         t_one = time.perf_counter() - t0
         t0 = time.perf_counter()
-        many = probe.probe(inv, names, probe.Matrix(policies=tuple(pols)))
+        many = probe.probe(inv, names, matrix)
         t_many = time.perf_counter() - t0
         assert one["targets"][names[0]]["ok"] and all(d["ok"] for d in many["targets"].values())
         inner_one = one["targets"][names[0]]["seconds"]

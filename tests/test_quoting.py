@@ -53,11 +53,17 @@ def test_probe_is_a_runs_agent_command_with_its_arguments_after_double_dash():
     assert args[:3] == ["probe", "/root/it's here", "--"]
     assert args[3:] == ["--threads", "4", "--expect", '{"torch": ">=2.5"}', "--policies", "eager,inductor"]
     # --reuse is the agent's own option (before `--`); --topologies is the probe's
-    args = probe_args(t, 2, Matrix(policies=("eager",), topologies=("threads",)), reuse=True)
+    args = probe_args(t, 2, Matrix(policies=("eager",), topologies=("threads",), reuse=True))
     assert args == ["probe", "/root/it's here", "--reuse", "--", "--threads", "2", "--expect", '{"torch": ">=2.5"}',
                     "--policies", "eager", "--topologies", "threads"]
     # bf16 is the program's default: named only when it is not, with fp8's emulation after it
     args = probe_args(t, 2, Matrix(precision="fp8-lmhead", fp8_emulate=True, fresh=True))
     assert args[3:] == ["--threads", "2", "--expect", '{"torch": ">=2.5"}', "--fresh",
                         "--precision", "fp8-lmhead", "--fp8-emulate"]
-    assert "--precision" not in probe_args(t, 2, Matrix(fp8_emulate=True))
+    # what cannot work is refused when the matrix is made, before anything connects (exit 2)
+    from orchestrator.errors import UsageError
+    for bad, said in (({"fp8_emulate": True}, "--fp8-emulate goes with"), ({"precision": "fp8", "reuse": True},
+                                                                          "the saved result, which is bf16's")):
+        with pytest.raises(UsageError, match=said) as e:
+            Matrix(**bad)
+        assert e.value.exit_code == 2

@@ -245,9 +245,9 @@ def _probe(run: Run, o: dict):
     t = run.target
     lines = LineBuffer(run.say)
     matrix = probe.Matrix(policies=tuple(o.get("policies") or ()), topologies=tuple(o.get("topologies") or ()),
-                          case_timeout=o.get("case_timeout"))
+                          case_timeout=o.get("case_timeout"), reuse=o.get("reuse", False))
     doc = probe.probe_target(run.session, t, max(2, o.get("gpus") or t.gpus), matrix,
-                             on_line=lambda _t, line: lines(line.encode() + b"\n"), reuse=o.get("reuse", False))
+                             on_line=lambda _t, line: lines(line.encode() + b"\n"))
     mismatches = (doc.get("expect") or {}).get("mismatches") or []
     if mismatches:
         raise OpsError(f"{t.name}: the torch build does not match `expect:`: {'; '.join(mismatches)}")

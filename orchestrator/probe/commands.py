@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from trainer.policies import POLICY_NAMES   # names only: importing it does not import torch
-from trainer.run.config import EMULATE_ALONE, PRECISIONS   # torch-free, as the line above
+from trainer.run.config import PRECISIONS   # torch-free, as the line above
 
 from orchestrator.errors import TargetsFailed
 from orchestrator.ui import State, emit, json_option, table
@@ -51,18 +51,14 @@ def probe(state: State, names, gpus, policies, case_timeout, topologies, fresh, 
     """Verify the PyTorch build and find, by experiment, the compile policy for threaded training."""
     from orchestrator.probe import run as probe_mod
 
-    if fp8_emulate and precision == "bf16":
-        raise click.UsageError(EMULATE_ALONE)
-    if reuse and precision != "bf16":
-        raise click.UsageError(probe_mod.REUSE_IS_BF16)
-
     def live(target: str, line: str) -> None:
         click.echo(f"[{target}] {line}", err=True)
 
     matrix = probe_mod.Matrix(policies=tuple(policies.split(",")) if policies else (),
                               topologies=tuple(topologies.split(",")) if topologies else (),
-                              case_timeout=case_timeout, fresh=fresh, precision=precision, fp8_emulate=fp8_emulate)
-    doc = probe_mod.probe(state.inv, list(names), matrix, gpus=gpus, on_line=live, reuse=reuse)
+                              case_timeout=case_timeout, fresh=fresh, precision=precision, fp8_emulate=fp8_emulate,
+                              reuse=reuse)
+    doc = probe_mod.probe(state.inv, list(names), matrix, gpus=gpus, on_line=live)
     blocks = []
     for name, res in doc["targets"].items():
         if not res.get("ok"):
@@ -73,8 +69,8 @@ def probe(state: State, names, gpus, policies, case_timeout, topologies, fresh, 
                 f"gpus {len(tv.get('gpus') or [])} {', '.join(sorted(set(tv.get('gpus') or [])))}".rstrip()
                 + (f" (the saved result of {res['reused']}, reused)" if res.get("reused") else "")
                 + (f"; verdicts reused: {', '.join(res['reused_cases'])}" if res.get("reused_cases") else "")
-                + (f"; precision {precision}: reported, not saved (--policy auto reads the bf16 probe's choice)"
-                   if precision != "bf16" else ""))
+                + (f"; precision {res['precision']}: reported, not saved (--policy auto reads the bf16 probe's "
+                   f"choice)" if res.get("precision", "bf16") != "bf16" else ""))
         mismatches = (res.get("expect") or {}).get("mismatches") or []
         rows = [[c["policy"], c["topology"], c["threads"], c["outcome"],
                  f"{c['step_ms']:.1f}" if c.get("step_ms") is not None else None,
