@@ -34,8 +34,8 @@ ops deploy local > "$OUT/deploy.log" 2>&1 || { tail -n 5 "$OUT/deploy.log"; exit
 small_target_data || exit 1
 phase "dflash-ops launch local --gpus $GPUS: $STEPS steps x $BATCH rows against $target"
 run=$(ops launch local --gpus "$GPUS" --policy eager -- --target "$target" --data "$WORK/regen.jsonl" \
-    --steps "$STEPS" --batch-size "$BATCH" --draft-layers 3 --block-size 16 --anchors "$ANCHORS" \
-    --seq-len "$SEQ" --lr 6e-4 --eval-prompts 0 --log-every 20 --checkpoint-every 0) || exit 1
+    --steps "$STEPS" --batch-size "$BATCH" --anchors "$ANCHORS" --seq-len "$SEQ" "${SMALL_DRAFTER[@]}" \
+    --log-every 20) || exit 1
 phase "run $run: dflash-ops logs --follow"
 ops logs local "$run" --follow > "$OUT/train.log" 2>&1 || { tail -n 5 "$OUT/train.log"; exit 1; }
 tail -n 1 "$OUT/train.log" >&2

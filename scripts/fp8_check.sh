@@ -69,8 +69,8 @@ tau_run() {  # PRECISION SEED: train, export, decode the held-out prompts; files
     [ "$1" != bf16 ] && emulate=("${EMULATE[@]}")
     rm -rf "$WORK/run-$name" "$WORK/drafter-$name"
     $PY -m trainer --target "$target" --data "$WORK/regen.jsonl" --out "$WORK/run-$name" --gpus "$GPUS" \
-        --steps "$STEPS" --batch-size "$BATCH" --draft-layers 3 --block-size 16 --anchors "$ANCHORS" --seq-len "$SEQ" \
-        --lr 6e-4 --eval-prompts 0 --log-every "$LOG_EVERY" --checkpoint-every 0 --seed "$2" --precision "$1" \
+        --steps "$STEPS" --batch-size "$BATCH" --anchors "$ANCHORS" --seq-len "$SEQ" "${SMALL_DRAFTER[@]}" \
+        --log-every "$LOG_EVERY" --seed "$2" --precision "$1" \
         "${emulate[@]}" > "$OUT/tau/train-$name.log" 2>&1 || return 1
     cp "$WORK/run-$name/metrics.jsonl" "$OUT/tau/metrics-$name.jsonl"
     $PY -m trainer.export --run "$WORK/run-$name" -o "$WORK/drafter-$name" --dtype float32 \

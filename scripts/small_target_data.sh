@@ -1,10 +1,13 @@
-# The small real target's data, shared by small_target_check.sh and small_target_claims.sh
-# (sourced, not run): build the target, cut prompts from its training and held-out modules, and
+# The small real target's data, shared by small_target_check.sh, small_target_claims.sh, fp8_check.sh and
+# bench_decode_gpu.sh (sourced, not run): build the target, cut prompts from its training and held-out modules, and
 # answer the training ones with the target itself (regen). Reads SIZE, N_TRAIN, N_EVAL, NEW,
-# REGEN_BATCH, GPUS, PY, OUT, WORK and the caller's `phase`; sets `target`.
+# REGEN_BATCH, GPUS, PY, OUT, WORK and the caller's `phase`; sets `target` and `SMALL_DRAFTER`.
 
 target=small-code-$SIZE
 [ "$SIZE" = cpu ] && target=small-code
+# The drafter the fp8 proof and the bench-decode check train on it: 3 layers, block 16, lr 6e-4, no
+# in-run eval, the last checkpoint only; the caller adds steps, batch, anchors and seq-len.
+SMALL_DRAFTER=(--draft-layers 3 --block-size 16 --lr 6e-4 --eval-prompts 0 --checkpoint-every 0)
 
 small_target_data() {
     phase "build $target"
