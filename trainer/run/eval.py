@@ -16,6 +16,7 @@ prompts (OUT/eval_prompts.json) and prints one JSON line with "acceptance_length
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -33,15 +34,17 @@ from trainer.run.target import Target
 
 @dataclass
 class Timing:
-    """Seconds a decode spent verifying (the target's forwards) and drafting, and in all."""
-    verify: float = 0.0
-    draft: float = 0.0
+    """Seconds a decode spent in all (wall clock, device-synchronised) and per part."""
+    verify: float = 0.0    # the target's forwards, the prompt's included
+    draft: float = 0.0     # the drafter's (its context keys/values included, except where `extend` has them)
     total: float = 0.0
+    extend: float = 0.0    # the graphs engine: the drafter's context keys/values of the verified positions
+    prefill: float = 0.0   # the prompt's forward (part of verify)
+    rounds: int = 0
 
     def add(self, other: "Timing") -> None:
-        self.verify += other.verify
-        self.draft += other.draft
-        self.total += other.total
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 def clock(dev: torch.device) -> float:
@@ -159,6 +162,7 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: list[int], *,
     new, produced, drafts = [anchor], [], []
     stopped = anchor in eos
     spent = Timing(verify=clock(dev) - t0 if timing else 0.0)  # the prompt's forward is the target's
+    spent.prefill = spent.verify
     while p + 1 < end and not stopped:
         vs = min(B, end - p)  # the verified block: anchor + vs-1 drafts
         block = torch.tensor([[anchor] + [mask_id] * (vs - 1)], device=dev)  # (1, vs)

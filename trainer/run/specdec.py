@@ -26,7 +26,9 @@ import torch
 
 from trainer import faults
 from trainer.model.drafter import Drafter, DrafterConfig
+from trainer.run.decode_graphs import Decoded, GraphDecoder
 from trainer.run.eval import Timing, clock, speculative_generate, summarize
+from trainer.run.stats import cluster_bootstrap
 from trainer.run.log import tau_text
 
 
@@ -34,23 +36,64 @@ class NotLossless(RuntimeError):
     """Decoding with the drafter gave other tokens than the target alone."""
 
 
-# --------------------------------------------------------------------------- the target alone
+# --------------------------------------------------------------------------- the eager engine
 
 @torch.no_grad()
 def target_greedy(target, prompt: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], Timing]:
-    """The target alone: one cached forward per token, greedy, stopping at EOS."""
+    """The target alone in eager code: one transformers-cached forward per token, greedy, stopping at EOS."""
+    out, _, t = _eager_alone(target, prompt, max_new_tokens, eos)
+    return out, t
+
+
+def _eager_alone(target, prompt, max_new_tokens, eos):
     dev = target.device
     t = Timing()
     t0 = clock(dev)
     logits, _, cache = target.decode(torch.tensor([prompt], device=dev))
+    margins = [_margin(logits)]
     tok = int(logits[0, -1].argmax())
     out = [tok]
+    t.prefill = clock(dev) - t0
     while len(out) < max_new_tokens and tok not in eos:
         logits, _, cache = target.decode(torch.tensor([[tok]], device=dev), cache)
+        margins.append(_margin(logits))
         tok = int(logits[0, -1].argmax())
         out.append(tok)
     t.total = t.verify = clock(dev) - t0
-    return out, t
+    return out, margins, t
+
+
+def _margin(logits: torch.Tensor) -> float:
+    top2 = logits[0, -1].float().topk(2).values
+    return float(top2[0] - top2[1])
+
+
+class EagerDecoder:
+    """The eager engine behind GraphDecoder's two calls: transformers' own cache for the target,
+    eval.py's DraftCache for the drafter, every step launched from Python."""
+
+    graphed = False
+
+    def __init__(self, target, drafter: Drafter):
+        self.target, self.drafter, self.eos = target, drafter, target.eos_ids()
+
+    def target_alone(self, prompt: list[int], max_new_tokens: int) -> Decoded:
+        out, margins, t = _eager_alone(self.target, prompt, max_new_tokens, self.eos)
+        return Decoded(out, t, margins=margins)
+
+    def speculative(self, prompt: list[int], max_new_tokens: int) -> Decoded:
+        t = Timing()
+        out, produced, drafts = speculative_generate(self.target, self.drafter, prompt, max_new_tokens=max_new_tokens,
+                                                     eos=self.eos, cached=True, timing=t)
+        t.rounds = len(produced)
+        return Decoded(out, t, produced, drafts)
+
+
+def decoder(engine: str, target, drafter: Drafter, prompts: list[list[int]], max_new_tokens: int):
+    """The engine's decoder for these prompts: "graphs" (static caches, CUDA graphs on a GPU) or "eager"."""
+    if engine == "eager":
+        return EagerDecoder(target, drafter)
+    return GraphDecoder(target, drafter, max(map(len, prompts), default=1) + max_new_tokens)
 
 
 # --------------------------------------------------------------------------- measuring
@@ -98,53 +141,124 @@ def load_drafter(path: str, target, device, dtype, *, untrained: bool = False) -
 
 
 def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_tokens: int, warmup: int = 1,
-            baseline: bool = True, log=print) -> dict:
-    """Both decodes of every prompt; NotLossless at the first token that differs.
-    baseline=False: only the speculative decode (tau and acceptance; no lossless check, no speedup)."""
-    eos = target.eos_ids()
+            baseline: bool = True, engine: str = "graphs", strict: bool | None = None, resamples: int = 10_000,
+            seed: int = 0, log=print) -> dict:
+    """Both decodes of every prompt under one engine ("graphs" or "eager"), and the document.
+
+    strict (default: when the models run in float32): any prompt whose output differs from the target's
+    own greedy decode raises NotLossless. Otherwise (bf16, where a 16-token verify and a 1-token step
+    may round a near-tie differently) each prompt says whether it is equal and, where not, the first new
+    token that differs and the target's top-2 logit margin there. baseline=False: only the speculative
+    decode (tau and acceptance; no equality, no speedup)."""
+    if strict is None:
+        strict = next(target.model.parameters()).dtype == torch.float32
+    dec = decoder(engine, target, drafter, prompts, max_new_tokens)
     for p in prompts[:warmup]:  # kernels, allocator, caches: not timed
-        target_greedy(target, p, min(16, max_new_tokens), eos)
-        speculative_generate(target, drafter, p, max_new_tokens=min(32, max_new_tokens), eos=eos, cached=True)
+        dec.target_alone(p, min(16, max_new_tokens))
+        dec.speculative(p, min(32, max_new_tokens))
     alone, spec = Timing(), Timing()
-    n_alone = n_spec = 0
-    produced_all: list[int] = []
-    drafts: list[tuple[int, int]] = []  # (drafts accepted, drafts offered) per round
+    rows, drafts = [], []
     for i, p in enumerate(prompts):
-        ts = Timing()
-        out, produced, acc = speculative_generate(target, drafter, p, max_new_tokens=max_new_tokens, eos=eos,
-                                                  cached=True, timing=ts)
-        ref, ta = target_greedy(target, p, max_new_tokens, eos) if baseline else (out, None)
-        if faults.value("specdec_differ") == str(i):     # a test's stand-in for a lossy drafter loop
-            ref = ref[:-1] + [ref[-1] + 1]
-        if out != ref:
-            k = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
-            raise NotLossless(f"prompt {i}: speculative output differs from the target's greedy decode at new "
-                               f"token {k} ({out[k:k + 1]} vs {ref[k:k + 1]}): NOT lossless")
-        spec.add(ts)
-        n_spec += len(out)
-        produced_all += produced
-        drafts += acc
-        speed = f"{len(out) / ts.total:.1f} tokens/s"
-        if ta:
-            alone.add(ta)
-            n_alone += len(ref)
-            speed = f"{len(ref) / ta.total:.1f} -> {speed}"
-        log(f"specdec: prompt {i + 1}/{len(prompts)}: {len(out)} tokens, tau {len(out) / max(1, len(produced)):.2f}, "
-            f"{speed}")
-    summary = summarize(produced_all, drafts, drafter.cfg.block_size)
+        s = dec.speculative(p, max_new_tokens)
+        row = {"prompt_tokens": len(p), "tokens": s.tokens, "rounds": s.produced,
+               "accepted": [a for a, _ in s.drafts], "spec_s": s.spent.total}
+        spec.add(s.spent)
+        drafts += s.drafts
+        speed = f"{len(s.tokens) / s.spent.total:.1f} tokens/s"
+        if baseline:
+            r = dec.target_alone(p, max_new_tokens)
+            ref = r.tokens
+            if faults.value("specdec_differ") == str(i):     # a test's stand-in for a lossy drafter loop
+                ref = ref[:-1] + [ref[-1] + 1]
+            alone.add(r.spent)
+            row.update(alone_s=r.spent.total, alone_tokens=len(ref), equal=s.tokens == ref)
+            if s.tokens != ref:
+                k = next((j for j, (x, y) in enumerate(zip(s.tokens, ref)) if x != y), min(len(s.tokens), len(ref)))
+                margin = r.margins[k] if k < len(r.margins) else None
+                if strict:
+                    raise NotLossless(f"prompt {i}: speculative output differs from the target's greedy decode at new "
+                                      f"token {k} ({s.tokens[k:k + 1]} vs {ref[k:k + 1]}; the target's top-2 margin "
+                                      f"there {margin if margin is None else round(margin, 4)}): NOT lossless")
+                row.update(target_tokens=ref, first_diff=k, margin=margin)
+            speed = f"{len(ref) / r.spent.total:.1f} -> {speed}"
+        rows.append(row)
+        tau = f"tau {sum(s.produced) / len(s.produced):.2f}" if s.produced else "no rounds (the prompt's token only)"
+        differ = "" if row.get("equal", True) else f", DIFFERS from new token {row['first_diff']} (margin " \
+                                                    f"{row['margin']:.3g})"
+        log(f"specdec: prompt {i + 1}/{len(prompts)}: {len(s.tokens)} tokens, {len(s.produced)} rounds, {tau}, "
+            f"{speed}{differ}")
+    return document(rows, drafts, alone if baseline else None, spec, drafter.cfg.block_size, engine=engine,
+                    graphed=dec.graphed, strict=strict, resamples=resamples, seed=seed)
+
+
+def document(rows: list[dict], drafts: list[tuple[int, int]], alone: Timing | None, spec: Timing, block_size: int, *,
+             engine: str, graphed: bool, strict: bool, resamples: int, seed: int) -> dict:
+    """The result document of measure(): the figures over all prompts with per-prompt (cluster) bootstrap
+    intervals, where the time went, the model of a round's cost, and every prompt's tokens and rounds."""
+    produced = [n for r in rows for n in r["rounds"]]
+    summary = summarize(produced, drafts, block_size)
+    tau, per_round_ci = summary.pop("acceptance_length"), summary.pop("tau_ci95")
+    baseline = alone is not None
+    n_spec = sum(len(r["tokens"]) for r in rows)
+    boot = cluster_bootstrap([r["rounds"] for r in rows], tokens=[len(r["tokens"]) for r in rows],
+                             spec_s=[r["spec_s"] for r in rows], tokens_alone=[r["alone_tokens"] for r in rows] if baseline else None,
+                             alone_s=[r["alone_s"] for r in rows] if baseline else None,
+                             resamples=resamples, seed=seed)
     s_rate = n_spec / spec.total
+    n_alone = sum(r["alone_tokens"] for r in rows) if baseline else 0
     a_rate = n_alone / alone.total if baseline else None
-    return {"lossless": True if baseline else None, "prompts": len(prompts), "tokens": n_spec,
-            "tau": summary.pop("acceptance_length"), **summary, "target_tokens_per_s": a_rate,
-            "spec_tokens_per_s": s_rate, "speedup": s_rate / a_rate if baseline else None,
-            "time_share": {"target_verify": spec.verify / spec.total, "drafter": spec.draft / spec.total,
-                           "host_other": max(0.0, 1 - (spec.verify + spec.draft) / spec.total)},
-            "ms_per_round": {"verify": 1e3 * spec.verify / max(1, len(produced_all)),
-                             "draft": 1e3 * spec.draft / max(1, len(produced_all))},
-            "target_ms_per_token": 1e3 * alone.total / max(1, n_alone) if baseline else None}
+    rounds = max(1, len(produced))
+    # A round's cost and a token's: the decode after the prompt's forward, per round and per token
+    t_round = (spec.total - spec.prefill) / rounds
+    t_token = (alone.total - alone.prefill) / max(1, n_alone - len(rows)) if baseline else None
+    on_device = spec.verify - spec.prefill + spec.draft + spec.extend
+    equal = sum(bool(r.get("equal")) for r in rows) if baseline else None
+    return {"engine": engine, "graphed": graphed, "strict": strict,
+            "lossless": (equal == len(rows)) if baseline else None, "equal_prompts": equal,
+            "prompts": len(rows), "tokens": n_spec,
+            "tau": tau, **summary, "tau_ci95": boot["tau_ci95"],
+            # the interval that treats every round as independent (it is not: rounds within a prompt are
+            # correlated), kept to compare with earlier figures
+            "tau_ci95_rounds": per_round_ci,
+            "target_tokens_per_s": a_rate, "spec_tokens_per_s": s_rate,
+            "speedup": s_rate / a_rate if baseline else None, "speedup_ci95": boot.get("speedup_ci95"),
+            "speedup_median": boot.get("speedup_median"), "speedup_mean": boot.get("speedup_mean"),
+            "bootstrap": {"unit": "prompt", "resamples": resamples, "seed": seed},
+            "time_share": {"target_verify": spec.verify / spec.total,
+                           "drafter": (spec.draft + spec.extend) / spec.total,
+                           "host_other": max(0.0, 1 - (spec.verify + spec.draft + spec.extend) / spec.total)},
+            "ms_per_round": {"verify": 1e3 * (spec.verify - spec.prefill) / rounds, "draft": 1e3 * spec.draft / rounds,
+                             "extend": 1e3 * spec.extend / rounds,
+                             "host": 1e3 * max(0.0, spec.total - spec.prefill - on_device) / rounds,
+                             "all": 1e3 * t_round},
+            "target_ms_per_token": 1e3 * t_token if baseline else None,
+            # speedup ~ tau * (a token's cost alone) / (a round's cost): the model the measurement checks,
+            # and the tau at which the drafter would double the target's speed at this round cost
+            "model": {"speedup": tau * t_token / t_round if baseline and t_round > 0 else None,
+                      "tau_for_2x": 2 * t_round / t_token if baseline and t_token else None},
+            "per_prompt": rows}
 
 
 # --------------------------------------------------------------------------- python -m trainer.specdec
+
+def result_line(doc: dict) -> str:
+    """The closing line: the engine, tau and the speedup with their per-prompt intervals, agreement."""
+    n = doc["prompts"]
+    ci = doc.get("tau_ci95")
+    tau = f"tau {tau_text(doc['tau'], ci, doc['rounds'], f'{n} prompts', digits=2)}"
+    graphs = {"graphs": " (CUDA graphs)" if doc.get("graphed") else " (uncaptured)", "eager": ""}[doc["engine"]]
+    head = f"engine {doc['engine']}{graphs}, {doc.get('dtype', '')}".rstrip(", ")
+    if doc.get("speedup") is None:
+        return f"{head}: {tau}; {doc['spec_tokens_per_s']:.1f} tokens/s drafted (no baseline, no lossless check)"
+    sci = doc.get("speedup_ci95")
+    sp = f"speedup {doc['speedup']:.2f}x" + (f" (95% {sci[0]:.2f}-{sci[1]:.2f}x" if sci else " (") + \
+        f"{', ' if sci else ''}median per prompt {doc['speedup_median']:.2f}x, {n} prompts)"
+    slower = " (SLOWER than the target alone)" if doc["speedup"] < 1 else ""
+    agree = "lossless" if doc["lossless"] else f"{doc['equal_prompts']}/{n} prompts equal to the target alone"
+    return (f"{head}: {agree}; {tau}; {doc['target_tokens_per_s']:.1f} -> {doc['spec_tokens_per_s']:.1f} tokens/s, "
+            f"{sp}{slower}; drafter {100 * doc['time_share']['drafter']:.0f}% of the time")
+
+
 
 def read_prompt_ids(path: str, tokenizer, *, limit: int | None = None,
                     template_kwargs: dict | None = None) -> list[list[int]]:
@@ -172,9 +286,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", required=True, help="JSONL of prompts (the spellings regen reads)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--limit", type=int, help="use only the first N prompts")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="both models' dtype (default float32: greedy choices then do not hang on the "
-                        "rounding of a 1-token vs a 16-token forward, so lossless is checkable)")
+    p.add_argument("--engine", choices=("graphs", "eager"), default="graphs",
+                   help="graphs (default): static KV caches, each step of the target, the verify and the drafter "
+                        "replayed as a CUDA graph, as serving engines decode (on a CPU the same code runs "
+                        "uncaptured); eager: transformers' own cache, every kernel launched from Python")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="both models' dtype (default auto: bfloat16 on a GPU, float32 on a CPU). In float32 every "
+                        "output must equal the target's own greedy decode (exit 1 otherwise); in bfloat16 a "
+                        "16-token verify and a 1-token step can round a near-tie apart, so each prompt reports "
+                        "whether it is equal and, where not, the target's top-2 logit margin at the difference")
+    p.add_argument("--bootstrap", type=int, default=10_000, metavar="N",
+                   help="resamples of the per-prompt bootstrap behind tau's and the speedup's intervals")
+    p.add_argument("--seed", type=int, default=0, help="the bootstrap's seed")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is")
     p.add_argument("--untrained", action="store_true",
                    help="measure the same drafter freshly initialised instead (the baseline for tau)")
@@ -190,7 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError("--max-new-tokens must be at least 1")
     check_target_spec(a.target)
     kwargs = None if a.chat_template_kwargs is None else template_kwargs(a.chat_template_kwargs)
+    if a.bootstrap < 100:
+        raise UsageError("--bootstrap must be at least 100")
     dev = torch.device("cuda:0" if torch.cuda.is_available() and not a.cpu else "cpu")
+    a.dtype = a.dtype if a.dtype != "auto" else "bfloat16" if dev.type == "cuda" else "float32"
     dtype = getattr(torch, a.dtype)
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     target = load_target(a.target, device=dev, dtype=dtype)
@@ -199,20 +325,16 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--target {a.target}: no tokenizer to encode the prompts with")
     prompts = read_prompt_ids(a.prompts, target.tokenizer, limit=a.limit, template_kwargs=kwargs)
     say(f"specdec: {len(prompts)} prompts, {a.max_new_tokens} new tokens each, block {drafter.cfg.block_size}, "
-        f"{drafter.cfg.num_layers} draft layers, {dev.type} {a.dtype}")
+        f"{drafter.cfg.num_layers} draft layers, {dev.type} {a.dtype}, engine {a.engine}")
     try:
-        doc = measure(target, drafter, prompts, max_new_tokens=a.max_new_tokens, baseline=a.baseline, log=say)
+        doc = measure(target, drafter, prompts, max_new_tokens=a.max_new_tokens, baseline=a.baseline, log=say,
+                      engine=a.engine, resamples=a.bootstrap, seed=a.seed)
     except NotLossless as e:
         print(f"specdec: error: {e}", file=sys.stderr, flush=True)
         return 1
     doc = {"target": a.target, "drafter": a.drafter, "untrained": a.untrained, "device": dev.type, "dtype": a.dtype,
            "block_size": drafter.cfg.block_size, "draft_layers": drafter.cfg.num_layers, **doc}
-    tau = f"tau {tau_text(doc['tau'], doc['tau_ci95'], doc['rounds'], digits=2)}"
-    if a.baseline:
-        say(f"specdec: lossless; {tau}; {doc['target_tokens_per_s']:.1f} -> {doc['spec_tokens_per_s']:.1f} tokens/s, "
-            f"speedup {doc['speedup']:.2f}x; drafter {100 * doc['time_share']['drafter']:.0f}% of the time")
-    else:
-        say(f"specdec: {tau}; {doc['spec_tokens_per_s']:.1f} tokens/s drafted (no baseline, no lossless check)")
+    say(f"specdec: {result_line(doc)}")
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(doc, indent=2))
     print(json.dumps(doc), flush=True)

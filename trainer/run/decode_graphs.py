@@ -1,0 +1,354 @@
+"""Decoding as serving engines decode: a static KV cache and CUDA graphs, for the target and the drafter.
+
+`trainer.specdec --engine graphs` (the default) decodes with these; `--engine eager` keeps the
+transformers-cache path of trainer/run/eval.py. The arithmetic is the same (tests/test_decode_graphs.py
+compares both token for token, and the target's logits with transformers' own forward); what changes
+is what a step costs on a GPU. In eager code a step is ~90% Python and kernel launches, so a 16-token
+verify costs what a 1-token step costs; serving engines (vLLM, SGLang) replay CUDA graphs over a static
+cache, where the step costs its kernels, and the drafter's own cost decides the speedup.
+
+- `StaticTarget`: the target's decoder layers (transformers' own modules: norms, projections, MLP,
+  rotary tables) over a KV cache of fixed length, addressed by position: a step of T tokens at
+  positions pos writes their keys and values at pos and attends to every cached key at a position
+  <= its own. Nothing is ever cropped: a rejected draft's keys sit past the accepted prefix, masked,
+  until the next step overwrites them.
+- `StaticDrafter`: the drafter's context keys and values the same way (`extend`), and a block drafted
+  against every context position before the anchor (`draft`): eval.py's extend_context/draft_block
+  with a mask in place of a slice.
+- `GraphDecoder`: one round of speculative decoding as three captured graphs (draft the block, verify
+  it, give the verified positions' features to the drafter), replayed with one host synchronisation
+  per round (the accept decision); and the target alone as one captured one-token step. Rounds cut
+  short by the token budget (the last of a prompt) run the same functions uncaptured. On a CPU
+  nothing is captured: the same functions run eagerly (the CPU suite checks them against eager).
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from trainer.errors import UsageError
+from trainer.model.drafter import Drafter, apply_rope, rope_cos_sin
+from trainer.run.eval import Timing
+
+
+def unsupported(target) -> str | None:
+    """Why the static engine cannot run this target (None when it can): it needs a Llama/Qwen-style
+    decoder (base_model.layers of self_attn + mlp, a rotary table, a final norm) whose every layer
+    attends to the full context."""
+    base = target.model.base_model
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(base, name):
+            return f"{type(base).__name__} has no {name}"
+    attn = base.layers[0].self_attn
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if not hasattr(attn, name):
+            return f"{type(attn).__name__} has no {name}"
+    cfg = target.config
+    types = getattr(cfg, "layer_types", None) or ()
+    if any(t != "full_attention" for t in types) or getattr(cfg, "use_sliding_window", False):
+        return "it has sliding-window layers"
+    return None
+
+
+class StaticTarget:
+    """The target's forward over a static, position-addressed KV cache of `max_len` positions."""
+
+    def __init__(self, target, max_len: int):
+        base, cfg = target.model.base_model, target.config
+        self.embed, self.layers, self.norm, self.rotary = base.embed_tokens, base.layers, base.norm, base.rotary_emb
+        self.lm_head = target.model.get_output_embeddings()
+        self.layer_ids = tuple(target.layer_ids)
+        self.nh = cfg.num_attention_heads
+        self.nkv = getattr(cfg, "num_key_value_heads", None) or self.nh
+        self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh
+        self.max_len = max_len
+        w = self.embed.weight
+        shape = (len(self.layers), 1, self.nkv, max_len, self.hd)
+        self.k = torch.zeros(shape, device=w.device, dtype=w.dtype)
+        self.v = torch.zeros_like(self.k)
+        self.key_pos = torch.arange(max_len, device=w.device)
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, *, features: bool = True):
+        """ids (1, T) at positions pos (T,) -> (greedy choice (T,), top-2 logit margin (T,) float32,
+        features (T, n*H) at the tapped layers or None): transformers' hidden_states[i + 1] for each
+        tapped layer i, the last layer's after the final norm, as Target.features gives them."""
+        T = ids.shape[1]
+        x = self.embed(ids)  # (1, T, H)
+        cos, sin = self.rotary(x, pos[None])  # (1, T, hd) each
+        cos, sin = cos[:, None], sin[:, None]  # (1, 1, T, hd)
+        mask = (self.key_pos[None, :] <= pos[:, None])[None, None]  # (1, 1, T, max_len): causal by position
+        last = len(self.layers) - 1
+        taps = {}
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(1, T, self.nh, self.hd)
+            k = a.k_proj(h).view(1, T, self.nkv, self.hd)
+            v = a.v_proj(h).view(1, T, self.nkv, self.hd).transpose(1, 2)
+            if hasattr(a, "q_norm"):  # Qwen3; Llama, Qwen2 and Mistral have none
+                q, k = a.q_norm(q), a.k_norm(k)
+            q = apply_rope(q.transpose(1, 2), cos, sin)  # (1, nh, T, hd)
+            k = apply_rope(k.transpose(1, 2), cos, sin)  # (1, nkv, T, hd)
+            self.k[i].index_copy_(2, pos, k)
+            self.v[i].index_copy_(2, pos, v)
+            o = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=mask,
+                                               scale=getattr(a, "scaling", None), enable_gqa=self.nh != self.nkv)
+            x = x + a.o_proj(o.transpose(1, 2).reshape(1, T, self.nh * self.hd))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if features and i in self.layer_ids and i != last:
+                taps[i] = x
+        x = self.norm(x)
+        logits = self.lm_head(x)[0].float()  # (T, V)
+        top2 = logits.topk(2, dim=-1).values  # (T, 2)
+        feats = torch.cat([x if i == last else taps[i] for i in self.layer_ids], dim=-1)[0] if features else None
+        return logits.argmax(-1), top2[:, 0] - top2[:, 1], feats
+
+
+class StaticDrafter:
+    """The drafter's context keys/values in a static cache of `max_len` positions, and its block draft."""
+
+    def __init__(self, drafter: Drafter, max_len: int):
+        self.d, cfg = drafter, drafter.cfg
+        a = drafter.layers[0].self_attn
+        self.nh, self.nkv, self.hd = a.nh, a.nkv, a.hd
+        w = drafter.fc.weight
+        self.k = torch.zeros((len(drafter.layers), 1, self.nkv, max_len, self.hd), device=w.device, dtype=w.dtype)
+        self.v = torch.zeros_like(self.k)
+        self.key_pos = torch.arange(max_len, device=w.device)
+
+    @torch.no_grad()
+    def extend(self, feats: torch.Tensor, start: torch.Tensor) -> None:
+        """The target features (T, n*H) of positions start .. start+T-1 into the context cache."""
+        d, T = self.d, feats.shape[0]
+        pos = start + torch.arange(T, device=feats.device)  # (T,)
+        ctx = d.hidden_norm(d.fc(feats[None].to(d.fc.weight.dtype)))  # (1, T, H)
+        rope = rope_cos_sin(pos[None], self.hd, d.cfg.rope_theta, ctx.dtype)
+        for i, layer in enumerate(d.layers):
+            a = layer.self_attn
+            self.k[i].index_copy_(2, pos, apply_rope(a.k_norm(a.k_proj(ctx).view(1, T, a.nkv, a.hd)).transpose(1, 2),
+                                                     *rope))
+            self.v[i].index_copy_(2, pos, a.v_proj(ctx).view(1, T, a.nkv, a.hd).transpose(1, 2))
+
+    @torch.no_grad()
+    def draft(self, block: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """block (1, T) = [anchor, MASK...] at positions start.., seeing every context position before
+        start and the whole block -> the drafter's greedy tokens for block positions 1..T-1, (T-1,)."""
+        d, T = self.d, block.shape[1]
+        pos = start + torch.arange(T, device=block.device)
+        x = d.embed_tokens(block).to(d.fc.weight.dtype)  # (1, T, H)
+        rope = rope_cos_sin(pos[None], self.hd, d.cfg.rope_theta, x.dtype)
+        seen = torch.cat([self.key_pos < start, torch.ones(T, dtype=torch.bool, device=block.device)])
+        mask = seen[None, None, None]  # (1, 1, 1, max_len + T): context before the anchor, the whole block
+        for i, layer in enumerate(d.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = apply_rope(a.q_norm(a.q_proj(h).view(1, T, a.nh, a.hd)).transpose(1, 2), *rope)
+            k = apply_rope(a.k_norm(a.k_proj(h).view(1, T, a.nkv, a.hd)).transpose(1, 2), *rope)
+            v = a.v_proj(h).view(1, T, a.nkv, a.hd).transpose(1, 2)
+            k, v = torch.cat([self.k[i], k], dim=2), torch.cat([self.v[i], v], dim=2)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.nh != a.nkv)
+            x = x + a.o_proj(o.transpose(1, 2).reshape(1, T, a.nh * a.hd))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return d.logits(x[:, 1:])[0].argmax(-1)
+
+
+# --------------------------------------------------------------------------- capture
+
+class _Graph:
+    """fn() captured as a CUDA graph over the static tensors it reads and writes; replay() reruns it.
+    Where capture fails (or on a CPU), replay() runs fn() itself: the same result, uncaptured."""
+
+    def __init__(self, fn, device: torch.device, pool=None):
+        self.fn, self.graph = fn, None
+        if device.type != "cuda":
+            return
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up outside the graph: cuBLAS handles, the allocator
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                fn()
+        except Exception as e:  # noqa: BLE001 - the uncaptured call is always right
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {first}); running uncaptured",
+                          RuntimeWarning, stacklevel=2)
+            return
+        self.graph = graph
+
+    def replay(self) -> None:
+        if self.graph is None:
+            self.fn()
+        else:
+            self.graph.replay()
+
+
+class _Clock:
+    """Marks on the device's timeline (CUDA events; perf_counter on a CPU, where work is synchronous),
+    read after the round's synchronisation: seconds between consecutive marks."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def between(self, a, b) -> float:
+        return (b - a) if not self.cuda else a.elapsed_time(b) / 1e3
+
+
+@dataclass
+class Decoded:
+    """One prompt's decode: the new tokens, and with the drafter its rounds."""
+    tokens: list[int]
+    spent: Timing
+    produced: list[int] = field(default_factory=list)   # tokens each round produced (accepted + 1, capped)
+    drafts: list[tuple[int, int]] = field(default_factory=list)  # (drafts accepted, drafts offered)
+    margins: list[float] = field(default_factory=list)  # the target alone: top-2 logit margin per new token
+
+
+class GraphDecoder:
+    """Greedy decoding at batch 1 with the target alone or with the drafter, on static caches, each
+    step replayed from a CUDA graph (on a GPU). `max_len`: the longest prompt + new tokens it must hold."""
+
+    def __init__(self, target, drafter: Drafter, max_len: int, *, graphs: bool = True):
+        why = unsupported(target)
+        if why:
+            raise UsageError(f"--engine graphs cannot run this target ({why}); use --engine eager")
+        self.dev = target.device
+        self.B, self.mask_id = drafter.cfg.block_size, drafter.cfg.mask_token_id
+        room = max_len + self.B + 2  # a verify at the last position writes B positions past it
+        self.t = StaticTarget(target, room)
+        self.d = StaticDrafter(drafter, room)
+        self.eos = target.eos_ids()
+        dev, B = self.dev, self.B
+        # The graphs' inputs and outputs: the anchor token and its position, set before each replay
+        self.anchor = torch.zeros(1, dtype=torch.long, device=dev)
+        self.p = torch.zeros(1, dtype=torch.long, device=dev)
+        self.masks = torch.full((B - 1,), self.mask_id, dtype=torch.long, device=dev)
+        self.drafted = torch.zeros(B - 1, dtype=torch.long, device=dev)
+        self.choice = torch.zeros(B, dtype=torch.long, device=dev)
+        self.feats = None
+        self.margins = torch.zeros(room + 1, dtype=torch.float32, device=dev)  # by the predicted token's position
+        self.captured = graphs and dev.type == "cuda"
+        pool = torch.cuda.graph_pool_handle() if self.captured else None
+        make = (lambda fn: _Graph(fn, dev, pool)) if self.captured else (lambda fn: _Graph(fn, torch.device("cpu")))
+        self.clock = _Clock(dev)
+        # Shapes are fixed before capture: one full round's verify gives feats its (B, n*H) shape
+        self._verify(B)
+        self.g_draft, self.g_verify, self.g_extend = make(lambda: self._draft(B)), make(lambda: self._verify(B)), \
+            make(lambda: self._extend(B))
+        self.g_step = make(self._step)
+        self.graphed = self.captured and all(g.graph is not None for g in (self.g_draft, self.g_verify,
+                                                                          self.g_extend, self.g_step))
+
+    # -- the round's parts, over the static tensors (vs: the block's length, B in a captured round)
+    def _draft(self, vs: int) -> None:
+        block = torch.cat([self.anchor, self.masks[: vs - 1]])[None]
+        self.drafted[: vs - 1].copy_(self.d.draft(block, self.p))
+
+    def _verify(self, vs: int) -> None:
+        ids = torch.cat([self.anchor, self.drafted[: vs - 1]])[None]
+        pos = self.p + torch.arange(vs, device=self.dev)
+        choice, margin, feats = self.t.forward(ids, pos)
+        self.choice[:vs].copy_(choice)
+        self.margins.index_copy_(0, pos + 1, margin)
+        if self.feats is None:
+            self.feats = torch.zeros((self.B, feats.shape[-1]), dtype=feats.dtype, device=self.dev)
+        self.feats[:vs].copy_(feats)
+
+    def _extend(self, vs: int) -> None:
+        self.d.extend(self.feats[:vs], self.p)
+
+    def _step(self) -> None:  # the target alone: the token at p, its successor into anchor, p + 1
+        choice, margin, _ = self.t.forward(self.anchor[None], self.p, features=False)
+        self.margins.index_copy_(0, self.p + 1, margin)
+        self.anchor.copy_(choice)
+        self.p.add_(1)
+
+    def _prefill(self, prompt: list[int], *, features: bool) -> int:
+        ids = torch.tensor([prompt], device=self.dev)
+        choice, margin, feats = self.t.forward(ids, torch.arange(len(prompt), device=self.dev), features=features)
+        self.margins[len(prompt)] = margin[-1]
+        if features:
+            self.d.extend(feats, torch.zeros((), dtype=torch.long, device=self.dev))
+        return int(choice[-1])
+
+    def _sync(self) -> float:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+        return time.perf_counter()
+
+    # -- decoding
+    @torch.no_grad()
+    def target_alone(self, prompt: list[int], max_new_tokens: int) -> Decoded:
+        """The target alone: one captured one-token step per token, greedy, stopping at EOS."""
+        spent = Timing()
+        t0 = self._sync()
+        tok = self._prefill(prompt, features=False)
+        spent.prefill = self._sync() - t0
+        out = [tok]
+        self.anchor.fill_(tok)
+        self.p.fill_(len(prompt))
+        while len(out) < max_new_tokens and tok not in self.eos:
+            self.g_step.replay()
+            tok = int(self.anchor)  # the host's one synchronisation per token
+            out.append(tok)
+        spent.total = spent.verify = self._sync() - t0
+        margins = self.margins[len(prompt): len(prompt) + len(out)].tolist()
+        return Decoded(out, spent, margins=margins)
+
+    @torch.no_grad()
+    def speculative(self, prompt: list[int], max_new_tokens: int) -> Decoded:
+        """Greedy speculative decoding, round for round as eval.speculative_generate (the reference's
+        dflash_generate): verify min(B, budget left) tokens, accept the longest matching prefix of
+        drafts plus the target's token after it, stop at EOS."""
+        B, clock, spent = self.B, self.clock, Timing()
+        t0 = self._sync()
+        c0 = clock.mark()
+        anchor = self._prefill(prompt, features=True)
+        spent.prefill = spent.verify = clock.between(c0, clock.mark())
+        p = len(prompt)
+        end = p + max_new_tokens
+        new, produced, drafts = [anchor], [], []
+        stopped = anchor in self.eos
+        while p + 1 < end and not stopped:
+            vs = min(B, end - p)
+            self.anchor.fill_(anchor)
+            self.p.fill_(p)
+            m0 = clock.mark()
+            self.g_draft.replay() if vs == B else self._draft(vs)
+            m1 = clock.mark()
+            self.g_verify.replay() if vs == B else self._verify(vs)
+            m2 = clock.mark()
+            self.g_extend.replay() if vs == B else self._extend(vs)
+            m3 = clock.mark()
+            got = torch.cat([self.drafted[: vs - 1], self.choice[:vs]]).tolist()  # the round's one sync
+            draft, choice = got[: vs - 1], got[vs - 1:]
+            a = next((j for j, (x, y) in enumerate(zip(draft, choice)) if x != y), vs - 1)
+            step = (draft[:a] + [choice[a]])[: end - p - 1]
+            hit = next((j for j, t in enumerate(step) if t in self.eos), None)
+            if hit is not None:
+                step, stopped = step[: hit + 1], True
+            new += step
+            produced.append(len(step))
+            drafts.append((a, vs - 1))
+            anchor, p = step[-1], p + len(step)
+            spent.draft += clock.between(m0, m1)
+            spent.verify += clock.between(m1, m2)
+            spent.extend += clock.between(m2, m3)
+        spent.total = self._sync() - t0
+        spent.rounds = len(produced)
+        return Decoded(new[:max_new_tokens], spent, produced, drafts)
