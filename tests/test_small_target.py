@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,6 +61,56 @@ def test_held_out_modules_never_reach_training():
     assert held and train and not set(train) & set(held)
     rels = [str(p) for p in small_lm.stdlib_modules()]
     assert sum(small_lm.held_out(r) for r in rels) < len(rels) / 10  # about one in twenty
+
+
+def _stdlib(root: Path) -> dict[str, str]:
+    """A standard library of 6 training modules and 2 held-out ones: `copied.py` repeats a training
+    module's lines verbatim (re-indented, as a generated module would), `own.py` is text of its own."""
+    def lines(tag, n=40):
+        return "".join(f"value_{tag}_{i} = {i} * {i}\n" + ("\n" if i % 5 == 4 else "") for i in range(n))
+
+    names = iter(f"m{i}.py" for i in range(10_000))
+    held = [next(n for n in names if small_lm.held_out(n)) for _ in range(2)]
+    train = [next(n for n in names if not small_lm.held_out(n)) for _ in range(6)]
+    texts = {name: lines(f"t{k}") for k, name in enumerate(train)}
+    texts[held[0]] = "".join("  " + line for line in texts[train[2]].splitlines(keepends=True))  # copied
+    texts[held[1]] = lines("own")
+    for name, text in texts.items():
+        (root / name).write_text(text)
+    return {"copied": held[0], "own": held[1]}
+
+
+def test_held_out_prompts_whose_text_was_trained_on_are_dropped(tmp_path):
+    names = _stdlib(tmp_path)
+    out = tmp_path / "held.jsonl"
+    got = small_lm.write_prompts("smoke", "held-out", 12, str(out), seed=1, root=str(tmp_path))
+    prompts = [json.loads(line)["prompt"] for line in out.read_text().splitlines()]
+    assert got["prompts"] == len(prompts) == 12 and got["dropped"] > 0  # more drawn from `own.py`
+    own = (tmp_path / names["own"]).read_text()
+    assert all(p in own for p in prompts)
+    train, held, _ = small_lm.corpus(small_lm.RECIPES["smoke"], str(tmp_path))
+    assert any(map(small_lm.seen_in(train), small_lm.cut_prompts(held, 12, seed=1 + 7919)))  # the draw undeduplicated
+
+
+def test_seen_in_needs_three_consecutive_lines_whatever_the_whitespace():
+    seen = small_lm.seen_in(["a = 1\nb = 2\n\nc = 3\nd = 4\n"])
+    assert seen("x\n  a  =  1\n\n\tb = 2\nc   = 3\n")  # blank lines and spacing do not hide a copy
+    assert not seen("a = 1\nb = 2\nd = 4\n")  # the lines are there, not consecutively
+    assert not seen("a = 1\nb = 2\n")  # fewer lines than a window
+
+
+def test_the_held_out_cli_says_what_it_dropped_and_another_seed_draws_another_sample(tmp_path, monkeypatch, capsys):
+    _stdlib(tmp_path)
+    monkeypatch.setattr(small_lm.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    files = []
+    for seed in (1, 1, 2):
+        files.append(tmp_path / f"p{len(files)}.jsonl")
+        assert small_lm.main(["--size", "smoke", "--prompts", "held-out", "--n", "5", "--seed", str(seed),
+                              "--out", str(files[-1])]) == 0
+        err = capsys.readouterr().err
+        assert re.search(r"dropped [1-9]\d* held-out prompts .* 5 remain", err), err
+    a, b, c = (f.read_text() for f in files)
+    assert a == b and a != c
 
 
 def test_the_target_is_an_hf_folder_built_once(cache, target):

@@ -30,6 +30,7 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -269,9 +270,12 @@ def build(size: str, out: str, *, root: str | None = None, log=print, steps: int
     return report
 
 
-def cut_prompts(texts: list[str], n: int, *, seed: int = 0, lines: int = 12, max_chars: int = 600) -> list[str]:
+def cut_prompts(texts: list[str], n: int, *, seed: int = 0, lines: int = 12, max_chars: int = 600,
+                keep: Callable[[str], bool] | None = None) -> list[str]:
     """n distinct code prompts: `lines` whole lines from a random place in a random module
-    (deterministic; distinct, so a run's held-out eval prompts never repeat a training prompt)."""
+    (deterministic; distinct, so a run's held-out eval prompts never repeat a training prompt).
+    keep: a test every prompt must pass; a candidate that fails it is not counted and more are drawn.
+    Fewer than n where the texts hold no more (after 50 n draws)."""
     import random
 
     rng = random.Random(seed)
@@ -285,8 +289,31 @@ def cut_prompts(texts: list[str], n: int, *, seed: int = 0, lines: int = 12, max
         text = "".join(src[i: i + lines])[:max_chars]
         if text.strip() and text not in seen:
             seen.add(text)
-            out.append(text)
+            if keep is None or keep(text):
+                out.append(text)
     return out
+
+
+# A held-out module is not held-out text: the standard library repeats itself (the codecs generated
+# from one template, test fodder, copied helpers), and a prompt the target was trained on measures
+# recall, not drafting. Windows of 3 lines catch those copies; on the `gpu` recipe's text, requiring a
+# window to hold at least 40 characters (to spare `pass` / `else:` / `pass`) kept 2 more of 300
+# candidates: what 3 lines match is copied code, not common idiom.
+SEEN_LINES = 3
+
+
+def _windows(text: str, k: int) -> set[int]:
+    """Hashes of every k consecutive non-blank lines of text, whitespace runs made one space (so
+    re-indented or re-wrapped copies match). hash(): within one process, collisions ~1e-9 here."""
+    norm = [" ".join(line.split()) for line in text.splitlines() if line.strip()]
+    return {hash("\n".join(norm[i: i + k])) for i in range(len(norm) - k + 1)}
+
+
+def seen_in(train: list[str], k: int = SEEN_LINES) -> Callable[[str], bool]:
+    """A test of whether a text shares k consecutive non-blank lines (whitespace normalised) with the
+    training texts; a text of fewer than k non-blank lines is never seen."""
+    windows = set().union(*(_windows(t, k) for t in train))
+    return lambda text: not windows.isdisjoint(_windows(text, k))
 
 
 # --------------------------------------------------------------------------- the cache
@@ -318,14 +345,29 @@ def ensure(size: str, *, log=print) -> Path:
     return folder
 
 
-def write_prompts(size: str, split: str, n: int, out: str, *, seed: int = 0) -> int:
-    """n prompts cut from the training modules (split 'train') or the held-out ones ('held-out')."""
-    train, held, _ = corpus(RECIPES[size])
-    texts = cut_prompts(train if split == "train" else held, n, seed=seed + (0 if split == "train" else 7919))
+def write_prompts(size: str, split: str, n: int, out: str, *, seed: int = 0, root: str | None = None) -> dict:
+    """n prompts cut from the training modules (split 'train') or the held-out ones ('held-out') to a
+    JSONL file; held-out candidates whose text occurs in the training text (`seen_in`) are dropped and
+    others drawn. root: the standard library's folder (default this Python's). Returns {"prompts":
+    written, "dropped": held-out candidates dropped}."""
+    train, held, _ = corpus(RECIPES[size], root)
+    dropped = []
+    if split == "train":
+        texts = cut_prompts(train, n, seed=seed)
+    else:
+        seen = seen_in(train)
+
+        def unseen(text: str) -> bool:
+            if seen(text):
+                dropped.append(text)
+                return False
+            return True
+
+        texts = cut_prompts(held, n, seed=seed + 7919, keep=unseen)
     with open(out, "w", encoding="utf-8") as f:
         for t in texts:
             f.write(json.dumps({"prompt": t}) + "\n")
-    return len(texts)
+    return {"prompts": len(texts), "dropped": len(dropped)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,16 +379,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=sorted(RECIPES), default="cpu")
     p.add_argument("--out", help="the HF folder to write (default: the cache, reused when built)")
     p.add_argument("--prompts", choices=("train", "held-out"),
-                   help="instead: write --n prompts cut from the training or the held-out modules to --out (JSONL)")
+                   help="instead: write --n prompts cut from the training or the held-out modules to --out (JSONL); "
+                        "held-out ones whose text occurs in the training text are dropped, and more drawn")
     p.add_argument("--n", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="which sample of prompts (another seed, another sample)")
     a = p.parse_args(argv)
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     if a.prompts:
         if not a.out:
             p.error("--prompts needs --out FILE")
-        n = write_prompts(a.size, a.prompts, a.n, a.out, seed=a.seed)
-        print(json.dumps({"prompts": n, "split": a.prompts, "out": a.out}))
+        got = write_prompts(a.size, a.prompts, a.n, a.out, seed=a.seed)
+        if a.prompts == "held-out":
+            say(f"small_lm[{a.size}]: dropped {got['dropped']} held-out prompts drawn whose text occurs in the "
+                f"training text ({SEEN_LINES} consecutive lines); {got['prompts']} remain")
+        if got["prompts"] < a.n:
+            say(f"small_lm[{a.size}]: only {got['prompts']} of the {a.n} prompts asked: the text holds no more")
+        print(json.dumps({**got, "split": a.prompts, "out": a.out}))
         return 0
     if a.out:
         report = build(a.size, a.out, log=say)

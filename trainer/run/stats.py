@@ -4,8 +4,9 @@ A round's acceptance length depends mostly on the text being continued, so the r
 are strongly correlated (on the small code target, per-prompt tau runs from under 2 to 14). An
 interval that treats every round as an independent draw is then far too narrow: it describes the
 rounds of these prompts, not what another sample of prompts would give. This resamples whole prompts
-with replacement (a cluster bootstrap, Efron and Tibshirani, "An Introduction to the Bootstrap",
-1993, ch. 6) and recomputes each figure as the same ratio of sums that the point estimate is.
+with replacement (a cluster bootstrap: Davison and Hinkley, "Bootstrap Methods and their
+Application", 1997, on hierarchical data) and recomputes each figure as the same ratio of sums that
+the point estimate is; the interval is the resamples' 2.5th to 97.5th percentile.
 
     from trainer.run.stats import cluster_bootstrap
     doc = cluster_bootstrap(produced_per_prompt, alone_s=..., spec_s=..., tokens=...)
