@@ -111,7 +111,7 @@ def test_bench_decode_measures_a_trained_run_on_its_held_out_rows_or_a_file_and_
         # GPU 0 is free; specdec's reference decode of prompt 0 changed by a test hook: exit 1, said last
         r = ct.cli("bench-decode", "differ", run, "--max-new-tokens", "4", "--limit", "1")
         err = r.stderr.decode().strip().splitlines()
-        assert f"agent: run {running} is running here too: the timings share the machine with it" in err, err
+        assert f"bench-decode: run {running} is running here too: the timings share the machine with it" in err, err
         assert r.returncode == 1 and "Traceback" not in r.stderr.decode() and r.stdout == b"", err
         assert err[-1].startswith(f"dflash-ops: differ: run {run}: prompt 0: ") and err[-1].endswith("NOT lossless")
         assert list(ct.exports.iterdir()) == [] and ct.locks() == ["cpu.json"]      # the running run's

@@ -160,3 +160,24 @@ def test_specdec_decodes_round_for_round_as_the_reference(parity):
         assert out == ref.output_ids[0, len(prompt):].tolist()
         rounds += produced
     assert sum(r > 1 for r in rounds) >= 3  # not a vacuous match: drafts were accepted
+
+
+def test_the_graphs_engine_decodes_round_for_round_as_the_reference(parity):
+    """`trainer.specdec --engine graphs` (static caches, a mask in place of every crop; uncaptured on a
+    CPU) against the reference's own speculative generate: the same tokens and tokens per round."""
+    from trainer.run import specdec
+    from trainer.run.decode_graphs import GraphDecoder
+
+    target = load_target(str(parity.model), device=torch.device("cpu"), dtype=torch.float32)
+    drafter = specdec.load_drafter(str(parity.root / "draft"), target, torch.device("cpu"), torch.float32)
+    draft = dflash_model.DFlashDraftModel.from_pretrained(str(parity.root / "draft"), dtype=torch.float32).eval()
+    dec = GraphDecoder(target, drafter, max(map(len, parity.prompts)) + NEW_TOKENS)
+    rounds = []
+    for prompt in parity.prompts:
+        ref = dflash_model.dflash_generate(draft, parity.target, torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                                           stop_token_ids=parity.eos, return_stats=True)
+        got = dec.speculative(prompt, NEW_TOKENS)
+        assert got.produced == ref.acceptance_lengths
+        assert got.tokens == ref.output_ids[0, len(prompt):].tolist()
+        rounds += got.produced
+    assert sum(r > 1 for r in rounds) >= 3  # not a vacuous match: drafts were accepted

@@ -245,21 +245,16 @@ def test_the_drafters_kv_cache_computes_its_full_forward(target):
     assert torch.equal(draft_block(d, cache, block, p), ref.argmax(-1))
 
 
-def test_speculative_decoding_is_lossless_and_a_wrong_token_is_caught(target, monkeypatch):
+@pytest.mark.parametrize("engine", ["graphs", "eager"])
+def test_speculative_decoding_is_lossless_and_a_wrong_token_is_caught(target, engine, monkeypatch):
     d = _drafter(target, block=4)
     prompts = [target.tokenizer(t)["input_ids"] for t in ("import os\n", "class A:\n    def __init__(self):\n")]
-    doc = specdec.measure(target, d, prompts, max_new_tokens=24, warmup=0, log=lambda s: None)
-    assert doc["lossless"] and doc["rounds"] >= 1 and 1 <= doc["tau"] <= 4
+    doc = specdec.measure(target, d, prompts, max_new_tokens=24, warmup=0, engine=engine, log=lambda s: None)
+    assert doc["lossless"] and doc["rounds"] >= 1 and 1 <= doc["tau"] <= 4 and doc["engine"] == engine
     assert len(doc["accept_rate_by_position"]) == 3
-    real = specdec.speculative_generate
-
-    def off_by_one(*a, **k):
-        out, produced, acc = real(*a, **k)
-        return out[:-1] + [(out[-1] + 1) % d.cfg.vocab_size], produced, acc
-
-    monkeypatch.setattr(specdec, "speculative_generate", off_by_one)
+    monkeypatch.setenv("DFLASH_TRAINER_FAULTS", "specdec_differ=1")  # the target alone's last token of prompt 1 changed
     with pytest.raises(RuntimeError, match="NOT lossless"):
-        specdec.measure(target, d, prompts, max_new_tokens=24, warmup=0, log=lambda s: None)
+        specdec.measure(target, d, prompts, max_new_tokens=24, warmup=0, engine=engine, log=lambda s: None)
 
 
 def test_without_the_baseline_tau_is_the_same_and_nothing_claims_lossless(target):

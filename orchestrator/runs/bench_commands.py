@@ -22,17 +22,24 @@ from orchestrator.ui import State, emit, json_option
                    "(same shapes; as export's).")
 @click.option("--gpu", type=click.IntRange(min=0), metavar="ID",
               help="Measure on this GPU of the target (default: any free one; never the run's own).")
+@click.option("--engine", type=click.Choice(["graphs", "eager"]), default="graphs", show_default=True,
+              help="graphs: static KV caches, every step replayed as a CUDA graph, as serving engines decode (on "
+                   "a CPU the same code runs uncaptured); eager: transformers' cache, kernels launched from Python.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+              help="auto: bfloat16 on a GPU, float32 on a CPU. float32 requires every output to equal the "
+                   "target's own (exit 1 otherwise); bfloat16 reports per prompt whether it is equal.")
 @json_option
 @click.pass_obj
 def bench_decode(state: State, args, prompts, max_new_tokens, limit, step, running_ok, target_changed_ok, gpu,
-                 as_json):
+                 engine, dtype, as_json):
     """Decode with a run's trained drafter against the target alone, on the target, and check the output is
     the target's own, token for token.
 
     RUN defaults to the target's newest succeeded run. It holds one free GPU of the target (its CPU
-    slot on one without) while it measures, as a launch would; none free: exit 1. Prints tau (with
-    its 95% interval), tokens/s of the target alone and with the drafter, and the speedup; exits 1
-    when the output differs.
+    slot on one without) while it measures, as a launch would; none free: exit 1. Prints tau and the
+    speedup with their per-prompt bootstrap intervals, tokens/s of the target alone and with the
+    drafter; exits 1 when a float32 output differs (bf16: reported per prompt, with the target's
+    top-2 logit margin where they part).
     """
     from orchestrator.runs import bench_decode as bench
     from orchestrator.runs import launch as runs
@@ -44,6 +51,7 @@ def bench_decode(state: State, args, prompts, max_new_tokens, limit, step, runni
         target = nodes.rank0_of(state.inv, target, run)
     doc = bench.bench_decode(state.inv, target, run, prompts=prompts, max_new_tokens=max_new_tokens, limit=limit,
                              step=step, running_ok=running_ok, target_changed_ok=target_changed_ok, gpu=gpu,
+                             engine=engine, dtype=dtype,
                              progress=None if as_json else lambda line: click.echo(line, err=True))
     emit(as_json, doc, bench.summary(doc))
     if doc["running"] and not as_json:

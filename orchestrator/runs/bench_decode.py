@@ -25,6 +25,8 @@ from orchestrator.ssh.session import Session
 from trainer.run.log import tau_text
 
 TIMEOUT_S = 6 * 3600.0
+ENGINES = ("graphs", "eager")           # trainer.specdec --engine: CUDA graphs over static caches, or eager code
+DTYPES = ("auto", "float32", "bfloat16")  # --dtype: auto is bfloat16 on a GPU, float32 on a CPU
 
 
 class NotLossless(OpsError):
@@ -34,7 +36,8 @@ class NotLossless(OpsError):
 def bench_decode(inv: Inventory, target: Target, run: str = "latest", *, prompts: str | None = None,
                  max_new_tokens: int = 128, limit: int | None = None, step: int | None = None,
                  running_ok: bool = False, target_changed_ok: bool = False, gpu: int | None = None,
-                 progress: Callable[[str], None] | None = None, session: Session | None = None) -> dict:
+                 engine: str = "graphs", dtype: str = "auto", progress: Callable[[str], None] | None = None,
+                 session: Session | None = None) -> dict:
     """specdec's document of RUN's drafter (default: the newest succeeded run; its last checkpoint,
     or `step`; on GPU `gpu` or any free one) with target, run, step, gpu and the prompts' source
     ("held-out" or the local file); "target" is the inventory's name, "model" the run's --target;
@@ -54,7 +57,12 @@ def bench_decode(inv: Inventory, target: Target, run: str = "latest", *, prompts
     if prompts is not None:
         check_prompts(prompts)
         data = Path(prompts).expanduser().read_bytes()
-    args = ["bench", target.workdir, "--max-new-tokens", str(max_new_tokens), "--gpus", str(target.gpus)]
+    if engine not in ENGINES:
+        raise UsageError(f"--engine {engine}: one of {', '.join(ENGINES)}")
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype {dtype}: one of {', '.join(DTYPES)}")
+    args = ["bench", target.workdir, "--max-new-tokens", str(max_new_tokens), "--gpus", str(target.gpus),
+            "--engine", engine, "--dtype", dtype]
     for flag, value in (("--step", step), ("--limit", limit), ("--gpu", gpu)):
         if value is not None:
             args += [flag, str(value)]
@@ -87,13 +95,29 @@ def _refusal(target: Target, run: str, refused: agent.Refused) -> OpsError:
 
 
 def summary(doc: dict) -> str:
-    """The one line: tau with its interval, tokens/s alone and with the drafter, speedup, lossless."""
+    """The one line: the engine, tau and the speedup with their per-prompt intervals, agreement with the
+    target alone ("lossless" in float32; in bf16 how many prompts are equal)."""
+    n = doc["prompts"]
     tau = f"tau {tau_text(doc['tau'], doc.get('tau_ci95'), doc.get('rounds'), digits=2)}"
-    return (f"{doc['target']}: run {doc['run']} step {doc['step']}, {doc['prompts']} prompts "
-            f"({doc['prompts_source']}), {doc['tokens']} tokens: {tau}; "
+    engine = doc.get("engine", "eager")
+    how = f"{engine}{' (CUDA graphs)' if doc.get('graphed') else ''}, {doc.get('dtype', 'float32')}"
+    speedup = f"speedup {doc['speedup']:.2f}x"
+    ci = doc.get("speedup_ci95")
+    if ci:
+        speedup += f" (95% {ci[0]:.2f}-{ci[1]:.2f}x, median per prompt {doc['speedup_median']:.2f}x)"
+    if doc["speedup"] < 1:
+        speedup += ": SLOWER than the target alone"
+    if doc["lossless"]:
+        agree = "lossless yes"
+    elif doc.get("strict", True):
+        agree = "lossless no"
+    else:
+        agree = (f"{doc.get('equal_prompts')}/{n} prompts equal to the target alone (bf16 rounding: see "
+                 "per_prompt margins in --json)")
+    return (f"{doc['target']}: run {doc['run']} step {doc['step']}, {n} prompts "
+            f"({doc['prompts_source']}), {doc['tokens']} tokens, engine {how}: {tau}; "
             f"{doc['target_tokens_per_s']:.1f} tokens/s alone, "
-            f"{doc['spec_tokens_per_s']:.1f} with the drafter, speedup {doc['speedup']:.2f}x; "
-            f"lossless {'yes' if doc['lossless'] else 'no'}")
+            f"{doc['spec_tokens_per_s']:.1f} with the drafter, {speedup}; {agree}")
 
 
 __all__ = ["bench_decode", "summary", "NotLossless"]

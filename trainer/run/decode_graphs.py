@@ -113,7 +113,7 @@ class StaticDrafter:
     """The drafter's context keys/values in a static cache of `max_len` positions, and its block draft."""
 
     def __init__(self, drafter: Drafter, max_len: int):
-        self.d, cfg = drafter, drafter.cfg
+        self.d = drafter
         a = drafter.layers[0].self_attn
         self.nh, self.nkv, self.hd = a.nh, a.nkv, a.hd
         w = drafter.fc.weight

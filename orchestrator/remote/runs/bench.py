@@ -42,7 +42,8 @@ from .locks import _HOLDERS, _Guard, _claim, _hold, _release_slots
 
 PROMPTS = "prompts.jsonl"
 BENCH_FLAGS = ("--running-ok", "--target-changed-ok", "--prompts-stdin")
-BENCH_OPTIONS = ("--step", "--max-new-tokens", "--limit", "--gpus", "--gpu")
+BENCH_OPTIONS = ("--step", "--max-new-tokens", "--limit", "--gpus", "--gpu", "--engine", "--dtype")
+ENGINES, DTYPES = ("graphs", "eager"), ("auto", "float32", "bfloat16")   # specdec's --engine, --dtype
 LOG_HEAD = 4 << 20      # the trainer says how many rows it skipped near its log's start
 
 
@@ -124,12 +125,13 @@ def _claim_slot(workdir, rid, total, gpu=None):
     return name, ",".join(map(str, ids))
 
 
-def _specdec(workdir, rid, cfg, rec, folder, prompts, tmp, max_new_tokens, limit, cuda_visible):
+def _specdec(workdir, rid, cfg, rec, folder, prompts, tmp, max_new_tokens, limit, cuda_visible, engine="graphs",
+             dtype="auto"):
     """`python -m trainer.specdec` with its stderr passed through line by line: its document."""
     result = os.path.join(tmp, "result.json")
     argv = _program(workdir, "trainer.specdec") + [
         "--target", str(cfg.get("target")), "--drafter", folder, "--prompts", prompts,
-        "--max-new-tokens", str(max_new_tokens), "--json", result]
+        "--max-new-tokens", str(max_new_tokens), "--json", result, "--engine", engine, "--dtype", dtype]
     if limit is not None:
         argv += ["--limit", str(limit)]
     kwargs = cfg.get("chat_template_kwargs")
@@ -145,6 +147,10 @@ def cmd_bench(workdir, opts, values):
     """opts: BENCH_FLAGS and BENCH_OPTIONS as the agent's _split found them; values: [RUN]."""
     step, limit, gpu = (None if opts.get(k) is None else int(opts[k]) for k in ("--step", "--limit", "--gpu"))
     max_new_tokens, running_ok = int(opts.get("--max-new-tokens", 128)), "--running-ok" in opts
+    engine, dtype = opts.get("--engine", "graphs"), opts.get("--dtype", "auto")
+    if engine not in ENGINES or dtype not in DTYPES:
+        refuse("bench", "--engine must be one of %s and --dtype one of %s" % ("|".join(ENGINES), "|".join(DTYPES)),
+               exit_code=2)
     upload = sys.stdin.buffer.read() if "--prompts-stdin" in opts else None
     rid, rundir, rec = _run_to_export(workdir, values[0] if values else "latest", running_ok)
     current = os.path.join(workdir, "current")
@@ -170,12 +176,12 @@ def cmd_bench(workdir, opts, values):
         if busy:
             notes.append("run %s is running here too: the timings share the machine with it" % ", ".join(busy))
         for note in notes:
-            sys.stderr.write("agent: %s\n" % note)
+            sys.stderr.write("bench-decode: %s\n" % note)
         sys.stderr.flush()
         folder = os.path.join(tmp, "draft")
         info = _export_into(workdir, rid, rundir, rec, folder, "float32", step, running_ok,
                             "--target-changed-ok" in opts, cuda_visible)
-        doc = _specdec(workdir, rid, cfg, rec, folder, prompts, tmp, max_new_tokens, limit, cuda_visible)
+        doc = _specdec(workdir, rid, cfg, rec, folder, prompts, tmp, max_new_tokens, limit, cuda_visible, engine, dtype)
         _out({"ok": True, "found": True, "run": rid, "step": info.get("step"), "running": info.get("running"),
               "prompts_source": "upload" if n is None else "held-out", "held_out": n, "notes": notes,
               "gpu": cuda_visible or None, "result": doc})
