@@ -82,14 +82,15 @@ def _write_prompts(path: Path) -> Path:
 def test_regen_runs_detached_with_progress_and_writes_what_a_direct_regen_writes(ct, model, direct):
     prompts, direct_rows = direct
     r = ct.cli("regen", "ct200", "--prompts", prompts, "--model", model, "--gpus", "0", "--env", "OMP_NUM_THREADS=1",
-               *ANSWER, "--json")
+               *ANSWER, "--follow", "--json")     # --follow as launch's: one document when the run ends
     assert r.returncode == 0, r.stderr.decode()
     doc = json.loads(r.stdout)
     run, out = doc["run"], doc["output"]
     assert doc["kind"] == "regen" and doc["target"] == "ct200" and doc["pid"] > 0 and doc["rows"] == 6
     assert doc["slots"] == ["cpu"] and out == f"{WORKDIR}/runs/{run}/regen.jsonl"
+    assert doc["logs"]["state"] == "succeeded", doc["logs"]
 
-    r = ct.cli("logs", "ct200", run, "--follow")
+    r = ct.cli("logs", "ct200", run, "--no-follow")
     log = r.stdout.decode()
     assert r.returncode == 0, (r.stderr.decode(), log)
     progress = [line for line in log.splitlines() if line.startswith("regen: 6/6 rows")]

@@ -87,11 +87,20 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
             return
         if not as_json:
             note(info)
-        seen = Seen() if as_json else None
-        summary = print_job(nodes.follow(state.inv, state.inv.target(res.target), res.run, session=session),
-                             as_json, seen)
+        follow_launched(state, session, res, res.as_json(), as_json)
+
+
+def follow_launched(state: State, session, res, doc: dict, as_json: bool) -> None:
+    """`--follow` after a launch (launch's, regen's): the run's log as `logs --follow` shows it, over
+    the launch's connection; with --json one document at the end, DOC with the follow's under "logs".
+    Exits with `logs`' status."""
+    from orchestrator.runs import nodes
+
+    seen = Seen() if as_json else None
+    summary = print_job(nodes.follow(state.inv, state.inv.target(res.target), res.run, session=session),
+                        as_json, seen)
     if as_json:
-        emit(True, {**res.as_json(), "logs": {**summary.as_json(), **seen.as_json()}}, "")
+        emit(True, {**doc, "logs": {**summary.as_json(), **seen.as_json()}}, "")
     sys.exit(summary.exit_code)
 
 
