@@ -129,8 +129,9 @@ def _nodes_info(res) -> str:
 
 @click.command()
 @click.argument("args", nargs=-1, metavar="[TARGET] [RUN]")
-@click.option("-f", "--follow/--no-follow", default=True, show_default=True,
-              help="Stream the log until the run ends, or print what is there now.")
+# The default said in the help: click's show_default would print the short name's letter (`[default: f]`).
+@click.option("-f", "--follow/--no-follow", default=True,
+              help="Stream the log until the run ends (the default), or (--no-follow) print what is there now.")
 @click.option("--tail", type=click.IntRange(min=0), metavar="N", help="Start with the last N lines.")
 @json_option
 @click.pass_obj
