@@ -5,12 +5,12 @@ from __future__ import annotations
 import click
 
 from orchestrator.errors import UsageError
-from orchestrator.runs.commands import _devices, _note_cleared, _split_launch_args, follow_launched
+from orchestrator.runs.commands import PassThroughCommand, _devices, _note_cleared, _split_launch_args, follow_launched
 from orchestrator.runs.logview import note
 from orchestrator.ui import State, emit, json_option
 
 
-@click.command()
+@click.command(cls=PassThroughCommand, passthrough="regen flags")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[TARGET] [-- REGEN_ARGS...]")
 @click.option("--prompts", required=True, metavar="FILE",
               help="JSONL here: chat rows (messages, or ShareGPT conversations) or {\"prompt\": ...}; "
