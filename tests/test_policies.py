@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,3 +284,21 @@ def test_max_autotune_is_probed_only_when_named():
     assert chosen("max-autotune-no-cudagraphs, eager") == ["max-autotune-no-cudagraphs", "eager"]
     with pytest.raises(ValueError, match="unknown warp"):
         chosen("eager,warp")
+
+
+# ---- CPU threads of the one-process jobs ----------------------------------------------------
+
+def test_free_cores_are_the_cores_less_the_load_and_at_least_one():
+    assert policies.free_cores(load=0.2, n_cores=2) == 2
+    assert policies.free_cores(load=1.4, n_cores=4) == 3
+    assert policies.free_cores(load=6.0, n_cores=2) == 1      # a loaded laptop: one thread, not two spinning
+    assert policies.free_cores(load=0.0, n_cores=1) == 1
+
+
+def test_the_build_and_regen_entries_turn_spin_waiting_off_before_torch_loads(tmp_path):
+    code = ("import os, sys; import trainer.small_lm, trainer.regen; "
+            "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                       cwd=str(Path(__file__).resolve().parents[1]))
+    assert r.returncode == 0 and r.stdout.split() == ["PASSIVE", "True"], r.stderr

@@ -207,6 +207,38 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+def passive_waits() -> None:
+    """Idle OpenMP threads sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE, unless set): on a
+    machine that other work also loads, spinning threads take the cores the working ones need
+    (regen 3x, specdec 4x slower on 2 busy cores, scripts/demo.sh). OpenMP reads it once, when torch
+    loads it: call before torch is imported."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def free_cores(load: float | None = None, n_cores: int | None = None) -> int:
+    """The cores not taken by other work: this process's cores less the one-minute load average
+    (rounded), at least one. load/n_cores: for tests (default: os.getloadavg(), cores())."""
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            load = 0.0
+    n_cores = cores() if n_cores is None else n_cores
+    return max(1, min(n_cores, n_cores - round(load)))
+
+
+def threads_from_free_cores() -> str:
+    """torch's intra-op threads for a one-process CPU job (the small target's build, regen): the
+    cores free now (free_cores), unless OMP_NUM_THREADS says; returns the line that says so."""
+    import torch
+
+    if os.environ.get("OMP_NUM_THREADS"):
+        return f"{torch.get_num_threads()} CPU thread(s) (OMP_NUM_THREADS)"
+    n = free_cores()
+    torch.set_num_threads(n)
+    return f"{n} CPU thread(s): {cores()} cores, load {os.getloadavg()[0]:.1f}"
+
+
 def share_cpu(workers: int) -> int:
     """Give each of `workers` threads training on the CPU its own share of the cores, as torch's
     intra-op thread count (process-wide), and return it. By default every thread that calls into

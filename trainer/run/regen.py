@@ -332,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if a.temperature < 0:
         raise UsageError("--temperature must be 0 (greedy) or more")
+    if a.gpus == 0:
+        from trainer import policies
+
+        print(f"regen: {policies.threads_from_free_cores()}", file=sys.stderr, flush=True)
     doc = regen(a.target, a.prompts, a.out, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
                 temperature=a.temperature, thinking=a.thinking, gpus=a.gpus, resume=not a.no_resume, seed=a.seed,
                 block_size=a.block_size, seq_len=a.seq_len, log=lambda s: print(s, file=sys.stderr, flush=True))

@@ -368,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
         n = write_prompts(a.size, a.prompts, a.n, a.out, seed=a.seed)
         print(json.dumps({"prompts": n, "split": a.prompts, "out": a.out}))
         return 0
+    if not a.prompts and a.size != "gpu":
+        from trainer import policies
+
+        say(f"small_lm[{a.size}]: {policies.threads_from_free_cores()}")  # spinning threads on busy cores: 14x
     if a.out:
         report = built(a.size, a.out)
         kept = report is not None
