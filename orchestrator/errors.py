@@ -74,8 +74,9 @@ class ConnectionLost(OpsError):
 class ContainerError(OpsError):
     """pct refused: the container is stopped, unknown, or pct itself is missing."""
 
-    def __init__(self, target: str, vmid: int, message: str):
+    def __init__(self, target: str, vmid: int, message: str, state: str | None = None):
         self.target, self.vmid, self.message = target, vmid, message
+        self.state = state      # pct status's word (stopped, ...) when pct answered one
         super().__init__(f"{target}: container {vmid}: {message}")
 
 

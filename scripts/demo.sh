@@ -67,7 +67,8 @@ if [ "$(wc -l 2>/dev/null < "$data/regen.jsonl" || echo 0)" -lt 192 ]; then
     pids=()
     for half in a b; do
         $one_thread python -m trainer.regen --target small-code --prompts "$data/prompts-$half.jsonl" \
-            --out "$data/regen-$half.jsonl" --max-new-tokens 48 --batch-size 48 &
+            --out "$data/regen-$half.jsonl" --max-new-tokens 48 --batch-size 48 \
+            --block-size 8 --seq-len 256 &      # the config's: rows the run would skip are said here
         pids+=($!)
     done
     regen_rc=0

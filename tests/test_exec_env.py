@@ -126,10 +126,13 @@ def test_exec_runs_with_the_target_pythons_folder_first_on_path(inv_path, make_i
 
 def test_exec_explains_command_not_found_and_a_command_without_dashes(inv_path):
     r = cli(inv_path, "exec", "ct200", "--", "no-such-command-xyz", "-V")
-    assert r.returncode == 127
-    assert r.stderr.decode().splitlines()[-1] == (
+    assert r.returncode == 127      # the explanation alone: not the shell's `/usr/bin: 1: exec: ...` before it
+    assert r.stderr.decode().splitlines() == [(
         f"dflash-ops: ct200: `no-such-command-xyz` not on CT 200's PATH; the target's python is {sys.executable} "
-        f"(its folder {os.path.dirname(sys.executable)} was first on PATH)")
+        f"(its folder {os.path.dirname(sys.executable)} was first on PATH)")]
+    r = cli(inv_path, "exec", "node", "--", "/no/such/tool")      # on the node, by path: the same one line
+    assert r.returncode == 127 and r.stderr.decode().splitlines() == [
+        f"dflash-ops: node: `/no/such/tool` not found in node; the target's python is {sys.executable}"]
     r = cli(inv_path, "exec", "ct200", "ct201", "--", "no-such-command-xyz")
     assert r.returncode == 1 and "[ct201] dflash-ops: exit status 127: `no-such-command-xyz` not on CT 201's PATH" \
         in r.stderr.decode()

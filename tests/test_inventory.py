@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from orchestrator import inventory
+from orchestrator.inventory import yamlnodes
 from orchestrator.errors import InventoryError, UsageError
 
 GOOD = """\
@@ -120,6 +121,12 @@ def test_unknown_target_suggests():
     inv = inventory.parse(GOOD)
     with pytest.raises(UsageError, match="did you mean 'ct200'"):
         inv.target("ct20")
+    two = inventory.parse("targets:\n  ct200: {}\n  ct201: {}\n  gpu9: {}\n")
+    with pytest.raises(UsageError, match=r"unknown target 'ct20' \(did you mean 'ct200' or 'ct201'\?\)"):
+        two.target("ct20")     # as close as each other: both named, not the first one's
+    assert yamlnodes.did_you_mean("ab", ["abc", "abd", "abe", "zzz"]) == " (did you mean 'abc', 'abd' or 'abe'?)"
+    assert yamlnodes.did_you_mean("ct2001", ["ct200", "ct20"]) == " (did you mean 'ct200'?)"
+    assert yamlnodes.did_you_mean("xyz", ["ct200"]) == "" and yamlnodes.did_you_mean("x", []) == ""
 
 
 def test_cli_exit_2_one_line_no_traceback(tmp_path):

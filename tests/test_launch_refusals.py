@@ -64,6 +64,21 @@ def test_a_config_or_flag_typo_is_exit_2_with_did_you_mean_and_no_run(sshd, fake
     assert runs_in(fakepct) == []
 
 
+def test_a_flag_typed_before_the_dashes_is_refused_with_the_line_that_has_it_after(tmp_path):
+    path = tmp_path / "hosts.yaml"      # nothing connects: click's parse refuses it
+    path.write_text("targets:\n  ct200: {}\n")
+    r = cli(path, "launch", "ct200", "--gpus", "2", "--steps", "5", "--follow")
+    assert r.returncode == 2 and one_line(r) == (
+        "dflash-ops: --steps is not an option of `dflash-ops launch`; trainer flags go after `--`: "
+        "`dflash-ops launch ct200 --gpus 2 --follow -- --steps 5`\n")
+    r = cli(path, "launch", "--foll")    # a typo of launch's own: its near name too
+    assert r.returncode == 2
+    assert "--foll is not an option of `dflash-ops launch` (did you mean --follow?)" in one_line(r)
+    r = cli(path, "regen", "ct200", "--prompts", "p.jsonl", "--model", "m", "--max-new", "5", "--", "--seed", "1")
+    assert r.returncode == 2 and one_line(r).endswith(
+        "regen flags go after `--`: `dflash-ops regen ct200 --prompts p.jsonl --model m -- --max-new 5 --seed 1`\n")
+
+
 def test_a_target_python_without_torch_is_refused_with_the_bootstrap_line(sshd, fakepct, make_inventory,
                                                                           source, tmp_path):
     path = deployed(make_inventory, fakepct, source, python=NO_TORCH_PYTHON)

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,6 +96,43 @@ def test_resolve_auto_for_processes_takes_the_main_thread_choice(tmp_path):
                                                      "torch": torch.__version__}))
     assert policies.resolve("auto", str(tmp_path)) == "inductor"
     assert policies.resolve("auto", str(tmp_path), "processes") == "reduce-overhead"
+
+
+def _probed(tmp_path, cases, policy="inductor"):
+    (tmp_path / "probe.json").write_text(json.dumps({"policy": policy, "torch": torch.__version__,
+                                                     "result": {"cases": cases}}))
+    return str(tmp_path)
+
+
+def _case(policy, topology, step_ms, first_step_s):
+    return {"policy": policy, "topology": topology, "threads": 1, "outcome": "ok", "step_ms": step_ms,
+            "first_step_s": first_step_s}
+
+
+# The CPU figures a 2-core laptop's probe gave: inductor compiles 211.7 s to save 100 ms a step
+CPU_CASES = [_case("eager", "threads", 400.0, 0.5), _case("inductor", "threads", 300.0, 211.7),
+             _case("eager", "main", 390.0, 0.4), _case("inductor", "main", 290.0, 150.0)]
+
+
+def test_auto_takes_eager_for_a_run_shorter_than_the_compile_payback(tmp_path):
+    workdir = _probed(tmp_path, CPU_CASES)
+    policy, why = policies.resolve_for_run("auto", workdir, "threads", steps=50)
+    assert policy == "eager"          # (211.7 - 0.5) s / 0.1 s a step = 2,112 steps to pay back
+    assert why == ("auto: eager, not the probe's inductor: this run's 50 steps are fewer than the 2,112 its "
+                   "211.2 s compile takes to pay back (300.00 against eager's 400.00 ms a step in the probe); "
+                   "--compile-policy inductor compiles anyway")
+    assert policies.resolve_for_run("auto", workdir, "threads", steps=5000) == ("inductor", None)
+    assert policies.resolve_for_run("auto", workdir, "processes", steps=2200) == ("inductor", None)  # main's cases
+    assert policies.resolve_for_run("inductor", workdir, "threads", steps=50) == ("inductor", None)  # named: as is
+    assert policies.resolve("auto", workdir) == "inductor"       # no run length: the probe's choice
+
+
+def test_auto_keeps_the_probes_choice_without_figures_and_refuses_a_compile_that_never_pays(tmp_path):
+    assert policies.resolve_for_run("auto", _probed(tmp_path, []), "threads", steps=10) == ("inductor", None)
+    slower = [_case("eager", "threads", 100.0, 0.1), _case("inductor", "threads", 120.0, 30.0)]
+    policy, why = policies.resolve_for_run("auto", _probed(tmp_path, slower), "threads", steps=10**6)
+    assert policy == "eager" and "its 29.9 s compile never pays back (120.00 against eager's 100.00" in why
+    assert policies.weigh({}, "eager", "threads", 10) == ("eager", None)
 
 
 @pytest.mark.parametrize("content, needle", [
@@ -244,3 +284,21 @@ def test_max_autotune_is_probed_only_when_named():
     assert chosen("max-autotune-no-cudagraphs, eager") == ["max-autotune-no-cudagraphs", "eager"]
     with pytest.raises(ValueError, match="unknown warp"):
         chosen("eager,warp")
+
+
+# ---- CPU threads of the one-process jobs ----------------------------------------------------
+
+def test_free_cores_are_the_cores_less_the_load_and_at_least_one():
+    assert policies.free_cores(load=0.2, n_cores=2) == 2
+    assert policies.free_cores(load=1.4, n_cores=4) == 3
+    assert policies.free_cores(load=6.0, n_cores=2) == 1      # a loaded laptop: one thread, not two spinning
+    assert policies.free_cores(load=0.0, n_cores=1) == 1
+
+
+def test_the_build_and_regen_entries_turn_spin_waiting_off_before_torch_loads(tmp_path):
+    code = ("import os, sys; import trainer.small_lm, trainer.regen; "
+            "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                       cwd=str(Path(__file__).resolve().parents[1]))
+    assert r.returncode == 0 and r.stdout.split() == ["PASSIVE", "True"], r.stderr

@@ -82,18 +82,22 @@ def _write_prompts(path: Path) -> Path:
 def test_regen_runs_detached_with_progress_and_writes_what_a_direct_regen_writes(ct, model, direct):
     prompts, direct_rows = direct
     r = ct.cli("regen", "ct200", "--prompts", prompts, "--model", model, "--gpus", "0", "--env", "OMP_NUM_THREADS=1",
-               *ANSWER, "--json")
+               *ANSWER, "--follow", "--json")     # --follow as launch's: one document when the run ends
     assert r.returncode == 0, r.stderr.decode()
     doc = json.loads(r.stdout)
     run, out = doc["run"], doc["output"]
     assert doc["kind"] == "regen" and doc["target"] == "ct200" and doc["pid"] > 0 and doc["rows"] == 6
     assert doc["slots"] == ["cpu"] and out == f"{WORKDIR}/runs/{run}/regen.jsonl"
+    assert doc["logs"]["state"] == "succeeded", doc["logs"]
 
-    r = ct.cli("logs", "ct200", run, "--follow")
+    r = ct.cli("logs", "ct200", run, "--no-follow")
     log = r.stdout.decode()
     assert r.returncode == 0, (r.stderr.decode(), log)
     progress = [line for line in log.splitlines() if line.startswith("regen: 6/6 rows")]
     assert progress and all(w in progress[-1] for w in ("rows/s", "tokens/s", "eta 0s")), log
+    # 6 new tokens an answer: no room for the trainer's default block of 16, said where the rows are made
+    assert "regen: the trainer will skip 6 of the 6 rows answered now at --block-size 16 --seq-len 3072" in log
+    assert "6 answers are shorter than a block (raise --max-new-tokens" in log
     assert log.splitlines()[-1] == (f"dflash-ops: the rows are in {out}; train on them with "
                                     f"`dflash-ops launch ct200 -- --data {out}`")
     r = ct.cli("status", "ct200", "--json")
@@ -169,8 +173,8 @@ def test_progress_is_logged_while_a_batch_takes_longer_than_the_interval(tmp_pat
     def slow():     # batch 0 answers after a few intervals, batch 1 at once
         time.sleep(0.35)
         with ready:
-            results[0] = ([{"line": 1, "messages": []}], 5)
-            results[1] = ([{"line": 2, "messages": []}], 7)
+            results[0] = ([{"line": 1, "messages": []}], 5, {"prompt": 0, "answer": 1})
+            results[1] = ([{"line": 2, "messages": []}], 7, {"prompt": 1, "answer": 0})
             ready.notify_all()
 
     threading.Thread(target=slow, daemon=True).start()
@@ -180,4 +184,9 @@ def test_progress_is_logged_while_a_batch_takes_longer_than_the_interval(tmp_pat
     assert len(waiting) >= 2 and "eta unknown" in waiting[0], lines
     assert lines[-1].startswith("regen: 2/2 rows") and "tokens/s, eta 0s" in lines[-1]
     assert doc["written"] == 2 and doc["tokens"] == 12 and doc["event"] == "done"
+    assert doc["no_room"] == {"prompt": 1, "answer": 1}
+    line = regen.no_room_line({**doc, "no_room": {**doc["no_room"], "block_size": 8, "seq_len": 256}})
+    assert line.startswith("regen: the trainer will skip 2 of the 2 rows answered now at --block-size 8 --seq-len 256")
+    assert "1 leave fewer than 8 tokens of --seq-len 256" in line and "1 answers are shorter" in line
+    assert regen.no_room_line({"no_room": {"prompt": 0, "answer": 0}}) is None
     assert out.read_text().count("\n") == 2

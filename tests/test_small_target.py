@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from trainer import files  # noqa: E402
 from trainer.run import regen, small_lm, specdec  # noqa: E402
 from trainer.run.eval import DraftCache, draft_block, extend_context, interval95  # noqa: E402
 from trainer.run.target import load_target  # noqa: E402
@@ -134,6 +136,21 @@ def test_the_build_is_deterministic(cache, tmp_path):
     a, b = load_file(str(folder / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (folder / "tokenizer.json").read_text() == (tmp_path / "again" / "tokenizer.json").read_text()
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "again").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o666 & ~files.umask(), modes   # not 0600
+
+
+def test_a_second_build_into_the_same_folder_keeps_it(cache, tmp_path, capsys):
+    _, folder = cache
+    out = tmp_path / "dir"
+    shutil.copytree(folder, out)       # what `--size smoke --out DIR` wrote the first time
+    before = (out / "model.safetensors").stat().st_mtime_ns
+    assert small_lm.main(["--size", "smoke", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["kept"] is True and "kept: " in captured.err
+    assert (out / "model.safetensors").stat().st_mtime_ns == before
+    assert small_lm.built("smoke", out) and not small_lm.built("cpu", out)   # another recipe: built again
+    assert small_lm.built("smoke", tmp_path / "none") is None
 
 
 def _prompts(path: Path, n: int, *, chat: bool = False) -> Path:

@@ -329,3 +329,18 @@ def test_step_pause_sleeps_before_each_step_after_its_first_ones(tmp_path, monke
     monkeypatch.delenv(faults.ENV)
     assert train(tmp_path / "plain", "--steps", "5", "--eval-prompts", "0") == 0
     assert step_losses(tmp_path / "paused") == step_losses(tmp_path / "plain") and len(slept) == 2
+
+
+def test_auto_trains_eager_when_the_run_is_shorter_than_the_compile_payback_and_says_why(tmp_path, capsys):
+    work = tmp_path / "work"        # the probe's CPU figures: inductor saves 100 ms a step for a 211.7 s compile
+    work.mkdir()
+    cases = [{"policy": p, "topology": "threads", "threads": 1, "outcome": "ok", "step_ms": ms, "first_step_s": s}
+             for p, ms, s in (("eager", 400.0, 0.5), ("inductor", 300.0, 211.7))]
+    (work / "probe.json").write_text(json.dumps({"policy": "inductor", "torch": torch.__version__,
+                                                 "result": {"cases": cases}}))
+    assert train(tmp_path / "run", "--steps", "1", "--compile-policy", "auto", "--workdir", str(work)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any("compile policy eager (auto: from probe.json)" in line for line in lines)
+    assert any(line.startswith("[trainer] auto: eager, not the probe's inductor: this run's 1 steps are fewer than "
+                               "the 2,112 its 211.2 s compile takes to pay back") for line in lines), lines
+    assert any("ready in" in line and "first step" in line and "compile" not in line for line in lines)

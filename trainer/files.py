@@ -54,17 +54,31 @@ def atomic_file(path: str | Path, *, sync: bool = True) -> Iterator[IO[str]]:
         fsync_best_effort(path.parent)
 
 
+def umask() -> int:
+    """The process's umask, read without setting it (os.umask would change it for every thread a
+    moment); 0o022 where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        return 0o022
+
+
 @contextmanager
 def atomic_folder(dest: str | Path) -> Iterator[Path]:
     """A fresh temporary folder beside `dest` to fill; on a clean exit its files are fsynced and it
-    replaces `dest` (whatever was there)."""
+    replaces `dest` (whatever was there). Each file is readable as a file open() made would be:
+    safetensors writes its files 0600, beside the rest's 0644."""
     dest = Path(dest)
     tmp = temp_beside(dest)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         yield tmp
+        usual = 0o666 & ~umask()
         for f in tmp.iterdir():
+            if f.is_file():
+                os.chmod(f, (f.stat().st_mode & 0o777) | usual)
             fsync_file(f)
         fsync_best_effort(tmp)
         if dest.exists():

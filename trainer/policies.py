@@ -128,9 +128,52 @@ def resolve(policy: str, workdir: str | None, topology: str = "threads") -> str:
     """A policy name as given, or for 'auto' the probe's choice saved in WORKDIR/probe.json: its
     `policy` for worker threads, its `processes_policy` (from the main-thread cases, CUDA graphs
     allowed) for `--topology processes`, falling back to `policy` for a probe.json without it."""
+    return resolve_for_run(policy, workdir, topology)[0]
+
+
+def resolve_for_run(policy: str, workdir: str | None, topology: str = "threads",
+                    steps: int | None = None) -> tuple[str, str | None]:
+    """resolve(), and for 'auto' with the run's length: (policy, the one line that says why auto
+    took eager instead of the probe's choice, or None). A compiled policy pays its compile back
+    only after compile_s / (eager's step - its step) steps; a run shorter than that is faster eager."""
     if policy != "auto":
         _check_name(policy)
-        return policy
+        return policy, None
+    chosen, saved = _probe_choice(workdir, topology)
+    return weigh(saved, chosen, topology, steps)
+
+
+def weigh(saved: dict, chosen: str, topology: str, steps: int | None) -> tuple[str, str | None]:
+    """(policy, why eager) for a run of `steps`, from the probe's own figures in saved["result"]
+    ["cases"]: the compile is the longest first step of `chosen`'s cases less eager's (a cold
+    compile), the saving a step eager's step_ms less chosen's, in the run's topology's cases
+    ("threads", or "main" for processes). Without figures, or when it pays back: (chosen, None)."""
+    if chosen == "eager" or not steps:
+        return chosen, None
+    cases = [c for c in ((saved.get("result") or {}).get("cases") or [])
+             if isinstance(c, dict) and c.get("outcome") == "ok" and c.get("step_ms") and c.get("first_step_s")]
+    kind = "main" if topology == "processes" else "threads"
+
+    def one(name: str, key: str):     # a compile: the longest of any topology; a step: this topology's
+        vals = [c[key] for c in cases if c.get("policy") == name and (key == "first_step_s" or c["topology"] == kind)]
+        return max(vals) if vals else None
+    compile_s, ms, eager_ms = one(chosen, "first_step_s"), one(chosen, "step_ms"), one("eager", "step_ms")
+    if compile_s is None or ms is None or eager_ms is None:
+        return chosen, None
+    compile_s -= one("eager", "first_step_s") or 0.0
+    saving = (eager_ms - ms) / 1000
+    payback = compile_s / saving if saving > 0 else float("inf")
+    if steps >= payback:
+        return chosen, None
+    figures = f"({ms:.2f} against eager's {eager_ms:.2f} ms a step in the probe)"
+    why = (f"this run's {steps} steps are fewer than the {payback:,.0f} its {compile_s:.1f} s compile takes to "
+           f"pay back {figures}" if saving > 0 else f"its {compile_s:.1f} s compile never pays back {figures}")
+    return "eager", f"auto: eager, not the probe's {chosen}: {why}; --compile-policy {chosen} compiles anyway"
+
+
+def _probe_choice(workdir: str | None, topology: str) -> tuple[str, dict]:
+    """The probe's choice for `topology` and the whole saved probe.json (PolicyError when missing,
+    unreadable, unknown or from another torch)."""
     path = os.path.join(workdir, "probe.json") if workdir else None
     if not path or not os.path.isfile(path):
         raise PolicyError(f"no probe result in {workdir or '(no workdir given)'}: "
@@ -153,7 +196,7 @@ def resolve(policy: str, workdir: str | None, topology: str = "threads") -> str:
     if isinstance(probed, str) and torch_mod is not None and probed != torch_mod.__version__:
         raise PolicyError(f"{path}: probed with torch {probed}, this is torch "
                           f"{torch_mod.__version__}: run `dflash-ops probe` again")
-    return chosen
+    return chosen, saved
 
 
 def cores() -> int:
@@ -162,6 +205,38 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:      # not on Linux
         return os.cpu_count() or 1
+
+
+def passive_waits() -> None:
+    """Idle OpenMP threads sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE, unless set): on a
+    machine that other work also loads, spinning threads take the cores the working ones need
+    (regen 3x, specdec 4x slower on 2 busy cores, scripts/demo.sh). OpenMP reads it once, when torch
+    loads it: call before torch is imported."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def free_cores(load: float | None = None, n_cores: int | None = None) -> int:
+    """The cores not taken by other work: this process's cores less the one-minute load average
+    (rounded), at least one. load/n_cores: for tests (default: os.getloadavg(), cores())."""
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            load = 0.0
+    n_cores = cores() if n_cores is None else n_cores
+    return max(1, min(n_cores, n_cores - round(load)))
+
+
+def threads_from_free_cores() -> str:
+    """torch's intra-op threads for a one-process CPU job (the small target's build, regen): the
+    cores free now (free_cores), unless OMP_NUM_THREADS says; returns the line that says so."""
+    import torch
+
+    if os.environ.get("OMP_NUM_THREADS"):
+        return f"{torch.get_num_threads()} CPU thread(s) (OMP_NUM_THREADS)"
+    n = free_cores()
+    torch.set_num_threads(n)
+    return f"{n} CPU thread(s): {cores()} cores, load {os.getloadavg()[0]:.1f}"
 
 
 def share_cpu(workers: int) -> int:

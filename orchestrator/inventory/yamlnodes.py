@@ -175,5 +175,12 @@ def type_name(want) -> str:
 
 
 def did_you_mean(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    """` (did you mean 'ct200' or 'ct201'?)`: every choice as close as the closest (difflib's ratio,
+    cutoff 0.6), in the order given; "" when none is close. One named where two tie would be a guess."""
+    choices = list(choices)
+    scores = {c: difflib.SequenceMatcher(None, word, c).ratio() for c in choices}
+    best = max(scores.values(), default=0.0)
+    if best < 0.6:
+        return ""
+    close = [repr(c) for c in choices if scores[c] == best]
+    return f" (did you mean {' or '.join(close) if len(close) < 3 else ', '.join(close[:-1]) + ' or ' + close[-1]}?)"

@@ -5,6 +5,7 @@ Thin: parse options, call one function of `nodes.py` / `launch.py` /
 """
 from __future__ import annotations
 
+import shlex
 import sys
 
 import click
@@ -34,9 +35,55 @@ def _devices(gpu_ids) -> str:
     return f"GPU {', '.join(map(str, gpu_ids))}" if gpu_ids else "CPU"
 
 
+class PassThroughCommand(click.Command):
+    """A command whose words after `--` belong to the program it starts (the trainer, regen): an
+    unknown option typed before `--` is refused with the line that has it after `--`, not click's
+    bare `No such option`. passthrough: what those words are ("trainer flags"); flags: a function
+    giving that program's flags, so that one of them gets no `did you mean` of ours."""
+
+    def __init__(self, *args, passthrough: str = "trainer flags", flags=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.passthrough, self.flags = passthrough, flags
+
+    def parse_args(self, ctx, args):
+        typed = list(args)      # click's parser consumes the list it is given
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as e:
+            raise UsageError(self._after_dashes(ctx, typed, e)) from None
+
+    def _after_dashes(self, ctx, args: list[str], e: click.NoSuchOption) -> str:
+        takes_value = {o: not p.is_flag and not p.count for p in self.params if isinstance(p, click.Option)
+                       for o in (*p.opts, *p.secondary_opts)}
+        end = args.index("--") if "--" in args else len(args)
+        head, tail, i = [], [], 0
+        while i < end:      # own options (with their values) and the target stay in front; the rest goes after `--`
+            w = args[i]
+            name = w.split("=", 1)[0]
+            if name in takes_value or (not w.startswith("-") and not tail):
+                n = 2 if takes_value.get(name) and "=" not in w else 1
+                head += args[i:i + n]
+                i += n
+            else:
+                tail.append(w)
+                i += 1
+        theirs = self.flags is not None and e.option_name in self.flags()
+        near = f" (did you mean {' or '.join(sorted(e.possibilities))}?)" if e.possibilities and not theirs else ""
+        fixed = " ".join(shlex.quote(w) for w in [*head, "--", *tail, *args[end + 1:]])
+        what = f"{e.option_name} is not an option of `{ctx.command_path}`{near}"
+        return f"{what}; {self.passthrough} go after `--`: `{ctx.command_path} {fixed}`"
+
+
+def trainer_flags() -> set[str]:
+    """The trainer's flags (its own parser, torch-free)."""
+    from trainer.run.config import build_parser
+
+    return {o for a in build_parser()._actions for o in a.option_strings}
+
+
 # --- launch --------------------------------------------------------------------------------------
 
-@click.command()
+@click.command(cls=PassThroughCommand, flags=trainer_flags)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[TARGET] [-- TRAINER_ARGS...]")
 @click.option("--gpus", type=click.IntRange(min=0), metavar="N",
               help="GPUs to use (default: all of the target's; 0 = CPU).")
@@ -87,11 +134,20 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
             return
         if not as_json:
             note(info)
-        seen = Seen() if as_json else None
-        summary = print_job(nodes.follow(state.inv, state.inv.target(res.target), res.run, session=session),
-                             as_json, seen)
+        follow_launched(state, session, res, res.as_json(), as_json)
+
+
+def follow_launched(state: State, session, res, doc: dict, as_json: bool) -> None:
+    """`--follow` after a launch (launch's, regen's): the run's log as `logs --follow` shows it, over
+    the launch's connection; with --json one document at the end, DOC with the follow's under "logs".
+    Exits with `logs`' status."""
+    from orchestrator.runs import nodes
+
+    seen = Seen() if as_json else None
+    summary = print_job(nodes.follow(state.inv, state.inv.target(res.target), res.run, session=session),
+                        as_json, seen)
     if as_json:
-        emit(True, {**res.as_json(), "logs": {**summary.as_json(), **seen.as_json()}}, "")
+        emit(True, {**doc, "logs": {**summary.as_json(), **seen.as_json()}}, "")
     sys.exit(summary.exit_code)
 
 
@@ -120,8 +176,9 @@ def _nodes_info(res) -> str:
 
 @click.command()
 @click.argument("args", nargs=-1, metavar="[TARGET] [RUN]")
-@click.option("-f", "--follow/--no-follow", default=True, show_default=True,
-              help="Stream the log until the run ends, or print what is there now.")
+# The default said in the help: click's show_default would print the short name's letter (`[default: f]`).
+@click.option("-f", "--follow/--no-follow", default=True,
+              help="Stream the log until the run ends (the default), or (--no-follow) print what is there now.")
 @click.option("--tail", type=click.IntRange(min=0), metavar="N", help="Start with the last N lines.")
 @json_option
 @click.pass_obj

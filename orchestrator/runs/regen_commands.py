@@ -5,12 +5,12 @@ from __future__ import annotations
 import click
 
 from orchestrator.errors import UsageError
-from orchestrator.runs.commands import _devices, _note_cleared, _split_launch_args
+from orchestrator.runs.commands import PassThroughCommand, _devices, _note_cleared, _split_launch_args, follow_launched
 from orchestrator.runs.logview import note
 from orchestrator.ui import State, emit, json_option
 
 
-@click.command()
+@click.command(cls=PassThroughCommand, passthrough="regen flags")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[TARGET] [-- REGEN_ARGS...]")
 @click.option("--prompts", required=True, metavar="FILE",
               help="JSONL here: chat rows (messages, or ShareGPT conversations) or {\"prompt\": ...}; "
@@ -26,21 +26,24 @@ from orchestrator.ui import State, emit, json_option
 @click.option("--thinking", is_flag=True, help="Let the chat template think (enable_thinking on; off by default).")
 @click.option("--seed", type=int, metavar="N", help="For --temperature > 0.")
 @click.option("--name", metavar="NAME", help="A label for the run, shown by status.")
+@click.option("--follow", is_flag=True, help="Then follow the log, as `logs --follow` does.")
 @click.option("--env", "env", multiple=True, metavar="K=V",
               help="Set a variable for regen (repeatable; over hosts.yaml env:).")
 @json_option
 @click.pass_obj
 def regen(state: State, args, prompts, model, gpus, gpu_ids, max_new_tokens, batch_size, temperature, thinking,
-          seed, name, env, as_json):
+          seed, name, follow, env, as_json):
     """Answer prompts with the target model itself, detached like a run; print the run id.
 
     The rows (the chat-row JSONL the trainer reads, each with its input line number) land in the
     run's folder on the target; `logs` shows progress (rows/s, tokens/s, ETA) and, at the end,
-    the `--data PATH` to train on them. `launch --resume RUN` continues a stopped regen run.
+    the `--data PATH` to train on them (--follow streams it here, as `logs --follow` would).
+    `launch --resume RUN` continues a stopped regen run.
     """
     from orchestrator.envvars import parse_assignments
     from orchestrator.runs import nodes
     from orchestrator.runs.regen import regen_options
+    from orchestrator.ssh.agent import session as open_session
 
     targets, extra = _split_launch_args(state, args)
     if len(targets) > 1:
@@ -48,12 +51,17 @@ def regen(state: State, args, prompts, model, gpus, gpu_ids, max_new_tokens, bat
     opts, rows = regen_options(prompts=prompts, model=model, gpus=gpus, gpu_ids=gpu_ids,
                                max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature,
                                thinking=thinking, seed=seed, name=name, extra=extra, env=parse_assignments(env))
-    res = nodes.launch(state.inv, targets, opts)
-    _note_cleared(res)
-    node = res.nodes[0]
-    emit(as_json, {**res.as_json(), "rows": rows, "prompts": opts.uploads[0]["path"]}, res.run)
-    if not as_json:
-        where = _devices(node.gpu_ids)
-        note(f"{node.target}: regen run {res.run} (pid {node.pid}, {where}, release {node.release}): {rows} rows "
-              f"from {prompts}; its rows land in {node.output}; "
-              f"follow it with `dflash-ops logs {node.target} {res.run}`")
+    with open_session(state.inv) as session:   # one connection for the launch and the follow
+        res = nodes.launch(state.inv, targets, opts, session=session)
+        _note_cleared(res)
+        node = res.nodes[0]
+        doc = {**res.as_json(), "rows": rows, "prompts": opts.uploads[0]["path"]}
+        if not follow:     # with --follow, stdout is the log (the run id is in the note), as for launch
+            emit(as_json, doc, res.run)
+        if not as_json:
+            where = _devices(node.gpu_ids)
+            note(f"{node.target}: regen run {res.run} (pid {node.pid}, {where}, release {node.release}): {rows} rows "
+                 f"from {prompts}; its rows land in {node.output}"
+                 + ("" if follow else f"; follow it with `dflash-ops logs {node.target} {res.run}`"))
+        if follow:
+            follow_launched(state, session, res, doc, as_json)

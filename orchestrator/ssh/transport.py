@@ -309,7 +309,7 @@ class PctTransport(Transport):
         m = re.search(r"^status: (\S+)", text, re.M)
         state = m.group(1) if m else "unknown"
         return ContainerError(self.target, self.vmid,
-                              f"is {state}, not running; start it with `pct start {self.vmid}`")
+                              f"is {state}, not running; start it with `pct start {self.vmid}`", state=state)
 
     def check(self) -> None:
         """`pct status` on its own: a stopped or unknown container raises ContainerError."""

@@ -16,7 +16,11 @@ from orchestrator.ui import State, emit, json_option, table
 @json_option
 @click.pass_obj
 def targets(state: State, check, names, as_json):
-    """List targets; --check reaches each (container state, python, torch)."""
+    """List targets; --check reaches each (container state, python, torch).
+
+    --check judges the targets named (all when none): exit 1 when any failed. The built-in `local`
+    without torch is shown, not judged, unless it is named, is `default:` or is the only target.
+    """
     from orchestrator.targets import check as targets_mod
 
     inv = state.inv
@@ -33,7 +37,7 @@ def targets(state: State, check, names, as_json):
     emit(as_json, {"targets": {c.target: c.as_json() for c in checks}},
          table(["TARGET", "OK", "WHERE", "CONTAINER", "PYTHON", "TORCH", "RELEASE", "ERROR"],
                [[c.target, "yes" if c.ok else "NO", c.where, c.container, c.python, c.torch,
-                 c.release, c.error] for c in checks]))
+                 c.release, c.error or c.note] for c in checks]))
     failed = {c.target: c.error or "failed" for c in checks if not c.ok}
     if failed:
         raise TargetsFailed(failed)

@@ -83,17 +83,52 @@ def check_command(argv: Sequence[str]) -> list[str]:
     return list(argv)
 
 
-# `sh -c` script: $0 is the python's folder, "$@" the command.
-_ACTIVATE = ('export PATH="$0:$PATH"; if [ -f "$0/../pyvenv.cfg" ]; then export VIRTUAL_ENV="${0%/*}"; fi; '
+# What the `sh -c` below writes, alone, when the command is not there: exec drops it from the user's
+# stderr and explains exit 127 itself (the shell's own line, `/root/venv/bin: 1: exec: nvidia-smi: not
+# found`, named the python's folder as if it were the culprit).
+NOT_FOUND = b"dflash-ops-exec: not found\n"
+# `sh -c` script: $0 is the python's folder ("" for a python named without one), "$@" the command.
+_ACTIVATE = ('if [ -n "$0" ]; then export PATH="$0:$PATH"; '
+             'if [ -f "$0/../pyvenv.cfg" ]; then export VIRTUAL_ENV="${0%/*}"; fi; fi; '
+             'case "$1" in */*) [ -e "$1" ] ;; *) command -v "$1" >/dev/null 2>&1 ;; esac || '
+             '{ echo "dflash-ops-exec: not found" >&2; exit 127; }; '
              'exec "$@"')
 
 
 def in_target_env(target: Target, argv: Sequence[str]) -> list[str]:
     """argv as it runs in the target's environment: the folder of its `python:` first on PATH (and
-    VIRTUAL_ENV set when that folder is a venv's), as `source VENV/bin/activate` would. A python
-    named without a folder (`python3`) is found on PATH already: argv unchanged."""
-    folder = posixpath.dirname(target.python)
-    return ["sh", "-c", _ACTIVATE, folder, *argv] if folder else list(argv)
+    VIRTUAL_ENV set when that folder is a venv's), as `source VENV/bin/activate` would (a python
+    named without a folder, `python3`, is found on PATH already). A command that is not there exits
+    127 with NOT_FOUND alone on stderr."""
+    return ["sh", "-c", _ACTIVATE, posixpath.dirname(target.python), *argv]
+
+
+class NotFoundFilter:
+    """stderr as it comes, less NOT_FOUND at its start: bytes that could still be its beginning wait
+    (at most its length); the first byte that differs lets them through."""
+
+    def __init__(self, write: Callable[[bytes], None]):
+        self.write, self.held, self.found, self.deciding = write, b"", False, True
+
+    def __call__(self, data: bytes) -> None:
+        if not self.deciding:
+            self.write(data)
+            return
+        self.held += data
+        if self.held.startswith(NOT_FOUND):
+            self.found, self.deciding, rest = True, False, self.held[len(NOT_FOUND):]
+        elif NOT_FOUND.startswith(self.held):
+            return
+        else:
+            self.deciding, rest = False, self.held
+        self.held = b""
+        if rest:
+            self.write(rest)
+
+    def flush(self) -> None:
+        if self.held:
+            self.write(self.held)
+            self.held, self.deciding = b"", False
 
 
 def not_found_note(target: Target, argv: Sequence[str]) -> str:
@@ -114,11 +149,12 @@ def run_one(session: Session, target: Target, argv: Sequence[str], *, out: Write
     start = time.monotonic()
     kept: list[bytes] = []      # all of stderr when it is kept, else its last chunks
 
-    def on_err(data: bytes) -> None:
+    def keep(data: bytes) -> None:
         kept.append(data)
         if err:
             err(target.name, data)
             del kept[:-8]
+    on_err = NotFoundFilter(keep)
     try:
         # The container's state first, on its own: pct's refusal must not reach the user's
         # stream as if the command had printed it.
@@ -126,10 +162,11 @@ def run_one(session: Session, target: Target, argv: Sequence[str], *, out: Write
         if isinstance(t, PctTransport):
             t.check()
         r = t.run(in_target_env(target, argv), stdout=(lambda b: out(target.name, b)) if out else None, stderr=on_err)
+        on_err.flush()
         res.exit_code, res.stdout = r.exit_code, r.stdout
         res.stderr = b"" if err else b"".join(kept)
         last = b"".join(kept).rstrip().splitlines()[-1:]
-        if r.exit_code == 127 and last and b"not found" in last[0]:
+        if r.exit_code == 127 and (on_err.found or last and b"not found" in last[0]):
             res.note = not_found_note(target, argv)
     except OpsError as e:
         res.error = e.render()

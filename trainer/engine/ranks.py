@@ -102,8 +102,8 @@ class RankEngine:
         for i, (built, first_i, dev) in enumerate(got):
             self.log.metrics({"event": "worker_ready", "worker": i, "device": dev,
                               "seconds": built + first_i, "build_s": built, "first_step_s": first_i})
-            self.log.info(f"rank {i} ({dev}) ready in {built + first_i:.1f}s "
-                          f"(build {built:.1f}s, compile + first step {first_i:.1f}s)")
+            self.log.info(f"rank {i} ({dev}) ready in {built + first_i:.1f}s (build {built:.1f}s, "
+                          + ("compile + " if self.replica.compiled else "") + f"first step {first_i:.1f}s)")
 
     def agree(self, flag: bool) -> bool:
         """Any rank's flag, on every rank (SIGTERM may reach the ranks at different steps)."""

@@ -304,8 +304,8 @@ class ThreadEngine:
         first, built = time.perf_counter() - t, self._built[w.index]
         self.log.metrics({"event": "worker_ready", "worker": w.index, "device": str(w.device),
                           "seconds": built + first, "build_s": built, "first_step_s": first})
-        self.log.info(f"worker {w.index} ({w.device}) ready in {built + first:.1f}s "
-                      f"(build {built:.1f}s, compile + first step {first:.1f}s)")
+        self.log.info(f"worker {w.index} ({w.device}) ready in {built + first:.1f}s (build {built:.1f}s, "
+                      + ("compile + " if self.replicas[w.index].compiled else "") + f"first step {first:.1f}s)")
         if check is not None:
             log_guard(self.log, f"worker {w.index}", w.index, check)
         return stats

@@ -176,8 +176,7 @@ def check_samples(numbered: list[tuple[int, Sample]], *, path: str, block_size: 
         if bad is not None:
             raise UsageError(f"{path}:{n}: token id {bad} is outside the target's vocabulary (0..{vocab_size - 1})")
         s = Sample(s.input_ids[:seq_len], s.loss_mask[:seq_len])
-        lm = torch.tensor(s.loss_mask)
-        if len(masks.anchor_candidates(lm, len(s.input_ids), block_size)) == 0:
+        if no_room(s, block_size, seq_len):
             skipped += 1
             continue
         usable.append(s)
@@ -185,6 +184,16 @@ def check_samples(numbered: list[tuple[int, Sample]], *, path: str, block_size: 
         raise UsageError(f"{path}: no row has a loss-masked position where a block of {block_size} fits "
                          f"within --seq-len {seq_len}")
     return usable, skipped
+
+
+def no_room(s: Sample, block_size: int, seq_len: int) -> str | None:
+    """Why check_samples will skip this row ("prompt": its answer starts too late for a block within
+    seq_len; "answer": its answers are shorter than a block), or None when a block fits."""
+    s = Sample(s.input_ids[:seq_len], s.loss_mask[:seq_len])
+    if len(masks.anchor_candidates(torch.tensor(s.loss_mask), len(s.input_ids), block_size)):
+        return None
+    first = next((i for i, m in enumerate(s.loss_mask) if m), len(s.loss_mask))
+    return "prompt" if first > seq_len - block_size else "answer"
 
 
 def row_prompt(s: Sample) -> tuple[int, ...]:

@@ -2,6 +2,7 @@
 
     python -m trainer.regen --target T --prompts FILE --out FILE.jsonl [--max-new-tokens N]
         [--batch-size B] [--temperature 0] [--gpus N] [--thinking] [--no-resume]
+        [--block-size 16 --seq-len 3072]      # the training run's: rows it would skip are counted
 
 The DFlash recipe trains the drafter on the target's own answers (SpecForge's
 regenerate_train_data.py): a drafter learns the distribution it will be asked to guess. Input rows
@@ -21,6 +22,9 @@ row is lost or doubled and the batches, hence the answers, are those of an unint
 
 Progress goes to stderr at least every PROGRESS_S seconds, answered batches or not: rows done,
 rows/s, tokens/s and the ETA. The last stdout line is a JSON document with the output's path.
+Rows the trainer will skip at the run's --block-size and --seq-len (no room for a block in the loss
+mask: the prompt leaves too little of seq_len, or the answer is shorter than a block) are counted
+as they are answered and said in one line at the end, with what to change.
 """
 from __future__ import annotations
 
@@ -146,9 +150,40 @@ def regen_batch(model, tokenizer, rows: list[Row], **kw) -> tuple[list[dict], in
     return [{"line": r.line, "messages": c} for r, c in zip(rows, convs)], tokens
 
 
+def no_room_counts(rows: list[dict], tokenizer, *, block_size: int, seq_len: int) -> dict:
+    """How many of these answered rows the trainer will skip at block_size and seq_len, by reason
+    (data.no_room: "prompt", "answer"), rendered as the trainer renders them by default."""
+    from trainer.run.config import TrainConfig, template_kwargs
+    from trainer.run.data import encode_rows, no_room
+
+    counts = {"prompt": 0, "answer": 0}
+    for _, sample in encode_rows([(r["line"], r) for r in rows], tokenizer, "regen",
+                                 template_kwargs=template_kwargs(TrainConfig().chat_template_kwargs)):
+        why = no_room(sample, block_size, seq_len)
+        if why:
+            counts[why] += 1
+    return counts
+
+
+def no_room_line(doc: dict) -> str | None:
+    """The line that says, where the rows are made, which the trainer will skip and what to change."""
+    room = doc.get("no_room") or {}
+    short, long_ = room.get("answer", 0), room.get("prompt", 0)
+    if not short and not long_:
+        return None
+    b, n = room["block_size"], room["seq_len"]
+    why = [f"{long_} leave fewer than {b} tokens of --seq-len {n} for the answer (train with a larger "
+           f"--seq-len, or give shorter prompts)" if long_ else "",
+           f"{short} answers are shorter than a block (raise --max-new-tokens; an answer that ended at "
+           f"end-of-text stays short)" if short else ""]
+    return (f"regen: the trainer will skip {short + long_} of the {doc['written']} rows answered now at "
+            f"--block-size {b} --seq-len {n} (no room for a block in the loss mask): "
+            + "; ".join(w for w in why if w))
+
+
 def regen(target_spec: str, prompts: str, out: str, *, max_new_tokens: int = 512, batch_size: int = 16,
           temperature: float = 0.0, thinking: bool = False, gpus: int = 0, resume: bool = True,
-          seed: int = 0, log=print) -> dict:
+          seed: int = 0, block_size: int = 16, seq_len: int = 3072, log=print) -> dict:
     import threading
 
     import torch
@@ -186,10 +221,11 @@ def regen(target_spec: str, prompts: str, out: str, *, max_new_tokens: int = 512
                     return
                 faults.hit("regen_batch", index=k)
                 torch.manual_seed(seed * 1_000_003 + k)  # the same draws for batch k on any resume
-                res = regen_batch(target.model, tok, batches[k], max_new_tokens=max_new_tokens,
-                                  temperature=temperature, thinking=thinking, eos=eos, pad_id=pad)
+                out_rows, n_tok = regen_batch(target.model, tok, batches[k], max_new_tokens=max_new_tokens,
+                                              temperature=temperature, thinking=thinking, eos=eos, pad_id=pad)
+                room = no_room_counts(out_rows, tok, block_size=block_size, seq_len=seq_len)
                 with ready:
-                    results[k] = res
+                    results[k] = (out_rows, n_tok, room)
                     ready.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the writer, which raises it
             with ready:
@@ -202,7 +238,9 @@ def regen(target_spec: str, prompts: str, out: str, *, max_new_tokens: int = 512
     for t in threads:
         t.start()
     try:
-        return _write_in_order(out_path, todo, results, ready, len(rows), done, log)
+        doc = _write_in_order(out_path, todo, results, ready, len(rows), done, log)
+        doc["no_room"] = {**doc["no_room"], "block_size": block_size, "seq_len": seq_len}
+        return doc
     finally:
         stop.set()
         # The workers end before the interpreter does: a thread still unwinding torch state
@@ -216,6 +254,7 @@ def _write_in_order(out_path: Path, todo: list[int], results: dict, ready, total
     """Append batch k's rows as soon as k and every batch before it are answered; fsync each.
     Progress is logged after the last batch and at least every `every` seconds while waiting."""
     progress = _Progress(total, done, log, every)
+    room = {"prompt": 0, "answer": 0}
     with out_path.open("ab") as f:
         for k in todo:
             with ready:
@@ -224,13 +263,16 @@ def _write_in_order(out_path: Path, todo: list[int], results: dict, ready, total
                 res = results.pop(k)
             if isinstance(res, BaseException):
                 raise res
-            out_rows, n_tok = res
+            out_rows, n_tok, skipped = res
+            for why, n in skipped.items():
+                room[why] += n
             f.write(b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in out_rows))
             f.flush()
             os.fsync(f.fileno())
             progress.add(len(out_rows), n_tok, last=k == todo[-1])
     return {"event": "done", "rows": total, "resumed_at": done, "written": progress.rows,
-            "tokens": progress.tokens, "seconds": time.time() - progress.t0, "out": str(out_path)}
+            "tokens": progress.tokens, "seconds": time.time() - progress.t0, "out": str(out_path),
+            "no_room": room}
 
 
 class _Progress:
@@ -262,7 +304,7 @@ class _Progress:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.run.config import OneLineParser
+    from trainer.run.config import OneLineParser, TrainConfig
 
     p = OneLineParser(prog="python -m trainer.regen",
                       description="Answer prompts with the target itself: training rows in the DFlash recipe's way.")
@@ -276,15 +318,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, default=0, help="workers, one per GPU (0 = CPU)")
     p.add_argument("--seed", type=int, default=0, help="for --temperature > 0")
     p.add_argument("--no-resume", action="store_true", help="refuse an existing --out instead of resuming it")
+    train = TrainConfig()
+    p.add_argument("--block-size", type=int, default=train.block_size,
+                   help="the training run's --block-size: rows without room for a block are counted "
+                        "(default %(default)s)")
+    p.add_argument("--seq-len", type=int, default=train.seq_len,
+                   help="the training run's --seq-len, for the same count (default %(default)s)")
     a = p.parse_args(argv)
+    if a.block_size < 2 or a.seq_len < a.block_size:
+        raise UsageError(f"--block-size must be >= 2 and --seq-len >= it (got {a.block_size}, {a.seq_len})")
     for name in ("max_new_tokens", "batch_size"):
         if getattr(a, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if a.temperature < 0:
         raise UsageError("--temperature must be 0 (greedy) or more")
+    if a.gpus == 0:
+        from trainer import policies
+
+        print(f"regen: {policies.threads_from_free_cores()}", file=sys.stderr, flush=True)
     doc = regen(a.target, a.prompts, a.out, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
                 temperature=a.temperature, thinking=a.thinking, gpus=a.gpus, resume=not a.no_resume, seed=a.seed,
-                log=lambda s: print(s, file=sys.stderr, flush=True))
+                block_size=a.block_size, seq_len=a.seq_len, log=lambda s: print(s, file=sys.stderr, flush=True))
+    if no_room_line(doc):
+        print(no_room_line(doc), file=sys.stderr, flush=True)
     print(f"regen: done: {doc['rows']} rows in {doc['out']}; train on them with `--data {doc['out']}`",
           file=sys.stderr, flush=True)
     print(json.dumps(doc), flush=True)

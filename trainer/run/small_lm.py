@@ -15,6 +15,8 @@ given): the user turn is the code so far, the assistant turn its continuation, t
     python -m trainer.small_lm --size cpu --out DIR      # a few minutes on 2 CPU cores
     python -m trainer.small_lm --size gpu --out DIR      # <= 5 minutes on one H200
 
+A DIR that already holds the same recipe's build (the cache's key) is kept, not trained again.
+
 `--target small-code` / `small-code-gpu` resolve to the cached folder (built on first use), under
 $DFLASH_OPS_CACHE or ~/.cache/dflash-ops/, keyed by the recipe and the text.
 """
@@ -323,8 +325,26 @@ def cache_root() -> Path:
 
 
 def cache_key(recipe: Recipe, text_hash: str) -> str:
-    doc = json.dumps([dataclasses.asdict(recipe), text_hash, CHAT_TEMPLATE, EOT, MASK], sort_keys=True)
+    return _key(dataclasses.asdict(recipe), text_hash)
+
+
+def _key(recipe: dict, text_hash: str) -> str:
+    doc = json.dumps([recipe, text_hash, CHAT_TEMPLATE, EOT, MASK], sort_keys=True)
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+def built(size: str, out: str | Path) -> dict | None:
+    """The report of OUT when it already holds the `size` recipe built from this text (the same key
+    as the cache's), else None: `--out DIR` a second time keeps DIR rather than training again."""
+    try:
+        report = json.loads((Path(out) / "small_lm.json").read_text())
+        key = _key(report["recipe"], report["text_hash"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    recipe = RECIPES[size]
+    if not (Path(out) / "model.safetensors").is_file() or key != cache_key(recipe, corpus(recipe)[2]):
+        return None
+    return report
 
 
 def ensure(size: str, *, log=print) -> Path:
@@ -396,9 +416,20 @@ def main(argv: list[str] | None = None) -> int:
             say(f"small_lm[{a.size}]: only {got['prompts']} of the {a.n} prompts asked: the text holds no more")
         print(json.dumps({**got, "split": a.prompts, "out": a.out}))
         return 0
+    if not a.prompts and a.size != "gpu":
+        from trainer import policies
+
+        say(f"small_lm[{a.size}]: {policies.threads_from_free_cores()}")  # spinning threads on busy cores: 14x
     if a.out:
-        report = build(a.size, a.out, log=say)
-        print(json.dumps({"out": a.out, **{k: report[k] for k in ("held_out_loss", "unigram_loss", "seconds")}}))
+        report = built(a.size, a.out)
+        kept = report is not None
+        if kept:
+            say(f"small_lm[{a.size}]: kept: {a.out} already holds this recipe's build (held-out loss "
+                f"{report['held_out_loss']:.3f}); delete it to build again")
+        else:
+            report = build(a.size, a.out, log=say)
+        print(json.dumps({"out": a.out, "kept": kept,
+                          **{k: report[k] for k in ("held_out_loss", "unigram_loss", "seconds")}}))
     else:
         print(json.dumps({"out": str(ensure(a.size, log=say))}))
     return 0

@@ -83,11 +83,13 @@ def run_folder(cfg: TrainConfig, *, writer: bool) -> Iterator[tuple[Path, Path |
         yield out, resume_from
 
 
-def resolve_policy(cfg: TrainConfig, device: torch.device) -> str:
-    policy = policies.resolve(cfg.compile_policy, cfg.workdir or None, cfg.topology)
+def resolve_policy(cfg: TrainConfig, device: torch.device) -> tuple[str, str | None]:
+    """The run's policy, and for auto the line that says why it is eager (a run too short for the
+    probe's choice to pay its compile back), or None."""
+    policy, why = policies.resolve_for_run(cfg.compile_policy, cfg.workdir or None, cfg.topology, cfg.steps)
     if policies.needs_cuda(policy) and device.type != "cuda":
         raise UsageError(f"--compile-policy {policy} captures CUDA graphs and needs --gpus >= 1")
-    return policy
+    return policy, why
 
 
 def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from, stop: threading.Event, *,

@@ -70,9 +70,11 @@ def _train(cfg: TrainConfig, stop: threading.Event, out, resume_from) -> int:
         torch.set_num_threads(cfg.cpu_threads)
     elif devices[0].type == "cpu" and len(devices) > 1:
         policies.share_cpu(len(devices))      # K CPU workers: cores / K intra-op threads each
-    policy = resolve_policy(cfg, devices[0])
+    policy, why = resolve_policy(cfg, devices[0])
     log.info(f"torch {torch.__version__} | devices {', '.join(map(str, devices))} | topology threads | "
              f"compile policy {policy}" + (" (auto: from probe.json)" if cfg.compile_policy == "auto" else ""))
+    if why:
+        log.info(why)
     if policy == "reduce-overhead" and len(devices) > 1 and policies.torch_version() < (2, 13):
         # Not refused: the probe decides empirically; the warm-up handshake makes it fail fast and named.
         log.info("warning: CUDA Graph Trees fail in every worker thread but one before torch 2.13 "
