@@ -66,7 +66,7 @@ if [ "$STAGE" = train ]; then
     if [ "$SIZE" = smoke ]; then
         export N_TRAIN=48 N_EVAL=3 NEW=24 REGEN_BATCH=16 MAIN_STEPS=6 BATCH=4
     else
-        export N_TRAIN=30000 MAIN_STEPS=5700 BATCH=32
+        export N_TRAIN=${N_TRAIN:-30000} MAIN_STEPS=${MAIN_STEPS:-5700} BATCH=${BATCH:-32}
     fi
     VARIANTS= SPEED=" " POLICY=eager TRAIN_FLAGS="--adam-beta2 0.95" SIZE=$SIZE WORK=$WORK OUT=$OUT PY=$PY \
         bash scripts/small_target_claims.sh

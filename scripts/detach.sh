@@ -34,6 +34,9 @@ start)
 poll)
     secs=${1:-}
     [[ "$secs" =~ ^[0-9]+$ ]] || { echo "detach.sh poll: SECONDS must be a whole number, got '$secs'" >&2; exit 2; }
+    # a fresh machine (the last one went back, and its driver with it) has no DIR: say so at once rather
+    # than wait out SECONDS of device time for a driver that is not there
+    [ -d "$dir/src" ] || { echo "detach.sh: no driver was started in $dir on this machine" >&2; exit 3; }
     end=$(( $(date +%s) + secs ))
     # checked every second: a driver that ends is reported within a second, not up to five later
     while [ ! -f "$dir/rc" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 1; done

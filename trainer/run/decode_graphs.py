@@ -319,7 +319,7 @@ class GraphDecoder:
         t0 = self._sync()
         c0 = clock.mark()
         anchor = self._prefill(prompt, features=True)
-        spent.prefill = spent.verify = clock.between(c0, clock.mark())
+        c1 = clock.mark()  # read after the decode's last synchronisation: CUDA events complete only then
         p = len(prompt)
         end = p + max_new_tokens
         new, produced, drafts = [anchor], [], []
@@ -350,5 +350,7 @@ class GraphDecoder:
             spent.verify += clock.between(m1, m2)
             spent.extend += clock.between(m2, m3)
         spent.total = self._sync() - t0
+        spent.prefill = clock.between(c0, c1)
+        spent.verify += spent.prefill
         spent.rounds = len(produced)
         return Decoded(new[:max_new_tokens], spent, produced, drafts)
