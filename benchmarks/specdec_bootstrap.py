@@ -27,6 +27,9 @@ from trainer.run.log import tau_text  # noqa: E402
 from trainer.run.stats import RESAMPLES, cluster_bootstrap  # noqa: E402
 
 LINE = re.compile(r"specdec: prompt (\d+)/\d+: (\d+) tokens, tau ([\d.]+), (?:([\d.]+) -> )?([\d.]+) tokens/s")
+# specdec's lines since the graphs engine: the rounds counted, tau over them alone (the prefill's token not in it)
+ROUNDS_LINE = re.compile(r"specdec: prompt (\d+)/\d+: (\d+) tokens, (\d+) rounds, [^,]+, (?:([\d.]+) -> )?([\d.]+) "
+                         r"tokens/s")
 
 
 def read_log(text: str) -> list[dict]:
@@ -34,6 +37,13 @@ def read_log(text: str) -> list[dict]:
     the live lines of a run before the per-prompt tau was corrected; ValueError where a line's tau
     does not fit a whole number of rounds (a log of another format)."""
     out = []
+    for m in ROUNDS_LINE.finditer(text):  # the current format: the rounds are given
+        length, n, alone, spec = int(m[2]), int(m[3]), m[4], float(m[5])
+        q, r = divmod(length - 1, n) if n else (0, 0)
+        out.append({"rounds": [q + 1] * r + [q] * (n - r), "tokens": length, "spec_s": length / spec,
+                    "alone_s": length / float(alone) if alone else None})
+    if out:
+        return out
     for m in LINE.finditer(text):
         i, length, tau, alone, spec = int(m[1]), int(m[2]), m[3], m[4], float(m[5])
         n = round(length / float(tau)) if length > 1 else 0  # one token: the prefill's alone, no round
