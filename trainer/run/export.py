@@ -17,8 +17,8 @@ them (trainer/run/provenance.py), never re-derived from what sits at the target 
 (exit 2, one line): a target at that path that is not the one the run trained against (unless
 --target-changed-ok, for a target of the same hidden size and vocab), a run still running (unless
 --running-ok; the JSON line then says `"running": true` and which step it holds), an existing DIR,
-empty or not (unless --force), a run whose drafter reads the target's last layer (serving engines
-cannot feed it that layer; docs/export.md). A checkpoint written before the record existed still exports, as
+empty or not (unless --force), a run whose drafter reads the target's last layer (speculators,
+vLLM's format, cannot represent it; docs/export.md). A checkpoint written before the record existed still exports, as
 before, with one line on stderr saying so.
 
 The target's embedding and lm_head are not in the folder: a server uses the target's own. The
@@ -42,11 +42,11 @@ PROVENANCE = "dflash_ops.json"
 # (it cannot import this; a test holds the two equal), which also catches a trainer older than the
 # lock; this check is the one of `python -m trainer.export` run by hand.
 # The refusal of a run that reads the target's last layer. Here that tap is the final norm's output
-# (HF's hidden_states[L], as the reference reads it); vLLM and speculators' DFlash converter take the
-# last layer's output for the verifier only, never as drafter input: the converter drops the id and
-# the fc weight of the remaining layers no longer fits (docs/export.md, "Loading it in speculators").
-LAST_LAYER = ("the drafter reads the target's last layer ({last} of {n}), which vLLM and speculators cannot feed "
-              "it; train with --target-layers below {last} (the default stops at L-3)")
+# (HF's hidden_states[L], as the reference reads it); speculators, vLLM's DFlash checkpoint format, keeps
+# the last layer's output for the verifier only, never as drafter input: its converter drops the id and
+# the fc weight no longer fits the remaining layers (docs/export.md, "Loading it in vLLM's speculators").
+LAST_LAYER = ("the drafter reads the target's last layer ({last} of {n}), which speculators (vLLM's DFlash format) "
+              "keeps for the verifier only; train with --target-layers below {last} (the default stops at L-3)")
 STILL_RUNNING = "the run is still running (pass --running-ok to export its newest complete checkpoint)"
 
 
