@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 DFLASH_REF ?= dflash==0.1.0
 
-.PHONY: test test-fp8 lint demo venv clean fp8-wheel
+.PHONY: test test-fp8 test-speculators lint demo venv clean fp8-wheel
 
 venv: $(STAMP)
 
@@ -35,6 +35,7 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder tests
 	$(MAKE) --no-print-directory test-fp8
+	$(MAKE) --no-print-directory test-speculators
 
 # --precision fp8's tests with torchao importable, and nothing else: torchao is installed into an
 # ignored folder on their PYTHONPATH only. Wherever torchao is importable, transformers imports it in
@@ -45,6 +46,18 @@ test-fp8: $(STAMP)
 	test -d $(TORCHAO_DIR)/torchao || $(PY) -m pip install -q --disable-pip-version-check --no-deps \
 		--target $(TORCHAO_DIR) torchao==$(TORCHAO_VERSION)
 	PYTHONPATH="$(abspath $(TORCHAO_DIR))" $(PY) -m pytest -q -p no:cacheprovider tests/test_fp8.py
+
+# The export loaded by vLLM's speculators (tests/test_export_speculators.py), in an ignored folder on
+# that file's PYTHONPATH only, as torchao above. --no-deps: its pins want transformers <= 5.19 and
+# datasets, openai, torchvision & co for its training pipeline. Its DFlash model and converter run
+# on what the venv has (transformers 5.24 included) plus loguru and hs-connectors (pure Python, which
+# `import speculators` needs); the test stands in for openai and datasets, imported but never used.
+SPECULATORS_DIR := .scratch/speculators
+SPECULATORS     := speculators==0.9.0 loguru==0.7.3 hs-connectors==0.9.0
+test-speculators: $(STAMP)
+	test -d $(SPECULATORS_DIR)/speculators || $(PY) -m pip install -q --disable-pip-version-check --no-deps \
+		--target $(SPECULATORS_DIR) $(SPECULATORS)
+	PYTHONPATH="$(abspath $(SPECULATORS_DIR))" $(PY) -m pytest -q -p no:cacheprovider tests/test_export_speculators.py
 
 demo: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/demo.sh

@@ -225,3 +225,12 @@ def test_the_runs_agent_refuses_a_running_run_in_the_trainers_words():
     from orchestrator.remote.runs import export as agent_side
 
     assert agent_side.STILL_RUNNING == export.STILL_RUNNING
+
+
+def test_a_run_that_reads_the_targets_last_layer_is_refused(tmp_path):
+    """Layer 7 of the 8: the reference would read it (the final norm's output), but speculators' converter
+    keeps the last layer for the verifier only and cannot load the folder (tests/test_export_speculators.py)."""
+    out = hf_target.trained(tmp_path, *QUICK[2:], "--steps", "1", "--target-layers", "1,4,7")[1]
+    refused(["--run", out, "-o", tmp_path / "d"], "the drafter reads the target's last layer (7 of 8), which "
+            "speculators (vLLM's DFlash format) keeps for the verifier only; train with --target-layers below 7")
+    assert not (tmp_path / "d").exists()

@@ -17,7 +17,8 @@ them (trainer/run/provenance.py), never re-derived from what sits at the target 
 (exit 2, one line): a target at that path that is not the one the run trained against (unless
 --target-changed-ok, for a target of the same hidden size and vocab), a run still running (unless
 --running-ok; the JSON line then says `"running": true` and which step it holds), an existing DIR,
-empty or not (unless --force). A checkpoint written before the record existed still exports, as
+empty or not (unless --force), a run whose drafter reads the target's last layer (speculators,
+vLLM's format, cannot represent it; docs/export.md). A checkpoint written before the record existed still exports, as
 before, with one line on stderr saying so.
 
 The target's embedding and lm_head are not in the folder: a server uses the target's own. The
@@ -40,6 +41,12 @@ PROVENANCE = "dflash_ops.json"
 # The refusal of a run still running. The runs agent refuses with the same words by the run's state
 # (it cannot import this; a test holds the two equal), which also catches a trainer older than the
 # lock; this check is the one of `python -m trainer.export` run by hand.
+# The refusal of a run that reads the target's last layer. Here that tap is the final norm's output
+# (HF's hidden_states[L], as the reference reads it); speculators, vLLM's DFlash checkpoint format, keeps
+# the last layer's output for the verifier only, never as drafter input: its converter drops the id and
+# the fc weight no longer fits the remaining layers (docs/export.md, "Loading it in vLLM's speculators").
+LAST_LAYER = ("the drafter reads the target's last layer ({last} of {n}), which speculators (vLLM's DFlash format) "
+              "keeps for the verifier only; train with --target-layers below {last} (the default stops at L-3)")
 STILL_RUNNING = "the run is still running (pass --running-ok to export its newest complete checkpoint)"
 
 
@@ -173,6 +180,9 @@ def export(run: str, output: str, *, step: int | None = None, dtype: str = "bflo
         print(f"export: {path} records no target identity (an older trainer wrote it): layer ids and mask "
               "token come from the run's settings and the target as it is now", file=sys.stderr, flush=True)
         mask = None if cfg.mask_token_id < 0 else cfg.mask_token_id
+    last = target.num_layers - 1
+    if last in target.layer_ids:
+        raise UsageError(f"--run {run}: {LAST_LAYER.format(last=last, n=target.num_layers)}")
     dcfg = target.drafter_config(num_layers=cfg.draft_layers, block_size=cfg.block_size, mask_token_id=mask,
                                  own_norm=not cfg.freeze_draft_norm)
     norm = _target_norm(cfg.target, dcfg.hidden_size) if "norm.weight" not in ck.model else None
