@@ -217,6 +217,33 @@ def test_a_killed_regen_resumes_to_the_same_file(cache, tmp_path):
     assert cut.read_bytes() == whole.read_bytes()
 
 
+def test_a_second_regen_of_the_same_out_is_refused_and_the_killed_one_is_taken_over(cache, tmp_path):
+    """A regen still writing (its wrapper gone, say) and a resume of the same --out typed by hand: the
+    second is refused in one line naming the first; once the first is killed, the next takes its lock
+    over, says so, and the file holds the rows of one uninterrupted run."""
+    prompts = _prompts(tmp_path / "p.jsonl", 6)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    whole = tmp_path / "whole.jsonl"
+    subprocess.run(_regen_cmd(prompts, whole), env=env, check=True, capture_output=True, cwd=ROOT)
+    out = tmp_path / "out.jsonl"
+    first = subprocess.Popen(_regen_cmd(prompts, out), env={**env, "DFLASH_TRAINER_FAULTS": "regen_batch=1:hang"},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and (not out.exists() or out.read_bytes().count(b"\n") < 2):
+            time.sleep(0.02)
+        r = subprocess.run(_regen_cmd(prompts, out), env=env, capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert f"another writer holds it (pid {first.pid})" in r.stderr and f"`kill {first.pid}`" in r.stderr
+        assert out.read_bytes().count(b"\n") == 2           # the refused one wrote nothing
+    finally:
+        first.kill()
+        first.wait()
+    r = subprocess.run(_regen_cmd(prompts, out), env=env, check=True, capture_output=True, text=True, cwd=ROOT)
+    assert f"its previous writer (pid {first.pid}) died holding the lock; taken over" in r.stderr
+    assert out.read_bytes() == whole.read_bytes() and not (tmp_path / ".out.jsonl.lock").exists()
+
+
 def _drafter(target, layers=2, block=8, seed=0):
     torch.manual_seed(seed)
     d = Drafter(target.drafter_config(num_layers=layers, block_size=block, mask_token_id=None))

@@ -18,6 +18,8 @@ with its input line number (`"line"`). Rows are written a batch at a time (input
 [k*B, (k+1)*B)), appended, flushed and fsynced; a killed run is resumed (the default when the
 output exists) from the first batch not complete in the file: a torn last batch is cut off, so no
 row is lost or doubled and the batches, hence the answers, are those of an uninterrupted run.
+One writer per output (trainer/writer_lock.py): a second regen of the same --out is refused while
+the first runs, so two never append to one file.
 
 Progress goes to stderr at least every PROGRESS_S seconds, answered batches or not: rows done,
 rows/s, tokens/s and the ETA. The last stdout line is a JSON document with the output's path.
@@ -34,6 +36,7 @@ from pathlib import Path
 from trainer import faults
 from trainer.errors import UsageError
 from trainer.run.jsonl import read_jsonl
+from trainer.writer_lock import output_lock
 
 PROGRESS_S = 10.0
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
@@ -157,58 +160,59 @@ def regen(target_spec: str, prompts: str, out: str, *, max_new_tokens: int = 512
 
     rows = read_prompts(prompts)
     out_path = Path(out)
-    if out_path.exists() and not resume:
-        raise UsageError(f"--out {out}: exists (resume is the default; remove it to start over)")
-    done = min(resume_point(out_path, batch_size, len(rows)), len(rows))
-    batches = [rows[i: i + batch_size] for i in range(0, len(rows), batch_size)]
-    todo = list(range(done // batch_size, len(batches)))
-    if done:
-        log(f"regen: resuming after {done} of {len(rows)} rows already in {out}")
-    n_workers = max(1, min(gpus, torch.cuda.device_count())) if gpus > 0 else 1
-    devices = [torch.device(f"cuda:{i}") for i in range(n_workers)] if gpus > 0 and torch.cuda.is_available() \
-        else [torch.device("cpu")]
-    log(f"regen: {len(rows) - done} of {len(rows)} rows to answer, batches of {batch_size}, "
-        f"{len(devices)} worker(s): {', '.join(map(str, devices))}")
-    results: dict[int, tuple[list[dict], int] | BaseException] = {}
-    ready = threading.Condition()
+    with output_lock(out_path, "--out", log=log):  # one writer: two would double rows
+        if out_path.exists() and not resume:
+            raise UsageError(f"--out {out}: exists (resume is the default; remove it to start over)")
+        done = min(resume_point(out_path, batch_size, len(rows)), len(rows))
+        batches = [rows[i: i + batch_size] for i in range(0, len(rows), batch_size)]
+        todo = list(range(done // batch_size, len(batches)))
+        if done:
+            log(f"regen: resuming after {done} of {len(rows)} rows already in {out}")
+        n_workers = max(1, min(gpus, torch.cuda.device_count())) if gpus > 0 else 1
+        devices = [torch.device(f"cuda:{i}") for i in range(n_workers)] if gpus > 0 and torch.cuda.is_available() \
+            else [torch.device("cpu")]
+        log(f"regen: {len(rows) - done} of {len(rows)} rows to answer, batches of {batch_size}, "
+            f"{len(devices)} worker(s): {', '.join(map(str, devices))}")
+        results: dict[int, tuple[list[dict], int] | BaseException] = {}
+        ready = threading.Condition()
 
-    def work(w: int, dev: torch.device) -> None:
-        try:
-            dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-            target = load_target(target_spec, device=dev, dtype=dtype)
-            if target.tokenizer is None or not getattr(target.tokenizer, "chat_template", None):
-                raise UsageError(f"--target {target_spec}: regen needs the target's tokenizer with a chat template")
-            tok = target.tokenizer
-            eos = sorted(target.eos_ids())
-            pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-            for k in todo[w::len(devices)]:
-                if stop.is_set():
-                    return
-                faults.hit("regen_batch", index=k)
-                torch.manual_seed(seed * 1_000_003 + k)  # the same draws for batch k on any resume
-                res = regen_batch(target.model, tok, batches[k], max_new_tokens=max_new_tokens,
-                                  temperature=temperature, thinking=thinking, eos=eos, pad_id=pad)
-                with ready:
-                    results[k] = res
-                    ready.notify_all()
-        except BaseException as e:  # noqa: BLE001 - handed to the writer, which raises it
-            with ready:
+        def work(w: int, dev: torch.device) -> None:
+            try:
+                dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+                target = load_target(target_spec, device=dev, dtype=dtype)
+                if target.tokenizer is None or not getattr(target.tokenizer, "chat_template", None):
+                    raise UsageError(f"--target {target_spec}: regen needs the target's tokenizer with a chat template")
+                tok = target.tokenizer
+                eos = sorted(target.eos_ids())
+                pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
                 for k in todo[w::len(devices)]:
-                    results.setdefault(k, e)
-                ready.notify_all()
+                    if stop.is_set():
+                        return
+                    faults.hit("regen_batch", index=k)
+                    torch.manual_seed(seed * 1_000_003 + k)  # the same draws for batch k on any resume
+                    res = regen_batch(target.model, tok, batches[k], max_new_tokens=max_new_tokens,
+                                      temperature=temperature, thinking=thinking, eos=eos, pad_id=pad)
+                    with ready:
+                        results[k] = res
+                        ready.notify_all()
+            except BaseException as e:  # noqa: BLE001 - handed to the writer, which raises it
+                with ready:
+                    for k in todo[w::len(devices)]:
+                        results.setdefault(k, e)
+                    ready.notify_all()
 
-    stop = threading.Event()
-    threads = [threading.Thread(target=work, args=(w, d), daemon=True) for w, d in enumerate(devices)]
-    for t in threads:
-        t.start()
-    try:
-        return _write_in_order(out_path, todo, results, ready, len(rows), done, log)
-    finally:
-        stop.set()
-        # The workers end before the interpreter does: a thread still unwinding torch state
-        # while Python finalizes aborts the process ("terminate called without an active exception").
+        stop = threading.Event()
+        threads = [threading.Thread(target=work, args=(w, d), daemon=True) for w, d in enumerate(devices)]
         for t in threads:
-            t.join()
+            t.start()
+        try:
+            return _write_in_order(out_path, todo, results, ready, len(rows), done, log)
+        finally:
+            stop.set()
+            # The workers end before the interpreter does: a thread still unwinding torch state
+            # while Python finalizes aborts the process ("terminate called without an active exception").
+            for t in threads:
+                t.join()
 
 
 def _write_in_order(out_path: Path, todo: list[int], results: dict, ready, total: int, done: int, log,
