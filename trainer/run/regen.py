@@ -18,6 +18,10 @@ with its input line number (`"line"`). Rows are written a batch at a time (input
 [k*B, (k+1)*B)), appended, flushed and fsynced; a killed run is resumed (the default when the
 output exists) from the first batch not complete in the file: a torn last batch is cut off, so no
 row is lost or doubled and the batches, hence the answers, are those of an uninterrupted run.
+A row the target cannot answer (its tokenizer refuses it, it renders to no tokens, or it leaves no room in
+the target's context for --max-new-tokens) is written as {"line": N, "skipped": why}, warned and counted,
+and the trainer passes over it: the run never stops on one row. (Empty, unencodable and over-long rows
+are refused before that, naming file:line, by `read_prompts`, which the controller runs too.)
 One writer per output (trainer/writer_lock.py): a second regen of the same --out is refused while
 the first runs, so two never append to one file.
 
@@ -39,6 +43,10 @@ from trainer.run.jsonl import read_jsonl
 from trainer.writer_lock import output_lock
 
 PROGRESS_S = 10.0
+# A row's text (its kept turns together), checked before anything loads: no context takes more (a
+# token is at least a character or so), and tokenizing 10 MB ran a regen's memory past 8 GB. The
+# target's own context is checked once its tokenizer has rendered the row (`_prompt`).
+MAX_PROMPT_CHARS = 1_000_000
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
 
@@ -74,6 +82,18 @@ def _turns(doc, where: str) -> tuple[tuple[str, str], ...]:
     kept = tuple((r, c) for r, c in turns if r != "assistant")
     if not any(r == "user" for r, _ in kept):
         raise UsageError(f"{where}: no user turn to answer")
+    for role, content in kept:
+        if role == "user" and not content:
+            raise UsageError(f"{where}: an empty user turn: nothing to answer")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as e:   # JSON's "\ud800": a lone surrogate no tokenizer takes
+            raise UsageError(f"{where}: text that cannot be encoded as UTF-8 ({e.reason}: "
+                             f"{content[e.start:e.end]!r} at character {e.start})") from None
+    size = sum(len(c) for _, c in kept)
+    if size > MAX_PROMPT_CHARS:
+        raise UsageError(f"{where}: {size:,} characters, more than any target's context takes "
+                         f"(at most {MAX_PROMPT_CHARS:,} a row)")
     return kept
 
 
@@ -103,12 +123,26 @@ def _render(tokenizer, messages, thinking: bool) -> list[int]:
     return data._render(tokenizer, messages, True, {} if thinking else {"enable_thinking": False})
 
 
-def answer_batch(model, tokenizer, convs: list[list[dict]], *, max_new_tokens: int, temperature: float,
-                 thinking: bool, eos: list[int], pad_id: int) -> list[tuple[str, int]]:
-    """One generate call over conversations that each end with a user turn: (answer text, tokens)."""
+def _prompt(tokenizer, conv: list[dict], thinking: bool, room: int | None) -> list[int] | str:
+    """A conversation's rendered prompt, or why it cannot be answered: what the pre-check cannot
+    see (a tokenizer's own refusal, a prompt of no tokens, one longer than the context leaves)."""
+    try:
+        ids = _render(tokenizer, conv, thinking)
+    except Exception as e:  # noqa: BLE001 - a tokenizer's refusal of one row skips that row, not the run
+        first = (str(e).splitlines() or [""])[0][:200]
+        return f"the chat template or tokenizer refused it ({type(e).__name__}: {first})"
+    if not ids:
+        return "its prompt renders to no tokens"
+    if room is not None and len(ids) > room:
+        return f"its prompt is {len(ids)} tokens; the target's context leaves {room} beside --max-new-tokens"
+    return ids
+
+
+def answer_batch(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                 eos: list[int], pad_id: int) -> list[tuple[str, int]]:
+    """One generate call over rendered prompts (each ends with a user turn): (answer text, tokens)."""
     import torch
 
-    prompts = [_render(tokenizer, c, thinking) for c in convs]
     width = max(map(len, prompts))
     dev = model.device
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -126,13 +160,18 @@ def answer_batch(model, tokenizer, convs: list[list[dict]], *, max_new_tokens: i
     return answers
 
 
-def regen_batch(model, tokenizer, rows: list[Row], **kw) -> tuple[list[dict], int]:
-    """Answer every user turn of `rows`, turn by turn -> (output rows, tokens generated)."""
+def regen_batch(model, tokenizer, rows: list[Row], *, thinking: bool, max_new_tokens: int,
+                context: int | None = None, **kw) -> tuple[list[dict], int]:
+    """Answer every user turn of `rows`, turn by turn -> (output rows, tokens generated). A row that
+    cannot be answered (`_prompt`) is written as {"line": N, "skipped": why}: still one line per
+    input row, so a resume's count of whole batches holds; the trainer's reader passes over it."""
     convs = [[] for _ in rows]
     pending = [list(r.turns) for r in rows]
+    skipped: dict[int, str] = {}
+    room = None if context is None else context - max_new_tokens
     tokens = 0
     while any(pending):
-        ask = []
+        ask, prompts = [], []
         for i, turns in enumerate(pending):
             while turns and turns[0][0] != "user":  # system turns go in as they come
                 role, content = turns.pop(0)
@@ -140,13 +179,20 @@ def regen_batch(model, tokenizer, rows: list[Row], **kw) -> tuple[list[dict], in
             if turns:
                 role, content = turns.pop(0)
                 convs[i].append({"role": role, "content": content})
+                ids = _prompt(tokenizer, convs[i], thinking, room)
+                if isinstance(ids, str):
+                    skipped[i] = ids
+                    turns.clear()
+                    continue
                 ask.append(i)
+                prompts.append(ids)
         if not ask:
             break
-        for i, (text, n) in zip(ask, answer_batch(model, tokenizer, [convs[i] for i in ask], **kw)):
+        for i, (text, n) in zip(ask, answer_batch(model, tokenizer, prompts, max_new_tokens=max_new_tokens, **kw)):
             convs[i].append({"role": "assistant", "content": text})
             tokens += n
-    return [{"line": r.line, "messages": c} for r, c in zip(rows, convs)], tokens
+    return [{"line": r.line, "skipped": skipped[i]} if i in skipped else {"line": r.line, "messages": c}
+            for i, (r, c) in enumerate(zip(rows, convs))], tokens
 
 
 def regen(target_spec: str, prompts: str, out: str, *, max_new_tokens: int = 512, batch_size: int = 16,
@@ -185,13 +231,18 @@ def regen(target_spec: str, prompts: str, out: str, *, max_new_tokens: int = 512
                 tok = target.tokenizer
                 eos = sorted(target.eos_ids())
                 pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+                context = getattr(target.config, "max_position_embeddings", None)
+                if context is not None and max_new_tokens >= context:
+                    raise UsageError(f"--max-new-tokens {max_new_tokens}: the target's context is {context} "
+                                     "tokens, prompt and answer together")
                 for k in todo[w::len(devices)]:
                     if stop.is_set():
                         return
                     faults.hit("regen_batch", index=k)
                     torch.manual_seed(seed * 1_000_003 + k)  # the same draws for batch k on any resume
                     res = regen_batch(target.model, tok, batches[k], max_new_tokens=max_new_tokens,
-                                      temperature=temperature, thinking=thinking, eos=eos, pad_id=pad)
+                                      temperature=temperature, thinking=thinking, eos=eos, pad_id=pad,
+                                      context=context)
                     with ready:
                         results[k] = res
                         ready.notify_all()
@@ -229,11 +280,15 @@ def _write_in_order(out_path: Path, todo: list[int], results: dict, ready, total
             if isinstance(res, BaseException):
                 raise res
             out_rows, n_tok = res
+            for r in out_rows:
+                if "skipped" in r:
+                    progress.skipped += 1
+                    log(f"regen: warning: input line {r['line']} skipped: {r['skipped']}")
             f.write(b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in out_rows))
             f.flush()
             os.fsync(f.fileno())
             progress.add(len(out_rows), n_tok, last=k == todo[-1])
-    return {"event": "done", "rows": total, "resumed_at": done, "written": progress.rows,
+    return {"event": "done", "rows": total, "resumed_at": done, "written": progress.rows, "skipped": progress.skipped,
             "tokens": progress.tokens, "seconds": time.time() - progress.t0, "out": str(out_path)}
 
 
@@ -243,7 +298,7 @@ class _Progress:
     def __init__(self, total: int, done: int, log, every: float):
         self.total, self.done, self.log, self.every = total, done, log, every
         self.t0 = self.last = time.time()
-        self.rows = self.tokens = 0
+        self.rows = self.tokens = self.skipped = 0
 
     def due(self) -> float:
         """Seconds until the next line is due."""
@@ -289,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     doc = regen(a.target, a.prompts, a.out, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
                 temperature=a.temperature, thinking=a.thinking, gpus=a.gpus, resume=not a.no_resume, seed=a.seed,
                 log=lambda s: print(s, file=sys.stderr, flush=True))
+    if doc["skipped"]:
+        print(f"regen: warning: {doc['skipped']} rows skipped (lines above); their lines in {doc['out']} say why",
+              file=sys.stderr, flush=True)
     print(f"regen: done: {doc['rows']} rows in {doc['out']}; train on them with `--data {doc['out']}`",
           file=sys.stderr, flush=True)
     print(json.dumps(doc), flush=True)
