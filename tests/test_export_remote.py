@@ -64,7 +64,7 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_export_streams_the_latest_succeeded_run_home_and_refuses_bad_input(ct):
+def test_export_streams_the_latest_succeeded_run_home_and_refuses_bad_input(ct, monkeypatch):
     dest = ct.tmp / "drafter"
     r = ct.cli("export", "ct200", "-o", dest, "--json")
     assert r.returncode == 0, r.stderr.decode()
@@ -88,6 +88,22 @@ def test_export_streams_the_latest_succeeded_run_home_and_refuses_bad_input(ct):
     assert draft.block_size == 4 and draft.mask_token_id == 260 and draft.config.num_hidden_layers == 1
     assert next(draft.parameters()).dtype == torch.bfloat16
 
+    # -o of /, the current folder or one holding it: refused before anything travels, even with --force
+    for o, needle in (("/", "is the root folder"), (".", "is the current folder or holds it"),
+                      ("..", "is the current folder or holds it")):
+        r = ct.cli("export", "ct200", ct.run, "-o", o, "--force")
+        err = r.stderr.decode()
+        assert r.returncode == 2 and f"-o {o}: {needle}" in err and len(err.splitlines()) == 1, err
+    assert list(ct.exports.iterdir()) == []
+    # what killed exports left beside the destination goes with the next export there; a live writer's stays
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    left = ct.tmp / f".dflash-export.partial-{gone.pid}-1"
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"\0" * 4096)
+    live = ct.tmp / f".dflash-export.partial-{os.getpid()}-1"
+    live.mkdir()
+
     # an existing folder is kept unless --force; an earlier checkpoint by --step; the default name
     r = ct.cli("export", "ct200", ct.run, "-o", dest)
     assert r.returncode == 2 and b"already exists (pass --force" in r.stderr and b"Traceback" not in r.stderr
@@ -98,6 +114,20 @@ def test_export_streams_the_latest_succeeded_run_home_and_refuses_bad_input(ct):
     assert json.loads(r.stdout)["step"] == 2 and json.loads(r.stdout)["running"] is False
     assert json.loads(r.stdout)["target_changed"] == []
     assert json.loads((dest / "dflash_ops.json").read_text())["step"] == 2
+    assert not left.exists() and live.is_dir()
+    live.rmdir()
+    # a full disk here is said so, in one line, and leaves nothing (here: every file written reaches /dev/full)
+    real_open = open
+
+    def full(path, mode="r", *args, **kw):
+        return real_open("/dev/full", mode) if export.PARTIAL in str(path) else real_open(path, mode, *args, **kw)
+
+    monkeypatch.setattr(export, "open", full, raising=False)
+    with pytest.raises(export.OpsError) as e:
+        export.export(ct.inv, ct.inv.targets["ct200"], ct.run, output=str(ct.tmp / "full"))
+    monkeypatch.undo()
+    assert f"ct200: export into {ct.tmp}: disk full (No space left on device; the drafter is " in str(e.value)
+    assert not (ct.tmp / "full").exists() and [p.name for p in ct.tmp.iterdir() if p.name.startswith(".")] == []
     r = ct.cli("export", "--step", "4")   # default target (the only one), default run, outside the checkout
     assert r.returncode == 0, r.stderr.decode()
     home = ct.tmp / "home" / "exports" / "ct200" / f"dflash-{ct.run}-step4"
@@ -157,6 +187,24 @@ def test_a_running_run_exports_only_with_running_ok_which_says_its_step(deployed
         assert f"run {run} step {step} exported" in err, err
     finally:
         assert deployed.cli("stop", "ct200", run).returncode == 0
+
+
+def test_an_output_that_holds_the_cwd_or_a_local_workdir_is_unsafe(tmp_path, monkeypatch):
+    from orchestrator.inventory import Target
+
+    (tmp_path / "w" / "runs").mkdir(parents=True)
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    local = Target(name="local", workdir=str(tmp_path / "w"))
+    remote = Target(name="ct", host="node", vmid=200, workdir=str(tmp_path / "w"))
+    assert "root folder" in export.unsafe_output(Path("/"), remote)
+    assert "root folder" in export.unsafe_output(Path("//"), remote)
+    for o in (".", "..", str(tmp_path), "./x/.."):
+        assert "current folder or holds it" in export.unsafe_output(Path(o), remote), o
+    assert "holds local's workdir" in export.unsafe_output(tmp_path / "w", local)
+    assert export.unsafe_output(tmp_path / "w", remote) is None          # not this machine's folder
+    assert export.unsafe_output(Path("drafter"), local) is None
+    assert export.unsafe_output(tmp_path / "w" / "runs" / "x", local) is None
 
 
 def test_a_damaged_stream_never_reaches_the_destination(tmp_path):

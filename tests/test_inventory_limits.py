@@ -147,7 +147,14 @@ def test_a_target_named_like_a_run_id_cannot_shadow_the_run_in_logs(tmp_path):
     ("/usr/local/dflash", "/usr is a system folder"),
     ("/lib64/x", "/lib64 is a system folder"),
     ("/var/lib", "/var/lib is a system folder"),
-    ("/root/../..", "must be normalised"),
+    ("/root/../..", "/ is a system folder"),      # normalised before the system-folder check
+    ("//", "/ is a system folder"),               # normpath keeps a leading //; Linux reads it as /
+    ("//etc", "/etc is a system folder"),
+    ("//usr/lib", "/usr is a system folder"),
+    ("/etc/.", "/etc is a system folder"),
+    ("/usr/../etc", "/etc is a system folder"),
+    ("//root/dflash", "must be normalised"),
+    ("~//etc", "must be normalised"),
     ("/root/dflash/", "must be normalised"),
     ("/root//dflash", "must be normalised"),
     ("~/../..", "must be normalised"),
@@ -176,6 +183,9 @@ def test_home_is_resolved_and_checked_on_the_target(sshd, fakepct, make_inventor
     path = make_inventory({
         "slash": {"host": "node", "python": sys.executable, "workdir": "~", "env": {"HOME": "/"}},
         "etc": {"host": "node", "python": sys.executable, "workdir": "~/dflash", "env": {"HOME": "/etc"}},
+        "slashes": {"host": "node", "python": sys.executable, "workdir": "~", "env": {"HOME": "//"}},
+        "etc2": {"host": "node", "python": sys.executable, "workdir": "~/dflash", "env": {"HOME": "//etc"}},
+        "up": {"host": "node", "python": sys.executable, "workdir": "~/dflash", "env": {"HOME": "/usr/../etc/."}},
         "mine": {"host": "node", "python": sys.executable, "workdir": "~/dflash", "env": {"HOME": str(home)}},
     })
     # --dry-run: without the check this would not write either (a real deploy would create /releases)
@@ -183,6 +193,10 @@ def test_home_is_resolved_and_checked_on_the_target(sshd, fakepct, make_inventor
     assert r.returncode == 1 and "slash: workdir '~' is / here, a system folder" in r.stdout, r.stdout
     r = cli("-i", path, "deploy", "etc", "--dry-run", "--source", src)
     assert r.returncode == 1 and "workdir '~/dflash' is /etc/dflash here" in r.stdout, r.stdout
+    for name, seen in (("slashes", "'~' is / here"), ("etc2", "'~/dflash' is /etc/dflash here"),
+                       ("up", "'~/dflash' is /etc/dflash here")):   # normalised there too before the check
+        r = cli("-i", path, "deploy", name, "--dry-run", "--source", src)
+        assert r.returncode == 1 and f"{name}: workdir {seen}, a system folder" in r.stdout, r.stdout
     assert not os.path.exists("/etc/dflash") and not os.path.exists("/releases")
     r = cli("-i", path, "deploy", "mine", "--source", src)
     assert r.returncode == 0, r.stderr

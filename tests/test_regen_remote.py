@@ -152,9 +152,15 @@ def test_a_bad_prompts_file_is_refused_before_anything_starts(ct):
     bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"messages": [{"role": "gpt"}]}) + "\n")
     notjson = ct.tmp / "notjson.jsonl"
     notjson.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    empty = ct.tmp / "empty.jsonl"
+    empty.write_text('{"prompt": "ok"}\n{"prompt": ""}\n')
+    lone = ct.tmp / "lone.jsonl"
+    lone.write_text('{"prompt": "ok"}\n\n{"prompt": "\\ud800"}\n')      # a lone surrogate, as JSON writes it
     for prompts, needle in [(ct.tmp / "missing.jsonl", f"--prompts {ct.tmp / 'missing.jsonl'}: no such file"),
                             (bad, f"{bad}:2: each turn needs a role"),
                             (notjson, f"{notjson}:2: not JSON"),
+                            (empty, f"{empty}:2: an empty user turn"),
+                            (lone, f"{lone}:3: text that cannot be encoded as UTF-8"),
                             (ct.tmp, "no such file")]:
         r = ct.cli("regen", "ct200", "--prompts", prompts, "--model", model, "--gpus", "0")
         err = r.stderr.decode()

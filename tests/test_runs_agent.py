@@ -422,3 +422,28 @@ def test_rm_and_prune_never_touch_a_running_run_and_say_what_they_free(wd):
     assert doc["freed"] > 0 and state(wd, "h-d")["state"] == "running"
     assert [p.name for p in (wd / "runs").iterdir()] == ["h-d"]
     agent("stop", wd, "--force", "--", "h-d")
+
+
+def test_a_run_that_filled_the_disk_is_named_disk_full_not_killed(tmp_path, monkeypatch):
+    """Every process of the run gone, no exit.json (the supervisor could not write it either): a log
+    that says ENOSPC, or a full filesystem under the run's folder, names the cause."""
+    from orchestrator.remote.runs import common
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    rundir = tmp_path / "r"
+    rundir.mkdir()
+    (rundir / "run.json").write_text(json.dumps({"pid": dead.pid, "pid_start": 1, "started_ts": 1}))
+    log = rundir / common.LOG
+    log.write_bytes(b'{"event": "start"}\nregen: 4/8 rows\n')
+    state, ex = common._state(str(rundir))
+    assert (state, ex["lost"], ex["disk_full"]) == ("failed", True, False) and "killed with SIGKILL" in ex["reason"]
+    with log.open("ab") as f:
+        f.write(b"OSError: [Errno 28] No space left on device\n")
+    state, ex = common._state(str(rundir))
+    assert (state, ex["lost"], ex["disk_full"]) == ("failed", True, True)
+    assert ex["reason"].startswith("disk full: its log says No space left on device")
+    assert "launch --resume" in ex["reason"]
+    log.write_bytes(b"regen: 4/8 rows\n")
+    monkeypatch.setattr(common.os, "statvfs", lambda p: os.statvfs_result((4096,) * 2 + (0,) * 8))
+    assert common._state(str(rundir))[1]["reason"].startswith("disk full: the filesystem of its folder is full")

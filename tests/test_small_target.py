@@ -199,6 +199,68 @@ def test_a_bad_row_is_named_by_file_and_line(tmp_path):
         regen.read_prompts(str(p))
 
 
+@pytest.mark.parametrize("row, needle", [
+    ({"prompt": ""}, "an empty user turn: nothing to answer"),
+    ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": ""}]}, "an empty user turn"),
+    ({"prompt": "a\ud800b"}, "text that cannot be encoded as UTF-8 (surrogates not allowed: '\\ud800' at character 1)"),
+    ({"prompt": "x" * (regen.MAX_PROMPT_CHARS + 1)}, "1,000,001 characters, more than any target's context takes"),
+])
+def test_rows_no_tokenizer_or_context_takes_are_refused_by_file_and_line(tmp_path, row, needle):
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(UsageError) as e:
+        regen.read_prompts(str(p))
+    assert str(e.value).startswith(f"{p}:2: ") and needle in str(e.value), str(e.value)
+
+
+def test_a_row_the_tokenizer_refuses_is_skipped_not_fatal(target, monkeypatch):
+    render = regen._render
+
+    def refusing(tokenizer, messages, thinking):
+        if messages[-1]["content"] == "boom":
+            raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...]")
+        return render(tokenizer, messages, thinking)
+
+    monkeypatch.setattr(regen, "_render", refusing)
+    rows = [regen.Row(1, (("user", "def f():\n"),)), regen.Row(2, (("user", "boom"),))]
+    out, _ = regen.regen_batch(target.model, target.tokenizer, rows, thinking=False, max_new_tokens=4, temperature=0,
+                               eos=sorted(target.eos_ids()), pad_id=target.tokenizer.pad_token_id, context=4096)
+    assert out[0]["messages"][-1]["role"] == "assistant"
+    assert out[1] == {"line": 2, "skipped": "the chat template or tokenizer refused it (TypeError: TextEncodeInput "
+                                            "must be Union[TextInputSequence, ...])"}
+
+
+def test_a_row_longer_than_the_targets_context_is_skipped_counted_and_a_resume_completes(cache, tmp_path):
+    """The small target's context is 4096 tokens: a row of ~16k tokens passes the pre-check (1 MB) and is
+    skipped where the tokenizer renders it, one line in the file saying why; a regen that failed after
+    its first batch resumes to the file of an uninterrupted run, and the trainer's reader passes over it."""
+    from trainer.run import data
+
+    prompts = _prompts(tmp_path / "p.jsonl", 4)
+    train, _, _ = small_lm.corpus(small_lm.RECIPES["smoke"])
+    lines = prompts.read_text().splitlines()
+    lines[2] = json.dumps({"prompt": "".join(train)[:40_000]})
+    prompts.write_text("\n".join(lines) + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    whole = tmp_path / "whole.jsonl"
+    r = subprocess.run(_regen_cmd(prompts, whole), env=env, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "regen: warning: input line 3 skipped: its prompt is " in r.stderr and "1 rows skipped" in r.stderr
+    doc = json.loads(r.stdout.splitlines()[-1])
+    assert doc["skipped"] == 1 and doc["written"] == 4
+    cut = tmp_path / "cut.jsonl"
+    r = subprocess.run(_regen_cmd(prompts, cut), env={**env, "DFLASH_TRAINER_FAULTS": "regen_batch=1"},
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 1 and cut.read_bytes().count(b"\n") == 2, r.stderr
+    r = subprocess.run(_regen_cmd(prompts, cut), env=env, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and "input line 3 skipped" in r.stderr, r.stderr
+    assert cut.read_bytes() == whole.read_bytes()
+    row = json.loads(whole.read_text().splitlines()[2])
+    assert set(row) == {"line", "skipped"}
+    assert "the target's context leaves 4088 beside --max-new-tokens" in row["skipped"]
+    assert [n for n, _ in data.read_rows(str(whole))] == [1, 2, 4]
+
+
 def test_a_torn_tail_is_cut_back_to_whole_batches(tmp_path):
     out = tmp_path / "o.jsonl"
     out.write_bytes(b'{"line": 1}\n{"line": 2}\n{"line": 3}\n{"li')
@@ -232,6 +294,33 @@ def test_a_killed_regen_resumes_to_the_same_file(cache, tmp_path):
     r = subprocess.run(_regen_cmd(prompts, cut), env=env, check=True, capture_output=True, text=True, cwd=ROOT)
     assert json.loads(r.stdout.splitlines()[-1])["resumed_at"] == done - done % 2
     assert cut.read_bytes() == whole.read_bytes()
+
+
+def test_a_second_regen_of_the_same_out_is_refused_and_the_killed_one_is_taken_over(cache, tmp_path):
+    """A regen still writing (its wrapper gone, say) and a resume of the same --out typed by hand: the
+    second is refused in one line naming the first; once the first is killed, the next takes its lock
+    over, says so, and the file holds the rows of one uninterrupted run."""
+    prompts = _prompts(tmp_path / "p.jsonl", 6)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    whole = tmp_path / "whole.jsonl"
+    subprocess.run(_regen_cmd(prompts, whole), env=env, check=True, capture_output=True, cwd=ROOT)
+    out = tmp_path / "out.jsonl"
+    first = subprocess.Popen(_regen_cmd(prompts, out), env={**env, "DFLASH_TRAINER_FAULTS": "regen_batch=1:hang"},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and (not out.exists() or out.read_bytes().count(b"\n") < 2):
+            time.sleep(0.02)
+        r = subprocess.run(_regen_cmd(prompts, out), env=env, capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert f"another writer holds it (pid {first.pid})" in r.stderr and f"`kill {first.pid}`" in r.stderr
+        assert out.read_bytes().count(b"\n") == 2           # the refused one wrote nothing
+    finally:
+        first.kill()
+        first.wait()
+    r = subprocess.run(_regen_cmd(prompts, out), env=env, check=True, capture_output=True, text=True, cwd=ROOT)
+    assert f"its previous writer (pid {first.pid}) died holding the lock; taken over" in r.stderr
+    assert out.read_bytes() == whole.read_bytes() and not (tmp_path / ".out.jsonl.lock").exists()
 
 
 def _drafter(target, layers=2, block=8, seed=0):

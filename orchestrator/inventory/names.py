@@ -41,7 +41,7 @@ def workdir_problem(path: str) -> str | None:
         return "contains a control character"
     if path == "~" or path.startswith("~/"):
         rest = path[1:] or "/"
-        if _dotted(rest) or (rest != "/" and posixpath.normpath(rest) != rest):
+        if _dotted(rest) or (rest != "/" and normalised(rest) != rest):
             return "must be normalised: no `.`, `..`, `//` or trailing / (write ~/NAME)"
         return None
     if path.startswith("~"):
@@ -49,9 +49,18 @@ def workdir_problem(path: str) -> str | None:
     if not path.startswith("/"):
         # A relative workdir would resolve against whatever folder the remote command starts in.
         return "must be an absolute path (or start with ~/)"
-    if _dotted(path) or posixpath.normpath(path) != path:
-        return f"must be normalised: no `.`, `..`, `//` or trailing / (as {posixpath.normpath(path)!r})"
-    return system_folder(path)
+    # normalised first: `//etc`, `/usr/../etc` and `/etc/.` are /etc, a system folder like it
+    if why := system_folder(normalised(path)):
+        return why
+    if _dotted(path) or normalised(path) != path:
+        return f"must be normalised: no `.`, `..`, `//` or trailing / (as {normalised(path)!r})"
+    return None
+
+
+def normalised(path: str) -> str:
+    """An absolute path as the kernel resolves it, symlinks aside: POSIX's normpath keeps a leading
+    `//` (`//etc` stays `//etc`), which Linux reads as `/`."""
+    return "/" + posixpath.normpath(path).lstrip("/")
 
 
 def system_folder(path: str) -> str | None:

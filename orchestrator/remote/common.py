@@ -89,12 +89,14 @@ def _workdir(arg):
     """WORKDIR as given (`~` expanded to this user's home); refused when it is not an absolute,
     normalised folder of its own: `/`, a system folder, `..`, a home of `/`."""
     path = os.path.expanduser(arg)
-    if (not path.startswith("/") or os.path.normpath(path) != path
-            or any(ord(c) < 32 or ord(c) == 127 for c in path)):
-        refuse("bad_workdir", "workdir %r (%r here) is not an absolute, normalised path" % (arg, path))
-    if path in SYSTEM_ROOTS or "/" + path.split("/")[1] in SYSTEM_TREES:
+    # normalised before the system-folder check: os.path.normpath keeps a leading `//` (POSIX leaves
+    # it to the system; Linux reads it as `/`), so `//etc` or a home of `//` would pass as not /etc
+    norm = "/" + os.path.normpath(path).lstrip("/")
+    if path.startswith("/") and (norm in SYSTEM_ROOTS or "/" + norm.split("/")[1] in SYSTEM_TREES):
         refuse("bad_workdir", "workdir %r is %s here, a system folder; set `workdir:` to a folder of its own"
-               % (arg, path))
+               % (arg, norm))
+    if not path.startswith("/") or norm != path or any(ord(c) < 32 or ord(c) == 127 for c in path):
+        refuse("bad_workdir", "workdir %r (%r here) is not an absolute, normalised path" % (arg, path))
     return path
 
 

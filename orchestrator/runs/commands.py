@@ -237,7 +237,7 @@ def _state_text(r: dict) -> str:
     if r["state"] == "failed" and ex.get("exit_code") is not None:
         return f"failed (exit {ex['exit_code']})"
     if r["state"] == "failed" and ex.get("lost"):
-        return "failed (lost)"
+        return "failed (disk full)" if ex.get("disk_full") else "failed (lost)"
     if r["state"] == "failed" and ex.get("started") is False:
         return "failed (never started)"
     return "running (no supervisor)" if r["state"] == "running" and r.get("unsupervised") else r["state"]

@@ -4,11 +4,15 @@ The export runs on the target (`python -m trainer.export`, through the runs agen
 verb, remote/runs/export.py) and the folder comes back over the same SSH connection as one stream: a
 header with each file's size and sha256, then the bytes. Here the files are written into a hidden
 folder beside the destination, checked against the header (sizes and hashes), and only then renamed
-to the destination: it is either absent or complete. Nothing is left on the target.
+to the destination: it is either absent or complete. Nothing is left on the target. Hidden folders that
+a killed export left beside it (`.dflash-export.partial-PID-*`, PID no longer running) are removed by
+the next export into the same folder. An -o of `/`, the current folder or a folder holding it, or one
+holding a local target's workdir, is refused before anything travels (--force would replace it).
 Library function: returns data, never prints.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -122,9 +126,13 @@ class _Receiver:
         self.index += 1
 
     def close(self) -> None:
-        if self.out is not None:
-            self.out.close()
-            self.out = None
+        """Close a file left open by a stream that stopped midway (it is discarded with the folder)."""
+        out, self.out = self.out, None
+        if out is not None:
+            try:
+                out.close()
+            except OSError:   # its buffer cannot reach a full disk: the error that stopped the stream says so
+                pass
 
     def check(self) -> None:
         """Every announced file complete, with the announced hash, and nothing more."""
@@ -160,13 +168,16 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
     if step is not None and step < 0:
         raise UsageError("--step must be >= 0")
     if output is not None:
+        if why := unsafe_output(Path(output), target):
+            raise UsageError(f"-o {output}: {why}")
         _check_dest(Path(output), force)
     if output is None:
         exports_home(target.name).mkdir(parents=True, exist_ok=True)
     where = Path(output).expanduser().resolve().parent if output else exports_home(target.name)
     if not where.is_dir():
         raise UsageError(f"-o {output}: the folder {where} does not exist")
-    partial = where / f".dflash-export.partial-{os.getpid()}-{time.monotonic_ns()}"
+    sweep_partials(where)
+    partial = where / f"{PARTIAL}{os.getpid()}-{time.monotonic_ns()}"
     args = ["export", target.workdir] + (["--step", str(step)] if step is not None else []) + \
         ["--dtype", dtype] + ["--running-ok"] * running_ok + ["--target-changed-ok"] * target_changed_ok + ["--", run]
     start = time.monotonic()
@@ -187,6 +198,12 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
         dest = Path(output).expanduser() if output else where / default_output(head["run"], head["step"])
         _check_dest(dest, force)
         _move_into_place(partial, dest)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        size = sum(int(f.get("size", 0)) for f in recv.files)
+        raise OpsError(f"{target.name}: export into {where}: disk full ({e.strerror}; the drafter is {size:,} bytes); "
+                       "the partial folder was removed: free space there or pass another -o") from None
     finally:
         recv.close()
         shutil.rmtree(partial, ignore_errors=True)
@@ -214,6 +231,56 @@ def refusal(target: Target, run: str, refused: agent.Refused, verb: str = "expor
         return OpsError(f"{t}: {head.get('message')}; run `dflash-ops deploy {t}` first")
     msg = f"{t}: run {head.get('run')}: cannot export: {head.get('message')}"
     return UsageError(msg) if head.get("exit_code") == 2 else OpsError(msg)
+
+
+PARTIAL = ".dflash-export.partial-"
+
+
+def unsafe_output(dest: Path, target: Target) -> str | None:
+    """Why `dest` may not be an export's -o even with --force (which moves what is there aside and
+    removes it): `/`, the current folder or a folder holding it, a folder holding a local target's
+    workdir (its runs). None when it may."""
+    out = Path(os.path.abspath(dest.expanduser()))   # `..` resolved as typed, symlinks below as they are
+    real = dest.expanduser().resolve()
+    cwd = Path.cwd().resolve()
+    if real == Path(real.anchor):
+        return "is the root folder; name a folder of its own"
+    if cwd == real or real in cwd.parents or cwd == out or out in cwd.parents:
+        return f"is the current folder or holds it ({cwd}); name a folder of its own"
+    if target.is_local:
+        work = Path(os.path.expanduser(target.workdir)).resolve()
+        if work == real or real in work.parents:
+            return f"holds {target.name}'s workdir {work} (its runs); name a folder of its own"
+    return None
+
+
+def sweep_partials(where: Path) -> list[str]:
+    """Remove the hidden folders in `where` that exports killed midway left (PARTIAL + the pid of a
+    process no longer running); one whose writer still runs is its own. Returns the names removed."""
+    gone = []
+    try:
+        names = os.listdir(where)
+    except OSError:
+        return gone
+    for name in names:
+        if not name.startswith(PARTIAL):
+            continue
+        pid = name[len(PARTIAL):].partition("-")[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(where / name, ignore_errors=True)
+        gone.append(name)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:     # another user's process: alive
+        return True
+    return True
 
 
 def _check_dest(dest: Path, force: bool) -> None:
@@ -248,4 +315,5 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["export", "refusal", "ExportResult", "TransferError", "default_output", "exports_home", "DTYPES"]
+__all__ = ["export", "refusal", "ExportResult", "TransferError", "default_output", "exports_home", "DTYPES",
+           "unsafe_output", "sweep_partials"]

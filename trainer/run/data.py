@@ -38,8 +38,12 @@ class Sample:
 # --------------------------------------------------------------------------- reading JSONL
 
 def read_rows(path: str) -> list[tuple[int, dict]]:
-    """(line number, row) for each non-empty line; bad JSON or a non-object is a UsageError."""
-    rows = read_jsonl(path, "--data")
+    """(line number, row) for each non-empty line; bad JSON or a non-object is a UsageError. Rows
+    regen could not answer ({"line": N, "skipped": why}, warned and counted there) are passed over."""
+    rows = [(n, row) for n, row in read_jsonl(path, "--data")
+            if not (isinstance(row, dict) and "skipped" in row and "messages" not in row and "input_ids" not in row)]
+    if not rows:
+        raise UsageError(f"--data {path}: every row is one regen skipped")
     for n, row in rows:
         if not isinstance(row, dict) or not (("input_ids" in row) ^ ("messages" in row)):
             raise UsageError(f"{path}:{n}: each row needs exactly one of 'input_ids' or 'messages'")

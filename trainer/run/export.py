@@ -33,6 +33,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from trainer.files import atomic_folder
+from trainer.writer_lock import output_lock
 from trainer.errors import TrainerError, UsageError
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -192,7 +193,7 @@ def export(run: str, output: str, *, step: int | None = None, dtype: str = "bflo
         raise UsageError(f"{path}: {e}") from None
     torch_dtype = getattr(torch, dtype)
 
-    with atomic_folder(dest) as tmp:
+    with output_lock(dest, "-o"), atomic_folder(dest) as tmp:   # one writer per folder
         config = draft_config(dcfg, target_config=target.config, target_num_layers=target.num_layers,
                               layer_ids=target.layer_ids, mask_token=_token_text(target.tokenizer, dcfg.mask_token_id),
                               dtype=dtype)

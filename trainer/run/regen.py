@@ -19,6 +19,12 @@ with its input line number (`"line"`). Rows are written a batch at a time (input
 [k*B, (k+1)*B)), appended, flushed and fsynced; a killed run is resumed (the default when the
 output exists) from the first batch not complete in the file: a torn last batch is cut off, so no
 row is lost or doubled and the batches, hence the answers, are those of an uninterrupted run.
+A row the target cannot answer (its tokenizer refuses it, it renders to no tokens, or it leaves no room in
+the target's context for --max-new-tokens) is written as {"line": N, "skipped": why}, warned and counted,
+and the trainer passes over it: the run never stops on one row. (Empty, unencodable and over-long rows
+are refused before that, naming file:line, by `read_prompts`, which the controller runs too.)
+One writer per output (trainer/writer_lock.py): a second regen of the same --out is refused while
+the first runs, so two never append to one file.
 
 Progress goes to stderr at least every PROGRESS_S seconds, answered batches or not: rows done,
 rows/s, tokens/s and the ETA. The last stdout line is a JSON document with the output's path.
@@ -38,8 +44,13 @@ from pathlib import Path
 from trainer import faults
 from trainer.errors import UsageError
 from trainer.run.jsonl import read_jsonl
+from trainer.writer_lock import output_lock
 
 PROGRESS_S = 10.0
+# A row's text (its kept turns together), checked before anything loads: no context takes more (a
+# token is at least a character or so), and tokenizing 10 MB ran a regen's memory past 8 GB. The
+# target's own context is checked once its tokenizer has rendered the row (`_prompt`).
+MAX_PROMPT_CHARS = 1_000_000
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
 
@@ -75,6 +86,18 @@ def _turns(doc, where: str) -> tuple[tuple[str, str], ...]:
     kept = tuple((r, c) for r, c in turns if r != "assistant")
     if not any(r == "user" for r, _ in kept):
         raise UsageError(f"{where}: no user turn to answer")
+    for role, content in kept:
+        if role == "user" and not content:
+            raise UsageError(f"{where}: an empty user turn: nothing to answer")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as e:   # JSON's "\ud800": a lone surrogate no tokenizer takes
+            raise UsageError(f"{where}: text that cannot be encoded as UTF-8 ({e.reason}: "
+                             f"{content[e.start:e.end]!r} at character {e.start})") from None
+    size = sum(len(c) for _, c in kept)
+    if size > MAX_PROMPT_CHARS:
+        raise UsageError(f"{where}: {size:,} characters, more than any target's context takes "
+                         f"(at most {MAX_PROMPT_CHARS:,} a row)")
     return kept
 
 
@@ -104,12 +127,26 @@ def _render(tokenizer, messages, thinking: bool) -> list[int]:
     return data._render(tokenizer, messages, True, {} if thinking else {"enable_thinking": False})
 
 
-def answer_batch(model, tokenizer, convs: list[list[dict]], *, max_new_tokens: int, temperature: float,
-                 thinking: bool, eos: list[int], pad_id: int) -> list[tuple[str, int]]:
-    """One generate call over conversations that each end with a user turn: (answer text, tokens)."""
+def _prompt(tokenizer, conv: list[dict], thinking: bool, room: int | None) -> list[int] | str:
+    """A conversation's rendered prompt, or why it cannot be answered: what the pre-check cannot
+    see (a tokenizer's own refusal, a prompt of no tokens, one longer than the context leaves)."""
+    try:
+        ids = _render(tokenizer, conv, thinking)
+    except Exception as e:  # noqa: BLE001 - a tokenizer's refusal of one row skips that row, not the run
+        first = (str(e).splitlines() or [""])[0][:200]
+        return f"the chat template or tokenizer refused it ({type(e).__name__}: {first})"
+    if not ids:
+        return "its prompt renders to no tokens"
+    if room is not None and len(ids) > room:
+        return f"its prompt is {len(ids)} tokens; the target's context leaves {room} beside --max-new-tokens"
+    return ids
+
+
+def answer_batch(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                 eos: list[int], pad_id: int) -> list[tuple[str, int]]:
+    """One generate call over rendered prompts (each ends with a user turn): (answer text, tokens)."""
     import torch
 
-    prompts = [_render(tokenizer, c, thinking) for c in convs]
     width = max(map(len, prompts))
     dev = model.device
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -127,13 +164,18 @@ def answer_batch(model, tokenizer, convs: list[list[dict]], *, max_new_tokens: i
     return answers
 
 
-def regen_batch(model, tokenizer, rows: list[Row], **kw) -> tuple[list[dict], int]:
-    """Answer every user turn of `rows`, turn by turn -> (output rows, tokens generated)."""
+def regen_batch(model, tokenizer, rows: list[Row], *, thinking: bool, max_new_tokens: int,
+                context: int | None = None, **kw) -> tuple[list[dict], int]:
+    """Answer every user turn of `rows`, turn by turn -> (output rows, tokens generated). A row that
+    cannot be answered (`_prompt`) is written as {"line": N, "skipped": why}: still one line per
+    input row, so a resume's count of whole batches holds; the trainer's reader passes over it."""
     convs = [[] for _ in rows]
     pending = [list(r.turns) for r in rows]
+    skipped: dict[int, str] = {}
+    room = None if context is None else context - max_new_tokens
     tokens = 0
     while any(pending):
-        ask = []
+        ask, prompts = [], []
         for i, turns in enumerate(pending):
             while turns and turns[0][0] != "user":  # system turns go in as they come
                 role, content = turns.pop(0)
@@ -141,13 +183,20 @@ def regen_batch(model, tokenizer, rows: list[Row], **kw) -> tuple[list[dict], in
             if turns:
                 role, content = turns.pop(0)
                 convs[i].append({"role": role, "content": content})
+                ids = _prompt(tokenizer, convs[i], thinking, room)
+                if isinstance(ids, str):
+                    skipped[i] = ids
+                    turns.clear()
+                    continue
                 ask.append(i)
+                prompts.append(ids)
         if not ask:
             break
-        for i, (text, n) in zip(ask, answer_batch(model, tokenizer, [convs[i] for i in ask], **kw)):
+        for i, (text, n) in zip(ask, answer_batch(model, tokenizer, prompts, max_new_tokens=max_new_tokens, **kw)):
             convs[i].append({"role": "assistant", "content": text})
             tokens += n
-    return [{"line": r.line, "messages": c} for r, c in zip(rows, convs)], tokens
+    return [{"line": r.line, "skipped": skipped[i]} if i in skipped else {"line": r.line, "messages": c}
+            for i, (r, c) in enumerate(zip(rows, convs))], tokens
 
 
 def no_room_counts(rows: list[dict], tokenizer, *, block_size: int, seq_len: int) -> dict:
@@ -192,61 +241,68 @@ def regen(target_spec: str, prompts: str, out: str, *, max_new_tokens: int = 512
 
     rows = read_prompts(prompts)
     out_path = Path(out)
-    if out_path.exists() and not resume:
-        raise UsageError(f"--out {out}: exists (resume is the default; remove it to start over)")
-    done = min(resume_point(out_path, batch_size, len(rows)), len(rows))
-    batches = [rows[i: i + batch_size] for i in range(0, len(rows), batch_size)]
-    todo = list(range(done // batch_size, len(batches)))
-    if done:
-        log(f"regen: resuming after {done} of {len(rows)} rows already in {out}")
-    n_workers = max(1, min(gpus, torch.cuda.device_count())) if gpus > 0 else 1
-    devices = [torch.device(f"cuda:{i}") for i in range(n_workers)] if gpus > 0 and torch.cuda.is_available() \
-        else [torch.device("cpu")]
-    log(f"regen: {len(rows) - done} of {len(rows)} rows to answer, batches of {batch_size}, "
-        f"{len(devices)} worker(s): {', '.join(map(str, devices))}")
-    results: dict[int, tuple[list[dict], int] | BaseException] = {}
-    ready = threading.Condition()
+    with output_lock(out_path, "--out", log=log):  # one writer: two would double rows
+        if out_path.exists() and not resume:
+            raise UsageError(f"--out {out}: exists (resume is the default; remove it to start over)")
+        done = min(resume_point(out_path, batch_size, len(rows)), len(rows))
+        batches = [rows[i: i + batch_size] for i in range(0, len(rows), batch_size)]
+        todo = list(range(done // batch_size, len(batches)))
+        if done:
+            log(f"regen: resuming after {done} of {len(rows)} rows already in {out}")
+        n_workers = max(1, min(gpus, torch.cuda.device_count())) if gpus > 0 else 1
+        devices = [torch.device(f"cuda:{i}") for i in range(n_workers)] if gpus > 0 and torch.cuda.is_available() \
+            else [torch.device("cpu")]
+        log(f"regen: {len(rows) - done} of {len(rows)} rows to answer, batches of {batch_size}, "
+            f"{len(devices)} worker(s): {', '.join(map(str, devices))}")
+        results: dict[int, tuple[list[dict], int] | BaseException] = {}
+        ready = threading.Condition()
 
-    def work(w: int, dev: torch.device) -> None:
-        try:
-            dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-            target = load_target(target_spec, device=dev, dtype=dtype)
-            if target.tokenizer is None or not getattr(target.tokenizer, "chat_template", None):
-                raise UsageError(f"--target {target_spec}: regen needs the target's tokenizer with a chat template")
-            tok = target.tokenizer
-            eos = sorted(target.eos_ids())
-            pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-            for k in todo[w::len(devices)]:
-                if stop.is_set():
-                    return
-                faults.hit("regen_batch", index=k)
-                torch.manual_seed(seed * 1_000_003 + k)  # the same draws for batch k on any resume
-                out_rows, n_tok = regen_batch(target.model, tok, batches[k], max_new_tokens=max_new_tokens,
-                                              temperature=temperature, thinking=thinking, eos=eos, pad_id=pad)
-                room = no_room_counts(out_rows, tok, block_size=block_size, seq_len=seq_len)
-                with ready:
-                    results[k] = (out_rows, n_tok, room)
-                    ready.notify_all()
-        except BaseException as e:  # noqa: BLE001 - handed to the writer, which raises it
-            with ready:
+        def work(w: int, dev: torch.device) -> None:
+            try:
+                dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+                target = load_target(target_spec, device=dev, dtype=dtype)
+                if target.tokenizer is None or not getattr(target.tokenizer, "chat_template", None):
+                    raise UsageError(f"--target {target_spec}: regen needs the target's tokenizer with a chat template")
+                tok = target.tokenizer
+                eos = sorted(target.eos_ids())
+                pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+                context = getattr(target.config, "max_position_embeddings", None)
+                if context is not None and max_new_tokens >= context:
+                    raise UsageError(f"--max-new-tokens {max_new_tokens}: the target's context is {context} "
+                                     "tokens, prompt and answer together")
                 for k in todo[w::len(devices)]:
-                    results.setdefault(k, e)
-                ready.notify_all()
+                    if stop.is_set():
+                        return
+                    faults.hit("regen_batch", index=k)
+                    torch.manual_seed(seed * 1_000_003 + k)  # the same draws for batch k on any resume
+                    out_rows, n_tok = regen_batch(target.model, tok, batches[k], max_new_tokens=max_new_tokens,
+                                                  temperature=temperature, thinking=thinking, eos=eos, pad_id=pad,
+                                                  context=context)
+                    room = no_room_counts([r for r in out_rows if "messages" in r], tok, block_size=block_size,
+                                          seq_len=seq_len)
+                    with ready:
+                        results[k] = (out_rows, n_tok, room)
+                        ready.notify_all()
+            except BaseException as e:  # noqa: BLE001 - handed to the writer, which raises it
+                with ready:
+                    for k in todo[w::len(devices)]:
+                        results.setdefault(k, e)
+                    ready.notify_all()
 
-    stop = threading.Event()
-    threads = [threading.Thread(target=work, args=(w, d), daemon=True) for w, d in enumerate(devices)]
-    for t in threads:
-        t.start()
-    try:
-        doc = _write_in_order(out_path, todo, results, ready, len(rows), done, log)
-        doc["no_room"] = {**doc["no_room"], "block_size": block_size, "seq_len": seq_len}
-        return doc
-    finally:
-        stop.set()
-        # The workers end before the interpreter does: a thread still unwinding torch state
-        # while Python finalizes aborts the process ("terminate called without an active exception").
+        stop = threading.Event()
+        threads = [threading.Thread(target=work, args=(w, d), daemon=True) for w, d in enumerate(devices)]
         for t in threads:
-            t.join()
+            t.start()
+        try:
+            doc = _write_in_order(out_path, todo, results, ready, len(rows), done, log)
+            doc["no_room"] = {**doc["no_room"], "block_size": block_size, "seq_len": seq_len}
+            return doc
+        finally:
+            stop.set()
+            # The workers end before the interpreter does: a thread still unwinding torch state
+            # while Python finalizes aborts the process ("terminate called without an active exception").
+            for t in threads:
+                t.join()
 
 
 def _write_in_order(out_path: Path, todo: list[int], results: dict, ready, total: int, done: int, log,
@@ -266,11 +322,15 @@ def _write_in_order(out_path: Path, todo: list[int], results: dict, ready, total
             out_rows, n_tok, skipped = res
             for why, n in skipped.items():
                 room[why] += n
+            for r in out_rows:
+                if "skipped" in r:
+                    progress.skipped += 1
+                    log(f"regen: warning: input line {r['line']} skipped: {r['skipped']}")
             f.write(b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in out_rows))
             f.flush()
             os.fsync(f.fileno())
             progress.add(len(out_rows), n_tok, last=k == todo[-1])
-    return {"event": "done", "rows": total, "resumed_at": done, "written": progress.rows,
+    return {"event": "done", "rows": total, "resumed_at": done, "written": progress.rows, "skipped": progress.skipped,
             "tokens": progress.tokens, "seconds": time.time() - progress.t0, "out": str(out_path),
             "no_room": room}
 
@@ -281,7 +341,7 @@ class _Progress:
     def __init__(self, total: int, done: int, log, every: float):
         self.total, self.done, self.log, self.every = total, done, log, every
         self.t0 = self.last = time.time()
-        self.rows = self.tokens = 0
+        self.rows = self.tokens = self.skipped = 0
 
     def due(self) -> float:
         """Seconds until the next line is due."""
@@ -341,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
                 block_size=a.block_size, seq_len=a.seq_len, log=lambda s: print(s, file=sys.stderr, flush=True))
     if no_room_line(doc):
         print(no_room_line(doc), file=sys.stderr, flush=True)
+    if doc["skipped"]:
+        print(f"regen: warning: {doc['skipped']} rows skipped (lines above); their lines in {doc['out']} say why",
+              file=sys.stderr, flush=True)
     print(f"regen: done: {doc['rows']} rows in {doc['out']}; train on them with `--data {doc['out']}`",
           file=sys.stderr, flush=True)
     print(json.dumps(doc), flush=True)

@@ -384,7 +384,9 @@ def write_prompts(size: str, split: str, n: int, out: str, *, seed: int = 0, roo
             return True
 
         texts = cut_prompts(held, n, seed=seed + 7919, keep=unseen)
-    with open(out, "w", encoding="utf-8") as f:
+    from trainer.writer_lock import output_lock
+
+    with output_lock(out, "--out"), open(out, "w", encoding="utf-8") as f:   # one writer per file
         for t in texts:
             f.write(json.dumps({"prompt": t}) + "\n")
     return {"prompts": len(texts), "dropped": len(dropped)}

@@ -164,10 +164,33 @@ def _state(rundir, rec=None):
                            "(it checkpointed and exited)")
         return "stopped", post
     stopped = os.path.exists(os.path.join(rundir, "stop.json"))
-    post.update(lost=True, exit_code=None,
-                reason="the run's processes are gone and left no exit status "
-                       "(killed with SIGKILL, or the container stopped)")
+    full = _disk_full(rundir, log)
+    post.update(lost=True, exit_code=None, disk_full=bool(full),
+                reason=full or "the run's processes are gone and left no exit status "
+                               "(killed with SIGKILL, or the container stopped)")
     return ("stopped" if stopped else "failed"), post
+
+
+DISK_FULL_BYTES = 1 << 20   # less free than this where the run writes: nothing it writes (exit.json) fits
+
+
+def _disk_full(rundir, log):
+    """Why a run that left no exit status ended, when a full disk is the likely cause (the supervisor
+    could not write exit.json either): its log's tail says ENOSPC, or its folder's filesystem is full
+    now. None otherwise."""
+    tail = _tail(log) or b""
+    said = b"No space left on device" in tail or b"ENOSPC" in tail
+    try:
+        st = os.statvfs(rundir)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    if not said and (free is None or free >= DISK_FULL_BYTES):
+        return None
+    now = "" if free is None else "; %d bytes free there now" % free
+    return ("disk full: %s (the run's processes are gone and left no exit status%s); free space, then "
+            "`launch --resume` continues it" % ("its log says No space left on device" if said
+                                                else "the filesystem of its folder is full", now))
 
 
 # A rank's line under torchrun: `[rankN]: text` (with several nodes also rank 0's metrics).

@@ -1,0 +1,53 @@
+"""One writer per output (trainer/writer_lock.py): a second writer of the same file is refused in
+one line naming the holder; a dead holder's lock is taken over, said so; a writer that ends leaves
+no lock file."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.errors import UsageError
+from trainer.writer_lock import lock_path, output_lock
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_second_writer_is_refused_naming_the_holder_and_a_finished_writer_leaves_nothing(tmp_path, monkeypatch):
+    out = tmp_path / "rows.jsonl"
+    monkeypatch.setenv("DFLASH_OPS_RUN", "20250101-120000-3fa9c1")
+    with output_lock(out, "--out"):
+        assert json.loads(lock_path(out).read_text()) == {"pid": os.getpid(), "run": "20250101-120000-3fa9c1"}
+        with pytest.raises(UsageError) as e:
+            with output_lock(out, "--out"):
+                pass
+    msg = str(e.value)
+    assert "\n" not in msg and f"--out {out}: another writer holds it (pid {os.getpid()}, run 20250101-120000-3fa9c1)" \
+        in msg and "`dflash-ops stop TARGET 20250101-120000-3fa9c1`" in msg
+    assert not lock_path(out).exists()
+    with output_lock(out, "--out"):   # free again
+        pass
+
+
+def test_the_lock_of_a_killed_writer_is_taken_over_and_said_so(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    code = ("import os, sys; from trainer.writer_lock import output_lock\n"
+            f"with output_lock({str(out)!r}, '--out'):\n    print('held', flush=True); os.kill(os.getpid(), 9)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == -9 and r.stdout == "held\n" and lock_path(out).exists()
+    dead = json.loads(lock_path(out).read_text())["pid"]
+    said = []
+    with output_lock(out, "--out", log=said.append):
+        pass
+    assert said == [f"--out {out}: its previous writer (pid {dead}) died holding the lock; taken over"]
+
+
+def test_a_lock_that_cannot_be_created_is_one_line(tmp_path):
+    with pytest.raises(UsageError, match=r"^--out .*/nope/x.jsonl: cannot create its lock .*: No such file"):
+        with output_lock(tmp_path / "nope" / "x.jsonl", "--out"):
+            pass
