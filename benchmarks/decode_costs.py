@@ -56,14 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [torch.randint(0, recipe.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
     out = {"size": a.size, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "dtype": a.dtype, "prompts": a.prompts, "prompt_len": a.prompt_len, "new_tokens": a.new}
-    for name, dec in (("graphs", GraphDecoder(target, d, a.prompt_len + a.new)), ("eager", specdec.EagerDecoder(target, d))):
+    engines = (("graphs", GraphDecoder(target, d, a.prompt_len + a.new)), ("eager", specdec.EagerDecoder(target, d)))
+    for name, dec in engines:
         dec.target_alone(prompts[0], 16)
         dec.speculative(prompts[0], 32)
         alone = [dec.target_alone(q, a.new) for q in prompts]
         spec = [dec.speculative(q, a.new) for q in prompts]
         tok = sum(len(r.tokens) - 1 for r in alone)
         t_token = 1e3 * sum(r.spent.total - r.spent.prefill for r in alone) / tok
-        full = [s for s in spec]  # every round but the last of each prompt verifies a full block
+        full = spec  # every round but the last of each prompt verifies a full block
         rounds = sum(len(s.produced) for s in full)
         part = {k: 1e3 * sum(getattr(s.spent, k) for s in full) / rounds for k in ("draft", "extend")}
         part["verify"] = 1e3 * sum(s.spent.verify - s.spent.prefill for s in full) / rounds
