@@ -60,10 +60,43 @@ def parse(words: list[str]) -> None:
 
 
 def test_the_collector_finds_the_walk_through_and_continued_lines():
-    lines = [line for _, line in fenced_command_lines(REPO / "README.md")]
-    assert len(lines) > 40
-    assert any(line.startswith("dflash-ops launch ct200 --gpus 8 --config configs/qwen3-8b.yaml --follow -- ")
-               and "--target /models/MyModel" in line for line in lines)
+    assert len(CASES) > 40
+    for doc in ("README.md", "docs/train-your-model.md"):
+        lines = [line for _, line in fenced_command_lines(REPO / doc)]
+        assert any(line.startswith("dflash-ops launch ct200 --gpus 8 --config configs/qwen3-8b.yaml --follow -- ")
+                   and "--target /models/MyModel" in line for line in lines), doc
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors GitHub makes of a Markdown file's headings (outside fences): lower case, spaces to
+    `-`, punctuation but `-` and `_` dropped."""
+    found, inside = set(), False
+    for line in path.read_text().splitlines():
+        if FENCE.match(line):
+            inside = not inside
+        elif not inside and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            found.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return found
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_each_relative_link_reaches_a_file_and_its_heading(doc):
+    """README sends a newcomer to docs/ by links; a moved section must not leave one dangling."""
+    bad = []
+    for target in LINK.findall(doc.read_text()):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (doc.parent / path).resolve() if path else doc
+        if not dest.exists():
+            bad.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            bad.append(f"{target}: no heading with that anchor in {dest.relative_to(REPO)}")
+    assert not bad, bad
 
 
 @pytest.mark.parametrize("line", CASES)
