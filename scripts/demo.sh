@@ -97,7 +97,7 @@ set -e
 step "dflash-ops report $T $run -o out/dflash-report-$run.png"
 dflash-ops report "$T" "$run" -o "out/dflash-report-$run.png" || true
 
-# The trained drafter as the DFlash draft-model folder serving engines load (README: "Serve your drafter").
+# The trained drafter as the DFlash draft-model folder serving engines load (docs/serving.md, "Serve your drafter").
 if [ "$rc" -eq 0 ]; then
     step "dflash-ops export $T $run -o out/dflash-drafter-$run"
     dflash-ops export "$T" "$run" -o "out/dflash-drafter-$run" || rc=$?

@@ -1,4 +1,4 @@
-"""The bounds of hosts.yaml and playbooks (README "Limits"): size, nesting, plain data only,
+"""The bounds of hosts.yaml and playbooks (docs/reliability.md, "Limits"): size, nesting, plain data only,
 plain-decimal numbers, the names targets/hosts/groups may have, and what a workdir may be, on
 the controller at load and on the target once `~` is resolved there (real sshd)."""
 from __future__ import annotations

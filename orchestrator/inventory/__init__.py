@@ -87,7 +87,7 @@ class Inventory:
                              f" (known: {', '.join(sorted(self.targets))})") from None
 
     def default_target(self) -> Target:
-        """README: `default:`, else the only target the file defines, else `local`."""
+        """docs/inventory.md: `default:`, else the only target the file defines, else `local`."""
         if self.default:
             return self.target(self.default)
         defined = [n for n in self.targets if n != LOCAL]
@@ -162,7 +162,7 @@ def _local_gpu_count() -> int:
 
 
 def find_path(explicit: str | None) -> Path | None:
-    """README: --inventory/-i, else $DFLASH_OPS_INVENTORY, else ./hosts.yaml (if it exists)."""
+    """docs/inventory.md: --inventory/-i, else $DFLASH_OPS_INVENTORY, else ./hosts.yaml (if it exists)."""
     if explicit:
         return Path(explicit)
     if os.environ.get(ENV_VAR):

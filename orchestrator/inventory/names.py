@@ -1,4 +1,4 @@
-"""What hosts.yaml's names and `workdir:` may be (pure; checked at load, README "Limits").
+"""What hosts.yaml's names and `workdir:` may be (pure; checked at load, docs/reliability.md, "Names" and "workdir").
 
 Names of targets, hosts and groups are typed on command lines and joined with commas
 (`launch ct1,ct2`), so they are letters, digits, `-`, `_` and `.`, start with a letter or a digit,

@@ -236,7 +236,7 @@ def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
 def _after_cut_off(s: Session, target: Target, spec: dict, cut: StepFailed) -> dict:
     """What a launch whose agent was cut off left on the target: the run's status as a launch
     reply when it runs; otherwise the cut itself, saying that nothing runs (the launch sequence
-    on the target is crash-safe: README, "Reliability")."""
+    on the target is crash-safe: docs/reliability.md)."""
     run = spec["run"]
     try:
         found = agent.call(s.transport(target), target, agent.RUNS, ["status", target.workdir, "--", run],

@@ -19,7 +19,7 @@ _TEXT_MAX = 2000
 def scan_files(paths: Iterable[str], catalog: Catalog | None = None) -> dict:
     """Scan each file line by line (streaming: logs can be large) and report every match.
 
-    Returns the shape README documents for `scan --json`:
+    Returns the shape docs/runs.md documents for `scan --json`:
         {"files": {PATH: [{"line": int, "signature": str, "severity": "fatal"|"warning",
                            "meaning": str, "remedy": str, "text": str}]},
          "fatal": int, "warnings": int, "signatures": {ID: count}}

@@ -233,7 +233,7 @@ def _launch(workdir, spec):
                     holders=[{"run": r, "pid": p, "unsupervised": u} for r, p, u in holders], cleared=cleared)
         # The slots are held before anything starts: by this agent, then by the supervisor it
         # records, then by the trainer (runs/locks.py); a launch cut off at any point leaves either
-        # a stale lock (nothing started) or one whose holder runs (README, "Reliability").
+        # a stale lock (nothing started) or one whose holder runs (docs/reliability.md).
         since, held = _now_iso(), _launcher()
         _hold(guard, run, chosen_slots, held, since)
         _fault("launch.claimed")

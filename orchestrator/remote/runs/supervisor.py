@@ -2,7 +2,7 @@
 
 launch double-forks the supervisor (setsid, all three streams redirected: docs/background.md#pct); it is
 a fork of the agent, so it runs with the whole joined program. The handshake, over two pipes, makes
-the launch crash-safe at every point (README, "Reliability"):
+the launch crash-safe at every point (docs/reliability.md):
 
     supervisor -> agent   hello: its pid            the agent records it in the slot locks, run.json
     agent -> supervisor   go                        (end of file instead: the agent died; start nothing)
