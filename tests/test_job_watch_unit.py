@@ -34,15 +34,30 @@ def test_the_job_failure_is_a_rank_that_failed_on_its_own():
     assert watch.describe({"rank": None, "node": "10.0.0.2", "error": "silent"}) == "node 10.0.0.2 failed: silent"
 
 
-def test_the_grace_is_three_of_the_longest_steps_and_outlasts_a_ranks_own_work(monkeypatch):
+def test_the_grace_is_three_of_the_longest_steps(monkeypatch):
+    now = [100.0]                               # a fake clock: the steps take exactly what the test says
+    monkeypatch.setattr(grace_module, "time", SimpleNamespace(monotonic=lambda: now[0], sleep=time.sleep))
     grace = grace_module.StopGrace(0)
     grace.least = 0.3
     assert grace.seconds() == 0.3
     grace.boundary()
-    time.sleep(0.2)
+    now[0] += 0.2
     grace.boundary()
-    assert 0.6 <= grace.seconds() < 0.9         # 3 x the 0.2 s step
+    assert grace.seconds() == pytest.approx(0.6)      # 3 x the 0.2 s step
+    now[0] += 0.1
+    grace.boundary()
+    assert grace.seconds() == pytest.approx(0.6)      # the longest step, not the last
+    grace.excuse_until_boundary()
+    now[0] += 5.0                                     # a step and a checkpoint: no step's time
+    grace.boundary()
+    assert grace.seconds() == pytest.approx(0.6)
+    now[0] += 1000.0
+    grace.boundary()
+    assert grace.seconds() == grace_module.STOP_GRACE_MAX_S
 
+
+def test_the_grace_outlasts_a_ranks_own_work(monkeypatch):
+    grace = grace_module.StopGrace(0)
     ended = threading.Event()
     monkeypatch.setattr(grace_module, "exit_process", lambda code, finalize=None: ended.set())
     t0 = time.monotonic()

@@ -13,7 +13,7 @@ from trainer_quick import CLI_MAIN, IDLE_RUN, copy_trainer, tiny_run_config, wai
 
 from orchestrator import inventory
 from orchestrator.deploy import sync as deploy
-from orchestrator.runs import launch as runs
+from orchestrator.runs import nodes
 
 REPO = Path(__file__).resolve().parent.parent
 WORKDIR = "/srv/ct/dflash"
@@ -163,7 +163,7 @@ def test_follow_survives_dropped_connections_byte_for_byte(ct, tmp_path):
         wait_for(lambda: errf.read_bytes().count(b"reconnected after") >= 3
                  and out.stat().st_size > seen + 200, what="the stream to resume")
         assert drops >= 3
-        doc = runs.stop(ct.inv, ct.target, run)
+        [(_, doc)] = nodes.stop(ct.inv, ct.target, run, force=False, timeout=120.0)
         assert doc["state"] == "stopped"
         code = proc.wait(timeout=180)
     finally:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator import inventory
-from orchestrator.runs import follow, nodes, report, launch as runs
+from orchestrator.runs import follow, nodes, report, status, launch as runs
 from orchestrator.errors import UsageError
 from orchestrator.runs.options import LaunchOptions
 from trainer.signatures import load_catalog
@@ -32,20 +32,20 @@ def test_run_ids_sort_by_time_and_never_collide():
 
 
 def test_target_and_run_arguments():
-    assert runs.split_target_run(INV, []) == (INV.targets["ct200"], "latest")
-    assert runs.split_target_run(INV, ["ct201"]) == (INV.targets["ct201"], "latest")
-    assert runs.split_target_run(INV, ["20250101-000000-abcdef"]) == (INV.targets["ct200"],
+    assert status.split_target_run(INV, []) == (INV.targets["ct200"], "latest")
+    assert status.split_target_run(INV, ["ct201"]) == (INV.targets["ct201"], "latest")
+    assert status.split_target_run(INV, ["20250101-000000-abcdef"]) == (INV.targets["ct200"],
                                                                         "20250101-000000-abcdef")
-    assert runs.split_target_run(INV, ["ct201", "R"]) == (INV.targets["ct201"], "R")
-    assert runs.split_target_run(INV, ["latest"]) == (INV.targets["ct200"], "latest")
+    assert status.split_target_run(INV, ["ct201", "R"]) == (INV.targets["ct201"], "R")
+    assert status.split_target_run(INV, ["latest"]) == (INV.targets["ct200"], "latest")
     with pytest.raises(UsageError, match="unknown target 'ct20'"):
-        runs.split_target_run(INV, ["ct20", "R"])
+        status.split_target_run(INV, ["ct20", "R"])
     with pytest.raises(UsageError, match="unknown target 'ct2001'"):
-        runs.split_target_run(INV, ["ct2001"])
+        status.split_target_run(INV, ["ct2001"])
 
 
 def test_exit_codes_as_documented():
-    assert [runs.exit_code_for(s) for s in ("succeeded", "failed", "running", "stopped")] == \
+    assert [status.exit_code_for(s) for s in ("succeeded", "failed", "running", "stopped")] == \
         [0, 100, 101, 103]
 
 
@@ -162,15 +162,15 @@ def test_a_job_over_nodes_is_one_status_row_with_rank_0s_numbers():
             {"run": "r1", "target": "ct300", "state": "failed", "step": 7, "nodes": ["ct200", "ct300"],
              "node": {"node_rank": 0, "ranks": [0, 0], "rank0": True}},
             {"run": "r0", "target": "ct200", "state": "succeeded", "step": 3, "nodes": None}]
-    out = runs.group_rows(rows)
+    out = status.group_rows(rows)
     assert [r["run"] for r in out] == ["r1", "r0"]
     job = out[0]
     assert (job["target"], job["state"], job["step"]) == ("ct300", "failed", 7)
     assert [(n["target"], n["state"], n["node_rank"]) for n in job["nodes"]] == [
         ("ct200", "running", 1), ("ct300", "failed", 0)]
-    assert runs.job_state(["succeeded", "stopped"]) == "stopped"
-    assert runs.job_state(["succeeded", "running"]) == "running"
-    assert runs.job_state(["succeeded", "succeeded"]) == "succeeded"
+    assert status.job_state(["succeeded", "stopped"]) == "stopped"
+    assert status.job_state(["succeeded", "running"]) == "running"
+    assert status.job_state(["succeeded", "succeeded"]) == "succeeded"
 
 
 def test_node_lines_are_led_by_target_and_rank():

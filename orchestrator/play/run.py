@@ -354,7 +354,7 @@ def _exec(run: Run, o: dict):
 
 
 def _wait_for(run: Run, o: dict):
-    from orchestrator.runs import launch as runs
+    from orchestrator.runs import status as runs
 
     want = o.get("state") or ["succeeded"]
     name, timeout, every = o.get("run", "latest"), o.get("timeout", 3600.0), max(0.2, o.get("every", 5.0))

@@ -1,6 +1,6 @@
 """Click commands of the run lifecycle: launch, logs, status, stop, report, export.
 
-Thin: parse options, call one function of `nodes.py` / `launch.py` /
+Thin: parse options, call one function of `nodes.py` / `status.py` /
 `report.py`, print. How `logs` shows a run is `logview.py`.
 """
 from __future__ import annotations
@@ -189,7 +189,7 @@ def logs(state: State, args, follow, tail, as_json):
     103 stopped. stdout is the log itself (on a terminal, each step or event once, as a line of
     text); notes and the summary go to stderr. Ctrl-C stops following; the run goes on.
     """
-    from orchestrator.runs import nodes, launch as runs
+    from orchestrator.runs import nodes, status as runs
 
     target, run = runs.split_target_run(state.inv, args)
     seen = Seen() if as_json else None
@@ -208,7 +208,7 @@ def logs(state: State, args, follow, tail, as_json):
 @click.pass_obj
 def status(state: State, names, all_targets, as_json):
     """Table of runs on the targets (default: the default target)."""
-    from orchestrator.runs import launch as runs
+    from orchestrator.runs import status as runs
 
     rows, errors = runs.status(state.inv, list(names), all_targets=all_targets)
     text = table(["RUN", "NAME", "TARGET", "STATE", "STEP", "LOSS", "TAU", "STARTED", "ELAPSED"],
@@ -254,7 +254,7 @@ def _state_text(r: dict) -> str:
 @click.pass_obj
 def stop(state: State, args, force, timeout, as_json):
     """SIGTERM the run (default: the latest): the trainer checkpoints and exits."""
-    from orchestrator.runs import nodes, launch as runs
+    from orchestrator.runs import nodes, status as runs
 
     target, run = runs.split_target_run(state.inv, args)
     try:
@@ -302,7 +302,7 @@ def _stop_line(name: str, doc: dict) -> str:
 def report(state: State, args, out, as_json):
     """Fetch the run's metrics and write a PNG of loss, acceptance length and throughput, and the
     acceptance rate per block position; print its path and the last eval's tau (rounds, 95% interval)."""
-    from orchestrator.runs import nodes, launch as runs
+    from orchestrator.runs import nodes, status as runs
     from orchestrator.runs import report as report_mod
 
     target, run = runs.split_target_run(state.inv, args)
@@ -349,7 +349,7 @@ def export(state: State, args, output, step, dtype, force, running_ok, target_ch
     at DIR only when complete.
     """
     from orchestrator.runs import export as export_mod
-    from orchestrator.runs import nodes, launch as runs
+    from orchestrator.runs import nodes, status as runs
     from orchestrator.ui import progress_bars
 
     target, run = runs.split_target_run(state.inv, args)

@@ -20,7 +20,7 @@ from orchestrator.ssh import agent
 from orchestrator.errors import (ConnectError, ConnectionLost, ContainerError, HostKeyError, NotFound, OpsError,
                      StepFailed, UsageError)
 from orchestrator.inventory import Inventory, Target
-from orchestrator.runs.launch import exit_code_for, not_found
+from orchestrator.runs.status import exit_code_for, not_found
 from orchestrator.ssh.session import Session
 from orchestrator.ssh.transport import SshTransport
 

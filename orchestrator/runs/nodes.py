@@ -23,8 +23,8 @@ from orchestrator.ssh import agent
 from orchestrator.errors import OpsError, UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.runs.options import LaunchOptions
-from orchestrator.runs.launch import (LaunchResult, call_about_run, exit_code_for, job_state, launch_on, launch_spec,
-                                      new_run_id, not_found, status_docs)
+from orchestrator.runs.launch import LaunchResult, launch_on, launch_spec, new_run_id
+from orchestrator.runs.status import call_about_run, exit_code_for, job_state, not_found, status_docs
 from orchestrator.ssh.session import Session
 
 UNDO_TIMEOUT_S = 30.0

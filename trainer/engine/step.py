@@ -359,13 +359,3 @@ def weight_checksum(r: Replica) -> torch.Tensor:
     """
     sums = [p.detach().view(_INT_VIEW[p.element_size()]).sum(dtype=torch.int64) for p in r.params]
     return torch.stack(sums).cpu()
-
-
-def lr_at(step: int, *, steps: int, lr: float, min_lr: float, warmup: float) -> float:
-    """Linear warmup over warmup*steps steps, then cosine from lr down to min_lr at the last step."""
-    n_warm = max(1, round(warmup * steps)) if warmup > 0 else 0
-    if step < n_warm:
-        return lr * (step + 1) / n_warm
-    span = max(1, steps - n_warm)
-    t = min(1.0, (step - n_warm) / span)
-    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * t))

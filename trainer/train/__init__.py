@@ -1,6 +1,7 @@
 """The training program: `main.py` is the linear main (config -> devices -> model -> workers -> loop),
-`loop.py` the run's setup and step loop that threads and ranks share, `distributed.py` the torchrun
-launcher and a rank's main. The top of the trainer: nothing below imports it.
+`loop.py` the run's setup and step loop that threads and ranks share, `schedule.py` its learning
+rate per step, `distributed.py` the torchrun launcher and a rank's main. The top of the trainer:
+nothing below imports it.
 """
 
 

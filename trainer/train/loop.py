@@ -21,7 +21,6 @@ from trainer import faults, policies
 from trainer.errors import EXIT_OK, EXIT_SIGTERM, UsageError
 from trainer.model import choices, fp8, masks
 from trainer.model.drafter import Drafter, DrafterConfig, flops_per_sample
-from trainer.engine.step import lr_at
 from trainer.run import checkpoint, provenance, sizing
 from trainer.run.config import RUN_CONFIG, TrainConfig, chat_template_options, layer_ids
 from trainer.run.data import (Loader, check_samples, encode_rows, most_anchors, overlap, read_rows, split_eval,
@@ -30,6 +29,7 @@ from trainer.run.eval import acceptance_length
 from trainer.run.log import eval_line, heartbeat, step_line
 from trainer.run.target import Target, load_target
 from trainer.train.batches import Batches
+from trainer.train.schedule import lr_at
 
 # Settings that must not change across --resume (they change the model or the data it sees).
 RESUME_FIXED = ("target", "target_layers", "data", "draft_layers", "block_size", "mask_token_id", "seq_len",

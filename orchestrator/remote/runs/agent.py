@@ -362,8 +362,6 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
     return started, rec
 
 
-# --- metrics ------------------------------------------------------------------------------------
-
 # --- entry --------------------------------------------------------------------------------------
 
 def _split(args, flags=(), options=()):
