@@ -221,9 +221,12 @@ class Decoded:
 
 class GraphDecoder:
     """Greedy decoding at batch 1 with the target alone or with the drafter, on static caches, each
-    step replayed from a CUDA graph (on a GPU). `max_len`: the longest prompt + new tokens it must hold."""
+    step replayed from a CUDA graph (on a GPU). `max_len`: the longest prompt + new tokens it must hold.
+    compile: each captured step is compiled by inductor first (torch.compile, static shapes), which fuses
+    the norms, RoPE and residual adds that leave a graph-replayed step launch-bound at small sizes; the
+    prompt's forward and the budget-cut last round stay uncompiled (their shapes vary)."""
 
-    def __init__(self, target, drafter: Drafter, max_len: int, *, graphs: bool = True):
+    def __init__(self, target, drafter: Drafter, max_len: int, *, graphs: bool = True, compile: bool = False):
         why = unsupported(target)
         if why:
             raise UsageError(f"--engine graphs cannot run this target ({why}); use --engine eager")
@@ -248,9 +251,11 @@ class GraphDecoder:
         self.clock = _Clock(dev)
         # Shapes are fixed before capture: one full round's verify gives feats its (B, n*H) shape
         self._verify(B)
-        self.g_draft, self.g_verify, self.g_extend = make(lambda: self._draft(B)), make(lambda: self._verify(B)), \
-            make(lambda: self._extend(B))
-        self.g_step = make(self._step)
+        steps = [lambda: self._draft(B), lambda: self._verify(B), lambda: self._extend(B), self._step]
+        if compile:
+            steps = [torch.compile(fn, dynamic=False) for fn in steps]
+        self.compiled = compile
+        self.g_draft, self.g_verify, self.g_extend, self.g_step = map(make, steps)
         self.graphed = self.captured and all(g.graph is not None for g in (self.g_draft, self.g_verify,
                                                                           self.g_extend, self.g_step))
 

@@ -89,11 +89,13 @@ class EagerDecoder:
         return Decoded(out, t, produced, drafts)
 
 
-def decoder(engine: str, target, drafter: Drafter, prompts: list[list[int]], max_new_tokens: int):
-    """The engine's decoder for these prompts: "graphs" (static caches, CUDA graphs on a GPU) or "eager"."""
+def decoder(engine: str, target, drafter: Drafter, prompts: list[list[int]], max_new_tokens: int, *,
+            compile: bool = False):
+    """The engine's decoder for these prompts: "graphs" (static caches, CUDA graphs on a GPU; compile: each
+    captured step compiled by inductor first) or "eager"."""
     if engine == "eager":
         return EagerDecoder(target, drafter)
-    return GraphDecoder(target, drafter, max(map(len, prompts), default=1) + max_new_tokens)
+    return GraphDecoder(target, drafter, max(map(len, prompts), default=1) + max_new_tokens, compile=compile)
 
 
 # --------------------------------------------------------------------------- measuring
@@ -142,7 +144,7 @@ def load_drafter(path: str, target, device, dtype, *, untrained: bool = False) -
 
 def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_tokens: int, warmup: int = 1,
             baseline: bool = True, engine: str = "graphs", strict: bool | None = None, resamples: int = 10_000,
-            seed: int = 0, log=print) -> dict:
+            seed: int = 0, compile: bool = False, log=print) -> dict:
     """Both decodes of every prompt under one engine ("graphs" or "eager"), and the document.
 
     strict (default: when the models run in float32): any prompt whose output differs from the target's
@@ -152,7 +154,7 @@ def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_token
     decode (tau and acceptance; no equality, no speedup)."""
     if strict is None:
         strict = next(target.model.parameters()).dtype == torch.float32
-    dec = decoder(engine, target, drafter, prompts, max_new_tokens)
+    dec = decoder(engine, target, drafter, prompts, max_new_tokens, compile=compile)
     for p in prompts[:warmup]:  # kernels, allocator, caches: not timed
         dec.target_alone(p, min(16, max_new_tokens))
         dec.speculative(p, min(32, max_new_tokens))
@@ -296,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
                         "output must equal the target's own greedy decode (exit 1 otherwise); in bfloat16 a "
                         "16-token verify and a 1-token step can round a near-tie apart, so each prompt reports "
                         "whether it is equal and, where not, the target's top-2 logit margin at the difference")
+    p.add_argument("--compile", action="store_true",
+                   help="graphs engine: compile each captured step with inductor first (fuses the small kernels "
+                        "that leave a replayed step launch-bound; minutes of compiling on a CPU; not yet measured "
+                        "on a GPU, see docs/decoding.md)")
     p.add_argument("--bootstrap", type=int, default=10_000, metavar="N",
                    help="resamples of the per-prompt bootstrap behind tau's and the speedup's intervals")
     p.add_argument("--seed", type=int, default=0, help="the bootstrap's seed")
@@ -329,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{drafter.cfg.num_layers} draft layers, {dev.type} {a.dtype}, engine {a.engine}")
     try:
         doc = measure(target, drafter, prompts, max_new_tokens=a.max_new_tokens, baseline=a.baseline, log=say,
-                      engine=a.engine, resamples=a.bootstrap, seed=a.seed)
+                      engine=a.engine, resamples=a.bootstrap, seed=a.seed, compile=a.compile)
     except NotLossless as e:
         print(f"specdec: error: {e}", file=sys.stderr, flush=True)
         return 1
