@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -160,6 +161,7 @@ def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_token
         dec.speculative(p, min(32, max_new_tokens))
     alone, spec = Timing(), Timing()
     rows, drafts = [], []
+    started = time.perf_counter()
     for i, p in enumerate(prompts):
         s = dec.speculative(p, max_new_tokens)
         row = {"prompt_tokens": len(p), "tokens": s.tokens, "rounds": s.produced,
@@ -187,8 +189,10 @@ def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_token
         tau = f"tau {sum(s.produced) / len(s.produced):.2f}" if s.produced else "no rounds (the prompt's token only)"
         differ = "" if row.get("equal", True) else f", DIFFERS from new token {row['first_diff']} (margin " \
                                                     f"{row['margin']:.3g})"
+        left = (time.perf_counter() - started) / (i + 1) * (len(prompts) - i - 1)  # at this pace
+        eta = f", eta {left:.0f}s" if i + 1 < len(prompts) else ""
         log(f"specdec: prompt {i + 1}/{len(prompts)}: {len(s.tokens)} tokens, {len(s.produced)} rounds, {tau}, "
-            f"{speed}{differ}")
+            f"{speed}{differ}{eta}")
     return document(rows, drafts, alone if baseline else None, spec, drafter.cfg.block_size, engine=engine,
                     graphed=dec.graphed, strict=strict, resamples=resamples, seed=seed)
 
