@@ -42,7 +42,7 @@ def bench_decode(state: State, args, prompts, max_new_tokens, limit, step, runni
     top-2 logit margin where they part).
     """
     from orchestrator.runs import bench_decode as bench
-    from orchestrator.runs import launch as runs
+    from orchestrator.runs import status as runs
     from orchestrator.runs import nodes
     from orchestrator.runs.logview import note
 

@@ -207,7 +207,7 @@ def document(rows: list[dict], drafts: list[tuple[int, int]], alone: Timing | No
     baseline = alone is not None
     n_spec = sum(len(r["tokens"]) for r in rows)
     boot = cluster_bootstrap([r["rounds"] for r in rows], tokens=[len(r["tokens"]) for r in rows],
-                             spec_s=[r["spec_s"] for r in rows],
+                             spec_s=[r["spec_s"] for r in rows] if baseline else None,
                              tokens_alone=[r["alone_tokens"] for r in rows] if baseline else None,
                              alone_s=[r["alone_s"] for r in rows] if baseline else None,
                              resamples=resamples, seed=seed)
