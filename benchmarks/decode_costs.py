@@ -1,6 +1,7 @@
 """What a decoding step costs under each engine, at a small target recipe's shape, with random weights.
 
     python benchmarks/decode_costs.py [--size gpu] [--prompts 8] [--prompt-len 200] [--new 128] [--dtype bfloat16]
+                                      [--engines graphs,eager]   # and `compiled`: graphs with inductor first
 
 A step's cost depends on the shapes, not the weights: this builds the small real target's architecture
 (trainer/run/small_lm.py's recipe) with random weights and a 3-layer block-16 drafter, and decodes random
@@ -20,6 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+ENGINES = {"graphs", "compiled", "eager"}
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import Qwen3ForCausalLM
@@ -37,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--draft-layers", type=int, default=3)
     p.add_argument("--tau", type=float, nargs="*", default=[3.25], help="taus to turn the costs into speedups")
+    p.add_argument("--engines", default="graphs,eager",
+                   help="comma-separated, in order: graphs, compiled (graphs with inductor-fused steps), eager")
     a = p.parse_args(argv)
+    names = [n for n in a.engines.split(",") if n]
+    if not names or set(names) - ENGINES:
+        p.error(f"--engines: each of {', '.join(sorted(ENGINES))}, got '{a.engines}'")
     dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, a.dtype)
     recipe = small_lm.RECIPES[a.size]
@@ -56,10 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [torch.randint(0, recipe.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
     out = {"size": a.size, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "dtype": a.dtype, "prompts": a.prompts, "prompt_len": a.prompt_len, "new_tokens": a.new}
-    engines = (("graphs", GraphDecoder(target, d, a.prompt_len + a.new)), ("eager", specdec.EagerDecoder(target, d)))
-    for name, dec in engines:
-        dec.target_alone(prompts[0], 16)
-        dec.speculative(prompts[0], 32)
+    build = {"graphs": lambda: GraphDecoder(target, d, a.prompt_len + a.new),
+             "compiled": lambda: GraphDecoder(target, d, a.prompt_len + a.new, compile=True),
+             "eager": lambda: specdec.EagerDecoder(target, d)}
+    for name in names:
+        dec = build[name]()
+        dec.target_alone(prompts[0], min(16, a.new))
+        dec.speculative(prompts[0], min(32, a.new))
         alone = [dec.target_alone(q, a.new) for q in prompts]
         spec = [dec.speculative(q, a.new) for q in prompts]
         tok = sum(len(r.tokens) - 1 for r in alone)

@@ -6,7 +6,8 @@
 #   STAGE=train: scripts/small_target_claims.sh with R5's settings (about 17 minutes on one H200), run
 #                detached by scripts/detach.sh and polled by back-to-back device calls;
 #   STAGE=bench: the prompts, then specdec: graphs in bf16 (the default) and float32 on every prompt,
-#                eager float32 on the first N_EAGER (eager costs ~17 ms a token); about 5 minutes.
+#                eager float32 on the first N_EAGER (eager costs ~17 ms a token); then the graphs engine
+#                with inductor-fused steps (--compile): its costs alone, then on every prompt; ~11 minutes.
 #
 #     bash scripts/detach.sh start /tmp/r6 env STAGE=train WORK=/tmp/r6/work bash scripts/decode_engines_gpu.sh
 #     bash scripts/detach.sh poll /tmp/r6 540                       # calls until it has ended
@@ -14,7 +15,8 @@
 #
 # CPU dry run at the smallest size (seconds to minutes):
 #     SIZE=smoke STAGE=train GPUS=0 WORK=/tmp/de/work OUT=/tmp/de/out PY=.venv/bin/python bash scripts/decode_engines_gpu.sh
-#     SIZE=smoke STAGE=bench N_HELD=6 N_EAGER=3 NEW=24 WORK=/tmp/de/work OUT=/tmp/de/out PY=.venv/bin/python \
+#     SIZE=smoke STAGE=bench N_HELD=6 N_EAGER=3 NEW=24 COSTS_ARGS="--prompts 2 --prompt-len 40 --new 24" \
+#         WORK=/tmp/de/work OUT=/tmp/de/out PY=.venv/bin/python \
 #         bash scripts/decode_engines_gpu.sh
 #
 # OUT gets phases.log, each specdec's live lines and JSON (every prompt's tokens and rounds), and
@@ -90,5 +92,12 @@ sd() {  # LABEL FLAGS...: specdec of the drafter on the prompts, its live lines 
 sd graphs-bf16 --engine graphs --dtype bfloat16
 sd graphs-fp32 --engine graphs --dtype float32
 sd eager-fp32 --engine eager --dtype float32 --limit "$N_EAGER"
+# the round-cost lever: the steps fused by inductor before capture, first at the shapes alone (random
+# weights, seconds), then on every prompt with the drafter
+phase "costs: graphs vs graphs compiled, bfloat16, random weights"
+$PY benchmarks/decode_costs.py --size "$SIZE" --dtype bfloat16 --engines graphs,compiled --tau 3.25 3.0 ${COSTS_ARGS:-} \
+    > "$OUT/costs-compiled.json" 2> "$OUT/costs-compiled.log" || rc=1
+tail -n 2 "$OUT/costs-compiled.log" >&2
+sd graphs-bf16-compiled --engine graphs --dtype bfloat16 --compile
 phase "done (exit $rc)"
 exit $rc

@@ -89,6 +89,20 @@ def test_graphs_and_eager_decode_the_same_tokens_round_for_round(target, block):
             assert ra.margins == pytest.approx(rb.margins, abs=1e-4)
 
 
+def test_a_decode_longer_than_the_caches_is_refused_by_name(target):
+    """A budget-cut round verifies the full block past the budget: the caches hold it for any decode that
+    fits max_len, the longest one included, and a longer one is refused before it writes anything."""
+    d = _drafter(target, block=8)
+    p = _ids(target, TEXTS[0])
+    g = GraphDecoder(target, d, len(p) + 9)
+    e = specdec.EagerDecoder(target, d)
+    a, b = g.speculative(p, 9), e.speculative(p, 9)
+    assert (a.tokens, a.produced, a.drafts) == (b.tokens, b.produced, b.drafts)
+    for decode in (g.speculative, g.target_alone):
+        with pytest.raises(ValueError, match="does not fit the static caches"):
+            decode(p, 10)
+
+
 def test_the_document_keeps_every_prompts_tokens_and_rounds_and_intervals_per_prompt(target):
     d = _drafter(target)
     prompts = [_ids(target, t) for t in TEXTS]

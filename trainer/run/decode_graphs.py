@@ -17,9 +17,10 @@ cache, where the step costs its kernels, and the drafter's own cost decides the 
   with a mask in place of a slice.
 - `GraphDecoder`: one round of speculative decoding as three captured graphs (draft the block, verify
   it, give the verified positions' features to the drafter), replayed with one host synchronisation
-  per round (the accept decision); and the target alone as one captured one-token step. Rounds cut
-  short by the token budget (the last of a prompt) run the same functions uncaptured. On a CPU
-  nothing is captured: the same functions run eagerly (the CPU suite checks them against eager).
+  per round (the accept decision); and the target alone as one captured one-token step. A round cut
+  short by the token budget (the last of a prompt) drafts its shorter block from a graph of its own
+  and verifies the full block (the target is causal: the extra positions change nothing before them).
+  On a CPU nothing is captured: the same functions run eagerly (the CPU suite checks them against eager).
 """
 from __future__ import annotations
 
@@ -224,7 +225,7 @@ class GraphDecoder:
     step replayed from a CUDA graph (on a GPU). `max_len`: the longest prompt + new tokens it must hold.
     compile: each captured step is compiled by inductor first (torch.compile, static shapes), which fuses
     the norms, RoPE and residual adds that leave a graph-replayed step launch-bound at small sizes; the
-    prompt's forward and the budget-cut last round stay uncompiled (their shapes vary)."""
+    prompt's forward and a budget-cut round's shorter draft stay uncompiled (their shapes vary)."""
 
     def __init__(self, target, drafter: Drafter, max_len: int, *, graphs: bool = True, compile: bool = False):
         why = unsupported(target)
@@ -232,6 +233,7 @@ class GraphDecoder:
             raise UsageError(f"--engine graphs cannot run this target ({why}); use --engine eager")
         self.dev = target.device
         self.B, self.mask_id = drafter.cfg.block_size, drafter.cfg.mask_token_id
+        self.max_len = max_len
         room = max_len + self.B + 2  # a verify at the last position writes B positions past it
         self.t = StaticTarget(target, room)
         self.d = StaticDrafter(drafter, room)
@@ -256,8 +258,16 @@ class GraphDecoder:
             steps = [torch.compile(fn, dynamic=False) for fn in steps]
         self.compiled = compile
         self.g_draft, self.g_verify, self.g_extend, self.g_step = map(make, steps)
+        # A round the token budget cuts short drafts a shorter block, as the reference does (the block's
+        # positions see each other: a shorter one drafts other tokens), from a graph of its own, eager
+        # under compile too (inductor would recompile per length). Its verify and extend replay the full
+        # block's graphs: the target is causal, so its choices at the first vs positions are the same,
+        # and what lands past them in the caches is never seen (masked by position, then overwritten).
+        # Uncaptured, these rounds cost ~20 ms each: most of a prompt's last 16 tokens.
+        self.g_short = {vs: make(lambda vs=vs: self._draft(vs)) for vs in range(2, B)}
         self.graphed = self.captured and all(g.graph is not None for g in (self.g_draft, self.g_verify,
-                                                                          self.g_extend, self.g_step))
+                                                                          self.g_extend, self.g_step,
+                                                                          *self.g_short.values()))
 
     # -- the round's parts, over the static tensors (vs: the block's length, B in a captured round)
     def _draft(self, vs: int) -> None:
@@ -291,6 +301,11 @@ class GraphDecoder:
             self.d.extend(feats, torch.zeros((), dtype=torch.long, device=self.dev))
         return int(choice[-1])
 
+    def _fits(self, prompt: list[int], max_new_tokens: int) -> None:
+        if len(prompt) + max_new_tokens > self.max_len:
+            raise ValueError(f"a prompt of {len(prompt)} tokens + {max_new_tokens} new ones does not fit the "
+                             f"static caches of {self.max_len} positions this decoder was built for")
+
     def _sync(self) -> float:
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)
@@ -300,6 +315,7 @@ class GraphDecoder:
     @torch.no_grad()
     def target_alone(self, prompt: list[int], max_new_tokens: int) -> Decoded:
         """The target alone: one captured one-token step per token, greedy, stopping at EOS."""
+        self._fits(prompt, max_new_tokens)
         spent = Timing()
         t0 = self._sync()
         tok = self._prefill(prompt, features=False)
@@ -320,6 +336,7 @@ class GraphDecoder:
         """Greedy speculative decoding, round for round as eval.speculative_generate (the reference's
         dflash_generate): verify min(B, budget left) tokens, accept the longest matching prefix of
         drafts plus the target's token after it, stop at EOS."""
+        self._fits(prompt, max_new_tokens)
         B, clock, spent = self.B, self.clock, Timing()
         t0 = self._sync()
         c0 = clock.mark()
@@ -334,11 +351,11 @@ class GraphDecoder:
             self.anchor.fill_(anchor)
             self.p.fill_(p)
             m0 = clock.mark()
-            self.g_draft.replay() if vs == B else self._draft(vs)
+            (self.g_draft if vs == B else self.g_short[vs]).replay()
             m1 = clock.mark()
-            self.g_verify.replay() if vs == B else self._verify(vs)
+            self.g_verify.replay()  # the full block: past vs, its choices are read by no one
             m2 = clock.mark()
-            self.g_extend.replay() if vs == B else self._extend(vs)
+            self.g_extend.replay()
             m3 = clock.mark()
             got = torch.cat([self.drafted[: vs - 1], self.choice[:vs]]).tolist()  # the round's one sync
             draft, choice = got[: vs - 1], got[vs - 1:]
