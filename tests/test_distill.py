@@ -1,0 +1,183 @@
+"""Distillation from the target (--objective kd | ce+kd, trainer/model/objective.py): the chunked loss
+equals the dense reference, and the reference is the KL it claims to be.
+
+Tolerances: the chunked loss is held to the accuracy of the dense reference itself. Both run in
+float32; the same dense loss in float64 is the exact value (to float32's eyes), and how far the dense
+float32 result lies from it is the float32 noise of this computation, measured on the spot. The
+chunked result must lie within NOISE_FACTOR times that noise of the exact value (plus one rounding of
+the largest element, so that a lucky noise of 0 cannot fail it). Measured here, the chunked loss lay
+at most 1.9 times as far from the exact value as the dense one did (its sums run in another order),
+over every case below, loss and every gradient; a gradient missing its factor T lies 1.3e6 times as
+far (test_the_tolerance_catches_a_gradient_without_its_temperature).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+from trainer.model import fused_ce, masks  # noqa: E402
+from trainer.model.drafter import RMSNorm  # noqa: E402
+from trainer.model.objective import Objective  # noqa: E402
+from tolerance import eps  # noqa: E402
+
+NOISE_FACTOR = 8.0
+
+
+def _within_noise(got: torch.Tensor, exact: torch.Tensor, ref32: torch.Tensor, what: str) -> float:
+    """Assert got (fp32) is within NOISE_FACTOR x the dense fp32 reference's distance from the exact
+    (fp64) value; returns the ratio of the two distances."""
+    err = float((got.detach().double() - exact.detach()).abs().max())
+    noise = float((ref32.detach().double() - exact.detach()).abs().max())
+    floor = eps(torch.float32) * float(exact.detach().abs().max())
+    assert err <= NOISE_FACTOR * noise + floor, (f"{what}: |chunked - exact| {err:.3g} > {NOISE_FACTOR} x "
+                                                 f"float32 noise {noise:.3g} + {floor:.3g}")
+    return err / max(noise, floor)
+
+
+def _case(seed: int, B=2, Tq=24, H=32, V=100, block=6):
+    """A head (norm with a trainable weight, frozen W), hidden and teacher rows, labels and weights
+    with dead rows (block position 0, one invalid block)."""
+    g = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(H, 1e-6)
+    norm.weight = torch.nn.Parameter(torch.rand(H, generator=g) + 0.5)
+    W = torch.randn(V, H, generator=g) * 0.3
+    h = torch.randn(B, Tq, H, generator=g)
+    teacher = torch.randn(B, Tq, H, generator=g) * 1.5
+    labels = torch.randint(0, V, (B, Tq), generator=g)
+    w = torch.rand(B, Tq, generator=g)
+    w[:, ::block] = 0
+    w[1, block:2 * block] = 0
+    return norm, W, h, teacher, labels, w, block
+
+
+def _dense(norm, W, h, teacher, labels, w, block, objective, dtype):
+    """masks' reference in `dtype`: (loss, d loss / d h, d loss / d norm weight, counts)."""
+    norm = copy.deepcopy(norm).to(dtype)
+    h = h.detach().to(dtype).clone().requires_grad_(True)
+    logits = F.linear(norm(h), W.to(dtype))
+    loss, correct, count = masks.block_loss(logits, labels, w.to(dtype), block)
+    ce_w, kd_w = objective.weights
+    kd = masks.block_kd(logits, F.linear(teacher.to(dtype), W.to(dtype)), w.to(dtype), objective.kd_temperature)
+    loss = ce_w * loss + kd_w * kd
+    (loss / 5).backward()
+    return loss.detach(), h.grad, norm.weight.grad, correct, count
+
+
+def _chunked(norm, W, h, teacher, labels, w, block, objective, rows):
+    norm = copy.deepcopy(norm)
+    h = h.clone().requires_grad_(True)
+    loss, correct, count = fused_ce.block_loss(h, norm, W, labels, w, block, rows=rows, teacher=teacher,
+                                               objective=objective)
+    (loss / 5).backward()
+    return loss.detach(), h.grad, norm.weight.grad, correct, count
+
+
+OBJECTIVES = [Objective("kd", 2.0), Objective("ce+kd", 0.5, 0.3), Objective("kd", 1.0)]
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES, ids=lambda o: o.described())
+@pytest.mark.parametrize("rows", [None, 16, 7])  # 48 rows: one chunk, three, and 7 that do not divide them
+def test_chunked_kd_equals_the_dense_reference(objective, rows):
+    worst = 0.0
+    for seed in range(3):
+        case = _case(seed)
+        exact = _dense(*case, objective, torch.float64)
+        ref = _dense(*case, objective, torch.float32)
+        got = _chunked(*case, objective, rows)
+        for i, what in enumerate(("loss", "d h", "d norm weight")):
+            worst = max(worst, _within_noise(got[i], exact[i], ref[i], f"seed {seed} {what}"))
+        assert torch.equal(got[3], ref[3]) and torch.equal(got[4], ref[4])  # the drafter's argmax, counted
+    print(f"worst |chunked - exact| / float32 noise: {worst:.2f}")
+
+
+def test_the_tolerance_catches_a_gradient_without_its_temperature(monkeypatch):
+    """The check above fails a chunked loss whose gradient lacks T (T^2 KL's is T (q - p))."""
+    real = fused_ce._distill_core
+
+    def broken(logits, teacher, labels, weights, t, ce_weight, kd_weight):
+        loss, pred, grad = real(logits, teacher, labels, weights, t, ce_weight, kd_weight)
+        return loss, pred, grad / t
+
+    monkeypatch.setattr(fused_ce, "_distill_core", broken)
+    objective, case = Objective("kd", 2.0), _case(0)
+    exact, ref = _dense(*case, objective, torch.float64), _dense(*case, objective, torch.float32)
+    got = _chunked(*case, objective, 16)
+    _within_noise(got[0], exact[0], ref[0], "loss")   # the value is right
+    with pytest.raises(AssertionError, match="d h"):
+        _within_noise(got[1], exact[1], ref[1], "d h")
+
+
+@pytest.mark.parametrize("t", [0.5, 1.0, 3.0])
+def test_kd_of_identical_distributions_is_zero_and_so_is_its_gradient(t):
+    """The target's hidden state IS the drafter's normed one: same logits, no loss, no gradient."""
+    norm, W, h, _, labels, w, block = _case(4)
+    teacher = norm(h).detach()
+    objective = Objective("kd", t)
+    # chunked: the drafter's logits and the target's are the same bits, so every term is exactly 0
+    loss, dh, dnorm, _, _ = _chunked(norm, W, h, teacher, labels, w, block, objective, 7)
+    assert float(loss) == 0.0 and not dh.any() and not dnorm.any()
+    # dense: autograd's log-softmax backward leaves q - p in rounding (~1e-8 here, against ~1e-2 for any
+    # real difference of the two distributions)
+    loss, dh, dnorm, _, _ = _dense(norm, W, h, teacher, labels, w, block, objective, torch.float32)
+    assert abs(float(loss)) <= 24 * eps(torch.float32)
+    assert float(dh.abs().max()) <= 10 * eps(torch.float32) and float(dnorm.abs().max()) <= 10 * eps(torch.float32)
+
+
+def test_kd_at_temperature_1_against_a_one_hot_target_is_the_cross_entropy():
+    """With the target sure of the data's token (a logit gap of 40: p = onehot to 1e-16), KL(p || q) is
+    -log q(label) = CE, value and gradient; at T 2 it is not (a loss that ignored T would pass the first)."""
+    g = torch.Generator().manual_seed(7)
+    C, V = 40, 100
+    logits = torch.randn(C, V, generator=g) * 3
+    labels = torch.randint(0, V, (C,), generator=g)
+    w = torch.rand(C, generator=g)
+    sure = 40.0 * F.one_hot(labels, V).float()
+    ce, _, g_ce = fused_ce._ce_core(logits, labels, w)
+    kd, _, g_kd = fused_ce._distill_core(logits, sure, labels, w, 1.0, 0.0, 1.0)
+    dense = masks.block_kd(logits[None], sure[None], w[None], 1.0)
+    scale = float(ce)
+    assert abs(float(kd) - float(ce)) <= C * V * eps(torch.float32) * scale
+    assert abs(float(dense) - float(ce)) <= C * V * eps(torch.float32) * scale
+    assert float((g_kd - g_ce).abs().max()) <= 10 * eps(torch.float32)
+    kd2, _, _ = fused_ce._distill_core(logits, sure, labels, w, 2.0, 0.0, 1.0)
+    assert abs(float(kd2) - float(ce)) > 0.05 * scale
+
+
+def test_ce_plus_kd_is_ce_at_mix_0_and_kd_at_mix_1():
+    norm, W, h, teacher, labels, w, block = _case(5)
+    for rows in (16, 7):
+        ce = fused_ce.block_loss(h.clone().requires_grad_(True), norm, W, labels, w, block, rows=rows)
+        kd = _chunked(norm, W, h, teacher, labels, w, block, Objective("kd", 1.5), rows)
+        mix0 = _chunked(norm, W, h, teacher, labels, w, block, Objective("ce+kd", 1.5, 0.0), rows)
+        mix1 = _chunked(norm, W, h, teacher, labels, w, block, Objective("ce+kd", 1.5, 1.0), rows)
+        assert torch.equal(mix0[0], ce[0].detach())   # the same sums: 0 x KD adds exactly nothing
+        assert all(torch.equal(a, b) for a, b in zip(mix1, kd))
+    # and the dense reference alike
+    for mix, alone in ((0.0, Objective("ce")), (1.0, Objective("kd", 1.5))):
+        d_mix = _dense(norm, W, h, teacher, labels, w, block, Objective("ce+kd", 1.5, mix), torch.float32)
+        d_alone = _dense(norm, W, h, teacher, labels, w, block, alone, torch.float32)
+        assert all(torch.equal(a, b) for a, b in zip(d_mix, d_alone))
+
+
+def test_chunked_loss_refuses_a_teacher_without_a_distilling_objective():
+    norm, W, h, teacher, labels, w, block = _case(0)
+    with pytest.raises(ValueError, match="both or neither"):
+        fused_ce.block_loss(h, norm, W, labels, w, block, teacher=teacher)
+    with pytest.raises(ValueError, match="both or neither"):
+        fused_ce.block_loss(h, norm, W, labels, w, block, objective=Objective("kd"))
+
+
+def test_objective_weights_and_refusals():
+    assert Objective().weights == (1.0, 0.0) and not Objective().distills
+    assert Objective("kd", kd_mix=0.2).weights == (0.0, 1.0)
+    assert Objective("ce+kd", kd_mix=0.25).weights == (0.75, 0.25)
+    assert Objective("ce+kd", 2.0, 0.25).described() == "ce+kd (T 2, KD's share 0.25)"
+    for bad, needle in ((dict(name="kl"), "--objective"), (dict(kd_temperature=0.0), "--kd-temperature"),
+                        (dict(kd_temperature=float("inf")), "--kd-temperature"), (dict(kd_mix=1.5), "--kd-mix"),
+                        (dict(kd_mix=float("nan")), "--kd-mix")):
+        with pytest.raises(ValueError, match=needle):
+            Objective(**bad)
