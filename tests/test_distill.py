@@ -1,5 +1,6 @@
 """Distillation from the target (--objective kd | ce+kd, trainer/model/objective.py): the chunked loss
-equals the dense reference, and the reference is the KL it claims to be.
+equals the dense reference, the reference is the KL it claims to be, and the target's logits are read
+at the right positions.
 
 Tolerances: the chunked loss is held to the accuracy of the dense reference itself. Both run in
 float32; the same dense loss in float64 is the exact value (to float32's eyes), and how far the dense
@@ -20,8 +21,11 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 from trainer.model import fused_ce, masks  # noqa: E402
-from trainer.model.drafter import RMSNorm  # noqa: E402
+from trainer.model.draft_loss import DraftLoss  # noqa: E402
+from trainer.model.drafter import Drafter, RMSNorm  # noqa: E402
+from trainer.model.linear import predicted_rows  # noqa: E402
 from trainer.model.objective import Objective  # noqa: E402
+from trainer.run.target import load_target  # noqa: E402
 from tolerance import eps  # noqa: E402
 
 NOISE_FACTOR = 8.0
@@ -181,3 +185,113 @@ def test_objective_weights_and_refusals():
                         (dict(kd_mix=float("nan")), "--kd-mix")):
         with pytest.raises(ValueError, match=needle):
             Objective(**bad)
+
+
+# ---- the whole loss on the tiny target ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    target = load_target("tiny", device=torch.device("cpu"), dtype=torch.float32, final_hidden=True)
+    torch.manual_seed(3)
+    drafter = Drafter(target.drafter_config(num_layers=2, block_size=8, mask_token_id=None))
+    drafter.init_norm(target.head_weights()[1])
+    drafter.borrow_target_head(*target.head_weights())
+    with torch.no_grad():
+        for _, p in drafter.trainable_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return target, drafter
+
+
+def _greedy(target, prompt_len=12, new=90, seed=0):
+    """A batch of two rows: random prompts continued greedily by the target (as regen answers), loss
+    on the continuation."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (2, prompt_len), generator=g)
+    with torch.no_grad():
+        for _ in range(new):
+            nxt = target.model(input_ids=ids).logits[:, -1].argmax(-1)
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+    lm = torch.zeros_like(ids, dtype=torch.float32)
+    lm[:, prompt_len:] = 1
+    picked = [masks.sample_anchors(lm[b], ids.shape[1], 8, 10, g) for b in range(2)]
+    anchors, valid = torch.stack([a for a, _ in picked]), torch.stack([v for _, v in picked])
+    return ids, lm, anchors, valid
+
+
+def test_the_target_predicts_each_block_token_from_its_teacher_position(tiny):
+    """On greedy data the target's argmax at masks.teacher_positions IS the block's label: the KD
+    target and the CE target agree where they should (an off-by-one would not)."""
+    target, _ = tiny
+    ids, lm, anchors, valid = _greedy(target)
+    S, H = ids.shape[1], target.config.hidden_size
+    final = target.features(ids)[..., -H:]
+    labels, weights = masks.block_labels(ids, lm, anchors, valid, masks.position_weights(8, 4.0))
+    live = predicted_rows(weights, 8) > 0
+    assert int(live.sum()) > 50
+    lm_w = target.head_weights()[2]
+    for shift, agree in ((0, True), (1, False)):
+        at = predicted_rows(masks.teacher_positions(anchors, 8, S) + shift, 8).clamp(max=S - 1)
+        rows = torch.gather(final, 1, at[..., None].expand(-1, -1, H))
+        hit = F.linear(rows, lm_w).argmax(-1) == predicted_rows(labels, 8)
+        assert bool(hit[live].all()) == agree, shift
+        if not agree:
+            assert float(hit[live].float().mean()) < 0.5
+
+
+def test_features_carry_the_target_s_own_logits_input(tiny):
+    """Target.final_hidden appends the final norm's output: the n layers' features are unchanged and the
+    lm_head of the appended part is the model's own logits."""
+    target, _ = tiny
+    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(1))
+    H, n = target.config.hidden_size, len(target.layer_ids)
+    feats = target.features(ids)
+    plain = load_target("tiny", device=torch.device("cpu"), dtype=torch.float32).features(ids)
+    assert feats.shape == (2, 30, (n + 1) * H) and torch.equal(feats[..., :n * H], plain)
+    want = target.model(input_ids=ids).logits
+    assert torch.allclose(F.linear(feats[..., n * H:], target.head_weights()[2]), want, rtol=0, atol=1e-5)
+
+
+def _grads(drafter):
+    out = [p.grad.clone() for _, p in drafter.trainable_parameters()]
+    drafter.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES[:2], ids=lambda o: o.described())
+def test_draft_loss_chunked_kd_equals_dense_in_every_trainable_gradient(tiny, objective):
+    target, drafter = tiny
+    ids, lm, anchors, valid = _greedy(target, seed=2)
+    pw = masks.position_weights(8, 4.0)
+    feats = target.features(ids)
+
+    def run(module, f):
+        loss, correct, count = module(f, ids, lm, anchors, valid)
+        (loss / 9).backward()
+        return loss.detach(), correct, count
+
+    exact_drafter = copy.deepcopy(drafter).double()
+    exact = run(DraftLoss(exact_drafter, pw.double(), attention="sdpa", loss="dense", objective=objective),
+                feats.double())
+    g_exact = _grads(exact_drafter)
+    ref = run(DraftLoss(drafter, pw, attention="sdpa", loss="dense", objective=objective), feats)
+    g_ref = _grads(drafter)
+    chunked = DraftLoss(drafter, pw, attention="sdpa", loss="chunked", objective=objective)
+    names = [k for k, _ in drafter.trainable_parameters()]
+    # eager, and traced by dynamo + AOTAutograd (what a compile policy does, minus inductor)
+    for how, module in (("eager", chunked), ("compiled", torch.compile(chunked, backend="aot_eager"))):
+        got = run(module, feats)
+        _within_noise(got[0], exact[0], ref[0], f"{how} loss")
+        assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])
+        for name, a, b, c in zip(names, _grads(drafter), g_ref, g_exact):
+            assert float(c.abs().max()) > 0, name   # every trainable weight gets a gradient
+            _within_noise(a, c, b, f"{how} {name}")
+
+
+def test_draft_loss_refuses_features_without_the_final_hidden_state(tiny):
+    target, drafter = tiny
+    ids, lm, anchors, valid = _greedy(target, new=20)
+    plain = target.features(ids)[..., :-target.config.hidden_size]
+    with pytest.raises(ValueError, match="Target.final_hidden"):
+        DraftLoss(drafter, masks.position_weights(8, 4.0), objective=Objective("kd"))(plain, ids, lm, anchors, valid)
