@@ -1,6 +1,6 @@
 """Distillation from the target (--objective kd | ce+kd, trainer/model/objective.py): the chunked loss
-equals the dense reference, the reference is the KL it claims to be, and the target's logits are read
-at the right positions.
+equals the dense reference, the reference is the KL it claims to be, the target's logits are read at
+the right positions, and the trainer runs it end to end, refusing bad settings in one line.
 
 Tolerances: the chunked loss is held to the accuracy of the dense reference itself. Both run in
 float32; the same dense loss in float64 is the exact value (to float32's eyes), and how far the dense
@@ -14,19 +14,25 @@ far (test_the_tolerance_catches_a_gradient_without_its_temperature).
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
+from trainer.errors import UsageError  # noqa: E402
 from trainer.model import fused_ce, masks  # noqa: E402
 from trainer.model.draft_loss import DraftLoss  # noqa: E402
 from trainer.model.drafter import Drafter, RMSNorm  # noqa: E402
 from trainer.model.linear import predicted_rows  # noqa: E402
 from trainer.model.objective import Objective  # noqa: E402
+from trainer.run.config import check_before_launch, parse  # noqa: E402
 from trainer.run.target import load_target  # noqa: E402
+from trainer.train.loop import RESUME_FIXED  # noqa: E402
 from tolerance import eps  # noqa: E402
+from trainer_quick import QUICK, ROOT, metrics, step_losses, subprocess_env, train  # noqa: E402
 
 NOISE_FACTOR = 8.0
 
@@ -295,3 +301,56 @@ def test_draft_loss_refuses_features_without_the_final_hidden_state(tiny):
     plain = target.features(ids)[..., :-target.config.hidden_size]
     with pytest.raises(ValueError, match="Target.final_hidden"):
         DraftLoss(drafter, masks.position_weights(8, 4.0), objective=Objective("kd"))(plain, ids, lm, anchors, valid)
+
+
+# ---- the trainer ------------------------------------------------------------------------------------
+
+def test_a_kd_run_trains_end_to_end_and_its_loss_falls(tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "trainer", *QUICK, "--steps", "60", "--log-every", "5",
+                        "--objective", "kd", "--kd-temperature", "2", "--out", str(out)],
+                       cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stderr.strip() == "", p.stderr[-3000:]
+    assert "objective kd (T 2)" in p.stdout
+    losses = step_losses(out)
+    assert sorted(losses) == list(range(5, 61, 5))
+    first, last = (losses[5] + losses[10]) / 2, (losses[55] + losses[60]) / 2
+    print(f"kd loss: steps 5-10 {first:.3f}, steps 55-60 {last:.3f}")
+    assert last < 0.6 * first, losses
+    assert [m["loss"] for m in metrics(out) if m.get("event") == "done"] == [losses[60]]
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--objective", "kl"], "--objective 'kl': expected one of ce, kd, ce+kd"),
+    (["--objective", "kd", "--kd-temperature", "0"], "--kd-temperature must be a positive number, got 0.0"),
+    (["--kd-temperature", "-1"], "--kd-temperature must be a positive number"),
+    (["--objective", "ce+kd", "--kd-mix", "1.5"], "--kd-mix is KD's share of --objective ce+kd, in [0, 1]; got 1.5"),
+    (["--kd-mix", "-0.1"], "--kd-mix"),
+])
+def test_bad_objective_settings_are_one_line_usage_errors(flags, needle):
+    for check in (lambda: parse(["--steps", "3", *flags]), lambda: check_before_launch(flags)):
+        with pytest.raises(UsageError) as e:
+            check()
+        assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_bad_temperature_exits_2_in_one_line(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("objective: kd\nkd_temperature: 0\n")
+    p = subprocess.run([sys.executable, "-m", "trainer", "--config", str(cfg), "--out", str(tmp_path / "o")],
+                       cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip() == "trainer: error: --kd-temperature must be a positive number, got 0.0"
+
+
+def test_resume_may_change_the_objective_as_it_may_gamma(tmp_path, capsys):
+    """The objective changes the loss, not the model or its data: like --gamma or --lr it is not one of
+    the settings a resume must keep, and the resumed run trains with the new one."""
+    assert not {"objective", "kd_temperature", "kd_mix", "gamma"} & set(RESUME_FIXED)
+    out = tmp_path / "run"
+    assert train(out, "--steps", "2", "--checkpoint-every", "1") == 0
+    capsys.readouterr()
+    assert train(out, "--steps", "4", "--resume", "--objective", "ce+kd", "--kd-mix", "0.3") == 0
+    assert "objective ce+kd (T 1, KD's share 0.3)" in capsys.readouterr().out
+    assert sorted(step_losses(out)) == [1, 2, 3, 4]
