@@ -382,7 +382,7 @@ def validate(c: TrainConfig, here: bool = True) -> None:
          f"--batch-size {c.batch_size} does not split over {world} workers; use a multiple of {world}")
     need(c.gamma >= 0, f"--gamma must be >= 0, got {c.gamma}")
     try:
-        objective(c)
+        objective_of(c)
     except ValueError as e:
         raise UsageError(str(e)) from None
     need(c.lr > 0 and 0 <= c.min_lr <= c.lr, f"need 0 <= --min-lr <= --lr and --lr > 0 (got {c.min_lr}, {c.lr})")
@@ -457,7 +457,7 @@ def template_kwargs(text: str) -> dict:
     return opts
 
 
-def objective(c: TrainConfig) -> Objective:
+def objective_of(c: TrainConfig) -> Objective:
     """--objective, --kd-temperature and --kd-mix as the loss takes them (a ValueError when one is bad)."""
     return Objective(c.objective, c.kd_temperature, c.kd_mix)
 
