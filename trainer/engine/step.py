@@ -35,6 +35,7 @@ from trainer.run.data import Batch
 from trainer.model.draft_loss import DraftLoss
 from trainer.errors import TrainerError
 from trainer.model.drafter import Drafter
+from trainer.model.objective import Objective
 from trainer.run.target import Target
 
 
@@ -136,7 +137,8 @@ def build_replica(index: int, device: torch.device, drafter: Drafter, target: Ta
                   n_devices: int, lr: float, betas: tuple[float, float], weight_decay: float,
                   pos_weights: torch.Tensor, optimizer_state: dict | None = None,
                   wrap: Callable[[nn.Module], nn.Module] | None = None,
-                  compile_target: bool = False, graph_target: bool = False, compile_update: bool = False) -> Replica:
+                  compile_target: bool = False, graph_target: bool = False, compile_update: bool = False,
+                  objective: Objective = Objective()) -> Replica:
     """Run IN the worker thread (or rank): per-thread compile config, device, target head, optimizer, compile.
 
     `drafter` holds the initial (or resumed) trainable weights on the CPU; it is moved, not copied.
@@ -145,6 +147,8 @@ def build_replica(index: int, device: torch.device, drafter: Drafter, target: Ta
     `graph_target`: with compile_target on a GPU that this replica alone uses, the target's forward
     replays a CUDA graph (Target.graph_features).
     `compile_update`: clip + AdamW run as one compiled function over the optimizer's state (adamw.py).
+    `objective`: what the loss trains the drafter to match; a distilling one needs a target whose
+    features carry its final hidden state (Target.final_hidden).
     """
     policies.configure_thread(n_devices)  # thread-local from torch 2.12 (pytorch#186537)
     if device.type == "cuda":
@@ -164,7 +168,7 @@ def build_replica(index: int, device: torch.device, drafter: Drafter, target: Ta
         # A private copy: load_state_dict keeps same-device tensors as they are, and replicas must
         # never share moment buffers.
         opt.load_state_dict(copy.deepcopy(optimizer_state))
-    unit = DraftLoss(drafter, pos_weights).to(device)
+    unit = DraftLoss(drafter, pos_weights, objective=objective).to(device)
     module = wrap(unit) if wrap is not None else unit
     loss_fn = policies.compile_module(module, policy, n_devices=n_devices)
     update = CompiledUpdate(opt, params) if compile_update else None

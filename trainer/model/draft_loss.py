@@ -10,15 +10,22 @@ Backends (both give the same loss; tests/test_trainer_kernels.py checks it):
   CE chunk by chunk, never all the logits; needs the target's lm_head frozen, which it always is).
 - "auto" (the default), same loss: on CUDA flex + chunked, the fastest on the H200
   (docs/benchmarks.md); elsewhere sdpa + dense (FlexAttention has no CPU backward).
+
+The objective (trainer/model/objective.py): CE against the data's tokens, or distillation from the
+target (kd, ce+kd). Distilling, `feats` carries the target's final hidden state (after its final
+norm) after the n layers' features, (B, S, n*H + H) (Target.final_hidden), and both loss backends
+compute the same mix of CE and KD (tests/test_distill.py checks it).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from trainer.model import attention, fused_ce, masks
 from trainer.model.drafter import Drafter
 from trainer.model.linear import predicted_rows
+from trainer.model.objective import Objective
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 LOSS_BACKENDS = ("auto", "chunked", "dense")
@@ -28,7 +35,7 @@ class DraftLoss(nn.Module):
     """The unit that gets compiled: blocks + mask + drafter + logits + loss for one shard."""
 
     def __init__(self, drafter: Drafter, pos_weights: torch.Tensor, *, attention: str = "auto",
-                 loss: str = "auto"):
+                 loss: str = "auto", objective: Objective = Objective()):
         super().__init__()
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend {attention!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
@@ -39,6 +46,7 @@ class DraftLoss(nn.Module):
         self.drafter = drafter
         self.attention = attention
         self.loss = loss
+        self.objective = objective
         self.register_buffer("pos_weights", pos_weights, persistent=False)
 
     def backends(self, device: torch.device) -> tuple[str, str]:
@@ -59,10 +67,12 @@ class DraftLoss(nn.Module):
         return getattr(self.drafter.lm_head, "fp8", None) if torch.is_grad_enabled() else None
 
     def forward(self, feats, input_ids, loss_mask, anchors, valid):
-        # feats (B, S, n*H) target features; input_ids, loss_mask (B, S); anchors, valid (B, N)
+        # feats (B, S, n*H) target features, with the target's final hidden state after them (B, S,
+        # n*H + H) when distilling; input_ids, loss_mask (B, S); anchors, valid (B, N)
         cfg = self.drafter.cfg
         B, S = input_ids.shape
         att, loss = self.backends(input_ids.device)
+        feats, final = self._split(feats)
         block_ids = masks.block_inputs(input_ids, anchors, cfg.block_size, cfg.mask_token_id)  # (B, Tq)
         block_pos = masks.block_positions(anchors, cfg.block_size)  # (B, Tq)
         labels, weights = masks.block_labels(input_ids, loss_mask, anchors, valid, self.pos_weights)  # (B, Tq)
@@ -78,13 +88,39 @@ class DraftLoss(nn.Module):
         hidden = self.drafter(block_ids, block_pos, feats, ctx_pos, mask, masked_blocks=True,
                               predicted_only=True)  # (B, n * (Bs-1), H)
         labels, weights = predicted_rows(labels, bs), predicted_rows(weights, bs)
+        teacher = None
+        if final is not None:  # (B, n * (Bs-1), H): the target's output at the position before each token
+            at = predicted_rows(masks.teacher_positions(anchors, bs, S), bs)
+            teacher = torch.gather(final, 1, at[..., None].expand(-1, -1, final.shape[-1]))
         head = self._fp8_head()
+        lm_w = self.drafter.lm_head.weight
         if loss == "chunked":
-            loss_sum, correct, count = fused_ce.block_loss(hidden, self.drafter.norm, self.drafter.lm_head.weight,
-                                                           labels, weights, bs - 1, fp8=head)
+            loss_sum, correct, count = fused_ce.block_loss(hidden, self.drafter.norm, lm_w, labels, weights, bs - 1,
+                                                           fp8=head, teacher=teacher, objective=self.objective)
         elif head is not None:
             raise ValueError("the lm_head's fp8 matmuls (--precision fp8-lmhead) need the chunked loss")
         else:
-            loss_sum, correct, count = masks.block_loss(self.drafter.logits(hidden), labels, weights, bs - 1)
+            logits = self.drafter.logits(hidden)
+            loss_sum, correct, count = masks.block_loss(logits, labels, weights, bs - 1)
+            if teacher is not None:
+                ce_weight, kd_weight = self.objective.weights
+                kd_sum = masks.block_kd(logits, F.linear(teacher, lm_w), weights, self.objective.kd_temperature)
+                loss_sum = ce_weight * loss_sum + kd_weight * kd_sum
         zero = correct.new_zeros(1)   # per-position counts keep position 0 (always 0 of 0)
         return loss_sum, torch.cat([zero, correct]), torch.cat([zero, count])
+
+    def _split(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """feats -> (the n layers' features (B, S, n*H), the target's final hidden state (B, S, H) or
+        None); a ValueError when their width is not what the objective needs."""
+        cfg = self.drafter.cfg
+        width = cfg.num_target_layers * cfg.hidden_size
+        want = width + cfg.hidden_size if self.objective.distills else width
+        if feats.shape[-1] != want:
+            raise ValueError(f"objective {self.objective.name}: expected target features of width {want}, got "
+                             f"{feats.shape[-1]}" + (" (a distilling objective needs the target's final hidden "
+                                                     "state after them: Target.final_hidden)"
+                                                     if self.objective.distills else ""))
+        if not self.objective.distills:
+            return feats, None
+        # contiguous: the drafter's fc reads the same layout as without the final state
+        return feats[..., :width].contiguous(), feats[..., width:]

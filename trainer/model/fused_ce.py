@@ -19,6 +19,13 @@ tests/test_trainer_kernels.py checks value and gradient against it.
 The per-chunk core (CE, argmax, d CE / d logits) is, on a GPU with Triton, one Triton kernel
 (trainer/model/ce_kernel.py: two passes over the logits; tests/test_ce_kernel.py); else _ce_core, run
 compiled on its own outside torch.compile (eager policy on CUDA) and as torch ops inside it.
+
+Distilled (--objective kd or ce+kd, trainer/model/objective.py): `teacher` gives the target's final
+hidden states at the same rows (after its final norm), and each chunk also computes the target's
+logits through the same frozen lm_head, so one chunk of each is held at a time (chunk_rows then
+halves the rows). Its core is _distill_core, in torch (compiled on its own on CUDA, as _ce_core
+is); the Triton kernel computes the CE alone and is not used then. Same interface and arithmetic
+as masks.block_loss and masks.block_kd on the full logits (tests/test_distill.py).
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.model import ce_kernel
+from trainer.model.objective import Objective
 
 # Rows per chunk: the largest power of two whose fp32 logits stay under this many bytes (1024 at
 # the 8B shape); longer chunks are no faster on the H200 (benchmarks/gemm_bench.py,
@@ -64,11 +72,33 @@ def _ce_core(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
     return loss, logits.argmax(-1), grad
 
 
+def _distill_core(logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                  temperature: float, ce_weight: float, kd_weight: float):
+    """logits (C, V) the drafter's, teacher (C, V) the target's, labels (C,), weights (C,) -> (sum
+    w * (ce_weight * CE + kd_weight * KD) fp32, argmax (C,), d sum / d logits (C, V)). KD as
+    masks.block_kd: T^2 KL(p_T || q_T), whose gradient is T (q_T - p_T). ce_weight 0: no CE."""
+    t = temperature
+    lf = logits.float()
+    log_q = torch.log_softmax(lf / t, dim=-1)
+    log_p = torch.log_softmax(teacher.float() / t, dim=-1)
+    p = torch.exp(log_p)
+    row = (kd_weight * t * t) * (p * (log_p - log_q)).sum(-1)  # (C,)
+    grad = (kd_weight * t) * (torch.exp(log_q) - p)
+    if ce_weight:
+        lse = torch.logsumexp(lf, dim=-1)
+        row = row + ce_weight * (lse - lf.gather(1, labels[:, None])[:, 0])
+        soft = torch.exp(lf - lse[:, None])
+        hit = torch.arange(lf.shape[-1], device=lf.device)[None, :] == labels[:, None]
+        grad = grad + ce_weight * torch.where(hit, soft - 1.0, soft)
+    loss = (row * weights).sum()
+    return loss, logits.argmax(-1), (grad * weights[:, None]).to(logits.dtype)
+
+
 class _TriedOnce:
-    """A faster way to run _ce_core's math, used until it fails once outside torch.compile
-    (process-wide); from then on `fallback`, after one warning that says why (`reason`). Under
-    torch.compile the graph gets `traced`, the same math as plain ops (or ops torch.compile takes).
-    `make` builds the fast function at its first call, in the calling thread."""
+    """A faster way to run a core's math (_ce_core's or _distill_core's), used until it fails once
+    outside torch.compile (process-wide); from then on `fallback`, after one warning that says why
+    (`reason`). Under torch.compile the graph gets `traced`, the same math as plain ops (or ops
+    torch.compile takes). `make` builds the fast function at its first call, in the calling thread."""
 
     def __init__(self, what: str, make, traced, fallback, instead: str):
         self.what, self.make, self.traced, self.fallback, self.instead = what, make, traced, fallback, instead
@@ -76,21 +106,21 @@ class _TriedOnce:
         self.reason: str | None = None
         self._lock = threading.Lock()
 
-    def __call__(self, logits, labels, weights):
+    def __call__(self, *args):
         if self.reason is None:
             if torch.compiler.is_compiling():
-                return self.traced(logits, labels, weights)
+                return self.traced(*args)
             with self._lock:
                 if self.fn is None:
                     self.fn = self.make()
             try:
-                return self.fn(logits, labels, weights)
+                return self.fn(*args)
             except torch.cuda.OutOfMemoryError:
                 raise
             except Exception as e:  # noqa: BLE001 - the fallback computes the same; training must go on
                 self.reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
                 warnings.warn(f"{self.what} failed ({self.reason}); {self.instead}", RuntimeWarning, stacklevel=2)
-        return self.fallback(logits, labels, weights)
+        return self.fallback(*args)
 
 
 # _ce_core compiled on its own where nothing around it is (eager policy on CUDA): one fused
@@ -101,20 +131,27 @@ _compiled = _TriedOnce("compiled cross-entropy core", lambda: torch.compile(_ce_
 # falls back to the torch core where Triton cannot build it.
 _kernel = _TriedOnce("the Triton cross-entropy kernel", lambda: ce_kernel.ce_core, traced=ce_kernel.ce_core,
                      fallback=_compiled, instead="using the torch core (--ce-kernel off skips the attempt)")
+# _distill_core compiled on its own likewise (the eager policy on CUDA)
+_compiled_distill = _TriedOnce("compiled distillation core", lambda: torch.compile(_distill_core, dynamic=False),
+                               traced=_distill_core, fallback=_distill_core, instead="running it eagerly")
 
 
 class _LinearCE(torch.autograd.Function):
-    """loss_sum and argmax of rms_norm(h) @ lm_w.T; grads for h and norm_w (lm_head is frozen)."""
+    """loss_sum and argmax of rms_norm(h) @ lm_w.T (distilled: against teacher @ lm_w.T as well);
+    grads for h and norm_w (lm_head is frozen)."""
 
     @staticmethod
-    def forward(ctx, h, norm_w, lm_w, labels, weights, eps: float, rows: int, fp8):
+    def forward(ctx, h, norm_w, lm_w, labels, weights, eps: float, rows: int, fp8, teacher=None,
+                temperature: float = 1.0, ce_weight: float = 1.0, kd_weight: float = 0.0):
         # h (T, H) in the residual dtype; norm_w (H,); lm_w (V, H); labels, weights (T,); fp8 an
-        # fp8.Fp8Head for the two lm_head matmuls, or None
+        # fp8.Fp8Head for the two lm_head matmuls, or None; teacher (T, H) the target's final
+        # hidden states at the same rows (distilled; no gradient), or None (CE alone)
         want_grad = ctx.needs_input_grad[0]
         want_norm = ctx.needs_input_grad[1]
         dnorm = torch.zeros(norm_w.shape, dtype=torch.float32, device=h.device) if want_norm else None
         core = (_kernel if ce_kernel.available(h.device) else
                 _compiled if h.device.type == "cuda" else _ce_core)
+        distill = _compiled_distill if h.device.type == "cuda" else _distill_core
         loss = h.new_zeros((), dtype=torch.float32)
         preds, grads = [], []
         w8 = fp8.weight(lm_w) if fp8 is not None else None
@@ -127,7 +164,11 @@ class _LinearCE(torch.autograd.Function):
             y = norm_w * xn.to(hc.dtype)
             # (C, V): bf16 under autocast, as lm_head() would give
             logits = F.linear(y, lm_w) if fp8 is None else fp8.logits(y, w8, _out_dtype(y))
-            chunk_loss, pred, dlogits = core(logits, labels[s:s + rows], weights[s:s + rows])
+            if teacher is None:
+                chunk_loss, pred, dlogits = core(logits, labels[s:s + rows], weights[s:s + rows])
+            else:  # the target's own logits (plain matmul, under --precision fp8-lmhead too)
+                chunk_loss, pred, dlogits = distill(logits, F.linear(teacher[s:s + rows], lm_w), labels[s:s + rows],
+                                                    weights[s:s + rows], temperature, ce_weight, kd_weight)
             loss = loss + chunk_loss
             preds.append(pred)
             if want_grad or want_norm:
@@ -150,7 +191,7 @@ class _LinearCE(torch.autograd.Function):
         dh, dnorm = ctx.saved_tensors
         dh = dh * grad_loss.to(dh.dtype) if dh is not None else None
         dnorm = (dnorm * grad_loss).to(ctx.norm_dtype) if dnorm is not None else None
-        return dh, dnorm, None, None, None, None, None, None
+        return dh, dnorm, None, None, None, None, None, None, None, None, None, None
 
 
 def _out_dtype(y: torch.Tensor) -> torch.dtype:
@@ -159,23 +200,36 @@ def _out_dtype(y: torch.Tensor) -> torch.dtype:
 
 
 def block_loss(hidden: torch.Tensor, norm, lm_weight: torch.Tensor, labels: torch.Tensor,
-               weights: torch.Tensor, block_size: int, rows: int | None = None, fp8=None):
+               weights: torch.Tensor, block_size: int, rows: int | None = None, fp8=None,
+               teacher: torch.Tensor | None = None, objective: Objective | None = None):
     """masks.block_loss(lm_head(norm(hidden)), labels, weights, block_size) without the full logits.
 
     hidden (B, Tq, H); norm an RMSNorm (weight, eps); lm_weight (V, H); labels, weights (B, Tq).
     Returns loss_sum (scalar), correct (Bs,), count (Bs,). Needs the lm_head frozen (requires_grad
     False): its gradient is not computed. The norm's is, when its weight requires grad. `fp8` (an
     fp8.Fp8Head, --precision fp8-lmhead) computes the lm_head's two matmuls (DraftLoss passes it
-    while gradients are computed only).
+    while gradients are computed only). With `teacher` (B, Tq, H), the target's final hidden states
+    at the same rows, and a distilling `objective`, loss_sum is its mix of CE and KD instead:
+    ce_weight * masks.block_loss's + kd_weight * masks.block_kd(lm_head(norm(hidden)),
+    lm_head(teacher), weights, T) (Objective.weights).
     """
     if lm_weight.requires_grad:
         raise ValueError("fused_ce.block_loss computes no gradient for the lm_head: "
                          "freeze it (the target's) or use masks.block_loss")
+    if (teacher is None) != (objective is None or not objective.distills):
+        raise ValueError("fused_ce.block_loss distils with the target's hidden states (teacher) and a kd or "
+                         "ce+kd objective, both or neither")
     h = hidden.flatten(0, 1)  # (T, H)
     T, V = h.shape[0], lm_weight.shape[0]
-    rows = rows or ROWS or chunk_rows(T, V)
-    loss_sum, pred = _LinearCE.apply(h, norm.weight, lm_weight, labels.flatten(), weights.flatten(),
-                                     norm.eps, rows, fp8)
+    if teacher is None:
+        rows = rows or ROWS or chunk_rows(T, V)
+        loss_sum, pred = _LinearCE.apply(h, norm.weight, lm_weight, labels.flatten(), weights.flatten(),
+                                         norm.eps, rows, fp8)
+    else:  # two chunks of logits at a time, the drafter's and the target's: half the rows in the same bytes
+        rows = rows or ROWS or chunk_rows(T, 2 * V)
+        loss_sum, pred = _LinearCE.apply(h, norm.weight, lm_weight, labels.flatten(), weights.flatten(),
+                                         norm.eps, rows, fp8, teacher.detach().flatten(0, 1),
+                                         objective.kd_temperature, *objective.weights)
     live = (weights > 0).view(weights.shape[0], -1, block_size)  # (B, N, Bs)
     hit = (pred.view_as(labels) == labels).view_as(live) & live
     return loss_sum, hit.sum(dim=(0, 1)), live.sum(dim=(0, 1))

@@ -8,6 +8,8 @@ terrible acceptance (SpecForge #455, fixed in #473):
 - A block sees target context strictly before its anchor (kv < anchor, not <=), itself
   bidirectionally, and no other block.
 - Loss = sum(w_k * CE) / sum(w_k), w_k = exp(-(k-1)/gamma), times the sequence's loss mask.
+- Distilled (trainer/model/objective.py): the target's distribution over the token at anchor+k is
+  its logits at position anchor+k-1 (a causal LM predicts the next token), same weights.
 - Anchors: up to N per sequence, uniformly from positions with loss mask 1 and pos <= len - B,
   resampled every step.
 
@@ -95,6 +97,12 @@ def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torc
     return labels, w * lm * v
 
 
+def teacher_positions(anchors: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
+    """anchors (B, N) -> (B, N*Bs): the position whose target output predicts each block token,
+    anchor + k - 1 (clamped into 0..seq_len-1: block position 0, the anchor, carries no loss)."""
+    return (block_positions(anchors, block_size) - 1).clamp(0, seq_len - 1)
+
+
 def attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
     """anchors (B, N) -> bool (B, N*Bs, S + N*Bs); True means the query may attend to the key.
 
@@ -123,3 +131,16 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
     hit = (logits.argmax(-1) == labels).view_as(live) & live
     return loss_sum, hit.sum(dim=(0, 1)), live.sum(dim=(0, 1))
 
+
+def block_kd(logits: torch.Tensor, teacher_logits: torch.Tensor, weights: torch.Tensor, temperature: float):
+    """Weighted distillation loss, the reference of fused_ce's chunked one (trainer/model/objective.py).
+
+    logits (B, Tq, V) the drafter's; teacher_logits (B, Tq, V) the target's at the same rows (no
+    gradient flows to them); weights (B, Tq). Returns the scalar sum of w * T^2 * KL(p_T || q_T),
+    p_T = softmax(teacher / T), q_T = softmax(logits / T), to be divided as block_loss's sum is.
+    """
+    t = float(temperature)
+    log_q = F.log_softmax(logits.float() / t, dim=-1)
+    log_p = F.log_softmax(teacher_logits.detach().float() / t, dim=-1)
+    kl = F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)  # (B, Tq)
+    return (kl * weights).sum() * (t * t)

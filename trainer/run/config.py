@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from trainer.errors import UsageError
+from trainer.model.objective import OBJECTIVES, Objective  # torch-free
 from trainer.policies import POLICY_NAMES, known as known_policies  # torch-free at import
 
 
@@ -71,6 +72,10 @@ class TrainConfig:
     block_size: int = 16
     anchors: int = 512                   # anchors per sequence per step (at most; fewer where memory is short)
     gamma: float = 0.0                   # loss decay; 0 = from the block size (7 for 16, 5 for 10, 4 for 8)
+    objective: str = "ce"                # ce | kd | ce+kd: the data's tokens, the target's distribution, or both
+                                         # (trainer/model/objective.py)
+    kd_temperature: float = 1.0          # T of kd and ce+kd
+    kd_mix: float = 0.5                  # KD's share of ce+kd: (1 - mix) * CE + mix * KD
     mask_token_id: int = -1              # -1 = the target tokenizer's mask token or first unused row
     freeze_draft_norm: bool = False      # use the target's final norm, frozen (the pre-export behaviour)
     # chat data
@@ -168,6 +173,13 @@ HELP = {
     "anchors": "anchors (blocks) per sequence per step, at most; the trainer uses fewer, and says so in one "
                "line at start, when rows are too short for them or the GPU's free memory is (docs/recipe.md)",
     "gamma": "loss decay w_k = exp(-(k-1)/gamma); 0 = from the block size",
+    "objective": "what the drafter learns at each block position: ce (cross-entropy against the data's token, "
+                 "the recipe's), kd (distillation: the KL from the target's own distribution there, at "
+                 "--kd-temperature; the target then runs all its layers) or ce+kd (their mix, --kd-mix); "
+                 "kd is not yet measured on a GPU (docs/recipe.md)",
+    "kd_temperature": "temperature T of the distillation (kd, ce+kd): T^2 * KL(softmax(target/T) || "
+                      "softmax(drafter/T)); > 0",
+    "kd_mix": "KD's share of --objective ce+kd, in [0, 1]: (1 - mix) * CE + mix * KD",
     "mask_token_id": "token id of MASK (-1 = tokenizer's mask token, else the first unused embedding row)",
     "freeze_draft_norm": "use the target's final norm, frozen, instead of training the drafter's own "
                          "(initialised from the target's)",
@@ -209,7 +221,8 @@ METAVAR = {"chat_template_kwargs": "JSON", "target": "PATH|small-code|tiny", "da
            "rdzv_endpoint": "HOST:PORT", "rdzv_id": "ID", "node_address": "ADDR",
            "compile_target": "auto|on|off", "compile_update": "auto|on|off", "graph_target": "on|off",
            "fp32_wgrad": "on|off", "flex_tiles": "TILES", "ce_rows": "N", "ce_kernel": "on|off",
-           "precision": "|".join(PRECISIONS)}
+           "precision": "|".join(PRECISIONS), "objective": "|".join(OBJECTIVES), "kd_temperature": "T",
+           "kd_mix": "X"}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -368,6 +381,10 @@ def validate(c: TrainConfig, here: bool = True) -> None:
     need(c.batch_size % world == 0,
          f"--batch-size {c.batch_size} does not split over {world} workers; use a multiple of {world}")
     need(c.gamma >= 0, f"--gamma must be >= 0, got {c.gamma}")
+    try:
+        objective_of(c)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     need(c.lr > 0 and 0 <= c.min_lr <= c.lr, f"need 0 <= --min-lr <= --lr and --lr > 0 (got {c.min_lr}, {c.lr})")
     need(0 <= c.warmup < 1, f"--warmup is a fraction of --steps in [0, 1), got {c.warmup}")
     need(c.grad_clip > 0, f"--grad-clip must be > 0, got {c.grad_clip}")
@@ -438,6 +455,11 @@ def template_kwargs(text: str) -> dict:
         raise UsageError(f"--chat-template-kwargs {text!r}: expected a JSON object, "
                          'e.g. {"enable_thinking": false}')
     return opts
+
+
+def objective_of(c: TrainConfig) -> Objective:
+    """--objective, --kd-temperature and --kd-mix as the loss takes them (a ValueError when one is bad)."""
+    return Objective(c.objective, c.kd_temperature, c.kd_mix)
 
 
 def layer_ids(c: TrainConfig) -> tuple[int, ...] | None:

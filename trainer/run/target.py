@@ -54,6 +54,10 @@ class Target:
     compiled: bool = False
     # features() replays a CUDA graph of its whole forward (graph_features); False: launched from Python.
     graphed: bool = False
+    # features() also runs the layers above the last tapped one and appends the final norm's output,
+    # (B, S, n*H + H): the input of the target's own logits, which a distilling objective reads
+    # (trainer/model/objective.py). False: the n layers' features alone.
+    final_hidden: bool = False
     _graphs: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)  # per copy
 
     @property
@@ -162,7 +166,8 @@ class Target:
         return graph, static_in, static_out
 
     def _features(self, input_ids: torch.Tensor, *, eager: bool = False) -> torch.Tensor:
-        """input_ids (B, S) -> concatenated hidden states (B, S, n*H) at `layer_ids`.
+        """input_ids (B, S) -> concatenated hidden states (B, S, n*H) at `layer_ids`, and with
+        `final_hidden` the model's last hidden state after them (B, S, n*H + H).
 
         Right padding needs no attention mask: with causal attention, real tokens never see pads.
         HF `hidden_states[i + 1]` is the output of layer i (index 0 is the embedding), except that
@@ -173,11 +178,13 @@ class Target:
         """
         if not self.truncate:
             out = self.model.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
-            return torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+            final = [out.last_hidden_state] if self.final_hidden else []
+            return torch.cat([out.hidden_states[i + 1] for i in self.layer_ids] + final, dim=-1)
         base = self.model.base_model
         layers = _tap_layers(base)
         last = max(self.layer_ids)
-        through = last == len(layers) - 1  # the final layer's entry is the normed model output
+        # the whole model when the last layer is tapped (its entry is the normed output) or the output is wanted
+        through = last == len(layers) - 1 or self.final_hidden
         taps = {layers[i]: None for i in self.layer_ids if i != len(layers) - 1}
         _TAP.taps, _TAP.stop_at, _TAP.compiled = (taps, None if through else layers[last],
                                                 self.compiled and not eager)
@@ -188,8 +195,9 @@ class Target:
         finally:
             _TAP.taps = _TAP.stop_at = None
             _TAP.compiled = False
+        final = [out.last_hidden_state] if self.final_hidden else []
         return torch.cat([out.last_hidden_state if i == len(layers) - 1 else taps[layers[i]]
-                          for i in self.layer_ids], dim=-1)
+                          for i in self.layer_ids] + final, dim=-1)
 
     @torch.no_grad()
     def decode(self, input_ids: torch.Tensor, cache=None, *, hidden: bool = False):
@@ -365,8 +373,9 @@ def _freeze(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def load_target(spec: str, *, device: torch.device, dtype: torch.dtype,
-                layers: tuple[int, ...] | None = None) -> Target:
-    """Load and freeze the target on `device`; `layers` overrides the default layer choice."""
+                layers: tuple[int, ...] | None = None, final_hidden: bool = False) -> Target:
+    """Load and freeze the target on `device`; `layers` overrides the default layer choice;
+    `final_hidden`: features() appends the model's last hidden state (Target.final_hidden)."""
     check_target_spec(spec)
     _quiet_transformers()
     if spec.startswith("tiny"):
@@ -384,7 +393,7 @@ def load_target(spec: str, *, device: torch.device, dtype: torch.dtype,
     bad = [i for i in layer_ids if not 0 <= i < L]
     if bad:
         raise UsageError(f"--target-layers {','.join(map(str, layer_ids))}: the target has layers 0..{L - 1}")
-    return Target(model, tokenizer, layer_ids, spec, fingerprint)
+    return Target(model, tokenizer, layer_ids, spec, fingerprint, final_hidden=final_hidden)
 
 
 def target_folder(spec: str) -> str:

@@ -21,8 +21,9 @@ from trainer import faults, policies
 from trainer.errors import EXIT_OK, EXIT_SIGTERM, UsageError
 from trainer.model import choices, fp8, masks
 from trainer.model.drafter import Drafter, DrafterConfig, flops_per_sample
+from trainer.model.objective import Objective
 from trainer.run import checkpoint, provenance, sizing
-from trainer.run.config import RUN_CONFIG, TrainConfig, chat_template_options, layer_ids
+from trainer.run.config import RUN_CONFIG, TrainConfig, chat_template_options, layer_ids, objective_of
 from trainer.run.data import (Loader, check_samples, encode_rows, most_anchors, overlap, read_rows, split_eval,
                               synthetic)
 from trainer.run.eval import acceptance_length
@@ -57,6 +58,7 @@ class Prepared:
     identity: dict | None = None  # the target as trained against, recorded in every checkpoint (provenance.py)
     eval_overlap: int = 0        # eval prompts that are also training rows' prompts (--eval-overlap-ok)
     anchors: int = 0             # anchors per sequence a step uses: --anchors, or fewer (sizing.py)
+    objective: Objective = Objective()  # what the loss trains the drafter to match (--objective)
 
 
 def open_run(cfg: TrainConfig, *, writer: bool) -> tuple[Path, Path | None]:
@@ -104,7 +106,8 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
     if cfg.precision != "bf16" and (why := fp8.refusal(device, cfg.fp8_emulate)):
         raise UsageError(f"--precision {cfg.precision}: {why}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = load_target(cfg.target, device=device, dtype=dtype, layers=layer_ids(cfg))
+    objective = objective_of(cfg)
+    target = load_target(cfg.target, device=device, dtype=dtype, layers=layer_ids(cfg), final_hidden=objective.distills)
     log.info(f"target {cfg.target}: {target.num_layers} layers, hidden {target.config.hidden_size}, "
              f"features from layers {list(target.layer_ids)}")
     if not writer:
@@ -136,12 +139,12 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
         log.info("the checkpoint has no final norm of the drafter's own (an older trainer wrote it): "
                  "it starts from the target's norm")
     log.info(f"drafter: {dcfg.num_layers} layers, {n_params / 1e6:.2f}M trainable params, block {dcfg.block_size}, "
-             f"mask token {dcfg.mask_token_id}, gamma {gamma:g}")
+             f"mask token {dcfg.mask_token_id}, gamma {gamma:g}, objective {objective.described()}")
     if cfg.precision != "bf16":
         log.info(fp8.described(cfg.precision, cfg.fp8_emulate, fp8.use(drafter, cfg.precision, cfg.fp8_emulate)))
-    anchors = _anchors(cfg, device, dcfg, n_params, pad_len, samples, log, agree_min, ck)
+    anchors = _anchors(cfg, device, dcfg, n_params, pad_len, samples, log, agree_min, ck, objective)
     return Prepared(out, ck, target, samples, eval_prompts, pad_len, pos_weights, dcfg, drafter,
-                    flops_per_sample(dcfg, pad_len, anchors * cfg.block_size), record, eval_overlap, anchors)
+                    flops_per_sample(dcfg, pad_len, anchors * cfg.block_size), record, eval_overlap, anchors, objective)
 
 
 def _check_resumed_target(cfg: TrainConfig, ck, now: dict, log) -> None:
@@ -160,12 +163,14 @@ def _check_resumed_target(cfg: TrainConfig, ck, now: dict, log) -> None:
 
 
 def _anchors(cfg: TrainConfig, device: torch.device, dcfg: DrafterConfig, n_params: int, pad_len: int, samples,
-             log, agree_min, ck=None) -> int:
+             log, agree_min, ck=None, objective: Objective = Objective()) -> int:
     """--anchors, or fewer where the rows or the device's free memory cannot take them: one line then.
     A resume keeps what its checkpoint recorded (sizing.resumed), said in one line."""
     seqs = max(1, cfg.batch_size // (cfg.n_devices * cfg.nnodes))
+    # distilling, the target's final hidden state rides with its features: one layer's more
     shape = sizing.Shape(hidden=dcfg.hidden_size, intermediate=dcfg.intermediate_size, layers=dcfg.num_layers,
-                         kv_dim=dcfg.num_kv_heads * dcfg.head_dim, feature_layers=dcfg.num_target_layers,
+                         kv_dim=dcfg.num_kv_heads * dcfg.head_dim,
+                         feature_layers=dcfg.num_target_layers + (1 if objective.distills else 0),
                          trainable=n_params, block=cfg.block_size, pad_len=pad_len, seqs=seqs,
                          room=most_anchors(samples, cfg.block_size))
     if device.type == "cuda":
