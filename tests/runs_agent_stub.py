@@ -81,8 +81,8 @@ def agent(cmd, wd, *args, stdin=None, timeout=60, env=None):
     return r
 
 
-def launch(wd, run, *, gpus=0, total=0, policy="eager", extra=(), env=None, **spec):
-    doc = {"run": run, "gpus": gpus, "target_gpus": total, "policy": policy, "extra": list(extra),
+def launch(wd, run, *, gpus=0, total=0, compile_policy="eager", extra=(), env=None, **spec):
+    doc = {"run": run, "gpus": gpus, "target_gpus": total, "compile_policy": compile_policy, "extra": list(extra),
            **spec}
     r = agent("launch", wd, stdin=json.dumps(doc).encode(), env=env)
     return json.loads(r.stdout.decode().splitlines()[-1])

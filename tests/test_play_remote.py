@@ -127,5 +127,5 @@ def test_train_playbook_runs_to_an_exported_drafter(ct):
     assert steps["export"]["run"] == run and steps["export"]["output"] == str(out)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "dflash_ops.json", "model.safetensors"]
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
-    assert steps["probe"]["reused"] and steps["launch"]["probe_policy"] == "eager"
+    assert steps["probe"]["reused"] and steps["launch"]["compile_policy"] == "auto"
     assert "[ct210] follow: ok" in r.stderr      # the log was followed live

@@ -46,7 +46,7 @@ def test_the_controller_has_no_copy_of_the_trainers_argv(monkeypatch):
         return seen[-1] + ["--no-such-flag"]
     monkeypatch.setattr(launch, "trainer_flags", flags)
     with pytest.raises(UsageError, match="no-such-flag"):
-        launch.launch_spec(inv, inv.target("a"), LaunchOptions.build(gpus=0, policy="eager"), run="r1")
+        launch.launch_spec(inv, inv.target("a"), LaunchOptions.build(gpus=0, compile_policy="eager"), run="r1")
     assert seen == [["--gpus", "0", "--topology", "threads", "--compile-policy", "eager"]]
 
 

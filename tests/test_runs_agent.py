@@ -122,7 +122,7 @@ def test_launch_returns_at_once_and_records_the_run(wd, tmp_path):
     run = wd / "runs" / "r-a"
     rec = _json(run / "run.json")
     assert rec["pid"] == doc["pid"] == int((run / "pid").read_text())
-    assert rec["release"] == "r1" and rec["commit"] == "abc1234" and rec["policy"] == "eager"
+    assert rec["release"] == "r1" and rec["commit"] == "abc1234" and rec["compile_policy"] == "eager"
     assert rec["command"][1:3] == ["-m", "trainer"] and "--steps" in rec["command"]
     assert rec["config"]["file"] == str(run / "my.yaml") and (run / "my.yaml").read_text() == "steps: 3\n"
     assert rec["started"].endswith("Z") and rec["gpus"] == 0
@@ -240,29 +240,28 @@ def test_follow_protocol_offsets_tail_and_end(wd):
     agent("stop", wd, "--force", "--", "f-b")
 
 
-def test_auto_records_the_probe_choice_for_the_topology(wd):
-    """`auto`'s rule is trainer.policies.resolve, run from the live release: the agent records what
-    the trainer will run, and refuses what the trainer would refuse."""
+def test_auto_goes_to_the_trainer_as_is_and_status_reads_back_what_it_chose(wd):
+    """`auto` is resolved once, by the trainer when it starts (trainer/train/loop.resolve_policy); the
+    agent records what was asked, and status shows what the trainer recorded it runs, once it has."""
     (wd / "probe.json").write_text(json.dumps({"policy": "inductor", "processes_policy": "reduce-overhead"}))
-    assert launch(wd, "a-t", policy="auto", extra=["--steps", "1"])["probe_policy"] == "inductor"
-    assert launch(wd, "a-p", policy="auto", topology="processes", extra=["--steps", "1"])["probe_policy"] \
-        == "reduce-overhead"
+    doc = launch(wd, "a-t", compile_policy="auto", extra=["--steps", "2000", "--sleep", "0.02"])
+    assert doc["ok"] and doc["compile_policy"] == "auto" and "probe_policy" not in doc
+    rec = _json(wd / "runs" / "a-t" / "run.json")
+    assert rec["compile_policy"] == "auto" and "policy" not in rec and "probe_policy" not in rec
+    assert rec["command"][rec["command"].index("--compile-policy") + 1] == "auto"
+    assert state(wd, "a-t")["compile_policy"] == "auto"            # nothing recorded by the trainer yet
+    (wd / "runs" / "a-t" / "compile-policy.json").write_text(json.dumps(
+        {"compile_policy": "inductor", "asked": "auto", "why": None}))   # as the trainer writes it
+    assert state(wd, "a-t")["compile_policy"] == "inductor"
+    agent("stop", wd, "--force", "--", "a-t")
     ended(wd, "a-t")
-    ended(wd, "a-p")
-    (wd / "probe.json").write_text(json.dumps({"policy": "inductor"}))   # a probe from before
-    assert launch(wd, "a-q", policy="auto", topology="processes", extra=["--steps", "1"])["probe_policy"] \
-        == "inductor"
-    ended(wd, "a-q")
-    (wd / "probe.json").write_text(json.dumps({"policy": {"name": "inductor"}}))
-    refused = launch(wd, "a-d", policy="auto")
-    assert refused["reason"] == "bad_probe" and "not a known policy" in refused["message"]
 
 
 def test_launch_refusals(wd, tmp_path):
-    assert launch(wd, "p-a", policy="auto")["reason"] == "no_probe"
+    assert launch(wd, "p-a", compile_policy="auto")["reason"] == "no_probe"
     (wd / "probe.json").write_text(json.dumps({"policy": "inductor", "torch": "0"}))
-    doc = launch(wd, "p-b", policy="auto", extra=["--steps", "1"])
-    assert doc["ok"] and doc["compile_policy"] == "auto" and doc["probe_policy"] == "inductor"
+    doc = launch(wd, "p-b", compile_policy="auto", extra=["--steps", "1"])
+    assert doc["ok"] and doc["compile_policy"] == "auto"
     rec = _json(wd / "runs" / "p-b" / "run.json")
     assert rec["command"][rec["command"].index("--compile-policy") + 1] == "auto"
     ended(wd, "p-b")

@@ -45,7 +45,7 @@ def _trainers(run):
 @pytest.mark.parametrize("point", list(LAUNCH_POINTS))
 def test_a_launch_killed_at_any_point_leaves_a_free_slot_or_a_recorded_run(wd, point):
     run = "x-" + point.replace(".", "-").replace("_", "-")
-    doc = {"run": run, "gpus": 0, "target_gpus": 0, "policy": "eager", "extra": ["--steps", "50000"]}
+    doc = {"run": run, "gpus": 0, "target_gpus": 0, "compile_policy": "eager", "extra": ["--steps", "50000"]}
     env = {**os.environ, "DFLASH_OPS_AGENT_FAULTS": f"kill_at={point}"}
     r = subprocess.run([sys.executable, "-c", SOURCE, "launch", str(wd)], input=json.dumps(doc).encode(),
                        capture_output=True, timeout=60, env=env)

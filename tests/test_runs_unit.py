@@ -67,7 +67,7 @@ def test_refusal_messages_say_what_to_do():
 
 def test_launch_refuses_more_gpus_than_the_target_has_before_connecting():
     with pytest.raises(runs.LaunchRefused, match="--gpus 9 is more than the target's 8 GPU"):
-        nodes.launch(INV, [INV.targets["ct200"]], LaunchOptions.build(gpus=9, policy="eager"))
+        nodes.launch(INV, [INV.targets["ct200"]], LaunchOptions.build(gpus=9, compile_policy="eager"))
 
 
 @settings(max_examples=60, deadline=None)

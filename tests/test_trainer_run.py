@@ -20,6 +20,7 @@ from trainer import faults  # noqa: E402
 from trainer.engine.numerics import rel_l2  # noqa: E402
 from tolerance import QUICK_CHAIN, bound, trained_weights_bound  # noqa: E402
 from trainer.run import checkpoint  # noqa: E402
+from trainer.run.config import CHOSEN_POLICY  # noqa: E402
 from trainer_quick import (QUICK, ROOT, metrics, sigterm_once_training, step_losses,  # noqa: E402
                            subprocess_env, train)
 
@@ -344,3 +345,6 @@ def test_auto_trains_eager_when_the_run_is_shorter_than_the_compile_payback_and_
     assert any(line.startswith("[trainer] auto: eager, not the probe's inductor: this run's 1 steps are fewer than "
                                "the 2,112 its 211.2 s compile takes to pay back") for line in lines), lines
     assert any("ready in" in line and "first step" in line and "compile" not in line for line in lines)
+    # what it resolved is recorded beside its settings, for `dflash-ops status` to read back
+    chosen = json.loads((tmp_path / "run" / CHOSEN_POLICY).read_text())
+    assert chosen["compile_policy"] == "eager" and chosen["asked"] == "auto" and "2,112" in chosen["why"]

@@ -43,7 +43,7 @@ ACTIONS: dict[str, dict[str, Any]] = {
     "deploy": {"source": "str", "install_deps": "bool", "verify": "bool"},
     "probe": {"gpus": "int", "policies": "list", "topologies": "list", "case_timeout": "int", "reuse": "bool"},
     "launch": {"gpus": "int", "gpu_ids": "str", "name": "str", "config": "str",
-               "topology": TOPOLOGIES, "policy": POLICIES, "workers": "int", "env": "map",
+               "topology": TOPOLOGIES, "compile_policy": POLICIES, "workers": "int", "env": "map",
                "args": "list"},
     "logs": {"run": "str"},
     "export": {"run": "str", "step": "int", "output": "str",

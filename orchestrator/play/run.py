@@ -264,7 +264,8 @@ def _launch(run: Run, o: dict):
     from orchestrator.runs.options import LaunchOptions
 
     opts = LaunchOptions.build(gpus=o.get("gpus"), gpu_ids=o.get("gpu_ids"), config=o.get("config"),
-                               topology=o.get("topology"), policy=o.get("policy"), workers=o.get("workers"),
+                               topology=o.get("topology"), compile_policy=o.get("compile_policy"),
+                               workers=o.get("workers"),
                                extra=o.get("args", []), name=o.get("name"), env=o.get("env"))
     res = nodes.launch(run.inv, [run.target], opts, session=run.session).nodes[0]  # a job of one node
     return True, res.as_json(), f"run {res.run} (pid {res.pid}, policy {res.compile_policy})"

@@ -95,9 +95,9 @@ def trainer_flags() -> set[str]:
               help="Trainer YAML config; copied into the run's folder.")
 @click.option("--topology", type=click.Choice(TOPOLOGIES), default="threads",
               show_default=True, help="One thread per device, or one process per device.")
-@click.option("--policy", default="auto", show_default=True, metavar="NAME|auto",
-              type=click.Choice(POLICIES),
-              help="Compile policy; auto = the probe's choice (run `dflash-ops probe` first).")
+@click.option("--compile-policy", "--policy", "compile_policy", default="auto", show_default=True,
+              metavar="NAME|auto", help=f"Compile policy ({', '.join(POLICIES)}); auto = the probe's choice, "
+              "resolved by the trainer (run `dflash-ops probe` first). --policy: the same.")
 @click.option("--workers", type=click.IntRange(min=1), metavar="K",
               help="With --gpus 0: CPU worker threads.")
 @click.option("--follow", is_flag=True, help="Then follow the log, as `logs --follow` does.")
@@ -105,7 +105,7 @@ def trainer_flags() -> set[str]:
               help="Set a variable for the trainer (repeatable; over hosts.yaml env:).")
 @json_option
 @click.pass_obj
-def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, policy, workers, follow,
+def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, compile_policy, workers, follow,
            env, as_json):
     """Start the trainer detached from this session; print the run id.
 
@@ -118,8 +118,8 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, po
     from orchestrator.runs.options import LaunchOptions
 
     targets, extra = _split_launch_args(state, args)
-    opts = LaunchOptions.build(gpus=gpus, gpu_ids=gpu_ids, config=config, topology=topology, policy=policy,
-                               workers=workers, extra=extra, name=name, resume=resume,
+    opts = LaunchOptions.build(gpus=gpus, gpu_ids=gpu_ids, config=config, topology=topology,
+                               compile_policy=compile_policy, workers=workers, extra=extra, name=name, resume=resume,
                                env=parse_assignments(env))
     with open_session(state.inv) as session:   # one connection for the launch and the follow
         res = nodes.launch(state.inv, targets, opts, session=session)
@@ -153,7 +153,7 @@ def follow_launched(state: State, session, res, doc: dict, as_json: bool) -> Non
 
 def _launch_info(res) -> str:
     policy_text = (res.compile_policy or f"none: {res.kind} into {res.output}") + (
-        f" (probe chose {res.probe_policy})" if res.probe_policy else "")
+        " (the trainer resolves it; `status --json` shows its choice)" if res.compile_policy == "auto" else "")
     what = (f"resumed run {res.run} (attempt {res.attempt}, was {res.resumed_from}; "
             if res.attempt > 1 else f"launched run {res.run} (")
     label = f"{res.name!r}, " if res.name else ""
@@ -311,7 +311,7 @@ def report(state: State, args, out, as_json):
     path = out or f"dflash-report-{doc['run']}.png"
     st = doc.get("status") or {}
     title = (f"{target.name} run {doc['run']}: {st.get('state')}\n"
-             f"policy {st.get('policy')}, release {st.get('release')}")
+             f"policy {st.get('compile_policy')}, release {st.get('release')}")
     try:
         written = report_mod.render(doc["metrics"], path, title=title)
     except ValueError:

@@ -53,8 +53,8 @@ def refusal_message(target: Target, doc: dict) -> str:
     if reason == "no_release":
         return f"{t}: no release deployed in {target.workdir}; run `dflash-ops deploy {t}` first"
     if reason == "no_probe":
-        return (f"{t}: --policy auto needs the probe's choice and {target.workdir}/probe.json does "
-                f"not exist; run `dflash-ops probe {t}` first (or pass --policy NAME)")
+        return (f"{t}: --compile-policy auto needs the probe's choice and {target.workdir}/probe.json does "
+                f"not exist; run `dflash-ops probe {t}` first (or pass --compile-policy NAME)")
     if reason == "no_torch":
         if target.is_local:
             return f"{t}: {doc.get('python')} has no torch; install the trainer's side with `pip install -e '.[train]'`"
@@ -65,7 +65,7 @@ def refusal_message(target: Target, doc: dict) -> str:
         return (f"{t}: the container has {n} GPU(s) but hosts.yaml gives {t} none (`gpus:` is 0 when omitted), "
                 f"so the run would train on the CPU; set `gpus: {n}` under targets.{t} in hosts.yaml, or pass "
                 f"--gpus 0 to train on the CPU")
-    if reason in ("too_many_gpus", "no_space", "io", "bad_gpu_ids", "bad_probe", "network", "one_node", "bad_kind"):
+    if reason in ("too_many_gpus", "no_space", "io", "bad_gpu_ids", "network", "one_node", "bad_kind"):
         return f"{t}: {doc.get('message')}"
     if reason == "not_found":
         return f"{t}: {doc.get('message')} (see `dflash-ops status {t}`)"
@@ -103,9 +103,7 @@ class LaunchResult:
     supervisor_pid: int | None = None
     release: str | None = None
     commit: str | None = None
-    policy: str | None = None
-    compile_policy: str | None = None
-    probe_policy: str | None = None
+    compile_policy: str | None = None   # as asked (auto: the trainer resolves it; status shows its choice)
     gpus: int = 0
     gpu_ids: list[int] = field(default_factory=list)
     slots: list[str] = field(default_factory=list)
@@ -170,7 +168,7 @@ def check_trainer_config(spec: dict, nnodes: int = 1) -> None:
     # The config's text is checked as text (the agent's --config names its copy on the target); a
     # job's rendezvous values are placeholders of the right form (nodes.launch adds the real ones).
     nodes = {"targets": ["node"] * nnodes, "index": 0, "endpoint": "node:1", "address": "node"} if nnodes > 1 else None
-    argv = trainer_flags(dict(spec, nodes=nodes), spec["gpus"] or 0, spec["policy"])
+    argv = trainer_flags(dict(spec, nodes=nodes), spec["gpus"] or 0, spec["compile_policy"])
     try:
         check_before_launch(argv, spec.get("config_text"), spec.get("config_name") or "config")
     except TrainerUsage as e:
@@ -195,11 +193,9 @@ def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
         # The agent was cut off (killed, the connection dropped): its exit status says nothing of
         # the run, which may run or may never have started. Ask the target.
         doc = _after_cut_off(s, target, spec, e)
-    resume = spec.get("resume")
     return LaunchResult(
         target=target.name, run=doc["run"], pid=doc["pid"], supervisor_pid=doc.get("supervisor_pid"),
-        release=doc.get("release"), commit=doc.get("commit"), policy=spec["policy"] if resume is None else None,
-        compile_policy=doc.get("compile_policy"), probe_policy=doc.get("probe_policy"),
+        release=doc.get("release"), commit=doc.get("commit"), compile_policy=doc.get("compile_policy"),
         gpus=doc.get("gpus", spec["gpus"]), gpu_ids=doc.get("gpu_ids") or [], slots=doc.get("slots") or [],
         log=doc.get("log"), command_line=doc.get("command_line"), kind=doc.get("kind") or "train",
         output=doc.get("output"),
@@ -219,7 +215,7 @@ def _after_cut_off(s: Session, target: Target, spec: dict, cut: StepFailed) -> d
     except OpsError:
         raise cut from None
     if found and found[0]["state"] == "running" and found[0].get("pid"):
-        return {**found[0], "compile_policy": found[0].get("policy") or "?",
+        return {**found[0], "compile_policy": found[0].get("compile_policy") or "?",
                 "cut_off": f"the agent ended with status {cut.exit_code_remote}"}
     if found and found[0]["state"] == "running":
         said = f"run {run} is still being started there (see `dflash-ops status {target.name} {run}`)"

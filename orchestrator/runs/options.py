@@ -51,7 +51,7 @@ class LaunchOptions:
     gpus: int | None = None
     gpu_ids: tuple[int, ...] | None = None
     topology: str = "threads"
-    policy: str = "auto"
+    compile_policy: str = "auto"
     workers: int | None = None
     extra: tuple[str, ...] = ()
     name: str | None = None
@@ -65,16 +65,16 @@ class LaunchOptions:
 
     @classmethod
     def build(cls, *, gpus: int | None = None, gpu_ids: str | None = None, config: str | None = None,
-              topology: str | None = None, policy: str | None = None, workers: int | None = None,
+              topology: str | None = None, compile_policy: str | None = None, workers: int | None = None,
               extra: Sequence[str] = (), name: str | None = None, resume: str | None = None,
               env: Mapping[str, str] | None = None) -> "LaunchOptions":
         """The options checked (UsageError, exit 2); the config file read."""
         topology = topology or "threads"
-        policy = policy or "auto"
+        compile_policy = compile_policy or "auto"
         if name is not None and not LABEL_RE.match(name):
             raise UsageError(f"--name {name!r}: one line of at most 64 printable characters")
-        if policy not in POLICIES:
-            raise UsageError(f"--policy {policy}: not a policy (choose from {', '.join(POLICIES)})")
+        if compile_policy not in POLICIES:     # the one check of the name on the controller's side
+            raise UsageError(f"--compile-policy {compile_policy}: not a policy (choose from {', '.join(POLICIES)})")
         if topology not in TOPOLOGIES:
             raise UsageError(f"--topology must be one of {', '.join(TOPOLOGIES)}")
         if gpus is not None and gpus < 0:
@@ -104,13 +104,14 @@ class LaunchOptions:
             except OSError as e:
                 raise UsageError(f"--config {config}: cannot read: {e.strerror or e}") from None
             cname, source = path.name, str(path.resolve())
-        return cls(gpus=gpus, gpu_ids=ids, topology=topology, policy=policy,
+        return cls(gpus=gpus, gpu_ids=ids, topology=topology, compile_policy=compile_policy,
                    workers=workers, extra=tuple(extra), name=name, resume=resume, config_text=text,
                    config_name=cname, config_source=source, env=dict(env or {}))
 
     def doc(self) -> dict:
         """The options as the runs agent's launch spec names them (env and the config's absence left out)."""
-        doc = {"gpus": self.gpus, "topology": self.topology, "policy": self.policy, "workers": self.workers,
+        doc = {"gpus": self.gpus, "topology": self.topology, "compile_policy": self.compile_policy,
+               "workers": self.workers,
                "extra": list(self.extra), "name": self.name,
                "gpu_ids": list(self.gpu_ids) if self.gpu_ids is not None else None, "resume": self.resume,
                "kind": self.kind}

@@ -23,6 +23,9 @@ from trainer.policies import POLICY_NAMES, known as known_policies  # torch-free
 # The run's resolved settings (flags + YAML) in OUT, for --resume checks and `python -m trainer.eval`.
 # Not config.json/config.yaml: `launch` puts the user's own config file in the same folder.
 RUN_CONFIG = "trainer-config.json"
+# the compile policy the run resolved and runs ({"compile_policy", "asked", "why"}), beside RUN_CONFIG in
+# --out; the runs agent reads it for `dflash-ops status` (orchestrator/remote/runs/common.py)
+CHOSEN_POLICY = "compile-policy.json"
 # --precision: the default path, or the drafter's matmuls in fp8 (trainer/model/fp8.py RECIPES)
 PRECISIONS = ("bf16", "fp8", "fp8-rowwise", "fp8-lmhead")
 EMULATE_ALONE = f"--fp8-emulate goes with --precision {'|'.join(PRECISIONS[1:])}"  # the trainer's and the probe's

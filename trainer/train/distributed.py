@@ -264,7 +264,7 @@ def _rank(cfg: TrainConfig, rank: int, world: int, local: int, device: torch.dev
     # folder is then a complete run for `python -m trainer.export`)
     with loop.run_folder(cfg, writer=local == 0) as (out, resume_from):  # rank 0 is a first rank too
         log = RunLog(out / "metrics.jsonl") if writer else QuietLog()
-        policy, why = loop.resolve_policy(cfg, device)
+        policy, why = loop.resolve_policy(cfg, device, out if writer else None)
         log.info(f"torch {torch.__version__} | {world} ranks on {device.type} | topology processes "
                  f"({dist.get_backend()}) | compile policy {policy}"
                  + (" (auto: from probe.json)" if cfg.compile_policy == "auto" else ""))

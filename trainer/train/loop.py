@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from trainer import faults, policies
+from trainer import faults, files, policies
 from trainer.errors import EXIT_OK, EXIT_SIGTERM, UsageError
 from trainer.model import choices, fp8, masks
 from trainer.model.drafter import Drafter, DrafterConfig, flops_per_sample
 from trainer.model.objective import Objective
 from trainer.run import checkpoint, provenance, sizing
-from trainer.run.config import RUN_CONFIG, TrainConfig, chat_template_options, layer_ids, objective_of
+from trainer.run.config import CHOSEN_POLICY, RUN_CONFIG, TrainConfig, chat_template_options, layer_ids, objective_of
 from trainer.run.data import (Loader, check_samples, encode_rows, most_anchors, overlap, read_rows, split_eval,
                               synthetic)
 from trainer.run.eval import acceptance_length
@@ -85,12 +85,16 @@ def run_folder(cfg: TrainConfig, *, writer: bool) -> Iterator[tuple[Path, Path |
         yield out, resume_from
 
 
-def resolve_policy(cfg: TrainConfig, device: torch.device) -> tuple[str, str | None]:
+def resolve_policy(cfg: TrainConfig, device: torch.device, out: Path | None = None) -> tuple[str, str | None]:
     """The run's policy, and for auto the line that says why it is eager (a run too short for the
-    probe's choice to pay its compile back), or None."""
+    probe's choice to pay its compile back), or None. The writer (out given) records it in
+    out/CHOSEN_POLICY, which `dflash-ops status` reads back: `auto` is resolved here, and only here."""
     policy, why = policies.resolve_for_run(cfg.compile_policy, cfg.workdir or None, cfg.topology, cfg.steps)
     if policies.needs_cuda(policy) and device.type != "cuda":
         raise UsageError(f"--compile-policy {policy} captures CUDA graphs and needs --gpus >= 1")
+    if out is not None:
+        with files.atomic_file(Path(out) / CHOSEN_POLICY) as f:
+            json.dump({"compile_policy": policy, "asked": cfg.compile_policy, "why": why}, f)
     return policy, why
 
 

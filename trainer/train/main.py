@@ -70,7 +70,7 @@ def _train(cfg: TrainConfig, stop: threading.Event, out, resume_from) -> int:
         torch.set_num_threads(cfg.cpu_threads)
     elif devices[0].type == "cpu" and len(devices) > 1:
         policies.share_cpu(len(devices))      # K CPU workers: cores / K intra-op threads each
-    policy, why = resolve_policy(cfg, devices[0])
+    policy, why = resolve_policy(cfg, devices[0], out)
     log.info(f"torch {torch.__version__} | devices {', '.join(map(str, devices))} | topology threads | "
              f"compile policy {policy}" + (" (auto: from probe.json)" if cfg.compile_policy == "auto" else ""))
     if why:

@@ -112,33 +112,12 @@ def _release_info(workdir):
 
 
 # `auto`'s rule, asked of the live release's trainer (torch-free module, no torch loaded).
-_RESOLVE = ("import json, sys\n"
-            "from trainer.policies import PolicyError, resolve\n"
-            "try:\n"
-            "    print(json.dumps({'policy': resolve('auto', sys.argv[1], sys.argv[2])}))\n"
-            "except PolicyError as e:\n"
-            "    print(json.dumps({'error': str(e)}))\n")
-
-
-def _probe_policy(workdir, release_path, topology="threads"):
-    """The probe's choice that `auto` means for this topology, as the live release's
-    trainer.policies.resolve decides it (the one place the rule is written; the trainer applies
-    it again when it starts). Refuses `no_probe` without WORKDIR/probe.json, `bad_probe` when
-    the trainer would refuse the choice."""
-    import subprocess
-
+def _check_probe(workdir):
+    """`auto` is the probe's choice, which the trainer reads from WORKDIR/probe.json when it starts
+    (trainer.policies.resolve: the one place the rule is written) and records in its run folder
+    (CHOSEN_POLICY). Without a probe result there is nothing to read: refused here, before a run starts."""
     if not os.path.exists(os.path.join(workdir, "probe.json")):
-        refuse("no_probe", "--policy auto needs a probe result and %s/probe.json does not exist" % workdir)
-    proc = subprocess.run([sys.executable, "-c", _RESOLVE, workdir, topology], cwd=release_path,
-                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        doc = json.loads(proc.stdout.decode("utf-8", "replace").strip().splitlines()[-1])
-    except (IndexError, ValueError):
-        lines = proc.stderr.decode("utf-8", "replace").strip().splitlines() or ["(no message)"]
-        _fail("the live release could not resolve --policy auto: %s" % lines[-1])
-    if "error" in doc:
-        refuse("bad_probe", doc["error"])
-    return doc["policy"]
+        refuse("no_probe", "--compile-policy auto needs a probe result and %s/probe.json does not exist" % workdir)
 
 
 def _visible_gpus():
@@ -187,13 +166,12 @@ def _launch(workdir, spec):
         refuse("bad_kind", "this dflash-ops does not know runs of kind %r" % spec.get("kind"))
     if spec.get("nodes") and not kind["nodes"]:     # its program takes no rendezvous flags
         refuse("one_node", "a %s run runs on one node; name one target" % spec.get("kind"))
-    policy = (spec.get("policy") or "auto") if kind["policy"] else None    # none: no probe either
-    probe_choice = None
-    if policy == "auto":
-        probe_choice = _probe_policy(workdir, release_path, spec.get("topology") or "threads")
-    # `auto` goes to the trainer as is: it resolves it from DFLASH_OPS_WORKDIR/probe.json and
-    # refuses a choice probed under another torch build. The record keeps the probe's choice.
-    compile_policy = policy
+    # none: a kind without a policy (regen), and no probe either
+    compile_policy = (spec.get("compile_policy") or "auto") if kind["policy"] else None
+    if compile_policy == "auto":
+        _check_probe(workdir)
+    # `auto` goes to the trainer as is: it resolves it from DFLASH_OPS_WORKDIR/probe.json, refuses a
+    # choice probed under another torch build, and records what it runs (status reads it back).
     gpus, total = int(spec.get("gpus") or 0), int(spec.get("target_gpus", 0))
     want = spec.get("gpu_ids")
     if want is not None:
@@ -252,7 +230,7 @@ def _launch(workdir, spec):
             else:
                 prev["previous_state"], attempts = _end_attempt(rundir, prev)
             started, rec = _start_run(workdir, spec, run, rundir, release, release_path, commit,
-                                      policy, compile_policy, probe_choice, gpus, ids, chosen_slots,
+                                      compile_policy, gpus, ids, chosen_slots,
                                       prev, attempts, hold)
             done = True
         except OSError as e:
@@ -271,7 +249,7 @@ def _launch(workdir, spec):
         _fault("launch.held")
     _out({"ok": True, "run": run, "pid": started["pid"], "supervisor_pid": started["supervisor_pid"],
           "release": release, "commit": commit, "compile_policy": compile_policy,
-          "probe_policy": probe_choice, "gpus": gpus, "kind": rec["kind"], "output": rec["output"],
+          "gpus": gpus, "kind": rec["kind"], "output": rec["output"],
           "gpu_ids": ids, "slots": chosen_slots, "rundir": rundir, "log": os.path.join(rundir, LOG),
           "cleared": cleared, "command_line": rec["command_line"], "name": rec.get("name"),
           "attempt": rec["attempt"], "resumed_from": prev.get("previous_state") if prev else None,
@@ -283,8 +261,8 @@ def _launcher():
     return {"launcher_pid": os.getpid(), "launcher_start": _proc_start(os.getpid())}
 
 
-def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy, compile_policy,
-               probe_choice, gpus, ids, chosen_slots, prev=None, attempts=(), hold=None):
+def _start_run(workdir, spec, run, rundir, release, release_path, commit, compile_policy,
+               gpus, ids, chosen_slots, prev=None, attempts=(), hold=None):
     """Write the run folder (log, config, run.json) and start its supervisor: (started, record).
     prev: the record of the run this attempt continues (the trainer then gets --resume and the
     run's own config file). hold(pids) records the supervisor in the slot locks before it may
@@ -326,7 +304,7 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, policy
          "text": spec.get("config_text")} if config else None,
         "name": spec.get("name"), "attempt": len(attempts) + 1, "attempts": list(attempts),
         "first_started": (prev.get("first_started") or prev.get("started")) if prev else None,
-        "policy": policy, "compile_policy": compile_policy, "probe_policy": probe_choice,
+        "compile_policy": compile_policy,
         "gpus": gpus, "gpu_ids": ids,
         "slots": chosen_slots, "topology": spec.get("topology") or "threads",
         "workers": spec.get("workers"), "extra_args": list(spec.get("extra") or []),

@@ -15,6 +15,7 @@ import time
 from ..common import _now_iso, _read_json, refuse
 
 LOG = "train.log"
+CHOSEN_POLICY = "compile-policy.json"   # trainer/run/config.py CHOSEN_POLICY: the policy the trainer runs
 # What a run id may look like (launch makes `YYYYmmdd-HHMMSS-hex`): no path, never an option.
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 TAIL_SCAN = 1 << 16      # bytes read from a log's end at a time
@@ -290,7 +291,9 @@ def _status(workdir, run):
            "started": rec.get("started"), "started_ts": started, "ended": (ex or {}).get("ended"),
            "elapsed_s": round((ended or time.time()) - started, 1) if started else None,
            "pid": rec.get("pid"), "gpus": rec.get("gpus"), "slots": rec.get("slots"),
-           "policy": rec.get("probe_policy") or rec.get("compile_policy"),
+           # what the trainer resolved and runs (its CHOSEN_POLICY), else what was asked
+           "compile_policy": (_read_json(os.path.join(rundir, CHOSEN_POLICY)) or {}).get("compile_policy")
+           or rec.get("compile_policy"),
            "release": rec.get("release"),
            "log": os.path.join(rundir, LOG), "exit": ex,
            # a job over several nodes: the nodes, and which ranks this one ran (the trainer's node.json)

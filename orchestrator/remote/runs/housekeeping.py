@@ -34,7 +34,7 @@ def _resume_spec(workdir, spec):
     new = {"run": rid, "resume": rid, "kind": rec.get("kind") or "train", "target": spec.get("target"),
            "gpus": rec.get("gpus", 0) if spec.get("gpus") is None else spec["gpus"],
            "gpu_ids": spec.get("gpu_ids"), "target_gpus": spec.get("target_gpus", 0),
-           "topology": rec.get("topology") or "threads", "policy": rec.get("policy") or "auto",
+           "topology": rec.get("topology") or "threads", "compile_policy": rec.get("compile_policy") or "auto",
            "workers": rec.get("workers"), "extra": list(rec.get("extra_args") or []),
            "config_file": (rec.get("config") or {}).get("file"),
            "name": spec.get("name") or rec.get("name"), "controller": spec.get("controller"),
