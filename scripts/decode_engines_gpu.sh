@@ -7,7 +7,8 @@
 #                detached by scripts/detach.sh and polled by back-to-back device calls;
 #   STAGE=bench: the prompts, then specdec: graphs in bf16 (the default) and float32 on every prompt,
 #                eager float32 on the first N_EAGER (eager costs ~17 ms a token); then the graphs engine
-#                with inductor-fused steps (--compile): its costs alone, then on every prompt; ~11 minutes.
+#                with inductor-fused steps (--compile): its costs alone (and with COMPILED=1 its decode
+#                of every prompt); ~9 minutes (13 with COMPILED=1). The train stage takes ~16.5.
 #
 #     bash scripts/detach.sh start /tmp/r6 env STAGE=train WORK=/tmp/r6/work bash scripts/decode_engines_gpu.sh
 #     bash scripts/detach.sh poll /tmp/r6 540                       # calls until it has ended
@@ -24,7 +25,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${STAGE:-bench}; SIZE=${SIZE:-gpu}; WORK=${WORK:-/tmp/decode-engines/work}; OUT=${OUT:-out/decode-engines}
-PY=${PY:-python3}; N_HELD=${N_HELD:-240}; SEED=${SEED:-7}; NEW=${NEW:-128}; N_EAGER=${N_EAGER:-30}
+PY=${PY:-python3}; N_HELD=${N_HELD:-240}; SEED=${SEED:-7}; NEW=${NEW:-128}; N_EAGER=${N_EAGER:-20}
 DRAFTER=${DRAFTER:-$WORK/drafter-main}
 export DFLASH_OPS_CACHE=${DFLASH_OPS_CACHE:-$WORK/cache} PYTHONUNBUFFERED=1
 mkdir -p "$OUT" "$WORK"
@@ -98,6 +99,7 @@ phase "costs: graphs vs graphs compiled, bfloat16, random weights"
 $PY benchmarks/decode_costs.py --size "$SIZE" --dtype bfloat16 --engines graphs,compiled --tau 3.25 3.0 ${COSTS_ARGS:-} \
     > "$OUT/costs-compiled.json" 2> "$OUT/costs-compiled.log" || rc=1
 tail -n 2 "$OUT/costs-compiled.log" >&2
-sd graphs-bf16-compiled --engine graphs --dtype bfloat16 --compile
+# every prompt compiled: ~4 minutes more, past one session's device time after the train stage (COMPILED=1)
+[ "${COMPILED:-0}" = 1 ] && sd graphs-bf16-compiled --engine graphs --dtype bfloat16 --compile
 phase "done (exit $rc)"
 exit $rc
