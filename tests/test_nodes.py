@@ -258,6 +258,18 @@ def test_two_nodes_train_one_job_to_the_weights_of_one_node(cluster, tmp_path):
     r = cluster.cli("report", other, run, "-o", tmp_path / "r.png", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["points"] >= STEPS, r.stderr.decode()
     assert json.loads(r.stdout)["target"] == rank0
+    # rm from one node removes the job on both: a half left behind would be a run `logs` cannot find
+    r = cluster.cli("rm", "ct300", run, "--dry-run", "--json")
+    doc = json.loads(r.stdout)
+    assert r.returncode == 0 and [x["run"] for x in doc["removed"]] == [run], r.stderr.decode()
+    assert [(n["target"], [x["run"] for x in n["removed"]]) for n in doc["nodes"]] == [("ct200", [run])]
+    assert a.rundir(run).exists() and b.rundir(run).exists()
+    r = cluster.cli("rm", "ct300", run)
+    out = r.stdout.decode()
+    assert r.returncode == 0 and f"ct300: removed run {run}" in out
+    assert f"ct200: removed the job's half of run {run}" in out
+    assert not a.rundir(run).exists() and not b.rundir(run).exists()
+    assert cluster.cli("logs", "ct200", run, "--no-follow").returncode == 102
 
 
 def _steps(node, run) -> list[int]:

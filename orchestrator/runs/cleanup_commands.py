@@ -17,6 +17,9 @@ def _lines(r) -> list[str]:
     lines = [f"{r.target}: {verb} run {x['run']}" + (f" {x['name']!r}" if x.get("name") else "")
              + f" ({x['state']}, {_bytes(x['bytes'])})" for x in r.removed]
     lines.append(f"{r.target}: {'would free' if r.dry_run else 'freed'} {_bytes(r.freed)}")
+    for other in r.nodes:      # a job's other nodes: their halves of the same runs
+        lines += [line.replace(f"{other.target}: {verb} run", f"{other.target}: {verb} the job's half of run")
+                  for line in _lines(other)]
     return lines
 
 

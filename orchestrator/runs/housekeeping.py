@@ -1,7 +1,9 @@
 """`rm` and `prune`: remove ended runs (their logs, checkpoints and records) from a target.
 
 A running run is never removed: `rm` refuses it (naming how to stop it), `prune` keeps it. Both
-say what they freed, in bytes. The judging and removing happen on the target, in one agent call
+say what they freed, in bytes. A job over several nodes is one run: `rm` of it on one node removes
+it on every node of the job (one node's half alone would leave the other's `logs` answering
+"no run" for a run that exists). The judging and removing happen on the target, in one agent call
 per target, under the runs' slot guard (remote/runs/housekeeping.py). Library code: returns data.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Removal:
     kept: list[str] = field(default_factory=list)        # prune: the newest N and running ones
     freed: int = 0
     dry_run: bool = False
+    nodes: list["Removal"] = field(default_factory=list)   # rm of a job's run: the other nodes' halves
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -39,13 +42,37 @@ def _removal(target: Target, doc: dict) -> Removal:
 
 def remove(inv: Inventory, target: Target, runs: Sequence[str], *, dry_run: bool = False,
            session: Session | None = None) -> Removal:
-    """Remove the named runs of one target; running ones are refused (left in .refused)."""
+    """Remove the named runs of one target; running ones are refused (left in .refused). A run of a
+    job over several nodes is removed on every node of the job (in .nodes, one Removal each), after
+    the named target's; a node hosts.yaml no longer defines is refused before anything is removed."""
     if not runs:
         raise UsageError("name the runs to remove (see `dflash-ops status`)")
-    args = ["rm", target.workdir] + (["--dry-run"] if dry_run else []) + ["--", *map(check_run, runs)]
+    runs = [check_run(r) for r in runs]
+    opts = ["--dry-run"] if dry_run else []
     with agent.session(inv, session) as s:
-        return _removal(target, agent.call(s.transport(target), target, agent.RUNS, args,
-                                           what="remove runs", timeout=600))
+        doc = agent.call(s.transport(target), target, agent.RUNS, ["status", target.workdir, "--", *runs],
+                         what="read the runs", timeout=60)
+        elsewhere: dict[str, list[str]] = {}      # other node -> the job runs it holds a half of
+        for r in doc["runs"]:
+            for name in r.get("nodes") or []:
+                if name == target.name:
+                    continue
+                if name not in inv.targets:
+                    raise UsageError(f"run {r['run']} ran on {', '.join(r['nodes'])}; hosts.yaml does not "
+                                     f"define {name}, so its half there cannot be removed with the rest")
+                elsewhere.setdefault(name, []).append(r["run"])
+        res = _removal(target, agent.call(s.transport(target), target, agent.RUNS,
+                                          ["rm", target.workdir, *opts, "--", *runs],
+                                          what="remove runs", timeout=600))
+        gone = {x["run"] for x in res.removed}   # a running job stays whole: its halves are left too
+        for name, job_runs in elsewhere.items():
+            mine = [r for r in job_runs if r in gone]
+            if mine:
+                t = inv.targets[name]
+                res.nodes.append(_removal(t, agent.call(s.transport(t), t, agent.RUNS,
+                                                        ["rm", t.workdir, *opts, "--", *mine],
+                                                        what="remove the job's half", timeout=600)))
+        return res
 
 
 def prune(inv: Inventory, names: Sequence[str], keep: int, *, dry_run: bool = False,
