@@ -4,6 +4,7 @@ only, is named, and `--from` resumes there."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -115,6 +116,33 @@ def test_templates_keep_types_splice_words_and_quote_in_shell():
         tpl.render("{{ steps.launch.pid }}", ctx)
     with pytest.raises(UsageError, match="refers to itself"):
         tpl.render("{{ a }}", tpl.Context({"a": "{{ b }}", "b": "{{ a }}"}))
+
+
+HOSTILE = ["$(touch MARK)", "`touch MARK`", "'; touch MARK; '", '"; touch MARK; "', "a\\", "x\ny", "it's \"$HOME\""]
+
+
+@pytest.mark.parametrize("script, want", [
+    ("printf %s {{ v }}", "{v}"),                          # a word of its own
+    ('printf %s "<{{ v }}>"', "<{v}>"),                    # inside "...": $ ` \ " escaped
+    ("printf %s '<{{ v }}>'", "<{v}>"),                    # inside '...': each ' closed and reopened
+    ('printf %s "$(printf %s {{ v }})"', "{v}"),           # $( ) inside "...": a plain word again
+    ("# {{ v }}\nprintf %s {{ v }}", "{v}"),               # a comment, then a word
+])
+def test_a_value_lands_in_the_script_as_literal_text_wherever_its_template_stands(tmp_path, script, want):
+    """bash runs each rendered script: the value comes out as written, and nothing in it runs."""
+    for value in HOSTILE:
+        text = tpl.render(script, tpl.Context({"v": value}), shell=True)
+        r = subprocess.run(["bash", "-c", text], cwd=tmp_path, capture_output=True, text=True)
+        assert r.returncode == 0 and r.stdout == want.format(v=value), (value, text, r)
+        assert not (tmp_path / "MARK").exists(), (value, text)
+
+
+@pytest.mark.parametrize("script, where", [
+    ("cat <<EOF\n{{ v }}\nEOF", "a here-document"), ("printf %s $'{{ v }}'", "$'...'")])
+def test_a_template_where_no_quoting_is_safe_is_refused_naming_the_way_that_is(script, where):
+    with pytest.raises(UsageError, match=f"inside {re.escape(where)} cannot be quoted safely; pass the value as "
+                                         "exec's `env:`"):
+        tpl.render(script, tpl.Context({"v": "x"}), shell=True)
 
 
 @pytest.mark.parametrize("test, want, passed", [

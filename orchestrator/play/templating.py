@@ -1,9 +1,12 @@
-"""`{{ }}` templates of a playbook and the values of step options: pure functions (playbook.py
+r"""`{{ }}` templates of a playbook and the values of step options: pure functions (playbook.py
 checks a file with them, run.py renders each step with them on each target).
 
 `{{ NAME }}` is a variable, `{{ steps.STEP.KEY... }}` a key of an earlier step's JSON result;
 filters `| dirname`, `| basename`, `| words`. A string that is one template keeps the value's type;
-in a shell script every value is inserted as one shell word, quoted (shlex.quote, once, here).
+in a shell script every value is inserted as literal text, quoted for where it lands (once, here:
+shell_contexts): unquoted, one shell word (shlex.quote); inside "...", with \ " $ ` escaped; inside
+'...', with each ' closed and reopened. Where no quoting is safe (a here-document, $'...') the
+template is refused, with the safe way: the value through exec's `env:` and "$NAME" in the script.
 """
 from __future__ import annotations
 
@@ -121,12 +124,89 @@ def render(value, ctx: Context, *, shell: bool = False):
     if _whole(value) and not shell:
         return _evaluate(TEMPLATE_RE.fullmatch(value.strip()).group(1), ctx)
 
+    where = iter(shell_contexts(value)) if shell else None
+
     def fill(m) -> str:
         v = _evaluate(m.group(1), ctx)
-        if isinstance(v, list):
-            return " ".join(shlex.quote(_text(w)) if shell else _text(w) for w in v)
-        return shlex.quote(_text(v)) if shell else _text(v)
+        words = [_text(w) for w in v] if isinstance(v, list) else [_text(v)]
+        if where is None:
+            return " ".join(words)
+        quote = _QUOTES[next(where)]
+        return " ".join(quote(w) for w in words)
     return TEMPLATE_RE.sub(fill, value)
+
+
+_QUOTES: dict[str, Callable[[str], str]] = {
+    "plain": shlex.quote,
+    "double": lambda w: re.sub(r'([\\"$`])', r"\\\1", w),     # the four characters "..." still expands
+    "single": lambda w: w.replace("'", "'\\''"),               # '...' ends, \' is a quote, '...' again
+    "comment": lambda w: w.replace("\n", " "),                  # a newline would end the comment
+}
+
+
+def shell_contexts(script: str) -> list[str]:
+    """Where each {{ }} template of a bash script lands: "plain" (a word of its own or part of one),
+    "double" (inside "..."), "single" (inside '...'), "comment" (after #, to the line's end). A
+    UsageError for a template inside a here-document (after <<: its body expands $(...) whatever
+    quotes it holds) or $'...' (where a backslash escapes): no quoting of the value is safe there.
+    A scan of the quoting bash does: backslashes, quotes, comments, and $( ) nesting (a new quoting
+    level inside "...")."""
+    out: list[str] = []
+    stack = ["plain"]           # the innermost quoting context last; $( ) pushes a new plain one
+    heredoc, i, n = False, 0, len(script)
+    refuse = ("{{{{ }}}} inside {} cannot be quoted safely; pass the value as exec's `env:` "
+              "(env: {{NAME: \"{{{{ value }}}}\"}}) and write \"$NAME\" in the script")
+    while i < n:
+        state, c = stack[-1], script[i]
+        if script.startswith("{{", i):
+            end = script.find("}}", i)
+            end = n if end < 0 else end + 2
+            if heredoc:
+                raise UsageError(refuse.format("a here-document"))
+            if state == "ansi":
+                raise UsageError(refuse.format("$'...'"))
+            out.append(state)
+            i = end
+            continue
+        if state == "single":
+            if c == "'":
+                stack.pop()
+        elif state == "ansi":
+            if c == "\\":
+                i += 1
+            elif c == "'":
+                stack.pop()
+        elif state == "comment":
+            if c == "\n":
+                stack.pop()
+        elif c == "\\":
+            i += 1                                  # the next character is literal
+        elif state == "double":
+            if c == '"':
+                stack.pop()
+            elif script.startswith("$(", i):
+                stack.append("plain")
+                i += 1
+        else:                                       # plain
+            if c == "'":
+                stack.append("single")
+            elif c == '"':
+                stack.append("double")
+            elif script.startswith("$'", i):
+                stack.append("ansi")
+                i += 1
+            elif script.startswith("$(", i):
+                stack.append("plain")
+                i += 1
+            elif c == ")" and len(stack) > 1:
+                stack.pop()
+            elif c == "#" and (i == 0 or script[i - 1] in " \t\n;&|("):
+                stack.append("comment")
+            elif script.startswith("<<", i) and not script.startswith("<<<", i):
+                heredoc = True
+                i += 1
+        i += 1
+    return out
 
 
 def _whole(value: str) -> bool:
