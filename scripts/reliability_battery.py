@@ -57,6 +57,11 @@ CASES = (
      ("test_export_remote.py::test_export_streams_the_latest", "test_export_remote.py::test_an_output_that_holds")),
     ("13", "a run that filled the disk named disk full, not killed with SIGKILL",
      ("test_runs_agent.py::test_a_run_that_filled_the_disk",)),
+    ("14", "a playbook value landing in \"...\", '...' or a comment of a step's script: literal text, never run; "
+           "a here-document or $'...' refused",
+     ("test_play.py::test_a_value_lands_in_the_script", "test_play.py::test_a_template_where_no_quoting")),
+    ("15", "rm of one node's half of a job: the whole job removed, on every node",
+     ("test_nodes.py::test_two_nodes_train_one_job",)),
     ("-", "earlier rounds: overlapping deploys, dead deploys, damaged releases, full disks",
      ("test_deploy_reliability.py::test_overlapping", "test_deploy_reliability.py::test_a_dead_deploy",
       "test_deploy_reliability.py::test_damage", "test_deploy_reliability.py::test_a_full_disk")),
