@@ -29,7 +29,7 @@ lint: $(STAMP)
 # Lint first, then two pytest workers, one test file each at a time (module fixtures stay within one
 # worker): the suite waits on sshd, subprocesses and torch start-ups more than it computes, but a third
 # worker on 2 cores did not pay: 728-866 s against 749-807 s with two, and the probe test's compile (the
-# longest file) took 223-309 s beside two others against 153 s beside one (docs/benchmarks.md 14).
+# longest file) took 223-309 s beside two others against 153 s beside one (docs/decisions.md).
 # Files go out in collection order, where tests/conftest.py puts the slowest first (SLOW_FILES), not
 # xdist's own (most tests first), which left the long files of few tests to the end.
 test: lint

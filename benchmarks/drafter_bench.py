@@ -60,7 +60,7 @@ SHAPES = {
 
 GPU_VARIANTS = [
     "inductor/flex/chunked",          # the goal
-    "inductor/sdpa/dense",            # the floor (docs/benchmarks.md: 81.7 ms/sample)
+    "inductor/sdpa/dense",            # the floor (docs/benchmarks.md: 81.2 ms/sample)
     "eager/sdpa/dense",
     "fp32/sdpa/dense",                # the reference for the step-0 numbers (~30 s at 0.8 s/sample)
     "eager/flex/chunked",             # flex call and CE core compiled on their own

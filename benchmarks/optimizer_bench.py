@@ -1,7 +1,7 @@
 """Optimizer micro-benchmark on the drafter's parameter shapes (58 tensors, 1.05 B fp32 at the
 Qwen3-8B shape): torch's fused AdamW with the clip folded in (the eager policy's update), the fused
 AdamW alone and over ONE flat tensor, the global norm alone, torch's AdamW compiled by inductor, and
-a copy of the same bytes as the yardstick (docs/benchmarks.md: why trainer/engine/adamw.py exists).
+a copy of the same bytes as the yardstick (docs/benchmarks.md 8; docs/decisions.md: why trainer/engine/adamw.py exists).
 
     PYTHONUNBUFFERED=1 python3 benchmarks/optimizer_bench.py OUT.json     # needs a GPU
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device work longer than one call (10 minutes at most, and the machine goes back after 30 s idle)
-# as one detached driver that back-to-back calls poll. The third fp8 contact ran this way: one call
-# started it and waited, two more polled, 1,400 s of device time for four stages (docs/benchmarks.md).
+# as one detached driver that back-to-back calls poll. fp8's tau proof ran this way: one call
+# started it and waited, two more polled, 1,400 s of device time for four stages (docs/benchmarks.md, F12).
 #
 #     bash scripts/detach.sh start DIR CMD...   # the tree (but .venv, .git) copied to DIR/src; CMD runs there,
 #                                               # detached, with OUT=DIR/out; its output in DIR/driver.log

@@ -44,10 +44,11 @@ sshd_module = _load_sshd_module()
 # `make test` runs two workers, each one test file at a time, handed out in collection order
 # (--dist loadfile --no-loadscope-reorder). These files take 20 s or more, so they start first,
 # longest first: a long file started last would run on while the other workers have nothing left.
-# Seconds: each file alone on the 2-core machine, others' work beside it (docs/benchmarks.md, "CPU figures");
-# re-measured at load ~1 after the test sshd stopped reading root's .bashrc and the trainer's programs
-# froze their objects at exit. Later changes scaled by their A/B ratio alone on a quiet machine
-# (docs/benchmarks.md 14, S7); test_transport_ssh (23 -> ~13 s) left the list.
+# Seconds: each file alone on the 2-core machine, others' work beside it, re-measured at load ~1 after
+# the test sshd stopped reading root's .bashrc and the trainer's programs froze their objects at exit;
+# later changes scaled by their A/B ratio alone on a quiet machine (those runs are in the git history of
+# docs/benchmarks.md; its section 14, C9, has each file's current figure on a faster machine).
+# test_transport_ssh (23 -> ~13 s) left the list.
 SLOW_FILES = (
     "test_probe_program.py",        # 130: the probe's policy x topology matrix, inductor compiled cold
     "test_runs_lifecycle.py",       # 106 (112 before its resume test's reference run trained in pytest's process)

@@ -243,7 +243,7 @@ def share_cpu(workers: int) -> int:
     """Give each of `workers` threads training on the CPU its own share of the cores, as torch's
     intra-op thread count (process-wide), and return it. By default every thread that calls into
     ATen leads an OpenMP team as wide as the machine, and idle OpenMP threads spin: K workers on
-    C cores run K x C spinning threads (docs/benchmarks.md, the probe section). An explicit
+    C cores run K x C spinning threads (docs/decisions.md, the probe). An explicit
     OMP_NUM_THREADS is left alone."""
     import torch
 

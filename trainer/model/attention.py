@@ -14,7 +14,7 @@ partly visible.
 FlexAttention is only fast when torch.compile'd: inside a compiled DraftLoss dynamo traces it; in
 an uncompiled (eager-policy) forward on CUDA the flex call alone is compiled here, and if that
 compile fails the call falls back to dense SDPA (same function) for the rest of the process.
-On the H200 (torch 2.11, docs/benchmarks.md) attention went from 19.7 to 4.5 ms per sample.
+On the H200 (torch 2.11, docs/decisions.md) attention went from 19.7 to 4.5 ms per sample.
 """
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def mask_mod(anchors: torch.Tensor, n_queries: int, ctx_len: int, block_size: in
 
 # How the flex call runs: FlexAttention's backward tiles (its `kernel_options`), optionally its
 # forward's, and whether K/V are expanded to one head per query head first. On Hopper (sm90,
-# benchmarks/flex_bench.py, docs/benchmarks.md) 128-row KV tiles turn the few context tiles that
+# benchmarks/flex_bench.py, docs/decisions.md) 128-row KV tiles turn the few context tiles that
 # every block attends to into a few long-running programs; 32 x 64 tiles spread them over the SMs.
 # Elsewhere torch's own choice stands.
 # configure(BWD[/FWD][+kv]) (TrainConfig.flex_tiles) overrides both (read when a call is traced): BWD is

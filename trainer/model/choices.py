@@ -1,5 +1,5 @@
 """How the drafter's step runs on a GPU, for this process: the choices TrainConfig carries
-(--fp32-wgrad, --flex-tiles, --ce-rows, --ce-kernel; docs/benchmarks.md), set on the modules that
+(--fp32-wgrad, --flex-tiles, --ce-rows, --ce-kernel; docs/decisions.md), set on the modules that
 read them. The defaults are the measured best; a benchmark's A/B sets one through the same call.
 """
 from __future__ import annotations

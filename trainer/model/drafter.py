@@ -88,7 +88,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     One opaque op: under torch.compile the tables are computed once per step and saved for the
     backward. As plain pointwise math, inductor inlines pow/sin/cos into every q/k norm + RoPE
     kernel and recomputes them in the backward, making those kernels compute-bound
-    (docs/benchmarks.md). Eager computes the same values either way.
+    (docs/decisions.md). Eager computes the same values either way.
     """
     cos, sin = _rope_tables(positions, head_dim, float(theta))
     return cos.to(dtype)[:, None], sin.to(dtype)[:, None]

@@ -40,7 +40,7 @@ from trainer.model.objective import Objective
 
 # Rows per chunk: the largest power of two whose fp32 logits stay under this many bytes (1024 at
 # the 8B shape); longer chunks are no faster on the H200 (benchmarks/gemm_bench.py,
-# docs/benchmarks.md). configure(N) (TrainConfig.ce_rows) fixes the rows instead, for an A/B.
+# docs/decisions.md). configure(N) (TrainConfig.ce_rows) fixes the rows instead, for an A/B.
 CHUNK_BYTES = 1 << 30
 ROWS: int | None = None
 

@@ -158,7 +158,7 @@ HELP = {
                     "the target's forward as a CUDA graph (the workers share one Python interpreter; a graph "
                     "spares each the launches of the target's layers). Same features bit for bit; off by default: "
                     "with the look-ahead (the next step's target forward during the gradient sum) it measured "
-                    "no faster on two H200s (docs/benchmarks.md)",
+                    "no faster on two H200s (docs/decisions.md)",
     "fp32_wgrad": "on | off: under CUDA bf16 autocast, the drafter's weight gradients leave cuBLAS in fp32 "
                   "(one pass less, no bf16 rounding); off = autocast's bf16 gradients",
     "flex_tiles": "FlexAttention's tiles, for an A/B: BWD[/FWD][+kv], BWD = default or M1-N1-M2-N2-STAGES-WARPS, "

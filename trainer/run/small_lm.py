@@ -76,7 +76,7 @@ RECIPES = {
     "cpu": Recipe("cpu", vocab_size=2048, hidden_size=128, num_layers=8, num_heads=4, num_kv_heads=2,
                   head_dim=32, intermediate_size=384, seq_len=128, batch_size=16, steps=450, lr=3e-3,
                   warmup=30, max_bytes=6_000_000),
-    # Measured on one H200 (docs/benchmarks.md): 204k tokens/s for this size in bf16; 1.5e-3 diverged
+    # Measured on one H200 (docs/decisions.md): 204k tokens/s for this size in bf16; 1.5e-3 diverged
     # (NaN within 32 steps) and 6e-4 after ~200; steps whose gradient overflows are skipped. The text
     # (~2.7M tokens where the tests are not installed) limits the size more than the 5-minute budget
     # does: ~8 passes over it.
