@@ -73,6 +73,28 @@ SLOW_FILES = (
 )
 
 
+# ---- one inductor cache for the suite ------------------------------------------------------------
+
+# Every process of the suite (pytest's workers and what they start, the probe's cases among them: the
+# probe keeps a cache folder it is given) compiles into one inductor cache: a graph compiled once is a
+# cache hit for every later process that compiles it. test_numerics trains at the probe's CPU shape, so
+# its compiled runs find the graphs that test_probe_program's probe compiled (SLOW_FILES starts the probe
+# first, numerics after it on a worker). Before, the probe compiled into its own workdir and numerics into
+# torch's default folder: the same cold compile twice in every session. The folder is kept, as torch's
+# default one is (a later session on this machine finds its graphs; a fresh machine compiles each once);
+# inductor keys what it caches by the graph, the torch build and its config. A TORCHINDUCTOR_CACHE_DIR
+# set by the caller is kept.
+COMPILE_CACHE_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+
+
+def pytest_configure(config):
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:   # xdist's workers inherit the controller's
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
+                                                             f"dflash-ops-tests-inductor-{os.getuid()}")
+    for key, value in COMPILE_CACHE_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))    # stable: the rest keep their order
