@@ -189,9 +189,10 @@ def install_fakepct(dest: Path, node: str = "pve1") -> FakePct:
     source = FAKEPCT_SRC.read_text()
     first, _, rest = source.partition("\n")
     assert first.startswith("#!"), "tests/fakepct/pct must start with a shebang"
-    # The stand-in is stdlib only; pinning the interpreter keeps it independent of PATH on "node".
+    # The stand-in is stdlib only; pinning the interpreter keeps it independent of PATH on "node". -S: no
+    # site-packages to set up (the venv's .pth files), ~30 ms of each of the ~850 pct calls of a suite.
     exe = dest / "pct"
-    exe.write_text(f"#!{sys.executable}\n{rest}")
+    exe.write_text(f"#!{sys.executable} -S\n{rest}")
     exe.chmod(0o755)
     (dest / "pct.json").write_text(json.dumps({"root": str(state), "node": node}))
     os.makedirs("/srv/ct", exist_ok=True)
