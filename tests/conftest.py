@@ -280,3 +280,33 @@ def wd(tmp_path):
     path = make_workdir(tmp_path)
     yield path
     kill_leftovers(path)
+
+
+# ---- the small real target, built once --------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def smoke_target(tmp_path_factory):
+    """(DFLASH_OPS_CACHE folder, the small real target at its `smoke` size in it: trainer/run/small_lm.py),
+    built once for the whole session: both xdist workers use one folder beside their own tmp folders,
+    and small_lm.ensure's lock makes a second caller wait for the first's build instead of building it
+    again (test_small_target and test_regen_remote each built their own before). Built in this process
+    on one torch thread, as test_small_target's deterministic-build check builds it."""
+    import torch
+
+    from trainer.run import small_lm
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "dflash-ops-cache"
+    root.mkdir(exist_ok=True)
+    old_cache, old_threads = os.environ.get("DFLASH_OPS_CACHE"), torch.get_num_threads()
+    os.environ["DFLASH_OPS_CACHE"] = str(root)
+    torch.set_num_threads(1)
+    try:
+        folder = small_lm.ensure("smoke", log=lambda s: None)
+    finally:
+        torch.set_num_threads(old_threads)
+        if old_cache is None:
+            os.environ.pop("DFLASH_OPS_CACHE", None)
+        else:
+            os.environ["DFLASH_OPS_CACHE"] = old_cache
+    return root, folder

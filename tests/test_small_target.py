@@ -37,12 +37,12 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cache")
+def cache(smoke_target):
+    """The session's smoke build (conftest.py), its cache folder this module's DFLASH_OPS_CACHE."""
+    root, folder = smoke_target
     old = os.environ.get("DFLASH_OPS_CACHE")
     os.environ["DFLASH_OPS_CACHE"] = str(root)
     torch.set_num_threads(1)
-    folder = small_lm.ensure("smoke", log=lambda s: None)
     yield root, folder
     if old is None:
         os.environ.pop("DFLASH_OPS_CACHE", None)
