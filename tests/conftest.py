@@ -74,6 +74,28 @@ SLOW_FILES = (
 )
 
 
+# ---- one inductor cache for the suite ------------------------------------------------------------
+
+# Every process of the suite (pytest's workers and what they start, the probe's cases among them: the
+# probe keeps a cache folder it is given) compiles into one inductor cache: a graph compiled once is a
+# cache hit for every later process that compiles it. test_numerics trains at the probe's CPU shape, so
+# its compiled runs find the graphs that test_probe_program's probe compiled (SLOW_FILES starts the probe
+# first, numerics after it on a worker). Before, the probe compiled into its own workdir and numerics into
+# torch's default folder: the same cold compile twice in every session. The folder is kept, as torch's
+# default one is (a later session on this machine finds its graphs; a fresh machine compiles each once);
+# inductor keys what it caches by the graph, the torch build and its config. A TORCHINDUCTOR_CACHE_DIR
+# set by the caller is kept.
+COMPILE_CACHE_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+
+
+def pytest_configure(config):
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:   # xdist's workers inherit the controller's
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
+                                                             f"dflash-ops-tests-inductor-{os.getuid()}")
+    for key, value in COMPILE_CACHE_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))    # stable: the rest keep their order
@@ -168,9 +190,10 @@ def install_fakepct(dest: Path, node: str = "pve1") -> FakePct:
     source = FAKEPCT_SRC.read_text()
     first, _, rest = source.partition("\n")
     assert first.startswith("#!"), "tests/fakepct/pct must start with a shebang"
-    # The stand-in is stdlib only; pinning the interpreter keeps it independent of PATH on "node".
+    # The stand-in is stdlib only; pinning the interpreter keeps it independent of PATH on "node". -S: no
+    # site-packages to set up (the venv's .pth files), ~30 ms of each of the ~850 pct calls of a suite.
     exe = dest / "pct"
-    exe.write_text(f"#!{sys.executable}\n{rest}")
+    exe.write_text(f"#!{sys.executable} -S\n{rest}")
     exe.chmod(0o755)
     (dest / "pct.json").write_text(json.dumps({"root": str(state), "node": node}))
     os.makedirs("/srv/ct", exist_ok=True)
@@ -258,3 +281,33 @@ def wd(tmp_path):
     path = make_workdir(tmp_path)
     yield path
     kill_leftovers(path)
+
+
+# ---- the small real target, built once --------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def smoke_target(tmp_path_factory):
+    """(DFLASH_OPS_CACHE folder, the small real target at its `smoke` size in it: trainer/run/small_lm.py),
+    built once for the whole session: both xdist workers use one folder beside their own tmp folders,
+    and small_lm.ensure's lock makes a second caller wait for the first's build instead of building it
+    again (test_small_target and test_regen_remote each built their own before). Built in this process
+    on one torch thread, as test_small_target's deterministic-build check builds it."""
+    import torch
+
+    from trainer.run import small_lm
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "dflash-ops-cache"
+    root.mkdir(exist_ok=True)
+    old_cache, old_threads = os.environ.get("DFLASH_OPS_CACHE"), torch.get_num_threads()
+    os.environ["DFLASH_OPS_CACHE"] = str(root)
+    torch.set_num_threads(1)
+    try:
+        folder = small_lm.ensure("smoke", log=lambda s: None)
+    finally:
+        torch.set_num_threads(old_threads)
+        if old_cache is None:
+            os.environ.pop("DFLASH_OPS_CACHE", None)
+        else:
+            os.environ["DFLASH_OPS_CACHE"] = old_cache
+    return root, folder

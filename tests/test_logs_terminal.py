@@ -11,7 +11,7 @@ import sys
 import time
 from collections import Counter
 
-from trainer_quick import CLI_MAIN, copy_trainer, tiny_run_config, wait_for
+from trainer_quick import CLI_MAIN, IDLE_RUN, copy_trainer, tiny_run_config, wait_for
 
 from orchestrator import inventory
 from orchestrator.deploy import sync as deploy
@@ -85,7 +85,9 @@ def test_ctrl_c_while_following_says_the_run_goes_on_and_how_to_stop_it(sshd, fa
         return subprocess.run([sys.executable, "-c", CLI_MAIN, "-i", str(path), *map(str, args)],
                               capture_output=True, timeout=180)
 
-    r = cli("launch", "ct200", "--gpus", "0", "--policy", "eager", "--config", cfg, "--", "--steps", "1000000")
+    # IDLE_RUN: after its first 4 steps the run sleeps before each step, leaving the cores to the rest
+    r = cli("launch", "ct200", "--gpus", "0", "--policy", "eager", "--config", cfg, *IDLE_RUN,
+            "--", "--steps", "1000000")
     assert r.returncode == 0, r.stderr.decode()
     run = r.stdout.decode().strip()
     try:

@@ -15,10 +15,18 @@ torch = pytest.importorskip("torch")
 from trainer import faults, policies  # noqa: E402
 from trainer.engine import numerics  # noqa: E402
 from trainer.engine.numerics import StepCheck, judge  # noqa: E402
+from trainer.probe.case import CPU_SHAPE  # noqa: E402
 from trainer_quick import metrics  # noqa: E402
 from test_trainer_topology import STEPS, python_m_trainer  # noqa: E402
 
 TEST_POLICIES = faults.env(test_policies="1")
+# The compiled runs below train at the probe's CPU shape (2 workers or ranks, one row each): the same
+# graphs as the probe's cases, which tests/test_probe_program.py compiles into the session's one inductor
+# cache (tests/conftest.py), so these find them there instead of compiling them cold a second time.
+_S = CPU_SHAPE
+PROBE_SHAPE = ["--draft-layers", str(_S.draft_layers), "--block-size", str(_S.block_size), "--anchors", str(_S.anchors),
+               "--batch-size", str(2 * _S.rows_per_worker), "--synthetic-prompt-len", str(_S.seq_len // 4),
+               "--synthetic-new-tokens", str(_S.seq_len - _S.seq_len // 4)]
 NAMES = ["fc.weight", "layers.0.mlp.up_proj.weight"]
 
 
@@ -78,7 +86,7 @@ def test_test_policies_exist_only_with_the_test_hook(monkeypatch):
 @pytest.mark.slow
 def test_the_guard_stops_a_wrong_policy_in_worker_threads_and_passes_inductor(tmp_path):
     out = tmp_path / "wrong"
-    p = python_m_trainer(out, *STEPS, "--workers", "2", "--compile-policy", "test-drop-first-grad",
+    p = python_m_trainer(out, *STEPS, *PROBE_SHAPE, "--workers", "2", "--compile-policy", "test-drop-first-grad",
                          env=TEST_POLICIES, timeout=600)
     assert p.returncode == 1, p.stderr[-3000:]
     last = p.stderr.strip().splitlines()[-1]
@@ -89,7 +97,7 @@ def test_the_guard_stops_a_wrong_policy_in_worker_threads_and_passes_inductor(tm
     assert not [m for m in metrics(out) if "loss" in m and "event" not in m]   # not one step trained
 
     good = tmp_path / "inductor"
-    p = python_m_trainer(good, *STEPS, "--workers", "2", "--compile-policy", "inductor", timeout=600)
+    p = python_m_trainer(good, *STEPS, *PROBE_SHAPE, "--workers", "2", "--compile-policy", "inductor", timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     checks = [m for m in metrics(good) if m.get("event") == "compile_guard"]
     assert [c["worker"] for c in checks] == [0, 1] and all(c["grad_err"] <= c["tolerance"] for c in checks)
@@ -99,7 +107,7 @@ def test_the_guard_stops_a_wrong_policy_in_worker_threads_and_passes_inductor(tm
 @pytest.mark.slow
 def test_the_guard_stops_a_wrong_policy_in_ddp_ranks(tmp_path):
     out = tmp_path / "wrong"
-    p = python_m_trainer(out, *STEPS, "--workers", "2", "--topology", "processes",
+    p = python_m_trainer(out, *STEPS, *PROBE_SHAPE, "--workers", "2", "--topology", "processes",
                          "--compile-policy", "test-drop-first-grad", env=TEST_POLICIES, timeout=600)
     assert p.returncode == 1, p.stderr[-3000:]
     assert "computes a different gradient than eager" in p.stderr and "(signature compiled-wrong)" in p.stderr
@@ -112,8 +120,9 @@ def test_the_guard_stops_a_wrong_policy_in_ddp_ranks(tmp_path):
 @pytest.mark.slow
 def test_skip_compile_guard_trains_whatever_the_policy_computes(tmp_path):
     out = tmp_path / "skipped"
-    # 2 workers, as the first test's wrong run: the same graphs, which inductor's caches then hold
-    p = python_m_trainer(out, "--steps", "2", "--workers", "2", "--compile-policy", "test-drop-first-grad",
+    # 2 workers at the probe's shape, as the first test's wrong run: the same graphs, which the cache holds
+    p = python_m_trainer(out, "--steps", "2", *PROBE_SHAPE, "--workers", "2",
+                         "--compile-policy", "test-drop-first-grad",
                          "--skip-compile-guard", env=TEST_POLICIES, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert not [m for m in metrics(out) if m.get("event") == "compile_guard"]

@@ -1,7 +1,7 @@
 """`dflash-ops regen` for real: a prompts file checked here, sent with the launch into a run's
 folder in a pct stand-in container behind a real sshd on 127.0.0.1, answered there by the small
 real target (`smoke` size, CPU) as a detached run that `logs --follow` and `status` see like a
-training run; its rows are those of `python -m trainer.regen` run directly on the same input."""
+training run; its rows are those of trainer.regen run directly on the same input."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from trainer_quick import CLI_MAIN, copy_trainer, subprocess_env, wait_for
+from trainer_quick import CLI_MAIN, copy_trainer, wait_for
 
 from orchestrator import inventory
 from orchestrator.deploy import sync as deploy
@@ -33,25 +33,27 @@ ANSWER = ["--max-new-tokens", "6", "--batch-size", "2"]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """The small real target at its smoke size, built once (seconds) in a process of its own."""
-    cache = tmp_path_factory.mktemp("cache")
-    r = subprocess.run([sys.executable, "-c", "from trainer.run import small_lm; "
-                        "print(small_lm.ensure('smoke', log=lambda s: None))"],
-                       env=subprocess_env(DFLASH_OPS_CACHE=str(cache), OMP_NUM_THREADS="1"),
-                       capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return r.stdout.strip().splitlines()[-1]
+def model(smoke_target):
+    """The small real target at its smoke size: the session's build (conftest.py)."""
+    return str(smoke_target[1])
 
 
 @pytest.fixture(scope="module")
 def direct(model, tmp_path_factory):
-    """The prompts answered here, directly by `python -m trainer.regen`: (prompts file, rows file)."""
+    """The prompts answered here, directly by trainer.regen's own function in this process, on one
+    torch thread as the runs below (OMP_NUM_THREADS=1): (prompts file, rows file)."""
+    import torch
+
+    from trainer.run import regen
+
     folder = tmp_path_factory.mktemp("direct")
     prompts, out = _write_prompts(folder / "prompts.jsonl"), folder / "direct.jsonl"
-    subprocess.run([sys.executable, "-m", "trainer.regen", "--target", model, "--prompts", str(prompts),
-                    "--out", str(out), *ANSWER], env=subprocess_env(OMP_NUM_THREADS="1"), cwd=REPO,
-                   check=True, capture_output=True, timeout=300)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        regen.regen(model, str(prompts), str(out), max_new_tokens=6, batch_size=2, log=lambda s: None)
+    finally:
+        torch.set_num_threads(threads)
     return prompts, out
 
 

@@ -37,12 +37,12 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cache")
+def cache(smoke_target):
+    """The session's smoke build (conftest.py), its cache folder this module's DFLASH_OPS_CACHE."""
+    root, folder = smoke_target
     old = os.environ.get("DFLASH_OPS_CACHE")
     os.environ["DFLASH_OPS_CACHE"] = str(root)
     torch.set_num_threads(1)
-    folder = small_lm.ensure("smoke", log=lambda s: None)
     yield root, folder
     if old is None:
         os.environ.pop("DFLASH_OPS_CACHE", None)
@@ -274,11 +274,22 @@ def _regen_cmd(prompts: Path, out: Path) -> list[str]:
             "--out", str(out), "--max-new-tokens", "8", "--batch-size", "2"]
 
 
-def test_a_killed_regen_resumes_to_the_same_file(cache, tmp_path):
-    prompts = _prompts(tmp_path / "p.jsonl", 10)
+@pytest.fixture(scope="module")
+def uninterrupted(cache, tmp_path_factory):
+    """10 prompts and what one regen that ran through wrote for them: the file the interrupted regens
+    below must end with. Written in this process (regen's own function, one thread as the programs
+    below, whose OMP_NUM_THREADS=1 regen keeps): no torch start-up of its own."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    prompts = _prompts(folder / "p.jsonl", 10)
+    whole = folder / "whole.jsonl"
+    assert torch.get_num_threads() == 1
+    regen.regen("small-code-smoke", str(prompts), str(whole), max_new_tokens=8, batch_size=2, log=lambda s: None)
+    return prompts, whole
+
+
+def test_a_killed_regen_resumes_to_the_same_file(uninterrupted, tmp_path):
+    prompts, whole = uninterrupted
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    whole = tmp_path / "whole.jsonl"
-    subprocess.run(_regen_cmd(prompts, whole), env=env, check=True, capture_output=True, cwd=ROOT)
     cut = tmp_path / "cut.jsonl"
     p = subprocess.Popen(_regen_cmd(prompts, cut), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          cwd=ROOT)
@@ -296,14 +307,12 @@ def test_a_killed_regen_resumes_to_the_same_file(cache, tmp_path):
     assert cut.read_bytes() == whole.read_bytes()
 
 
-def test_a_second_regen_of_the_same_out_is_refused_and_the_killed_one_is_taken_over(cache, tmp_path):
+def test_a_second_regen_of_the_same_out_is_refused_and_the_killed_one_is_taken_over(uninterrupted, tmp_path):
     """A regen still writing (its wrapper gone, say) and a resume of the same --out typed by hand: the
     second is refused in one line naming the first; once the first is killed, the next takes its lock
     over, says so, and the file holds the rows of one uninterrupted run."""
-    prompts = _prompts(tmp_path / "p.jsonl", 6)
+    prompts, whole = uninterrupted
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    whole = tmp_path / "whole.jsonl"
-    subprocess.run(_regen_cmd(prompts, whole), env=env, check=True, capture_output=True, cwd=ROOT)
     out = tmp_path / "out.jsonl"
     first = subprocess.Popen(_regen_cmd(prompts, out), env={**env, "DFLASH_TRAINER_FAULTS": "regen_batch=1:hang"},
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
