@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from trainer.errors import UsageError
-from trainer.model.objective import OBJECTIVES, Objective  # torch-free
+from trainer.model.objective import OBJECTIVES, POSITION_WEIGHTS, Objective  # torch-free
 from trainer.policies import POLICY_NAMES, known as known_policies  # torch-free at import
 
 
@@ -72,6 +72,8 @@ class TrainConfig:
     block_size: int = 16
     anchors: int = 512                   # anchors per sequence per step (at most; fewer where memory is short)
     gamma: float = 0.0                   # loss decay; 0 = from the block size (7 for 16, 5 for 10, 4 for 8)
+    position_weights: str = "exp"        # exp | dpace: the block positions' loss weights (trainer/model/objective.py)
+    dpace_alpha: float = 0.5             # dpace's confidence smoothing, in (0, 1]
     objective: str = "ce"                # ce | kd | ce+kd: the data's tokens, the target's distribution, or both
                                          # (trainer/model/objective.py)
     kd_temperature: float = 1.0          # T of kd and ce+kd
@@ -172,7 +174,12 @@ HELP = {
     "block_size": "tokens per block: the anchor plus block_size-1 predicted tokens",
     "anchors": "anchors (blocks) per sequence per step, at most; the trainer uses fewer, and says so in one "
                "line at start, when rows are too short for them or the GPU's free memory is (docs/recipe.md)",
-    "gamma": "loss decay w_k = exp(-(k-1)/gamma); 0 = from the block size",
+    "gamma": "loss decay w_k = exp(-(k-1)/gamma) (--position-weights exp); 0 = from the block size",
+    "position_weights": "how much each block position's loss counts: exp (the recipe's fixed decay, --gamma) or "
+                        "dpace (D-PACE, as vLLM's speculators trains DFlash: each position weighted, every step, "
+                        "by the drafter's own confidence in its block, the expected accepted length it is worth; "
+                        "needs --objective ce); dpace is not yet measured on a GPU (docs/recipe.md)",
+    "dpace_alpha": "D-PACE's confidence smoothing alpha, in (0, 1]: s = (1 - alpha) exp(-CE) + alpha",
     "objective": "what the drafter learns at each block position: ce (cross-entropy against the data's token, "
                  "the recipe's), kd (distillation: the KL from the target's own distribution there, at "
                  "--kd-temperature; the target then runs all its layers) or ce+kd (their mix, --kd-mix); "
@@ -222,7 +229,7 @@ METAVAR = {"chat_template_kwargs": "JSON", "target": "PATH|small-code|tiny", "da
            "compile_target": "auto|on|off", "compile_update": "auto|on|off", "graph_target": "on|off",
            "fp32_wgrad": "on|off", "flex_tiles": "TILES", "ce_rows": "N", "ce_kernel": "on|off",
            "precision": "|".join(PRECISIONS), "objective": "|".join(OBJECTIVES), "kd_temperature": "T",
-           "kd_mix": "X"}
+           "kd_mix": "X", "position_weights": "|".join(POSITION_WEIGHTS), "dpace_alpha": "X"}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -385,6 +392,8 @@ def validate(c: TrainConfig, here: bool = True) -> None:
         objective_of(c)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    need(c.gamma == 0 or c.position_weights != "dpace",
+         f"--gamma {c.gamma:g} sets the fixed decay of --position-weights exp; dpace has none (drop --gamma)")
     need(c.lr > 0 and 0 <= c.min_lr <= c.lr, f"need 0 <= --min-lr <= --lr and --lr > 0 (got {c.min_lr}, {c.lr})")
     need(0 <= c.warmup < 1, f"--warmup is a fraction of --steps in [0, 1), got {c.warmup}")
     need(c.grad_clip > 0, f"--grad-clip must be > 0, got {c.grad_clip}")
@@ -458,8 +467,9 @@ def template_kwargs(text: str) -> dict:
 
 
 def objective_of(c: TrainConfig) -> Objective:
-    """--objective, --kd-temperature and --kd-mix as the loss takes them (a ValueError when one is bad)."""
-    return Objective(c.objective, c.kd_temperature, c.kd_mix)
+    """--objective, --kd-temperature, --kd-mix, --position-weights and --dpace-alpha as the loss takes
+    them (a ValueError when one is bad)."""
+    return Objective(c.objective, c.kd_temperature, c.kd_mix, c.position_weights, c.dpace_alpha)
 
 
 def layer_ids(c: TrainConfig) -> tuple[int, ...] | None:

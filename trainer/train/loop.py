@@ -119,7 +119,9 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
         barrier()
     pad_len = min(cfg.seq_len, max(len(s.input_ids) for s in samples))
     gamma = cfg.gamma or masks.default_gamma(cfg.block_size)
-    pos_weights = masks.position_weights(cfg.block_size, gamma)
+    # D-PACE weighs the loss mask's rows itself, in the loss; a batch's total is then their count
+    pos_weights = (masks.flat_weights(cfg.block_size) if objective.dpace
+                   else masks.position_weights(cfg.block_size, gamma))
 
     dcfg = target.drafter_config(num_layers=cfg.draft_layers, block_size=cfg.block_size,
                                  mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id,
@@ -139,7 +141,8 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
         log.info("the checkpoint has no final norm of the drafter's own (an older trainer wrote it): "
                  "it starts from the target's norm")
     log.info(f"drafter: {dcfg.num_layers} layers, {n_params / 1e6:.2f}M trainable params, block {dcfg.block_size}, "
-             f"mask token {dcfg.mask_token_id}, gamma {gamma:g}, objective {objective.described()}")
+             f"mask token {dcfg.mask_token_id}, " + ("" if objective.dpace else f"gamma {gamma:g}, ")
+             + f"objective {objective.described()}")
     if cfg.precision != "bf16":
         log.info(fp8.described(cfg.precision, cfg.fp8_emulate, fp8.use(drafter, cfg.precision, cfg.fp8_emulate)))
     anchors = _anchors(cfg, device, dcfg, n_params, pad_len, samples, log, agree_min, ck, objective)
