@@ -255,8 +255,22 @@ def test_an_adamw_state_does_not_load_into_muon():
     named = _named()
     adamw = torch.optim.AdamW([p for _, p in named])
     _step_all([adamw], [p for _, p in named], _grads(named, 1))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="groups"):
         _ours(named).load_state_dict(adamw.state_dict())
+
+
+def test_a_loaded_state_keeps_this_runs_settings():
+    named = _named()
+    first = _ours(named)
+    _step_all([first], [p for _, p in named], _grads(named, 2))
+    later = MuonAdamW(named, lr=1e-3, betas=(0.8, 0.9), weight_decay=0.0,
+                      muon=MuonSettings(lr=5e-3, momentum=0.9, weight_decay=0.0))
+    later.load_state_dict(first.state_dict())
+    adamw, mu = later.param_groups
+    assert (adamw["betas"], adamw["weight_decay"]) == ((0.8, 0.9), 0.0)
+    assert (mu["lr_scale"], mu["momentum"], mu["weight_decay"]) == (5.0, 0.9, 0.0)
+    assert all(torch.equal(later.state[p]["momentum_buffer"], first.state[p]["momentum_buffer"])
+               for p in mu["params"])
 
 
 # ---- the trainer ----------------------------------------------------------------------------------------
@@ -304,11 +318,12 @@ def test_a_muon_run_resumes_and_refuses_the_other_optimizer(tmp_path, capsys):
     assert err.startswith("trainer: error: --resume: ") and "\n" not in err
     assert err.endswith("holds muon's optimizer state, and this run asks for --optimizer adamw; resume with "
                         "--optimizer muon, or start a new --out")
-    assert train(out, "--steps", "4", "--resume", "--optimizer", "muon", "--muon-lr", "1e-2") == 0
+    # the resumed run's Muon settings apply from there on, as its --lr does
+    assert train(out, "--steps", "4", "--resume", "--optimizer", "muon", "--muon-lr", "2e-2") == 0
     assert sorted(step_losses(out)) == [1, 2, 3, 4]
     ck = checkpoint.load(checkpoint.find_latest(out))
     assert [g["kind"] for g in ck.optimizer["param_groups"]] == ["adamw", "muon"]
-    assert ck.optimizer["param_groups"][1]["lr_scale"] == pytest.approx(1e-2 / 3e-3)
+    assert ck.optimizer["param_groups"][1]["lr_scale"] == pytest.approx(2e-2 / 3e-3)
     # and an AdamW run's checkpoint refuses muon alike
     plain = tmp_path / "plain"
     assert train(plain, "--steps", "1", "--checkpoint-every", "1") == 0

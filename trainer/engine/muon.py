@@ -109,6 +109,18 @@ class MuonAdamW(torch.optim.Optimizer):
                            "nesterov": muon.nesterov, "ns_steps": muon.ns_steps, "weight_decay": muon.weight_decay})
         super().__init__(groups, {"lr": lr})
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The saved state (moments, momentum buffers, step counts) under this run's group settings:
+        a resumed run's --muon-lr, --muon-momentum, decays and betas apply from there on, as its --lr
+        does (torch's load_state_dict would keep the saved ones)."""
+        mine = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        saved = [g.get("kind") for g in state_dict["param_groups"]]
+        if saved != [g["kind"] for g in mine]:
+            raise ValueError(f"optimizer state of groups {saved}, not {[g['kind'] for g in mine]}")
+        super().load_state_dict(state_dict)
+        for g, settings in zip(self.param_groups, mine):
+            g.update(settings)
+
     def counts(self) -> dict[str, int]:
         """Parameters per kind, for the run's log: {"muon": n, "adamw": m}."""
         return {g["kind"]: len(g["params"]) for g in self.param_groups}
