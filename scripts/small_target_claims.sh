@@ -24,7 +24,8 @@ N_TRAIN=${N_TRAIN:-16000}; N_EVAL=${N_EVAL:-30}; NEW=${NEW:-128}; REGEN_BATCH=${
 MAIN_STEPS=${MAIN_STEPS:-1600}; BATCH=${BATCH:-32}; CLAIM_STEPS=${CLAIM_STEPS:-400}; CLAIM_BATCH=${CLAIM_BATCH:-16}
 CLAIM_EVAL=${CLAIM_EVAL:-$N_EVAL}; SPEED=${SPEED:-main layers1}; PARALLEL=${PARALLEL:-3}
 VARIANTS=${VARIANTS-base block8 uniform layers1 layers5 anchors64}   # VARIANTS= (empty): none
-# (kd, the baseline distilled from the target, is no claim of the paper: name it for that A/B, docs/recipe.md)
+# (kd, the baseline distilled from the target, and dpace and muon, the baseline with speculators' D-PACE
+# position weights or Muon optimizer, are no claims of the paper: name them for their A/Bs, docs/recipe.md)
 POLICY=${POLICY:-eager}; TRAIN_FLAGS=${TRAIN_FLAGS:-}
 PY=${PY:-python3}
 mkdir -p "$OUT" "$WORK"
@@ -47,6 +48,8 @@ flags() {
         layers5) echo "--steps $CLAIM_STEPS --batch-size $CLAIM_BATCH --draft-layers 5 --block-size 16 --anchors 512" ;;
         anchors64) echo "--steps $CLAIM_STEPS --batch-size $CLAIM_BATCH --draft-layers 3 --block-size 16 --anchors 64" ;;
         kd) echo "--steps $CLAIM_STEPS --batch-size $CLAIM_BATCH $base --objective kd" ;;
+        dpace) echo "--steps $CLAIM_STEPS --batch-size $CLAIM_BATCH $base --position-weights dpace" ;;
+        muon) echo "--steps $CLAIM_STEPS --batch-size $CLAIM_BATCH $base --optimizer muon" ;;
         *) echo "unknown variant $1" >&2; return 2 ;;
     esac
 }

@@ -59,6 +59,8 @@ SLOW_FILES = (
     "test_nodes.py",                # 52
     "test_trainer_topology.py",     # 47
     "test_distill.py",              # ~45 (measured beside another helper's tests): two trainer runs, a trace
+    "test_muon.py",                 # ~110 beside other helpers' work (load 6 on 2 cores): torchrun vs threads, 2 runs
+    "test_dpace.py",                # ~45 beside other helpers' work (load 6 on 2 cores): a trainer run, a trace
     "test_export_remote.py",        # 46 (54 before two export processes fewer)
     "test_regen_remote.py",         # 45
     "test_probe_schedule.py",       # 43 (50 before its stand-in case's child stopped holding the case's pipe)

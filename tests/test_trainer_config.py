@@ -114,6 +114,8 @@ def test_the_defaults_are_the_recipe_and_the_qwen3_8b_config_agrees_with_them():
     assert (d.draft_layers, d.block_size, d.anchors, d.seq_len, d.steps) == (5, 16, 512, 3072, 10000)
     assert (d.lr, d.min_lr, d.warmup, d.grad_clip, d.gamma) == (6e-4, 0.0, 0.04, 1.0, 0.0)
     assert (d.adam_beta1, d.adam_beta2, d.weight_decay) == (0.9, 0.999, 0.0)
+    # the levers beside the recipe (docs/recipe.md) are off unless asked for
+    assert (d.objective, d.position_weights, d.optimizer) == ("ce", "exp", "adamw")
     import yaml
 
     recipe = yaml.safe_load((ROOT / "configs" / "qwen3-8b.yaml").read_text())

@@ -31,6 +31,7 @@ from torch import nn
 
 from trainer import faults, policies
 from trainer.engine.adamw import CompileFailed, CompiledUpdate
+from trainer.engine.muon import MuonAdamW, MuonSettings
 from trainer.run.data import Batch
 from trainer.model.draft_loss import DraftLoss
 from trainer.errors import TrainerError
@@ -101,6 +102,7 @@ class Replica:
                                     # parameter owns the gradient backward hands it (DDP's, processes)
     scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # receive buffers for the reduce
     update: CompiledUpdate | None = None  # the clip + AdamW compiled over `optimizer`'s state (adamw.py)
+                                          # (never with Muon: MuonAdamW steps eagerly)
     ahead: tuple[torch.Tensor, torch.Tensor] | None = None  # (host input ids, target features) made
                                    # early by prefetch_features for the next step's shard
     comm: torch.cuda.Stream | None = None  # the gradient sum's stream when it overlaps (nccl_all_reduce)
@@ -138,7 +140,7 @@ def build_replica(index: int, device: torch.device, drafter: Drafter, target: Ta
                   pos_weights: torch.Tensor, optimizer_state: dict | None = None,
                   wrap: Callable[[nn.Module], nn.Module] | None = None,
                   compile_target: bool = False, graph_target: bool = False, compile_update: bool = False,
-                  objective: Objective = Objective()) -> Replica:
+                  objective: Objective = Objective(), muon: MuonSettings | None = None) -> Replica:
     """Run IN the worker thread (or rank): per-thread compile config, device, target head, optimizer, compile.
 
     `drafter` holds the initial (or resumed) trainable weights on the CPU; it is moved, not copied.
@@ -146,7 +148,10 @@ def build_replica(index: int, device: torch.device, drafter: Drafter, target: Ta
     `compile_target`: the target's decoder layers run compiled (Target.compile_layers).
     `graph_target`: with compile_target on a GPU that this replica alone uses, the target's forward
     replays a CUDA graph (Target.graph_features).
-    `compile_update`: clip + AdamW run as one compiled function over the optimizer's state (adamw.py).
+    `compile_update`: clip + AdamW run as one compiled function over the optimizer's state (adamw.py);
+    it is AdamW's alone, so with `muon` it does not apply (the config refuses --compile-update on).
+    `muon`: Muon over the drafter's matrices and AdamW (lr, betas, weight_decay) over the rest, one
+    MuonAdamW (trainer/engine/muon.py); None: torch's AdamW over all of them (the recipe).
     `objective`: what the loss trains the drafter to match; a distilling one needs a target whose
     features carry its final hidden state (Target.final_hidden).
     """
@@ -162,8 +167,11 @@ def build_replica(index: int, device: torch.device, drafter: Drafter, target: Ta
     drafter.to(device)
     named = drafter.trainable_parameters()
     params = [p for _, p in named]
-    opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
-                            **({"fused": True} if device.type == "cuda" else {}))
+    if muon is None:
+        opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
+                                **({"fused": True} if device.type == "cuda" else {}))
+    else:
+        opt = MuonAdamW(named, lr=lr, betas=betas, weight_decay=weight_decay, muon=muon)
     if optimizer_state is not None:
         # A private copy: load_state_dict keeps same-device tensors as they are, and replicas must
         # never share moment buffers.
@@ -171,7 +179,7 @@ def build_replica(index: int, device: torch.device, drafter: Drafter, target: Ta
     unit = DraftLoss(drafter, pos_weights, objective=objective).to(device)
     module = wrap(unit) if wrap is not None else unit
     loss_fn = policies.compile_module(module, policy, n_devices=n_devices)
-    update = CompiledUpdate(opt, params) if compile_update else None
+    update = CompiledUpdate(opt, params) if compile_update and muon is None else None
     return Replica(index, device, target, drafter, loss_fn, unit, opt, params, [n for n, _ in named], policy,
                    update=update)
 
@@ -263,7 +271,8 @@ def queue_update(r: Replica, lr: float, grad_clip: float, step: int) -> torch.Te
     optimizer's kernel: it divides every gradient by `grad_scale` = 1 / clip_grad_norm_'s coefficient
     as it reads it, and skips the whole update on the device when `found_inf` is set, so the
     gradients are not rewritten in a separate pass (8 bytes per parameter: 8.4 GB a step for a 1B
-    drafter). Else (the CPU) the norm is read before the step, which a non-finite norm skips.
+    drafter). Else (the CPU, and MuonAdamW anywhere) the norm is read before the step, which a
+    non-finite norm skips.
     """
     for g in r.optimizer.param_groups:
         g["lr"] = lr

@@ -14,7 +14,9 @@ Backends (both give the same loss; tests/test_trainer_kernels.py checks it):
 The objective (trainer/model/objective.py): CE against the data's tokens, or distillation from the
 target (kd, ce+kd). Distilling, `feats` carries the target's final hidden state (after its final
 norm) after the n layers' features, (B, S, n*H + H) (Target.final_hidden), and both loss backends
-compute the same mix of CE and KD (tests/test_distill.py checks it).
+compute the same mix of CE and KD (tests/test_distill.py checks it). Under D-PACE position weights
+(Objective.dpace) `pos_weights` are masks.flat_weights and both backends weigh each row by
+masks.dpace_weights (tests/test_dpace.py).
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ class DraftLoss(nn.Module):
             raise ValueError(f"loss backend {loss!r}: choose one of {', '.join(LOSS_BACKENDS)}")
         if float(pos_weights[0]) != 0.0:
             raise ValueError("block position 0 is the anchor and must carry no loss (pos_weights[0] == 0)")
+        if objective.dpace and not bool((pos_weights[1:] == 1).all()):
+            raise ValueError("D-PACE weighs the loss mask's rows itself: pos_weights must be masks.flat_weights")
         self.drafter = drafter
         self.attention = attention
         self.loss = loss
@@ -101,7 +105,8 @@ class DraftLoss(nn.Module):
             raise ValueError("the lm_head's fp8 matmuls (--precision fp8-lmhead) need the chunked loss")
         else:
             logits = self.drafter.logits(hidden)
-            loss_sum, correct, count = masks.block_loss(logits, labels, weights, bs - 1)
+            dpace = self.objective.dpace_alpha if self.objective.dpace else None
+            loss_sum, correct, count = masks.block_loss(logits, labels, weights, bs - 1, dpace=dpace)
             if teacher is not None:
                 ce_weight, kd_weight = self.objective.weights
                 kd_sum = masks.block_kd(logits, F.linear(teacher, lm_w), weights, self.objective.kd_temperature)

@@ -26,6 +26,11 @@ logits through the same frozen lm_head, so one chunk of each is held at a time (
 halves the rows). Its core is _distill_core, in torch (compiled on its own on CUDA, as _ce_core
 is); the Triton kernel computes the CE alone and is not used then. Same interface and arithmetic
 as masks.block_loss and masks.block_kd on the full logits (tests/test_distill.py).
+
+D-PACE (--position-weights dpace, masks.dpace_weights): a row's weight depends on the CE of every
+row of its block, so each chunk holds whole blocks (its rows rounded down to a multiple of the
+block's), and its core (_dpace_core, in torch like _distill_core) computes the chunk's CE, then the
+weights, then the weighted gradient: no pass more over the logits (tests/test_dpace.py).
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from trainer.model import ce_kernel
+from trainer.model import ce_kernel, masks
 from trainer.model.objective import Objective
 
 # Rows per chunk: the largest power of two whose fp32 logits stay under this many bytes (1024 at
@@ -94,6 +99,21 @@ def _distill_core(logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Ten
     return loss, logits.argmax(-1), (grad * weights[:, None]).to(logits.dtype)
 
 
+def _dpace_core(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, block: int, alpha: float):
+    """logits (C, V), labels (C,), mask (C,) with C whole blocks of `block` rows -> (sum d*CE fp32,
+    argmax (C,), d sum / d logits (C, V)), d = masks.dpace_weights(CE, mask, block, alpha) (no gradient
+    flows through d, as in masks.block_loss)."""
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)  # (C,)
+    ce = lse - lf.gather(1, labels[:, None])[:, 0]
+    w = masks.dpace_weights(ce, mask, block, alpha)
+    loss = (ce * w).sum()
+    p = torch.exp(lf - lse[:, None])
+    hit = torch.arange(lf.shape[-1], device=lf.device)[None, :] == labels[:, None]
+    grad = (torch.where(hit, p - 1.0, p) * w[:, None]).to(logits.dtype)
+    return loss, logits.argmax(-1), grad
+
+
 class _TriedOnce:
     """A faster way to run a core's math (_ce_core's or _distill_core's), used until it fails once
     outside torch.compile (process-wide); from then on `fallback`, after one warning that says why
@@ -134,6 +154,9 @@ _kernel = _TriedOnce("the Triton cross-entropy kernel", lambda: ce_kernel.ce_cor
 # _distill_core compiled on its own likewise (the eager policy on CUDA)
 _compiled_distill = _TriedOnce("compiled distillation core", lambda: torch.compile(_distill_core, dynamic=False),
                                traced=_distill_core, fallback=_distill_core, instead="running it eagerly")
+# _dpace_core compiled on its own likewise
+_compiled_dpace = _TriedOnce("compiled D-PACE cross-entropy core", lambda: torch.compile(_dpace_core, dynamic=False),
+                             traced=_dpace_core, fallback=_dpace_core, instead="running it eagerly")
 
 
 class _LinearCE(torch.autograd.Function):
@@ -142,16 +165,19 @@ class _LinearCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, norm_w, lm_w, labels, weights, eps: float, rows: int, fp8, teacher=None,
-                temperature: float = 1.0, ce_weight: float = 1.0, kd_weight: float = 0.0):
+                temperature: float = 1.0, ce_weight: float = 1.0, kd_weight: float = 0.0,
+                dpace: float | None = None, block: int = 1):
         # h (T, H) in the residual dtype; norm_w (H,); lm_w (V, H); labels, weights (T,); fp8 an
         # fp8.Fp8Head for the two lm_head matmuls, or None; teacher (T, H) the target's final
-        # hidden states at the same rows (distilled; no gradient), or None (CE alone)
+        # hidden states at the same rows (distilled; no gradient), or None (CE alone); dpace the
+        # D-PACE alpha (weights are then the loss mask, `rows` whole blocks of `block` rows) or None
         want_grad = ctx.needs_input_grad[0]
         want_norm = ctx.needs_input_grad[1]
         dnorm = torch.zeros(norm_w.shape, dtype=torch.float32, device=h.device) if want_norm else None
         core = (_kernel if ce_kernel.available(h.device) else
                 _compiled if h.device.type == "cuda" else _ce_core)
         distill = _compiled_distill if h.device.type == "cuda" else _distill_core
+        dpace_core = _compiled_dpace if h.device.type == "cuda" else _dpace_core
         loss = h.new_zeros((), dtype=torch.float32)
         preds, grads = [], []
         w8 = fp8.weight(lm_w) if fp8 is not None else None
@@ -164,7 +190,9 @@ class _LinearCE(torch.autograd.Function):
             y = norm_w * xn.to(hc.dtype)
             # (C, V): bf16 under autocast, as lm_head() would give
             logits = F.linear(y, lm_w) if fp8 is None else fp8.logits(y, w8, _out_dtype(y))
-            if teacher is None:
+            if dpace is not None:
+                chunk_loss, pred, dlogits = dpace_core(logits, labels[s:s + rows], weights[s:s + rows], block, dpace)
+            elif teacher is None:
                 chunk_loss, pred, dlogits = core(logits, labels[s:s + rows], weights[s:s + rows])
             else:  # the target's own logits (plain matmul, under --precision fp8-lmhead too)
                 chunk_loss, pred, dlogits = distill(logits, F.linear(teacher[s:s + rows], lm_w), labels[s:s + rows],
@@ -191,7 +219,7 @@ class _LinearCE(torch.autograd.Function):
         dh, dnorm = ctx.saved_tensors
         dh = dh * grad_loss.to(dh.dtype) if dh is not None else None
         dnorm = (dnorm * grad_loss).to(ctx.norm_dtype) if dnorm is not None else None
-        return dh, dnorm, None, None, None, None, None, None, None, None, None, None
+        return dh, dnorm, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _out_dtype(y: torch.Tensor) -> torch.dtype:
@@ -211,7 +239,9 @@ def block_loss(hidden: torch.Tensor, norm, lm_weight: torch.Tensor, labels: torc
     while gradients are computed only). With `teacher` (B, Tq, H), the target's final hidden states
     at the same rows, and a distilling `objective`, loss_sum is its mix of CE and KD instead:
     ce_weight * masks.block_loss's + kd_weight * masks.block_kd(lm_head(norm(hidden)),
-    lm_head(teacher), weights, T) (Objective.weights).
+    lm_head(teacher), weights, T) (Objective.weights). With an objective whose position weights are
+    D-PACE's, `weights` are the loss mask and loss_sum is masks.block_loss(..., dpace=alpha)'s; the
+    chunks then hold whole blocks of `block_size` rows (`rows` rounded down to a multiple of it).
     """
     if lm_weight.requires_grad:
         raise ValueError("fused_ce.block_loss computes no gradient for the lm_head: "
@@ -221,7 +251,14 @@ def block_loss(hidden: torch.Tensor, norm, lm_weight: torch.Tensor, labels: torc
                          "ce+kd objective, both or neither")
     h = hidden.flatten(0, 1)  # (T, H)
     T, V = h.shape[0], lm_weight.shape[0]
-    if teacher is None:
+    if objective is not None and objective.dpace:
+        # whole blocks per chunk: a row's weight reads every row of its block
+        rows = rows or ROWS or chunk_rows(T, V)
+        rows = max(block_size, rows // block_size * block_size)
+        loss_sum, pred = _LinearCE.apply(h, norm.weight, lm_weight, labels.flatten(), weights.flatten(),
+                                         norm.eps, rows, fp8, None, 1.0, 1.0, 0.0, objective.dpace_alpha,
+                                         block_size)
+    elif teacher is None:
         rows = rows or ROWS or chunk_rows(T, V)
         loss_sum, pred = _LinearCE.apply(h, norm.weight, lm_weight, labels.flatten(), weights.flatten(),
                                          norm.eps, rows, fp8)

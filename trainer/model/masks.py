@@ -8,6 +8,8 @@ terrible acceptance (SpecForge #455, fixed in #473):
 - A block sees target context strictly before its anchor (kv < anchor, not <=), itself
   bidirectionally, and no other block.
 - Loss = sum(w_k * CE) / sum(w_k), w_k = exp(-(k-1)/gamma), times the sequence's loss mask.
+  Under D-PACE (--position-weights dpace): loss = sum(d_k * CE) / sum(m_k), m_k the loss mask (0 at
+  the anchor) and d_k = dpace_weights(CE, m), from the drafter's own confidence in the block.
 - Distilled (trainer/model/objective.py): the target's distribution over the token at anchor+k is
   its logits at position anchor+k-1 (a causal LM predicts the next token), same weights.
 - Anchors: up to N per sequence, uniformly from positions with loss mask 1 and pos <= len - B,
@@ -36,6 +38,44 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     w = torch.exp(-(k - 1) / gamma)
     w[0] = 0.0
     return w
+
+
+def flat_weights(block_size: int) -> torch.Tensor:
+    """(Bs,) float: 0 at the anchor, 1 at every predicted position. D-PACE's rows (dpace_weights
+    weighs them) and what its loss divides by: the count of loss-bearing tokens, as speculators'
+    loss_function divides by the loss mask's sum."""
+    w = torch.ones(block_size, dtype=torch.float32)
+    w[0] = 0.0
+    return w
+
+
+def dpace_weights(ce: torch.Tensor, mask: torch.Tensor, block: int, alpha: float) -> torch.Tensor:
+    """D-PACE's weight of each predicted row, from the drafter's confidence in its block (no gradient).
+
+    ce, mask (..., R): the rows' cross-entropy and loss mask (0 or 1), R = n * block rows, block
+    after block (linear.predicted_rows' layout: block positions 1..Bs-1, so block = Bs - 1). Per
+    block, with q_i = exp(-CE_i) the drafter's probability of the data's token at position i:
+
+        s_i = (1 - alpha) q_i + alpha where m_i > 0, else 1      (smoothed confidence, Eq. 7)
+        w_k = m_k * sum_{j >= k} m_j prod_{i <= j} s_i           (Eq. 8)
+
+    With E = sum_j prod_{i<=j} s_i the block's expected accepted length under the smoothed
+    confidences, w_k = d E / d log s_k: what position k's token is worth to the run through it. A row
+    past a masked one keeps its weight (the mask's 1 passes the product through), as upstream.
+    Returns (..., R) in float32 (float64 for a float64 ce).
+
+    The arithmetic is speculators 0.9.0's dpace_loss_decay (speculators/losses/utils.py), on rows
+    without the anchor's (weight 0 there, a factor 1 in the product: the same weights), whose loss
+    then is sum(CE * m * w) / sum(m); with a 0/1 mask that is this sum(CE * w) / sum(m).
+    """
+    with torch.no_grad():
+        dt = torch.promote_types(ce.dtype, torch.float32)
+        q = torch.exp(-ce.detach().to(dt)).unflatten(-1, (-1, block))  # (..., n, block)
+        m = mask.detach().to(dt).reshape(q.shape)
+        s = torch.where(m > 0, (1.0 - alpha) * q + alpha, torch.ones_like(q))
+        prefix = torch.cumprod(s, dim=-1)
+        suffix = torch.flip(torch.cumsum(torch.flip(prefix * m, dims=[-1]), dim=-1), dims=[-1])
+        return (suffix * m).flatten(-2)
 
 
 def anchor_candidates(loss_mask: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -118,15 +158,19 @@ def attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torc
     return torch.cat([ctx, own], dim=-1)
 
 
-def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, block_size: int):
+def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, block_size: int,
+               dpace: float | None = None):
     """Weighted cross entropy and per-position accuracy counts.
 
     logits (B, Tq, V); labels, weights (B, Tq). Returns loss_sum (scalar: sum w*CE, to be divided by
     the GLOBAL sum of weights so shards of a batch add up exactly), correct (Bs,) and count (Bs,):
     per block position, how many loss-bearing (weight > 0) tokens were predicted right / seen.
+    dpace (its alpha): `weights` are the loss mask (flat_weights') and each row's CE is weighted by
+    dpace_weights(CE, weights, block_size, dpace) instead.
     """
     ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(weights)
-    loss_sum = (ce * weights).sum()
+    w = weights if dpace is None else dpace_weights(ce, weights, block_size, dpace)
+    loss_sum = (ce * w).sum()
     live = (weights > 0).view(weights.shape[0], -1, block_size)  # (B, N, Bs)
     hit = (logits.argmax(-1) == labels).view_as(live) & live
     return loss_sum, hit.sum(dim=(0, 1)), live.sum(dim=(0, 1))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from trainer.errors import UsageError
-from trainer.model.objective import OBJECTIVES, Objective  # torch-free
+from trainer.model.objective import OBJECTIVES, POSITION_WEIGHTS, Objective  # torch-free
 from trainer.policies import POLICY_NAMES, known as known_policies  # torch-free at import
 
 
@@ -28,6 +28,9 @@ RUN_CONFIG = "trainer-config.json"
 CHOSEN_POLICY = "compile-policy.json"
 # --precision: the default path, or the drafter's matmuls in fp8 (trainer/model/fp8.py RECIPES)
 PRECISIONS = ("bf16", "fp8", "fp8-rowwise", "fp8-lmhead")
+# --optimizer: torch's AdamW over every trainable parameter (the recipe), or Muon over the drafter's
+# matrices and AdamW over the rest (trainer/engine/muon.py)
+OPTIMIZERS = ("adamw", "muon")
 EMULATE_ALONE = f"--fp8-emulate goes with --precision {'|'.join(PRECISIONS[1:])}"  # the trainer's and the probe's
 
 
@@ -75,6 +78,8 @@ class TrainConfig:
     block_size: int = 16
     anchors: int = 512                   # anchors per sequence per step (at most; fewer where memory is short)
     gamma: float = 0.0                   # loss decay; 0 = from the block size (7 for 16, 5 for 10, 4 for 8)
+    position_weights: str = "exp"        # exp | dpace: the block positions' loss weights (trainer/model/objective.py)
+    dpace_alpha: float = 0.5             # dpace's confidence smoothing, in (0, 1]
     objective: str = "ce"                # ce | kd | ce+kd: the data's tokens, the target's distribution, or both
                                          # (trainer/model/objective.py)
     kd_temperature: float = 1.0          # T of kd and ce+kd
@@ -94,6 +99,10 @@ class TrainConfig:
     adam_beta2: float = 0.999
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    optimizer: str = "adamw"             # adamw | muon (trainer/engine/muon.py)
+    muon_lr: float = 0.0                 # Muon's peak lr; 0 = --lr (the schedule scales it like --lr)
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.1
     # synthetic data
     synthetic_samples: int = 512
     synthetic_prompt_len: int = 16
@@ -175,7 +184,12 @@ HELP = {
     "block_size": "tokens per block: the anchor plus block_size-1 predicted tokens",
     "anchors": "anchors (blocks) per sequence per step, at most; the trainer uses fewer, and says so in one "
                "line at start, when rows are too short for them or the GPU's free memory is (docs/recipe.md)",
-    "gamma": "loss decay w_k = exp(-(k-1)/gamma); 0 = from the block size",
+    "gamma": "loss decay w_k = exp(-(k-1)/gamma) (--position-weights exp); 0 = from the block size",
+    "position_weights": "how much each block position's loss counts: exp (the recipe's fixed decay, --gamma) or "
+                        "dpace (D-PACE, as vLLM's speculators trains DFlash: each position weighted, every step, "
+                        "by the drafter's own confidence in its block, the expected accepted length it is worth; "
+                        "needs --objective ce); dpace is not yet measured on a GPU (docs/recipe.md)",
+    "dpace_alpha": "D-PACE's confidence smoothing alpha, in (0, 1]: s = (1 - alpha) exp(-CE) + alpha",
     "objective": "what the drafter learns at each block position: ce (cross-entropy against the data's token, "
                  "the recipe's), kd (distillation: the KL from the target's own distribution there, at "
                  "--kd-temperature; the target then runs all its layers) or ce+kd (their mix, --kd-mix); "
@@ -199,6 +213,14 @@ HELP = {
     "adam_beta2": "AdamW beta2 (the recipe's 0.999; short, high-lr runs adapt faster with 0.95)",
     "weight_decay": "AdamW weight decay",
     "grad_clip": "max global gradient norm",
+    "optimizer": "adamw (torch's AdamW over every trainable parameter, the recipe) or muon (Muon, as vLLM's "
+                 "speculators trains DFlash: momentum orthogonalised by 5 Newton-Schulz steps for the drafter's "
+                 "weight matrices, at AdamW's update RMS; AdamW, --lr, for its norms); fp32 weights and state "
+                 "either way; muon is not yet measured on a GPU (docs/recipe.md); a --resume keeps the optimizer",
+    "muon_lr": "Muon's peak learning rate, scaled by the same warm-up and cosine as --lr (0 = --lr: with Muon's "
+               "AdamW-matched update size, AdamW's lr carries over)",
+    "muon_momentum": "Muon's momentum (Nesterov), in [0, 1)",
+    "muon_weight_decay": "Muon's decoupled weight decay (per step: weights x (1 - lr x decay))",
     "synthetic_samples": "rows of synthetic data to train on (--data synthetic, for tests only)",
     "synthetic_prompt_len": "random prompt length for synthetic data",
     "synthetic_new_tokens": "tokens the target continues each synthetic prompt by",
@@ -225,7 +247,8 @@ METAVAR = {"chat_template_kwargs": "JSON", "target": "PATH|small-code|tiny", "da
            "compile_target": "auto|on|off", "compile_update": "auto|on|off", "graph_target": "on|off",
            "fp32_wgrad": "on|off", "flex_tiles": "TILES", "ce_rows": "N", "ce_kernel": "on|off",
            "precision": "|".join(PRECISIONS), "objective": "|".join(OBJECTIVES), "kd_temperature": "T",
-           "kd_mix": "X"}
+           "kd_mix": "X", "position_weights": "|".join(POSITION_WEIGHTS), "dpace_alpha": "X",
+           "optimizer": "|".join(OPTIMIZERS)}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -388,9 +411,18 @@ def validate(c: TrainConfig, here: bool = True) -> None:
         objective_of(c)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    need(c.gamma == 0 or c.position_weights != "dpace",
+         f"--gamma {c.gamma:g} sets the fixed decay of --position-weights exp; dpace has none (drop --gamma)")
     need(c.lr > 0 and 0 <= c.min_lr <= c.lr, f"need 0 <= --min-lr <= --lr and --lr > 0 (got {c.min_lr}, {c.lr})")
     need(0 <= c.warmup < 1, f"--warmup is a fraction of --steps in [0, 1), got {c.warmup}")
     need(c.grad_clip > 0, f"--grad-clip must be > 0, got {c.grad_clip}")
+    need(c.optimizer in OPTIMIZERS, f"--optimizer {c.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
+    need(c.muon_lr >= 0, f"--muon-lr must be >= 0 (0 = --lr), got {c.muon_lr}")
+    need(0 <= c.muon_momentum < 1, f"--muon-momentum must be in [0, 1), got {c.muon_momentum}")
+    need(c.muon_weight_decay >= 0, f"--muon-weight-decay must be >= 0, got {c.muon_weight_decay}")
+    need(c.optimizer != "muon" or c.compile_update != "on",
+         "--compile-update on compiles the AdamW update; --optimizer muon steps its own, uncompiled "
+         "(use --compile-update auto or off)")
     need(0 <= c.adam_beta1 < 1 and 0 <= c.adam_beta2 < 1,
          f"--adam-beta1 and --adam-beta2 must be in [0, 1), got {c.adam_beta1}, {c.adam_beta2}")
     need(c.keep_checkpoints >= 2,
@@ -461,8 +493,9 @@ def template_kwargs(text: str) -> dict:
 
 
 def objective_of(c: TrainConfig) -> Objective:
-    """--objective, --kd-temperature and --kd-mix as the loss takes them (a ValueError when one is bad)."""
-    return Objective(c.objective, c.kd_temperature, c.kd_mix)
+    """--objective, --kd-temperature, --kd-mix, --position-weights and --dpace-alpha as the loss takes
+    them (a ValueError when one is bad)."""
+    return Objective(c.objective, c.kd_temperature, c.kd_mix, c.position_weights, c.dpace_alpha)
 
 
 def layer_ids(c: TrainConfig) -> tuple[int, ...] | None:

@@ -283,7 +283,7 @@ def _rank(cfg: TrainConfig, rank: int, world: int, local: int, device: torch.dev
                                  wrap=lambda m: wrap_ddp(m, device),
                                  compile_target=policies.compiled_part(cfg.compile_target, policy, device),
                                  compile_update=policies.compiled_part(cfg.compile_update, policy, device),
-                                 objective=prep.objective)
+                                 objective=prep.objective, muon=prep.muon)
 
         engine = RankEngine(build, rank, world, device, log, guard=not cfg.skip_compile_guard, node_first=local == 0,
                             grace=grace, job=job)

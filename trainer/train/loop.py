@@ -19,6 +19,7 @@ import torch
 
 from trainer import faults, files, policies
 from trainer.errors import EXIT_OK, EXIT_SIGTERM, UsageError
+from trainer.engine.muon import MuonSettings, takes_muon
 from trainer.model import choices, fp8, masks
 from trainer.model.drafter import Drafter, DrafterConfig, flops_per_sample
 from trainer.model.objective import Objective
@@ -59,6 +60,7 @@ class Prepared:
     eval_overlap: int = 0        # eval prompts that are also training rows' prompts (--eval-overlap-ok)
     anchors: int = 0             # anchors per sequence a step uses: --anchors, or fewer (sizing.py)
     objective: Objective = Objective()  # what the loss trains the drafter to match (--objective)
+    muon: MuonSettings | None = None    # --optimizer muon's settings; None: AdamW alone (the recipe)
 
 
 def open_run(cfg: TrainConfig, *, writer: bool) -> tuple[Path, Path | None]:
@@ -123,7 +125,9 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
         barrier()
     pad_len = min(cfg.seq_len, max(len(s.input_ids) for s in samples))
     gamma = cfg.gamma or masks.default_gamma(cfg.block_size)
-    pos_weights = masks.position_weights(cfg.block_size, gamma)
+    # D-PACE weighs the loss mask's rows itself, in the loss; a batch's total is then their count
+    pos_weights = (masks.flat_weights(cfg.block_size) if objective.dpace
+                   else masks.position_weights(cfg.block_size, gamma))
 
     dcfg = target.drafter_config(num_layers=cfg.draft_layers, block_size=cfg.block_size,
                                  mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id,
@@ -136,6 +140,7 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
     record = provenance.recorded(target, dcfg.mask_token_id)
     if ck is not None:      # before its weights meet a drafter of another target's shape
         _check_resumed_target(cfg, ck, record, log)
+        _check_resumed_optimizer(cfg, ck)
     if ck is not None and drafter.load_trainable_state_dict(ck.model):
         # A checkpoint from before the drafter trained its own final norm: the norm starts from the
         # target's, and the optimizer gets a fresh state for it (the last trainable parameter).
@@ -143,12 +148,36 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
         log.info("the checkpoint has no final norm of the drafter's own (an older trainer wrote it): "
                  "it starts from the target's norm")
     log.info(f"drafter: {dcfg.num_layers} layers, {n_params / 1e6:.2f}M trainable params, block {dcfg.block_size}, "
-             f"mask token {dcfg.mask_token_id}, gamma {gamma:g}, objective {objective.described()}")
+             f"mask token {dcfg.mask_token_id}, " + ("" if objective.dpace else f"gamma {gamma:g}, ")
+             + f"objective {objective.described()}")
     if cfg.precision != "bf16":
         log.info(fp8.described(cfg.precision, cfg.fp8_emulate, fp8.use(drafter, cfg.precision, cfg.fp8_emulate)))
+    muon = _muon(cfg, drafter, log)
     anchors = _anchors(cfg, device, dcfg, n_params, pad_len, samples, log, agree_min, ck, objective)
     return Prepared(out, ck, target, samples, eval_prompts, pad_len, pos_weights, dcfg, drafter,
-                    flops_per_sample(dcfg, pad_len, anchors * cfg.block_size), record, eval_overlap, anchors, objective)
+                    flops_per_sample(dcfg, pad_len, anchors * cfg.block_size), record, eval_overlap, anchors, objective,
+                    muon)
+
+
+def _muon(cfg: TrainConfig, drafter: Drafter, log) -> MuonSettings | None:
+    """--optimizer muon's settings (None for adamw), said in one line."""
+    if cfg.optimizer != "muon":
+        return None
+    muon = MuonSettings(lr=cfg.muon_lr or cfg.lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay)
+    named = drafter.trainable_parameters()
+    n = sum(takes_muon(k, p) for k, p in named)
+    log.info(f"optimizer muon: {n} weight matrices (peak lr {muon.lr:g}, momentum {muon.momentum:g}, weight decay "
+             f"{muon.weight_decay:g}, {muon.ns_steps} Newton-Schulz steps), AdamW for the other {len(named) - n} "
+             f"parameters (peak lr {cfg.lr:g}); the update runs uncompiled")
+    return muon
+
+
+def _check_resumed_optimizer(cfg: TrainConfig, ck) -> None:
+    """A resume continues with the optimizer whose state its checkpoint holds (an older trainer's: AdamW)."""
+    then = (ck.meta.get("config") or {}).get("optimizer", "adamw")
+    if then != cfg.optimizer:
+        raise UsageError(f"--resume: {ck.path} holds {then}'s optimizer state, and this run asks for --optimizer "
+                         f"{cfg.optimizer}; resume with --optimizer {then}, or start a new --out")
 
 
 def _check_resumed_target(cfg: TrainConfig, ck, now: dict, log) -> None:

@@ -96,7 +96,7 @@ def _train(cfg: TrainConfig, stop: threading.Event, out, resume_from) -> int:
                              # workers share one interpreter: a graph spares each the target's launches
                              graph_target=cfg.graph_target == "on" and len(set(devices)) == len(devices),
                              compile_update=policies.compiled_part(cfg.compile_update, policy, device),
-                             objective=prep.objective)
+                             objective=prep.objective, muon=prep.muon)
 
     t0 = time.time()
     engine = ThreadEngine.start(devices, build, log, cfg.warmup_timeout, guard=not cfg.skip_compile_guard)
