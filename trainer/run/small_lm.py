@@ -145,7 +145,9 @@ def hf_tokenizer(tok):
 def model_config(recipe: Recipe, vocab_size: int):
     from transformers import Qwen3Config
 
-    return Qwen3Config(vocab_size=vocab_size, hidden_size=recipe.hidden_size,
+    # rope_theta: transformers 5 still takes it (into rope_parameters) but its signature no longer names it;
+    # 4.x, which the trainer also runs on, has no rope_parameters
+    return Qwen3Config(vocab_size=vocab_size, hidden_size=recipe.hidden_size,  # type: ignore[call-arg]
                        intermediate_size=recipe.intermediate_size, num_hidden_layers=recipe.num_layers,
                        num_attention_heads=recipe.num_heads, num_key_value_heads=recipe.num_kv_heads,
                        head_dim=recipe.head_dim, max_position_embeddings=4096, rope_theta=10000.0,
@@ -195,7 +197,8 @@ def build(size: str, out: str, *, root: str | None = None, log=print, steps: int
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     cfg = model_config(recipe, tok.get_vocab_size())
-    model = Qwen3ForCausalLM(cfg).to(dev)
+    # transformers wraps .to in functools.wraps, whose type does not bind self: it wants the model first
+    model = Qwen3ForCausalLM(cfg).to(dev)  # type: ignore[arg-type]
     params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
@@ -281,7 +284,9 @@ def cut_prompts(texts: list[str], n: int, *, seed: int = 0, lines: int = 12, max
     import random
 
     rng = random.Random(seed)
-    out, seen, tries = [], set(), 0
+    out: list[str] = []
+    seen: set[str] = set()
+    tries = 0
     while len(out) < n and tries < 50 * n:
         tries += 1
         src = texts[rng.randrange(len(texts))].splitlines(keepends=True)
@@ -425,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         report = built(a.size, a.out)
         kept = report is not None
-        if kept:
+        if report is not None:      # kept
             say(f"small_lm[{a.size}]: kept: {a.out} already holds this recipe's build (held-out loss "
                 f"{report['held_out_loss']:.3f}); delete it to build again")
         else:
