@@ -4,14 +4,11 @@ or, given an fp8 matmul (trainer/model/fp8.py, --precision fp8), that matmul whi
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-if TYPE_CHECKING:           # fp8.py imports this module
-    from trainer.model.fp8 import Fp8Matmul
 
 
 def _has_mm_out_dtype() -> bool:
@@ -78,7 +75,8 @@ class Linear(nn.Linear):
     from the matmul when it trains under CUDA bf16 autocast; everywhere else plain nn.Linear. With an
     fp8 matmul set (fp8.use), that matmul computes it while it trains (not under no_grad)."""
 
-    fp8: Fp8Matmul | None = None  # set by fp8.use: (x, w) -> x @ w.T
+    # an fp8.Fp8Matmul, set by fp8.use: (x, w) -> x @ w.T (fp8.py imports this module, not the reverse)
+    fp8: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _fp8(self):

@@ -95,7 +95,6 @@ def _target(device: torch.device):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(SEED)
-    model: Any          # the HF CausalLM (Target.model)
     with torch.device(device):
         model = Qwen3ForCausalLM(Qwen3Config(**GPU_TARGET))
         with torch.no_grad():

@@ -145,9 +145,7 @@ def hf_tokenizer(tok):
 def model_config(recipe: Recipe, vocab_size: int):
     from transformers import Qwen3Config
 
-    # rope_theta: transformers 5 still takes it (into rope_parameters) but its signature no longer names it;
-    # 4.x, which the trainer also runs on, has no rope_parameters
-    return Qwen3Config(vocab_size=vocab_size, hidden_size=recipe.hidden_size,  # type: ignore[call-arg]
+    return Qwen3Config(vocab_size=vocab_size, hidden_size=recipe.hidden_size,
                        intermediate_size=recipe.intermediate_size, num_hidden_layers=recipe.num_layers,
                        num_attention_heads=recipe.num_heads, num_key_value_heads=recipe.num_kv_heads,
                        head_dim=recipe.head_dim, max_position_embeddings=4096, rope_theta=10000.0,
@@ -197,8 +195,7 @@ def build(size: str, out: str, *, root: str | None = None, log=print, steps: int
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     cfg = model_config(recipe, tok.get_vocab_size())
-    # transformers wraps .to in functools.wraps, whose type does not bind self: it wants the model first
-    model = Qwen3ForCausalLM(cfg).to(dev)  # type: ignore[arg-type]
+    model = Qwen3ForCausalLM(cfg).to(dev)
     params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]

@@ -385,7 +385,7 @@ def load_target(spec: str, *, device: torch.device, dtype: torch.dtype,
     `final_hidden`: features() appends the model's last hidden state (Target.final_hidden)."""
     check_target_spec(spec)
     _quiet_transformers()
-    model: Any          # the HF CausalLM (Target.model)
+    model: Any          # the HF CausalLM (Target.model); _freeze gives it back as an nn.Module
     if spec.startswith("tiny"):
         seed = int(spec[5:]) if ":" in spec else 0
         model, tokenizer = build_tiny(seed), ByteTokenizer()

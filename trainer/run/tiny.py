@@ -5,7 +5,7 @@ about a real model (the small real target, small_lm.py, does); it is for tests a
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,9 +16,9 @@ if TYPE_CHECKING:       # imported where used: transformers is slow to import
 
 # `tiny`: small enough to train a drafter on 2 CPU cores in seconds, deep enough (8 layers) for
 # the default layer choice to pick 5 distinct layers (1..L-3).
-TINY: dict[str, Any] = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-                             rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.02)
+TINY = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+            rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.02)
 # A random model with HF's init (std 0.02) has near-uniform next-token distributions: its greedy choices
 # hang on tiny logit gaps, unlike a trained LM's. A wider lm_head makes `tiny` confident like a real
 # target, and gives the drafter (which borrows this lm_head) a usable logit range, so a short CPU run
