@@ -17,7 +17,7 @@ LARGE_TRANSFER = 4 << 20   # show a progress bar past 4 MiB
 class State:
     def __init__(self, inventory: str | None, debug: bool, ssh_config: str | None = None):
         self.inventory_path, self.debug, self.ssh_config = inventory, debug, ssh_config
-        self._inv = None
+        self._inv: inv_mod.Inventory | None = None
 
     @property
     def inv(self) -> inv_mod.Inventory:

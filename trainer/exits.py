@@ -10,10 +10,11 @@ finalization (flush, then os._exit, as every path of the trainer that must skip 
 from __future__ import annotations
 
 import gc
+import io
 import os
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import NoReturn, cast
 
 from trainer.errors import EXIT_FAILED, EXIT_USAGE, TrainerError, UsageError
 
@@ -22,7 +23,8 @@ def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) 
     from trainer.policies import PolicyError
 
     try:
-        sys.stdout.reconfigure(line_buffering=True)  # a log tail sees each line as it is printed
+        # a log tail sees each line as it is printed; a replaced stdout may lack reconfigure
+        cast(io.TextIOWrapper, sys.stdout).reconfigure(line_buffering=True)
     except (AttributeError, ValueError):
         pass
     try:

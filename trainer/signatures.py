@@ -18,6 +18,7 @@ exception line). A multi-line signature is reported on the line that completes i
 from __future__ import annotations
 
 import re
+import sys
 from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
@@ -68,7 +69,9 @@ def version_in(version: str, spec: str) -> bool:
         return True
     have = version_tuple(version)
     for clause in str(spec).split(","):
-        op, want_s = _CLAUSE_RE.match(clause).groups()
+        m = _CLAUSE_RE.match(clause)
+        assert m is not None        # check_spec accepted it
+        op, want_s = m.groups()
         want = tuple(int(p) for p in want_s.split("."))
         if op is None:
             if have[: len(want)] != want:
@@ -188,12 +191,14 @@ class Matcher:
         sigs = catalog.signatures
         # (literal, regex) pairs: `literal in line` is checked before the regex runs
         self._singles = [[(_required_literal(r), r) for r in s.line_patterns] for s in sigs]
-        self._windows = [(i, wp, [(_required_literal(r), r) for r in wp.regexes], deque())
-                         for i, s in enumerate(sigs) for wp in s.window_patterns]
+        self._windows: list[tuple[int, WindowPattern, list[tuple[str | None, re.Pattern]], deque]] = [
+            (i, wp, [(_required_literal(r), r) for r in wp.regexes], deque())
+            for i, s in enumerate(sigs) for wp in s.window_patterns]
         lits = [lit for group in self._singles for lit, _ in group]
         lits += [lit for _, _, parts, _ in self._windows for lit, _ in parts]
         # when every regex has a literal, a line holding none of them matches nothing
-        self._quick = None if None in lits else tuple(set(lits))
+        known = [lit for lit in lits if lit is not None]
+        self._quick = tuple(set(known)) if len(known) == len(lits) else None
 
     def feed(self, line: str) -> list[tuple[int, Signature]]:
         """One line (a trailing newline is ignored). Returns [] or [(line_no, signature)]."""
@@ -246,17 +251,17 @@ def _required_literal(rx: re.Pattern) -> str | None:
     matcher skip a regex with a plain substring test (most log lines match nothing)."""
     if rx.flags & re.IGNORECASE:
         return None
+    if sys.version_info >= (3, 11):
+        import re._parser as sre_parse
+    else:                                       # pragma: no cover - 3.10
+        import sre_parse
     try:
-        import re._parser as sre_parse          # Python >= 3.11
-    except ImportError:                         # pragma: no cover - 3.10
-        import sre_parse  # type: ignore[no-redef]
-    try:
-        items = list(sre_parse.parse(rx.pattern))
+        items = list(sre_parse.parse(rx.pattern).data)   # its top-level items (iterating it gives the same)
     except Exception:  # noqa: BLE001 - any surprise: no shortcut, the regex still runs
         return None
     best, run = "", ""
     for op, arg in items + [(None, None)]:      # top level only: every item there is required
-        if op is sre_parse.LITERAL:
+        if op is sre_parse.LITERAL and isinstance(arg, int):     # a LITERAL's arg: its code point
             run += chr(arg)
             continue
         best, run = max(best, run, key=len), ""

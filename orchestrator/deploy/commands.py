@@ -62,7 +62,7 @@ def deploy(state: State, names, dry_run, source, install_deps, all_files, verify
             lines.append(f"  requirements: installed {', '.join(installed)}" if installed
                          else "  requirements: already installed")
     emit(as_json, doc, "\n".join(lines))
-    failed = {r.target: r.error for r in results.values() if not r.ok}
+    failed = {r.target: r.error or "failed" for r in results.values() if not r.ok}
     if failed:
         raise TargetsFailed(failed)
 

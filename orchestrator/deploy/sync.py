@@ -29,7 +29,8 @@ from orchestrator.lines import LineBuffer
 from orchestrator.ssh.session import Session
 from orchestrator.ssh.transport import Transport
 
-Progress = Callable[[str, int], Callable[[int], None]]   # (target, total bytes) -> update(n)
+# (target, total bytes) -> update(n), or None: no progress shown for that transfer (a small one)
+Progress = Callable[[str, int], Callable[[int], None] | None]
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def source_root(explicit: str | None) -> tuple[Path, Path]:
         return root, root
     if is_checkout(Path.cwd()):
         return Path.cwd(), Path.cwd()
-    trainer = Path(resources.files("trainer").joinpath("__init__.py")).parent
+    trainer = Path(str(resources.files("trainer").joinpath("__init__.py"))).parent
     raise UsageError(f"{Path.cwd()} is not a dflash-ops checkout: run deploy from one, or say what to ship "
                      f"with --source DIR (the installed trainer: --source {trainer.parent})")
 
@@ -287,7 +288,8 @@ def deploy(inventory: Inventory, names: list[str], *, source: str | None = None,
         group = agent.fan_out(targets, lambda target: deploy_target(
             s, target, src.result, dry_run=dry_run, install_deps=install_deps, verify=verify,
             progress=progress, on_line=on_line))
-    if src.exception() is not None:     # the source itself is bad: the whole command fails
-        raise src.exception()
+    failed = src.exception()
+    if failed is not None:     # the source itself is bad: the whole command fails
+        raise failed
     return {name: o.value if o.ok else TargetResult(name, error=o.error.render())
             for name, o in group.items()}

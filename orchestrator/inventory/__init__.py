@@ -364,7 +364,7 @@ def _is_address(text: str) -> bool:
         return bool(HOSTNAME_RE.match(text)) and not text.replace(".", "").isdigit()
 
 
-def _convert(type_str: str, node, file: str, where: str, line: int):
+def _convert(type_str: object, node, file: str, where: str, line: int):
     t = str(type_str)
     if t.startswith("Mapping"):
         items = yamlnodes.mapping(node, file, where)

@@ -73,8 +73,9 @@ def plain_data(text: str, file: str) -> None:
     try:
         for ev in yaml.parse(text, Loader=_LOADER):
             at = ev.start_mark.line + 1 if ev.start_mark else None
-            if getattr(ev, "tag", None) is not None:
-                raise FileError(file, at, None, f"YAML tag {ev.tag!r}: only plain data is read here "
+            tag = getattr(ev, "tag", None)        # only node events have one
+            if tag is not None:
+                raise FileError(file, at, None, f"YAML tag {tag!r}: only plain data is read here "
                                                 "(quote a value that should be a string)")
             if isinstance(ev, yaml.CollectionStartEvent):
                 depth += 1

@@ -62,7 +62,7 @@ def play(state: State, file, names, start, dry_run, var, as_json):
             verdicts.append(f"{p.target}: ok, nothing changed")
     emit(as_json, doc, table(["TARGET", "STEP", "ACTION", "STATUS", "SECONDS", "DETAIL"], rows)
          + "\n\n" + "\n".join(verdicts))
-    failures = {p.target: f"step {p.failed.name!r}: {p.failed.error}" for p in plays if not p.ok}
+    failures = {p.target: f"step {f.name!r}: {f.error}" for p in plays if (f := p.failed) is not None}   # not p.ok
     if failures:
         raise TargetsFailed(failures)
 

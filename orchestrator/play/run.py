@@ -324,7 +324,7 @@ def _exec(run: Run, o: dict):
             return False, {"ran": False}, "not needed (`unless` succeeded)"
     before = _quiet(run, o["watch"], env)[1] if "watch" in o else None
     argv = check_command(o["command"] if "command" in o else _argv(o["shell"]))
-    kept = {"out": [], "err": []}
+    kept: dict[str, list[bytes]] = {"out": [], "err": []}
     shown = {s: LineBuffer(run.say) for s in kept}
 
     def sink(stream: str):
@@ -340,7 +340,7 @@ def _exec(run: Run, o: dict):
     if r.error:
         raise OpsError(r.error)
     lines = [line.strip() for line in stdout.splitlines() if line.strip()]
-    result = {"ran": True, "exit_code": r.exit_code, "stdout": stdout, "stderr": stderr,
+    result: dict[str, Any] = {"ran": True, "exit_code": r.exit_code, "stdout": stdout, "stderr": stderr,
               "value": lines[-1] if lines else ""}
     if r.exit_code != 0:
         last = [line for line in stderr.splitlines() if line.strip()][-1:]

@@ -122,7 +122,9 @@ def render(value, ctx: Context, *, shell: bool = False):
     if not isinstance(value, str) or "{{" not in value:
         return value
     if _whole(value) and not shell:
-        return _evaluate(TEMPLATE_RE.fullmatch(value.strip()).group(1), ctx)
+        whole = TEMPLATE_RE.fullmatch(value.strip())
+        assert whole is not None        # _whole(value)
+        return _evaluate(whole.group(1), ctx)
 
     where = iter(shell_contexts(value)) if shell else None
 
@@ -211,7 +213,7 @@ def shell_contexts(script: str) -> list[str]:
 
 def _whole(value: str) -> bool:
     m = TEMPLATE_RE.fullmatch(value.strip())
-    return bool(m) and "{{" not in m.group(1)
+    return m is not None and "{{" not in m.group(1)
 
 
 def _evaluate(expr: str, ctx: Context):

@@ -130,7 +130,7 @@ def _listdir(path):
 
 # Under `python -S` (the release agent: a target's .pth files can import a good deal at every
 # start, and a deploy that changes nothing is mostly that start): what _site has done so far.
-_SITE_DONE = set()
+_SITE_DONE = set()  # type: set[str]
 
 
 def _site(full=False):

@@ -56,7 +56,9 @@ class PassThroughCommand(click.Command):
         takes_value = {o: not p.is_flag and not p.count for p in self.params if isinstance(p, click.Option)
                        for o in (*p.opts, *p.secondary_opts)}
         end = args.index("--") if "--" in args else len(args)
-        head, tail, i = [], [], 0
+        head: list[str] = []
+        tail: list[str] = []
+        i = 0
         while i < end:      # own options (with their values) and the target stay in front; the rest goes after `--`
             w = args[i]
             name = w.split("=", 1)[0]
@@ -146,7 +148,7 @@ def follow_launched(state: State, session, res, doc: dict, as_json: bool) -> Non
     seen = Seen() if as_json else None
     summary = print_job(nodes.follow(state.inv, state.inv.target(res.target), res.run, session=session),
                         as_json, seen)
-    if as_json:
+    if seen is not None:        # as_json
         emit(True, {**doc, "logs": {**summary.as_json(), **seen.as_json()}}, "")
     sys.exit(summary.exit_code)
 
@@ -194,7 +196,7 @@ def logs(state: State, args, follow, tail, as_json):
     target, run = runs.split_target_run(state.inv, args)
     seen = Seen() if as_json else None
     summary = print_job(nodes.follow(state.inv, target, run, follow=follow, tail=tail), as_json, seen)
-    if as_json:   # ONE document, at the end (also with --follow): the summary and each event once
+    if seen is not None:   # as_json: ONE document, at the end (also with --follow): the summary and each event once
         emit(True, {**summary.as_json(), **seen.as_json()}, "")
     sys.exit(summary.exit_code)
 

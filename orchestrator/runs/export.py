@@ -20,7 +20,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 from orchestrator.ssh import agent
 from orchestrator.errors import NotFound, OpsError, StepFailed, UsageError
@@ -29,7 +29,8 @@ from orchestrator.ssh.session import Session
 
 DTYPES = ("bfloat16", "float16", "float32")
 TIMEOUT_S = 3600.0
-Progress = Callable[[str, int], Callable[[int], None]]   # (label, total bytes) -> update(n)
+# (label, total bytes) -> update(n), or None: no progress shown for that transfer (a small one)
+Progress = Callable[[str, int], Callable[[int], None] | None]
 
 
 class TransferError(OpsError):
@@ -65,8 +66,8 @@ class _Receiver:
         self.header: dict | None = None
         self.files: list[dict] = []
         self.index, self.left = 0, 0
-        self.out = None
-        self.hash = None
+        self.out: BinaryIO | None = None
+        self.hash = hashlib.sha256()        # each file's, anew in _next
         self.got: list[dict] = []
         self.update: Callable[[int], None] | None = None
         self.extra = 0
@@ -117,6 +118,7 @@ class _Receiver:
             self._close_file()
 
     def _close_file(self) -> None:
+        assert self.out is not None       # called with a file open
         self.out.flush()
         os.fsync(self.out.fileno())
         self.out.close()
@@ -257,7 +259,7 @@ def unsafe_output(dest: Path, target: Target) -> str | None:
 def sweep_partials(where: Path) -> list[str]:
     """Remove the hidden folders in `where` that exports killed midway left (PARTIAL + the pid of a
     process no longer running); one whose writer still runs is its own. Returns the names removed."""
-    gone = []
+    gone: list[str] = []
     try:
         names = os.listdir(where)
     except OSError:

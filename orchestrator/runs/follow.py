@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Sequence, Union
+from typing import Any, Generator, Iterator, Sequence, Union
 
 from orchestrator.ssh import agent
 from orchestrator.errors import (ConnectError, ConnectionLost, ContainerError, HostKeyError, NotFound, OpsError,
@@ -152,7 +152,7 @@ def _ssh_of(session: Session, target: Target) -> SshTransport | None:
 def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool = True,
            tail: int | None = None, session: Session | None = None, catalog=None,
            backoff: Sequence[float] = BACKOFF_S, give_up_s: float = GIVE_UP_S,
-           dead_s: float = DEAD_S) -> Iterator[Event]:
+           dead_s: float = DEAD_S) -> Generator[Event, None, None]:
     """Stream the run's log: yields Line for each line as it arrives (annotated with the failure
     signatures it matches), Reconnecting/Resumed around dropped connections, and End last
     (with the summary and the exit code `logs` documents in README "Exit codes": 0, 100-103).
@@ -170,7 +170,7 @@ def _follow(session: Session, own: bool, target: Target, run: str, follow: bool,
     matcher = catalog.matcher()
     events: queue.Queue = queue.Queue()
     stopping = threading.Event()
-    state = {"run": run, "offset": -1 if tail is not None else 0, "reconnects": 0, "outages": 0}
+    state: dict[str, Any] = {"run": run, "offset": -1 if tail is not None else 0, "reconnects": 0, "outages": 0}
 
     def worker() -> None:
         attempt, down_since, calls, streamed = 0, None, 0, False

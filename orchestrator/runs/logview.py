@@ -63,7 +63,7 @@ class Seen:
     `steps`: the step lines summarised (how many, first and last step, first, last and lowest loss,
     the last step's whole record); with several nodes, per node."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.events: list[dict] = []
         self.steps: dict = {}
 

@@ -248,7 +248,7 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
             ended[ev.target] = ev
             if ev.error is not None and not isinstance(ev.error, OpsError):
                 raise ev.error
-        errors = [ended[n].error for n in names if ended[n].error is not None]
+        errors = [e for e in (ended[n].error for n in names) if e is not None]
         if errors:          # a node that could not be followed: its error, not a guess at its state
             raise errors[0]
         summaries = {n: ended[n].summary for n in names if ended[n].summary is not None}

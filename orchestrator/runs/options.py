@@ -10,7 +10,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from trainer.policies import POLICY_NAMES   # names only: importing it does not import torch
 
@@ -110,7 +110,7 @@ class LaunchOptions:
 
     def doc(self) -> dict:
         """The options as the runs agent's launch spec names them (env and the config's absence left out)."""
-        doc = {"gpus": self.gpus, "topology": self.topology, "compile_policy": self.compile_policy,
+        doc: dict[str, Any] = {"gpus": self.gpus, "topology": self.topology, "compile_policy": self.compile_policy,
                "workers": self.workers,
                "extra": list(self.extra), "name": self.name,
                "gpu_ids": list(self.gpu_ids) if self.gpu_ids is not None else None, "resume": self.resume,

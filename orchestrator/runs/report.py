@@ -87,8 +87,8 @@ def figure(metrics: Sequence[dict], *, title: str = ""):
             style = "o-" if len(points) < 30 else "-"
             ax.plot(xs, ys, style, color=colour, markersize=4, linewidth=1.2)
             if key == "tau":
-                ci = ev and ev["step"] is not None and ev["ci95"]
-                if ci:
+                if ev and ev["step"] is not None and ev["ci95"]:
+                    ci = ev["ci95"]
                     ax.errorbar([ev["step"]], [ev["tau"]], yerr=[[ev["tau"] - ci[0]], [ci[1] - ev["tau"]]],
                                 fmt="none", ecolor=colour, capsize=4)
                 note = f"{ys[-1]:.3f}" + (f" ({ev['rounds']} rounds)" if ev and ev["rounds"] is not None else "")
@@ -106,10 +106,10 @@ def figure(metrics: Sequence[dict], *, title: str = ""):
 
 def _by_position(ax, ev: dict | None) -> None:
     """Bars: the share of rounds that accepted block position k (1..B-1), at the last eval."""
-    rates = ev["by_position"] if ev else []
-    if not rates:
+    if not ev or not ev["by_position"]:
         _no_data(ax)
     else:
+        rates = ev["by_position"]
         ks = range(1, len(rates) + 1)
         ax.bar(ks, [r or 0.0 for r in rates], color="tab:green", alpha=0.8)
         ax.set_xticks(list(ks))

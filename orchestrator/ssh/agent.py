@@ -165,6 +165,7 @@ def call(t: Transport, target: Target, program: str, args: Sequence[str], *, wha
     tail: list[bytes] = []
 
     def keep(data: bytes) -> None:
+        assert stderr is not None       # passed on only when it is given
         tail.append(data)
         del tail[:-64]
         stderr(data)

@@ -11,7 +11,7 @@ import hashlib
 import os
 import socket
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from orchestrator.errors import ConnectError, HostKeyError
 from orchestrator.inventory import Host, sshconfig
@@ -140,7 +140,7 @@ class _Verify:
 
 def _ordered_transport(entries, name: str):
     """A paramiko Transport that offers host-key algorithms as OpenSSH would (knownhosts.preferred)."""
-    base = _paramiko().Transport
+    base: Any = _paramiko().Transport       # paramiko is imported late: typed as Any
 
     class Ordered(base):
         @property
@@ -275,5 +275,5 @@ def tunnel_failure(e: BaseException, jump: Host, host: Host) -> str:
     code = getattr(e, "code", None)
     what = {1: "it refuses to forward (administratively prohibited: AllowTcpForwarding?)",
             2: f"it could not connect to {host.address}:{host.port} (is that address reachable from {jump.name}?)",
-            4: "it is out of resources"}.get(code)
+            4: "it is out of resources"}.get(code) if isinstance(code, int) else None
     return f"jump host {jump.name} ({_spec(jump)}): {what or _reason(e)}"

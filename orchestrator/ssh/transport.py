@@ -131,7 +131,8 @@ class _Collector:
     """A sink that either forwards to the caller or keeps the bytes for the Result."""
 
     def __init__(self, sink: Sink | None):
-        self.sink, self.parts = sink, []
+        self.sink = sink
+        self.parts: list[bytes] = []
 
     def __call__(self, data: bytes) -> None:
         if self.sink is None:
@@ -156,6 +157,7 @@ class LocalTransport(Transport):
         except PermissionError:
             return Result(126, b"", f"{argv[0]}: permission denied\n".encode())
 
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None   # PIPE, all three
         # bufsize=0: raw pipes, whose read(n) returns what is there without waiting for n bytes.
         readers, failures = _pump_both([(proc.stdout.read, out), (proc.stderr.read, err)], proc.kill)
         try:
@@ -225,10 +227,10 @@ class SshTransport(Transport):
         for t in readers:
             t.join()
         if failure:
-            e = failure[0]
-            if isinstance(e, socket.timeout):
+            exc = failure[0]
+            if isinstance(exc, socket.timeout):
                 raise OpsError(f"{self.host.name}: {argv[0]} timed out after {timeout:.0f} s") from None
-            raise e
+            raise exc
         if not chan.status_event.wait(timeout or 60) or not chan.exit_status_ready():
             raise ConnectionLost(self.host.name)
         code = chan.recv_exit_status()

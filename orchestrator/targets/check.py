@@ -8,6 +8,7 @@ from orchestrator.ssh import agent
 from orchestrator.errors import ConnectError, ContainerError, OpsError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
+from orchestrator.ssh.transport import PctTransport
 
 
 @dataclass
@@ -53,6 +54,7 @@ def check_one(session: Session, inv: Inventory, t: Target, judge: bool = True) -
         transport = session.transport(t, check=False)
         c.reachable = True
         if t.vmid is not None:
+            assert isinstance(transport, PctTransport)      # what Session.transport gives a pct target
             transport.check()
             c.container = "running"
         live = agent.call(transport, t, agent.RELEASE, ["manifest", t.workdir, "--no-files"],

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import difflib
 import sys
+from typing import Any
 
 import click
 
@@ -25,7 +26,7 @@ def targets(state: State, check, names, as_json):
 
     inv = state.inv
     if not check:
-        rows = [{"target": t.name, "where": targets_mod.describe(inv, t), "python": t.python,
+        rows: list[dict[str, Any]] = [{"target": t.name, "where": targets_mod.describe(inv, t), "python": t.python,
                  "workdir": t.workdir, "gpus": t.gpus, "default": t.name == inv.default_target().name}
                 for t in (inv.select(names) if names else inv.targets.values())]
         emit(as_json, {"targets": rows},
@@ -100,7 +101,7 @@ def _split_exec_words(ctx, args: list[str]) -> tuple[list[str], list[str]]:
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Set a variable for the command (repeatable).")
 @json_option
 @click.pass_context
-def exec_(ctx, names, all_targets, env, as_json):
+def exec_(ctx, names, all_targets, env, as_json) -> None:
     """Run a command in each target's container (the node itself for a target without vmid).
 
     `dflash-ops exec ct200 -- nvidia-smi`: output streams as it comes and the exit status is the

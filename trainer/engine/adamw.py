@@ -22,11 +22,13 @@ against clip_grad_norm_ + torch's AdamW on identical inputs.
 """
 from __future__ import annotations
 
+from typing import Sequence, cast
+
 import torch
 
 
 @torch.no_grad()
-def clip_adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+def clip_adamw_(params: Sequence[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                 exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], lr: torch.Tensor, clip: torch.Tensor,
                 beta1: float, beta2: float, eps: float, weight_decay: float) -> torch.Tensor:
     """The update in place (see the module doc); returns the pre-clip global norm (a device tensor).
@@ -103,7 +105,8 @@ class CompiledUpdate:
         m, v, steps = self._state()
         beta1, beta2 = group["betas"]
         try:
-            out = self._fn(self.params, [p.grad for p in self.params], m, v, steps, self._lr, self._clip,
+            grads = cast(list[torch.Tensor], [p.grad for p in self.params])    # every parameter has one (step.py)
+            out = self._fn(self.params, grads, m, v, steps, self._lr, self._clip,
                            float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
         except Exception as e:
             # The first call compiles; dynamo and inductor raise before any kernel has run.

@@ -21,12 +21,18 @@ def _chunk(buf: torch.Tensor, n: int, i: int) -> torch.Tensor:
     return torch.tensor_split(buf, n)[i]
 
 
+def _buffers(r: Replica) -> list[torch.Tensor]:
+    """The replica's flat gradient buffers: the copy-based sum runs over FlatGrads only."""
+    assert r.grads is not None
+    return r.grads.buffers
+
+
 def reduce_own_chunk(replicas: list[Replica], i: int) -> None:
     n, own = len(replicas), replicas[i]
-    for b, buf in enumerate(own.grads.buffers):
+    for b, buf in enumerate(_buffers(own)):
         mine = _chunk(buf, n, i)
         for k in range(1, n):  # ring order: in round k every device reads from a different peer
-            theirs = _chunk(replicas[(i + k) % n].grads.buffers[b], n, i)
+            theirs = _chunk(_buffers(replicas[(i + k) % n])[b], n, i)
             if theirs.device == mine.device:
                 mine.add_(theirs)
                 continue
@@ -74,9 +80,10 @@ def nccl_all_reduce(replicas: list[Replica], side: bool = False) -> None:
                 r.comm = torch.cuda.Stream(r.device)
             r.comm.wait_stream(torch.cuda.current_stream(r.device))
             streams.append(r.comm)
-    if all(r.grads is not None for r in replicas):
-        for b in range(len(replicas[0].grads.buffers)):
-            nccl.all_reduce([r.grads.buffers[b] for r in replicas], streams=streams)
+    flats = [r.grads for r in replicas if r.grads is not None]
+    if len(flats) == len(replicas):
+        for b in range(len(flats[0].buffers)):
+            nccl.all_reduce([f.buffers[b] for f in flats], streams=streams)
     else:
         for k in range(len(replicas[0].params)):
             nccl.all_reduce([r.params[k].grad for r in replicas], streams=streams)
@@ -88,7 +95,7 @@ def nccl_all_reduce(replicas: list[Replica], side: bool = False) -> None:
 
 def gather_chunks(replicas: list[Replica], i: int) -> None:
     n, own = len(replicas), replicas[i]
-    for b, buf in enumerate(own.grads.buffers):
+    for b, buf in enumerate(_buffers(own)):
         for k in range(1, n):
             j = (i + k) % n
-            _chunk(buf, n, j).copy_(_chunk(replicas[j].grads.buffers[b], n, j), non_blocking=True)
+            _chunk(buf, n, j).copy_(_chunk(_buffers(replicas[j])[b], n, j), non_blocking=True)

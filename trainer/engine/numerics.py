@@ -152,12 +152,12 @@ def judge(steps: list[StepCheck], replay: list[tuple[float, float]], learn: tupl
             break
     learned = None
     if learn is not None:
-        lc, le = learn
-        drop_c, drop_e = lc[0] - lc[-1], le[0] - le[-1]
+        curve_c, curve_e = learn        # the losses, compiled and eager (lc, le above: the replay's)
+        drop_c, drop_e = curve_c[0] - curve_c[-1], curve_e[0] - curve_e[-1]
         learned = {"compiled_drop": drop_c, "eager_drop": drop_e}
-        if drop_e > tol_loss * abs(le[0]) and not abs(drop_c - drop_e) <= 0.5 * drop_e:
-            why.append(f"learnability: on one repeated batch the loss fell by {drop_c:.4g} in {len(lc) - 1} steps, "
-                       f"eager's by {drop_e:.4g}: the updates do not train the same model")
+        if drop_e > tol_loss * abs(curve_e[0]) and not abs(drop_c - drop_e) <= 0.5 * drop_e:
+            why.append(f"learnability: on one repeated batch the loss fell by {drop_c:.4g} in {len(curve_c) - 1} "
+                       f"steps, eager's by {drop_e:.4g}: the updates do not train the same model")
     return {
         "ok": not why, "why": why[0] if why else None, "reasons": why,
         "grad_err": max((s.total_err for s in steps), default=None),

@@ -93,7 +93,7 @@ class Replica:
     target: Target                 # frozen, on `device`
     drafter: Drafter               # the uncompiled handle: state_dict, eval
     loss_fn: Callable              # DraftLoss under the compile policy (inside DDP for processes)
-    loss_module: nn.Module         # the same DraftLoss, uncompiled and unwrapped: eager checks
+    loss_module: DraftLoss         # the same DraftLoss, uncompiled and unwrapped: eager checks
     optimizer: torch.optim.Optimizer
     params: list[nn.Parameter]     # trainable, in name order: the same order on every replica
     names: list[str]
@@ -276,6 +276,7 @@ def queue_update(r: Replica, lr: float, grad_clip: float, step: int) -> torch.Te
     """
     for g in r.optimizer.param_groups:
         g["lr"] = lr
+    norm: torch.Tensor | float
     if r.update is not None:
         try:
             norm = r.update(lr, grad_clip)
@@ -285,14 +286,16 @@ def queue_update(r: Replica, lr: float, grad_clip: float, step: int) -> torch.Te
             r.update = None
             return queue_update(r, lr, grad_clip, step)
     elif r.optimizer.defaults.get("fused"):
-        total = _total_norm([p.grad for p in r.params])  # every parameter has one (_forward_backward)
-        # clip_grad_norm_'s coefficient is grad_clip / (norm + 1e-6), clamped to at most 1.
-        r.optimizer.grad_scale = torch.clamp((total + 1e-6) / grad_clip, min=1.0).float()
-        r.optimizer.found_inf = (~torch.isfinite(total)).float()
+        # every parameter has one (_forward_backward); clip_grad_norm_ too leaves out those without
+        total = _total_norm([p.grad for p in r.params if p.grad is not None])
+        # clip_grad_norm_'s coefficient is grad_clip / (norm + 1e-6), clamped to at most 1. The fused
+        # AdamW reads the two attributes GradScaler sets, which torch.optim.Optimizer does not declare.
+        r.optimizer.grad_scale = torch.clamp((total + 1e-6) / grad_clip, min=1.0).float()  # type: ignore[attr-defined]
+        r.optimizer.found_inf = (~torch.isfinite(total)).float()  # type: ignore[attr-defined]
         try:
             r.optimizer.step()
         finally:
-            r.optimizer.grad_scale = r.optimizer.found_inf = None
+            r.optimizer.grad_scale = r.optimizer.found_inf = None  # type: ignore[attr-defined]
         norm = total
     else:
         norm = settle_norm(torch.nn.utils.clip_grad_norm_(r.params, grad_clip), step)

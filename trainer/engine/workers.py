@@ -30,6 +30,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -107,7 +108,8 @@ class Worker:
 
     def stack(self) -> str:
         """Where the thread is right now (to show where a hung worker is stuck)."""
-        frame = sys._current_frames().get(self._thread.ident)
+        ident = self._thread.ident         # None: not started
+        frame = sys._current_frames().get(ident) if ident is not None else None
         return "".join(traceback.format_stack(frame)) if frame is not None else ""
 
     def close(self, wait: bool = True) -> None:
@@ -124,8 +126,9 @@ def run_all(workers: list[Worker], fn: Callable, per_worker_args: list[tuple]) -
     futures = [w.submit(fn, *args) for w, args in zip(workers, per_worker_args)]
     done, _ = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
     for w, f in zip(workers, futures):
-        if f in done and f.exception() is not None:
-            raise WorkerFailed(w.index, w.device, f.exception()) from f.exception()
+        error = f.exception() if f in done else None
+        if error is not None:
+            raise WorkerFailed(w.index, w.device, error) from error
     return [f.result() for f in futures]
 
 
@@ -147,7 +150,9 @@ class PendingStep:
     same StepOut (or raise the same error)."""
 
     def __init__(self, ends: list[QueuedStep]):
-        self._ends, self._out, self._error = ends, None, None
+        self._ends = ends
+        self._out: StepOut | None = None
+        self._error: TrainerError | None = None
 
     def result(self) -> StepOut:
         if self._error is not None:
@@ -159,8 +164,10 @@ class PendingStep:
                 self._error = e
                 raise
             stats = [st for st, _ in read]
-            self._out = StepOut(sum(s.loss_sum for s in stats), sum(s.correct for s in stats),
-                                sum(s.count for s in stats), read[0][1])
+            # tensors: one stats per worker, never sum()'s bare start (0)
+            correct = cast(torch.Tensor, sum(s.correct for s in stats))
+            count = cast(torch.Tensor, sum(s.count for s in stats))
+            self._out = StepOut(sum(s.loss_sum for s in stats), correct, count, read[0][1])
         return self._out
 
 
@@ -320,11 +327,12 @@ class ThreadEngine:
             self.log.metrics({"event": "worker_hung", "worker": w.index, "device": str(w.device),
                               "seconds": self.timeout})
             raise err
-        if fut.exception() is not None:
-            err = WorkerFailed(w.index, w.device, fut.exception(), phase="warmup")
+        error = fut.exception()
+        if error is not None:
+            failed = WorkerFailed(w.index, w.device, error, phase="warmup")
             self.log.metrics({"event": "worker_failed", "worker": w.index, "device": str(w.device),
-                              "phase": "warmup", "error": err.what, "signature": err.signature})
-            raise err from err.error
+                              "phase": "warmup", "error": failed.what, "signature": failed.signature})
+            raise failed from failed.error
         return fut.result()
 
     def check_replicas(self, step: int) -> None:

@@ -23,6 +23,7 @@ import math
 import threading
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -181,7 +182,8 @@ def _flex_sparse(q, k, v, anchors, kv_num, kv_idx, full_num, full_idx, ctx_len: 
     Tq, Tk = q.shape[-2], k.shape[-2]
     bm = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE,
                                   mask_mod=mask_mod(anchors, Tq, ctx_len, block_size), seq_lengths=(Tq, Tk))
-    options = dict(choice.options) if choice.options and q.is_cuda else None
+    # Any: torch's kernel_options is a TypedDict (FlexKernelOptions) of keys this dict has from _numbers
+    options: Any = dict(choice.options) if choice.options and q.is_cuda else None
     return flex_attention(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1], kernel_options=options)
 
 

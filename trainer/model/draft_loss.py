@@ -36,6 +36,8 @@ LOSS_BACKENDS = ("auto", "chunked", "dense")
 class DraftLoss(nn.Module):
     """The unit that gets compiled: blocks + mask + drafter + logits + loss for one shard."""
 
+    pos_weights: torch.Tensor   # a buffer (register_buffer below), declared for the type checker
+
     def __init__(self, drafter: Drafter, pos_weights: torch.Tensor, *, attention: str = "auto",
                  loss: str = "auto", objective: Objective = Objective()):
         super().__init__()

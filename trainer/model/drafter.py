@@ -14,7 +14,9 @@ Shapes: B batch, Tq query (block) tokens, Tc context tokens, H hidden, V vocab, 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -182,7 +184,8 @@ class Drafter(nn.Module):
         H = cfg.hidden_size
         self.fc = Linear(cfg.num_target_layers * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_eps)
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        # an nn.ModuleList (registered, compiled as one), typed as its items: a ModuleList's type as Module
+        self.layers = cast("Sequence[DraftLayer]", nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers)))
         # Borrowed from the target by `borrow_target_head`; placeholders on the meta device until then
         # (a real target's embedding and lm_head are GBs: never allocate them twice).
         with torch.device("meta"):

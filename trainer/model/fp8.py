@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -99,7 +100,7 @@ class Fp8Matmul:
     emulate: bool
     config: object = None          # torchao's Float8LinearConfig
     mm_config: object = None       # and the LinearMMConfig its Float8Linear derives from it
-    matmul: object = None          # the autograd function Float8Linear.forward applies
+    matmul: Any = None             # the autograd function Float8Linear.forward applies (torchao: untyped)
 
     @staticmethod
     def build(precision: str, emulate: bool) -> "Fp8Matmul":
@@ -194,10 +195,10 @@ def use(module: nn.Module, precision: str, emulate: bool = False) -> list[str]:
     left = []
     head = getattr(module, "lm_head", None)
     if isinstance(head, nn.Linear):
-        head.fp8 = None
-        if precision in HEAD and head.in_features % MULTIPLE == 0:   # the vocabulary is padded to a multiple
-            head.fp8 = Fp8Head(emulate)
-        elif precision in HEAD:
+        head_fits = head.in_features % MULTIPLE == 0     # the vocabulary is padded to a multiple
+        # nn.Module.__setattr__ is annotated Tensor | Module, yet keeps any other value as a plain attribute
+        head.fp8 = Fp8Head(emulate) if precision in HEAD and head_fits else None  # type: ignore[assignment]
+        if precision in HEAD and not head_fits:
             left.append("lm_head")
     for name, m in module.named_modules():
         if isinstance(m, Linear):

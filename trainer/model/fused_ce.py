@@ -263,6 +263,7 @@ def block_loss(hidden: torch.Tensor, norm, lm_weight: torch.Tensor, labels: torc
         loss_sum, pred = _LinearCE.apply(h, norm.weight, lm_weight, labels.flatten(), weights.flatten(),
                                          norm.eps, rows, fp8)
     else:  # two chunks of logits at a time, the drafter's and the target's: half the rows in the same bytes
+        assert objective is not None        # a teacher comes with a distilling objective (checked above)
         rows = rows or ROWS or chunk_rows(T, 2 * V)
         loss_sum, pred = _LinearCE.apply(h, norm.weight, lm_weight, labels.flatten(), weights.flatten(),
                                          norm.eps, rows, fp8, teacher.detach().flatten(0, 1),

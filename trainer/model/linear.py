@@ -4,6 +4,8 @@ or, given an fp8 matmul (trainer/model/fp8.py, --precision fp8), that matmul whi
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -73,10 +75,12 @@ class Linear(nn.Linear):
     from the matmul when it trains under CUDA bf16 autocast; everywhere else plain nn.Linear. With an
     fp8 matmul set (fp8.use), that matmul computes it while it trains (not under no_grad)."""
 
-    fp8 = None  # fp8.Fp8Matmul, set by fp8.use: (x, w) -> x @ w.T
+    # an fp8.Fp8Matmul, set by fp8.use: (x, w) -> x @ w.T (fp8.py imports this module, not the reverse)
+    fp8: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _fp8(self):
+            assert self.fp8 is not None     # _fp8 saw it
             return self.fp8(x, self.weight)
         if self.bias is None and _bf16_fp32_grad(x, self.weight):
             return _Bf16LinearFp32Grad.apply(x, self.weight)

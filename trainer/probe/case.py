@@ -37,6 +37,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,6 +53,10 @@ from trainer.engine.numerics import (FP8_NOISE_FACTOR, NOISE_FACTOR, StepCheck, 
                                      snapshot_grads)
 from trainer.engine.step import Replica, apply_update, build_replica, compute_grads, load_weights
 from trainer.probe.watch import CASE_MARK, PHASE_MARK, wait_for_turn  # noqa: F401 - CASE_MARK: the result line's mark
+
+if TYPE_CHECKING:           # imported where used: the topology picks one
+    from trainer.engine.ranks import RankEngine
+    from trainer.engine.workers import ThreadEngine
 
 SEED = 1234
 TEACHER_STEPS = 3
@@ -75,9 +80,10 @@ class Shape:
 
 CPU_SHAPE = Shape(draft_layers=2, block_size=8, seq_len=48, anchors=3, rows_per_worker=1)
 GPU_SHAPE = Shape(draft_layers=2, block_size=16, seq_len=512, anchors=16, rows_per_worker=2)
-GPU_TARGET = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                  num_attention_heads=16, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
-                  rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+GPU_TARGET: dict[str, Any] = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                                  num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                                  max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
+                                  tie_word_embeddings=False)
 
 
 def _target(device: torch.device):
@@ -177,6 +183,7 @@ class _Case:
         self.ref = build(0, self.device, "eager", 1, precision_="bf16")   # eager bf16: the reference
         self.exact = _HigherPrecisionStep(self.ref, precision, emulate)
         self.precision = precision
+        self.engine: RankEngine | ThreadEngine
         if topology == "processes":
             from trainer.engine.ranks import RankEngine, wrap_ddp
 
@@ -299,6 +306,7 @@ def _caches() -> dict:
     schedule.compile_caches) and how many graphs came from them or were compiled."""
     from torch._dynamo.utils import counters
 
+    inductor: str | None
     try:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
         inductor = cache_dir()

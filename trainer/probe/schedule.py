@@ -43,7 +43,7 @@ TIMED, DONE = "timed", "verdict"
 class Turns:
     """The one timed phase at a time, and the running cases it stops."""
 
-    def __init__(self, gate_dir: str | None, started: float, settle_s: float = SETTLE_S,
+    def __init__(self, gate_dir: str, started: float, settle_s: float = SETTLE_S,
                  max_alone_s: float = MAX_ALONE_S):
         self.gate_dir, self.t0 = gate_dir, started
         self.settle_s, self.max_alone_s = settle_s, max_alone_s
@@ -177,6 +177,7 @@ class Control:
     def resume(self) -> None:
         with self.lock:
             if self.paused_since is not None:
+                assert self.pid is not None         # pause() saw it
                 signal_tree(self.pid, signal.SIGCONT, self.reached)
                 self.paused_s += time.monotonic() - self.paused_since
                 self.paused_since = None
@@ -258,7 +259,7 @@ def run_all(items: list, jobs: int, run_one, started: float | None = None, name=
     what had ended and what was running. `name(item)` names a case in the others' heartbeats."""
     started = time.monotonic() if started is None else started
     gate_dir = tempfile.mkdtemp(prefix="dflash-probe-gates-") if jobs > 1 else None
-    turns = Turns(gate_dir, started, max_alone_s=MAX_ALONE_S) if jobs > 1 else None
+    turns = Turns(gate_dir, started, max_alone_s=MAX_ALONE_S) if gate_dir is not None else None    # jobs > 1
     slots = threading.Semaphore(max(1, jobs))
     results: dict = {}
     errors: list = []

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import threading
 import time
+from typing import Sequence
 
 from trainer.procs import descendants
 
@@ -115,7 +116,7 @@ def _json(text: str):
         return None
 
 
-def signal_tree(pid: int, sig: int, known: list[int] = ()) -> list[int]:
+def signal_tree(pid: int, sig: int, known: Sequence[int] = ()) -> list[int]:
     """Send `sig` to the process group led by `pid`, then to every process under it (and to `known`,
     processes found before); returns the processes reached. The group first: a stopped or killed
     parent starts no new child while the tree is walked."""

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 
@@ -44,10 +45,12 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
             if not (isinstance(row, dict) and "skipped" in row and "messages" not in row and "input_ids" not in row)]
     if not rows:
         raise UsageError(f"--data {path}: every row is one regen skipped")
+    checked: list[tuple[int, dict]] = []
     for n, row in rows:
         if not isinstance(row, dict) or not (("input_ids" in row) ^ ("messages" in row)):
             raise UsageError(f"{path}:{n}: each row needs exactly one of 'input_ids' or 'messages'")
-    return rows
+        checked.append((n, row))
+    return checked
 
 
 def encode_rows(rows: list[tuple[int, dict]], tokenizer, path: str, *, template_kwargs: Mapping | None = None,
@@ -73,7 +76,7 @@ def encode_rows(rows: list[tuple[int, dict]], tokenizer, path: str, *, template_
     return out
 
 
-def _int_list(v) -> bool:
+def _int_list(v) -> TypeGuard[list[int]]:
     return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
 
 
@@ -228,7 +231,7 @@ def overlap(prompts: list[list[int]], samples: list[Sample]) -> int:
 # --------------------------------------------------------------------------- synthetic data
 
 def random_prompts(n: int, length: int, *, low: int, high: int, seed: int,
-                   exclude: set[int] = frozenset()) -> list[list[int]]:
+                   exclude: Collection[int] = frozenset()) -> list[list[int]]:
     """n prompts of `length` token ids drawn uniformly from [low, high) minus `exclude`."""
     allowed = torch.tensor([t for t in range(low, high) if t not in exclude])
     g = torch.Generator().manual_seed(seed)
@@ -316,7 +319,7 @@ class Loader:
         return torch.randperm(self.n, generator=g).tolist()
 
     def next(self, k: int) -> list[int]:
-        out = []
+        out: list[int] = []
         while len(out) < k:
             if self.cursor == self.n:
                 self.epoch, self.cursor = self.epoch + 1, 0

@@ -245,7 +245,7 @@ class GraphDecoder:
         self.masks = torch.full((B - 1,), self.mask_id, dtype=torch.long, device=dev)
         self.drafted = torch.zeros(B - 1, dtype=torch.long, device=dev)
         self.choice = torch.zeros(B, dtype=torch.long, device=dev)
-        self.feats = None
+        self.feats: torch.Tensor | None = None      # the target's features of a verify (made by the first)
         self.margins = torch.zeros(room + 1, dtype=torch.float32, device=dev)  # by the predicted token's position
         self.captured = graphs and dev.type == "cuda"
         pool = torch.cuda.graph_pool_handle() if self.captured else None
@@ -285,6 +285,7 @@ class GraphDecoder:
         self.feats[:vs].copy_(feats)
 
     def _extend(self, vs: int) -> None:
+        assert self.feats is not None       # a verify came first
         self.d.extend(self.feats[:vs], self.p)
 
     def _step(self) -> None:  # the target alone: the token at p, its successor into anchor, p + 1

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,8 +81,9 @@ def extend_context(drafter: Drafter, cache: DraftCache, feats: torch.Tensor, sta
         a = layer.self_attn
         k = apply_rope(a.k_norm(a.k_proj(ctx).view(1, T, a.nkv, a.hd)).transpose(1, 2), *rope)
         v = a.v_proj(ctx).view(1, T, a.nkv, a.hd).transpose(1, 2)
-        cache.k[i] = k if cache.k[i] is None else torch.cat([cache.k[i], k], dim=2)
-        cache.v[i] = v if cache.v[i] is None else torch.cat([cache.v[i], v], dim=2)
+        old_k, old_v = cache.k[i], cache.v[i]
+        cache.k[i] = k if old_k is None else torch.cat([old_k, k], dim=2)
+        cache.v[i] = v if old_v is None else torch.cat([old_v, v], dim=2)
 
 
 @torch.no_grad()
@@ -99,7 +101,9 @@ def draft_block(drafter: Drafter, cache: DraftCache, block: torch.Tensor, start:
         q = apply_rope(a.q_norm(a.q_proj(h).view(1, T, a.nh, a.hd)).transpose(1, 2), *rope)
         k = apply_rope(a.k_norm(a.k_proj(h).view(1, T, a.nkv, a.hd)).transpose(1, 2), *rope)
         v = a.v_proj(h).view(1, T, a.nkv, a.hd).transpose(1, 2)
-        k, v = torch.cat([cache.k[i], k], dim=2), torch.cat([cache.v[i], v], dim=2)
+        old_k, old_v = cache.k[i], cache.v[i]
+        assert old_k is not None and old_v is not None     # extend_context gave it the context
+        k, v = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
         if a.nh != a.nkv:
             k = k.repeat_interleave(a.nh // a.nkv, dim=1)
             v = v.repeat_interleave(a.nh // a.nkv, dim=1)
@@ -114,7 +118,8 @@ class _FullContext:
     training mask and (on CUDA) bf16 autocast: the path training computes."""
 
     def __init__(self, drafter: Drafter, dev: torch.device):
-        self.drafter, self.feats = drafter, None
+        self.drafter = drafter
+        self.feats: torch.Tensor | None = None
         self.amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
 
     def __call__(self, block: torch.Tensor, p: int, new_feats: torch.Tensor) -> torch.Tensor:
@@ -140,7 +145,7 @@ class _Cached:
 
 @torch.no_grad()
 def speculative_generate(target: Target, drafter: Drafter, prompt: list[int], *, max_new_tokens: int,
-                         eos: set[int] = frozenset(), cached: bool = False, timing: Timing | None = None,
+                         eos: Collection[int] = frozenset(), cached: bool = False, timing: Timing | None = None,
                          ) -> tuple[list[int], list[int], list[tuple[int, int]]]:
     """Greedy speculative decoding of one prompt: (new tokens, tokens produced per round, (drafts
     accepted, drafts offered) per round).
@@ -300,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     mask = record["mask_token_id"] if record else None if cfg.mask_token_id < 0 else cfg.mask_token_id
     target = load_target(cfg.target, device=device, dtype=dtype, layers=layers)
     if record:
+        assert ck is not None       # the record is its
         from trainer.run import provenance
 
         provenance.check(record, provenance.changes(record, provenance.identity(target)), cfg.target,

@@ -40,6 +40,7 @@ SERVES = ("hidden_size", "vocab_size")   # a drafter can serve another target on
 
 def identity(target) -> dict:
     """The target's own facts (a trainer.run.target.Target, its weights loaded or on the meta device)."""
+    weights_hash: str | None        # None: a folder without safetensors files
     if target.name.startswith("tiny"):
         config_hash, weights_hash = _tiny_hashes(target.name)
     else:

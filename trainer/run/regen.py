@@ -40,6 +40,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from trainer import faults
 from trainer.errors import UsageError
@@ -70,6 +71,7 @@ def read_prompts(path: str) -> list[Row]:
 def _turns(doc, where: str) -> tuple[tuple[str, str], ...]:
     if not isinstance(doc, dict):
         raise UsageError(f"{where}: each row must be a JSON object")
+    turns: list[tuple[Any, Any]]        # (role, content) as the JSON has them: checked below
     if isinstance(doc.get("prompt"), str):
         turns = [("user", doc["prompt"])]
     elif isinstance(doc.get("messages"), list):
@@ -169,7 +171,7 @@ def regen_batch(model, tokenizer, rows: list[Row], *, thinking: bool, max_new_to
     """Answer every user turn of `rows`, turn by turn -> (output rows, tokens generated). A row that
     cannot be answered (`_prompt`) is written as {"line": N, "skipped": why}: still one line per
     input row, so a resume's count of whole batches holds; the trainer's reader passes over it."""
-    convs = [[] for _ in rows]
+    convs: list[list[dict]] = [[] for _ in rows]
     pending = [list(r.turns) for r in rows]
     skipped: dict[int, str] = {}
     room = None if context is None else context - max_new_tokens
@@ -254,7 +256,7 @@ def regen(target_spec: str, prompts: str, out: str, *, max_new_tokens: int = 512
             else [torch.device("cpu")]
         log(f"regen: {len(rows) - done} of {len(rows)} rows to answer, batches of {batch_size}, "
             f"{len(devices)} worker(s): {', '.join(map(str, devices))}")
-        results: dict[int, tuple[list[dict], int] | BaseException] = {}
+        results: dict[int, tuple[list[dict], int, dict] | BaseException] = {}    # (rows, tokens, room)
         ready = threading.Condition()
 
         def work(w: int, dev: torch.device) -> None:

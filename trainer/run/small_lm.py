@@ -281,7 +281,9 @@ def cut_prompts(texts: list[str], n: int, *, seed: int = 0, lines: int = 12, max
     import random
 
     rng = random.Random(seed)
-    out, seen, tries = [], set(), 0
+    out: list[str] = []
+    seen: set[str] = set()
+    tries = 0
     while len(out) < n and tries < 50 * n:
         tries += 1
         src = texts[rng.randrange(len(texts))].splitlines(keepends=True)
@@ -425,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         report = built(a.size, a.out)
         kept = report is not None
-        if kept:
+        if report is not None:      # kept
             say(f"small_lm[{a.size}]: kept: {a.out} already holds this recipe's build (held-out loss "
                 f"{report['held_out_loss']:.3f}); delete it to build again")
         else:

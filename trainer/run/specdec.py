@@ -213,11 +213,11 @@ def document(rows: list[dict], drafts: list[tuple[int, int]], alone: Timing | No
                              resamples=resamples, seed=seed)
     s_rate = n_spec / spec.total
     n_alone = sum(r["alone_tokens"] for r in rows) if baseline else 0
-    a_rate = n_alone / alone.total if baseline else None
+    a_rate = n_alone / alone.total if alone is not None else None    # baseline
     rounds = max(1, len(produced))
     # A round's cost and a token's: the decode after the prompt's forward, per round and per token
     t_round = (spec.total - spec.prefill) / rounds
-    t_token = (alone.total - alone.prefill) / max(1, n_alone - len(rows)) if baseline else None
+    t_token = (alone.total - alone.prefill) / max(1, n_alone - len(rows)) if alone is not None else None
     on_device = spec.verify - spec.prefill + spec.draft + spec.extend
     equal = sum(bool(r.get("equal")) for r in rows) if baseline else None
     return {"engine": engine, "graphed": graphed, "strict": strict,
@@ -228,7 +228,7 @@ def document(rows: list[dict], drafts: list[tuple[int, int]], alone: Timing | No
             # correlated), kept to compare with earlier figures
             "tau_ci95_rounds": per_round_ci,
             "target_tokens_per_s": a_rate, "spec_tokens_per_s": s_rate,
-            "speedup": s_rate / a_rate if baseline else None, "speedup_ci95": boot.get("speedup_ci95"),
+            "speedup": s_rate / a_rate if a_rate is not None else None, "speedup_ci95": boot.get("speedup_ci95"),
             "speedup_median": boot.get("speedup_median"), "speedup_mean": boot.get("speedup_mean"),
             "bootstrap": {"unit": "prompt", "resamples": resamples, "seed": seed},
             "time_share": {"target_verify": spec.verify / spec.total,
@@ -238,11 +238,11 @@ def document(rows: list[dict], drafts: list[tuple[int, int]], alone: Timing | No
                              "extend": 1e3 * spec.extend / rounds,
                              "host": 1e3 * max(0.0, spec.total - spec.prefill - on_device) / rounds,
                              "all": 1e3 * t_round},
-            "target_ms_per_token": 1e3 * t_token if baseline else None,
+            "target_ms_per_token": 1e3 * t_token if t_token is not None else None,
             # speedup ~ tau * (a token's cost alone) / (a round's cost): the model the measurement checks,
             # and the tau at which the drafter would double the target's speed at this round cost
-            "model": {"speedup": tau * t_token / t_round if baseline and t_round > 0 else None,
-                      "tau_for_2x": 2 * t_round / t_token if baseline and t_token else None},
+            "model": {"speedup": tau * t_token / t_round if t_token is not None and t_round > 0 else None,
+                      "tau_for_2x": 2 * t_round / t_token if t_token else None},
             "per_prompt": rows}
 
 

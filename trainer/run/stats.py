@@ -17,7 +17,7 @@ controller), so a benchmark script can recompute a saved run's figures anywhere.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -47,9 +47,9 @@ def cluster_bootstrap(rounds_per_prompt: Sequence[Sequence[int]], *, alone_s: Se
     produced = np.array([sum(r) for r in rounds_per_prompt], dtype=np.float64)
     counts = np.array([len(r) for r in rounds_per_prompt], dtype=np.float64)
     n = len(produced)
-    doc = {"prompts": n, "rounds": int(counts.sum()), "tau": None, "tau_ci95": None, "speedup": None,
-           "speedup_ci95": None, "speedup_median": None, "speedup_mean": None, "resamples": resamples,
-           "seed": seed}
+    doc: dict[str, Any] = {"prompts": n, "rounds": int(counts.sum()), "tau": None, "tau_ci95": None,
+                           "speedup": None, "speedup_ci95": None, "speedup_median": None, "speedup_mean": None,
+                           "resamples": resamples, "seed": seed}
     timed = alone_s is not None or spec_s is not None
     if timed and (alone_s is None or spec_s is None):
         raise ValueError("alone_s and spec_s go together: the speedup needs both sides' seconds")

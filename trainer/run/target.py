@@ -17,6 +17,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -42,8 +43,10 @@ def default_layer_ids(num_layers: int, n: int = 5) -> tuple[int, ...]:
 
 @dataclass
 class Target:
-    model: torch.nn.Module        # the HF CausalLM, eval mode, requires_grad False everywhere
-    tokenizer: object | None      # HF tokenizer, ByteTokenizer for tiny, None if the folder has none
+    # Any: both duck-typed (model.base_model.layers, model.config..., tok.pad_token_id...), and an
+    # nn.Module's submodules and attributes type as Tensor | Module
+    model: Any                    # the HF CausalLM (an nn.Module), eval mode, requires_grad False everywhere
+    tokenizer: Any                # HF tokenizer, ByteTokenizer for tiny, None if the folder has none
     layer_ids: tuple[int, ...]    # decoder layers whose outputs feed the drafter
     name: str                     # "tiny", "tiny:7" or the folder path
     fingerprint: str              # changes when the model would produce different data
@@ -185,7 +188,8 @@ class Target:
         last = max(self.layer_ids)
         # the whole model when the last layer is tapped (its entry is the normed output) or the output is wanted
         through = last == len(layers) - 1 or self.final_hidden
-        taps = {layers[i]: None for i in self.layer_ids if i != len(layers) - 1}
+        # each tapped layer's output, which _tap_hook writes in place of the None
+        taps: dict[torch.nn.Module, Any] = {layers[i]: None for i in self.layer_ids if i != len(layers) - 1}
         _TAP.taps, _TAP.stop_at, _TAP.compiled = (taps, None if through else layers[last],
                                                 self.compiled and not eager)
         try:
@@ -245,7 +249,7 @@ class Target:
         return rows - 1
 
     def eos_ids(self) -> set[int]:
-        ids = set()
+        ids: set[int] = set()
         for src in (self.tokenizer, getattr(self.model, "generation_config", None), self.config):
             v = getattr(src, "eos_token_id", None) if src is not None else None
             ids.update(v if isinstance(v, (list, tuple)) else [] if v is None else [v])
@@ -318,13 +322,15 @@ def _no_mask(base: torch.nn.Module) -> dict:
     path); handing it the prepared mapping {"full_attention": None} skips the work and gives the
     same tensor (tests/test_trainer_target.py). Models with other layer types build their masks."""
     types = getattr(base.config, "layer_types", None)
-    if not types or any(t != "full_attention" for t in types) or not _takes_mask_mapping(type(base)):
+    # the ignore: mypy takes type[Module] for unhashable (its Hashable check reads __hash__ off the class)
+    if (not types or any(t != "full_attention" for t in types)
+            or not _takes_mask_mapping(type(base))):  # type: ignore[arg-type]
         return {}
     return {"attention_mask": {"full_attention": None}}
 
 
 @functools.lru_cache(maxsize=None)
-def _takes_mask_mapping(cls: type) -> bool:
+def _takes_mask_mapping(cls: type[torch.nn.Module]) -> bool:
     """Whether this base model's forward accepts a prepared {layer type: mask} mapping as its
     attention_mask (transformers' "It may already have been prepared by e.g. `generate`" branch)."""
     import inspect
@@ -345,7 +351,8 @@ def _tap_layers(base: torch.nn.Module) -> torch.nn.ModuleList:
         for layer in layers:
             if not getattr(layer, "_dflash_tap", False):
                 layer.register_forward_hook(_tap_hook)
-                layer._dflash_tap = True
+                # nn.Module.__setattr__ is annotated Tensor | Module, yet keeps any other value as a plain attribute
+                layer._dflash_tap = True  # type: ignore[assignment]
     return layers
 
 
@@ -378,6 +385,7 @@ def load_target(spec: str, *, device: torch.device, dtype: torch.dtype,
     `final_hidden`: features() appends the model's last hidden state (Target.final_hidden)."""
     check_target_spec(spec)
     _quiet_transformers()
+    model: Any          # the HF CausalLM (Target.model); _freeze gives it back as an nn.Module
     if spec.startswith("tiny"):
         seed = int(spec[5:]) if ":" in spec else 0
         model, tokenizer = build_tiny(seed), ByteTokenizer()

@@ -5,9 +5,14 @@ about a real model (the small real target, small_lm.py, does); it is for tests a
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from trainer.run.tokenizer import VOCAB_SIZE, ByteTokenizer
+
+if TYPE_CHECKING:       # imported where used: transformers is slow to import
+    from transformers import Qwen3ForCausalLM
 
 # `tiny`: small enough to train a drafter on 2 CPU cores in seconds, deep enough (8 layers) for
 # the default layer choice to pick 5 distinct layers (1..L-3).
@@ -21,7 +26,7 @@ TINY = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hi
 TINY_LM_HEAD_STD = 0.5
 
 
-def build_tiny(seed: int = 0) -> torch.nn.Module:
+def build_tiny(seed: int = 0) -> Qwen3ForCausalLM:
     """A small random Qwen3 model; the same seed gives the same weights on every machine."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

@@ -45,6 +45,7 @@ from contextlib import contextmanager
 from dataclasses import fields
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,7 +80,11 @@ FAILURE_SEEN_S = 3.0
 
 
 def main(cfg: TrainConfig) -> int:
-    return rank_main(cfg) if in_rank() else launch(cfg)
+    if not in_rank():
+        return launch(cfg)
+    code = rank_main(cfg)
+    # None: @record turned a SystemExit(0) into a return; exit_process needs the 0 (os._exit in a rank)
+    return 0 if code is None else code
 
 
 # ---- the launcher ---------------------------------------------------------------------------------
@@ -323,16 +328,17 @@ def _checkpoint_everywhere(path: Path | None, rank: int, world: int) -> checkpoi
     if newest < 0:
         return None
     if all(s == newest for s in steps):
+        assert path is not None         # every rank has step `newest` >= 0
         ck = checkpoint.load(path)
         # every rank continues with rank 0's random state, as on one node where all read rank 0's folder
-        box = [ck.rng if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
+        box: list[Any] = [ck.rng if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)    # box[0]: rank 0's
         ck.rng = box[0]
         return ck
     src = steps.index(newest)
-    box = [checkpoint.load(path) if rank == src else None]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+    sent: list[checkpoint.Checkpoint | None] = [checkpoint.load(path) if rank == src and path is not None else None]
+    dist.broadcast_object_list(sent, src=src)
+    return sent[0]
 
 
 class _LinePrefixer(io.TextIOBase):

@@ -35,6 +35,7 @@ import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import cast
 
 import torch.distributed as dist
 
@@ -107,7 +108,7 @@ class Watch:
             except Exception:  # noqa: BLE001 - not up yet
                 time.sleep(POLL_S)
                 continue
-            return _Timed(store, self)
+            return cast(dist.Store, _Timed(store, self))   # _Timed stands in for the store: it forwards every call
         return None
 
     def _read(self) -> None:
@@ -167,7 +168,7 @@ class NodeWatch(Watch):
     """A node's launcher: its beat, the other nodes' beats, its ranks SIGKILLed GRACE_S after the
     job failed."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg) -> None:
         super().__init__(cfg.rdzv_endpoint, cfg.rdzv_id, self._kill_ranks_later)
         self.node = cfg.node_address or socket.gethostname()
         self.key = f"{self.node}/{os.getpid()}"     # unique where two "nodes" share an address (one host)
