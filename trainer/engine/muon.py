@@ -143,12 +143,14 @@ class MuonAdamW(torch.optim.Optimizer):
         lr = group["lr"] * group["lr_scale"]
         mu, wd = group["momentum"], group["weight_decay"]
         for p in params:
+            grad = p.grad
+            assert grad is not None     # step() passes only the parameters that have a gradient
             st = self.state[p]
             if "momentum_buffer" not in st:
                 st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             buf = st["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - mu)
-            update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
+            buf.lerp_(grad, 1 - mu)
+            update = grad.lerp(buf, mu) if group["nesterov"] else buf
             update = newton_schulz5(update, group["ns_steps"])
             p.mul_(1 - lr * wd)
             p.add_(update, alpha=-adjusted_lr(lr, p.shape))

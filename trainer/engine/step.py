@@ -167,6 +167,7 @@ def build_replica(index: int, device: torch.device, drafter: Drafter, target: Ta
     drafter.to(device)
     named = drafter.trainable_parameters()
     params = [p for _, p in named]
+    opt: torch.optim.Optimizer
     if muon is None:
         opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
                                 **({"fused": True} if device.type == "cuda" else {}))
