@@ -82,6 +82,7 @@ def test_every_checkpoint_records_the_target_and_an_unchanged_one_exports(traine
     assert rec["layer_ids"] == TRAINED_IDS and rec["mask_token_id"] == mask
     assert (rec["num_layers"], rec["hidden_size"], rec["weights_sample_rows"]) == (8, 64, 256)
     assert len(rec["config_sha256"]) == 64 and len(rec["weights_sha256"]) == 64
+    assert len(rec["layers_sha256"]) == 64 and rec["layers_sample_rows"] == provenance.LAYER_SAMPLE_ROWS
     out = retargeted(trained, tmp_path)   # moved, byte for byte the same: not a change
     rc, doc, err = call(["--run", out, "-o", tmp_path / "d"])
     assert rc == 0 and err == "", err
@@ -104,17 +105,42 @@ def test_an_existing_output_folder_needs_force_empty_or_not(trained, tmp_path):
 def test_a_changed_target_is_refused_and_target_changed_ok_exports_the_trained_ids(trained, tmp_path):
     out = retargeted(trained, tmp_path, lambda p: variant(p, seed=11))
     refused(["--run", out, "-o", tmp_path / "d"], "is not the one the run trained against "
-            "(config.json, embedding/lm_head weights); pass --target-changed-ok")
+            "(config.json, embedding/lm_head weights, decoder-layer weights); pass --target-changed-ok")
     assert not (tmp_path / "d").exists()
     rc, doc, _ = call(["--run", out, "-o", tmp_path / "d", "--target-changed-ok"])
     assert rc == 0 and doc["target_layer_ids"] == TRAINED_IDS
-    assert doc["target_changed"] == ["config.json", "embedding/lm_head weights"]
+    assert doc["target_changed"] == ["config.json", "embedding/lm_head weights", "decoder-layer weights"]
+
+
+def merged_lora(trained: Path, path: Path) -> Path:
+    """The run's own target with a rank-2 delta merged into one decoder layer's MLP (what a merged LoRA
+    does): the same config.json, embedding and lm_head, byte for byte."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(json.loads((trained / RUN_CONFIG).read_text())["target"], path)
+    (f,) = path.glob("*.safetensors")
+    tensors = load_file(f)
+    w = tensors["model.layers.3.mlp.down_proj.weight"]
+    g = torch.Generator().manual_seed(0)
+    b, a = torch.randn(w.shape[0], 2, generator=g), torch.randn(2, w.shape[1], generator=g)
+    tensors["model.layers.3.mlp.down_proj.weight"] = (w.float() + 1e-3 * b @ a).to(w.dtype)
+    save_file(tensors, f, metadata={"format": "pt"})
+    return path
+
+
+def test_a_target_whose_decoder_layers_changed_is_a_changed_target(trained, tmp_path):
+    out = retargeted(trained, tmp_path, lambda p: merged_lora(trained, p))
+    refused(["--run", out, "-o", tmp_path / "d"], "is not the one the run trained against "
+            "(decoder-layer weights); pass --target-changed-ok")
+    rc, doc, _ = call(["--run", out, "-o", tmp_path / "d", "--target-changed-ok"])
+    assert rc == 0 and doc["target_changed"] == ["decoder-layer weights"]
 
 
 def test_same_hidden_size_other_layer_count_no_longer_exports_other_layer_ids(trained, tmp_path):
     """The miswire: a 12-layer target of the same hidden size used to export layer ids [1,3,5,7,9]."""
     out = retargeted(trained, tmp_path, lambda p: variant(p, layers=12))
-    refused(["--run", out, "-o", tmp_path / "d"], "(layers 8 -> 12, config.json, embedding/lm_head weights)")
+    refused(["--run", out, "-o", tmp_path / "d"],
+            "(layers 8 -> 12, config.json, embedding/lm_head weights, decoder-layer weights)")
     rc, doc, _ = call(["--run", out, "-o", tmp_path / "d", "--target-changed-ok"])
     assert rc == 0 and doc["target_layer_ids"] == TRAINED_IDS
     config = json.loads((tmp_path / "d" / "config.json").read_text())
@@ -172,6 +198,11 @@ def test_changes_names_the_layers_read_and_the_mask_token_where_both_sides_recor
                                              "mask_token_id": "mask_token_id 7 -> 8"}
     identity = {k: v for k, v in now.items() if k not in ("layer_ids", "mask_token_id")}   # export, eval
     assert provenance.changes(then, identity) == {}
+    # the decoder layers' hash: compared where both sides have it; a record older than it has none
+    layered = {**identity, "layers_sha256": "l", "layers_sample_rows": 16}
+    assert provenance.changes(then, layered) == {}
+    assert provenance.changes({**then, "layers_sha256": "k", "layers_sample_rows": 16}, layered) == {
+        "layers_sha256": "decoder-layer weights"}
 
 
 def test_a_resume_against_a_changed_target_is_refused_unless_target_changed_ok(trained, tmp_path):
@@ -197,7 +228,8 @@ def test_a_resume_against_a_changed_target_is_refused_unless_target_changed_ok(t
         assert run(train_entry, argv) == 2
     assert err.getvalue().strip().splitlines() == [
         f"trainer: error: --target-changed-ok: the target at {tmp_path / 'b' / 'target'} has another shape "
-        "(hidden size 64 -> 128, config.json, embedding/lm_head weights); the drafter cannot serve it"], err.getvalue()
+        "(hidden size 64 -> 128, config.json, embedding/lm_head weights, decoder-layer weights); "
+        "the drafter cannot serve it"], err.getvalue()
 
 
 def test_eval_measures_with_the_trained_layers_and_refuses_a_changed_target(trained, tmp_path, monkeypatch):

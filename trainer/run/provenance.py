@@ -14,6 +14,13 @@ Every checkpoint's meta.json records `target`, the target's identity as the run 
                       first row to its last (a few MB read, whatever the model's size); for `tiny`,
                       the same over its fp32 tensors; null for a folder without safetensors files
                       or without such tensors in them
+    layers_sha256     the same over every OTHER tensor of those files (the decoder layers, norms,
+                      biases): name, dtype, shape and LAYER_SAMPLE_ROWS rows evenly spaced, so that a
+                      target whose layers changed and whose embedding and lm_head did not (a merged
+                      LoRA, a fine-tune with a frozen head) is a changed target; ~40 MB read for an
+                      8B model. A change that touches none of the sampled rows of any tensor goes
+                      unnoticed; a merged low-rank delta touches every row. Absent from records
+                      written before it: those compare the embedding and lm_head only
     layer_ids         the target layers whose outputs fed the drafter
     mask_token_id     the id whose embedding marked the positions to draft
 
@@ -32,6 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 SAMPLE_ROWS = 256
+LAYER_SAMPLE_ROWS = 16
 LOCK = "trainer.lock"
 BOOKKEEPING = ("transformers_version", "_name_or_path")
 SHAPE = (("num_layers", "layers"), ("hidden_size", "hidden size"), ("vocab_size", "vocab"))
@@ -41,19 +49,21 @@ SERVES = ("hidden_size", "vocab_size")   # a drafter can serve another target on
 def identity(target) -> dict:
     """The target's own facts (a trainer.run.target.Target, its weights loaded or on the meta device)."""
     weights_hash: str | None        # None: a folder without safetensors files
+    layers_hash: str | None
     if target.name.startswith("tiny"):
-        config_hash, weights_hash = _tiny_hashes(target.name)
+        config_hash, weights_hash, layers_hash = _tiny_hashes(target.name)
     else:
         from trainer.run.target import target_folder
 
         folder = Path(target_folder(target.name))
         text = json.loads((folder / "config.json").read_text())
         config_hash = _sha256_json({k: v for k, v in text.items() if k not in BOOKKEEPING})
-        weights_hash = _folder_weights_hash(folder)
+        weights_hash, layers_hash = _folder_weights_hashes(folder)
     return {"target": target.name, "config_sha256": config_hash, "num_layers": target.num_layers,
             "hidden_size": target.config.hidden_size,
             "vocab_size": int(target.model.get_input_embeddings().weight.shape[0]),
-            "weights_sha256": weights_hash, "weights_sample_rows": SAMPLE_ROWS}
+            "weights_sha256": weights_hash, "weights_sample_rows": SAMPLE_ROWS,
+            "layers_sha256": layers_hash, "layers_sample_rows": LAYER_SAMPLE_ROWS}
 
 
 def recorded(target, mask_token_id: int) -> dict:
@@ -71,6 +81,9 @@ def changes(then: dict, now: dict) -> dict[str, str]:
     w0, w1 = then.get("weights_sha256"), now.get("weights_sha256")
     if w0 and w1 and (w0 != w1 or then.get("weights_sample_rows") != now.get("weights_sample_rows")):
         out["weights_sha256"] = "embedding/lm_head weights"
+    l0, l1 = then.get("layers_sha256"), now.get("layers_sha256")    # None in a record older than it
+    if l0 and l1 and (l0 != l1 or then.get("layers_sample_rows") != now.get("layers_sample_rows")):
+        out["layers_sha256"] = "decoder-layer weights"
     out.update({k: f"{k} {then.get(k)} -> {now[k]}" for k in ("layer_ids", "mask_token_id")
                 if k in now and then.get(k) != now[k]})
     return out
@@ -127,20 +140,21 @@ def _sha256_json(doc) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def _rows(n: int) -> list[int]:
-    if n <= SAMPLE_ROWS:
+def _rows(n: int, k: int) -> list[int]:
+    if n <= k:
         return list(range(n))
-    return sorted({round(i * (n - 1) / (SAMPLE_ROWS - 1)) for i in range(SAMPLE_ROWS)})
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
 
 
-def _hash_tensors(tensors) -> str:
-    """tensors: (name, dtype text, shape, slice) sorted by name; slice(i) is row i as a torch tensor."""
+def _hash_tensors(tensors, k: int) -> str:
+    """tensors: (name, dtype text, shape, slice) sorted by name; slice(i) is row i as a torch tensor
+    (a 0-d tensor's one value for a scalar); k rows of each, evenly spaced."""
     import torch
 
     h = hashlib.sha256()
     for name, dtype, shape, row in tensors:
         h.update(json.dumps([name, dtype, list(shape)]).encode())
-        for i in _rows(shape[0]):
+        for i in _rows(shape[0], k) if shape else [0]:
             h.update(row(i).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
@@ -149,29 +163,39 @@ def _is_head(key: str) -> bool:
     return key.endswith(("embed_tokens.weight", "lm_head.weight"))
 
 
-def _folder_weights_hash(folder: Path) -> str | None:
+def _hashes(tensors) -> tuple[str | None, str | None]:
+    """(the embedding's and lm_head's hash, every other tensor's) of (name, dtype, shape, slice) rows."""
+    tensors = sorted(tensors, key=lambda t: t[0])
+    heads, rest = [t for t in tensors if _is_head(t[0])], [t for t in tensors if not _is_head(t[0])]
+    return (_hash_tensors(heads, SAMPLE_ROWS) if heads else None,
+            _hash_tensors(rest, LAYER_SAMPLE_ROWS) if rest else None)
+
+
+def _folder_weights_hashes(folder: Path) -> tuple[str | None, str | None]:
     from contextlib import ExitStack
 
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        return None
+        return None, None
     with ExitStack() as stack:
         tensors = []
         for f in files:
             st = stack.enter_context(safe_open(str(f), framework="pt"))
-            for key in filter(_is_head, st.keys()):
+            for key in st.keys():
                 sl = st.get_slice(key)
-                tensors.append((key, sl.get_dtype(), sl.get_shape(), lambda i, sl=sl: sl[i:i + 1]))
-        return _hash_tensors(sorted(tensors, key=lambda t: t[0])) if tensors else None
+                shape = sl.get_shape()
+                row = (lambda i, sl=sl: sl[i:i + 1]) if shape else (lambda i, st=st, key=key: st.get_tensor(key))
+                tensors.append((key, sl.get_dtype(), shape, row))
+        return _hashes(tensors)
 
 
-def _tiny_hashes(spec: str) -> tuple[str, str]:
+def _tiny_hashes(spec: str) -> tuple[str, str | None, str | None]:
     from trainer.run.tiny import TINY, TINY_LM_HEAD_STD, build_tiny
 
     seed = int(spec[5:]) if ":" in spec else 0
     model = build_tiny(seed)
-    heads = sorted((k, v) for k, v in model.state_dict().items() if _is_head(k))
-    return (_sha256_json({"tiny": TINY, "lm_head_std": TINY_LM_HEAD_STD, "seed": seed}),
-            _hash_tensors([(k, str(v.dtype), tuple(v.shape), lambda i, v=v: v[i:i + 1]) for k, v in heads]))
+    rows = [(k, str(v.dtype), tuple(v.shape), (lambda i, v=v: v[i:i + 1]) if v.dim() else (lambda i, v=v: v))
+            for k, v in model.state_dict().items()]
+    return (_sha256_json({"tiny": TINY, "lm_head_std": TINY_LM_HEAD_STD, "seed": seed}), *_hashes(rows))
