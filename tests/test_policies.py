@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -288,11 +289,30 @@ def test_max_autotune_is_probed_only_when_named():
 
 # ---- CPU threads of the one-process jobs ----------------------------------------------------
 
-def test_free_cores_are_the_cores_less_the_load_and_at_least_one():
-    assert policies.free_cores(load=0.2, n_cores=2) == 2
-    assert policies.free_cores(load=1.4, n_cores=4) == 3
-    assert policies.free_cores(load=6.0, n_cores=2) == 1      # a loaded laptop: one thread, not two spinning
-    assert policies.free_cores(load=0.0, n_cores=1) == 1
+def test_free_cores_are_the_cores_less_the_busy_ones_and_at_least_one():
+    assert policies.free_cores(busy=0.2, n_cores=2) == 2
+    assert policies.free_cores(busy=1.4, n_cores=4) == 3
+    assert policies.free_cores(busy=2.0, n_cores=2) == 1      # a loaded laptop: one thread, not two spinning
+    assert policies.free_cores(busy=0.0, n_cores=1) == 1
+
+
+def test_busy_cores_are_the_busy_share_of_the_window_not_the_minutes_mean():
+    # /proc/stat's cpu line: user nice system idle iowait irq softirq steal (ticks, all cpus summed)
+    a = [1000, 0, 500, 9000, 100, 0, 10, 0]
+    assert policies.busy_between(a, [1100, 0, 600, 9100, 100, 0, 10, 0], 2) == pytest.approx(4 / 3)
+    assert policies.busy_between(a, [1000, 0, 500, 9200, 100, 0, 10, 0], 2) == 0.0   # idle: a quiet machine
+    assert policies.busy_between(a, [1000, 0, 500, 9100, 200, 0, 10, 100], 2) == pytest.approx(2 / 3)  # steal busy,
+    assert policies.busy_between(a, a, 2) is None                                                      # iowait free
+
+
+def test_busy_cores_counts_a_spinning_process_beside_it():
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert policies.busy_cores(0.5) >= 0.7
+    finally:
+        spin.kill()
+        spin.wait()
 
 
 def test_the_build_and_regen_entries_turn_spin_waiting_off_before_torch_loads(tmp_path):

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import sys
+import time
 from typing import Any
 
 from trainer import faults
@@ -215,16 +216,45 @@ def passive_waits() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def free_cores(load: float | None = None, n_cores: int | None = None) -> int:
-    """The cores not taken by other work: this process's cores less the one-minute load average
-    (rounded), at least one. load/n_cores: for tests (default: os.getloadavg(), cores())."""
-    if load is None:
+def busy_cores(window: float = 0.3) -> float:
+    """How many cores other work keeps busy NOW: the busy share of all cores in /proc/stat over
+    `window` seconds, times the core count (busy: user, nice, system, irq, softirq, steal; free: idle
+    and iowait). Not the load average: its one-minute mean still counts work that just ended (the
+    venv's install before a first demo, the probe before the build), which made a quiet machine look
+    half busy. Off Linux: the one-minute load average."""
+    def sample() -> list[int] | None:
         try:
-            load = os.getloadavg()[0]
-        except OSError:
-            load = 0.0
+            with open("/proc/stat") as f:
+                return [int(x) for x in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+
+    a = sample()
+    if a is not None:
+        time.sleep(window)
+        b = sample()
+        if b is not None and (busy := busy_between(a, b, os.cpu_count() or 1)) is not None:
+            return busy
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def busy_between(a: list[int], b: list[int], n_cpus: int) -> float | None:
+    """Busy cores between two samples of /proc/stat's `cpu` line (user, nice, system, idle, iowait, irq,
+    softirq, steal: the whole machine's, summed over its cpus); None when no time passed."""
+    d = [y - x for x, y in zip(a, b)]
+    total, free = sum(d), d[3] + d[4]       # idle, iowait
+    return (total - free) / total * n_cpus if total > 0 else None
+
+
+def free_cores(busy: float | None = None, n_cores: int | None = None) -> int:
+    """The cores not taken by other work: this process's cores less the cores busy now (busy_cores,
+    rounded), at least one. busy/n_cores: for tests (default: busy_cores(), cores())."""
+    busy = busy_cores() if busy is None else busy
     n_cores = cores() if n_cores is None else n_cores
-    return max(1, min(n_cores, n_cores - round(load)))
+    return max(1, min(n_cores, n_cores - round(busy)))
 
 
 def threads_from_free_cores() -> str:
@@ -234,9 +264,10 @@ def threads_from_free_cores() -> str:
 
     if os.environ.get("OMP_NUM_THREADS"):
         return f"{torch.get_num_threads()} CPU thread(s) (OMP_NUM_THREADS)"
-    n = free_cores()
+    busy = busy_cores()
+    n = free_cores(busy)
     torch.set_num_threads(n)
-    return f"{n} CPU thread(s): {cores()} cores, load {os.getloadavg()[0]:.1f}"
+    return f"{n} CPU thread(s): {cores()} cores, {busy:.1f} busy with other work"
 
 
 def share_cpu(workers: int) -> int:
