@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+TRAIN_STAMP := $(VENV)/.installed-train
 # The CPU wheel that lies on disk here; on a machine that already has torch, nothing is replaced.
 TORCH  ?= torch==2.13.0
 DFLASH_REF ?= dflash==0.1.0
@@ -11,10 +12,18 @@ DFLASH_REF ?= dflash==0.1.0
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml trainer/requirements.txt Makefile
+# Two stamps: what the demo runs on (the controller and the trainer: torch, transformers & co), and,
+# on top, what the tests need (pytest, ruff, mypy, the DFlash reference). `make demo` on a fresh
+# clone installs the first only (the test extra cost 19 s of a first demo's ~115 s of venv);
+# `make test` adds the rest to the same venv.
+$(TRAIN_STAMP): pyproject.toml trainer/requirements.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[train]'
+	touch $(TRAIN_STAMP)
+
+$(STAMP): $(TRAIN_STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[train,test]'
 	# The DFlash reference implementation, for the export parity test. --no-deps: its model code
 	# needs only torch and transformers (here already); its own pins would pull datasets & co.
@@ -64,7 +73,7 @@ test-speculators: $(STAMP)
 		--target $(SPECULATORS_DIR) $(SPECULATORS)
 	PYTHONPATH="$(abspath $(SPECULATORS_DIR))" $(PY) -m pytest -q -p no:cacheprovider tests/test_export_speculators.py
 
-demo: $(STAMP)
+demo: $(TRAIN_STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/demo.sh
 
 # torchao's wheel for --precision fp8 on a GPU machine that reaches no package registry
