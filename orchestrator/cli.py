@@ -9,26 +9,55 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib
 import os
 import sys
 
 import click
 
-from orchestrator.deploy.commands import deploy
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, OpsError
-from orchestrator.play.commands import play
-from orchestrator.probe.commands import probe
-from orchestrator.runs.bench_commands import bench_decode
-from orchestrator.runs.cleanup_commands import prune, rm
-from orchestrator.runs.commands import export, launch, logs, report, status, stop
-from orchestrator.runs.regen_commands import regen
-from orchestrator.targets.commands import exec_, scan, targets
 from orchestrator.ui import State
 
 CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
 
+# Every command: its name, and the module and attribute that define it (`--help` lists them sorted,
+# as click does). A command's module is imported when the command runs (or `--help` lists them all): a
+# no-change `deploy` then imports deploy's modules only, not those of probe, runs and play, which were
+# about a third of its start-up (more on a loaded machine, where the controller's CPU is the cost).
+COMMANDS = {
+    "targets": ("orchestrator.targets.commands", "targets"),
+    "exec": ("orchestrator.targets.commands", "exec_"),
+    "scan": ("orchestrator.targets.commands", "scan"),
+    "deploy": ("orchestrator.deploy.commands", "deploy"),
+    "probe": ("orchestrator.probe.commands", "probe"),
+    "launch": ("orchestrator.runs.commands", "launch"),
+    "regen": ("orchestrator.runs.regen_commands", "regen"),
+    "logs": ("orchestrator.runs.commands", "logs"),
+    "status": ("orchestrator.runs.commands", "status"),
+    "stop": ("orchestrator.runs.commands", "stop"),
+    "report": ("orchestrator.runs.commands", "report"),
+    "export": ("orchestrator.runs.commands", "export"),
+    "bench-decode": ("orchestrator.runs.bench_commands", "bench_decode"),
+    "rm": ("orchestrator.runs.cleanup_commands", "rm"),
+    "prune": ("orchestrator.runs.cleanup_commands", "prune"),
+    "play": ("orchestrator.play.commands", "play"),
+}
 
-@click.group(context_settings=CONTEXT)
+
+class Commands(click.Group):
+    """The root group, its commands imported on first use (COMMANDS)."""
+
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        module, attribute = COMMANDS[name]
+        return getattr(importlib.import_module(module), attribute)
+
+
+@click.group(cls=Commands, context_settings=CONTEXT)
 @click.option("-i", "--inventory", metavar="PATH", help="hosts.yaml (default: $DFLASH_OPS_INVENTORY, ./hosts.yaml).")
 @click.option("-F", "--ssh-config", metavar="PATH", type=click.Path(exists=True, dir_okay=False),
               help="ssh_config file to read (default: the inventory's ssh_config:, else ~/.ssh/config).")
@@ -38,11 +67,6 @@ CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
 def cli(ctx, inventory, ssh_config, debug):
     """Deploy, probe, launch and follow DFlash drafter training on Proxmox GPU containers."""
     ctx.obj = State(inventory, debug, ssh_config)
-
-
-for command in (targets, exec_, scan, deploy, probe, launch, regen, logs, status, stop, report, export,
-                bench_decode, rm, prune, play):
-    cli.add_command(command)
 
 
 # --- entry point -----------------------------------------------------------------------------
