@@ -69,3 +69,59 @@ def test_plan_sends_changed_and_new_and_deletes_gone():
     assert deploy.plan(local, remote) == (["b", "c"], ["gone"])
     assert deploy.plan(local, {}) == (["a", "b", "c"], [])
     assert deploy.plan(local, local) == ([], [])
+
+
+# ---- the hash cache: a no-change deploy reads no file it has hashed before -------------------------
+
+def _cache_doc(cache):
+    import json
+    return json.loads(cache.read_text())
+
+
+def test_manifest_reuses_a_cached_hash_only_for_an_unchanged_file_older_than_the_cache(tmp_path):
+    import hashlib
+    import json
+    import os
+
+    root, cache = tmp_path / "src", tmp_path / "home" / "hash-cache" / "c.json"
+    root.mkdir()
+    (root / "a.py").write_text("a = 1\n")
+    real = hashlib.sha256(b"a = 1\n").hexdigest()
+    first = fileset.manifest(root, ["a.py"], cache)
+    assert first == {"a.py": [real, 6, False]} and list(_cache_doc(cache)["entries"]) == ["a.py"]
+    # A cache written long after the file: its hash is taken as recorded, not read (a planted one shows it)
+    entry = _cache_doc(cache)["entries"]["a.py"]
+    planted = {"written_ns": entry[1] + 10 * fileset.RACY_NS, "entries": {"a.py": [*entry[:4], "f" * 64]}}
+    cache.write_text(json.dumps(planted))
+    assert fileset.manifest(root, ["a.py"], cache)["a.py"][0] == "f" * 64
+    # ... but not one written within RACY_NS of the file's mtime (git's racily clean rule): read again
+    cache.write_text(json.dumps({**planted, "written_ns": entry[1] + fileset.RACY_NS // 2}))
+    assert fileset.manifest(root, ["a.py"], cache)["a.py"][0] == real
+    # Same size, mtime put back: the ctime moved, so the file is read again
+    cache.write_text(json.dumps(planted))
+    st = os.stat(root / "a.py")
+    (root / "a.py").write_text("b = 2\n")
+    os.utime(root / "a.py", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert fileset.manifest(root, ["a.py"], cache)["a.py"][0] == hashlib.sha256(b"b = 2\n").hexdigest()
+
+
+def test_a_damaged_or_unwritable_hash_cache_is_not_used_and_the_hashes_stay_right(tmp_path):
+    import hashlib
+
+    root = tmp_path / "src"
+    root.mkdir()
+    (root / "a.py").write_text("a = 1\n")
+    real = hashlib.sha256(b"a = 1\n").hexdigest()
+    damaged = tmp_path / "c.json"
+    damaged.write_text("{not json")
+    assert fileset.manifest(root, ["a.py"], damaged)["a.py"][0] == real
+    assert _cache_doc(damaged)["entries"]["a.py"][4] == real                 # rewritten whole
+    blocked = tmp_path / "file" / "c.json"                                    # its folder is a file
+    (tmp_path / "file").write_text("")
+    assert fileset.manifest(root, ["a.py"], blocked)["a.py"][0] == real
+
+
+def test_the_hash_cache_lives_under_dflash_ops_home_one_file_per_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_OPS_HOME", str(tmp_path / "home"))
+    a, b = fileset.hash_cache_path(tmp_path / "a"), fileset.hash_cache_path(tmp_path / "b")
+    assert a.parent == tmp_path / "home" / "hash-cache" and a != b

@@ -228,15 +228,66 @@ def _walk(root: Path, honour: tuple[str, ...]) -> list[str]:
     return sorted(files)
 
 
-def manifest(root: Path, files: list[str]) -> dict[str, list]:
-    """{path: [sha256, size, executable]} for the given files."""
+RACY_NS = 2_000_000_000   # a cached hash is trusted only for a file whose mtime is older than the cache by this
+
+
+def manifest(root: Path, files: list[str], cache: Path | None = None) -> dict[str, list]:
+    """{path: [sha256, size, executable]} for the given files.
+
+    cache: a JSON file of earlier hashes (hash_cache_path): a file whose size, mtime, ctime and inode
+    are those recorded is not read again, as rsync's quick check skips a file of unchanged size and
+    mtime (ctime and the inode besides: a `touch -r` or a file swapped in by rename still reads). Git's
+    rule for racily clean entries applies: a hash is trusted only for a file whose mtime is older than
+    the cache's own writing by RACY_NS, since a file written in the same tick as the cache could change
+    again without its mtime moving. The cache is rewritten (atomically) when anything in it changed;
+    a cache that cannot be read or written is simply not used. For a no-change deploy of a
+    1,000-file tree it saves reading and hashing every file: the controller's largest CPU cost after
+    its imports."""
+    import json
+    import time
+
+    old: dict = {}
+    written = 0
+    if cache is not None:
+        try:
+            doc = json.loads(cache.read_text())
+            old, written = doc["entries"], int(doc["written_ns"])
+        except (OSError, ValueError, KeyError, TypeError):
+            old = {}
+    now = time.time_ns()
     out: dict[str, list] = {}
+    entries: dict[str, list] = {}
+    base, racy = str(root), False
     for rel in files:
-        p = root / rel
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        st = p.stat()
-        out[rel] = [h.hexdigest(), st.st_size, bool(st.st_mode & 0o111)]
+        path = f"{base}/{rel}"
+        st = os.stat(path)
+        key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        hit = old.get(rel)
+        fresh = hit is not None and hit[:4] == key
+        if fresh and max(st.st_mtime_ns, st.st_ctime_ns) < written - RACY_NS:
+            digest = hit[4]
+        else:
+            racy |= fresh       # unchanged, but too near the cache's writing: written again below
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+            digest = h.hexdigest()
+        entries[rel] = [*key, digest]
+        out[rel] = [digest, st.st_size, bool(st.st_mode & 0o111)]
+    if cache is not None and (racy or entries != old):
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({"written_ns": now, "entries": entries}, separators=(",", ":")))
+            os.replace(tmp, cache)
+        except OSError:
+            pass
     return out
+
+
+def hash_cache_path(root: Path) -> Path:
+    """Where manifest() keeps the hashes of the tree at root: $DFLASH_OPS_HOME/hash-cache/, one file per
+    source folder (named by its resolved path's sha256)."""
+    home = Path(os.environ.get("DFLASH_OPS_HOME", Path.home() / ".dflash-ops"))
+    return home / "hash-cache" / (hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:24] + ".json")

@@ -76,7 +76,8 @@ def scan_source(root: Path, folder: Path, all_files: bool = False) -> Source:
     files = [f"{prefix}/{f}" if prefix else f for f in fileset.collect(folder, all_files)]
     if not files:
         raise UsageError(f"nothing to deploy in {root}")
-    return Source(root.resolve(), files, fileset.manifest(root, files), sparse_files(root, files))
+    return Source(root.resolve(), files, fileset.manifest(root, files, fileset.hash_cache_path(root)),
+                  sparse_files(root, files))
 
 
 SPARSE_MIN = 1 << 20     # a file of at least this many bytes, less than half of them on disk, is sparse
@@ -85,10 +86,10 @@ SPARSE_MIN = 1 << 20     # a file of at least this many bytes, less than half of
 def sparse_files(root: Path, files: list[str]) -> dict[str, int]:
     """{file: bytes on disk} of the sparse files: they travel in full, holes as zeros (a tar stream
     of regular members), and take their whole size on the target; deploy says so."""
-    found = {}
+    found, base = {}, str(root)
     for f in files:
         try:
-            st = os.stat(root / f)
+            st = os.stat(f"{base}/{f}")
         except OSError:
             continue
         if st.st_size >= SPARSE_MIN and st.st_blocks * 512 < st.st_size // 2:
