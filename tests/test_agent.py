@@ -80,51 +80,29 @@ def test_each_program_is_its_entry_after_what_it_imports():
     assert agent.argv(Target(name="t", python="/py"), agent.RUNS, ["status", "/w"])[:2] == ["/py", "-c"]
 
 
-def test_two_threads_building_the_agent_source_do_not_break_each_others_parse(monkeypatch):
-    """CPython 3.11's ast.parse raises "SystemError: AST constructor recursion depth mismatch" when
-    another thread parses while it builds its tree (a garbage collection inside the build can run a
-    finalizer, and a finalizer can hand the GIL over). It broke a two-target deploy's fan-out. Here
-    the first thread's first collection inside its parse deterministically lets a second thread build
-    the source: that thread must wait its turn instead."""
+def test_the_line_scan_of_relative_imports_is_asts_reading_of_every_part():
+    """source() finds the parts' relative imports line by line (no ast.parse in every command's start):
+    for every file of orchestrator/remote/ it must find exactly the top-level relative imports that
+    ast finds, at the same lines."""
     import ast
-    import gc
+    from pathlib import Path
 
-    errors, first = [], threading.current_thread()
-    second = threading.Thread(target=lambda: _build(errors))
-
-    class HandOver:
-        def __del__(self):
-            if threading.current_thread() is first and not second.is_alive() and second.ident is None:
-                second.start()
-                second.join(0.5)                   # a second thread free to parse finishes well within
-
-    real_parse, thresholds = ast.parse, gc.get_threshold()
-
-    def parse(text, *a, **k):                      # garbage that the next collection, in the tree's
-        if threading.current_thread() is first and second.ident is None:  # build, finalizes
-            h = HandOver()
-            h.cycle = h
-            del h
-            gc.set_threshold(1)
-        try:
-            return real_parse(text, *a, **k)
-        finally:
-            gc.set_threshold(*thresholds)
-
-    monkeypatch.setattr(agent.ast, "parse", parse)
-    agent._joined.cache_clear(), agent.parts.cache_clear()
-    try:
-        _build(errors)
-        second.join(30)
-    finally:
-        gc.set_threshold(*thresholds)
-        agent._joined.cache_clear(), agent.parts.cache_clear()
-    assert second.ident is not None, "the hand-over never ran: the test no longer exercises the race"
-    assert errors == []
+    remote = Path(agent.__file__).resolve().parents[1] / "remote"
+    files = sorted(p for p in remote.rglob("*.py") if p.name != "__init__.py")
+    assert len(files) >= 10
+    for path in files:
+        part = path.relative_to(remote).with_suffix("").as_posix().replace("/", ".")
+        text = path.read_text(encoding="utf-8")
+        want = [(n.level, n.module, n.lineno) for n in ast.parse(text).body
+                if isinstance(n, ast.ImportFrom) and n.level]
+        assert all(n.end_lineno == n.lineno for n in ast.parse(text).body
+                   if isinstance(n, ast.ImportFrom) and n.level), part
+        assert [(n.level, n.module, n.lineno) for n in agent._local_imports(part, text)] == want, part
 
 
-def _build(errors: list) -> None:
-    try:
-        agent.source(agent.RUNS)
-    except Exception as e:  # noqa: BLE001 - the assertion shows it
-        errors.append(repr(e))
+def test_a_relative_import_over_several_lines_is_refused_by_name():
+    text = "import os\nfrom .common import (a,\n    b)\n"
+    with pytest.raises(ValueError, match=r"runs/x.py:2: a relative import is one line"):
+        agent._local_imports("runs.x", text)
+
+

@@ -19,9 +19,8 @@ Library code: returns data or raises OpsError; never prints.
 """
 from __future__ import annotations
 
-import ast
 import json
-import threading
+import re
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,9 +42,11 @@ RUNS = "runs.agent"           # launch, status, follow, stop, metrics, export, b
 # their modules: it keeps a plain start.
 OPTIONS = {RELEASE: ("-S",)}
 MAX_WORKERS = 16
-# ast.parse is not thread-safe in CPython 3.11 ("SystemError: AST constructor recursion depth
-# mismatch" when two fan-out threads build the agent's source at once): one builder at a time.
-_BUILDING = threading.Lock()
+# A part's relative import: one line, `from .X import a, b` / `from ..X import c` at the top level.
+# Read line by line, not by ast.parse: parsing the parts cost ~24 ms of CPU in every command that
+# reaches a target (a tenth of a no-change deploy's controller; tests/test_agent.py holds the scan to
+# ast's reading of every part). A relative import over several lines is refused by name.
+_RELATIVE = re.compile(r"from (\.+)([\w.]*) import [\w, ]+")
 
 
 # --- the remote program -------------------------------------------------------------------------
@@ -63,12 +64,28 @@ def _module_text(name: str) -> str:
     return where.joinpath(f"{module}.py").read_text(encoding="utf-8")
 
 
-def _local_imports(tree: ast.Module) -> list[ast.ImportFrom]:
+@dataclass(frozen=True)
+class LocalImport:
+    level: int              # 1 for `from .X`, 2 for `from ..X`
+    module: str | None      # X ("" -> None: `from . import x`)
+    lineno: int             # 1-based, as ast's
+
+
+def _local_imports(part: str, text: str) -> list[LocalImport]:
     """The part's relative imports, `from .X import ...` / `from ..X import ...` (top level only)."""
-    return [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.level]
+    found = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.startswith("from ."):
+            continue
+        m = _RELATIVE.fullmatch(line.split("#")[0].rstrip())
+        if m is None:
+            raise ValueError(f"orchestrator/remote/{part_file(part)}:{lineno}: a relative import is one "
+                             f"line, `from .part import a, b` (write another line for more names)")
+        found.append(LocalImport(len(m.group(1)), m.group(2) or None, lineno))
+    return found
 
 
-def imported_part(part: str, node: ast.ImportFrom) -> str:
+def imported_part(part: str, node: LocalImport) -> str:
     """The part that a relative import of `part` names: in `runs.locks`, `.common` is
     `runs.common` and `..common` is `common`."""
     package = part.split(".")[:-1]
@@ -91,7 +108,7 @@ def parts(entry: str) -> tuple[str, ...]:
         if name in visiting:
             raise ValueError(f"orchestrator/remote: import cycle through {name}")
         visiting.add(name)
-        for node in _local_imports(ast.parse(_module_text(name))):
+        for node in _local_imports(name, _module_text(name)):
             visit(imported_part(name, node))
         visiting.discard(name)
         order.append(name)
@@ -103,8 +120,7 @@ def parts(entry: str) -> tuple[str, ...]:
 def source(entry: str) -> str:
     """Program `entry` as one `python -c` source: its parts joined, their relative import lines
     removed (the names they import are defined earlier in the same source)."""
-    with _BUILDING:
-        return _joined(entry)
+    return _joined(entry)
 
 
 @lru_cache(maxsize=None)
@@ -113,8 +129,8 @@ def _joined(entry: str) -> str:
     for name in parts(entry):
         text = _module_text(name)
         lines = text.splitlines(keepends=True)
-        for node in reversed(_local_imports(ast.parse(text))):
-            del lines[node.lineno - 1:node.end_lineno]
+        for node in reversed(_local_imports(name, text)):
+            del lines[node.lineno - 1]
         texts.append(f"# ---- {part_file(name)} ----\n" + "".join(lines))
     return "\n\n".join(texts)
 
