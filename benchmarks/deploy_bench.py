@@ -12,6 +12,14 @@ baseline's), so a machine whose load changes during the run weighs on all alike.
 --baseline DIR times another version's no-change redeploy in the same run: DIR holds its
 `orchestrator/` (e.g. `git archive REV orchestrator | tar -x -C DIR`), put first on PYTHONPATH.
 
+--busy N: N busy loops (`yes > /dev/null`, as a laptop's build or browser) run beside everything the
+bench times, both tools alike: the loaded figure. The controller is Python and rsync is C, so where
+the cores are shared the controller's own CPU is what the ratio charges.
+
+The timed commands run with Python's bytecode cache on (PYTHONDONTWRITEBYTECODE dropped from their
+environment, as a user's shell has it): without it every deploy compiles its modules from source
+again, ~60 ms of CPU that no installed dflash-ops spends.
+
 --breakdown: where the no-change deploy's one round trip goes. Over one open connection, each
 layer of what deploy runs, alone and then with the next one added (ssh session, the pct wrapper,
 the agent's python, the agent's source, the manifest), median milliseconds.
@@ -39,7 +47,9 @@ def make_tree(root: Path, n: int) -> None:
 def timed(cmd: list[str], code: Path | None = None) -> float:
     """Wall seconds of cmd; code: the folder whose orchestrator/ a `-m orchestrator.cli` runs
     (first on PYTHONPATH, and the working directory elsewhere, as -m puts that first)."""
-    env = None if code is None else dict(os.environ, PYTHONPATH=str(code))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    if code is not None:
+        env["PYTHONPATH"] = str(code)
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
                    cwd=None if code is None else "/")
@@ -52,7 +62,18 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--baseline", metavar="DIR", help="another version's orchestrator/ to time alongside")
     ap.add_argument("--breakdown", action="store_true", help="time each layer of the remote round trip")
+    ap.add_argument("--busy", type=int, default=0, metavar="N", help="N busy loops beside the bench (loaded)")
     args = ap.parse_args()
+    busy = [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(args.busy)]
+    try:
+        run(args)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+
+
+def run(args) -> None:
     baseline = Path(args.baseline).resolve() if args.baseline else None
     load = os.getloadavg()[0]
 
@@ -106,6 +127,7 @@ def main() -> None:
         layers = breakdown(inv, src, pct.path, args.repeat) if args.breakdown else []
 
         print(f"{args.files} files, median of {args.repeat}, wall seconds of the whole command; "
+              f"{args.busy} busy loop(s) beside; "
               f"load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end\n")
         print("| case | dflash-ops deploy | rsync -a over ssh + pct exec | ratio |")
         print("| --- | --- | --- | --- |")

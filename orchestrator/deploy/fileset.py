@@ -262,8 +262,8 @@ def manifest(root: Path, files: list[str], cache: Path | None = None) -> dict[st
         path = f"{base}/{rel}"
         st = os.stat(path)
         key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-        hit = old.get(rel)
-        fresh = hit is not None and hit[:4] == key
+        hit: list = old.get(rel) or []
+        fresh = hit[:4] == key
         if fresh and max(st.st_mtime_ns, st.st_ctime_ns) < written - RACY_NS:
             digest = hit[4]
         else:

@@ -186,9 +186,15 @@ def _folder_weights_hashes(folder: Path) -> tuple[str | None, str | None]:
             for key in st.keys():
                 sl = st.get_slice(key)
                 shape = sl.get_shape()
-                row = (lambda i, sl=sl: sl[i:i + 1]) if shape else (lambda i, st=st, key=key: st.get_tensor(key))
-                tensors.append((key, sl.get_dtype(), shape, row))
+                tensors.append((key, sl.get_dtype(), shape, _row_of(st, key, sl, shape)))
         return _hashes(tensors)
+
+
+def _row_of(st, key: str, sl, shape):
+    """Row i of a safetensors tensor (a scalar: its one value)."""
+    def row(i: int):
+        return sl[i:i + 1] if shape else st.get_tensor(key)
+    return row
 
 
 def _tiny_hashes(spec: str) -> tuple[str, str | None, str | None]:
@@ -196,6 +202,6 @@ def _tiny_hashes(spec: str) -> tuple[str, str | None, str | None]:
 
     seed = int(spec[5:]) if ":" in spec else 0
     model = build_tiny(seed)
-    rows = [(k, str(v.dtype), tuple(v.shape), (lambda i, v=v: v[i:i + 1]) if v.dim() else (lambda i, v=v: v))
+    rows = [(k, str(v.dtype), tuple(v.shape), lambda i, v=v: v[i:i + 1] if v.dim() else v)
             for k, v in model.state_dict().items()]
     return (_sha256_json({"tiny": TINY, "lm_head_std": TINY_LM_HEAD_STD, "seed": seed}), *_hashes(rows))
