@@ -62,6 +62,8 @@ CASES = (
      ("test_play.py::test_a_value_lands_in_the_script", "test_play.py::test_a_template_where_no_quoting")),
     ("15", "rm of one node's half of a job: the whole job removed, on every node",
      ("test_nodes.py::test_two_nodes_train_one_job",)),
+    ("16", "a launch's upload (regen's prompts) killed midway: no run; what the dead agent left swept by the next",
+     ("test_runs_agent_launch.py::test_an_upload_killed_midway",)),
     ("-", "earlier rounds: overlapping deploys, dead deploys, damaged releases, full disks",
      ("test_deploy_reliability.py::test_overlapping", "test_deploy_reliability.py::test_a_dead_deploy",
       "test_deploy_reliability.py::test_damage", "test_deploy_reliability.py::test_a_full_disk")),

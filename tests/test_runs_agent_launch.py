@@ -111,3 +111,28 @@ def test_a_node_of_several_names_its_training_interface_or_is_refused(wd):
     assert refused["reason"] == "network" and "GLOO_SOCKET_IFNAME=lo names a loopback" in refused["message"]
     assert sorted(p.name for p in (wd / "runs").iterdir()) == ["n-a", "n-b"]     # nothing of a refused one
     assert not list((wd / "locks").glob("*.json"))
+
+
+def test_an_upload_killed_midway_starts_nothing_and_the_next_launch_sweeps_what_it_left(wd):
+    """A regen's prompts travel with its launch into runs/.upload-RUN-PID; the agent SIGKILLed while it
+    reads them (or its container stopped) never reaches its `finally`: no run, and the next launch
+    removes the dead agent's folder (a live one's stays: its pid runs)."""
+    import hashlib
+
+    from orchestrator.remote.runs.kinds import REGEN_PROMPTS
+
+    prompts = b'{"prompt": "one"}\n{"prompt": "two"}\n'
+    doc = {"run": "u-1", "kind": "regen", "gpus": 0, "target_gpus": 0, "compile_policy": "eager", "extra": [],
+           "files": [{"name": REGEN_PROMPTS, "size": len(prompts), "sha256": hashlib.sha256(prompts).hexdigest()}]}
+    r = subprocess.run([sys.executable, "-c", SOURCE, "launch", str(wd)],
+                       input=json.dumps(doc).encode() + b"\n" + prompts, capture_output=True, timeout=60,
+                       env={**os.environ, "DFLASH_OPS_AGENT_FAULTS": "kill_at=upload.receiving"})
+    assert r.returncode == -signal.SIGKILL, r.stderr.decode()
+    runs = wd / "runs"
+    (left,) = [p for p in runs.iterdir() if p.name.startswith(".upload-")]
+    assert left.name.startswith(".upload-u-1-") and not (runs / "u-1").exists() and _procs_of("u-1") == {}
+    live = runs / f".upload-u-9-{os.getpid()}"
+    live.mkdir()
+    assert launch(wd, "t-2", extra=["--steps", "1"])["ok"]
+    assert sorted(p.name for p in runs.iterdir() if p.name.startswith(".")) == [live.name]
+    ended(wd, "t-2")

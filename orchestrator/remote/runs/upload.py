@@ -4,7 +4,8 @@ The launch spec names its files, `"files": [{"name", "size", "sha256"}]`, and th
 the spec's line on stdin, one file after the other. They are read before the slot guard is taken
 (an upload may take a while; the guard is held briefly), into runs/.upload-RUN-PID (a dot folder,
 which the run listing skips), checked against size and sha256, and renamed into the run's folder
-once it exists. Whatever ends the launch before that, the folder goes (the caller's `finally`).
+once it exists. Whatever ends the launch before that, the folder goes (the caller's `finally`); one
+whose agent was SIGKILLed (or whose container stopped) mid-upload is swept by the next launch.
 Standard library only, Python >= 3.8, no `from __future__` line (runs/common.py says why).
 """
 import errno
@@ -13,7 +14,10 @@ import os
 import shutil
 
 from ..common import _fail, refuse
+from .common import _alive, _fault
 from .kinds import kind_of
+
+UPLOAD = ".upload-"
 
 UPLOAD_CHUNK = 1 << 20
 
@@ -27,9 +31,10 @@ def _receive(stream, runs_dir, spec):
     if names != inputs:
         refuse("bad_upload", "a %s run takes %s; this launch sent %s" % (
             spec.get("kind") or "train", ", ".join(inputs) or "no files", ", ".join(names) or "none"))
+    _sweep(runs_dir)
     if not files:
         return None
-    folder = os.path.join(runs_dir, ".upload-%s-%d" % (spec["run"], os.getpid()))
+    folder = os.path.join(runs_dir, "%s%s-%d" % (UPLOAD, spec["run"], os.getpid()))
     try:
         os.makedirs(folder)
         for f in files:
@@ -56,10 +61,24 @@ def _receive_one(stream, folder, f):
             h.update(chunk)
             out.write(chunk)
             left -= len(chunk)
+            _fault("upload.receiving")
         out.flush()
         os.fsync(out.fileno())
     if h.hexdigest() != f["sha256"]:
         _fail("upload %s: sha256 mismatch (the file changed while it was sent?)" % name)
+
+
+def _sweep(runs_dir):
+    """Upload folders of launches whose agent is gone (RUNS/.upload-RUN-PID, PID no longer running):
+    SIGKILL or a stopped container ends an agent before its `finally`."""
+    try:
+        names = os.listdir(runs_dir)
+    except OSError:
+        return
+    for name in names:
+        pid = name.rsplit("-", 1)[-1]
+        if name.startswith(UPLOAD) and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(runs_dir, name), ignore_errors=True)
 
 
 def _place(folder, rundir):
