@@ -51,3 +51,22 @@ def test_a_lock_that_cannot_be_created_is_one_line(tmp_path):
     with pytest.raises(UsageError, match=r"^--out .*/nope/x.jsonl: cannot create its lock .*: No such file"):
         with output_lock(tmp_path / "nope" / "x.jsonl", "--out"):
             pass
+
+
+def test_specdec_json_has_one_writer_refused_before_it_decodes(tmp_path):
+    """`python -m trainer.specdec --json FILE` (bench-decode's result) holds FILE's lock for its whole run:
+    a second one is refused at once, in one line, before it loads a model (no target here could load)."""
+    import contextlib
+    import io
+
+    from trainer.exits import run
+    from trainer.run import specdec
+
+    out = tmp_path / "specdec.json"
+    err = io.StringIO()
+    with output_lock(out, "--json"), contextlib.redirect_stderr(err):
+        rc = run(specdec.main, ["--target", "tiny", "--drafter", str(tmp_path / "none"),
+                                "--prompts", str(tmp_path / "none.jsonl"), "--json", str(out)])
+    assert rc == 2 and err.getvalue().count("\n") == 1, err.getvalue()
+    assert f"--json {out}: another writer holds it (pid {os.getpid()}" in err.getvalue()
+    assert not out.exists()

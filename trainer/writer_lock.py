@@ -1,6 +1,7 @@
 """One writer per output: an exclusive lock beside a file or folder a user names.
 
-`python -m trainer.regen --out F` (and small_lm's `--prompts --out F`, export's `-o DIR`) hold an
+`python -m trainer.regen --out F` (and small_lm's `--prompts --out F`, export's `-o DIR`, specdec's
+`--json F`) hold an
 flock on `.NAME.lock` beside the output for as long as they write it; the lock file holds the
 holder's pid and run id (DFLASH_OPS_RUN, which the runs agent sets). A second writer is refused at
 once, in one line naming the holder and what to do: two regens appending to one file would double

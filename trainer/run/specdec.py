@@ -26,11 +26,13 @@ from pathlib import Path
 import torch
 
 from trainer import faults
+from trainer.files import atomic_file
 from trainer.model.drafter import Drafter, DrafterConfig
 from trainer.run.decode_graphs import Decoded, GraphDecoder
 from trainer.run.eval import Timing, clock, speculative_generate, summarize
 from trainer.run.stats import cluster_bootstrap
 from trainer.run.log import tau_text
+from trainer.writer_lock import output_lock
 
 
 class NotLossless(RuntimeError):
@@ -283,7 +285,6 @@ def read_prompt_ids(path: str, tokenizer, *, limit: int | None = None,
 def main(argv: list[str] | None = None) -> int:
     from trainer.errors import UsageError
     from trainer.run.config import OneLineParser, check_target_spec, template_kwargs
-    from trainer.run.target import load_target
 
     p = OneLineParser(prog="python -m trainer.specdec",
                       description="Speculative decoding with an exported drafter against the target alone: "
@@ -326,10 +327,22 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = None if a.chat_template_kwargs is None else template_kwargs(a.chat_template_kwargs)
     if a.bootstrap < 100:
         raise UsageError("--bootstrap must be at least 100")
+    say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    if not a.json_out:
+        return _measure(a, kwargs, say)
+    # One writer per output: a second specdec with the same --json FILE is refused at once, not after
+    # its whole decode; the file appears whole or not at all.
+    with output_lock(a.json_out, "--json", log=say):
+        return _measure(a, kwargs, say)
+
+
+def _measure(a, kwargs, say) -> int:
+    from trainer.errors import UsageError
+    from trainer.run.target import load_target
+
     dev = torch.device("cuda:0" if torch.cuda.is_available() and not a.cpu else "cpu")
     a.dtype = a.dtype if a.dtype != "auto" else "bfloat16" if dev.type == "cuda" else "float32"
     dtype = getattr(torch, a.dtype)
-    say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     target = load_target(a.target, device=dev, dtype=dtype)
     drafter = load_drafter(a.drafter, target, dev, dtype, untrained=a.untrained)
     if target.tokenizer is None:
@@ -347,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
            "block_size": drafter.cfg.block_size, "draft_layers": drafter.cfg.num_layers, **doc}
     say(f"specdec: {result_line(doc)}")
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps(doc, indent=2))
+        with atomic_file(a.json_out) as f:
+            f.write(json.dumps(doc, indent=2))
     print(json.dumps(doc), flush=True)
     return 0
