@@ -64,6 +64,8 @@ CASES = (
      ("test_nodes.py::test_two_nodes_train_one_job",)),
     ("16", "a launch's upload (regen's prompts) killed midway: no run; what the dead agent left swept by the next",
      ("test_runs_agent_launch.py::test_an_upload_killed_midway",)),
+    ("17", "a play killed in a step: the steps that ended recorded, --from resumes; a second player refused",
+     ("test_play.py::test_one_player_per_playbook",)),
     ("-", "earlier rounds: overlapping deploys, dead deploys, damaged releases, full disks",
      ("test_deploy_reliability.py::test_overlapping", "test_deploy_reliability.py::test_a_dead_deploy",
       "test_deploy_reliability.py::test_damage", "test_deploy_reliability.py::test_a_full_disk")),

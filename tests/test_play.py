@@ -225,3 +225,51 @@ def test_wait_for_a_run_that_is_not_there_fails_its_step(tmp_path, fakepct, make
     assert r.returncode == 1, r.stderr
     doc = json.loads(r.stdout)["targets"]["ct200"]
     assert doc["failed_step"] == "wait" and "no runs yet in /srv/ct/dflash/runs" in doc["error"]
+
+
+SLOW = """\
+steps:
+  - name: first
+    exec: {shell: "echo one >> /srv/ct/log"}
+  - name: slow
+    exec: {shell: "echo started > /srv/ct/started; while ! test -f /srv/ct/go; do sleep 0.1; done"}
+  - name: last
+    exec: {shell: "echo three >> /srv/ct/log"}
+"""
+
+
+def test_one_player_per_playbook_and_target_and_a_killed_play_resumes_from_its_record(
+        tmp_path, fakepct, make_inventory):
+    """A second play of the same playbook on the same target is refused while the first runs; the first
+    SIGKILLed in its second step leaves the first step's result recorded, no temporary, and no lock: the
+    next play goes ahead, and `--from slow` resumes there without running the first step again."""
+    import signal
+    import time
+
+    fakepct.create(200)
+    inv = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable,
+                                    "workdir": "/srv/ct/dflash"}})
+    (tmp_path / "slow.yaml").write_text(SLOW)
+    ct = fakepct.private(200)
+    p = subprocess.Popen([sys.executable, "-c", CLI_MAIN, "-i", str(inv), "play", "slow.yaml", "ct200"], cwd=tmp_path,
+                         env=dict(os.environ, DFLASH_OPS_HOME=str(tmp_path)), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (ct / "started").exists():
+            assert p.poll() is None and time.monotonic() < deadline, "the play never reached its second step"
+            time.sleep(0.1)
+        r = dflash_ops("-i", inv, "play", "slow.yaml", "ct200", cwd=tmp_path, home=tmp_path)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+        assert f"ct200: slow.yaml is being played there already (pid {p.pid}, since " in r.stderr
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    (record,) = (tmp_path / "plays").glob("slow-*/ct200.json")
+    assert list(json.loads(record.read_text())["results"]) == ["first"]
+    assert [q.name for q in record.parent.iterdir() if q.name.startswith(".ct200.json.")] == []
+    (ct / "go").write_text("")
+    r = dflash_ops("-i", inv, "play", "slow.yaml", "ct200", "--from", "slow", cwd=tmp_path, home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (ct / "log").read_text() == "one\nthree\n"      # the first step ran once, the last once
+    assert list(json.loads(record.read_text())["results"]) == ["first", "slow", "last"]

@@ -9,13 +9,17 @@ after a failure), a one-line detail and its JSON document, which later steps rea
 
 Results are also kept on this machine ($DFLASH_OPS_HOME/plays/, default ~/.dflash-ops/plays/),
 one file per playbook and target, so `--from STEP` can resume: the steps before STEP are not run
-again and their recorded results stand in for them.
+again and their recorded results stand in for them. One player per playbook and target: a play
+holds an flock beside that record (`.TARGET.lock`, its pid and start inside) while it runs, and a
+second play of the same playbook on the same target is refused in one line naming the first; the
+kernel drops the lock of a play that died (SIGKILL), so the next one goes ahead.
 
 Library code: returns data or raises OpsError; never prints (live lines go to `on_line`).
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -140,6 +144,41 @@ def load_record(book: pb.Playbook, target: str) -> dict:
     return doc.get("results") or {} if isinstance(doc, dict) else {}
 
 
+class Busy(OpsError):
+    """Another play of this playbook runs on the target (exit 1)."""
+
+
+@contextlib.contextmanager
+def one_player(book: pb.Playbook, target: str):
+    """Held while this process plays `book` on `target`: Busy when another live process holds it."""
+    path = record_path(book, target)
+    lock = path.with_name(f".{path.stem}.lock")
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        yield          # no lock where no record can be kept either (save_record says nothing then)
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            except ValueError:
+                holder = {}
+            raise Busy(f"{target}: {Path(book.path).name} is being played there already (pid {holder.get('pid')}, "
+                       f"since {holder.get('since')}); wait for it to end or stop it, then run again "
+                       f"(`--from STEP` resumes at a step)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode(), 0)
+        for left in path.parent.glob(f".{path.name}.*"):    # save_record's temporaries of a killed player
+            left.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)       # the lock goes with it; the file stays (removing it would race a next player)
+
+
 def save_record(book: pb.Playbook, target: str, results: dict) -> None:
     path = record_path(book, target)
     try:
@@ -178,7 +217,9 @@ def play(inv: Inventory, book: pb.Playbook, targets: list[Target], *, given: Map
     say = on_line or (lambda target, text: None)
     if dry_run:
         return [_dry_run(book, t, given, first) for t in targets]
-    with agent.session(inv, session) as s:
+    with contextlib.ExitStack() as players, agent.session(inv, session) as s:
+        for t in targets:
+            players.enter_context(one_player(book, t.name))
         group = agent.fan_out(targets, lambda t: _play_target(
             Run(inv, s, t, tpl.Context(variables(book, t, given)), say), book, first))
     return [group[t.name].value for t in targets]   # _play_target keeps each step's error
