@@ -1,7 +1,8 @@
 """The house's layout, read from the source with `ast` (nothing is imported): no import circle
 between modules, none between a top package's first-level packages (orchestrator's cli, ui,
-inventory, ssh, runs, ...; trainer's likewise), and the controller never imports torch. Files are
-cut by job, never by a line count, so no length is checked here."""
+inventory, ssh, runs, ...; trainer's likewise), the controller never imports torch, and it imports
+the trainer only through trainer/controller_view.py. Files are cut by job, never by a line count, so
+no length is checked here."""
 from __future__ import annotations
 
 import ast
@@ -146,7 +147,7 @@ def test_no_import_circle_between_first_level_packages(top):
 
 def test_the_controller_never_imports_torch():
     """No orchestrator module imports torch, anywhere in it; and nothing orchestrator imports at
-    module level (trainer.policies, trainer.signatures, and their packages) does at module level."""
+    module level (trainer.controller_view, what it imports, their packages) does at module level."""
     direct = sorted(name for name in MODULES if _top(name) == "orchestrator"
                     if any(_top(m) == "torch" for m, _ in _imports(name)))
     assert not direct, f"import torch: {direct}"
@@ -164,3 +165,20 @@ def test_the_controller_never_imports_torch():
             parents = [".".join(m.split(".")[:i]) for i in range(1, m.count(".") + 2)]
             todo += [(p, chain + [p]) for p in parents if p in MODULES]   # a package runs its __init__
     assert not chains, "the controller imports torch through:\n" + "\n".join(chains)
+
+
+VIEW = "trainer.controller_view"
+
+
+def test_the_controller_sees_the_trainer_through_one_module():
+    """Every import of trainer in orchestrator/, at module level or inside a function, is of
+    trainer.controller_view: that module is the whole seam, so what the controller depends on is
+    listed in one place. (orchestrator/remote/ runs `python -m trainer` on the target; it imports
+    nothing of it.)"""
+    def through_view(m: str) -> bool:
+        return m == VIEW or m.startswith(VIEW + ".")
+
+    stray = sorted(f"{name} imports {m}" for name in MODULES if _top(name) == "orchestrator"
+                   for m, _ in _imports(name) if _top(m) == "trainer" and not through_view(m))
+    assert not stray, "the controller reaches the trainer beside trainer.controller_view:\n" + "\n".join(stray)
+    assert any(through_view(m) for name in MODULES if _top(name) == "orchestrator" for m, _ in _imports(name))

@@ -77,6 +77,15 @@ def test_config_and_package_do_not_import_torch():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
+def test_the_controllers_view_of_the_trainer_and_the_cli_do_not_import_torch():
+    """trainer/controller_view.py is all the controller imports of the trainer (tests/test_layout.py):
+    it, the CLI with every command registered, and what the view's functions import when called, no torch."""
+    code = ("import sys, trainer.controller_view as v, orchestrator.cli; v.build_parser(); v.load_catalog(); "
+            "v.check_before_launch(['--steps', '3'], None, 'config'); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
 def test_help_lists_the_documented_flags():
     p = subprocess.run([sys.executable, "-m", "trainer", "--help"], cwd=ROOT, capture_output=True, text=True,
                        timeout=60)

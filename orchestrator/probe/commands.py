@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import click
 
-from trainer.policies import POLICY_NAMES   # names only: importing it does not import torch
-from trainer.run.config import PRECISIONS   # torch-free, as the line above
+from trainer.controller_view import POLICY_NAMES, PRECISIONS   # the trainer's names (torch-free)
 
 from orchestrator.errors import TargetsFailed
 from orchestrator.ui import State, emit, json_option, table

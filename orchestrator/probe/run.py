@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from trainer.run.config import EMULATE_ALONE   # torch-free
+from trainer.controller_view import EMULATE_ALONE   # torch-free
 
 from orchestrator.ssh import agent
 from orchestrator.errors import OpsError, UsageError

@@ -22,7 +22,7 @@ from orchestrator.runs.export import refusal as export_refusal
 from orchestrator.runs.regen import check_prompts
 from orchestrator.ssh import agent
 from orchestrator.ssh.session import Session
-from trainer.run.log import tau_text
+from trainer.controller_view import tau_text
 
 TIMEOUT_S = 6 * 3600.0
 ENGINES = ("graphs", "eager")           # trainer.specdec --engine: CUDA graphs over static caches, or eager code

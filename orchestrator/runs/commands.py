@@ -78,7 +78,7 @@ class PassThroughCommand(click.Command):
 
 def trainer_flags() -> set[str]:
     """The trainer's flags (its own parser, torch-free)."""
-    from trainer.run.config import build_parser
+    from trainer.controller_view import build_parser
 
     return {o for a in build_parser()._actions for o in a.option_strings}
 

@@ -158,7 +158,7 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
     (with the summary and the exit code `logs` documents in README "Exit codes": 0, 100-103).
     Raises NotFound for an unknown run."""
     if catalog is None:
-        from trainer.signatures import load_catalog
+        from trainer.controller_view import load_catalog
         catalog = load_catalog()
     with agent.session(inv, session) as s:
         yield from _follow(s, session is None, target, run, follow, tail, catalog, backoff,

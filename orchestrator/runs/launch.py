@@ -162,8 +162,7 @@ def check_trainer_config(spec: dict, nnodes: int = 1) -> None:
     and YAML the runs agent will give it (built by the agent's own trainer_flags), so a typo is
     exit 2 before anything starts, not a failed run. What needs the target (its files,
     --flex-tiles) is still checked by the trainer there."""
-    from trainer.errors import UsageError as TrainerUsage
-    from trainer.run.config import check_before_launch
+    from trainer.controller_view import UsageError as TrainerUsage, check_before_launch
 
     # The config's text is checked as text (the agent's --config names its copy on the target); a
     # job's rendezvous values are placeholders of the right form (nodes.launch adds the real ones).

@@ -17,7 +17,7 @@ import os
 import sys
 
 import click
-from trainer.run.log import TWINNED     # the trainer's list of events it also writes as text (torch-free)
+from trainer.controller_view import TWINNED     # the trainer's list of events it also writes as text (torch-free)
 
 from orchestrator.errors import OpsError
 

@@ -263,7 +263,7 @@ def job_summary(run: str, targets: list[str], summaries: dict, first: str) -> Jo
     """One summary for the job: failed if any node failed, the root cause from the node that failed
     first (the earliest end, a node whose ranks another's failure ended coming after any other),
     rank 0's step, loss and tau."""
-    from trainer.errors import EXIT_PEER_FAILED
+    from trainer.controller_view import EXIT_PEER_FAILED
     states = [summaries[n].state if n in summaries else "failed" for n in targets]
     state = job_state(states)
     head = summaries.get(first) or next(iter(summaries.values()), None)

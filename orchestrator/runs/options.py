@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from trainer.policies import POLICY_NAMES   # names only: importing it does not import torch
+from trainer.controller_view import POLICY_NAMES   # names only (torch-free)
 
 from orchestrator.errors import UsageError
 

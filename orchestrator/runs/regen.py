@@ -23,8 +23,7 @@ from orchestrator.runs.options import LaunchOptions, upload
 def check_prompts(path: str) -> int:
     """The rows of a prompts file, each checked as `python -m trainer.regen` reads it (torch-free);
     bad input is a UsageError of one line naming file:line."""
-    from trainer.errors import UsageError as BadRows
-    from trainer.run.regen import read_prompts
+    from trainer.controller_view import UsageError as BadRows, read_prompts
 
     try:
         return len(read_prompts(path))

@@ -51,7 +51,7 @@ def last_eval(metrics: Sequence[dict]) -> dict | None:
 
 def eval_line(ev: dict) -> str:
     """`tau 2.345 (95% 2.201-2.489, 812 rounds), at step 200; acceptance by block position 1..3: ...`"""
-    from trainer.run.log import tau_text     # the trainer's own way of writing it (stdlib only)
+    from trainer.controller_view import tau_text     # the trainer's own way of writing it (stdlib only)
 
     line = f"tau {tau_text(ev['tau'], ev['ci95'], ev['rounds'])}, at step {ev['step']}"
     if ev["by_position"]:

@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterable
 
 from orchestrator.errors import NotFound, UsageError
-from trainer.signatures import Catalog, CatalogError, load_catalog
+from trainer.controller_view import Catalog, CatalogError, load_catalog
 
 # A matched line is kept whole up to this many characters (some tracebacks hold megabyte lines).
 _TEXT_MAX = 2000

@@ -2,7 +2,8 @@
 
 Every JSON line goes to stdout (the run's log, what `dflash-ops logs` follows) and is appended to
 OUT/metrics.jsonl (what `dflash-ops report` plots). Readable lines start with `[trainer]` so they
-never parse as JSON. Standard library only: the controller reads TWINNED and tau_text from here.
+never parse as JSON. Standard library only: the controller reads TWINNED and tau_text from here
+(through trainer/controller_view.py).
 """
 from __future__ import annotations
 
