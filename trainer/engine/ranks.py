@@ -1,5 +1,5 @@
-"""One torchrun rank's engine: this rank's replica in DDP (gloo on CPU, NCCL on GPU), with the
-interface of workers.ThreadEngine, so the run's loop drives threads and ranks alike.
+"""One torchrun rank's engine: this rank's replica in DDP (gloo on CPU, NCCL on GPU), an Engine
+(engine/protocol.py) as workers.ThreadEngine is, so the run's loop drives threads and ranks alike.
 
 DDP SUMS the gradients (a comm hook): each shard's loss is already divided by the global batch
 weight, as in threads, so the two topologies compute the same update.
@@ -22,7 +22,7 @@ from trainer.run.log import heartbeat
 
 
 class RankEngine:
-    """This rank's replica in DDP; the same interface as workers.ThreadEngine for trainer.train.loop.run_loop."""
+    """This rank's replica in DDP; an Engine (protocol.py), as workers.ThreadEngine, for trainer.train.loop.run_loop."""
 
     def __init__(self, build: Callable[[], Replica], rank: int, world: int, device: torch.device, log,
                  guard: bool = True, node_first: bool = False, grace=None, job=None):

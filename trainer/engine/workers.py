@@ -172,7 +172,7 @@ class PendingStep:
 
 
 class ThreadEngine:
-    """N replicas, one per worker thread, driven step by step from the main thread."""
+    """N replicas, one per worker thread, driven step by step from the main thread; an Engine (protocol.py)."""
 
     writer = True  # one process: it logs, checkpoints and evaluates
     saver = True

@@ -54,9 +54,8 @@ from trainer.engine.numerics import (FP8_NOISE_FACTOR, NOISE_FACTOR, StepCheck, 
 from trainer.engine.step import Replica, apply_update, build_replica, compute_grads, load_weights
 from trainer.probe.watch import CASE_MARK, PHASE_MARK, wait_for_turn  # noqa: F401 - CASE_MARK: the result line's mark
 
-if TYPE_CHECKING:           # imported where used: the topology picks one
-    from trainer.engine.ranks import RankEngine
-    from trainer.engine.workers import ThreadEngine
+if TYPE_CHECKING:           # the engines are imported where used: the topology picks one
+    from trainer.engine.protocol import Engine
 
 SEED = 1234
 TEACHER_STEPS = 3
@@ -183,7 +182,7 @@ class _Case:
         self.ref = build(0, self.device, "eager", 1, precision_="bf16")   # eager bf16: the reference
         self.exact = _HigherPrecisionStep(self.ref, precision, emulate)
         self.precision = precision
-        self.engine: RankEngine | ThreadEngine
+        self.engine: Engine
         if topology == "processes":
             from trainer.engine.ranks import RankEngine, wrap_ddp
 

@@ -20,6 +20,7 @@ import torch
 from trainer import faults, files, policies
 from trainer.errors import EXIT_OK, EXIT_SIGTERM, UsageError
 from trainer.engine.muon import MuonSettings, takes_muon
+from trainer.engine.protocol import Engine
 from trainer.model import choices, fp8, masks
 from trainer.model.drafter import Drafter, DrafterConfig, flops_per_sample
 from trainer.model.objective import Objective
@@ -225,8 +226,9 @@ def _anchors(cfg: TrainConfig, device: torch.device, dcfg: DrafterConfig, n_para
     return anchors
 
 
-def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Event) -> int:
-    """The training loop over an engine (ThreadEngine or RankEngine): the same steps, logs, checkpoints.
+def run_loop(cfg: TrainConfig, engine: Engine, prep: Prepared, log, stop: threading.Event) -> int:
+    """The training loop over an engine (ThreadEngine or RankEngine, trainer/engine/protocol.Engine): the
+    same steps, logs, checkpoints.
 
     Under processes every rank runs this loop; engine.agree/check_replicas/barrier are collectives,
     called at the same points on every rank; only the writer (rank 0) logs metrics and evaluates; the
@@ -314,13 +316,13 @@ def run_loop(cfg: TrainConfig, engine, prep: Prepared, log, stop: threading.Even
         return EXIT_SIGTERM
     if not engine.writer:
         return EXIT_OK
-    res = _eval(cfg, log, engine, prep, step, final=True, stop=stop) if prep.eval_prompts else None
+    tau = _eval(cfg, log, engine, prep, step, final=True, stop=stop) if prep.eval_prompts else None
     if stop.is_set():  # SIGTERM during the final eval: the checkpoint above is complete
         log.metrics({"event": "stopped", "step": step})
         return EXIT_SIGTERM
-    log.metrics({"event": "done", "step": step, "loss": last_loss, **trained, **_tau_metrics(res)})
+    log.metrics({"event": "done", "step": step, "loss": last_loss, **trained, **_tau_metrics(tau)})
     log.info(f"done: {step} steps ({trained['steps_trained']} trained in {trained['trained_s']:.1f} s, "
-             "warm-up included)" + (f"; {eval_line(res, prep.eval_overlap)}" if res else ""))
+             "warm-up included)" + (f"; {eval_line(tau, prep.eval_overlap)}" if tau else ""))
     return EXIT_OK
 
 
@@ -399,7 +401,7 @@ def _read_samples(path: str, cfg, target):
     return check_samples(rows, path=path, block_size=cfg.block_size, seq_len=cfg.seq_len, vocab_size=vocab)
 
 
-def _save(cfg, log, prep, engine, batches, step) -> None:
+def _save(cfg: TrainConfig, log, prep: Prepared, engine: Engine, batches: Batches, step: int) -> None:
     engine.excuse_until_boundary()   # on every rank: the saver works alone, the others wait for it
     engine.settle()  # the last step's update has run and its norm is finite
     if not engine.saver:     # rank 0, and under several nodes the first rank of each node
@@ -414,7 +416,7 @@ def _save(cfg, log, prep, engine, batches, step) -> None:
     log.metrics({"event": "checkpoint", "step": step, "path": str(path), "seconds": time.time() - t})
 
 
-def _stopped(cfg, log, prep, engine, batches, step) -> int:
+def _stopped(cfg: TrainConfig, log, prep: Prepared, engine: Engine, batches: Batches, step: int) -> int:
     log.info(f"SIGTERM: writing a checkpoint at step {step}, then exiting")
     _save(cfg, log, prep, engine, batches, step)
     engine.barrier()  # ranks leave together, after rank 0's checkpoint is complete
@@ -423,7 +425,8 @@ def _stopped(cfg, log, prep, engine, batches, step) -> int:
     return EXIT_SIGTERM
 
 
-def _eval(cfg, log, engine, prep, step, final=False, stop=None):
+def _eval(cfg: TrainConfig, log, engine: Engine, prep: Prepared, step: int, final: bool = False,
+          stop: threading.Event | None = None) -> dict | None:
     """Acceptance length on the eval prompts, measured by the primary replica (worker 0's thread, or
     rank 0); its result (None on other ranks)."""
     if not final:
