@@ -379,7 +379,7 @@ def summarize(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    from trainer.run.config import PRECISIONS   # torch-free
+    from trainer.run.config import add_trainer_options   # torch-free
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CPU-sized shape, CPU device")
@@ -395,14 +395,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="inductor/flex/chunked", help="variants to profile (comma-separated)")
     ap.add_argument("--profile-top", type=int, default=25,
                     help="kernels a profile lists by name (the rest only in its categories)")
-    # the trainer's GPU choices (TrainConfig, trainer/model/choices.py), for an A/B of one of them
-    ap.add_argument("--fp32-wgrad", default="on", choices=("on", "off"), help="as the trainer's --fp32-wgrad")
-    ap.add_argument("--flex-tiles", default="", help="as the trainer's --flex-tiles (default: the tuned choice)")
-    ap.add_argument("--ce-rows", type=int, default=0, help="as the trainer's --ce-rows (0: sized to 1 GiB)")
-    ap.add_argument("--ce-kernel", default="on", choices=("on", "off"), help="as the trainer's --ce-kernel")
-    ap.add_argument("--precision", default="bf16", choices=PRECISIONS,
-                    help="as the trainer's --precision (not for the fp32 reference)")
-    ap.add_argument("--fp8-emulate", action="store_true", help="as the trainer's --fp8-emulate (CPU dry runs)")
+    # the trainer's GPU choices (trainer/model/choices.py) and precision, its own options (help, defaults, values),
+    # for an A/B of one of them; --precision is not applied to the fp32 reference
+    add_trainer_options(ap, ("fp32_wgrad", "flex_tiles", "ce_rows", "ce_kernel", "precision", "fp8_emulate"))
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

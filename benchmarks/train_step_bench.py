@@ -341,7 +341,7 @@ def blocks(args) -> list[list[int]]:
 
 
 def main(argv=None) -> int:
-    from trainer.run.config import PRECISIONS   # torch-free
+    from trainer.run.config import add_trainer_options   # torch-free
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="the trainer's tiny target on the CPU, end to end")
@@ -382,13 +382,8 @@ def main(argv=None) -> int:
                     help="with the profile, keep its timeline (OUT/trace.json.gz) and attribute the GPU's idle gaps")
     ap.add_argument("--deadline", type=float, default=1e9, help="stop timing after this many seconds of steps")
     ap.add_argument("--warmup-timeout", type=float, default=900.0, help="seconds a worker may take to build + compile")
-    ap.add_argument("--fp32-wgrad", default="on", choices=("on", "off"), help="as the trainer's --fp32-wgrad")
-    ap.add_argument("--flex-tiles", default="", help="as the trainer's --flex-tiles (default: the tuned choice)")
-    ap.add_argument("--ce-rows", type=int, default=0, help="as the trainer's --ce-rows (0: sized to 1 GiB)")
-    ap.add_argument("--ce-kernel", default="on", choices=("on", "off"), help="as the trainer's --ce-kernel")
-    ap.add_argument("--precision", default="bf16", choices=PRECISIONS,
-                    help="as the trainer's --precision")
-    ap.add_argument("--fp8-emulate", action="store_true", help="as the trainer's --fp8-emulate (CPU dry runs)")
+    # the trainer's GPU choices and precision, its own options (help, defaults, values), for an A/B of one of them
+    add_trainer_options(ap, ("fp32_wgrad", "flex_tiles", "ce_rows", "ce_kernel", "precision", "fp8_emulate"))
     ap.add_argument("--out", default="out/train_step_bench")
     ap.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)  # tests: the 8B code path on the CPU
     args = ap.parse_args(argv)

@@ -1,13 +1,15 @@
 """Trainer flags and YAML: defaults < --config FILE < flags; unknown keys and bad values are one-line errors."""
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from trainer.run.config import TrainConfig, build_parser, parse
+from trainer.run.config import TrainConfig, add_trainer_options, build_parser, parse
 from trainer.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +95,48 @@ def test_help_lists_the_documented_flags():
     for flag in ("--target", "--data", "--steps", "--seed", "--out", "--resume", "--gpus", "--workers",
                  "--topology", "--compile-policy", "--config"):
         assert flag in p.stdout
+
+
+def test_every_field_carries_its_help_and_its_choices_are_the_values_validate_takes():
+    assert all(f.metadata["help"] for f in fields(TrainConfig))
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        for value in f.metadata["choices"] or ():
+            fp8 = ["--fp8-emulate"] if f.name == "precision" and value != "bf16" else []
+            assert getattr(parse(["--steps", "3", flag, value, *fp8]), f.name) == value
+        if f.metadata["choices"]:
+            with pytest.raises(UsageError, match=flag):
+                parse(["--steps", "3", flag, "bogus"])
+
+
+def test_another_parser_takes_the_trainers_options_as_they_are():
+    """add_trainer_options (the benchmarks' parsers): the trainer's flags, help and metavar, its defaults, and the
+    values validate takes as choices."""
+    names = ("fp32_wgrad", "flex_tiles", "ce_rows", "ce_kernel", "precision", "fp8_emulate")
+    ap = argparse.ArgumentParser()
+    add_trainer_options(ap, names)
+    assert vars(ap.parse_args([])) == {n: getattr(TrainConfig(), n) for n in names}
+    theirs = {a.dest: a for a in build_parser()._actions}
+    for a in ap._actions[1:]:       # [0] is --help
+        assert (a.option_strings, a.help, a.metavar) == (theirs[a.dest].option_strings, theirs[a.dest].help,
+                                                         theirs[a.dest].metavar)
+    got = ap.parse_args(["--precision", "fp8", "--ce-rows", "64", "--fp8-emulate", "--fp32-wgrad", "off"])
+    assert (got.precision, got.ce_rows, got.fp8_emulate, got.fp32_wgrad) == ("fp8", 64, True, "off")
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--ce-kernel", "yes"])
+    with pytest.raises(ValueError, match="nope: not a TrainConfig field"):
+        add_trainer_options(argparse.ArgumentParser(), ["nope"])
+
+
+@pytest.mark.parametrize("bench", ["train_step_bench.py", "drafter_bench.py"])
+def test_the_benchmarks_show_the_trainers_help_for_its_options(bench):
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / bench), "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    shown = "".join(p.stdout.split())     # argparse rewraps (at spaces and after hyphens)
+    for a in build_parser()._actions:
+        if a.dest in ("fp32_wgrad", "flex_tiles", "ce_rows", "ce_kernel", "precision", "fp8_emulate"):
+            assert "".join(a.help.split()) in shown, a.dest
 
 
 def test_the_demo_config_parses():

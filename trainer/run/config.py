@@ -12,8 +12,10 @@ import dataclasses
 import difflib
 import json
 import os
-from dataclasses import dataclass, fields
+from collections.abc import Iterable
+from dataclasses import Field, dataclass, fields
 from pathlib import Path
+from typing import Any, TypeVar
 
 from trainer.errors import UsageError
 from trainer.model.objective import OBJECTIVES, POSITION_WEIGHTS, Objective  # torch-free
@@ -32,92 +34,166 @@ PRECISIONS = ("bf16", "fp8", "fp8-rowwise", "fp8-lmhead")
 # matrices and AdamW over the rest (trainer/engine/muon.py)
 OPTIMIZERS = ("adamw", "muon")
 EMULATE_ALONE = f"--fp8-emulate goes with --precision {'|'.join(PRECISIONS[1:])}"  # the trainer's and the probe's
+# the values of the switches and of --topology (validate checks them; add_trainer_options makes them choices)
+ON_OFF = ("on", "off")
+AUTO_ON_OFF = ("auto", "on", "off")
+TOPOLOGIES = ("threads", "processes")
+
+_V = TypeVar("_V")
+
+
+def opt(default: _V, help: str, *, metavar: str | None = None, choices: tuple[str, ...] | None = None) -> _V:
+    """A TrainConfig field: its default and, beside it, its flag's help (and metavar, when not N, X or S
+    by its type; choices, for the parsers of add_trainer_options), which build_parser reads."""
+    return dataclasses.field(default=default, metadata={"help": help, "metavar": metavar, "choices": choices})
 
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """Every setting of a run. Each field is a flag (`--name-with-dashes`) and a YAML key, and carries its
+    flag's help (opt(default, help, ...)): `python -m trainer --help` and the benchmarks' options are
+    read from here (build_parser, add_trainer_options)."""
+
     # what to train on
-    target: str = "tiny"                 # local HF model folder, or tiny[:SEED]
-    data: str = "synthetic"              # JSONL file, or synthetic (tests only)
-    target_layers: str = ""              # comma-separated target layer ids; "" = evenly spaced 1..L-3
+    target: str = opt("tiny", "frozen target: a local Hugging Face model folder, small-code[-gpu] (a code LM built "
+                      "here once), or tiny[:SEED]", metavar="PATH|small-code|tiny")
+    data: str = opt("synthetic", "JSONL (input_ids+loss_mask, or chat messages: python -m trainer.regen writes rows "
+                    "answered by the target), or synthetic, for tests only (random-token prompts the target continues, "
+                    "no chat template); the last --eval-prompts rows are held out for the eval",
+                    metavar="PATH|synthetic")
+    target_layers: str = opt("", "comma-separated target layer ids to condition on (default: 5 evenly spaced in "
+                             "1..L-3)", metavar="I,J,..")
     # run
-    steps: int = 10000                   # the recipe's max_steps (docs/recipe.md)
-    seed: int = 0
-    out: str = "out"
-    resume: bool = False
+    steps: int = opt(10000, "optimizer steps in total")      # the recipe's max_steps (docs/recipe.md)
+    seed: int = opt(0, "seed for the drafter init, data order and anchors")
+    out: str = opt("out", "output folder: checkpoints, metrics.jsonl, cached data", metavar="DIR")
+    resume: bool = opt(False, "continue from the last complete checkpoint in --out")
     # devices and workers
-    gpus: int = 0                        # 0 = CPU
-    workers: int = 1                     # with --gpus 0: CPU workers (threads, or processes)
-    topology: str = "threads"            # threads | processes
-    warmup_timeout: float = 900.0        # seconds each worker may take to build + compile + first step
-    checksum_every: int = 50             # compare the replicas' weights every N steps (and at the end)
-    compile_policy: str = "eager"        # a probe policy name, or auto (WORKDIR/probe.json)
-    workdir: str = ""                    # where probe.json lives for auto; default $DFLASH_OPS_WORKDIR
-    cpu_threads: int = 0                 # torch intra-op threads on CPU; 0 = torch's default
-    skip_compile_guard: bool = False     # skip the first compiled step's check against eager
-    compile_target: str = "auto"         # auto | on | off: the target's layers compiled (auto: on CUDA
-                                         # with a compiled policy)
-    compile_update: str = "auto"         # auto | on | off: clip + AdamW compiled as one function (auto: likewise)
-    graph_target: str = "off"            # on | off: the compiled target's forward replayed as a CUDA graph (threads)
-    # how the drafter's step runs on a GPU (trainer/model/choices.py; the defaults are the measured best)
-    fp32_wgrad: str = "on"               # on | off: Linear's weight gradient in fp32 from cuBLAS (off: autocast's bf16)
-    flex_tiles: str = ""                 # FlexAttention tiles BWD[/FWD][+kv]; "" = the tuned choice
-                                         # (Hopper), else torch's
-    ce_rows: int = 0                     # rows per chunk of the fused cross-entropy; 0 = sized to 1 GiB of fp32 logits
-    ce_kernel: str = "on"                # on | off: the cross-entropy core as one Triton kernel where it can run
-    precision: str = "bf16"              # bf16 | fp8 | fp8-rowwise | fp8-lmhead: the drafter's matmuls (model/fp8.py)
-    fp8_emulate: bool = False            # fp8's arithmetic without FP8 hardware (the CPU: tests)
+    gpus: int = opt(0, "GPUs to use (0 = CPU)")
+    workers: int = opt(1, "with --gpus 0: CPU workers (threads, or processes under --topology processes); with --gpus "
+                       "N and --topology threads: a multiple of N worker threads sharing the GPUs")
+    topology: str = opt("threads", "threads (one worker thread per device) or processes (one process per device: "
+                        "torchrun + DDP)", metavar="threads|processes", choices=TOPOLOGIES)
+    warmup_timeout: float = opt(900.0, "seconds each worker may take to build, compile and run its first step (one "
+                                "worker at a time); past it the run fails naming the worker")
+    checksum_every: int = opt(50, "compare the replicas' weights (bit for bit) every N steps and at the end; 0 = only "
+                              "at the end")
+    compile_policy: str = opt("eager", f"{' | '.join(POLICY_NAMES)} | auto (the probe's choice from "
+                              "WORKDIR/probe.json)", metavar="NAME|auto")
+    workdir: str = opt("", "the dflash-ops WORKDIR holding probe.json (default: $DFLASH_OPS_WORKDIR)", metavar="DIR")
+    cpu_threads: int = opt(0, "torch intra-op threads on CPU (0 = torch's default)")
+    skip_compile_guard: bool = opt(False, "skip the guard that checks each worker's first compiled step against an "
+                                   "eager forward/backward on the same weights and batch (on by default for every "
+                                   "policy but eager)")
+    compile_target: str = opt("auto", "auto | on | off: run the frozen target's decoder layers compiled by inductor "
+                              "(no CUDA graphs); auto = on a GPU whenever --compile-policy is not eager",
+                              metavar="auto|on|off", choices=AUTO_ON_OFF)
+    compile_update: str = opt("auto", "auto | on | off: run the gradient clip and the AdamW update as one function "
+                              "compiled by inductor (same math and optimizer state as torch's AdamW); auto = on a GPU "
+                              "whenever --compile-policy is not eager", metavar="auto|on|off", choices=AUTO_ON_OFF)
+    graph_target: str = opt("off", "on | off: with the target compiled and several worker threads each on its own GPU, "
+                            "replay the target's forward as a CUDA graph (the workers share one Python interpreter; a "
+                            "graph spares each the launches of the target's layers). Same features bit for bit; off by "
+                            "default: with the look-ahead (the next step's target forward during the gradient sum) it "
+                            "measured no faster on two H200s (docs/decisions.md)", metavar="on|off", choices=ON_OFF)
+    # how the drafter's step runs on a GPU (trainer/model/choices.py, model/fp8.py; the defaults are the measured best)
+    fp32_wgrad: str = opt("on", "on | off: under CUDA bf16 autocast, the drafter's weight gradients leave cuBLAS in "
+                          "fp32 (one pass less, no bf16 rounding); off = autocast's bf16 gradients",
+                          metavar="on|off", choices=ON_OFF)
+    flex_tiles: str = opt("", "FlexAttention's tiles, for an A/B: BWD[/FWD][+kv], BWD = default or "
+                          "M1-N1-M2-N2-STAGES-WARPS, FWD = M-N-STAGES-WARPS, +kv = K/V expanded to the query heads; "
+                          "empty = the tuned choice on Hopper, else torch's", metavar="TILES")
+    ce_rows: int = opt(0, "rows per chunk of the fused cross-entropy, for an A/B; 0 = the most whose fp32 logits fit "
+                       "in 1 GiB", metavar="N")
+    ce_kernel: str = opt("on", "on | off: the cross-entropy core as one Triton kernel on a GPU (off = the torch core)",
+                         metavar="on|off", choices=ON_OFF)
+    precision: str = opt("bf16", "bf16 | fp8 | fp8-rowwise | fp8-lmhead: the drafter's Linear layers train with "
+                         "torchao's float8 matmuls, tensorwise or rowwise scaled (opt-in: docs/precision.md); "
+                         "fp8-lmhead: fp8, and the lm_head's matmuls in the loss too (the fastest at the 8B shape); "
+                         "fp32 master weights and optimizer, target and loss unchanged; bf16 = the default path",
+                         metavar="|".join(PRECISIONS), choices=PRECISIONS)
+    fp8_emulate: bool = opt(False, "with --precision fp8*: the same fp8 rounding without FP8 hardware (slow; the CPU, "
+                            "tests)")
     # several nodes (--topology processes): one DDP job joined by torchrun's c10d rendezvous
-    nnodes: int = 1                      # nodes in the job; each runs this command with its own --node-address
-    rdzv_endpoint: str = ""              # HOST:PORT where the nodes meet (the hosting node's training address)
-    rdzv_id: str = ""                    # the job's id, the same on every node
-    rdzv_host: bool = False              # this node hosts the rendezvous store (exactly one node does)
-    node_address: str = ""               # this node's own address on the training network
+    nnodes: int = opt(1, "nodes in one --topology processes job (torchrun --nnodes); each node runs the same command "
+                      "with its own --node-address, one with --rdzv-host")
+    rdzv_endpoint: str = opt("", "HOST:PORT of the c10d rendezvous the nodes join (with --nnodes > 1)",
+                             metavar="HOST:PORT")
+    rdzv_id: str = opt("", "the job's rendezvous id, the same on every node (with --nnodes > 1)", metavar="ID")
+    rdzv_host: bool = opt(False, "this node hosts the rendezvous store at --rdzv-endpoint (exactly one node)")
+    node_address: str = opt("", "this node's address on the training network, which the other nodes reach (torchrun "
+                            "--local-addr; with --nnodes > 1)", metavar="ADDR")
     # drafter and objective
-    draft_layers: int = 5
-    block_size: int = 16
-    anchors: int = 512                   # anchors per sequence per step (at most; fewer where memory is short)
-    gamma: float = 0.0                   # loss decay; 0 = from the block size (7 for 16, 5 for 10, 4 for 8)
-    position_weights: str = "exp"        # exp | dpace: the block positions' loss weights (trainer/model/objective.py)
-    dpace_alpha: float = 0.5             # dpace's confidence smoothing, in (0, 1]
-    objective: str = "ce"                # ce | kd | ce+kd: the data's tokens, the target's distribution, or both
-                                         # (trainer/model/objective.py)
-    kd_temperature: float = 1.0          # T of kd and ce+kd
-    kd_mix: float = 0.5                  # KD's share of ce+kd: (1 - mix) * CE + mix * KD
-    mask_token_id: int = -1              # -1 = the target tokenizer's mask token or first unused row
-    freeze_draft_norm: bool = False      # use the target's final norm, frozen (the pre-export behaviour)
+    draft_layers: int = opt(5, "drafter layers")
+    block_size: int = opt(16, "tokens per block: the anchor plus block_size-1 predicted tokens")
+    anchors: int = opt(512, "anchors (blocks) per sequence per step, at most; the trainer uses fewer, and says so in "
+                       "one line at start, when rows are too short for them or the GPU's free memory is "
+                       "(docs/recipe.md)")
+    # gamma 0: 7 for a block of 16, 5 for 10, 4 for 8; the objective's fields are read by trainer/model/objective.py
+    gamma: float = opt(0.0, "loss decay w_k = exp(-(k-1)/gamma) (--position-weights exp); 0 = from the block size")
+    position_weights: str = opt("exp", "how much each block position's loss counts: exp (the recipe's fixed decay, "
+                                "--gamma) or dpace (D-PACE, as vLLM's speculators trains DFlash: each position "
+                                "weighted, every step, by the drafter's own confidence in its block, the expected "
+                                "accepted length it is worth; needs --objective ce); dpace is not yet measured on a "
+                                "GPU (docs/recipe.md)", metavar="|".join(POSITION_WEIGHTS), choices=POSITION_WEIGHTS)
+    dpace_alpha: float = opt(0.5, "D-PACE's confidence smoothing alpha, in (0, 1]: s = (1 - alpha) exp(-CE) + alpha",
+                             metavar="X")
+    objective: str = opt("ce", "what the drafter learns at each block position: ce (cross-entropy against the data's "
+                         "token, the recipe's), kd (distillation: the KL from the target's own distribution there, at "
+                         "--kd-temperature; the target then runs all its layers) or ce+kd (their mix, --kd-mix); kd is "
+                         "not yet measured on a GPU (docs/recipe.md)", metavar="|".join(OBJECTIVES), choices=OBJECTIVES)
+    kd_temperature: float = opt(1.0, "temperature T of the distillation (kd, ce+kd): T^2 * KL(softmax(target/T) || "
+                                "softmax(drafter/T)); > 0", metavar="T")
+    kd_mix: float = opt(0.5, "KD's share of --objective ce+kd, in [0, 1]: (1 - mix) * CE + mix * KD", metavar="X")
+    mask_token_id: int = opt(-1, "token id of MASK (-1 = tokenizer's mask token, else the first unused embedding row)")
+    freeze_draft_norm: bool = opt(False, "use the target's final norm, frozen, instead of training the drafter's own "
+                                  "(initialised from the target's)")
     # chat data
-    chat_template_kwargs: str = '{"enable_thinking": false}'  # JSON object passed to apply_chat_template
-    train_thinking: bool = False         # also train on the <think>...</think> block a template injects
-    # optimisation
-    batch_size: int = 8                  # sequences per step, over all workers
-    seq_len: int = 3072                  # longer rows are truncated
-    lr: float = 6e-4
-    min_lr: float = 0.0
-    warmup: float = 0.04                 # fraction of --steps
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    optimizer: str = "adamw"             # adamw | muon (trainer/engine/muon.py)
-    muon_lr: float = 0.0                 # Muon's peak lr; 0 = --lr (the schedule scales it like --lr)
-    muon_momentum: float = 0.95
-    muon_weight_decay: float = 0.1
+    chat_template_kwargs: str = opt('{"enable_thinking": false}', "JSON object of template options for chat rows and "
+                                    "their eval prompts, passed to apply_chat_template (a mapping in YAML)",
+                                    metavar="JSON")
+    train_thinking: bool = opt(False, "also train on the <think>...</think> block the chat template injects into "
+                               "assistant turns (default: loss mask 0 there)")
+    # optimisation (--optimizer muon: trainer/engine/muon.py)
+    batch_size: int = opt(8, "sequences per step across all workers")
+    seq_len: int = opt(3072, "maximum sequence length (longer rows are truncated)")
+    lr: float = opt(6e-4, "peak learning rate (AdamW)")
+    min_lr: float = opt(0.0, "learning rate at the end of the cosine")
+    warmup: float = opt(0.04, "linear warmup as a fraction of --steps")
+    adam_beta1: float = opt(0.9, "AdamW beta1")
+    adam_beta2: float = opt(0.999, "AdamW beta2 (the recipe's 0.999; short, high-lr runs adapt faster with 0.95)")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    grad_clip: float = opt(1.0, "max global gradient norm")
+    optimizer: str = opt("adamw", "adamw (torch's AdamW over every trainable parameter, the recipe) or muon (Muon, as "
+                         "vLLM's speculators trains DFlash: momentum orthogonalised by 5 Newton-Schulz steps for the "
+                         "drafter's weight matrices, at AdamW's update RMS; AdamW, --lr, for its norms); fp32 weights "
+                         "and state either way; muon is not yet measured on a GPU (docs/recipe.md); a --resume keeps "
+                         "the optimizer", metavar="|".join(OPTIMIZERS), choices=OPTIMIZERS)
+    muon_lr: float = opt(0.0, "Muon's peak learning rate, scaled by the same warm-up and cosine as --lr (0 = --lr: "
+                         "with Muon's AdamW-matched update size, AdamW's lr carries over)")
+    muon_momentum: float = opt(0.95, "Muon's momentum (Nesterov), in [0, 1)")
+    muon_weight_decay: float = opt(0.1, "Muon's decoupled weight decay (per step: weights x (1 - lr x decay))")
     # synthetic data
-    synthetic_samples: int = 512
-    synthetic_prompt_len: int = 16
-    synthetic_new_tokens: int = 240
-    synthetic_temperature: float = 0.0   # 0 = greedy continuations
+    synthetic_samples: int = opt(512, "rows of synthetic data to train on (--data synthetic, for tests only)")
+    synthetic_prompt_len: int = opt(16, "random prompt length for synthetic data")
+    synthetic_new_tokens: int = opt(240, "tokens the target continues each synthetic prompt by")
+    synthetic_temperature: float = opt(0.0, "sampling temperature for synthetic continuations (0 = greedy)")
     # logging, checkpoints, eval
-    log_every: int = 1
-    checkpoint_every: int = 100          # 0 = only at the end and on SIGTERM
-    keep_checkpoints: int = 2
-    eval_prompts: int = 8
-    eval_new_tokens: int = 64
-    eval_every: int = 0                  # 0 = only at the end
-    eval_at_start: bool = False          # also measure the untrained drafter (a baseline for tau)
-    eval_overlap_ok: bool = False        # allow eval prompts that are also training rows' prompts
-    target_changed_ok: bool = False      # --resume against a target other than the checkpoint's
+    log_every: int = opt(1, "print a metrics line every N steps")
+    checkpoint_every: int = opt(100, "checkpoint every N steps (0 = at the end and on SIGTERM only)")
+    keep_checkpoints: int = opt(2, "complete checkpoints kept (at least 2: the previous one survives a crash "
+                                "mid-write)")
+    eval_prompts: int = opt(8, "prompts of the last N rows, held out from training, for the acceptance-length eval "
+                            "(0 = no eval; --data synthetic makes N rows more)")
+    eval_new_tokens: int = opt(64, "tokens generated per eval prompt")
+    eval_every: int = opt(0, "measure acceptance length every N steps (0 = at the end only)")
+    eval_at_start: bool = opt(False, "also measure the untrained drafter's acceptance length before training")
+    eval_overlap_ok: bool = opt(False, "run even when eval prompts are also training rows' prompts (too few rows to "
+                                "hold any out, or repeated prompts); without it the run refuses, as tau would not be "
+                                "measured on held-out prompts")
+    target_changed_ok: bool = opt(False, "with --resume: continue even when the target at --target is not the one the "
+                                  "checkpoint was trained against (same shape, another model); without it the resume "
+                                  "refuses")
 
     @property
     def n_devices(self) -> int:
@@ -126,129 +202,6 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-HELP = {
-    "target": "frozen target: a local Hugging Face model folder, small-code[-gpu] (a code LM built here once), "
-              "or tiny[:SEED]",
-    "data": "JSONL (input_ids+loss_mask, or chat messages: python -m trainer.regen writes rows answered by the "
-            "target), or synthetic, for tests only (random-token prompts the target continues, no chat template); "
-            "the last --eval-prompts rows are held out for the eval",
-    "target_layers": "comma-separated target layer ids to condition on (default: 5 evenly spaced in 1..L-3)",
-    "steps": "optimizer steps in total",
-    "seed": "seed for the drafter init, data order and anchors",
-    "out": "output folder: checkpoints, metrics.jsonl, cached data",
-    "resume": "continue from the last complete checkpoint in --out",
-    "gpus": "GPUs to use (0 = CPU)",
-    "workers": "with --gpus 0: CPU workers (threads, or processes under --topology processes); with "
-               "--gpus N and --topology threads: a multiple of N worker threads sharing the GPUs",
-    "topology": "threads (one worker thread per device) or processes (one process per device: torchrun + DDP)",
-    "warmup_timeout": "seconds each worker may take to build, compile and run its first step (one worker "
-                      "at a time); past it the run fails naming the worker",
-    "checksum_every": "compare the replicas' weights (bit for bit) every N steps and at the end; 0 = only at the end",
-    "compile_policy": f"{' | '.join(POLICY_NAMES)} | auto (the probe's choice from WORKDIR/probe.json)",
-    "workdir": "the dflash-ops WORKDIR holding probe.json (default: $DFLASH_OPS_WORKDIR)",
-    "cpu_threads": "torch intra-op threads on CPU (0 = torch's default)",
-    "nnodes": "nodes in one --topology processes job (torchrun --nnodes); each node runs the same command "
-              "with its own --node-address, one with --rdzv-host",
-    "rdzv_endpoint": "HOST:PORT of the c10d rendezvous the nodes join (with --nnodes > 1)",
-    "rdzv_id": "the job's rendezvous id, the same on every node (with --nnodes > 1)",
-    "rdzv_host": "this node hosts the rendezvous store at --rdzv-endpoint (exactly one node)",
-    "node_address": "this node's address on the training network, which the other nodes reach "
-                    "(torchrun --local-addr; with --nnodes > 1)",
-    "skip_compile_guard": "skip the guard that checks each worker's first compiled step against an eager "
-                          "forward/backward on the same weights and batch (on by default for every policy but eager)",
-    "compile_target": "auto | on | off: run the frozen target's decoder layers compiled by inductor (no CUDA "
-                      "graphs); auto = on a GPU whenever --compile-policy is not eager",
-    "compile_update": "auto | on | off: run the gradient clip and the AdamW update as one function compiled by "
-                      "inductor (same math and optimizer state as torch's AdamW); auto = on a GPU whenever "
-                      "--compile-policy is not eager",
-    "graph_target": "on | off: with the target compiled and several worker threads each on its own GPU, replay "
-                    "the target's forward as a CUDA graph (the workers share one Python interpreter; a graph "
-                    "spares each the launches of the target's layers). Same features bit for bit; off by default: "
-                    "with the look-ahead (the next step's target forward during the gradient sum) it measured "
-                    "no faster on two H200s (docs/decisions.md)",
-    "fp32_wgrad": "on | off: under CUDA bf16 autocast, the drafter's weight gradients leave cuBLAS in fp32 "
-                  "(one pass less, no bf16 rounding); off = autocast's bf16 gradients",
-    "flex_tiles": "FlexAttention's tiles, for an A/B: BWD[/FWD][+kv], BWD = default or M1-N1-M2-N2-STAGES-WARPS, "
-                  "FWD = M-N-STAGES-WARPS, +kv = K/V expanded to the query heads; empty = the tuned choice on "
-                  "Hopper, else torch's",
-    "ce_rows": "rows per chunk of the fused cross-entropy, for an A/B; 0 = the most whose fp32 logits fit in 1 GiB",
-    "ce_kernel": "on | off: the cross-entropy core as one Triton kernel on a GPU (off = the torch core)",
-    "precision": "bf16 | fp8 | fp8-rowwise | fp8-lmhead: the drafter's Linear layers train with torchao's float8 "
-                 "matmuls, tensorwise or rowwise scaled (opt-in: docs/precision.md); fp8-lmhead: fp8, and the "
-                 "lm_head's matmuls in the loss too (the fastest at the 8B shape); fp32 master weights and "
-                 "optimizer, target and loss unchanged; bf16 = the default path",
-    "fp8_emulate": "with --precision fp8*: the same fp8 rounding without FP8 hardware (slow; the CPU, tests)",
-    "draft_layers": "drafter layers",
-    "block_size": "tokens per block: the anchor plus block_size-1 predicted tokens",
-    "anchors": "anchors (blocks) per sequence per step, at most; the trainer uses fewer, and says so in one "
-               "line at start, when rows are too short for them or the GPU's free memory is (docs/recipe.md)",
-    "gamma": "loss decay w_k = exp(-(k-1)/gamma) (--position-weights exp); 0 = from the block size",
-    "position_weights": "how much each block position's loss counts: exp (the recipe's fixed decay, --gamma) or "
-                        "dpace (D-PACE, as vLLM's speculators trains DFlash: each position weighted, every step, "
-                        "by the drafter's own confidence in its block, the expected accepted length it is worth; "
-                        "needs --objective ce); dpace is not yet measured on a GPU (docs/recipe.md)",
-    "dpace_alpha": "D-PACE's confidence smoothing alpha, in (0, 1]: s = (1 - alpha) exp(-CE) + alpha",
-    "objective": "what the drafter learns at each block position: ce (cross-entropy against the data's token, "
-                 "the recipe's), kd (distillation: the KL from the target's own distribution there, at "
-                 "--kd-temperature; the target then runs all its layers) or ce+kd (their mix, --kd-mix); "
-                 "kd is not yet measured on a GPU (docs/recipe.md)",
-    "kd_temperature": "temperature T of the distillation (kd, ce+kd): T^2 * KL(softmax(target/T) || "
-                      "softmax(drafter/T)); > 0",
-    "kd_mix": "KD's share of --objective ce+kd, in [0, 1]: (1 - mix) * CE + mix * KD",
-    "mask_token_id": "token id of MASK (-1 = tokenizer's mask token, else the first unused embedding row)",
-    "freeze_draft_norm": "use the target's final norm, frozen, instead of training the drafter's own "
-                         "(initialised from the target's)",
-    "chat_template_kwargs": "JSON object of template options for chat rows and their eval prompts, passed "
-                            "to apply_chat_template (a mapping in YAML)",
-    "train_thinking": "also train on the <think>...</think> block the chat template injects into "
-                      "assistant turns (default: loss mask 0 there)",
-    "batch_size": "sequences per step across all workers",
-    "seq_len": "maximum sequence length (longer rows are truncated)",
-    "lr": "peak learning rate (AdamW)",
-    "min_lr": "learning rate at the end of the cosine",
-    "warmup": "linear warmup as a fraction of --steps",
-    "adam_beta1": "AdamW beta1",
-    "adam_beta2": "AdamW beta2 (the recipe's 0.999; short, high-lr runs adapt faster with 0.95)",
-    "weight_decay": "AdamW weight decay",
-    "grad_clip": "max global gradient norm",
-    "optimizer": "adamw (torch's AdamW over every trainable parameter, the recipe) or muon (Muon, as vLLM's "
-                 "speculators trains DFlash: momentum orthogonalised by 5 Newton-Schulz steps for the drafter's "
-                 "weight matrices, at AdamW's update RMS; AdamW, --lr, for its norms); fp32 weights and state "
-                 "either way; muon is not yet measured on a GPU (docs/recipe.md); a --resume keeps the optimizer",
-    "muon_lr": "Muon's peak learning rate, scaled by the same warm-up and cosine as --lr (0 = --lr: with Muon's "
-               "AdamW-matched update size, AdamW's lr carries over)",
-    "muon_momentum": "Muon's momentum (Nesterov), in [0, 1)",
-    "muon_weight_decay": "Muon's decoupled weight decay (per step: weights x (1 - lr x decay))",
-    "synthetic_samples": "rows of synthetic data to train on (--data synthetic, for tests only)",
-    "synthetic_prompt_len": "random prompt length for synthetic data",
-    "synthetic_new_tokens": "tokens the target continues each synthetic prompt by",
-    "synthetic_temperature": "sampling temperature for synthetic continuations (0 = greedy)",
-    "log_every": "print a metrics line every N steps",
-    "checkpoint_every": "checkpoint every N steps (0 = at the end and on SIGTERM only)",
-    "keep_checkpoints": "complete checkpoints kept (at least 2: the previous one survives a crash mid-write)",
-    "eval_prompts": "prompts of the last N rows, held out from training, for the acceptance-length eval "
-                    "(0 = no eval; --data synthetic makes N rows more)",
-    "eval_new_tokens": "tokens generated per eval prompt",
-    "eval_every": "measure acceptance length every N steps (0 = at the end only)",
-    "eval_at_start": "also measure the untrained drafter's acceptance length before training",
-    "eval_overlap_ok": "run even when eval prompts are also training rows' prompts (too few rows to hold any "
-                       "out, or repeated prompts); without it the run refuses, as tau would not be measured on "
-                       "held-out prompts",
-    "target_changed_ok": "with --resume: continue even when the target at --target is not the one the checkpoint "
-                         "was trained against (same shape, another model); without it the resume refuses",
-}
-
-
-METAVAR = {"chat_template_kwargs": "JSON", "target": "PATH|small-code|tiny", "data": "PATH|synthetic", "out": "DIR",
-           "workdir": "DIR", "target_layers": "I,J,..", "topology": "threads|processes", "compile_policy": "NAME|auto",
-           "rdzv_endpoint": "HOST:PORT", "rdzv_id": "ID", "node_address": "ADDR",
-           "compile_target": "auto|on|off", "compile_update": "auto|on|off", "graph_target": "on|off",
-           "fp32_wgrad": "on|off", "flex_tiles": "TILES", "ce_rows": "N", "ce_kernel": "on|off",
-           "precision": "|".join(PRECISIONS), "objective": "|".join(OBJECTIVES), "kd_temperature": "T",
-           "kd_mix": "X", "position_weights": "|".join(POSITION_WEIGHTS), "dpace_alpha": "X",
-           "optimizer": "|".join(OPTIMIZERS)}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -269,15 +222,35 @@ def build_parser() -> argparse.ArgumentParser:
                       argument_default=argparse.SUPPRESS)
     p.add_argument("--config", metavar="FILE", help="YAML file; keys spelled like these flags")
     for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            p.add_argument(flag, dest=f.name, action="store_true", help=HELP[f.name])
-        else:
-            conv = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            metavar = METAVAR.get(f.name, {int: "N", float: "X"}.get(conv, "S"))
-            p.add_argument(flag, dest=f.name, type=conv, metavar=metavar,
-                           help=f"{HELP[f.name]} (default: {f.default!r})")
+        _add_option(p, f)
     return p
+
+
+def add_trainer_options(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
+    """The trainer's options `names` (TrainConfig fields) on another program's parser (a benchmark that
+    runs the trainer's step): the trainer's flag, type, metavar, help and default, and its allowed values
+    as choices, so the two cannot drift apart."""
+    known = {f.name: f for f in fields(TrainConfig)}
+    for name in names:
+        if name not in known:
+            raise ValueError(f"{name}: not a TrainConfig field")
+        _add_option(parser, known[name], default=True)
+
+
+def _add_option(p: argparse.ArgumentParser, f: Field, default: bool = False) -> None:
+    """One field's flag. The trainer's own parser takes no defaults (argument_default=SUPPRESS: the
+    flags override YAML, which overrides the dataclass) and no choices (validate says what is wrong, in
+    its words); another program's gets both (default)."""
+    flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
+    extra: dict[str, Any] = {"default": f.default} if default else {}
+    if f.type in ("bool", bool):
+        p.add_argument(flag, dest=f.name, action="store_true", help=help, **extra)
+        return
+    conv = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+    if default and f.metadata["choices"]:
+        extra["choices"] = f.metadata["choices"]
+    p.add_argument(flag, dest=f.name, type=conv, metavar=f.metadata["metavar"] or {int: "N", float: "X"}.get(conv, "S"),
+                   help=f"{help} (default: {f.default!r})", **extra)
 
 
 def parse(argv: list[str] | None = None) -> TrainConfig:
@@ -374,16 +347,16 @@ def validate(c: TrainConfig, here: bool = True) -> None:
          f"or with --topology threads a multiple of {c.gpus} workers sharing the GPUs")
     need(c.topology == "threads" or c.gpus == 0 or c.workers in (1, c.gpus),
          f"--topology processes runs one process per GPU: drop --workers {c.workers} (or use --topology threads)")
-    need(c.topology in ("threads", "processes"), f"--topology must be threads or processes, got {c.topology!r}")
+    need(c.topology in TOPOLOGIES, f"--topology must be threads or processes, got {c.topology!r}")
     need(c.compile_policy in known_policies() + ("auto",),
          f"--compile-policy {c.compile_policy!r}: expected one of {', '.join(POLICY_NAMES)}, auto")
-    need(c.compile_target in ("auto", "on", "off"),
+    need(c.compile_target in AUTO_ON_OFF,
          f"--compile-target must be auto, on or off, got {c.compile_target!r}")
-    need(c.compile_update in ("auto", "on", "off"),
+    need(c.compile_update in AUTO_ON_OFF,
          f"--compile-update must be auto, on or off, got {c.compile_update!r}")
-    need(c.graph_target in ("on", "off"), f"--graph-target must be on or off, got {c.graph_target!r}")
-    need(c.fp32_wgrad in ("on", "off"), f"--fp32-wgrad must be on or off, got {c.fp32_wgrad!r}")
-    need(c.ce_kernel in ("on", "off"), f"--ce-kernel must be on or off, got {c.ce_kernel!r}")
+    need(c.graph_target in ON_OFF, f"--graph-target must be on or off, got {c.graph_target!r}")
+    need(c.fp32_wgrad in ON_OFF, f"--fp32-wgrad must be on or off, got {c.fp32_wgrad!r}")
+    need(c.ce_kernel in ON_OFF, f"--ce-kernel must be on or off, got {c.ce_kernel!r}")
     need(c.precision in PRECISIONS, f"--precision {c.precision!r}: expected one of {', '.join(PRECISIONS)}")
     need(not c.fp8_emulate or c.precision != "bf16", EMULATE_ALONE)
     need(c.precision == "bf16" or c.gpus > 0 or c.fp8_emulate,
