@@ -1,4 +1,5 @@
-"""Long silent phases say they are still going: the heartbeat, alone and in a real tiny run."""
+"""Long silent phases say they are still going: the heartbeat, alone (its timing on a fake clock) and in a real
+tiny run."""
 import io
 import subprocess
 import sys
@@ -6,19 +7,33 @@ import time
 
 import pytest
 
+from fakeclock import FakeClock
+from trainer.run import log as log_module
 from trainer.run.log import RunLog, heartbeat
 
 
-def test_heartbeat_lines_while_a_phase_runs_and_none_after():
+def test_heartbeat_lines_while_a_phase_runs_and_none_after(monkeypatch):
+    """The beat's loop on a fake clock (tests/fakeclock.py), run in the test's thread: a phase of 70 s
+    beats at 20, 40 and 60 s, and not once it has ended."""
+    clock = FakeClock(100.0)
+    monkeypatch.setattr(log_module, "time", clock.module())
     out = io.StringIO()
-    with heartbeat(RunLog(stream=out), "compiling worker 0", every=0.05):
-        time.sleep(0.3)
-    lines = out.getvalue().splitlines()
-    assert len(lines) >= 3
-    assert all(line.startswith("[trainer] still compiling worker 0 (") and line.endswith(" s)") for line in lines)
-    n = len(lines)
-    time.sleep(0.15)
-    assert len(out.getvalue().splitlines()) == n      # stopped with the phase
+    beat = heartbeat(RunLog(stream=out), "compiling worker 0", every=20)
+    beat._start, beat._done = clock.now, clock.event()
+    clock.at(170.0, beat._done.set)                 # the phase ends after 70 s
+    beat._beat()
+    assert out.getvalue().splitlines() == [f"[trainer] still compiling worker 0 ({s} s)" for s in (20, 40, 60)]
+    beat._beat()                                    # ended: no more lines
+    assert len(out.getvalue().splitlines()) == 3
+
+
+def test_heartbeat_beats_from_its_thread():
+    out = io.StringIO()
+    with heartbeat(RunLog(stream=out), "compiling worker 0", every=0.01):
+        deadline = time.monotonic() + 60            # the first beat, however loaded the machine (a bound, no measure)
+        while not out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert out.getvalue().startswith("[trainer] still compiling worker 0 (")
 
 
 def test_a_short_phase_prints_nothing():

@@ -1,11 +1,12 @@
 """trainer/train/watch.py's logic, against a real TCPStore on loopback (in this process) or a stand-in
 store where a store's timing is the point: which of a node's failures is the job's, what a launcher
 does once rank 0 passed its last collective, when the judge calls a store gone; and SIGTERM's grace
-(trainer/train/grace.py: measured from the steps; work a rank does alone does not run it out, on any rank)."""
+(trainer/train/grace.py: measured from the steps; work a rank does alone does not run it out, on any rank).
+The grace and the judge run on a fake clock (tests/fakeclock.py), in the test's thread: their verdicts
+are checked at exact times, whatever else loads the machine."""
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from fakeclock import FakeClock  # noqa: E402
 from trainer.signatures import classify  # noqa: E402
 from trainer.train import grace as grace_module, watch  # noqa: E402
 
@@ -34,63 +36,70 @@ def test_the_job_failure_is_a_rank_that_failed_on_its_own():
     assert watch.describe({"rank": None, "node": "10.0.0.2", "error": "silent"}) == "node 10.0.0.2 failed: silent"
 
 
-def test_the_grace_is_three_of_the_longest_steps(monkeypatch):
-    now = [100.0]                               # a fake clock: the steps take exactly what the test says
-    monkeypatch.setattr(grace_module, "time", SimpleNamespace(monotonic=lambda: now[0], sleep=time.sleep))
-    grace = grace_module.StopGrace(0)
+@pytest.fixture
+def clock(monkeypatch):
+    """StopGrace on a fake clock: `grace(rank)` is one whose deadline thread's work (_expire) the test
+    runs itself, and `ended` the times at which it would have exited 143."""
+    clock = FakeClock(100.0)
+    monkeypatch.setattr(grace_module, "time", clock.module())
+    monkeypatch.setattr(grace_module, "POLL_S", 0.25)
+    clock.ended = []
+    monkeypatch.setattr(grace_module, "exit_process", lambda code, finalize=None: clock.ended.append((clock.now, code)))
+
+    def grace(rank: int) -> grace_module.StopGrace:
+        g = grace_module.StopGrace(rank)
+        g._held = clock.event()
+        return g
+    clock.grace = grace
+    return clock
+
+
+def test_the_grace_is_three_of_the_longest_steps(clock):
+    grace = clock.grace(0)
     grace.least = 0.3
     assert grace.seconds() == 0.3
     grace.boundary()
-    now[0] += 0.2
+    clock.advance(0.25)
     grace.boundary()
-    assert grace.seconds() == pytest.approx(0.6)      # 3 x the 0.2 s step
-    now[0] += 0.1
+    assert grace.seconds() == 0.75                    # 3 x the 0.25 s step
+    clock.advance(0.125)
     grace.boundary()
-    assert grace.seconds() == pytest.approx(0.6)      # the longest step, not the last
+    assert grace.seconds() == 0.75                    # the longest step, not the last
     grace.excuse_until_boundary()
-    now[0] += 5.0                                     # a step and a checkpoint: no step's time
+    clock.advance(5.0)                                # a step and a checkpoint: no step's time
     grace.boundary()
-    assert grace.seconds() == pytest.approx(0.6)
-    now[0] += 1000.0
+    assert grace.seconds() == 0.75
+    clock.advance(1000.0)
     grace.boundary()
     assert grace.seconds() == grace_module.STOP_GRACE_MAX_S
 
 
-def test_the_grace_outlasts_a_ranks_own_work(monkeypatch):
-    grace = grace_module.StopGrace(0)
-    ended = threading.Event()
-    monkeypatch.setattr(grace_module, "exit_process", lambda code, finalize=None: ended.set())
-    t0 = time.monotonic()
-    with grace.busy():                          # a checkpoint being written when the deadline passes
-        th = threading.Thread(target=grace._expire, args=(0.3,))
-        th.start()
-        time.sleep(0.8)
-        assert not ended.is_set()
-    th.join(5)
-    assert ended.is_set() and time.monotonic() - t0 >= 0.8 + 0.3 - 0.05   # a fresh grace after the work
-    ended.clear()
+def test_the_grace_outlasts_a_ranks_own_work(clock):
+    grace = clock.grace(0)
+    work = grace.busy()
+    work.__enter__()                            # a checkpoint being written when the deadline passes ...
+    clock.at(102.0, lambda: work.__exit__(None, None, None))     # ... until 102.0
+    grace._expire(0.5)                          # SIGTERM at 100.0, a grace of 0.5 s
+    assert clock.ended == [(102.5, 143)]        # not at 100.5: a fresh grace once the work ended
     grace.hold()                                # the ranks agreed to stop: no deadline
-    grace._expire(0.1)
-    assert not ended.is_set()
+    grace._expire(0.5)
+    assert clock.ended == [(102.5, 143)]
 
 
-def test_a_rank_waiting_for_another_ranks_work_is_excused_until_the_boundary(monkeypatch):
+def test_a_rank_waiting_for_another_ranks_work_is_excused_until_the_boundary(clock):
     # rank 1 waits in the next agreement while rank 0 evaluates: its deadline must not pass meanwhile
-    monkeypatch.setattr(grace_module, "POLL_S", 0.05)
-    ended = threading.Event()
-    monkeypatch.setattr(grace_module, "exit_process", lambda code, finalize=None: ended.set())
-    grace = grace_module.StopGrace(1)
+    grace = clock.grace(1)
     grace.boundary()
     grace.excuse_until_boundary()
-    th = threading.Thread(target=grace._expire, args=(0.2,))
-    th.start()
-    time.sleep(0.8)                             # rank 0's eval, four deadlines long
-    assert not ended.is_set()
-    grace.boundary()                            # the agreement: a stretch with an eval is no step's time
-    assert grace.longest == 0.0
-    grace.hold()                                # ... where the ranks agree on the stop
-    th.join(5)
-    assert not ended.is_set()
+    clock.at(102.0, grace.boundary)             # the agreement after rank 0's eval, four deadlines long
+    grace._expire(0.5)
+    assert clock.ended == [(102.5, 143)]        # not before: the deadline counts from the boundary
+    assert grace.longest == 0.0                 # a stretch with an eval is no step's time
+    grace.excuse_until_boundary()
+    clock.at(clock.now + 2.0, grace.boundary)
+    clock.at(clock.now + 2.0, grace.hold)       # ... where the ranks agree on the stop
+    grace._expire(0.5)
+    assert clock.ended == [(102.5, 143)]
 
 
 # ---- the launcher's side, against a real store ----------------------------------------------------
@@ -131,22 +140,26 @@ def test_a_rank_that_ends_after_its_last_collective_is_no_failure_of_the_job(sto
 def test_once_rank_0_is_done_no_node_is_judged_silent(store, monkeypatch):
     # node B's launcher died after its ranks finished, before it said it left; rank 0 evaluates alone
     endpoint, keys = store
+    clock = FakeClock(100.0)                            # the launcher's rounds, 0.125 s apart
+    monkeypatch.setattr(watch, "time", clock.module())
     node = node_watch(endpoint)
-    node.silent = 0.2
+    node.silent = 0.25
     keys.set("node/0", "127.0.0.2/1")
     keys.add("nodes", 1)
     keys.set("done/0", "1")
     for _ in range(5):
         node.tick(keys)
-        time.sleep(0.1)
+        clock.advance(0.125)
     assert not keys.check([watch.FAILED]) and not node._armed
     keys.delete_key("done/0")                           # before rank 0 is done, B's silence is a failure
     node = node_watch(endpoint)
-    node.silent = 0.2
-    for _ in range(5):
+    node.silent = 0.25
+    for _ in range(3):                                  # B's beat seen at 100.625, unchanged 0.25 s later
         node.tick(keys)
-        time.sleep(0.1)
-    assert "has not been heard from" in watch.json.loads(keys.get(watch.FAILED))["error"]
+        clock.advance(0.125)
+    assert not keys.check([watch.FAILED])
+    node.tick(keys)                                     # ... and 0.375 s later: silent
+    assert "has not been heard from for 0.25 s" in watch.json.loads(keys.get(watch.FAILED))["error"]
 
 
 @pytest.mark.parametrize("rank0_done", [True, False])
@@ -182,56 +195,68 @@ def test_the_launcher_kills_its_ranks_only_while_the_job_is_unfinished(store, mo
 
 # ---- the judge: one store call in flight too long, not a process that stalled ---------------------
 
-class SlowStore:
-    def __init__(self, seconds=0.0, stall=None):
-        self.seconds, self.stall, self.hang = seconds, stall, threading.Event()
+@pytest.fixture
+def judge(monkeypatch):
+    """The judge (Watch._judge) on a fake clock, run in the test's thread until `end`: POLL_S 0.25,
+    UNREACHABLE_S 1; the reader's store calls are scheduled on the clock (`call(start, seconds)`), as
+    _Timed marks them. Returns (clock, call, run), run() the judge's verdicts as (time, why)."""
+    clock = FakeClock(100.0)
+    monkeypatch.setattr(watch, "time", clock.module())
+    monkeypatch.setattr(watch, "POLL_S", 0.25)
+    monkeypatch.setattr(watch, "UNREACHABLE_S", 1.0)
+    ends: list = []
+    w = watch.Watch("127.0.0.1:1", "job", lambda why, failed: ends.append((clock.now, why)))
+    w._ended = clock.event()
 
-    def check(self, keys):
-        if self.stall:
-            self.stall()
-        time.sleep(self.seconds)
-        return False
+    def call(start: float, seconds: float | None) -> None:
+        """A store call in flight from `start` for `seconds` (None: it never returns)."""
+        def begin() -> None:
+            w._call_started = clock.now
+        clock.at(start, begin)
+        if seconds is not None:
+            clock.at(start + seconds, lambda: setattr(w, "_call_started", None))
 
-    def add(self, key, n):
-        time.sleep(self.seconds)
-        return 0
-
-
-class TwoCalls(watch.Watch):
-    def tick(self, store):
-        store.add("beat", 1)
-
-
-def judged(monkeypatch, store, cls=watch.Watch, run_s=1.0):
-    monkeypatch.setattr(watch, "POLL_S", 0.05)
-    monkeypatch.setattr(watch, "UNREACHABLE_S", 0.5)
-    monkeypatch.setattr(watch, "key_space", lambda e, r: store)
-    ends = []
-    w = cls("127.0.0.1:1", "job", lambda why, failed: ends.append(why)).start()
-    w.wait(run_s)
-    w._ended.set()
-    return ends
+    def run(end: float = 110.0) -> list:
+        clock.at(end, w._ended.set)     # the watch ends (the job did) if the judge has not ended it first
+        w._judge()
+        return ends
+    return clock, call, run
 
 
-def test_a_slow_store_whose_every_call_answers_in_time_is_not_gone(monkeypatch):
-    assert judged(monkeypatch, SlowStore(0.3), TwoCalls) == []     # a round of 0.6 s, each call 0.3 s
+def test_a_slow_store_whose_every_call_answers_in_time_is_not_gone(judge):
+    clock, call, run = judge
+    for k in range(12):                 # rounds of two calls, each 0.75 s of the 1 s allowed, back to back
+        call(100.0 + 1.5 * k, 0.75)
+        call(100.75 + 1.5 * k, 0.75)
+    assert run() == []
 
 
-def test_a_store_call_that_never_returns_is_the_store_gone(monkeypatch):
-    store = SlowStore(30)
-    ends = judged(monkeypatch, store)
-    assert len(ends) == 1 and "has not answered for 0.5 s" in ends[0]
+def test_a_store_call_that_never_returns_is_the_store_gone(judge):
+    clock, call, run = judge
+    call(100.5, 0.5)
+    call(101.125, None)
+    (end,) = run()
+    assert end[0] == 102.25 and "has not answered for 1 s" in end[1]    # the first look past 1 s in flight
 
 
-def test_a_process_that_stalled_does_not_call_its_store_gone(monkeypatch):
-    clock = {"offset": 0.0}
-    real = time.monotonic
-    monkeypatch.setattr(watch, "time", SimpleNamespace(monotonic=lambda: real() + clock["offset"], sleep=time.sleep))
+@pytest.mark.parametrize("lasts, gone_at", [(21.25, None), (None, 122.25)])
+def test_a_process_that_stalled_does_not_call_its_store_gone(judge, lasts, gone_at):
+    """A call in flight while the process stood still for 20 s (swapped, SIGSTOPped): the judge wakes up
+    late (121.0) and counts the call from then on. Answered 0.75 s later, the store is not gone; never
+    answered, it is gone 1 s after the wake-up, not at once (20.5 s after the call began)."""
+    clock, call, run = judge
+    call(100.5, lasts)
+    clock.at(101.0, lambda: setattr(clock, "now", clock.now + 20.0))
+    assert [at for at, _ in run(130.0)] == ([] if gone_at is None else [gone_at])
 
-    def stall():        # the process stood still for 20 s (swapped, SIGSTOPped) during a call
-        if clock["offset"] == 0.0:
-            clock["offset"] = 20.0
-    assert judged(monkeypatch, SlowStore(0.15, stall)) == []
+
+def test_a_store_call_is_marked_in_flight_while_it_runs():
+    """_Timed, the reader's store: the judge reads _call_started."""
+    w = watch.Watch("127.0.0.1:1", "job", lambda why, failed: None)
+    seen = []
+    store = SimpleNamespace(check=lambda keys: seen.append(w._call_started) or False)
+    assert watch._Timed(store, w).check(["failed"]) is False
+    assert seen[0] is not None and w._call_started is None
 
 
 def test_a_node_counted_but_not_yet_written_does_not_block_the_launchers_round(store):
