@@ -106,3 +106,37 @@ def test_a_relative_import_over_several_lines_is_refused_by_name():
         agent._local_imports("runs.x", text)
 
 
+
+
+def _bound_in(fn) -> set[str]:
+    """The names a function (or lambda) binds: its parameters and every name it stores."""
+    import ast
+
+    a = fn.args
+    names = {p.arg for p in a.posonlyargs + a.args + a.kwonlyargs + [v for v in (a.vararg, a.kwarg) if v]}
+    return names | {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+
+@pytest.mark.parametrize("program", [agent.RELEASE, agent.RUNS])
+def test_no_part_of_a_joined_agent_shadows_another_parts_global(program):
+    """The parts of an agent run as one namespace (source() joins them): a function whose local has the
+    name of another part's top-level name would hide it from itself only, and a later `from .x import
+    name` of that name would silently change what the function reads. None may."""
+    import ast
+
+    owner: dict[str, str] = {}
+    trees = {part: ast.parse(agent._module_text(part)) for part in agent.parts(program)}
+    for part, tree in trees.items():
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                owner.setdefault(node.name, part)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    for n in ast.walk(target):
+                        if isinstance(n, ast.Name):
+                            owner.setdefault(n.id, part)
+    shadows = [f"{part}: {getattr(fn, 'name', 'lambda')} binds {name} ({owner[name]}'s)"
+               for part, tree in trees.items()
+               for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.Lambda))
+               for name in sorted(_bound_in(fn)) if owner.get(name, part) != part]
+    assert shadows == []
