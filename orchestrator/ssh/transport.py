@@ -5,10 +5,11 @@
     PctTransport(inner, v)  `pct exec V --keep-env 0 -- [env K=V..] ARGV` run through another transport
     EnvTransport(inner, e)  `env K=V.. ARGV` through another transport (a target without vmid)
 
-Every transport runs an argv (or a bash script, `bash -c SOURCE`) with stdin streamed in and
-stdout/stderr streamed out separately, and returns the exit status. `shell_join` is the only
-place where a string is quoted for a shell: ssh hands the remote user's shell one command line,
-pct and lxc-attach pass argv straight through (docs/background.md, pct), so one quoting layer is all there is.
+Every transport runs an argv (or a bash script, `bash -c SOURCE`) with stdin streamed in (or held
+open while the command runs: Hold) and stdout/stderr streamed out separately, and returns the exit
+status. `shell_join` is the only place where a string is quoted for a shell: ssh hands the remote
+user's shell one command line, pct and lxc-attach pass argv straight through (docs/background.md,
+pct), so one quoting layer is all there is.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from orchestrator.errors import ConnectionLost, ContainerError, OpsError
 from orchestrator.inventory import Host, sshconfig
 from orchestrator.ssh.connect import _reason, open_client, where
 
-Stdin = Union[None, bytes, IO[bytes], Iterable[bytes]]
+Stdin = Union[None, bytes, IO[bytes], Iterable[bytes], "Hold"]
 Sink = Callable[[bytes], None]
 CHUNK = 1 << 16
 KEEPALIVE_S = 5          # as Ansible's proxmox_pct_remote does (docs/background.md, pct)
@@ -96,8 +97,59 @@ class Transport:
         pass
 
 
+class Hold:
+    """A command's stdin held open while it runs, for a watcher on the target that ends the command when
+    stdin reaches EOF (exec's: targets/exec.py). Nothing is sent until `end(line)`, which writes the line
+    and closes stdin; should the controller die instead, its connection closing is the EOF. The transport
+    starts the command through `begin` and calls `done` once it has ended, under one lock, so a line goes
+    to a running command only, and a command ended before it started is never started."""
+
+    WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.state = self.WAITING
+        self.line: str | None = None
+        self._send: Sink | None = None
+
+    def begin(self, start: Callable[[], None], send: Sink) -> bool:
+        """start() the command and keep send(bytes) (write, then EOF) for end(); False, nothing
+        started, when end() came first."""
+        with self.lock:
+            if self.line is not None:
+                return False
+            start()
+            self.state, self._send = self.RUNNING, send
+            return True
+
+    def done(self) -> None:
+        with self.lock:
+            if self.state == self.RUNNING:
+                self.state = self.FINISHED
+            self._send = None
+
+    def end(self, line: str, timeout: float = 5) -> str:
+        """Send `line` and EOF to the running command (once); the state it was in: WAITING (now it
+        never starts), RUNNING (told) or FINISHED (it had ended on its own). RUNNING, untold, too when
+        the command is still being started after `timeout` s (a connection gone silent meanwhile)."""
+        if not self.lock.acquire(timeout=timeout):
+            return self.RUNNING
+        try:
+            if self.line is None:
+                self.line = line
+                if self._send is not None:
+                    try:
+                        self._send(line.encode() + b"\n")
+                    except (OSError, EOFError, ValueError):
+                        pass  # the channel or pipe is gone: the command's end is on its way
+                    self._send = None
+            return self.state
+        finally:
+            self.lock.release()
+
+
 def _chunks(stdin: Stdin) -> Iterable[bytes]:
-    if stdin is None:
+    if stdin is None or isinstance(stdin, Hold):   # a Hold is not sent: the transports keep it open
         return ()
     if isinstance(stdin, (bytes, bytearray, memoryview)):
         data = bytes(stdin)
@@ -149,33 +201,58 @@ class LocalTransport(Transport):
 
     def run(self, argv, *, stdin=None, stdout=None, stderr=None, timeout=None) -> Result:
         out, err = _Collector(stdout), _Collector(stderr)
+        hold = stdin if isinstance(stdin, Hold) else None
+        started: list[subprocess.Popen] = []
+
+        def start() -> None:
+            started.append(subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, bufsize=0))
+
+        def send(data: bytes) -> None:      # Hold.end: the line, then EOF
+            stdin_pipe = started[0].stdin
+            assert stdin_pipe is not None
+            try:
+                stdin_pipe.write(data)
+            finally:
+                stdin_pipe.close()
         try:
-            proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, bufsize=0)
+            if hold is None:
+                start()
+            elif not hold.begin(start, send):
+                raise OpsError("local: interrupted before the command started")
         except FileNotFoundError:
             return Result(127, b"", f"{argv[0]}: command not found\n".encode())
         except PermissionError:
             return Result(126, b"", f"{argv[0]}: permission denied\n".encode())
+        proc = started[0]
 
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None   # PIPE, all three
         # bufsize=0: raw pipes, whose read(n) returns what is there without waiting for n bytes.
         readers, failures = _pump_both([(proc.stdout.read, out), (proc.stderr.read, err)], proc.kill)
-        try:
-            for chunk in _chunks(stdin):
-                proc.stdin.write(chunk)
-        except BrokenPipeError:
-            pass  # the command stopped reading; its exit status says why
-        finally:
+        if hold is None:
             try:
-                proc.stdin.close()
+                for chunk in _chunks(stdin):
+                    proc.stdin.write(chunk)
             except BrokenPipeError:
-                pass
+                pass  # the command stopped reading; its exit status says why
+            finally:
+                try:
+                    proc.stdin.close()
+                except BrokenPipeError:
+                    pass
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
             raise OpsError(f"local: {argv[0]} timed out after {timeout:.0f} s") from None
+        finally:
+            if hold is not None:
+                hold.done()
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
         for t in readers:
             t.join()
         if failures:
@@ -216,24 +293,38 @@ class SshTransport(Transport):
             raise ConnectionLost(self.host.name, f"cannot open a session: {_reason(e)}") from None
         if timeout is not None:
             chan.settimeout(timeout)
-        chan.exec_command(line)
-        readers, failure = _pump_both([(chan.recv, out), (chan.recv_stderr, err)], chan.close)
-        try:
-            for chunk in _chunks(stdin):
-                chan.sendall(chunk)
+        hold = stdin if isinstance(stdin, Hold) else None
+
+        def send(data: bytes) -> None:      # Hold.end: the line, then EOF
+            chan.sendall(data)
             chan.shutdown_write()
-        except (OSError, EOFError):
-            pass  # remote stopped reading, or the connection broke: the checks below say which
-        for t in readers:
-            t.join()
-        if failure:
-            exc = failure[0]
-            if isinstance(exc, socket.timeout):
-                raise OpsError(f"{self.host.name}: {argv[0]} timed out after {timeout:.0f} s") from None
-            raise exc
-        if not chan.status_event.wait(timeout or 60) or not chan.exit_status_ready():
-            raise ConnectionLost(self.host.name)
-        code = chan.recv_exit_status()
+        if hold is None:
+            chan.exec_command(line)
+        elif not hold.begin(lambda: chan.exec_command(line), send):
+            chan.close()
+            raise OpsError(f"{self.host.name}: interrupted before the command started")
+        readers, failure = _pump_both([(chan.recv, out), (chan.recv_stderr, err)], chan.close)
+        if hold is None:
+            try:
+                for chunk in _chunks(stdin):
+                    chan.sendall(chunk)
+                chan.shutdown_write()
+            except (OSError, EOFError):
+                pass  # remote stopped reading, or the connection broke: the checks below say which
+        try:
+            for t in readers:
+                t.join()
+            if failure:
+                exc = failure[0]
+                if isinstance(exc, socket.timeout):
+                    raise OpsError(f"{self.host.name}: {argv[0]} timed out after {timeout:.0f} s") from None
+                raise exc
+            if not chan.status_event.wait(timeout or 60) or not chan.exit_status_ready():
+                raise ConnectionLost(self.host.name)
+            code = chan.recv_exit_status()
+        finally:
+            if hold is not None:    # held until the exit status: a command may close its output first
+                hold.done()
         chan.close()
         if code == -1:
             # No exit-status: the connection broke, or the shell of reporting_signals was killed
