@@ -65,6 +65,15 @@ class HostKeyError(ConnectError):
         self.args = (f"{host}: {reason}",)
 
 
+class Interrupted(OpsError):
+    """The controller got SIGINT or SIGTERM and ended what it had started: exit 128 + the signal's
+    number, as a shell reports a command killed by it."""
+
+    def __init__(self, signum: int, message: str):
+        self.exit_code = 128 + int(signum)
+        super().__init__(message)
+
+
 class ConnectionLost(OpsError):
     def __init__(self, host: str, detail: str = "connection dropped"):
         self.host = host

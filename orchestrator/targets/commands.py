@@ -106,6 +106,7 @@ def exec_(ctx, names, all_targets, env, as_json) -> None:
 
     `dflash-ops exec ct200 -- nvidia-smi`: output streams as it comes and the exit status is the
     command's; several targets run in parallel, each line led by `[target]`, exit 1 if any failed.
+    Ctrl-C (or SIGTERM) ends the command on every target, exit 130 (143).
     """
     from orchestrator.targets import exec as exec_mod
     from orchestrator.envvars import parse_assignments
@@ -119,9 +120,11 @@ def exec_(ctx, names, all_targets, env, as_json) -> None:
         emit(True, {"targets": {r.target: r.as_json() for r in results}}, "")
         sys.exit(exec_mod.exit_status(results))
     streams = exec_mod.Streams([t.name for t in targets], sys.stdout.buffer, sys.stderr.buffer)
-    results = exec_mod.exec_command(state.inv, targets, argv, env=variables,
-                                    out=streams.sink("out"), err=streams.sink("err"))
-    streams.flush()
+    try:
+        results = exec_mod.exec_command(state.inv, targets, argv, env=variables,
+                                        out=streams.sink("out"), err=streams.sink("err"))
+    finally:
+        streams.flush()     # interrupted too: the lines so far, whole, before the line saying so
     if len(results) == 1 and results[0].error:
         raise OpsError(results[0].error)
     if len(results) == 1 and results[0].note:

@@ -1,24 +1,30 @@
 """`exec`: run one command in each target's container (or on the node, for a target without
-vmid), output streamed as it comes, exit status passed through.
+vmid), output streamed as it comes, exit status passed through; interrupted, the command is ended.
 
 The command travels as an argv, quoted once (transport.shell_join) for the node's shell; pct
 hands it to lxc-attach as argv. It runs in the target's environment: the target's `env:`, as for
 every command, and the folder of its `python:` first on PATH, as in an activated venv (a small
-`sh -c` in front of the argv, which then replaces itself with the command).
+`sh -c` in front of the argv). That shell leads a process group of its own (setsid) and runs the
+command beside a watcher of its stdin, which the controller holds open (transport.Hold): a line
+`INT` / `TERM` from an interrupted controller, or EOF when the controller or its connection is gone
+(SIGKILL), makes the watcher signal the group (INT, TERM; HUP at EOF), then SIGKILL what is left of
+it after ENDING_GRACE_S. The node's side (sshd, sh, pct, lxc-attach) only waits, and ends with it.
 """
 from __future__ import annotations
 
 import posixpath
+import signal
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from orchestrator.ssh import agent
-from orchestrator.errors import OpsError, UsageError
+from orchestrator.errors import Interrupted, OpsError, UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
-from orchestrator.ssh.transport import PctTransport
+from orchestrator.ssh.transport import Hold, PctTransport
 
 Write = Callable[[str, bytes], None]    # (target, bytes) -> None
 
@@ -87,20 +93,51 @@ def check_command(argv: Sequence[str]) -> list[str]:
 # stderr and explains exit 127 itself (the shell's own line, `/root/venv/bin: 1: exec: nvidia-smi: not
 # found`, named the python's folder as if it were the culprit).
 NOT_FOUND = b"dflash-ops-exec: not found\n"
+ENDING_GRACE_S = 2      # after the watcher's signal, SIGKILL for what is left of the command's group
+ENDING_WAIT_S = 5       # how long an interrupted exec waits for the commands' ends before it says so
+
+# `sh -c` script, $0 a name for the shell's own messages, "$@" the next shell: that shell leads a
+# process group of its own, so the watcher's `kill 0` reaches the command's processes and nothing of
+# the node's. setsid(1) (util-linux, busybox) execs in place when its caller leads no group (from a
+# leader it would fork and return at once: hence the check first); lxc-attach may have made it a
+# leader already. Without /proc or setsid the group stays the one the node's sshd made for this
+# channel (docs/inventory.md says what that means). The shells' variables are named `_dflash_*`:
+# one the command's environment exports would reach the command changed.
+_GROUP = ('if read -r _dflash_x _dflash_x _dflash_x _dflash_x _dflash_g _dflash_x 2>/dev/null </proc/$$/stat '
+          '&& [ "$_dflash_g" != $$ ] && command -v setsid >/dev/null 2>&1; then exec setsid "$@"; fi; exec "$@"')
 # `sh -c` script: $0 is the python's folder ("" for a python named without one), "$@" the command.
+# Fd 3 takes the held stdin for the watcher; the command reads /dev/null (an empty stdin, as before).
+# The shell's own stderr goes to /dev/null (fd 4 keeps the command's): its words about a command a
+# signal killed (`Terminated`) were never part of exec's output; dash writes them while a simple
+# command's redirections are still in place, hence the subshell that execs the command with them.
+# The command runs in the foreground,
+# so SIGINT and SIGQUIT keep their dispositions (an asynchronous list would ignore them); the watcher
+# is the asynchronous list: it ignores SIGINT, and TERM and HUP once it has read, so that its signal
+# to the group leaves it there to SIGKILL the rest: as soon as this shell has exited (the command
+# ended), or after the grace, when the command ignored the signal (then this shell too: status 137).
+# The shell's trap defers a signal until the command has ended; a command that ended unsignalled
+# (128+N when a signal of its own killed it) has its watcher killed, and what it left running in the
+# background is left running.
 _ACTIVATE = ('if [ -n "$0" ]; then export PATH="$0:$PATH"; '
              'if [ -f "$0/../pyvenv.cfg" ]; then export VIRTUAL_ENV="${0%/*}"; fi; fi; '
              'case "$1" in */*) [ -e "$1" ] ;; *) command -v "$1" >/dev/null 2>&1 ;; esac || '
              '{ echo "dflash-ops-exec: not found" >&2; exit 127; }; '
-             'exec "$@"')
+             'exec 3<&0 </dev/null 4>&2 2>/dev/null; '
+             '{ read -r s <&3; case "$s" in INT|TERM) ;; *) s=HUP ;; esac; trap "" TERM HUP; kill -s "$s" 0; '
+             f'i=0; while [ $i -lt {ENDING_GRACE_S * 10} ] && kill -0 $$; do sleep 0.1; i=$((i + 1)); done; '
+             'kill -s KILL 0; } >/dev/null 2>&1 4>&- & '
+             '_dflash_w=$!; exec 3<&-; _dflash_end=; trap _dflash_end=1 INT TERM HUP; '
+             '(exec "$@" 2>&4 4>&-); _dflash_rc=$?; [ -n "$_dflash_end" ] || kill -s KILL "$_dflash_w"; '
+             'exit "$_dflash_rc"')
 
 
 def in_target_env(target: Target, argv: Sequence[str]) -> list[str]:
     """argv as it runs in the target's environment: the folder of its `python:` first on PATH (and
     VIRTUAL_ENV set when that folder is a venv's), as `source VENV/bin/activate` would (a python
     named without a folder, `python3`, is found on PATH already). A command that is not there exits
-    127 with NOT_FOUND alone on stderr."""
-    return ["sh", "-c", _ACTIVATE, posixpath.dirname(target.python), *argv]
+    127 with NOT_FOUND alone on stderr. It runs in a process group of its own, watched: its stdin
+    must be a transport.Hold (at EOF the group is ended)."""
+    return ["sh", "-c", _GROUP, "dflash-ops-exec", "sh", "-c", _ACTIVATE, posixpath.dirname(target.python), *argv]
 
 
 class NotFoundFilter:
@@ -142,9 +179,10 @@ def not_found_note(target: Target, argv: Sequence[str]) -> str:
 
 
 def run_one(session: Session, target: Target, argv: Sequence[str], *, out: Write | None = None,
-            err: Write | None = None, env: Mapping[str, str] | None = None) -> ExecResult:
+            err: Write | None = None, env: Mapping[str, str] | None = None, hold: Hold | None = None) -> ExecResult:
     """The command on one target, in its environment (in_target_env). With out/err the output is
-    streamed there, else kept. A command not found (exit 127, the shell said so) gets `note`."""
+    streamed there, else kept. A command not found (exit 127, the shell said so) gets `note`.
+    `hold.end(...)` ends the command; without one it has its own, and ends if the controller dies."""
     res = ExecResult(target.name)
     start = time.monotonic()
     kept: list[bytes] = []      # all of stderr when it is kept, else its last chunks
@@ -161,7 +199,8 @@ def run_one(session: Session, target: Target, argv: Sequence[str], *, out: Write
         t = session.transport(target, env=env, check=False)
         if isinstance(t, PctTransport):
             t.check()
-        r = t.run(in_target_env(target, argv), stdout=(lambda b: out(target.name, b)) if out else None, stderr=on_err)
+        r = t.run(in_target_env(target, argv), stdin=hold or Hold(),
+                  stdout=(lambda b: out(target.name, b)) if out else None, stderr=on_err)
         on_err.flush()
         res.exit_code, res.stdout = r.exit_code, r.stdout
         res.stderr = b"" if err else b"".join(kept)
@@ -174,13 +213,93 @@ def run_one(session: Session, target: Target, argv: Sequence[str], *, out: Write
     return res
 
 
+class _Terminated(BaseException):
+    """SIGTERM while exec waits, raised in the main thread as SIGINT's KeyboardInterrupt is."""
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises _Terminated in the main thread (by default it would end the controller at once,
+    leaving the commands to their watchers' EOF); called from another thread, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum, frame):
+        raise _Terminated()
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
 def exec_command(inv: Inventory, targets: list[Target], argv: Sequence[str], *, out: Write | None = None,
                  err: Write | None = None, env: Mapping[str, str] | None = None) -> list[ExecResult]:
-    """Run argv on every target in parallel; one result per target, in the order given."""
+    """Run argv on every target in parallel; one result per target, in the order given. SIGINT or
+    SIGTERM ends the command on every target and raises Interrupted (exit 130 / 143), saying so.
+
+    A daemon thread per target (at most agent.MAX_WORKERS at work), not fan_out's pool, whose
+    threads are joined at exit: an interrupted exec must not wait for a connect still under way."""
     argv = check_command(argv)
+    holds = {t.name: Hold() for t in targets}
+    finished = {t.name: threading.Event() for t in targets}
+    results: dict[str, ExecResult] = {}
+    bugs: list[BaseException] = []
+    slots = threading.Semaphore(agent.MAX_WORKERS)
     with agent.session(inv) as session:
-        group = agent.fan_out(targets, lambda t: run_one(session, t, argv, out=out, err=err, env=env))
-    return [group[t.name].value for t in targets]   # run_one keeps its own errors: every outcome has a value
+        def one(t: Target) -> None:
+            try:
+                with slots:
+                    results[t.name] = run_one(session, t, argv, out=out, err=err, env=env, hold=holds[t.name])
+            except BaseException as e:  # noqa: BLE001 - run_one keeps OpsErrors; anything else is a bug, raised below
+                bugs.append(e)
+            finally:
+                finished[t.name].set()
+
+        with _sigterm_raises():
+            try:
+                for t in targets:
+                    threading.Thread(target=one, args=(t,), name=f"exec {t.name}", daemon=True).start()
+                for event in finished.values():
+                    event.wait()
+            except (KeyboardInterrupt, _Terminated) as e:
+                raise ended(signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM,
+                            holds, finished, results) from None
+    if bugs:
+        raise bugs[0]
+    return [results[t.name] for t in targets]
+
+
+def ended(signum: signal.Signals, holds: Mapping[str, Hold], finished: Mapping[str, threading.Event],
+          results: Mapping[str, ExecResult]) -> Interrupted:
+    """Every target's command told to end (the signal's name on its held stdin) and waited for, up to
+    ENDING_WAIT_S for all; the one line that says what became of each."""
+    deadline = time.monotonic() + ENDING_WAIT_S
+    states: dict[str, str] = {}
+    for name, hold in holds.items():
+        while name not in states:
+            try:        # a Ctrl-C pressed again meanwhile must not leave a target untold (end() is idempotent)
+                states[name] = hold.end(signum.name[3:], timeout=max(0.0, deadline - time.monotonic()))
+            except (KeyboardInterrupt, _Terminated):
+                pass
+    try:
+        for name, state in states.items():
+            if state == Hold.RUNNING:
+                finished[name].wait(max(0.0, deadline - time.monotonic()))
+    except (KeyboardInterrupt, _Terminated):
+        pass    # a second signal: no more waiting; what has not answered is said so
+    told = [n for n, s in states.items() if s == Hold.RUNNING]
+    gone = [n for n in told if finished[n].is_set() and n in results and results[n].exit_code is not None]
+    parts = [f"the command was ended on {', '.join(gone)}"] if gone else []
+    if unsure := [n for n in told if n not in gone]:
+        parts.append(f"not confirmed on {', '.join(unsure)} within {ENDING_WAIT_S} s (it ends there when the node "
+                     "sees this connection close)")
+    if done := [n for n, s in states.items() if s == Hold.FINISHED]:
+        parts.append(f"it had finished on {', '.join(done)}")
+    if waiting := [n for n, s in states.items() if s == Hold.WAITING]:
+        parts.append(f"not started on {', '.join(waiting)}")
+    return Interrupted(signum, f"interrupted ({signum.name}): {'; '.join(parts)}")
 
 
 def exit_status(results: list[ExecResult]) -> int:
