@@ -66,6 +66,8 @@ CASES = (
      ("test_runs_agent_launch.py::test_an_upload_killed_midway",)),
     ("17", "a play killed in a step: the steps that ended recorded, --from resumes; a second player refused",
      ("test_play.py::test_one_player_per_playbook",)),
+    ("18", "exec interrupted: Ctrl-C, SIGTERM or SIGKILL of the controller left the command running on the target",
+     ("test_exec_signals.py",)),
     ("-", "earlier rounds: overlapping deploys, dead deploys, damaged releases, full disks",
      ("test_deploy_reliability.py::test_overlapping", "test_deploy_reliability.py::test_a_dead_deploy",
       "test_deploy_reliability.py::test_damage", "test_deploy_reliability.py::test_a_full_disk")),

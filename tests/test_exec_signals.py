@@ -1,0 +1,195 @@
+"""`exec` interrupted at the controller: SIGINT, SIGTERM and SIGKILL of `dflash-ops exec` end the command
+it started (its whole process group) in the container (the pct stand-in), on the node and on this
+machine, through a real sshd; the controller says so in one line and exits 128+N."""
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from orchestrator.targets.exec import ENDING_GRACE_S
+
+MAIN = "from orchestrator.cli import main; main()"
+
+
+@pytest.fixture
+def inv_path(sshd, fakepct, make_inventory):
+    fakepct.create(200)
+    fakepct.create(201)
+    return make_inventory({
+        "ct200": {"host": "node", "vmid": 200, "python": sys.executable, "workdir": "/srv/ct/dflash"},
+        "ct201": {"host": "node", "vmid": 201, "python": sys.executable, "workdir": "/srv/ct/dflash"},
+        "node": {"host": "node", "python": sys.executable, "workdir": "/tmp/dflash-node"},
+    })
+
+
+@pytest.fixture
+def where(fakepct, tmp_path):
+    """target -> (the pid file as the command sees it, as this machine sees it)."""
+    def at(target: str):
+        if target.startswith("ct"):
+            vmid = int(target[2:])
+            return "/srv/ct/pid", fakepct.private(vmid) / "pid"
+        return str(tmp_path / f"{target}.pid"), tmp_path / f"{target}.pid"
+    return at
+
+
+def command(pidfile: str, prelude: str = "") -> list[str]:
+    """A shell that writes its pid, says `started`, and waits on a child that would outlive any test."""
+    return ["sh", "-c", f"{prelude}echo $$ >{pidfile}; echo started; sleep 60; echo never"]
+
+
+def start(inv, *args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", MAIN, "-i", str(inv), "exec", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_for(proc: subprocess.Popen, word: bytes, times: int = 1, timeout: float = 30) -> bytes:
+    """stdout read until `word` has come `times` times."""
+    seen, deadline = b"", time.monotonic() + timeout
+    while seen.count(word) < times:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(proc.stdout.fileno(), 4096) if ready else b""
+        if not chunk:
+            proc.kill()
+            pytest.fail(f"no {word!r} on stdout: {seen!r}, stderr {proc.communicate()[1]!r}")
+        seen += chunk
+    return seen
+
+
+def stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first), None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in "ZX" else fields    # a zombie has ended; its parent has not reaped it yet
+
+
+def group_of(pidfile) -> dict[int, str]:
+    """Every live process of the command's process group: {pid: start time}."""
+    pgid = os.getpgid(int(pidfile.read_text()))
+    members = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (fields := stat(int(name))) is not None and int(fields[2]) == pgid:
+            members[int(name)] = fields[19]
+    return members
+
+
+def left(members: dict[int, str], timeout: float) -> list[int]:
+    """The members still running after up to `timeout` seconds (a pid reused since is not one)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [pid for pid, started in members.items() if (f := stat(pid)) is not None and f[19] == started]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def kill_all(members: dict[int, str]) -> None:
+    for pid in left(members, 0):
+        os.kill(pid, signal.SIGKILL)
+
+
+def running_group(pidfile) -> dict[int, str]:
+    """The command's group, checked to be its own: the command, its `sleep` (which may start just after
+    `started`), the shell leading it, the watcher; never the group of this test or of the node's sshd."""
+    deadline = time.monotonic() + 5
+    while len(members := group_of(pidfile)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pid = int(pidfile.read_text())
+    assert pid in members and len(members) >= 4, members
+    assert os.getpgid(pid) not in (os.getpgid(0), os.getpgid(os.getppid()))
+    return members
+
+
+@pytest.mark.parametrize("target, sig", [("ct200", signal.SIGINT), ("ct200", signal.SIGTERM),
+                                         ("node", signal.SIGINT), ("local", signal.SIGTERM)])
+def test_sigint_and_sigterm_end_the_command_and_say_so(inv_path, where, target, sig):
+    remote, local = where(target)
+    proc = start(inv_path, target, "--", *command(remote))
+    members: dict[int, str] = {}
+    try:
+        assert wait_for(proc, b"started\n") == b"started\n"
+        members = running_group(local)
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=15)
+        took = time.monotonic() - sent
+        assert proc.returncode == 128 + sig, err
+        assert err.decode().splitlines() == [f"dflash-ops: interrupted ({sig.name}): the command was ended on {target}"]
+        assert took < 2, took                          # promptly: the group took the signal at once
+        assert left(members, 2) == []
+    finally:
+        proc.kill()
+        kill_all(members)
+
+
+@pytest.mark.parametrize("target", ["ct200", "node", "local"])
+def test_sigkill_of_the_controller_ends_the_command_when_its_connection_closes(inv_path, where, target):
+    remote, local = where(target)
+    proc = start(inv_path, target, "--", *command(remote))
+    members: dict[int, str] = {}
+    try:
+        wait_for(proc, b"started\n")
+        members = running_group(local)
+        proc.kill()
+        proc.wait(timeout=10)
+        assert left(members, 3) == []       # EOF on the watcher's stdin: HUP to the group
+    finally:
+        proc.kill()
+        kill_all(members)
+
+
+def test_every_target_of_several_is_ended(inv_path, fakepct):
+    proc = start(inv_path, "ct200", "ct201", "--", *command("/srv/ct/pid"))
+    members: dict[int, str] = {}
+    try:
+        out = wait_for(proc, b"started\n", times=2)
+        assert sorted(out.decode().splitlines()) == ["[ct200] started", "[ct201] started"]
+        for vmid in (200, 201):
+            members.update(running_group(fakepct.private(vmid) / "pid"))
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=15)
+        assert proc.returncode == 130
+        assert err.decode().splitlines() == ["dflash-ops: interrupted (SIGINT): the command was ended on ct200, ct201"]
+        assert left(members, 2) == []
+    finally:
+        proc.kill()
+        kill_all(members)
+
+
+def test_a_command_that_ignores_the_signal_is_killed_after_the_grace(inv_path, where):
+    remote, local = where("ct200")
+    proc = start(inv_path, "ct200", "--", *command(remote, prelude="trap '' INT; "))   # its sleep ignores it too
+    members: dict[int, str] = {}
+    try:
+        wait_for(proc, b"started\n")
+        members = running_group(local)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=15)
+        took = time.monotonic() - sent
+        assert proc.returncode == 130 and "the command was ended on ct200" in err.decode(), err
+        assert ENDING_GRACE_S - 0.5 < took < ENDING_GRACE_S + 2, took      # SIGKILL once the grace had passed
+        assert left(members, 1) == []
+    finally:
+        proc.kill()
+        kill_all(members)
+
+
+def test_what_a_command_leaves_in_the_background_outlives_an_exec_that_ended_by_itself(inv_path, where):
+    remote, local = where("ct200")
+    r = subprocess.run([sys.executable, "-c", MAIN, "-i", str(inv_path), "exec", "ct200", "--", "sh", "-c",
+                        f"sleep 60 >/dev/null 2>&1 & echo $! >{remote}; exit 3"], capture_output=True, timeout=60)
+    assert (r.returncode, r.stderr) == (3, b"")
+    pid = int(local.read_text())
+    try:
+        time.sleep(0.5)         # the controller has gone and its connection closed: nothing was sent
+        assert stat(pid) is not None
+    finally:
+        os.kill(pid, signal.SIGKILL)
