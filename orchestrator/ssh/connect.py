@@ -78,6 +78,10 @@ def _dial(host: Host, deadline: float) -> socket.socket:
     if left <= 0:
         raise socket.timeout("timed out")
     conn = socket.create_connection((host.address, host.port), timeout=left)
+    # paramiko leaves Nagle on: two small messages in a row (a channel's EOF and CLOSE, which it sends
+    # together when the command's stdin was held open to its end, exec's) wait ~40 ms for the server's
+    # delayed ACK, and the next command on the connection behind them. Its packets are whole sends.
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         conn.settimeout(max(0.05, deadline - time.monotonic()))
         try:
