@@ -114,7 +114,8 @@ _GROUP = ('if read -r _dflash_x _dflash_x _dflash_x _dflash_x _dflash_g _dflash_
 # so SIGINT and SIGQUIT keep their dispositions (an asynchronous list would ignore them); the watcher
 # is the asynchronous list: it ignores SIGINT, and TERM and HUP once it has read, so that its signal
 # to the group leaves it there to SIGKILL the rest: as soon as this shell has exited (the command
-# ended), or after the grace, when the command ignored the signal (then this shell too: status 137).
+# ended; a zombie whose parent died with the controller counts as exited), or after the grace, when
+# the command ignored the signal (then this shell too: status 137).
 # The shell's trap defers a signal until the command has ended; a command that ended unsignalled
 # (128+N when a signal of its own killed it) has its watcher killed, and what it left running in the
 # background is left running.
@@ -124,7 +125,9 @@ _ACTIVATE = ('if [ -n "$0" ]; then export PATH="$0:$PATH"; '
              '{ echo "dflash-ops-exec: not found" >&2; exit 127; }; '
              'exec 3<&0 </dev/null 4>&2 2>/dev/null; '
              '{ read -r s <&3; case "$s" in INT|TERM) ;; *) s=HUP ;; esac; trap "" TERM HUP; kill -s "$s" 0; '
-             f'i=0; while [ $i -lt {ENDING_GRACE_S * 10} ] && kill -0 $$; do sleep 0.1; i=$((i + 1)); done; '
+             f'i=0; while [ $i -lt {ENDING_GRACE_S * 10} ] && if [ -r /proc/$$/stat ]; then '
+             'read -r _ _ st _ </proc/$$/stat && [ "$st" != Z ]; else kill -0 $$; fi; '
+             'do sleep 0.1; i=$((i + 1)); done; '
              'kill -s KILL 0; } >/dev/null 2>&1 4>&- & '
              '_dflash_w=$!; exec 3<&-; _dflash_end=; trap _dflash_end=1 INT TERM HUP; '
              '(exec "$@" 2>&4 4>&-); _dflash_rc=$?; [ -n "$_dflash_end" ] || kill -s KILL "$_dflash_w"; '
