@@ -4,6 +4,7 @@ machine, through a real sshd; the controller says so in one line and exits 128+N
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -193,3 +194,34 @@ def test_what_a_command_leaves_in_the_background_outlives_an_exec_that_ended_by_
         assert stat(pid) is not None
     finally:
         os.kill(pid, signal.SIGKILL)
+
+
+def test_a_target_still_connecting_is_not_started_and_not_waited_for(sshd, fakepct, make_inventory, where):
+    silent = socket.socket()            # accepts, never speaks SSH: the connect waits out connect_timeout
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    fakepct.create(200)
+    inv = make_inventory(
+        {"ct200": {"host": "node", "vmid": 200, "python": sys.executable, "workdir": "/srv/ct/dflash"},
+         "far": {"host": "far", "vmid": 300, "python": sys.executable, "workdir": "/srv/ct/dflash"}},
+        hosts={"far": {"address": "127.0.0.1", "port": silent.getsockname()[1], "user": sshd.user,
+                       "identity_file": str(sshd.identity_file), "known_hosts": str(sshd.known_hosts),
+                       "connect_timeout": 60}})
+    remote, local = where("ct200")
+    proc = start(inv, "ct200", "far", "--", *command(remote))
+    members: dict[int, str] = {}
+    try:
+        wait_for(proc, b"started\n")
+        members = running_group(local)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=15)
+        assert time.monotonic() - sent < 3          # the connect to `far` still under way is not waited for
+        assert proc.returncode == 130
+        assert err.decode().splitlines() == [
+            "dflash-ops: interrupted (SIGINT): the command was ended on ct200; not started on far"]
+        assert left(members, 2) == []
+    finally:
+        proc.kill()
+        kill_all(members)
+        silent.close()
