@@ -32,7 +32,7 @@ from typing import Callable, Generic, Iterator, Sequence, TypeVar
 from orchestrator.errors import OpsError, StepFailed, TargetsFailed
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
-from orchestrator.ssh.transport import Result, Transport
+from orchestrator.ssh.transport import HeldStdin, Result, Transport
 
 RELEASE = "release.agent"     # deploy: manifest, apply, install-deps
 RUNS = "runs.agent"           # launch, status, follow, stop, metrics, export, bench, probe
@@ -158,10 +158,10 @@ def reply(target: Target, doc: dict) -> dict:
 
 def call(t: Transport, target: Target, program: str, args: Sequence[str], *, what: str,
          stdin=None, stderr: Callable[[bytes], None] | None = None,
-         timeout: float | None = None) -> dict:
+         timeout: float | None = None, hold: HeldStdin | None = None) -> dict:
     """Run `program CMD ARGS...` with the target's python; its reply (the last stdout line).
     stderr, when given, receives the agent's stderr as it comes (and StepFailed then carries
-    only its last line)."""
+    only its last line). hold: its stdin held open while it runs (transport.HeldStdin)."""
     tail: list[bytes] = []
 
     def keep(data: bytes) -> None:
@@ -170,7 +170,7 @@ def call(t: Transport, target: Target, program: str, args: Sequence[str], *, wha
         del tail[:-64]
         stderr(data)
 
-    r = t.run(argv(target, program, args), stdin=stdin, stderr=keep if stderr else None, timeout=timeout)
+    r = t.run(argv(target, program, args), stdin=stdin, stderr=keep if stderr else None, timeout=timeout, hold=hold)
     if stderr:
         r = Result(r.exit_code, r.stdout, b"".join(tail))
     failed = _exec_failed(target, what, r)

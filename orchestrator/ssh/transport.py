@@ -6,7 +6,9 @@
     EnvTransport(inner, e)  `env K=V.. ARGV` through another transport (a target without vmid)
 
 Every transport runs an argv (or a bash script, `bash -c SOURCE`) with stdin streamed in and
-stdout/stderr streamed out separately, and returns the exit status. `shell_join` is the only
+stdout/stderr streamed out separately, and returns the exit status. With `hold=HeldStdin()` the
+command's stdin stays open until it ends, so that its EOF tells it the caller is gone (killed, timed
+out, its connection dropped); an exception in the caller while it runs (Ctrl-C) hangs up first. `shell_join` is the only
 place where a string is quoted for a shell: ssh hands the remote user's shell one command line,
 pct and lxc-attach pass argv straight through (docs/background.md, pct), so one quoting layer is all there is.
 """
@@ -17,6 +19,7 @@ import shlex
 import socket
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from typing import IO, Callable, Iterable, Mapping, Sequence, Union
 
@@ -40,6 +43,17 @@ class Result:
     @property
     def ok(self) -> bool:
         return self.exit_code == 0
+
+
+@dataclass
+class HeldStdin:
+    """run(..., hold=HeldStdin()): the command's stdin is not closed after `stdin` is sent but held open
+    until the command ends, so that EOF there means its caller is gone (the command watches for it: the
+    bench agent, remote/runs/bench.py). An exception in the caller while it waits (KeyboardInterrupt,
+    errors.Terminated) hangs up first: EOF on the command's stdin, then up to grace_s for it to end;
+    `ended` says whether it did before the exception goes on."""
+    grace_s: float = 15.0
+    ended: bool | None = None
 
 
 # --- pure functions (unit-tested) -----------------------------------------------------------
@@ -86,7 +100,7 @@ class Transport:
     description = "transport"
 
     def run(self, argv: Sequence[str], *, stdin: Stdin = None, stdout: Sink | None = None,
-            stderr: Sink | None = None, timeout: float | None = None) -> Result:
+            stderr: Sink | None = None, timeout: float | None = None, hold: HeldStdin | None = None) -> Result:
         raise NotImplementedError
 
     def script(self, source: str, **kw) -> Result:
@@ -147,7 +161,7 @@ class _Collector:
 class LocalTransport(Transport):
     description = "local"
 
-    def run(self, argv, *, stdin=None, stdout=None, stderr=None, timeout=None) -> Result:
+    def run(self, argv, *, stdin=None, stdout=None, stderr=None, timeout=None, hold=None) -> Result:
         out, err = _Collector(stdout), _Collector(stderr)
         try:
             proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -158,24 +172,45 @@ class LocalTransport(Transport):
             return Result(126, b"", f"{argv[0]}: permission denied\n".encode())
 
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None   # PIPE, all three
+        pipe = proc.stdin
+
+        def close_stdin() -> None:
+            try:
+                pipe.close()
+            except BrokenPipeError:
+                pass
+
         # bufsize=0: raw pipes, whose read(n) returns what is there without waiting for n bytes.
         readers, failures = _pump_both([(proc.stdout.read, out), (proc.stderr.read, err)], proc.kill)
         try:
-            for chunk in _chunks(stdin):
-                proc.stdin.write(chunk)
-        except BrokenPipeError:
-            pass  # the command stopped reading; its exit status says why
-        finally:
             try:
-                proc.stdin.close()
+                for chunk in _chunks(stdin):
+                    pipe.write(chunk)
             except BrokenPipeError:
-                pass
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise OpsError(f"local: {argv[0]} timed out after {timeout:.0f} s") from None
+                pass  # the command stopped reading; its exit status says why
+            finally:
+                if hold is None:
+                    close_stdin()
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise OpsError(f"local: {argv[0]} timed out after {timeout:.0f} s") from None
+        except BaseException:
+            if hold is not None:        # hang up: EOF, then a moment for the command to end
+                close_stdin()
+                deadline = time.monotonic() + hold.grace_s
+                try:
+                    proc.wait(timeout=hold.grace_s)
+                except subprocess.TimeoutExpired:
+                    pass
+                for t in readers:       # its last words reach the sinks
+                    t.join(max(0.0, deadline - time.monotonic()))
+                hold.ended = proc.poll() is not None
+            raise
+        finally:
+            close_stdin()
         for t in readers:
             t.join()
         if failures:
@@ -206,7 +241,7 @@ class SshTransport(Transport):
         """A direct-tcpip channel to address:port, used as the socket of the next hop."""
         return self.transport.open_channel("direct-tcpip", (address, port), ("127.0.0.1", 0))
 
-    def run(self, argv, *, stdin=None, stdout=None, stderr=None, timeout=None) -> Result:
+    def run(self, argv, *, stdin=None, stdout=None, stderr=None, timeout=None, hold=None) -> Result:
         line = shell_join(reporting_signals(argv))
         out, err = _Collector(stdout), _Collector(stderr)
         self.runs += 1
@@ -219,13 +254,20 @@ class SshTransport(Transport):
         chan.exec_command(line)
         readers, failure = _pump_both([(chan.recv, out), (chan.recv_stderr, err)], chan.close)
         try:
-            for chunk in _chunks(stdin):
-                chan.sendall(chunk)
-            chan.shutdown_write()
-        except (OSError, EOFError):
-            pass  # remote stopped reading, or the connection broke: the checks below say which
-        for t in readers:
-            t.join()
+            try:
+                for chunk in _chunks(stdin):
+                    chan.sendall(chunk)
+                if hold is None:
+                    chan.shutdown_write()
+            except (OSError, EOFError):
+                pass  # remote stopped reading, or the connection broke: the checks below say which
+            for t in readers:
+                t.join()
+        except BaseException:
+            if hold is not None:
+                hold.ended = _hang_up(chan, readers, hold.grace_s)
+            chan.close()    # sshd closes the command's pipes: EOF on its stdin, EPIPE on its writes
+            raise
         if failure:
             exc = failure[0]
             if isinstance(exc, socket.timeout):
@@ -245,6 +287,19 @@ class SshTransport(Transport):
 
     def alive(self) -> bool:
         return self.transport is not None and self.transport.is_active()
+
+
+def _hang_up(chan, readers: Sequence[threading.Thread], grace_s: float) -> bool:
+    """EOF on a held stdin, then up to grace_s for the command to end (its streams closed and its exit
+    status in): whether it did."""
+    try:
+        chan.shutdown_write()
+    except (OSError, EOFError):
+        return False    # the connection is gone: sshd has closed the command's stdin already
+    deadline = time.monotonic() + grace_s
+    for t in readers:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return chan.status_event.wait(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         self.client.close()
