@@ -89,6 +89,19 @@ class StepFailed(OpsError):
         super().__init__(f"{target}: {command} exited {exit_code}{detail}")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is (ui.sigterm_raises), so that a
+    command ended by `timeout` or `kill` runs the same finally blocks and hang-up (transport.HeldStdin)."""
+
+
+class Interrupted(OpsError):
+    """A command ended by SIGINT (Ctrl-C) or SIGTERM, said in one line: exit 128 + N (130, 143)."""
+
+    def __init__(self, message: str, signum: int):
+        self.signum, self.exit_code = signum, 128 + signum
+        super().__init__(message)
+
+
 class TargetsFailed(OpsError):
     """A fan-out where some targets failed; results are still reported."""
 
