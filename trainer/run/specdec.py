@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from trainer import faults
+from trainer.files import atomic_file
 from trainer.model.drafter import Drafter, DrafterConfig
 from trainer.run.decode_graphs import Decoded, GraphDecoder
 from trainer.run.eval import Timing, clock, speculative_generate, summarize
@@ -346,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"target": a.target, "drafter": a.drafter, "untrained": a.untrained, "device": dev.type, "dtype": a.dtype,
            "block_size": drafter.cfg.block_size, "draft_layers": drafter.cfg.num_layers, **doc}
     say(f"specdec: {result_line(doc)}")
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps(doc, indent=2))
+    if a.json_out:      # whole or not at all: a specdec killed while writing leaves no half document under its name
+        with atomic_file(a.json_out, sync=False) as f:
+            f.write(json.dumps(doc, indent=2))
     print(json.dumps(doc), flush=True)
     return 0
