@@ -62,7 +62,7 @@ CASES = (
      ("test_play.py::test_a_value_lands_in_the_script", "test_play.py::test_a_template_where_no_quoting")),
     ("15", "rm of one node's half of a job: the whole job removed, on every node",
      ("test_nodes.py::test_two_nodes_train_one_job",)),
-    ("16", "bench-decode outliving its controller (SIGKILL, SIGTERM, Ctrl-C), its agent or specdec killed: nothing "
+    ("16", "bench-decode outliving its controller (SIGKILL, SIGTERM, Ctrl-C), its agent or worker killed: nothing "
            "left running, slot free, no folder left; status shows it, stop ends it",
      ("test_bench_decode_remote.py::test_bench_decode_measures_a_trained_run",
       "test_transport_ssh.py::test_a_held_stdin_stays_open")),
