@@ -67,10 +67,10 @@ class HostKeyError(ConnectError):
 
 class Interrupted(OpsError):
     """The controller got SIGINT or SIGTERM and ended what it had started: exit 128 + the signal's
-    number, as a shell reports a command killed by it."""
+    number (130, 143), as a shell reports a command killed by it, with one line saying what was ended."""
 
     def __init__(self, signum: int, message: str):
-        self.exit_code = 128 + int(signum)
+        self.signum, self.exit_code = int(signum), 128 + int(signum)
         super().__init__(message)
 
 
@@ -96,6 +96,11 @@ class StepFailed(OpsError):
         tail = stderr_tail.strip().splitlines()[-1:] if stderr_tail else []
         detail = f": {tail[0]}" if tail else ""
         super().__init__(f"{target}: {command} exited {exit_code}{detail}")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is (ui.sigterm_raises), so that a
+    command ended by `timeout` or `kill` runs the same finally blocks and hang-up (transport.Hold)."""
 
 
 class TargetsFailed(OpsError):

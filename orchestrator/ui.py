@@ -3,13 +3,16 @@ colour. No library logic here."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import threading
-from typing import Callable, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import click
 
 from orchestrator import inventory as inv_mod
+from orchestrator.errors import Interrupted, Terminated
 
 LARGE_TRANSFER = 4 << 20   # show a progress bar past 4 MiB
 
@@ -29,6 +32,29 @@ class State:
 def json_option(f):
     """Every command takes --json: one JSON document on stdout, nothing else there."""
     return click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")(f)
+
+
+@contextmanager
+def sigterm_raises(what: str) -> Iterator[None]:
+    """While the body runs, SIGTERM (`timeout`, `kill`) raises errors.Terminated in the main thread as
+    Ctrl-C raises KeyboardInterrupt, so that both run the body's finally blocks (and a held stdin's hang-up,
+    transport.Hold) instead of ending the process where it stands. Either one escaping the body ends
+    the command in one line, `WHAT interrupted (SIGINT)`, exit 130 (143 for SIGTERM); the body may raise its
+    own errors.Interrupted that says more."""
+    main = threading.current_thread() is threading.main_thread()     # a handler can only be set there
+
+    def on_term(signum, frame):
+        raise Terminated()
+
+    old = signal.signal(signal.SIGTERM, on_term) if main else None
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+        raise Interrupted(signum, f"{what} interrupted ({signum.name})") from None
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
 
 
 def emit(as_json: bool, doc, text: str) -> None:

@@ -68,6 +68,10 @@ CASES = (
      ("test_play.py::test_one_player_per_playbook",)),
     ("18", "exec interrupted: Ctrl-C, SIGTERM or SIGKILL of the controller left the command running on the target",
      ("test_exec_signals.py",)),
+    ("19", "bench-decode outliving its controller (SIGKILL, SIGTERM, Ctrl-C), its agent or worker killed: nothing "
+           "left running, slot free, no folder left; status shows it, stop ends it",
+     ("test_bench_decode_remote.py::test_bench_decode_measures_a_trained_run",
+      "test_transport_ssh.py::test_a_held_stdin_stays_open")),
     ("-", "earlier rounds: overlapping deploys, dead deploys, damaged releases, full disks",
      ("test_deploy_reliability.py::test_overlapping", "test_deploy_reliability.py::test_a_dead_deploy",
       "test_deploy_reliability.py::test_damage", "test_deploy_reliability.py::test_a_full_disk")),

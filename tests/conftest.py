@@ -53,7 +53,7 @@ SLOW_FILES = (
     "test_probe_program.py",        # 130: the probe's policy x topology matrix, inductor compiled cold
     "test_runs_lifecycle.py",       # 106 (112 before its resume test's reference run trained in pytest's process)
     "test_numerics.py",             # 88 with a cold inductor cache (67 warmer)
-    "test_bench_decode_remote.py",  # 60-69
+    "test_bench_decode_remote.py",  # 60-69, + issue 43's kill sequence: 101 -> 118 s beside other work (load ~2.5)
     "test_probe_remote.py",         # 53
     "test_play_remote.py",          # 52
     "test_nodes.py",                # 52

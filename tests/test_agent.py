@@ -119,7 +119,8 @@ def _bound_in(fn) -> set[str]:
 
 @pytest.mark.parametrize("program", [agent.RELEASE, agent.RUNS])
 def test_no_part_of_a_joined_agent_shadows_another_parts_global(program):
-    """The parts of an agent run as one namespace (source() joins them): a function whose local has the
+    """The parts of an agent run as one namespace (source() joins them; test_runs_agent checks no two
+    parts define one name): a function whose local has the
     name of another part's top-level name would hide it from itself only, and a later `from .x import
     name` of that name would silently change what the function reads. None may."""
     import ast

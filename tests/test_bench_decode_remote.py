@@ -2,7 +2,8 @@
 trained on chat rows through the tool in a pct stand-in container behind a real sshd on 127.0.0.1,
 then its drafter decoding there against the target alone: on the rows the run held out, and on a
 prompts file sent from here; the slot it holds while it measures; refusals in one line with their
-exit codes; nothing left on the target."""
+exit codes; nothing left on the target; a measurement that ends with its controller however that ends,
+shown by status and ended by stop."""
 from __future__ import annotations
 
 import json
@@ -11,11 +12,14 @@ import signal
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 from trainer_quick import CLI_MAIN, IDLE_RUN, copy_trainer, tiny_run_config, wait_for
 
 from orchestrator import inventory
 from orchestrator.deploy import sync as deploy
+from trainer import procs
 
 WORKDIR = "/srv/ct/dflash"
 CODE = [("def add(a, b):\n", "    return a + b\n"), ("import os\n", "import sys\nimport re\n"),
@@ -45,8 +49,9 @@ def ct(sshd, fakepct, make_inventory, tmp_path):
 
     def cli(*args, timeout=180, wait=True):
         argv = [sys.executable, "-c", CLI_MAIN, "-i", str(path), *map(str, args)]
-        if not wait:
-            return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+        if not wait:    # SIGINT at its default, as Ctrl-C finds it (a suite run in the background ignores it)
+            return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         return subprocess.run(argv, capture_output=True, timeout=timeout, cwd=tmp_path)
 
     private = fakepct.private(200) / "dflash"
@@ -132,21 +137,118 @@ def test_bench_decode_measures_a_trained_run_on_its_held_out_rows_or_a_file_and_
         assert ct.cli("stop", "ct200", running).returncode == 0
     assert ct.locks() == []
 
-    # the agent ended by SIGTERM mid-measurement (as when its connection goes): its slot and folder go too
-    proc = ct.cli("bench-decode", "gpu1", run, "--max-new-tokens", "100000", wait=False)
-    lock = ct.private / "locks" / "gpu0.json"
-    agent = wait_for(lambda: lock.is_file() and json.loads(lock.read_text())["pid"], 120, "the bench's slot")
-    wait_for(lambda: list(ct.exports.iterdir()), 60, "its temporary folder")
-    os.kill(agent, signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode != 0 and b"Traceback" not in err, err.decode()
-    assert ct.locks() == [] and list(ct.exports.iterdir()) == [], err.decode()
+    ends_with_its_controller(ct, run)
 
     prompts = ct.tmp / "one.jsonl"
     prompts.write_text(json.dumps({"prompt": "x"}) + "\n")
     r = ct.cli("regen", "ct200", "--prompts", prompts, "--model", "tiny", "--gpus", "0")
     assert r.returncode == 0, r.stderr.decode()
     one_line(ct.cli("bench-decode", "ct200", r.stdout.decode().strip()), 2, "a regen run has no drafter")
+
+
+def in_container(private: Path) -> list[int]:
+    """The live processes inside the pct stand-in's container whose private folder this is (their /srv/ct
+    is it, as `pct stop` finds them)."""
+    want, found = private.stat(), []
+    for name in os.listdir("/proc"):
+        try:
+            st = os.stat(f"/proc/{name}/root/srv/ct") if name.isdigit() else None
+            alive = st is not None and Path(f"/proc/{name}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z"
+        except OSError:
+            continue
+        if alive and (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+            found.append(int(name))
+    return found
+
+
+def ends_with_its_controller(ct, run: str) -> None:
+    """A bench-decode lives as long as its controller, and status and stop see it (in the test above, on its
+    trained run: one training run fewer). Issue 43: a bench-decode's agent and specdec ran on for minutes after
+    its controller was killed or timed out, holding the slot, unseen by `status`, beyond `stop`; Ctrl-C left the
+    slot's lock and its folder. Each way it can end, at the worker it runs then (export or specdec), and what must
+    hold after it: nothing of it running in the container, the slot free (the next bench-decode takes it), no
+    temporary folder (or the next call removes it), one line from its controller."""
+    lock, inside = ct.private / "locks" / "cpu.json", lambda: in_container(ct.private.parent)
+
+    def holder():
+        """The live agent that holds the slot (not a killed one whose lock is left)."""
+        try:
+            pid = json.loads(lock.read_text())["pid"]
+        except (OSError, ValueError, KeyError):
+            return None
+        return pid if Path(f"/proc/{pid}").exists() else None
+
+    def running(agent, module):
+        for p in procs.children(agent):
+            try:
+                if module.encode() in Path(f"/proc/{p}/cmdline").read_bytes():
+                    return p
+            except OSError:
+                pass
+        return None
+
+    def bench(module):
+        """A bench-decode of `run` that would decode for minutes: (its controller, agent, worker) once the agent's
+        worker runs `module` (trainer.export, then trainer.specdec)."""
+        proc = ct.cli("bench-decode", "ct200", run, "--max-new-tokens", "100000", "--limit", "1", "--json", wait=False)
+        agent = wait_for(holder, 120, "the bench's slot")
+        return proc, agent, wait_for(lambda: running(agent, module), 120, f"its {module}")
+
+    def ended(proc, code, needle):
+        out, err = proc.communicate(timeout=60)
+        one_line(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), code, needle)
+        assert out == b"", out
+
+    def clean(within=5):
+        wait_for(lambda: not inside() and ct.locks() == [] and list(ct.exports.iterdir()) == [], within,
+                 "nothing of the bench left on the target")
+
+    # Ctrl-C, then SIGTERM (`timeout`), in its controller: the target is told and its end awaited, then one line
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        proc, agent, worker = bench("trainer.export")
+        proc.send_signal(sig)
+        ended(proc, 128 + sig, f"ct200: bench-decode interrupted ({sig.name}): the measurement on the target ended "
+                               "and its slot is free")
+        assert ct.locks() == [] and list(ct.exports.iterdir()) == [], sig     # already, as the controller said
+        clean()
+
+    # its controller killed with SIGKILL: the connection closes, and the target ends it within seconds
+    proc, agent, worker = bench("trainer.specdec")
+    proc.kill()
+    proc.wait()
+    clean(within=20)
+
+    # seen by status, ended by stop (SIGTERM to its agent, then --force: SIGKILL to the agent and its worker)
+    for force in (False, True):
+        proc, agent, worker = bench("trainer.export")
+        if not force:
+            r = ct.cli("status", "ct200", "--json")
+            assert r.returncode == 0, r.stderr.decode()
+            row = json.loads(r.stdout)["runs"][-1]
+            assert row["run"] == f"bench-{agent}" and row["kind"] == "bench-decode" and row["pid"] == agent, row
+            assert row["state"] == "running" and row["measures"] == run and row["started"] and row["slots"] == ["cpu"]
+            assert f"bench-decode of {run}" in ct.cli("status", "ct200").stdout.decode()
+        r = ct.cli("stop", "ct200", f"bench-{agent}", *["--force"] * force)
+        assert r.returncode == 0 and r.stdout.decode().startswith(
+            f"ct200: bench-decode bench-{agent} of run {run} stopped ({'SIGKILL' if force else 'SIGTERM'}, "), r
+        assert ct.locks() == [] and list(ct.exports.iterdir()) == []
+        ended(proc, 1, "agent on the target was killed (exit 137)" if force else "ended by SIGTERM on the target")
+        clean()
+
+    # its agent killed with SIGKILL: specdec dies with it; the lock it leaves is stale (status shows nothing), its
+    # folder stays; the next bench-decode takes the slot and removes the folder; then its export killed alone
+    proc, agent, worker = bench("trainer.specdec")
+    os.kill(agent, signal.SIGKILL)
+    ended(proc, 1, "the measurement's agent on the target was killed (exit 137)")
+    wait_for(lambda: not inside(), 20, "its specdec to die with its agent")
+    assert ct.locks() == ["cpu.json"] and [p.name for p in ct.exports.iterdir()] == [f".tmp-{agent}"]
+    assert [r["run"] for r in json.loads(ct.cli("status", "ct200", "--json").stdout)["runs"]
+            if r["kind"] == "bench-decode"] == []
+    proc, second, worker = bench("trainer.export")
+    assert [p.name for p in ct.exports.iterdir()] == [f".tmp-{second}"]
+    os.kill(worker, signal.SIGKILL)
+    ended(proc, 1, "export killed by signal 9 (SIGKILL: out of memory?)")
+    clean()
 
 
 def test_the_held_out_prompts_are_the_last_eval_prompts_rows_cut_before_their_first_answer(tmp_path, capsys):

@@ -38,6 +38,7 @@ def test_target_and_run_arguments():
                                                                         "20250101-000000-abcdef")
     assert status.split_target_run(INV, ["ct201", "R"]) == (INV.targets["ct201"], "R")
     assert status.split_target_run(INV, ["latest"]) == (INV.targets["ct200"], "latest")
+    assert status.split_target_run(INV, ["bench-123"]) == (INV.targets["ct200"], "bench-123")   # a bench-decode
     with pytest.raises(UsageError, match="unknown target 'ct20'"):
         status.split_target_run(INV, ["ct20", "R"])
     with pytest.raises(UsageError, match="unknown target 'ct2001'"):
@@ -61,7 +62,8 @@ def test_refusal_messages_say_what_to_do():
                                    "holders": [{"run": "R2", "pid": 7}]})
     assert "the CPU slot is in use by run R2" in cpu
     bench = runs.refusal_message(t, {"reason": "busy", "busy": {"gpu0": {}}, "holders": [{"run": "bench-9", "pid": 9}]})
-    assert bench == "ct200: GPU(s) 0 are in use by a bench-decode (pid 9); wait for it to end"
+    assert bench == ("ct200: GPU(s) 0 are in use by a bench-decode (pid 9); wait for it to end, or end it with "
+                     "`dflash-ops stop ct200 bench-9`")
     assert "\n" not in msg
 
 

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from orchestrator import inventory
 from orchestrator.errors import ConnectError, ContainerError, HostKeyError
 from orchestrator.ssh.session import Session
-from orchestrator.ssh.transport import LocalTransport, PctTransport
+from orchestrator.ssh.transport import Hold, LocalTransport, PctTransport
 
 ARG = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
               max_size=30)
@@ -204,6 +204,35 @@ def test_a_sink_that_raises_stops_the_command_and_reaches_the_caller(where, ct):
 
     with pytest.raises(BrokenPipeError):
         t.run(["sh", "-c", "while :; do echo y; done"], stdout=closed_reader, timeout=30)
+
+
+@pytest.mark.parametrize("where", ["local", "ssh"])
+def test_a_held_stdin_stays_open_while_the_command_runs_and_an_interrupt_hangs_up_first(where, ct):
+    """Hold, bench-decode's line to its agent: its data, then no EOF while the command runs, so EOF means the
+    caller is gone; the caller's KeyboardInterrupt (a real SIGINT while it waits) sends EOF first and waits
+    for the command's end."""
+    import os
+    import signal
+    import threading
+
+    session, target = ct
+    t = LocalTransport() if where == "local" else session.transport(target)
+    # reads the 3 bytes sent, then says whether EOF follows within 0.5 s
+    probe = [sys.executable, "-c", "import os, select; os.read(0, 3); r = select.select([0], [], [], 0.5)[0]; "
+             "print('eof' if r and not os.read(0, 1) else 'open')"]
+    assert t.run(probe, stdin=b"abc").stdout == b"eof\n"
+    assert t.run(probe, stdin=Hold(b"abc")).stdout == b"open\n"
+
+    hold, seen = Hold(b"abc", grace_s=30), []
+    ends = [sys.executable, "-c", "import os, time; os.read(0, 3); os.read(0, 1); time.sleep(0.3); print('ended')"]
+    ctrl_c = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    ctrl_c.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            t.run(ends, stdin=hold, stdout=seen.append)
+    finally:
+        ctrl_c.cancel()
+    assert hold.ended is True and b"".join(seen) == b"ended\n"
 
 
 def test_a_host_that_never_speaks_ssh_fails_fast_in_one_line(sshd, fakepct, make_inventory, tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.ui import State, emit, json_option
+from orchestrator.ui import State, emit, json_option, sigterm_raises
 
 
 @click.command("bench-decode")
@@ -40,6 +40,10 @@ def bench_decode(state: State, args, prompts, max_new_tokens, limit, step, runni
     speedup with their per-prompt bootstrap intervals, tokens/s of the target alone and with the
     drafter; exits 1 when a float32 output differs (bf16: reported per prompt, with the target's
     top-2 logit margin where they part).
+
+    The measurement lives as long as this command: killed, timed out or cut off, it ends on the
+    target within seconds; Ctrl-C or SIGTERM ends it there first (exit 130 / 143). Meanwhile
+    `status` shows it as bench-PID and `stop TARGET bench-PID` ends it.
     """
     from orchestrator.runs import bench_decode as bench
     from orchestrator.runs import status as runs
@@ -47,12 +51,13 @@ def bench_decode(state: State, args, prompts, max_new_tokens, limit, step, runni
     from orchestrator.runs.logview import note
 
     target, run = runs.split_target_run(state.inv, args)
-    if run != "latest":     # a run over several nodes: rank 0's node holds its checkpoints
-        target = nodes.rank0_of(state.inv, target, run)
-    doc = bench.bench_decode(state.inv, target, run, prompts=prompts, max_new_tokens=max_new_tokens, limit=limit,
-                             step=step, running_ok=running_ok, target_changed_ok=target_changed_ok, gpu=gpu,
-                             engine=engine, dtype=dtype,
-                             progress=None if as_json else lambda line: click.echo(line, err=True))
+    with sigterm_raises(f"{target.name}: bench-decode"):     # SIGTERM too ends it on the target first
+        if run != "latest":     # a run over several nodes: rank 0's node holds its checkpoints
+            target = nodes.rank0_of(state.inv, target, run)
+        doc = bench.bench_decode(state.inv, target, run, prompts=prompts, max_new_tokens=max_new_tokens,
+                                 limit=limit, step=step, running_ok=running_ok, target_changed_ok=target_changed_ok,
+                                 gpu=gpu, engine=engine, dtype=dtype,
+                                 progress=None if as_json else lambda line: click.echo(line, err=True))
     emit(as_json, doc, bench.summary(doc))
     if doc["running"] and not as_json:
         note(f"{target.name}: run {doc['run']} is still running: this is its checkpoint of step {doc['step']}")

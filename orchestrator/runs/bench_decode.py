@@ -8,20 +8,28 @@ for token (lossless), tokens/s alone and with the drafter, tau. The prompts are 
 the run's trainer held out for its eval. specdec's live lines come back on the agent's stderr. The
 agent holds one free GPU of the target (or its CPU slot) for the whole measurement, as a launch
 would; none free is refused (exit 1) naming the runs that hold them.
+
+The measurement lives only as long as this call: the agent's stdin stays open until it ends
+(transport.Hold), and EOF there (this process killed, timed out, its connection dropped) ends it
+on the target within seconds, worker, slot and temporary folder included. Ctrl-C or SIGTERM here
+hangs up first and waits for that end, then raises errors.Interrupted (exit 130 / 143). While it runs,
+`status` shows it as `bench-PID` (kind bench-decode) and `stop TARGET bench-PID` ends it.
 Library function: returns data, never prints.
 """
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Callable
 
-from orchestrator.errors import OpsError, UsageError
+from orchestrator.errors import Interrupted, OpsError, StepFailed, Terminated, UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.lines import LineBuffer
 from orchestrator.runs.export import refusal as export_refusal
 from orchestrator.runs.regen import check_prompts
 from orchestrator.ssh import agent
 from orchestrator.ssh.session import Session
+from orchestrator.ssh.transport import Hold
 from trainer.controller_view import tau_text
 
 TIMEOUT_S = 6 * 3600.0
@@ -67,14 +75,28 @@ def bench_decode(inv: Inventory, target: Target, run: str = "latest", *, prompts
         if value is not None:
             args += [flag, str(value)]
     args += ["--running-ok"] * running_ok + ["--target-changed-ok"] * target_changed_ok
-    args += ["--prompts-stdin"] * (data is not None) + ["--", run]
-    lines = LineBuffer(progress or (lambda line: None))
+    if data is not None:        # the prompts' length: what follows on the agent's stdin is only its EOF
+        args += ["--prompts-bytes", str(len(data))]
+    args += ["--", run]
+    lines, hold = LineBuffer(progress or (lambda line: None)), Hold(data or b"")
     try:
         with agent.session(inv, session) as s:
-            doc = agent.call(s.transport(target), target, agent.RUNS, args, what="measure decoding", stdin=data,
-                             stderr=lines, timeout=TIMEOUT_S)
+            doc = agent.call(s.transport(target), target, agent.RUNS, args, what="measure decoding",
+                             stdin=hold, stderr=lines, timeout=TIMEOUT_S)
     except agent.Refused as e:
         raise _refusal(target, run, e) from None
+    except StepFailed as e:
+        if e.exit_code_remote in (128 + 9, 128 + 15):   # the agent itself killed (stop --force, the OOM killer)
+            raise OpsError(f"{target.name}: run {run}: the measurement's agent on the target was killed (exit "
+                           f"{e.exit_code_remote}); nothing measured; its worker ended with it, and the next launch or "
+                           f"bench-decode there takes its slot") from None
+        raise
+    except KeyboardInterrupt as e:      # Ctrl-C, or SIGTERM as errors.Terminated (ui.sigterm_raises)
+        signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+        end = ("the measurement on the target ended and its slot is free" if hold.ended else
+               f"the target did not confirm its end within {hold.grace_s:g} s; it ends when it sees the connection "
+               f"gone (`dflash-ops status {target.name}` shows it while it runs)")
+        raise Interrupted(signum, f"{target.name}: bench-decode interrupted ({signum.name}): {end}") from None
     finally:
         lines.flush()
     result = dict(doc["result"])
@@ -88,7 +110,7 @@ def _refusal(target: Target, run: str, refused: agent.Refused) -> OpsError:
     t, head = target.name, refused.doc
     if refused.reason == "not_lossless":
         return NotLossless(f"{t}: run {head.get('run')}: {head.get('message')}")
-    if refused.reason in ("bench", "no_prompts", "no_drafter", "busy", "bad_gpu"):
+    if refused.reason in ("bench", "no_prompts", "no_drafter", "busy", "bad_gpu", "stopped"):
         msg = f"{t}: run {head.get('run')}: cannot measure decoding: {head.get('message')}"
         return UsageError(msg) if head.get("exit_code") == 2 else OpsError(msg)
     return export_refusal(target, run, refused, "measure")

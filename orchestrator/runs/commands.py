@@ -214,7 +214,7 @@ def status(state: State, names, all_targets, as_json):
 
     rows, errors = runs.status(state.inv, list(names), all_targets=all_targets)
     text = table(["RUN", "NAME", "TARGET", "STATE", "STEP", "LOSS", "TAU", "STARTED", "ELAPSED"],
-                 [[r["run"], r.get("name"), _where(r), _state_text(r), r.get("step"), fmt_num(r.get("loss")),
+                 [[r["run"], _name(r), _where(r), _state_text(r), r.get("step"), fmt_num(r.get("loss")),
                    fmt_tau(r.get("tau")), r.get("started"), fmt_elapsed(r.get("elapsed_s"))]
                   for r in rows]) if rows else ("" if errors else "no runs")
     if rows or not errors or as_json:
@@ -224,6 +224,11 @@ def status(state: State, names, all_targets, as_json):
             for name, err in errors.items():
                 note(err if err.startswith(f"{name}:") else f"{name}: {err}")
         raise TargetsFailed(errors)
+
+
+def _name(r: dict) -> str | None:
+    """The run's label; a bench-decode's row (run bench-PID) names the run it measures."""
+    return f"bench-decode of {r.get('measures')}" if r.get("kind") == "bench-decode" else r.get("name")
 
 
 def _where(r: dict) -> str:
@@ -274,8 +279,10 @@ def stop(state: State, args, force, timeout, as_json):
         return
     doc = done[0][1]
     if doc.get("already"):
-        emit(as_json, doc, f"{target.name}: run {doc['run']} already ended ({doc['state']}); "
-                           "nothing to stop")
+        benches = doc.get("benches") or []      # bench-decodes running there: what a stop of a measured run may mean
+        emit(as_json, doc, f"{target.name}: run {doc['run']} already ended ({doc['state']}); nothing to stop"
+             + (f"; bench-decode {benches[0]} runs there: `dflash-ops stop {target.name} {benches[0]}` ends it"
+                if benches else ""))
         return
     if doc.get("timed_out"):
         emit(as_json, doc, f"{target.name}: run {doc['run']}: {doc['signal']} sent")
@@ -288,6 +295,10 @@ def stop(state: State, args, force, timeout, as_json):
 def _stop_line(name: str, doc: dict) -> str:
     if doc.get("already"):
         return f"{name}: run {doc['run']} already ended ({doc['state']})"
+    if doc.get("kind") == "bench-decode":
+        slots = ", ".join("the CPU slot" if s == "cpu" else f"GPU {str(s)[3:]}" for s in doc.get("slots") or [])
+        return (f"{name}: bench-decode {doc['run']} of run {doc.get('measures')} stopped ({doc['signal']}, "
+                f"{doc.get('waited_s', 0):.1f} s); {slots or 'its slot'} free")
     ex = doc.get("exit") or {}
     how = f"exit {ex['exit_code']}" if ex.get("exit_code") is not None else ex.get("signal_name") or "ended"
     return f"{name}: run {doc['run']} {doc['state']} ({doc['signal']} -> {how}, {doc.get('waited_s', 0):.1f} s)"

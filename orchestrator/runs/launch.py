@@ -87,7 +87,8 @@ def refusal_message(target: Target, doc: dict) -> str:
         else:
             what = "GPU(s) " + ", ".join(s[3:] for s in busy) + " are"
         if holders and all(str(h["run"]).startswith("bench-") for h in holders):
-            return f"{t}: {what} in use by {who}; wait for it to end"
+            return (f"{t}: {what} in use by {who}; wait for it to end, or end it with "
+                    f"`dflash-ops stop {t} {holders[0]['run']}`")
         return (f"{t}: {what} in use by {who}; free them with `dflash-ops stop {t} {run_ids[0]}` "
                 f"or wait for it to end")
     return f"{t}: launch failed: {doc.get('message')}"

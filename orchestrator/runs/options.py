@@ -19,6 +19,7 @@ from orchestrator.errors import UsageError
 TOPOLOGIES = ("threads", "processes")
 POLICIES = ("auto", *POLICY_NAMES)     # auto: the probe's choice, resolved by the trainer on the target
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")   # what the runs agent accepts as a run id
+BENCH_ID_RE = re.compile(r"^bench-\d+$")     # a running bench-decode, as status lists it (remote/runs/locks.py)
 LABEL_RE = re.compile(r"^[^\x00-\x1f\x7f]{1,64}$")            # launch --name: one printable line
 
 
@@ -137,4 +138,5 @@ def upload(name: str, path: str) -> dict:
     return {"name": name, "path": path, "size": size, "sha256": h.hexdigest()}
 
 
-__all__ = ["LaunchOptions", "upload", "POLICIES", "TOPOLOGIES", "check_run", "RUN_NAME_RE", "LABEL_RE"]
+__all__ = ["LaunchOptions", "upload", "POLICIES", "TOPOLOGIES", "check_run", "RUN_NAME_RE", "BENCH_ID_RE",
+           "LABEL_RE"]

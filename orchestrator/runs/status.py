@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 from orchestrator.errors import EXIT_OK, EXIT_RUN_FAILED, EXIT_RUN_RUNNING, EXIT_RUN_STOPPED, NotFound, UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.inventory.names import RUN_ID_RE
-from orchestrator.runs.options import check_run
+from orchestrator.runs.options import BENCH_ID_RE, check_run
 from orchestrator.ssh import agent
 from orchestrator.ssh.session import Session
 
@@ -23,14 +23,16 @@ STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_RUN_FAILED, "running": EXIT_R
 
 def split_target_run(inv: Inventory, args: Sequence[str]) -> tuple[Target, str]:
     """`[TARGET] [RUN]`: one word is a run of the default target when it looks like a run id
-    (or is `latest`), else a target (an unknown one is an error that suggests a near name)."""
+    (or is `latest`, or a bench-decode's bench-PID), else a target (an unknown one is an error that
+    suggests a near name)."""
     args = list(args)
     if len(args) > 2:
         raise UsageError(f"expected [TARGET] [RUN], got {' '.join(args)}")
     if len(args) == 2:     # TARGET may be T1,T2 or a group: a run over several nodes, found from the first
         return inv.expand(args[0])[0], check_run(args[1])
-    if len(args) == 1:
-        if args[0] not in inv.targets and (args[0] == "latest" or RUN_ID_RE.match(args[0])):
+    if len(args) == 1:      # a bench-decode running is named bench-PID (status shows it; stop takes it)
+        if args[0] not in inv.targets and (args[0] == "latest" or RUN_ID_RE.match(args[0])
+                                           or BENCH_ID_RE.match(args[0])):
             return inv.default_target(), args[0]
         return inv.expand(args[0])[0], "latest"
     return inv.default_target(), "latest"

@@ -177,7 +177,7 @@ def call(t: Transport, target: Target, program: str, args: Sequence[str], *, wha
          timeout: float | None = None) -> dict:
     """Run `program CMD ARGS...` with the target's python; its reply (the last stdout line).
     stderr, when given, receives the agent's stderr as it comes (and StepFailed then carries
-    only its last line)."""
+    only its last line). stdin may be a transport.Hold: held open while the agent runs."""
     tail: list[bytes] = []
 
     def keep(data: bytes) -> None:

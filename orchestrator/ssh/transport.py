@@ -5,11 +5,11 @@
     PctTransport(inner, v)  `pct exec V --keep-env 0 -- [env K=V..] ARGV` run through another transport
     EnvTransport(inner, e)  `env K=V.. ARGV` through another transport (a target without vmid)
 
-Every transport runs an argv (or a bash script, `bash -c SOURCE`) with stdin streamed in (or held
-open while the command runs: Hold) and stdout/stderr streamed out separately, and returns the exit
-status. `shell_join` is the only place where a string is quoted for a shell: ssh hands the remote
-user's shell one command line, pct and lxc-attach pass argv straight through (docs/background.md,
-pct), so one quoting layer is all there is.
+Every transport runs an argv (or a bash script, `bash -c SOURCE`) with stdin streamed in, or held
+open while the command runs (Hold: EOF there tells the command its caller is gone), and stdout/stderr
+streamed out separately, and returns the exit status. `shell_join` is the only place where a string
+is quoted for a shell: ssh hands the remote user's shell one command line, pct and lxc-attach pass
+argv straight through (docs/background.md, pct), so one quoting layer is all there is.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import shlex
 import socket
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from typing import IO, Callable, Iterable, Mapping, Sequence, Union
 
@@ -98,15 +99,24 @@ class Transport:
 
 
 class Hold:
-    """A command's stdin held open while it runs, for a watcher on the target that ends the command when
-    stdin reaches EOF (exec's: targets/exec.py). Nothing is sent until `end(line)`, which writes the line
-    and closes stdin; should the controller die instead, its connection closing is the EOF. The transport
-    starts the command through `begin` and calls `done` once it has ended, under one lock, so a line goes
-    to a running command only, and a command ended before it started is never started."""
+    """A command's stdin held open while it runs (`run(argv, stdin=Hold(...))`): `data` is sent first,
+    then nothing until the command ends, so that EOF there tells the command its caller is gone (the
+    controller killed, timed out, its connection dropped): exec's watcher (targets/exec.py) and the
+    bench agent (remote/runs/bench.py) end their work on it.
+
+    - end(line), from another thread: writes the line (none for "") and EOF to the running command,
+      once: exec's Ctrl-C sends the signal's name. The transport starts the command through `begin`
+      and calls `done` once it has ended, under one lock, so a line goes to a running command only,
+      and a command ended before it started is never started.
+    - An exception in the thread that runs it (Ctrl-C or errors.Terminated where run() is called in
+      the main thread: bench-decode) hangs up first, end(""), and waits up to grace_s for the command
+      to end; `ended` then says whether it did, before the exception goes on."""
 
     WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
-    def __init__(self) -> None:
+    def __init__(self, data: bytes = b"", grace_s: float = 15.0) -> None:
+        self.data, self.grace_s = bytes(data), grace_s
+        self.ended: bool | None = None
         self.lock = threading.Lock()
         self.state = self.WAITING
         self.line: str | None = None
@@ -129,9 +139,10 @@ class Hold:
             self._send = None
 
     def end(self, line: str, timeout: float = 5) -> str:
-        """Send `line` and EOF to the running command (once); the state it was in: WAITING (now it
-        never starts), RUNNING (told) or FINISHED (it had ended on its own). RUNNING, untold, too when
-        the command is still being started after `timeout` s (a connection gone silent meanwhile)."""
+        """Send `line` (and a newline; nothing for "") and EOF to the running command (once); the state
+        it was in: WAITING (now it never starts), RUNNING (told) or FINISHED (it had ended on its own).
+        RUNNING, untold, too when the command is still being started after `timeout` s (a connection
+        gone silent meanwhile)."""
         if not self.lock.acquire(timeout=timeout):
             return self.RUNNING
         try:
@@ -139,13 +150,20 @@ class Hold:
                 self.line = line
                 if self._send is not None:
                     try:
-                        self._send(line.encode() + b"\n")
+                        self._send(line.encode() + b"\n" if line else b"")
                     except (OSError, EOFError, ValueError):
                         pass  # the channel or pipe is gone: the command's end is on its way
                     self._send = None
             return self.state
         finally:
             self.lock.release()
+
+
+def _close(pipe) -> None:
+    try:
+        pipe.close()
+    except OSError:     # BrokenPipeError: the command stopped reading
+        pass
 
 
 def _chunks(stdin: Stdin) -> Iterable[bytes]:
@@ -227,32 +245,40 @@ class LocalTransport(Transport):
         proc = started[0]
 
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None   # PIPE, all three
+        pipe = proc.stdin
         # bufsize=0: raw pipes, whose read(n) returns what is there without waiting for n bytes.
         readers, failures = _pump_both([(proc.stdout.read, out), (proc.stderr.read, err)], proc.kill)
-        if hold is None:
+        try:
             try:
-                for chunk in _chunks(stdin):
-                    proc.stdin.write(chunk)
+                for chunk in [hold.data] if hold is not None else _chunks(stdin):
+                    pipe.write(chunk)
             except BrokenPipeError:
                 pass  # the command stopped reading; its exit status says why
             finally:
+                if hold is None:
+                    _close(pipe)
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise OpsError(f"local: {argv[0]} timed out after {timeout:.0f} s") from None
+        except BaseException:
+            if hold is not None:        # hang up: EOF, then a moment for the command to end
+                hold.end("")
+                deadline = time.monotonic() + hold.grace_s
                 try:
-                    proc.stdin.close()
-                except BrokenPipeError:
+                    proc.wait(timeout=hold.grace_s)
+                except subprocess.TimeoutExpired:
                     pass
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise OpsError(f"local: {argv[0]} timed out after {timeout:.0f} s") from None
+                for t in readers:       # its last words reach the sinks
+                    t.join(max(0.0, deadline - time.monotonic()))
+                hold.ended = proc.poll() is not None
+            raise
         finally:
             if hold is not None:
                 hold.done()
-                try:
-                    proc.stdin.close()
-                except OSError:
-                    pass
+            _close(pipe)
         for t in readers:
             t.join()
         if failures:
@@ -304,14 +330,14 @@ class SshTransport(Transport):
             chan.close()
             raise OpsError(f"{self.host.name}: interrupted before the command started")
         readers, failure = _pump_both([(chan.recv, out), (chan.recv_stderr, err)], chan.close)
-        if hold is None:
+        try:
             try:
-                for chunk in _chunks(stdin):
+                for chunk in [hold.data] if hold is not None else _chunks(stdin):
                     chan.sendall(chunk)
-                chan.shutdown_write()
+                if hold is None:
+                    chan.shutdown_write()
             except (OSError, EOFError):
                 pass  # remote stopped reading, or the connection broke: the checks below say which
-        try:
             for t in readers:
                 t.join()
             if failure:
@@ -322,6 +348,11 @@ class SshTransport(Transport):
             if not chan.status_event.wait(timeout or 60) or not chan.exit_status_ready():
                 raise ConnectionLost(self.host.name)
             code = chan.recv_exit_status()
+        except BaseException as e:
+            if hold is not None and not isinstance(e, OpsError):    # the caller's Ctrl-C / SIGTERM: hang up
+                hold.ended = _hang_up(hold, chan, readers)
+            chan.close()    # sshd closes the command's pipes: EOF on its stdin, EPIPE on its writes
+            raise
         finally:
             if hold is not None:    # held until the exit status: a command may close its output first
                 hold.done()
@@ -337,8 +368,20 @@ class SshTransport(Transport):
     def alive(self) -> bool:
         return self.transport is not None and self.transport.is_active()
 
+
     def close(self) -> None:
         self.client.close()
+
+
+def _hang_up(hold: Hold, chan, readers: Sequence[threading.Thread]) -> bool:
+    """EOF on a held stdin, then up to hold.grace_s for the command to end (its streams closed and its
+    exit status in): whether it did."""
+    if hold.end("") != Hold.RUNNING:
+        return True     # it had ended, or never started
+    deadline = time.monotonic() + hold.grace_s
+    for t in readers:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return chan.status_event.wait(max(0.0, deadline - time.monotonic()))
 
 
 # What a node may print around pct's own words: pct is Perl, and a locale the node lacks (often

@@ -359,7 +359,7 @@ def _measure(a, kwargs, say) -> int:
     doc = {"target": a.target, "drafter": a.drafter, "untrained": a.untrained, "device": dev.type, "dtype": a.dtype,
            "block_size": drafter.cfg.block_size, "draft_layers": drafter.cfg.num_layers, **doc}
     say(f"specdec: {result_line(doc)}")
-    if a.json_out:
+    if a.json_out:      # whole or not at all: a specdec killed while writing leaves no half document under its name
         with atomic_file(a.json_out) as f:
             f.write(json.dumps(doc, indent=2))
     print(json.dumps(doc), flush=True)

@@ -12,7 +12,8 @@ header line followed by raw bytes.
                               setsid, all three streams redirected: docs/background.md#pct) that starts the
                               trainer and records its exit status whatever way it ends.
     status WORKDIR [-- RUN...]
-                              the runs (all, or those named) with state, step, loss, tau
+                              the runs (all, or those named) with state, step, loss, tau, and the
+                              bench-decodes running (`bench-PID`, kind bench-decode: runs/locks.py)
     follow WORKDIR --offset OFFSET [--no-follow] [--tail N] -- RUN
                               header line, then the log from byte OFFSET as it grows; ends once
                               the run has ended and every byte is out. Control messages go to
@@ -20,13 +21,15 @@ header line followed by raw bytes.
                               connection is noticed on both ends) and {"end": STATUS} last.
     stop WORKDIR [--force] [--timeout S] -- RUN
                               SIGTERM (SIGKILL with --force) to the trainer's process group, then
-                              wait for it to checkpoint and exit (runs/stop.py)
+                              wait for it to checkpoint and exit; RUN bench-PID: that bench-decode
+                              (runs/stop.py)
     metrics WORKDIR -- RUN    the log's JSON metric lines
     export WORKDIR [--step N] [--dtype D] [--running-ok] [--target-changed-ok] -- RUN
                               the run's drafter as a DFlash folder, streamed (runs/export.py)
-    bench WORKDIR [--step N] [--max-new-tokens N] [--limit N] [--running-ok] [--prompts-stdin] -- RUN
+    bench WORKDIR [--step N] [--max-new-tokens N] [--limit N] [--running-ok] [--prompts-bytes N] -- RUN
                               decoding with the run's drafter vs the target alone; specdec's live
-                              lines on stderr, its document in the reply (runs/bench.py)
+                              lines on stderr, its document in the reply; ends when its stdin does
+                              (runs/bench.py)
     probe WORKDIR [--reuse] -- PROBE_ARGS...
                               the live release's probe program, its document as the reply
                               (runs/probe.py)
@@ -68,7 +71,7 @@ from .follow import cmd_follow, cmd_metrics
 from .kinds import kind_of, run_command
 from .upload import _discard, _place, _receive
 from .housekeeping import RESUMABLE, _end_attempt, _resume_spec, cmd_prune, cmd_rm
-from .locks import _Guard, _claim, _drop, _hold
+from .locks import BENCH, _Guard, _bench_row, _benches, _claim, _drop, _hold
 from .net import IFNAME_VARS, _network_env
 from .probe import cmd_probe
 from .stop import cmd_stop
@@ -79,14 +82,20 @@ RUN_MIN_FREE = 64 * 10**6    # bytes a new run folder needs free: its log, confi
 
 
 def cmd_status(workdir, runs):
+    """The runs (all, or those named), then the bench-decodes running here (runs/locks.py), one row each."""
     if runs:
         out, missing = [], []
         for r in runs:
             rid = _resolve(workdir, r)
-            (out if rid else missing).append(_status(workdir, rid) if rid else r)
+            bench = _benches(workdir, [r]) if rid is None and r.startswith(BENCH) else []
+            if rid or bench:
+                out.append(_status(workdir, rid) if rid else _bench_row(bench[0]))
+            else:
+                missing.append(r)
         _out({"runs": out, "missing": missing})
     else:
-        _out({"runs": [_status(workdir, r) for r in _run_ids(workdir)], "missing": []})
+        _out({"runs": [_status(workdir, r) for r in _run_ids(workdir)] + [_bench_row(b) for b in _benches(workdir)],
+              "missing": []})
 
 
 # --- launch -------------------------------------------------------------------------------------

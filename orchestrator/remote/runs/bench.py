@@ -2,7 +2,7 @@
 line (runs/common.py says why).
 
     bench WORKDIR [--step N] [--max-new-tokens N] [--limit N] [--gpus N] [--gpu ID] [--running-ok]
-          [--target-changed-ok] [--prompts-stdin] -- RUN
+          [--target-changed-ok] [--prompts-bytes N] -- RUN
 
 Decoding with a run's trained drafter against the target alone, measured here: the drafter is
 exported (float32, as `export` takes RUN: default the newest succeeded training run) into a private
@@ -13,36 +13,48 @@ runs on it against the run's own --target, both from the run's own cwd (its rela
 (runs/locks.py): a GPU of the target's `--gpus N` (exactly `--gpu ID` when named; never the benched
 run's own, which holds its slots while it runs), or the one `cpu` slot of a CPU-only target, and
 export and specdec see only that GPU; none free is the refusal "busy" (exit_code 1) naming the
-holders. The slot goes when the agent ends (SIGHUP/SIGTERM too; a SIGKILLed agent's lock is stale,
-so free, at once). Its live lines (stderr) pass through to this agent's
-stderr as they come; the reply (the last stdout line) is
+holders. Its lock (runs/locks.py, as the "run" bench-PID) is the measurement's record: `status` shows
+it while this agent lives, `stop bench-PID` signals this agent. Its live lines (stderr) pass through
+to this agent's stderr as they come; the reply (the last stdout line) is
 
     {"ok": true, "run", "step", "running", "prompts_source": "upload"|"held-out", "prompts", "result"}
 
-with specdec's document as "result". The prompts: with --prompts-stdin, the file the controller sends
-on stdin (checked there as trainer.regen reads it); else the run's held-out rows, the ones its
-trainer held out for its eval (trainer/run/data.py split_eval: the last `eval_prompts` rows of its
-`--data`, when there are at least twice as many), each cut before its first assistant turn. The
-temporary folder is removed whatever happens (export's sweep takes one left by SIGKILL).
-Refusals: export's (not_found, no_drafter, running, no_release, export), "no_prompts" (synthetic
-data, or nothing held out, and no upload), "bad_gpu" (--gpu not one of the target's), "busy",
-"not_lossless" and "bench" (specdec failed: its last line, or "specdec killed by signal N (NAME)",
-and "exit_code", 128 + N for a signal).
+with specdec's document as "result". The prompts: with --prompts-bytes N, the file of N bytes the
+controller sends first on stdin (checked there as trainer.regen reads it); else the run's held-out rows,
+the ones its trainer held out for its eval (trainer/run/data.py split_eval: the last `eval_prompts` rows
+of its `--data`, when there are at least twice as many), each cut before its first assistant turn.
+
+It lives only as long as its controller. The controller holds stdin open until the reply is in, so
+EOF there means it is gone (killed, timed out, its connection dropped: sshd closes the command's
+pipes): a thread waiting for that EOF hangs this agent up (SIGHUP to its main thread). SIGHUP,
+SIGTERM (`stop`) and SIGINT end it the same way: the worker (export, specdec: a session of its own,
+export._child) is killed with its process group, the slot released, the temporary folder removed,
+later signals ignored until that is done; then SIGHUP exits 129 unheard, SIGTERM and SIGINT refuse
+"stopped" (exit_code 128 + N). Killed with SIGKILL, it leaves a lock whose holder is dead (free to the
+next claim) and a folder the next bench's or export's sweep removes; its worker dies with it
+(PR_SET_PDEATHSIG). Refusals: export's (not_found, no_drafter, running, no_release, export),
+"no_prompts" (synthetic data, or nothing held out, and no upload), "bad_gpu" (--gpu not one of the
+target's), "busy", "stopped", "not_lossless" and "bench" (specdec failed: its last line, or "specdec
+killed by signal N (NAME)", and "exit_code", 128 + N for a signal).
 """
 import json
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
+import time
 
 from ..common import _now_iso, _out, _read_json, refuse
 from .common import LOG, _proc_start, _run_ids, _runs_dir, _state
 from .export import _child, _export_into, _private_tmp, _program, _run_cwd, _run_env, _run_to_export
-from .locks import _HOLDERS, _Guard, _claim, _hold, _release_slots
+from .locks import _HOLDERS, BENCH, _Guard, _claim, _hold, _release_slots
 
 PROMPTS = "prompts.jsonl"
-BENCH_FLAGS = ("--running-ok", "--target-changed-ok", "--prompts-stdin")
-BENCH_OPTIONS = ("--step", "--max-new-tokens", "--limit", "--gpus", "--gpu", "--engine", "--dtype")
+BENCH_FLAGS = ("--running-ok", "--target-changed-ok")
+BENCH_OPTIONS = ("--step", "--max-new-tokens", "--limit", "--gpus", "--gpu", "--engine", "--dtype", "--prompts-bytes")
+ENDING = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
 ENGINES, DTYPES = ("graphs", "eager"), ("auto", "float32", "bfloat16")   # specdec's --engine, --dtype
 LOG_HEAD = 4 << 20      # the trainer says how many rows it skipped near its log's start
 
@@ -110,9 +122,9 @@ def _claim_slot(workdir, rid, total, gpu=None):
     if gpu is not None and not 0 <= gpu < total:
         refuse("bad_gpu", "--gpu %d: the target's GPUs are %s" % (gpu, "0..%d" % (total - 1) if total else "none"),
                found=True, run=rid, exit_code=2)
-    name, started = "bench-%d" % os.getpid(), _proc_start(os.getpid())
-    me = {}   # this agent is each of a run's holders: held while it lives
-    for pid, start in _HOLDERS:
+    name, started = BENCH + str(os.getpid()), _proc_start(os.getpid())
+    me = {"kind": "bench-decode", "since_ts": time.time()}
+    for pid, start in _HOLDERS:     # this agent is each of a run's holders: held while it lives
         me.update({pid: os.getpid(), start: started})
     with _Guard(workdir) as guard:
         slots, ids, busy, _ = _claim(workdir, guard, 1 if total else 0, total, None if gpu is None else [gpu])
@@ -143,6 +155,51 @@ def _specdec(workdir, rid, cfg, rec, folder, prompts, tmp, max_new_tokens, limit
         return json.load(f)
 
 
+class _Ended(BaseException):
+    """A signal of ENDING turned into an exception in the main thread, so the finally blocks run."""
+
+    def __init__(self, signum):
+        BaseException.__init__(self, signum)
+        self.signum = signum
+
+
+def _end(signum, frame):
+    for sig in ENDING:      # the first one ends the measurement; its cleanup is not cut short by another
+        signal.signal(sig, signal.SIG_IGN)
+    raise _Ended(signum)
+
+
+def _read_prompts(n):
+    """The n bytes of the prompts file on stdin; a controller gone before the last of them: exit 129."""
+    data = b""
+    while len(data) < n:
+        chunk = os.read(0, n - len(data))
+        if not chunk:
+            os._exit(128 + signal.SIGHUP)
+        data += chunk
+    return data
+
+
+def _hang_up_on_eof():
+    """A thread that reads stdin to its EOF (nothing more is sent after the prompts) and then sends
+    SIGHUP to the main thread: pthread_kill interrupts a blocking read there, where a signal to the
+    process might land in this thread. This thread blocks ENDING for the same reason."""
+    main_ident = threading.main_thread().ident
+
+    def watch():
+        signal.pthread_sigmask(signal.SIG_BLOCK, ENDING)
+        try:
+            while os.read(0, 1 << 16):
+                pass
+        except OSError:
+            pass
+        try:
+            signal.pthread_kill(main_ident, signal.SIGHUP)
+        except (OSError, ValueError):
+            pass        # the agent is ending anyway
+    threading.Thread(target=watch, name="hang-up", daemon=True).start()
+
+
 def cmd_bench(workdir, opts, values):
     """opts: BENCH_FLAGS and BENCH_OPTIONS as the agent's _split found them; values: [RUN]."""
     step, limit, gpu = (None if opts.get(k) is None else int(opts[k]) for k in ("--step", "--limit", "--gpu"))
@@ -151,13 +208,32 @@ def cmd_bench(workdir, opts, values):
     if engine not in ENGINES or dtype not in DTYPES:
         refuse("bench", "--engine must be one of %s and --dtype one of %s" % ("|".join(ENGINES), "|".join(DTYPES)),
                exit_code=2)
-    upload = sys.stdin.buffer.read() if "--prompts-stdin" in opts else None
-    rid, rundir, rec = _run_to_export(workdir, values[0] if values else "latest", running_ok)
+    for sig in ENDING:
+        signal.signal(sig, _end)
+    try:
+        upload = _read_prompts(int(opts["--prompts-bytes"])) if "--prompts-bytes" in opts else None
+        _hang_up_on_eof()
+        _measure(workdir, values[0] if values else "latest", upload, step, limit, gpu, max_new_tokens, running_ok,
+                 "--target-changed-ok" in opts, int(opts.get("--gpus", 0)), engine, dtype)
+    except _Ended as e:
+        if e.signum == signal.SIGHUP:       # the controller is gone: nobody to read a reply
+            os._exit(128 + e.signum)
+        name = signal.Signals(e.signum).name
+        refuse("stopped", "ended by %s on the target (`dflash-ops stop`, or the container shutting down); nothing "
+               "measured" % name, found=True, run=values[0] if values else "latest", exit_code=128 + e.signum)
+
+
+def _measure(workdir, run, upload, step, limit, gpu, max_new_tokens, running_ok, target_changed_ok, gpus, engine,
+             dtype):
+    """The measurement, its reply written; whatever ends it, the slot and the temporary folder go."""
+    rid, rundir, rec = _run_to_export(workdir, run, running_ok)
     current = os.path.join(workdir, "current")
     if not os.path.isfile(os.path.join(current, "trainer", "specdec.py")):
         refuse("no_release", "the live release in %s has no trainer/specdec.py" % workdir, found=True, run=rid)
     cfg = _read_json(os.path.join(rundir, "trainer-config.json")) or {}
-    tmp, lock = _private_tmp(workdir), None
+    tmp, claimed = _private_tmp(workdir), False
+    for sig in ENDING:          # _private_tmp set export's handlers: this agent's are these
+        signal.signal(sig, _end)
     try:
         os.mkdir(tmp)
         prompts = os.path.join(tmp, PROMPTS)
@@ -167,7 +243,8 @@ def cmd_bench(workdir, opts, values):
             n, skipped = None, 0
         else:
             n, skipped = _held_out(rid, cfg, prompts, _run_cwd(workdir, rec)), _skipped(rundir)
-        lock, cuda_visible = _claim_slot(workdir, rid, int(opts.get("--gpus", 0)), gpu)
+        claimed = True      # from here the slot may be written: the finally releases it whatever ends this
+        _, cuda_visible = _claim_slot(workdir, rid, gpus, gpu)
         notes = []      # said on stderr now, and kept in the reply (the controller's --json shows no stderr)
         if skipped:
             notes.append("the trainer skipped %d rows of its data: the last %d rows taken here may not be "
@@ -179,13 +256,15 @@ def cmd_bench(workdir, opts, values):
             sys.stderr.write("bench-decode: %s\n" % note)
         sys.stderr.flush()
         folder = os.path.join(tmp, "draft")
-        info = _export_into(workdir, rid, rundir, rec, folder, "float32", step, running_ok,
-                            "--target-changed-ok" in opts, cuda_visible)
+        info = _export_into(workdir, rid, rundir, rec, folder, "float32", step, running_ok, target_changed_ok,
+                            cuda_visible)
         doc = _specdec(workdir, rid, cfg, rec, folder, prompts, tmp, max_new_tokens, limit, cuda_visible, engine, dtype)
         _out({"ok": True, "found": True, "run": rid, "step": info.get("step"), "running": info.get("running"),
               "prompts_source": "upload" if n is None else "held-out", "held_out": n, "notes": notes,
               "gpu": cuda_visible or None, "result": doc})
     finally:
-        if lock is not None:
-            _release_slots(workdir, lock)
+        for sig in ENDING:      # ending now whatever comes: a signal would cut the cleanup short
+            signal.signal(sig, signal.SIG_IGN)
+        if claimed:
+            _release_slots(workdir, BENCH + str(os.getpid()))
         shutil.rmtree(tmp, ignore_errors=True)

@@ -98,7 +98,20 @@ def _private_tmp(workdir):
 
 # `python -m MODULE` of the live release (argv[1]) run from another folder (the run's own cwd, against
 # which its relative --target and --data were written): the release's code first on sys.path, not the cwd.
-_RUN_MODULE = ("import runpy, sys; p = sys.argv.pop(1); sys.path[:] = [p] + [x for x in sys.path if x]; "
+# Started by _child, it first asks the kernel for SIGKILL when that agent dies (PR_SET_PDEATHSIG, prctl
+# option 1; ctypes is the standard library's way to it), so that no worker outlives an agent killed
+# with SIGKILL; an agent gone before the call (the parent is another process by then) ends it at once.
+# The variable is removed first: the worker's own children do not inherit it.
+_RUN_MODULE = ("import os, sys\n"
+               "parent = os.environ.pop('DFLASH_OPS_PARENT', '')\n"
+               "if parent:\n"
+               "    try:\n"
+               "        import ctypes; ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)\n"
+               "    except (ImportError, OSError, AttributeError):\n"
+               "        pass\n"
+               "    if os.getppid() != int(parent):\n"
+               "        os._exit(137)\n"
+               "import runpy; p = sys.argv.pop(1); sys.path[:] = [p] + [x for x in sys.path if x]\n"
                "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
 
 
@@ -131,9 +144,13 @@ def _child(rid, what, argv, cwd, env, echo=False, reason=None):
     """Run argv (stdin closed) to its end: its stdout. Its stderr lines pass through to this agent's
     stderr as they come when `echo`, else only the last one is kept. A failure is refused with
     `reason(last line)` (default "export"): the last line less its program's `WHAT: error: `, or,
-    killed by a signal, "WHAT killed by signal N (NAME)", and "exit_code" (128 + N then)."""
+    killed by a signal, "WHAT killed by signal N (NAME)", and "exit_code" (128 + N then).
+    The worker runs in a session of its own: this agent ending any other way (an exception, a signal
+    its handler turns into one) kills its whole process group; killed with SIGKILL, the worker dies
+    with it (_RUN_MODULE's PR_SET_PDEATHSIG)."""
     with tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(argv, cwd=cwd, env=dict(env, DFLASH_OPS_PARENT=str(os.getpid())),
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE, start_new_session=True)
         last = "(no message)"
         try:
             for line in iter(proc.stderr.readline, b""):
@@ -144,7 +161,10 @@ def _child(rid, what, argv, cwd, env, echo=False, reason=None):
             proc.wait()
         finally:
             if proc.poll() is None:
-                proc.kill()
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except OSError:
+                    proc.kill()
                 proc.wait()
             proc.stderr.close()
         code, reason = proc.returncode, reason or (lambda _: "export")

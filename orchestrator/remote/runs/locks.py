@@ -9,11 +9,19 @@ none of its processes (those of the lock and of the run's run.json) is alive any
 container restarted, a launch cut off before its trainer started): a stale lock, cleared. A
 trainer whose supervisor was killed still holds its slots until it ends. Slot files are only
 judged and changed under an flock on WORKDIR/locks/.guard.
+
+A bench-decode's agent (runs/bench.py) holds one slot as the "run" `bench-PID`, itself each of its
+holders, with "kind": "bench-decode", "bench": the run it measures and "since_ts". That lock is its
+only record: `status` lists each one whose agent lives as a row of kind bench-decode, and `stop
+bench-PID` finds the agent there (runs/stop.py). A dead agent's lock is stale like any other.
 """
 import os
+import time
 
 from ..common import _flock, _read_json, _write_json
 from .common import _alive, _runs_dir, _unsupervised
+
+BENCH = "bench-"        # the prefix of a bench-decode's name in its slot lock: bench-PID
 
 
 class _Guard:
@@ -114,3 +122,35 @@ def _hold(guard, run, slots, holders, since):
                "supervisor_pid": None, "supervisor_start": None}
         doc.update(holders)
         _write_json(os.path.join(guard.dir, slot + ".json"), doc)
+
+
+def _benches(workdir, names=None):
+    """The slot locks of the bench-decodes running here (their agent alive), oldest first; only those
+    named when `names` is given. Read without the guard, nothing cleared: status writes nothing, and a
+    dead agent's stale lock goes at the next claim of its slot."""
+    folder = os.path.join(workdir, "locks")
+    try:
+        files = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    found = {}
+    for name in files:
+        lock = _read_json(os.path.join(folder, name)) if name.endswith(".json") else None
+        run = str(lock.get("run")) if isinstance(lock, dict) else ""
+        if run.startswith(BENCH) and (names is None or run in names) and run not in found and \
+                _alive(lock.get("launcher_pid"), lock.get("launcher_start")):
+            found[run] = lock
+    return sorted(found.values(), key=lambda lock: lock.get("since_ts") or 0)
+
+
+def _bench_row(lock):
+    """A running bench-decode as a status row: the keys of a run's (common._status), kind bench-decode,
+    pid its agent's, "measures" the run it measures."""
+    started, slot = lock.get("since_ts"), lock.get("slot")
+    return {"run": lock.get("run"), "kind": "bench-decode", "measures": lock.get("bench"), "output": None,
+            "name": None, "attempt": 1, "state": "running", "step": None, "loss": None, "tau": None,
+            "started": lock.get("since"), "started_ts": started, "ended": None,
+            "elapsed_s": round(time.time() - started, 1) if started else None,
+            "pid": lock.get("launcher_pid"), "gpus": 0 if slot == "cpu" else 1, "slots": [slot],
+            "compile_policy": None, "release": None, "log": None, "exit": None, "nodes": None, "node": None,
+            "log_bytes": 0}

@@ -2,24 +2,33 @@
 then wait for it to checkpoint and exit; when the supervisor is gone, record the end here.
 
     stop WORKDIR [--force] [--timeout S] -- RUN
+
+RUN may name a running bench-decode, `bench-PID` (its slot lock, runs/locks.py): SIGTERM to its agent,
+which kills its worker, frees the slot and removes its temporary folder before it exits (runs/bench.py);
+SIGKILL with --force, its worker's process group too, and what the agent could not remove is removed here.
 """
 import os
+import shutil
 import signal
 import time
 
 from ..common import _now_iso, _out, _read_json, _write_json
-from .common import _alive, _find, _runs_dir, _state
-from .locks import _release_slots
+from .common import _alive, _find, _resolve, _runs_dir, _state
+from .locks import BENCH, _benches, _release_slots
 from .supervisor import _exit_record, _signal_name
 
 
 def cmd_stop(workdir, run, force, timeout):
+    bench = _benches(workdir, [run]) if run.startswith(BENCH) and _resolve(workdir, run) is None else []
+    if bench:
+        return _stop_bench(workdir, bench[0], force, timeout)
     rid = _find(workdir, run)
     rundir = os.path.join(_runs_dir(workdir), rid)
     rec = _read_json(os.path.join(rundir, "run.json")) or {}
     state, _ = _state(rundir, rec)
-    if state != "running":
-        _out({"found": True, "run": rid, "already": True, "state": state})
+    if state != "running":      # the bench-decodes running here: a `stop` of a measured run may mean one
+        _out({"found": True, "run": rid, "already": True, "state": state,
+              "benches": [b.get("run") for b in _benches(workdir)]})
         return
     stop = _read_json(os.path.join(rundir, "stop.json")) or {}
     stop.setdefault("requested", _now_iso())
@@ -55,3 +64,50 @@ def cmd_stop(workdir, run, force, timeout):
     _out({"found": True, "run": rid, "already": False, "signal": _signal_name(sig),
           "signalled": signalled, "state": state, "exit": ex,
           "timed_out": state == "running", "waited_s": round(time.monotonic() - start, 2)})
+
+
+def _workers(pid):
+    """The children of process `pid` (from /proc): a bench agent's export or specdec, each the leader of
+    its own session and process group (export._child)."""
+    found = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name) as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid:
+            found.append(int(name))
+    return found
+
+
+def _stop_bench(workdir, lock, force, timeout):
+    """End the bench-decode of this slot lock: SIGTERM to its agent, whose handler kills its worker, frees
+    the slot and removes its temporary folder, then exits (SIGKILL with force, to its worker's process
+    group too); wait up to `timeout` for the agent to be gone. An agent that could not clean up (killed)
+    leaves its lock and WORKDIR/exports/.tmp-PID: removed here."""
+    bench, pid, start = lock.get("run"), lock.get("launcher_pid"), lock.get("launcher_start")
+    sig = signal.SIGKILL if force else signal.SIGTERM
+    begin, signalled, workers = time.monotonic(), False, _workers(pid) if force else []
+    try:
+        os.kill(pid, sig)       # the agent first: it must not live to report its worker's death as the failure
+        signalled = True
+    except ProcessLookupError:
+        pass
+    for worker in workers:
+        try:
+            os.killpg(worker, signal.SIGKILL)
+        except OSError:
+            pass
+    while _alive(pid, start) and time.monotonic() < begin + timeout:
+        time.sleep(0.05)
+    ended = not _alive(pid, start)
+    if ended:
+        _release_slots(workdir, bench)
+        shutil.rmtree(os.path.join(workdir, "exports", ".tmp-%d" % pid), ignore_errors=True)
+    _out({"found": True, "run": bench, "kind": "bench-decode", "measures": lock.get("bench"), "already": False,
+          "signal": _signal_name(sig), "signalled": signalled, "state": "stopped" if ended else "running",
+          "exit": None, "timed_out": not ended, "waited_s": round(time.monotonic() - begin, 2),
+          "slots": [lock.get("slot")]})

@@ -31,7 +31,7 @@ def _receive(stream, runs_dir, spec):
     if names != inputs:
         refuse("bad_upload", "a %s run takes %s; this launch sent %s" % (
             spec.get("kind") or "train", ", ".join(inputs) or "no files", ", ".join(names) or "none"))
-    _sweep(runs_dir)
+    _sweep_uploads(runs_dir)
     if not files:
         return None
     folder = os.path.join(runs_dir, "%s%s-%d" % (UPLOAD, spec["run"], os.getpid()))
@@ -68,7 +68,7 @@ def _receive_one(stream, folder, f):
         _fail("upload %s: sha256 mismatch (the file changed while it was sent?)" % name)
 
 
-def _sweep(runs_dir):
+def _sweep_uploads(runs_dir):
     """Upload folders of launches whose agent is gone (RUNS/.upload-RUN-PID, PID no longer running):
     SIGKILL or a stopped container ends an agent before its `finally`."""
     try:
