@@ -282,8 +282,15 @@ def uninterrupted(cache, tmp_path_factory):
     folder = tmp_path_factory.mktemp("uninterrupted")
     prompts = _prompts(folder / "p.jsonl", 10)
     whole = folder / "whole.jsonl"
-    assert torch.get_num_threads() == 1
-    regen.regen("small-code-smoke", str(prompts), str(whole), max_new_tokens=8, batch_size=2, log=lambda s: None)
+    # One thread, set here: under xdist another module's test may run on this worker between this
+    # module's `cache` fixture and this one, and leave torch's thread count where it found it.
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        regen.regen("small-code-smoke", str(prompts), str(whole), max_new_tokens=8, batch_size=2,
+                    log=lambda s: None)
+    finally:
+        torch.set_num_threads(old_threads)
     return prompts, whole
 
 
