@@ -200,6 +200,19 @@ def test_paramiko_is_imported_without_invoke_and_invoke_still_imports_after():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
+def test_paramiko_is_imported_without_importlib_metadata_and_knows_its_own_version():
+    from importlib import metadata
+    # paramiko's __init__ asks importlib.metadata for its version (the SSH banner carries it); the
+    # stand-in answers from the .dist-info folder's name, and the real module imports as ever after
+    code = ("import sys; from orchestrator.inventory import sshconfig; p = sshconfig.paramiko()\n"
+            "assert 'importlib.metadata' not in sys.modules\n"
+            "from importlib import metadata\n"
+            "assert metadata.version('paramiko') == p.__version__ and metadata.version('click')\n"
+            "print(p.transport.Transport._CLIENT_ID)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"paramiko_{metadata.version('paramiko')}", r.stderr
+
+
 def test_targets_check_table_and_json(env):
     inv, path, pct = env
     pct.stop(201)
