@@ -93,7 +93,7 @@ def test_the_joined_source_compiles_for_python_38_and_defines_every_command():
     space = {"__name__": "not_main"}
     exec(compile(SOURCE, "runs.agent", "exec"), space)   # module-level order: no NameError
     for cmd in ("cmd_launch", "cmd_status", "cmd_follow", "cmd_stop", "cmd_metrics", "cmd_export",
-                "cmd_probe", "main", "_supervise", "_claim", "_release_slots"):
+                "cmd_probe", "main", "_supervise", "claim", "release_slots"):
         assert callable(space[cmd]), cmd
     assert SOURCE.count("\n# ---- ") + SOURCE.startswith("# ---- ") == len(agent_mod.parts(agent_mod.RUNS))
     assert "\nfrom ." not in SOURCE      # the package-relative imports are gone
@@ -324,13 +324,13 @@ def test_a_run_outlives_its_killed_supervisor_and_is_judged_by_its_log(wd):
 
 def test_unsupervised_is_one_rule_for_status_and_the_slot_locks():
     """A trainer alive whose supervisor is not, by pid and start time in run.json or a lock."""
-    from orchestrator.remote.runs.common import _proc_start, _unsupervised
+    from orchestrator.remote.runs.common import proc_start, unsupervised
 
-    me = {"pid": os.getpid(), "pid_start": _proc_start(os.getpid())}
+    me = {"pid": os.getpid(), "pid_start": proc_start(os.getpid())}
     dead = {"supervisor_pid": os.getpid(), "supervisor_start": -1}     # a recycled pid: not the supervisor
-    assert _unsupervised(me) and _unsupervised(dead, me) and _unsupervised({}, me)
-    alive = {"supervisor_pid": os.getpid(), "supervisor_start": _proc_start(os.getpid())}
-    assert not _unsupervised(dict(me, **alive)) and not _unsupervised(me, alive) and not _unsupervised({}, dead)
+    assert unsupervised(me) and unsupervised(dead, me) and unsupervised({}, me)
+    alive = {"supervisor_pid": os.getpid(), "supervisor_start": proc_start(os.getpid())}
+    assert not unsupervised(dict(me, **alive)) and not unsupervised(me, alive) and not unsupervised({}, dead)
 
 
 def test_a_run_whose_supervisor_cannot_start_is_failed_at_once(wd):
@@ -435,14 +435,14 @@ def test_a_run_that_filled_the_disk_is_named_disk_full_not_killed(tmp_path, monk
     (rundir / "run.json").write_text(json.dumps({"pid": dead.pid, "pid_start": 1, "started_ts": 1}))
     log = rundir / common.LOG
     log.write_bytes(b'{"event": "start"}\nregen: 4/8 rows\n')
-    state, ex = common._state(str(rundir))
+    state, ex = common.run_state(str(rundir))
     assert (state, ex["lost"], ex["disk_full"]) == ("failed", True, False) and "killed with SIGKILL" in ex["reason"]
     with log.open("ab") as f:
         f.write(b"OSError: [Errno 28] No space left on device\n")
-    state, ex = common._state(str(rundir))
+    state, ex = common.run_state(str(rundir))
     assert (state, ex["lost"], ex["disk_full"]) == ("failed", True, True)
     assert ex["reason"].startswith("disk full: its log says No space left on device")
     assert "launch --resume" in ex["reason"]
     log.write_bytes(b"regen: 4/8 rows\n")
     monkeypatch.setattr(common.os, "statvfs", lambda p: os.statvfs_result((4096,) * 2 + (0,) * 8))
-    assert common._state(str(rundir))[1]["reason"].startswith("disk full: the filesystem of its folder is full")
+    assert common.run_state(str(rundir))[1]["reason"].startswith("disk full: the filesystem of its folder is full")
