@@ -194,12 +194,12 @@ def test_torchruns_root_cause_is_read_from_the_log_and_the_error_file(tmp_path):
                    "  host      : node-b\n  rank      : 3 (local_rank: 1)\n  exitcode  : 1 (pid: 42)\n"
                    f"  error_file: {err}\n  traceback : Traceback (most recent call last):\n")
     assert root_cause(str(log)) == {"rank": 3, "exitcode": 1, "error_file": str(err),
-                                     "error": "RuntimeError: test hook"}
+                                    "error": "RuntimeError: test hook"}
     log.write_text("Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 0)\n"
                    "  exitcode  : -9 (pid: 7)\n  error_file: <N/A>\n"
                    "  traceback : Signal 9 (SIGKILL) received by PID 7\n")
     assert root_cause(str(log)) == {"rank": 1, "exitcode": -9, "error_file": None,
-                                     "error": "Signal 9 (SIGKILL) received by PID 7"}
+                                    "error": "Signal 9 (SIGKILL) received by PID 7"}
     log.write_text("no torchrun here\n")
     assert root_cause(str(log)) is None
 

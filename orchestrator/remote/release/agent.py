@@ -216,7 +216,7 @@ def _build(partial, base_path):
         if rel in received:
             if received[rel] != sha:
                 fail("%s changed while it was sent (its content does not match its hash); "
-                      "deploy again" % rel)
+                     "deploy again" % rel)
             known[rel] = stat_key(os.stat(dest))
             continue
         if not base_path or old.get(rel, [None])[0] != sha:
@@ -239,7 +239,7 @@ def _build(partial, base_path):
     good, damaged = check(partial, new_manifest, known, False)
     if damaged:
         fail("the new release is incomplete (%d file(s) missing or damaged, e.g. %s); "
-              "deploy again" % (len(damaged), damaged[0]))
+             "deploy again" % (len(damaged), damaged[0]))
     for name, doc in ((STATS, good), (MANIFEST, new_manifest)):
         write_json(os.path.join(partial, name), doc)
     _fsync_dir(partial)

@@ -344,7 +344,7 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, compil
         # Recorded at once, so the run is not taken for one still starting.
         if not os.path.exists(os.path.join(rundir, "exit.json")):
             write_json(os.path.join(rundir, "exit.json"),
-                        exit_record(rec, "failed", None, None, False, started["error"]))
+                       exit_record(rec, "failed", None, None, False, started["error"]))
         refuse("spawn", started["error"], run=run)
     return started, rec
 
@@ -374,7 +374,7 @@ def _split(args, flags=(), options=()):
 def main(argv):
     if len(argv) < 2:
         fail("usage: runs_agent launch|status|follow|stop|metrics|export|probe|rm|prune|bench "
-              "WORKDIR [OPTIONS] -- [VALUE ...]", 2)
+             "WORKDIR [OPTIONS] -- [VALUE ...]", 2)
     cmd, workdir, args = argv[0], checked_workdir(argv[1]), list(argv[2:])
     try:
         if cmd == "launch":

@@ -150,7 +150,7 @@ def _specdec(workdir, rid, cfg, rec, folder, prompts, tmp, max_new_tokens, limit
     if kwargs is not None:          # how its trainer rendered the chat rows (a YAML mapping kept as JSON)
         argv += ["--chat-template-kwargs", kwargs if isinstance(kwargs, str) else json.dumps(kwargs)]
     run_child(rid, "specdec", argv, run_cwd(workdir, rec), run_env(rec, os.environ, cuda_visible), echo=True,
-           reason=lambda last: "not_lossless" if "NOT lossless" in last else "bench")
+              reason=lambda last: "not_lossless" if "NOT lossless" in last else "bench")
     with open(result) as f:
         return json.load(f)
 
@@ -257,7 +257,7 @@ def _measure(workdir, run, upload, step, limit, gpu, max_new_tokens, running_ok,
         sys.stderr.flush()
         folder = os.path.join(tmp, "draft")
         info = export_into(workdir, rid, rundir, rec, folder, "float32", step, running_ok, target_changed_ok,
-                            cuda_visible)
+                           cuda_visible)
         doc = _specdec(workdir, rid, cfg, rec, folder, prompts, tmp, max_new_tokens, limit, cuda_visible, engine, dtype)
         emit({"ok": True, "found": True, "run": rid, "step": info.get("step"), "running": info.get("running"),
               "prompts_source": "upload" if n is None else "held-out", "held_out": n, "notes": notes,

@@ -185,7 +185,7 @@ def program(workdir, module):
 
 
 def export_into(workdir, rid, rundir, rec, folder, dtype, step, running_ok=False, target_changed_ok=False,
-                 cuda_visible=""):
+                cuda_visible=""):
     """`python -m trainer.export` of the live release into `folder`, from the run's cwd with its
     launch-time env (rec: its run.json): its document (step, checkpoint, ...), or the refusal "export"
     with the trainer's last line and exit status."""

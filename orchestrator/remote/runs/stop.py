@@ -56,7 +56,7 @@ def cmd_stop(workdir, run, force, timeout):
                 not proc_alive(rec.get("supervisor_pid"), rec.get("supervisor_start")):
             # No supervisor to record the end (it was killed): record it here.
             write_json(exit_path, exit_record(rec, "stopped", None, None, True,
-                                                "recorded by stop: the supervisor was gone"))
+                                              "recorded by stop: the supervisor was gone"))
             release_slots(workdir, rid)
             break
         time.sleep(0.1)
