@@ -28,9 +28,9 @@ import json
 import os
 import sys
 
-from ..common import dist_version, dists, fail, emit, read_json, write_json, refuse
+from ..common import dist_version, dists, emit, fail, read_json, refuse, write_json
 from ..common import checked_workdir
-from .store import MANIFEST, STATS, check, clear_leftovers, lock_holder, live_release, read_manifest, stat_key, try_lock
+from .store import MANIFEST, STATS, check, clear_leftovers, live_release, lock_holder, read_manifest, stat_key, try_lock
 
 # hashlib, shutil, subprocess, tarfile and tempfile are imported where they are used: the
 # `manifest` command of every deploy needs none of them, and importing them is a good part of its time

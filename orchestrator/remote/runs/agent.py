@@ -62,20 +62,20 @@ import socket
 import sys
 import time
 
-from ..common import dist_version, fail, home_dir, now_iso, emit, read_json, checked_workdir, write_json, refuse
-from .common import LOG, fault, proc_start, resolve, run_ids, runs_dir_of, run_state, run_status
+from ..common import checked_workdir, dist_version, emit, fail, home_dir, now_iso, read_json, refuse, write_json
+from .common import LOG, fault, proc_start, resolve, run_ids, run_state, run_status, runs_dir_of
 from ..release.store import live_release
 from .bench import BENCH_FLAGS, BENCH_OPTIONS, cmd_bench
 from .export import cmd_export
 from .follow import cmd_follow, cmd_metrics
 from .kinds import kind_of, run_command
 from .upload import discard, place, receive
-from .housekeeping import RESUMABLE, end_attempt, resume_spec, cmd_prune, cmd_rm
+from .housekeeping import RESUMABLE, cmd_prune, cmd_rm, end_attempt, resume_spec
 from .locks import BENCH, Guard, bench_row, benches, claim, drop, hold_slots
 from .net import IFNAME_VARS, network_env
 from .probe import cmd_probe
 from .stop import cmd_stop
-from .supervisor import exit_record, runs_trainer, spawn_supervisor, cmd_supervise
+from .supervisor import cmd_supervise, exit_record, runs_trainer, spawn_supervisor
 
 STOP_TIMEOUT_S = 120.0
 RUN_MIN_FREE = 64 * 10**6    # bytes a new run folder needs free: its log, config and first checkpoints

@@ -46,10 +46,10 @@ import sys
 import threading
 import time
 
-from ..common import now_iso, emit, read_json, refuse
-from .common import LOG, proc_start, run_ids, runs_dir_of, run_state
-from .export import run_child, export_into, private_tmp, program, run_cwd, run_env, run_to_export
-from .locks import HOLDERS, BENCH, Guard, claim, hold_slots, release_slots
+from ..common import emit, now_iso, read_json, refuse
+from .common import LOG, proc_start, run_ids, run_state, runs_dir_of
+from .export import export_into, private_tmp, program, run_child, run_cwd, run_env, run_to_export
+from .locks import BENCH, Guard, HOLDERS, claim, hold_slots, release_slots
 
 PROMPTS = "prompts.jsonl"
 BENCH_FLAGS = ("--running-ok", "--target-changed-ok")

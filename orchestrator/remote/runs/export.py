@@ -28,8 +28,8 @@ import subprocess
 import sys
 import tempfile
 
-from ..common import MASKED, read_json, sha256, refuse
-from .common import proc_alive, not_found, resolve, run_ids, runs_dir_of, run_state
+from ..common import MASKED, read_json, refuse, sha256
+from .common import not_found, proc_alive, resolve, run_ids, run_state, runs_dir_of
 from .kinds import kind_of
 
 CHUNK = 1 << 20

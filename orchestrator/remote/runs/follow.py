@@ -9,7 +9,7 @@ import os
 import time
 
 from ..common import emit, read_json
-from .common import LOG, TAIL_SCAN, find, metric, runs_dir_of, run_state, run_status
+from .common import LOG, TAIL_SCAN, find, metric, run_state, run_status, runs_dir_of
 
 POLL_S = 0.05            # how often an idle log is looked at (latency budget: 0.3 s)
 HEARTBEAT_S = 2.0        # a stderr heartbeat this often, so dead connections are noticed

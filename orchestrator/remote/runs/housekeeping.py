@@ -17,8 +17,8 @@ renamed to runs/.rm-RUN-PID before its files go: a half-removed run is never lis
 import os
 import shutil
 
-from ..common import listdir, emit, read_json, refuse
-from .common import proc_alive, find, resolve, run_ids, runs_dir_of, run_state
+from ..common import emit, listdir, read_json, refuse
+from .common import find, proc_alive, resolve, run_ids, run_state, runs_dir_of
 from .kinds import kind_of
 from .locks import Guard
 

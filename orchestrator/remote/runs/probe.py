@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from ..common import dist_version, fail, home_dir, emit, read_json, refuse
+from ..common import dist_version, emit, fail, home_dir, read_json, refuse
 from ..release.store import live_release
 
 

@@ -12,8 +12,8 @@ import shutil
 import signal
 import time
 
-from ..common import now_iso, emit, read_json, write_json
-from .common import proc_alive, find, resolve, runs_dir_of, run_state
+from ..common import emit, now_iso, read_json, write_json
+from .common import find, proc_alive, resolve, run_state, runs_dir_of
 from .locks import BENCH, benches, release_slots
 from .supervisor import exit_record, signal_name
 

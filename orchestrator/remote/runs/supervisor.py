@@ -22,7 +22,7 @@ import sys
 import time
 
 from ..common import now_iso, read_json, write_json
-from .common import LOG, proc_alive, fault, proc_start, root_cause
+from .common import LOG, fault, proc_alive, proc_start, root_cause
 from .kinds import kind_of
 from .locks import release_slots
 

@@ -14,7 +14,7 @@ import os
 import shutil
 
 from ..common import fail, refuse
-from .common import proc_alive, fault
+from .common import fault, proc_alive
 from .kinds import kind_of
 
 UPLOAD = ".upload-"
