@@ -204,6 +204,28 @@ def test_torchruns_root_cause_is_read_from_the_log_and_the_error_file(tmp_path):
     assert root_cause(str(log)) is None
 
 
+def test_what_dead_agents_left_is_swept_and_nothing_else(tmp_path):
+    """One sweep for every PREFIX...-PID folder an agent removes in its `finally` (uploads, removals,
+    export temporaries): a dead PID's goes; a live one's, another prefix's, a name without a PID stay."""
+    import os
+    import subprocess
+    from orchestrator.remote.runs.common import sweep_dead
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    names = [f".upload-20261203-114700-abc123-{dead.pid}", f".upload-r1-{os.getpid()}", f".tmp-{dead.pid}",
+             f".tmp-{os.getpid()}", f".rm-r1-{dead.pid}", ".upload-r1-x", "20261203-114700-abc123"]
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "file").write_text("x")
+    sweep_dead(str(tmp_path), ".upload-")
+    sweep_dead(str(tmp_path), ".tmp-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f".upload-r1-{os.getpid()}", f".tmp-{os.getpid()}", f".rm-r1-{dead.pid}", ".upload-r1-x",
+         "20261203-114700-abc123"])
+    sweep_dead(str(tmp_path / "missing"), ".rm-")      # no folder: nothing to sweep, no error
+
+
 def test_logs_takes_f_for_follow_as_tail_and_kubectl_do():
     from orchestrator.runs.commands import logs
 

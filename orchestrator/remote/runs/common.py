@@ -9,10 +9,11 @@ Python >= 3.8, has no `from __future__` line, and names what it takes from anoth
 import json
 import os
 import re
+import shutil
 import signal
 import time
 
-from ..common import now_iso, read_json, refuse
+from ..common import listdir, now_iso, read_json, refuse
 
 LOG = "train.log"
 CHOSEN_POLICY = "compile-policy.json"   # trainer/run/config.py CHOSEN_POLICY: the policy the trainer runs
@@ -65,6 +66,17 @@ def proc_alive(pid, start=None):
         return False
     except PermissionError:
         return True
+
+
+def sweep_dead(folder, prefix):
+    """Remove what agents that are gone left in `folder`: its entries PREFIX...-PID (the PID after
+    the name's last `-`) whose PID no longer runs. SIGKILL or a stopped container ends an agent
+    before its `finally` removes them: runs/.upload-RUN-PID (runs/upload.py), runs/.rm-RUN-PID
+    (runs/housekeeping.py), exports/.tmp-PID (runs/export.py)."""
+    for name in listdir(folder):
+        pid = name.rsplit("-", 1)[-1]
+        if name.startswith(prefix) and pid.isdigit() and not proc_alive(int(pid)):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
 def unsupervised(*docs):

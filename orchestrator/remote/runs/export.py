@@ -29,7 +29,7 @@ import sys
 import tempfile
 
 from ..common import MASKED, read_json, refuse, sha256
-from .common import not_found, proc_alive, resolve, run_ids, run_state, runs_dir_of
+from .common import not_found, resolve, run_ids, run_state, runs_dir_of, sweep_dead
 from .kinds import kind_of
 
 CHUNK = 1 << 20
@@ -46,18 +46,6 @@ def _latest_succeeded(workdir):
         if kind_of(rec)["drafter"] and run_state(rundir, rec)[0] == "succeeded":
             return rid
     return None
-
-
-def _sweep(exports):
-    """Temporary folders of exports whose agent is gone (killed -9, container restarted)."""
-    try:
-        names = os.listdir(exports)
-    except OSError:
-        return
-    for name in names:
-        pid = name[len(".tmp-"):] if name.startswith(".tmp-") else ""
-        if pid.isdigit() and not proc_alive(int(pid)):
-            shutil.rmtree(os.path.join(exports, name), ignore_errors=True)
 
 
 def _interrupted(signum, frame):
@@ -90,7 +78,7 @@ def private_tmp(workdir):
     end this agent through its finally blocks, so the caller's `finally` removes the folder."""
     exports = os.path.join(workdir, "exports")
     os.makedirs(exports, exist_ok=True)
-    _sweep(exports)
+    sweep_dead(exports, ".tmp-")
     for sig in (signal.SIGHUP, signal.SIGTERM):
         signal.signal(sig, _interrupted)
     return os.path.join(exports, ".tmp-%d" % os.getpid())

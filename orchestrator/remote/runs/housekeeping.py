@@ -17,8 +17,8 @@ renamed to runs/.rm-RUN-PID before its files go: a half-removed run is never lis
 import os
 import shutil
 
-from ..common import emit, listdir, read_json, refuse
-from .common import find, proc_alive, resolve, run_ids, run_state, runs_dir_of
+from ..common import emit, read_json, refuse
+from .common import find, resolve, run_ids, run_state, runs_dir_of, sweep_dead
 from .kinds import kind_of
 from .locks import Guard
 
@@ -79,15 +79,6 @@ def _size(path):
     return total
 
 
-def _sweep_removals(workdir):
-    """Folders of removals that were cut short (an agent killed -9 mid-rmtree)."""
-    runs = runs_dir_of(workdir)
-    for name in listdir(runs):
-        pid = name.rsplit("-", 1)[-1]
-        if name.startswith(".rm-") and pid.isdigit() and not proc_alive(int(pid)):
-            shutil.rmtree(os.path.join(runs, name), ignore_errors=True)
-
-
 def _remove(workdir, rids, dry_run, reply):
     for rid in rids:
         rundir = os.path.join(runs_dir_of(workdir), rid)
@@ -108,7 +99,7 @@ def _remove(workdir, rids, dry_run, reply):
 def cmd_rm(workdir, runs, dry_run):
     reply = {"removed": [], "refused": [], "missing": [], "freed": 0, "dry_run": dry_run}
     with Guard(workdir):
-        _sweep_removals(workdir)
+        sweep_dead(runs_dir_of(workdir), ".rm-")     # removals cut short (an agent killed -9 mid-rmtree)
         rids = []
         for run in runs:
             rid = resolve(workdir, run)
@@ -129,7 +120,7 @@ def cmd_prune(workdir, keep, dry_run):
     reply = {"removed": [], "refused": [], "missing": [], "freed": 0, "dry_run": dry_run,
              "kept": []}
     with Guard(workdir):
-        _sweep_removals(workdir)
+        sweep_dead(runs_dir_of(workdir), ".rm-")     # removals cut short (an agent killed -9 mid-rmtree)
         ids = run_ids(workdir)                      # oldest first
         data = [r for r in ids if not _pruned(workdir, r)]   # e.g. regen's rows, which training runs read
         ids = [r for r in ids if r not in data]

@@ -14,7 +14,7 @@ import os
 import shutil
 
 from ..common import fail, refuse
-from .common import fault, proc_alive
+from .common import fault, sweep_dead
 from .kinds import kind_of
 
 UPLOAD = ".upload-"
@@ -31,7 +31,7 @@ def receive(stream, runs_dir, spec):
     if names != inputs:
         refuse("bad_upload", "a %s run takes %s; this launch sent %s" % (
             spec.get("kind") or "train", ", ".join(inputs) or "no files", ", ".join(names) or "none"))
-    _sweep_uploads(runs_dir)
+    sweep_dead(runs_dir, UPLOAD)    # uploads of launches whose agent is gone
     if not files:
         return None
     folder = os.path.join(runs_dir, "%s%s-%d" % (UPLOAD, spec["run"], os.getpid()))
@@ -66,19 +66,6 @@ def _receive_one(stream, folder, f):
         os.fsync(out.fileno())
     if h.hexdigest() != f["sha256"]:
         fail("upload %s: sha256 mismatch (the file changed while it was sent?)" % name)
-
-
-def _sweep_uploads(runs_dir):
-    """Upload folders of launches whose agent is gone (RUNS/.upload-RUN-PID, PID no longer running):
-    SIGKILL or a stopped container ends an agent before its `finally`."""
-    try:
-        names = os.listdir(runs_dir)
-    except OSError:
-        return
-    for name in names:
-        pid = name.rsplit("-", 1)[-1]
-        if name.startswith(UPLOAD) and pid.isdigit() and not proc_alive(int(pid)):
-            shutil.rmtree(os.path.join(runs_dir, name), ignore_errors=True)
 
 
 def place(folder, rundir):
