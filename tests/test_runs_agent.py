@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from agent_parts import top_level_names
 from runs_agent_stub import SOURCE, _gone, _json, agent, ended, launch, state
 from trainer_quick import wait_for
 
@@ -23,22 +24,9 @@ REMOTE = Path(__file__).resolve().parent.parent / "orchestrator" / "remote"
 
 # ---- the parts, joined ------------------------------------------------------------------------
 
-def _top_level_names(tree):
-    names = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
-    return names
-
-
 def _bound_anywhere(tree):
     """Every name the part binds somewhere (locals, arguments, loop and except targets)."""
-    names = _top_level_names(tree)
+    names = top_level_names(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
             names.add(node.id)
@@ -82,7 +70,7 @@ def test_every_part_says_where_each_name_comes_from(program):
         stdlib = {(a.asname or a.name).split(".")[0] for node in tree.body
                   if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0)
                   for a in node.names}
-        for top in _top_level_names(tree) - imported - stdlib:
+        for top in top_level_names(tree) - imported - stdlib:
             assert top not in defined_by, f"{top} is defined by both {defined_by[top]} and {name}"
             defined_by[top] = name
     assert list(agent_mod.parts(program))[-1] == program
