@@ -5,7 +5,8 @@ library only, Python >= 3.8.
 The parts of this package import from each other as any package does
 (`from .common import emit`); orchestrator/ssh/agent.py follows those imports and joins the parts
 into ONE `python -c` source (`python -c` cannot import files on the target), removing those
-import lines, so the names of every part share one namespace at run time.
+import lines, so the names of every part share one namespace at run time. A name that another part
+imports is public (no leading underscore); a part's private helpers keep the underscore.
 """
 import json
 import os

@@ -4,7 +4,8 @@ The runs agent runs on the TARGET under its own python as ONE program, `python -
 orchestrator/ssh/agent.py joins runs/agent.py and the modules it imports into SOURCE, because
 `python -c` cannot import its parts on the target. So every part is standard library only,
 Python >= 3.8, has no `from __future__` line, and names what it takes from another part with
-`from .PART import NAME` (removed when joined). The commands: runs/agent.py.
+`from .PART import NAME` (removed when joined; such a NAME is public in PART, while a part's
+private helpers keep the underscore). The commands: runs/agent.py.
 """
 import json
 import os
