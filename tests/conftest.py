@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -91,6 +92,12 @@ COMPILE_CACHE_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRA
 
 
 def pytest_configure(config):
+    # A suite started in the background by a non-interactive shell (`make test &`, a CI step's `&`)
+    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it: the tests of
+    # Ctrl-C (exec's, play's, a Hold's) would send SIGINT to processes that ignore it and wait for
+    # ever. A handler here is reset to the default in every program the tests start.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:   # xdist's workers inherit the controller's
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
                                                              f"dflash-ops-tests-inductor-{os.getuid()}")
