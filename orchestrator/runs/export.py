@@ -8,6 +8,10 @@ to the destination: it is either absent or complete. Nothing is left on the targ
 a killed export left beside it (`.dflash-export.partial-PID-*`, PID no longer running) are removed by
 the next export into the same folder. An -o of `/`, the current folder or a folder holding it, or one
 holding a local target's workdir, is refused before anything travels (--force would replace it).
+The export on the target lives as long as this call: its stdin stays open until the stream is in
+(transport.Hold), and EOF there (this process killed, its connection dropped) ends it, worker and
+temporary folder included. Ctrl-C or SIGTERM (ui.sigterm_raises) hangs up first and waits for that
+end, removes the hidden folder, then raises errors.Interrupted (exit 130 / 143).
 Library function: returns data, never prints.
 """
 from __future__ import annotations
@@ -17,15 +21,17 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable
 
 from orchestrator.ssh import agent
-from orchestrator.errors import NotFound, OpsError, StepFailed, UsageError
+from orchestrator.errors import Interrupted, NotFound, OpsError, StepFailed, Terminated, UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
+from orchestrator.ssh.transport import Hold
 
 DTYPES = ("bfloat16", "float16", "float32")
 TIMEOUT_S = 3600.0
@@ -183,11 +189,11 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
     args = ["export", target.workdir] + (["--step", str(step)] if step is not None else []) + \
         ["--dtype", dtype] + ["--running-ok"] * running_ok + ["--target-changed-ok"] * target_changed_ok + ["--", run]
     start = time.monotonic()
-    recv = _Receiver(partial, progress, target.name)
+    recv, hold = _Receiver(partial, progress, target.name), Hold()
     try:
         with agent.session(inv, session) as s:
             r = agent.stream(s.transport(target), target, agent.RUNS, args, what="export the drafter",
-                             stdout=recv, timeout=TIMEOUT_S)
+                             stdout=recv, timeout=TIMEOUT_S, stdin=hold)
         recv.close()
         head = recv.header
         if head is None:
@@ -206,6 +212,14 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
         size = sum(int(f.get("size", 0)) for f in recv.files)
         raise OpsError(f"{target.name}: export into {where}: disk full ({e.strerror}; the drafter is {size:,} bytes); "
                        "the partial folder was removed: free space there or pass another -o") from None
+    except KeyboardInterrupt as e:      # Ctrl-C, or SIGTERM as errors.Terminated (ui.sigterm_raises)
+        signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+        end = ("it had not started on the target" if hold.state == Hold.WAITING else
+               "the export on the target ended" if hold.ended else
+               f"the target did not confirm its end within {hold.grace_s:g} s; it ends when it sees the connection "
+               "gone")
+        raise Interrupted(signum, f"{target.name}: export interrupted ({signum.name}): nothing written in {where}; "
+                                  f"{end}") from None
     finally:
         recv.close()
         shutil.rmtree(partial, ignore_errors=True)
