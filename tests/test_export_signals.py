@@ -1,11 +1,14 @@
 """`export` killed at the controller mid-transfer (issue 43): SIGINT, SIGTERM and SIGKILL while the folder
-streams home. The export on the target is a stub release's trainer.export (no torch) whose second file is a
-FIFO the test controls: the runs agent hashes it (the test opens and closes its writing end once), sends the
-header and the first file, then waits to read it again, so the transfer stands still mid-way, for as long as
-the test wants. What must hold: exit 130 / 143 with one line, no partial folder left that looks whole (one a
-SIGKILL leaves is hidden, and the next export sweeps it), the -o folder never created by a partial one, the
-agent on the target ended (nothing left running in the container, no temporary folder), the next export
-succeeds. Through a real sshd and the pct stand-in."""
+streams home; and its controller, agent or worker killed while the target exports or mid-transfer.
+
+The export on the target is a stub release's trainer.export (no torch). Mid-transfer: its second file is
+a FIFO the test controls: the runs agent hashes it (the test opens and closes its writing end once), sends
+the header and the first file, then waits to read it again, so the transfer stands still mid-way for as
+long as the test wants. Exporting: the stub waits while /srv/ct/hold is there. What must hold: exit
+130 / 143 with one line, no partial folder left that looks whole (one a SIGKILL leaves is hidden, and the
+next export sweeps it), the -o folder never created by a partial one, the agent on the target ended
+(nothing left running in the container, no temporary folder), the next export succeeds. Through a real
+sshd and the pct stand-in."""
 from __future__ import annotations
 
 import json
@@ -22,12 +25,18 @@ from trainer_quick import CLI_MAIN, wait_for
 
 RUN = "20250101-120000-3fa9c1"
 EXPORT = r'''
-import argparse, json, os
+import argparse, json, os, time
 p = argparse.ArgumentParser()
 p.add_argument("--run"); p.add_argument("-o"); p.add_argument("--dtype"); p.add_argument("--step")
 p.add_argument("--running-ok", action="store_true"); p.add_argument("--target-changed-ok", action="store_true")
 a = p.parse_args()
 os.makedirs(a.o)
+if os.path.exists("/srv/ct/hold"):      # exporting until the test removes it (or kills this worker)
+    with open("/srv/ct/worker.pid.tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename("/srv/ct/worker.pid.tmp", "/srv/ct/worker.pid")
+    while os.path.exists("/srv/ct/hold"):
+        time.sleep(0.05)
 with open(os.path.join(a.o, "a.bin"), "wb") as f:
     f.write(b"a" * (256 << 10))
 if os.path.exists("/srv/ct/stall"):     # the agent reads b.pipe once to hash it, then again to send it
@@ -133,3 +142,70 @@ def test_an_export_killed_mid_transfer_leaves_a_hidden_partial_the_next_one_swee
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in ct.out.iterdir()) == ["a.bin", "c.bin"]
     assert partials(tmp_path) == []
+
+
+def exporting(ct, tmp_path) -> subprocess.Popen:
+    """An export whose worker (the stub trainer.export) runs until the test removes /srv/ct/hold."""
+    (ct.private / "hold").write_text("")
+    proc = export(ct, tmp_path, wait=False)
+    wait_for(lambda: (ct.private / "worker.pid").exists() or proc.poll() is not None, 60, "the export's worker")
+    assert proc.poll() is None, proc.communicate()
+    return proc
+
+
+def agent_pid(ct) -> int:
+    (tmp,) = ct.exports.glob(".tmp-*")      # the agent's private folder, named for it
+    return int(tmp.name[len(".tmp-"):])
+
+
+KILLS = [("controller", signal.SIGINT), ("controller", signal.SIGTERM), ("controller", signal.SIGKILL),
+         ("agent", signal.SIGTERM), ("agent", signal.SIGKILL), ("worker", signal.SIGTERM), ("worker", signal.SIGKILL)]
+
+
+CELLS = [("exporting", who, sig) for who, sig in KILLS] + \
+    [("transfer", who, sig) for who, sig in KILLS if who == "agent"]
+
+
+@pytest.mark.parametrize("phase, who, sig", CELLS,
+                         ids=lambda v: v if isinstance(v, str) else v.name)
+def test_an_export_whose_controller_agent_or_worker_is_killed_leaves_nothing_running(ct, tmp_path, phase, who, sig):
+    """Each process of an export killed while the target exports (the worker runs) or mid-transfer (the
+    worker has ended then: no cell; the controller: the tests above): one line from the controller (none
+    when it is the one SIGKILLed), no partial folder here, no -o folder, nothing left running in the
+    container; a temporary folder there only where the agent was SIGKILLed; the next export sweeps what
+    is left and succeeds."""
+    proc = exporting(ct, tmp_path) if phase == "exporting" else stalled(ct, tmp_path)
+    try:
+        agent = agent_pid(ct)
+        victim = {"controller": proc.pid, "agent": agent}.get(who) or int((ct.private / "worker.pid").read_text())
+        os.kill(victim, sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert out == "" and "Traceback" not in err, err
+    if who == "controller" and sig == signal.SIGKILL:
+        assert err == ""
+    elif who == "controller":
+        assert proc.returncode == 128 + sig and err.splitlines() == [
+            f"dflash-ops: ct200: export interrupted ({sig.name}): nothing written in {tmp_path}; the export on the "
+            "target ended"], err
+    else:
+        assert proc.returncode == 1 and len(err.splitlines()) == 1 and err.startswith("dflash-ops: ct200: "), err
+        if who == "worker":
+            assert f"export killed by signal {sig.value} ({sig.name}" in err, err
+        else:
+            assert f"exited {128 + sig}" in err, err
+    assert not ct.out.exists()
+    killed_here = who == "controller" and sig == signal.SIGKILL
+    assert [p.name.startswith(f".dflash-export.partial-{proc.pid}-") for p in partials(tmp_path)] == \
+        ([True] if killed_here and phase == "transfer" else [])
+    wait_for(lambda: not in_container(ct.private), 20, "nothing of the export left running in the container")
+    assert [p.name for p in ct.exports.iterdir()] == \
+        ([f".tmp-{agent}"] if who == "agent" and sig == signal.SIGKILL else [])
+
+    for marker in ("hold", "stall", "worker.pid"):
+        (ct.private / marker).unlink(missing_ok=True)
+    r = export(ct, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in ct.out.iterdir()) == ["a.bin", "c.bin"]
+    assert partials(tmp_path) == [] and list(ct.exports.iterdir()) == []

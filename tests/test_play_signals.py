@@ -1,7 +1,8 @@
 """`play` interrupted at the controller while a step's command runs in the container (issue 43): Ctrl-C
 (SIGINT) and SIGTERM end that command (its whole process group, as `exec` does), the play exits 130 / 143
-with one line naming the target and step where it stopped, its player's lock is free, its record holds the
-steps that ended, and `--from` resumes there. Through a real sshd and the pct stand-in."""
+with one line naming the target and step where it stopped; SIGKILL ends it too (the closed connection);
+each way its player's lock is free, its record holds the steps that ended, and `--from` resumes there.
+Through a real sshd and the pct stand-in."""
 from __future__ import annotations
 
 import fcntl
@@ -58,8 +59,9 @@ def lock_is_free(record) -> bool:
         os.close(fd)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["SIGINT", "SIGTERM", "SIGKILL"])
 def test_an_interrupted_play_ends_its_steps_command_says_where_and_resumes(tmp_path, setup, sig):
+    """SIGKILL: nothing said; the closed connection is EOF for the command's watcher, which ends its group."""
     inv, ct = setup
     proc = play(tmp_path, inv, wait=False)
     members: dict[int, str] = {}
@@ -76,12 +78,15 @@ def test_an_interrupted_play_ends_its_steps_command_says_where_and_resumes(tmp_p
     finally:
         proc.kill()
         kill_all(members)
-    assert proc.returncode == 128 + sig, err
     assert out == "" and "Traceback" not in err, (out, err)
     mine = [line for line in err.splitlines() if not line.startswith("[ct200] ")]
-    assert mine == [f"dflash-ops: interrupted ({sig.name}): ct200 stopped in step 'slow' (2/3), its command "
-                    f"was ended; resume with `dflash-ops play slow.yaml ct200 --from slow`"], err
-    assert took < 10, took
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -sig and mine == [], err
+    else:
+        assert proc.returncode == 128 + sig, err
+        assert mine == [f"dflash-ops: interrupted ({sig.name}): ct200 stopped in step 'slow' (2/3), its command "
+                        f"was ended; resume with `dflash-ops play slow.yaml ct200 --from slow`"], err
+        assert took < 10, took
     assert left(members, 3) == []       # nothing of the step's command runs on in the container
     (record,) = (tmp_path / "plays").glob("slow-*/ct200.json")
     assert lock_is_free(record)
