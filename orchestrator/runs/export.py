@@ -212,6 +212,14 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
         size = sum(int(f.get("size", 0)) for f in recv.files)
         raise OpsError(f"{target.name}: export into {where}: disk full ({e.strerror}; the drafter is {size:,} bytes); "
                        "the partial folder was removed: free space there or pass another -o") from None
+    except StepFailed as e:
+        if e.exit_code_remote not in (128 + 9, 128 + 15):
+            raise
+        killed = e.exit_code_remote == 128 + 9      # the OOM killer, `stop --force`; SIGTERM: its cleanup ran
+        how = "killed" if killed else "ended by SIGTERM"
+        raise OpsError(f"{target.name}: the export's agent on the target was {how} "
+                       f"(exit {e.exit_code_remote}); nothing written in {where}; its worker ended with it"
+                       + ("; the next export removes what it left there" if killed else "")) from None
     except KeyboardInterrupt as e:      # Ctrl-C, or SIGTERM as errors.Terminated (ui.sigterm_raises)
         signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
         end = ("it had not started on the target" if hold.state == Hold.WAITING else
