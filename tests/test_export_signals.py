@@ -65,8 +65,8 @@ def ct(tmp_path, fakepct, make_inventory):
     return type("CT", (), dict(inv=inv, private=private, exports=wd / "exports", out=tmp_path / "out"))
 
 
-def export(ct, tmp_path, wait=True):
-    argv = [sys.executable, "-c", CLI_MAIN, "-i", str(ct.inv), "export", "ct200", RUN, "-o", str(ct.out)]
+def export(ct, tmp_path, wait=True, argv=None):
+    argv = argv or [sys.executable, "-c", CLI_MAIN, "-i", str(ct.inv), "export", "ct200", RUN, "-o", str(ct.out)]
     env = dict(os.environ, DFLASH_OPS_HOME=str(tmp_path / "home"))
     if wait:
         return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
@@ -79,10 +79,11 @@ def partials(tmp_path) -> list[Path]:
     return [p for p in tmp_path.iterdir() if p.name.startswith(".dflash-export.partial-")]
 
 
-def stalled(ct, tmp_path) -> subprocess.Popen:
-    """An export whose stream stands still after the header and a.bin (c.bin's file is open, empty)."""
+def stalled(ct, tmp_path, argv=None) -> subprocess.Popen:
+    """An export (argv: a command that exports) whose stream stands still after the header and a.bin
+    (c.bin's file is open, empty)."""
     (ct.private / "stall").write_text("")
-    proc = export(ct, tmp_path, wait=False)
+    proc = export(ct, tmp_path, wait=False, argv=argv)
 
     def fifo():
         return next(iter(ct.exports.glob(".tmp-*/draft/b.pipe")), None) if ct.exports.is_dir() else None
@@ -211,3 +212,19 @@ def test_an_export_whose_controller_agent_or_worker_is_killed_leaves_nothing_run
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in ct.out.iterdir()) == ["a.bin", "c.bin"]
     assert partials(tmp_path) == [] and list(ct.exports.iterdir()) == []
+
+
+def test_a_play_interrupted_in_its_export_step_ends_the_export_on_the_target(ct, tmp_path):
+    """play's `export` step holds the agent's stdin through the play's interrupt (transport.Hold) as its
+    `exec` steps do: Ctrl-C mid-transfer ends the export there, leaves no partial, names the step."""
+    (tmp_path / "ex.yaml").write_text(f"steps:\n  - name: bring\n    export: {{run: {RUN}, output: {ct.out}}}\n")
+    argv = [sys.executable, "-c", CLI_MAIN, "-i", str(ct.inv), "play", "ex.yaml", "ct200"]
+    proc = stalled(ct, tmp_path, argv)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and out == "" and "Traceback" not in err, err
+    assert [line for line in err.splitlines() if not line.startswith("[ct200] ")] == [
+        "dflash-ops: interrupted (SIGINT): ct200 stopped in step 'bring' (1/1), its command was ended; resume with "
+        "`dflash-ops play ex.yaml ct200 --from bring`"], err
+    assert partials(tmp_path) == [] and not ct.out.exists()
+    nothing_left_on_the_target(ct, 5)

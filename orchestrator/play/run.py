@@ -15,12 +15,13 @@ second play of the same playbook on the same target is refused in one line namin
 kernel drops the lock of a play that died (SIGKILL), so the next one goes ahead.
 
 Interrupted (Ctrl-C; SIGTERM too where the caller runs it under ui.sigterm_raises), a play ends as
-`exec` does: each step's command runs with a held stdin (transport.Hold, one Ending for the play),
-told the signal's name, so its process group ends in the container (SIGKILL after the grace); no
-step starts after it; a `wait-for` stops waiting. The targets' threads are daemons: a step that
-cannot be told (a `logs`, a `deploy`) is cut off where it stands when the controller exits, as if
-killed. The players' locks are released, the steps that ended are in the record, and
-errors.Interrupted (exit 130 / 143) says in one line where each target stopped and how to resume.
+`exec` does: each `exec` or `export` step's command runs with a held stdin (transport.Hold, one
+Ending for the play), told the signal's name, so it ends on the target (exec's process group, SIGKILL
+after the grace; export's agent and worker); no step starts after it; a `wait-for` stops waiting.
+The targets' threads are daemons: a step that cannot be told (a `logs`, a `deploy`) is cut off where
+it stands when the controller exits, as if killed. The players' locks are released, the steps that
+ended are in the record, and errors.Interrupted (exit 130 / 143) says in one line where each target
+stopped and how to resume.
 
 Library code: returns data or raises OpsError; never prints (live lines go to `on_line`).
 """
@@ -468,8 +469,10 @@ def _logs(run: Run, o: dict):
 def _export(run: Run, o: dict):
     from orchestrator.runs import export
 
-    res = export.export(run.inv, run.target, o.get("run", "latest"), output=o.get("output") or None, step=o.get("step"),
-                        dtype=o.get("dtype", "bfloat16"), force=o.get("force", False), session=run.session)
+    with run.ending.hold(run) as hold:      # interrupted, the export ends on the target (its agent watches stdin)
+        res = export.export(run.inv, run.target, o.get("run", "latest"), output=o.get("output") or None,
+                            step=o.get("step"), dtype=o.get("dtype", "bfloat16"), force=o.get("force", False),
+                            session=run.session, hold=hold)
     return True, res.as_json(), f"run {res.run} step {res.step} -> {res.output}"
 
 

@@ -166,11 +166,12 @@ def exports_home(target: str) -> Path:
 def export(inv: Inventory, target: Target, run: str = "latest", *, output: str | None = None,
            step: int | None = None, dtype: str = "bfloat16", force: bool = False, running_ok: bool = False,
            target_changed_ok: bool = False, progress: Progress | None = None,
-           session: Session | None = None) -> ExportResult:
+           session: Session | None = None, hold: Hold | None = None) -> ExportResult:
     """Export RUN (default: the newest succeeded run) at `step` (default: its last checkpoint) and
     write the folder to `output` (default: exports_home(TARGET)/dflash-RUN-stepN). Raises NotFound for no such run.
     running_ok and target_changed_ok go to the target's export (docs/export.md); force replaces an
-    existing output folder here."""
+    existing output folder here. hold: the agent's held stdin, for a caller that ends the export from
+    another thread (play's interrupt: hold.end(...)); by default its own."""
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}")
     if step is not None and step < 0:
@@ -189,7 +190,7 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
     args = ["export", target.workdir] + (["--step", str(step)] if step is not None else []) + \
         ["--dtype", dtype] + ["--running-ok"] * running_ok + ["--target-changed-ok"] * target_changed_ok + ["--", run]
     start = time.monotonic()
-    recv, hold = _Receiver(partial, progress, target.name), Hold()
+    recv, hold = _Receiver(partial, progress, target.name), hold or Hold()
     try:
         with agent.session(inv, session) as s:
             r = agent.stream(s.transport(target), target, agent.RUNS, args, what="export the drafter",
