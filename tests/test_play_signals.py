@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from test_exec_signals import kill_all, left, running_group
+from test_exec_signals import left, running_group
 from trainer_quick import CLI_MAIN
 
 # the second step waits (a `sleep` that would outlive any test) unless /srv/ct/go is there
@@ -48,6 +48,15 @@ def play(tmp_path, inv, *args, wait=True):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
+def kill_all(members: dict[int, str]) -> None:
+    """What a failed test left of the step's command (a member may end meanwhile: the test's own race)."""
+    for pid in left(members, 0):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def lock_is_free(record) -> bool:
     fd = os.open(record.with_name(f".{record.stem}.lock"), os.O_RDWR)
     try:
@@ -75,9 +84,11 @@ def test_an_interrupted_play_ends_its_steps_command_says_where_and_resumes(tmp_p
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=30)
         took = time.monotonic() - sent
+        still = left(members, 3)        # nothing of the step's command runs on in the container
     finally:
         proc.kill()
         kill_all(members)
+    assert still == []
     assert out == "" and "Traceback" not in err, (out, err)
     mine = [line for line in err.splitlines() if not line.startswith("[ct200] ")]
     if sig == signal.SIGKILL:
@@ -87,7 +98,6 @@ def test_an_interrupted_play_ends_its_steps_command_says_where_and_resumes(tmp_p
         assert mine == [f"dflash-ops: interrupted ({sig.name}): ct200 stopped in step 'slow' (2/3), its command "
                         f"was ended; resume with `dflash-ops play slow.yaml ct200 --from slow`"], err
         assert took < 10, took
-    assert left(members, 3) == []       # nothing of the step's command runs on in the container
     (record,) = (tmp_path / "plays").glob("slow-*/ct200.json")
     assert lock_is_free(record)
     assert list(json.loads(record.read_text())["results"]) == ["first"]     # the step that ended, only
@@ -98,3 +108,41 @@ def test_an_interrupted_play_ends_its_steps_command_says_where_and_resumes(tmp_p
     assert r.returncode == 0, r.stderr
     assert (ct / "log").read_text() == "one\nthree\n"      # the first step ran once, the last once
     assert list(json.loads(record.read_text())["results"]) == ["first", "slow", "last"]
+
+
+def test_the_line_names_where_each_target_stopped(tmp_path, setup, fakepct, make_inventory):
+    """Two targets: one interrupted in its slow step, one whose play had ended (its go marker there)."""
+    _, ct = setup
+    fakepct.create(201)
+    (fakepct.private(201) / "go").write_text("")
+    inv = make_inventory({name: {"host": "node", "vmid": vmid, "python": sys.executable, "workdir": "/srv/ct/dflash"}
+                          for name, vmid in (("ct200", 200), ("ct201", 201))})
+    argv = [sys.executable, "-c", CLI_MAIN, "-i", str(inv), "play", "slow.yaml", "ct200", "ct201"]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=dict(os.environ, DFLASH_OPS_HOME=str(tmp_path)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+    def ended_201() -> bool:
+        try:
+            (record,) = (tmp_path / "plays").glob("slow-*/ct201.json")
+            return "last" in json.loads(record.read_text())["results"]
+        except ValueError:      # no record yet (unpacking), or one being replaced
+            return False
+    members: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 60
+        while not ((ct / "started").exists() and ended_201()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the plays never got there"
+            time.sleep(0.05)
+        members = running_group(ct / "pid")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        still = left(members, 3)
+    finally:
+        proc.kill()
+        kill_all(members)
+    assert still == []
+    assert proc.returncode == 130, err
+    assert [line for line in err.splitlines() if not line.startswith("[ct20")] == [
+        "dflash-ops: interrupted (SIGINT): ct200 stopped in step 'slow' (2/3), its command was ended; resume with "
+        "`dflash-ops play slow.yaml ct200 --from slow`; ct201 had ended"], err

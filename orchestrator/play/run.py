@@ -258,7 +258,7 @@ class Run:
     on_line: OnLine
     ending: Ending = field(default_factory=Ending)
     at: int | None = None       # the step under way or next (its index); None once the target's play ended
-    busy: bool = False          # step `at` is under way
+    busy: bool = False          # step `at` was entered (under way, or ended by the interrupt)
     told: bool = False          # its command was told to end by the interrupt
 
     def say(self, text: str) -> None:
@@ -337,14 +337,12 @@ def _interrupted(signum: signal.Signals, book: pb.Playbook, runs: dict[str, Run]
             parts.append(f"{name} {'had ended' if name in plays else 'had not started'}")
             continue
         step = book.steps[run.at].name
-        if run.busy and not run.told:
+        where = f"{name} stopped {'in' if run.busy else 'before'} step {step!r} ({run.at + 1}/{total})"
+        if run.told:
+            where += (", its command was ended" if done[name].is_set() else f", its command's end not confirmed "
+                      f"within {ENDING_WAIT_S:g} s (it ends when the node sees this connection close)")
+        elif run.busy and not done[name].is_set():
             where = f"{name} cut off in step {step!r} ({run.at + 1}/{total})"
-        elif run.busy or run.told:
-            where = f"{name} stopped in step {step!r} ({run.at + 1}/{total})"
-            where += (", its command was ended" if not run.busy else f", its command's end not confirmed within "
-                      f"{ENDING_WAIT_S:g} s (it ends when the node sees this connection close)")
-        else:
-            where = f"{name} stopped before step {step!r} ({run.at + 1}/{total})"
         parts.append(f"{where}; resume with `dflash-ops play {book.path} {name} --from {step}`")
     return Interrupted(signum, f"interrupted ({signum.name}): {'; '.join(parts)}")
 
@@ -366,7 +364,7 @@ def _play_target(run: Run, book: pb.Playbook, first: int) -> TargetPlay:
     total = len(book.steps)
     for i in range(first, total):
         step, res = book.steps[i], out.steps[i]
-        run.at = i
+        run.at, run.busy = i, False
         if run.ending.signal is not None:       # interrupted: no step starts
             return out
         run.busy = True
@@ -378,7 +376,6 @@ def _play_target(run: Run, book: pb.Playbook, first: int) -> TargetPlay:
         except (OpsError, ValueError) as e:
             res.status, res.error = "failed", e.render() if isinstance(e, OpsError) else str(e)
         res.seconds = round(time.monotonic() - t0, 2)
-        run.busy = False
         if res.result is not None:
             run.ctx.results[step.name] = res.result
             results[step.name] = res.result
