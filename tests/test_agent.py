@@ -3,6 +3,7 @@ replies (the wire itself is tested against the real sshd by every command's test
 import threading
 
 import pytest
+from agent_parts import top_level_names
 
 from orchestrator.ssh import agent
 from orchestrator.errors import OpsError, TargetsFailed
@@ -125,17 +126,11 @@ def test_no_part_of_a_joined_agent_shadows_another_parts_global(program):
     name` of that name would silently change what the function reads. None may."""
     import ast
 
-    owner: dict[str, str] = {}
+    owner: dict[str, str] = {}      # the first part to bind a name (parts come dependencies first)
     trees = {part: ast.parse(agent._module_text(part)) for part in agent.parts(program)}
     for part, tree in trees.items():
-        for node in tree.body:
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                owner.setdefault(node.name, part)
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                    for n in ast.walk(target):
-                        if isinstance(n, ast.Name):
-                            owner.setdefault(n.id, part)
+        for name in top_level_names(tree):
+            owner.setdefault(name, part)
     shadows = [f"{part}: {getattr(fn, 'name', 'lambda')} binds {name} ({owner[name]}'s)"
                for part, tree in trees.items()
                for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.Lambda))

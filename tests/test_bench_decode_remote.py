@@ -289,7 +289,7 @@ def refusal(capsys, fn, *args, **kw):
 
 
 def test_a_child_killed_by_a_signal_is_said_so_with_128_plus_n(tmp_path, capsys):
-    from orchestrator.remote.runs.export import _child
+    from orchestrator.remote.runs.export import run_child
 
     def child(code):
         return [sys.executable, "-c", "import os, signal, sys; print('specdec: prompt 1/2: 7 tokens', file=sys.stderr,"
@@ -297,7 +297,7 @@ def test_a_child_killed_by_a_signal_is_said_so_with_128_plus_n(tmp_path, capsys)
                 f"os.kill(os.getpid(), -{code}) if {code} < 0 else sys.exit({code})"]
 
     def ran(code, what="specdec"):
-        return refusal(capsys, _child, "R", what, child(code), str(tmp_path), dict(os.environ),
+        return refusal(capsys, run_child, "R", what, child(code), str(tmp_path), dict(os.environ),
                        reason=lambda last: "not_lossless" if "NOT lossless" in last else "bench")
 
     doc = ran(-9)
@@ -306,12 +306,12 @@ def test_a_child_killed_by_a_signal_is_said_so_with_128_plus_n(tmp_path, capsys)
     doc = ran(-15, "export")
     assert (doc["message"], doc["exit_code"]) == ("export killed by signal 15 (SIGTERM)", 143), doc
     assert ran(2)["message"] == "bad prompt" and ran(2)["exit_code"] == 2
-    assert refusal(capsys, _child, "R", "x", [sys.executable, "-c", "print('doc')"], str(tmp_path),
+    assert refusal(capsys, run_child, "R", "x", [sys.executable, "-c", "print('doc')"], str(tmp_path),
                    dict(os.environ)) == b"doc\n"
 
 
 def test_the_runs_programs_run_from_its_cwd_with_its_env_and_the_live_releases_code(tmp_path, capsys):
-    from orchestrator.remote.runs.export import _child, _program, _run_cwd, _run_env
+    from orchestrator.remote.runs.export import run_child, program, run_cwd, run_env
 
     for folder in ("wd/releases/new", "wd/releases/old"):     # both have a trainer package: new is live
         (tmp_path / folder / "trainer").mkdir(parents=True)
@@ -322,15 +322,15 @@ def test_the_runs_programs_run_from_its_cwd_with_its_env_and_the_live_releases_c
     (tmp_path / "wd" / "current").symlink_to("releases/new")
     wd, old = str(tmp_path / "wd"), str(tmp_path / "wd" / "releases" / "old")
     rec = {"cwd": old, "user_env": {"CACHE": "/c", "SECRET_TOKEN": "***"}}
-    assert _run_cwd(wd, rec) == old and _run_cwd(wd, {"cwd": old + "-pruned"}) == str(tmp_path / "wd/releases/new")
-    env = _run_env(rec, {"CACHE": "/now", "SECRET_TOKEN": "s3", "PATH": os.environ["PATH"]}, "1")
-    out = _child("R", "where", _program(wd, "trainer.where") + ["--x", "1"], _run_cwd(wd, rec), env)
+    assert run_cwd(wd, rec) == old and run_cwd(wd, {"cwd": old + "-pruned"}) == str(tmp_path / "wd/releases/new")
+    env = run_env(rec, {"CACHE": "/now", "SECRET_TOKEN": "s3", "PATH": os.environ["PATH"]}, "1")
+    out = run_child("R", "where", program(wd, "trainer.where") + ["--x", "1"], run_cwd(wd, rec), env)
     assert json.loads(out) == [str(tmp_path / "wd/releases/new/trainer/where.py"), old, "/c", "s3", "1", ["--x", "1"]]
 
 
 def test_a_bench_holds_one_free_slot_while_it_lives(tmp_path, capsys):
     from orchestrator.remote.runs.bench import _claim_slot
-    from orchestrator.remote.runs.locks import _release_slots
+    from orchestrator.remote.runs.locks import release_slots
 
     wd = str(tmp_path)
     assert refusal(capsys, _claim_slot, wd, "R", 2) == (f"bench-{os.getpid()}", "0")
@@ -340,7 +340,7 @@ def test_a_bench_holds_one_free_slot_while_it_lives(tmp_path, capsys):
     assert doc["message"] == f"no free GPU to measure on: GPU 0 by run bench-{os.getpid()} (pid {os.getpid()}), " \
                              f"GPU 1 by run T (pid {os.getppid()})"
     assert refusal(capsys, _claim_slot, wd, "R", 2, 2)["reason"] == "bad_gpu"
-    _release_slots(wd, f"bench-{os.getpid()}")
+    release_slots(wd, f"bench-{os.getpid()}")
     assert refusal(capsys, _claim_slot, wd, "R", 2, 0) == (f"bench-{os.getpid()}", "0")
     # an agent killed with SIGKILL: its lock names a process that is gone, so the slot is free
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True).stdout

@@ -180,7 +180,7 @@ def test_agent_reads_installed_versions_as_importlib_metadata_does():
     names = ["torch", "PyYAML", "pyyaml", "typing-extensions", "paramiko"]
     source = agent_source(RELEASE)
     code = (source[:source.index("def main(")]
-            + f"\nprint(json.dumps([[_dist_version(n) for n in {names!r}], 'importlib.metadata' in sys.modules]))")
+            + f"\nprint(json.dumps([[dist_version(n) for n in {names!r}], 'importlib.metadata' in sys.modules]))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     versions, metadata_imported = json.loads(r.stdout)

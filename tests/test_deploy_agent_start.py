@@ -43,9 +43,9 @@ def test_under_S_installed_packages_are_found_without_running_pth_files(tmp_path
     (site_packages / "zz-mark.pth").write_text(f"import os; open({str(mark)!r}, 'a').close()\n")
 
     source = agent.source(agent.RELEASE)
-    code = (source[:source.index("def main(")] + "\nout = [_dist_version('alpha'), os.path.exists(" + repr(str(mark))
-            + "), 'importlib.metadata' in sys.modules]\nout += [_dist_version('beta'), os.path.exists("
-            + repr(str(mark)) + "), sorted(d for d in _dists() if d[:5] in ('alpha', 'beta-'))]\n"
+    code = (source[:source.index("def main(")] + "\nout = [dist_version('alpha'), os.path.exists(" + repr(str(mark))
+            + "), 'importlib.metadata' in sys.modules]\nout += [dist_version('beta'), os.path.exists("
+            + repr(str(mark)) + "), sorted(d for d in dists() if d[:5] in ('alpha', 'beta-'))]\n"
             + "print(json.dumps(out))")
     r = subprocess.run([str(py), *agent.OPTIONS[agent.RELEASE], "-c", code], capture_output=True, text=True,
                        timeout=60)

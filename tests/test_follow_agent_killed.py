@@ -15,7 +15,7 @@ import pytest
 from trainer_quick import wait_for
 
 from orchestrator import inventory
-from orchestrator.remote.runs.common import _proc_start
+from orchestrator.remote.runs.common import proc_start
 from orchestrator.runs import follow as follow_mod
 
 
@@ -45,7 +45,7 @@ def test_a_follow_agent_killed_mid_stream_reconnects_and_resumes(kind, sshd, fak
     rundir.mkdir(parents=True)
     trainer = subprocess.Popen(["sleep", "300"])
     try:
-        rec = {"run": run, "pid": trainer.pid, "pid_start": _proc_start(trainer.pid), "started_ts": 1.0}
+        rec = {"run": run, "pid": trainer.pid, "pid_start": proc_start(trainer.pid), "started_ts": 1.0}
         (rundir / "run.json").write_text(json.dumps(rec))
         log = rundir / "train.log"
         log.write_bytes(b"[trainer] line 1\n")

@@ -77,11 +77,11 @@ def test_a_launch_uploads_exactly_its_kinds_inputs(tmp_path, capsys):
     import io
     import json
 
-    from orchestrator.remote.runs.upload import _receive
+    from orchestrator.remote.runs.upload import receive
 
     def received(spec):
         try:
-            return _receive(io.BytesIO(b""), str(tmp_path), dict(spec, run="r1"))
+            return receive(io.BytesIO(b""), str(tmp_path), dict(spec, run="r1"))
         except SystemExit:
             return json.loads(capsys.readouterr().out)
 

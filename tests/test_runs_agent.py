@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from agent_parts import top_level_names
 from runs_agent_stub import SOURCE, _gone, _json, agent, ended, launch, state
 from trainer_quick import wait_for
 
@@ -23,22 +24,9 @@ REMOTE = Path(__file__).resolve().parent.parent / "orchestrator" / "remote"
 
 # ---- the parts, joined ------------------------------------------------------------------------
 
-def _top_level_names(tree):
-    names = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
-    return names
-
-
 def _bound_anywhere(tree):
     """Every name the part binds somewhere (locals, arguments, loop and except targets)."""
-    names = _top_level_names(tree)
+    names = top_level_names(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
             names.add(node.id)
@@ -82,7 +70,7 @@ def test_every_part_says_where_each_name_comes_from(program):
         stdlib = {(a.asname or a.name).split(".")[0] for node in tree.body
                   if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0)
                   for a in node.names}
-        for top in _top_level_names(tree) - imported - stdlib:
+        for top in top_level_names(tree) - imported - stdlib:
             assert top not in defined_by, f"{top} is defined by both {defined_by[top]} and {name}"
             defined_by[top] = name
     assert list(agent_mod.parts(program))[-1] == program
@@ -93,7 +81,7 @@ def test_the_joined_source_compiles_for_python_38_and_defines_every_command():
     space = {"__name__": "not_main"}
     exec(compile(SOURCE, "runs.agent", "exec"), space)   # module-level order: no NameError
     for cmd in ("cmd_launch", "cmd_status", "cmd_follow", "cmd_stop", "cmd_metrics", "cmd_export",
-                "cmd_probe", "main", "_supervise", "_claim", "_release_slots"):
+                "cmd_probe", "main", "_supervise", "claim", "release_slots"):
         assert callable(space[cmd]), cmd
     assert SOURCE.count("\n# ---- ") + SOURCE.startswith("# ---- ") == len(agent_mod.parts(agent_mod.RUNS))
     assert "\nfrom ." not in SOURCE      # the package-relative imports are gone
@@ -324,13 +312,13 @@ def test_a_run_outlives_its_killed_supervisor_and_is_judged_by_its_log(wd):
 
 def test_unsupervised_is_one_rule_for_status_and_the_slot_locks():
     """A trainer alive whose supervisor is not, by pid and start time in run.json or a lock."""
-    from orchestrator.remote.runs.common import _proc_start, _unsupervised
+    from orchestrator.remote.runs.common import proc_start, unsupervised
 
-    me = {"pid": os.getpid(), "pid_start": _proc_start(os.getpid())}
+    me = {"pid": os.getpid(), "pid_start": proc_start(os.getpid())}
     dead = {"supervisor_pid": os.getpid(), "supervisor_start": -1}     # a recycled pid: not the supervisor
-    assert _unsupervised(me) and _unsupervised(dead, me) and _unsupervised({}, me)
-    alive = {"supervisor_pid": os.getpid(), "supervisor_start": _proc_start(os.getpid())}
-    assert not _unsupervised(dict(me, **alive)) and not _unsupervised(me, alive) and not _unsupervised({}, dead)
+    assert unsupervised(me) and unsupervised(dead, me) and unsupervised({}, me)
+    alive = {"supervisor_pid": os.getpid(), "supervisor_start": proc_start(os.getpid())}
+    assert not unsupervised(dict(me, **alive)) and not unsupervised(me, alive) and not unsupervised({}, dead)
 
 
 def test_a_run_whose_supervisor_cannot_start_is_failed_at_once(wd):
@@ -435,14 +423,14 @@ def test_a_run_that_filled_the_disk_is_named_disk_full_not_killed(tmp_path, monk
     (rundir / "run.json").write_text(json.dumps({"pid": dead.pid, "pid_start": 1, "started_ts": 1}))
     log = rundir / common.LOG
     log.write_bytes(b'{"event": "start"}\nregen: 4/8 rows\n')
-    state, ex = common._state(str(rundir))
+    state, ex = common.run_state(str(rundir))
     assert (state, ex["lost"], ex["disk_full"]) == ("failed", True, False) and "killed with SIGKILL" in ex["reason"]
     with log.open("ab") as f:
         f.write(b"OSError: [Errno 28] No space left on device\n")
-    state, ex = common._state(str(rundir))
+    state, ex = common.run_state(str(rundir))
     assert (state, ex["lost"], ex["disk_full"]) == ("failed", True, True)
     assert ex["reason"].startswith("disk full: its log says No space left on device")
     assert "launch --resume" in ex["reason"]
     log.write_bytes(b"regen: 4/8 rows\n")
     monkeypatch.setattr(common.os, "statvfs", lambda p: os.statvfs_result((4096,) * 2 + (0,) * 8))
-    assert common._state(str(rundir))[1]["reason"].startswith("disk full: the filesystem of its folder is full")
+    assert common.run_state(str(rundir))[1]["reason"].startswith("disk full: the filesystem of its folder is full")

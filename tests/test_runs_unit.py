@@ -184,7 +184,7 @@ def test_node_lines_are_led_by_target_and_rank():
 
 
 def test_torchruns_root_cause_is_read_from_the_log_and_the_error_file(tmp_path):
-    from orchestrator.remote.runs.common import _root_cause
+    from orchestrator.remote.runs.common import root_cause
 
     err = tmp_path / "error.json"
     err.write_text(json.dumps({"message": {"message": "RuntimeError: test hook\nmore",
@@ -193,15 +193,37 @@ def test_torchruns_root_cause_is_read_from_the_log_and_the_error_file(tmp_path):
     log.write_text("noise\nRoot Cause (first observed failure):\n[0]:\n  time      : 2026-11-30_17:00:00\n"
                    "  host      : node-b\n  rank      : 3 (local_rank: 1)\n  exitcode  : 1 (pid: 42)\n"
                    f"  error_file: {err}\n  traceback : Traceback (most recent call last):\n")
-    assert _root_cause(str(log)) == {"rank": 3, "exitcode": 1, "error_file": str(err),
-                                     "error": "RuntimeError: test hook"}
+    assert root_cause(str(log)) == {"rank": 3, "exitcode": 1, "error_file": str(err),
+                                    "error": "RuntimeError: test hook"}
     log.write_text("Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 0)\n"
                    "  exitcode  : -9 (pid: 7)\n  error_file: <N/A>\n"
                    "  traceback : Signal 9 (SIGKILL) received by PID 7\n")
-    assert _root_cause(str(log)) == {"rank": 1, "exitcode": -9, "error_file": None,
-                                     "error": "Signal 9 (SIGKILL) received by PID 7"}
+    assert root_cause(str(log)) == {"rank": 1, "exitcode": -9, "error_file": None,
+                                    "error": "Signal 9 (SIGKILL) received by PID 7"}
     log.write_text("no torchrun here\n")
-    assert _root_cause(str(log)) is None
+    assert root_cause(str(log)) is None
+
+
+def test_what_dead_agents_left_is_swept_and_nothing_else(tmp_path):
+    """One sweep for every PREFIX...-PID folder an agent removes in its `finally` (uploads, removals,
+    export temporaries): a dead PID's goes; a live one's, another prefix's, a name without a PID stay."""
+    import os
+    import subprocess
+    from orchestrator.remote.runs.common import sweep_dead
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    names = [f".upload-20261203-114700-abc123-{dead.pid}", f".upload-r1-{os.getpid()}", f".tmp-{dead.pid}",
+             f".tmp-{os.getpid()}", f".rm-r1-{dead.pid}", ".upload-r1-x", "20261203-114700-abc123"]
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "file").write_text("x")
+    sweep_dead(str(tmp_path), ".upload-")
+    sweep_dead(str(tmp_path), ".tmp-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f".upload-r1-{os.getpid()}", f".tmp-{os.getpid()}", f".rm-r1-{dead.pid}", ".upload-r1-x",
+         "20261203-114700-abc123"])
+    sweep_dead(str(tmp_path / "missing"), ".rm-")      # no folder: nothing to sweep, no error
 
 
 def test_logs_takes_f_for_follow_as_tail_and_kubectl_do():

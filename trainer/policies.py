@@ -217,11 +217,13 @@ def passive_waits() -> None:
 
 
 def busy_cores(window: float = 0.3) -> float:
-    """How many cores other work keeps busy NOW: the busy share of all cores in /proc/stat over
-    `window` seconds, times the core count (busy: user, nice, system, irq, softirq, steal; free: idle
-    and iowait). Not the load average: its one-minute mean still counts work that just ended (the
-    venv's install before a first demo, the probe before the build), which made a quiet machine look
-    half busy. Off Linux: the one-minute load average."""
+    """How many of this process's cores other work keeps busy NOW: the busy share of the cores in
+    /proc/stat over `window` seconds (busy: user, nice, system, irq, softirq, steal; free: idle and
+    iowait), times the cores this process may run on (cores(): its affinity, which a container's
+    cpuset narrows while /proc/stat may still count the host's). Not the load average: its
+    one-minute mean still counts work that just ended (the venv's install before a first demo, the
+    probe before the build), which made a quiet machine look half busy. Off Linux: the one-minute
+    load average."""
     def sample() -> list[int] | None:
         try:
             with open("/proc/stat") as f:
@@ -233,7 +235,7 @@ def busy_cores(window: float = 0.3) -> float:
     if a is not None:
         time.sleep(window)
         b = sample()
-        if b is not None and (busy := busy_between(a, b, os.cpu_count() or 1)) is not None:
+        if b is not None and (busy := busy_between(a, b, cores())) is not None:
             return busy
     try:
         return os.getloadavg()[0]
@@ -242,8 +244,9 @@ def busy_cores(window: float = 0.3) -> float:
 
 
 def busy_between(a: list[int], b: list[int], n_cpus: int) -> float | None:
-    """Busy cores between two samples of /proc/stat's `cpu` line (user, nice, system, idle, iowait, irq,
-    softirq, steal: the whole machine's, summed over its cpus); None when no time passed."""
+    """Busy cores of n_cpus between two samples of /proc/stat's `cpu` line (user, nice, system, idle,
+    iowait, irq, softirq, steal: summed over the machine's cpus): the busy share times n_cpus; None
+    when no time passed."""
     d = [y - x for x, y in zip(a, b)]
     total, free = sum(d), d[3] + d[4]       # idle, iowait
     return (total - free) / total * n_cpus if total > 0 else None

@@ -3,9 +3,10 @@ exit of a failed command, flocks, hashing. Runs on the TARGET under its own pyth
 library only, Python >= 3.8.
 
 The parts of this package import from each other as any package does
-(`from .common import _out`); orchestrator/ssh/agent.py follows those imports and joins the parts
+(`from .common import emit`); orchestrator/ssh/agent.py follows those imports and joins the parts
 into ONE `python -c` source (`python -c` cannot import files on the target), removing those
-import lines, so the names of every part share one namespace at run time.
+import lines, so the names of every part share one namespace at run time. A name that another part
+imports is public (no leading underscore); a part's private helpers keep the underscore.
 """
 import json
 import os
@@ -13,7 +14,7 @@ import sys
 import time
 
 
-def _out(doc):
+def emit(doc):
     """The reply: one JSON document, the last line on stdout."""
     sys.stdout.write(json.dumps(doc) + "\n")
     sys.stdout.flush()
@@ -24,20 +25,20 @@ def refuse(reason, message, **extra):
     exit 0 (the controller's agent.call raises agent.Refused). Every refusal of every agent."""
     doc = {"ok": False, "reason": reason, "message": message}
     doc.update(extra)
-    _out(doc)
+    emit(doc)
     sys.exit(0)
 
 
-def _fail(msg, code=3):
+def fail(msg, code=3):
     sys.stderr.write("agent: " + msg + "\n")
     sys.exit(code)
 
 
-def _now_iso(ts=None):
+def now_iso(ts=None):
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
-def _read_json(path):
+def read_json(path):
     """The JSON document at path, or None when it is missing or unreadable."""
     try:
         with open(path) as f:
@@ -46,7 +47,7 @@ def _read_json(path):
         return None
 
 
-def _write_json(path, doc):
+def write_json(path, doc):
     """Atomic and durable: readers see the old document or the new one, never half of one."""
     tmp = "%s.tmp.%d" % (path, os.getpid())
     with open(tmp, "w") as f:
@@ -57,7 +58,7 @@ def _write_json(path, doc):
     os.replace(tmp, path)
 
 
-def _flock(path, wait=True):
+def flock(path, wait=True):
     """An exclusive flock on path (created if missing): the open file, whose close releases it;
     None when wait is False and another process holds it. The kernel drops the lock when its
     holder dies (killed -9, connection dropped), so no lock outlives its holder."""
@@ -81,11 +82,11 @@ SYSTEM_TREES = ("/etc", "/proc", "/sys", "/dev", "/usr", "/bin", "/sbin", "/boot
                 "/libx32")
 SYSTEM_ROOTS = ("/", "/var", "/var/lib")
 # A secret's value as run.json's user_env records it: the controller masks it (envvars.masked), an
-# agent running a program on a run's behalf keeps its own value for it (runs/export.py _run_env).
+# agent running a program on a run's behalf keeps its own value for it (runs/export.py run_env).
 MASKED = "***"
 
 
-def _workdir(arg):
+def checked_workdir(arg):
     """WORKDIR as given (`~` expanded to this user's home); refused when it is not an absolute,
     normalised folder of its own: `/`, a system folder, `..`, a home of `/`."""
     path = os.path.expanduser(arg)
@@ -100,7 +101,7 @@ def _workdir(arg):
     return path
 
 
-def _home():
+def home_dir():
     home = os.environ.get("HOME")
     if home:
         return home
@@ -111,7 +112,7 @@ def _home():
         return "/root"
 
 
-def _sha256(path):
+def sha256(path):
     import hashlib
 
     h = hashlib.sha256()
@@ -121,7 +122,7 @@ def _sha256(path):
     return h.hexdigest()
 
 
-def _listdir(path):
+def listdir(path):
     try:
         return os.listdir(path)
     except OSError:
@@ -157,7 +158,7 @@ def _site(full=False):
 
 def _dist_info_version(path, want):
     for entry in path:
-        for folder in _listdir(entry or "."):
+        for folder in listdir(entry or "."):
             if folder.endswith(".dist-info") and "-" in folder:
                 dist, version = folder[:-len(".dist-info")].split("-", 1)
                 if dist.lower().replace("-", "_").replace(".", "_") == want and "-" not in version:
@@ -165,7 +166,7 @@ def _dist_info_version(path, want):
     return None
 
 
-def _dist_version(name):
+def dist_version(name):
     """The installed version of distribution NAME, without importing it (torch takes seconds).
 
     The `NAME-VERSION.dist-info` folder on sys.path, in sys.path order as importlib.metadata
@@ -184,11 +185,11 @@ def _dist_version(name):
         return None
 
 
-def _dists():
+def dists():
     """Every installed distribution as NAME-VERSION (its .dist-info folder on sys.path)."""
     found = set()
     for entry in _site(full=True):
-        for folder in _listdir(entry or "."):
+        for folder in listdir(entry or "."):
             if folder.endswith(".dist-info"):
                 found.add(folder[:-len(".dist-info")])
     return found

@@ -4,9 +4,10 @@ targets, session ownership and the agent's typed replies.
 The agent is the package `orchestrator/remote/` (standard library only, Python >= 3.8): a
 program is an entry module there (`release.agent` for deploys, `runs.agent` for runs, probe and
 export) plus everything it imports, each part naming what it takes from another with a relative
-import (`from .common import _state`, `from ..common import _out`). `python -c` cannot import
-files on the target, so `source()` follows those imports and joins the parts, dependencies first,
-into one source without those lines: one round trip, one namespace.
+import (`from .common import run_state`, `from ..common import emit`); a name shared between
+parts that way is public in its own module, a part's private helpers keep the underscore. `python -c`
+cannot import files on the target, so `source()` follows those imports and joins the parts,
+dependencies first, into one source without those lines: one round trip, one namespace.
 
 Two wire protocols, both on stdout:
 - a reply (`call`): the last line is one JSON document. `{"ok": false, "reason": R, ...}` is a

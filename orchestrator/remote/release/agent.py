@@ -28,9 +28,9 @@ import json
 import os
 import sys
 
-from ..common import _dist_version, _dists, _fail, _out, _read_json, _write_json, refuse
-from ..common import _workdir
-from .store import MANIFEST, STATS, _check, _clear_leftovers, _holder, _live, _read_manifest, _stat_key, _try_lock
+from ..common import dist_version, dists, emit, fail, read_json, refuse, write_json
+from ..common import checked_workdir
+from .store import MANIFEST, STATS, check, clear_leftovers, live_release, lock_holder, read_manifest, stat_key, try_lock
 
 # hashlib, shutil, subprocess, tarfile and tempfile are imported where they are used: the
 # `manifest` command of every deploy needs none of them, and importing them is a good part of its time
@@ -45,41 +45,41 @@ def cmd_manifest(workdir, full=False, tidy=False, no_files=False):
     controller sends them again). With tidy, and no deploy running, clears leftovers first;
     with no_files, only the versions and the release id (`targets --check`)."""
     try:
-        lock = _try_lock(workdir) if tidy else None
+        lock = try_lock(workdir) if tidy else None
     except OSError:      # WORKDIR not writable yet: nothing to tidy, apply will say why
         lock = None
     try:
-        cleared = _clear_leftovers(workdir) if lock is not None else []
-        release, path = _live(workdir)
-        manifest = None if no_files else _read_manifest(path)
+        cleared = clear_leftovers(workdir) if lock is not None else []
+        release, path = live_release(workdir)
+        manifest = None if no_files else read_manifest(path)
         damaged = []
         if no_files:
             manifest = {}
         elif manifest is None:
             release, manifest = None, {}   # none, or a damaged live release: the next deploy sends everything
         else:
-            known = _read_json(os.path.join(path, STATS))
-            good, damaged = _check(path, manifest, known or {}, full)
+            known = read_json(os.path.join(path, STATS))
+            good, damaged = check(path, manifest, known or {}, full)
             manifest = {rel: m for rel, m in manifest.items() if rel in good}
             if known is None and lock is not None and not damaged:
                 # A release built before stat records existed: record them once, so the next
                 # deploy checks sizes and mtimes instead of hashing every file again.
                 try:
-                    _write_json(os.path.join(path, STATS), good)
+                    write_json(os.path.join(path, STATS), good)
                 except OSError:   # a full disk: hashed again next time, nothing lost
                     pass
     finally:
         if lock is not None:
             lock.close()
-    _out({"python": sys.version.split()[0], "executable": sys.executable,
-          "torch": _dist_version("torch"), "release": release, "manifest": manifest,
+    emit({"python": sys.version.split()[0], "executable": sys.executable,
+          "torch": dist_version("torch"), "release": release, "manifest": manifest,
           "damaged": damaged, "cleared": cleared, "workdir": workdir})
 
 
 def _safe_rel(name):
     norm = os.path.normpath(name)
     if norm.startswith(("/", "..")) or "/../" in "/" + norm + "/" or norm in (".", ""):
-        _fail("refusing unsafe path in stream: %r" % name)
+        fail("refusing unsafe path in stream: %r" % name)
     return norm
 
 
@@ -122,14 +122,14 @@ def cmd_apply(workdir, release, base, need, files, by):
     import shutil
     import time
 
-    lock = _try_lock(workdir)
+    lock = try_lock(workdir)
     if lock is None:
-        refuse("locked", "%s is deploying to %s; try again when it ends" % (_holder(workdir), workdir))
+        refuse("locked", "%s is deploying to %s; try again when it ends" % (lock_holder(workdir), workdir))
     lock.write(json.dumps({"pid": os.getpid(), "by": by, "release": release,
                            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
     lock.flush()
 
-    live, live_path = _live(workdir)
+    live, live_path = live_release(workdir)
     if base and live != base:
         refuse("moved", "the live release changed to %s while this deploy was planned against %s"
                % (live, base))
@@ -137,9 +137,9 @@ def cmd_apply(workdir, release, base, need, files, by):
     os.makedirs(releases, exist_ok=True)
     final = os.path.join(releases, release)
     if os.path.exists(final):
-        _fail("release %s already exists" % release)
+        fail("release %s already exists" % release)
     # Under the lock no other deploy is writing: every .partial is a leftover.
-    _clear_leftovers(workdir)
+    clear_leftovers(workdir)
     partial = final + ".partial"
     short = _space_short(releases, need, files)
     if short:
@@ -173,7 +173,7 @@ def cmd_apply(workdir, release, base, need, files, by):
         if name != release:
             shutil.rmtree(os.path.join(releases, name), ignore_errors=True)
             pruned.append(name)
-    _out({"release": release, "received": received, "linked": linked, "pruned": pruned})
+    emit({"release": release, "received": received, "linked": linked, "pruned": pruned})
 
 
 def _build(partial, base_path):
@@ -192,7 +192,7 @@ def _build(partial, base_path):
                 new_manifest = json.load(tar.extractfile(member))
                 continue
             if not member.isfile():
-                _fail("unexpected member type in stream: %r" % member.name)
+                fail("unexpected member type in stream: %r" % member.name)
             rel = _safe_rel(member.name)
             dest = os.path.join(partial, rel)
             os.makedirs(os.path.dirname(dest), exist_ok=True)
@@ -205,22 +205,22 @@ def _build(partial, base_path):
             os.chmod(dest, 0o755 if member.mode & 0o111 else 0o644)
             received[rel] = digest.hexdigest()
     if new_manifest is None:
-        _fail("stream ended without a manifest (interrupted transfer?)")
+        fail("stream ended without a manifest (interrupted transfer?)")
 
-    old = _read_manifest(base_path) or {}
-    old_known = _read_json(os.path.join(base_path, STATS)) if base_path else None
+    old = read_manifest(base_path) or {}
+    old_known = read_json(os.path.join(base_path, STATS)) if base_path else None
     known, linked = {}, 0
     for rel, (sha, size, exe) in new_manifest.items():
         rel = _safe_rel(rel)
         dest = os.path.join(partial, rel)
         if rel in received:
             if received[rel] != sha:
-                _fail("%s changed while it was sent (its content does not match its hash); "
-                      "deploy again" % rel)
-            known[rel] = _stat_key(os.stat(dest))
+                fail("%s changed while it was sent (its content does not match its hash); "
+                     "deploy again" % rel)
+            known[rel] = stat_key(os.stat(dest))
             continue
         if not base_path or old.get(rel, [None])[0] != sha:
-            _fail("%s is neither sent nor in the live release" % rel)
+            fail("%s is neither sent nor in the live release" % rel)
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         src = os.path.join(base_path, rel)
         # Files are never written in place (a deploy always makes new files), so releases can
@@ -228,7 +228,7 @@ def _build(partial, base_path):
         try:
             os.link(src, dest)
         except FileNotFoundError:
-            _fail("%s went missing from the live release during this deploy; deploy again" % rel)
+            fail("%s went missing from the live release during this deploy; deploy again" % rel)
         except OSError:
             shutil.copy2(src, dest)
         if old_known and rel in old_known:
@@ -236,12 +236,12 @@ def _build(partial, base_path):
         linked += 1
     # Verified before the flip: every file of the manifest, by size and mtime against what was
     # recorded just now (received files) or when the base was built, hashed where they differ.
-    good, damaged = _check(partial, new_manifest, known, False)
+    good, damaged = check(partial, new_manifest, known, False)
     if damaged:
-        _fail("the new release is incomplete (%d file(s) missing or damaged, e.g. %s); "
-              "deploy again" % (len(damaged), damaged[0]))
+        fail("the new release is incomplete (%d file(s) missing or damaged, e.g. %s); "
+             "deploy again" % (len(damaged), damaged[0]))
     for name, doc in ((STATS, good), (MANIFEST, new_manifest)):
-        _write_json(os.path.join(partial, name), doc)
+        write_json(os.path.join(partial, name), doc)
     _fsync_dir(partial)
     return len(received), linked
 
@@ -250,12 +250,12 @@ def cmd_install_deps(workdir):
     import subprocess
     import tempfile
 
-    _, live = _live(workdir)
+    _, live = live_release(workdir)
     if not live:
-        _fail("no release deployed in %s" % workdir)
+        fail("no release deployed in %s" % workdir)
     req = os.path.join(live, "trainer", "requirements.txt")
     if not os.path.exists(req):
-        _out({"installed": False, "reason": "no trainer/requirements.txt"})
+        emit({"installed": False, "reason": "no trainer/requirements.txt"})
         return
     lines = []
     with open(req) as f:
@@ -263,7 +263,7 @@ def cmd_install_deps(workdir):
             name = line.split("#")[0].strip()
             if name and not name.lower().startswith("torch"):   # torch is the host's own build
                 lines.append(name)
-    torch = _dist_version("torch")
+    torch = dist_version("torch")
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as c:
         if torch:
             c.write("torch==%s\n" % torch)  # a constraint: pip may not up/downgrade it
@@ -271,21 +271,21 @@ def cmd_install_deps(workdir):
     try:
         cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check",
                "--upgrade-strategy", "only-if-needed", "-c", constraints] + lines
-        before = _dists()
+        before = dists()
         proc = subprocess.run(cmd, stdout=sys.stderr)
     finally:
         os.unlink(constraints)
     if proc.returncode != 0:
-        _fail("pip install exited %d" % proc.returncode, proc.returncode)
+        fail("pip install exited %d" % proc.returncode, proc.returncode)
     # What pip added or replaced (NAME-VERSION), so a second run can say it changed nothing.
-    changed = sorted(_dists() - before)
-    _out({"installed": True, "requirements": lines, "torch": _dist_version("torch"), "changed": changed})
+    changed = sorted(dists() - before)
+    emit({"installed": True, "requirements": lines, "torch": dist_version("torch"), "changed": changed})
 
 
 def main(argv):
     if len(argv) < 2:
-        _fail("usage: agent manifest|apply|install-deps WORKDIR ...", 2)
-    cmd, workdir = argv[0], _workdir(argv[1])
+        fail("usage: agent manifest|apply|install-deps WORKDIR ...", 2)
+    cmd, workdir = argv[0], checked_workdir(argv[1])
     if cmd == "manifest" and set(argv[2:]) <= {"--verify", "--tidy", "--no-files"}:
         cmd_manifest(workdir, "--verify" in argv[2:], "--tidy" in argv[2:], "--no-files" in argv[2:])
     elif cmd == "apply" and len(argv) == 6:
@@ -294,7 +294,7 @@ def main(argv):
     elif cmd == "install-deps":
         cmd_install_deps(workdir)
     else:
-        _fail("unknown command %r" % cmd, 2)
+        fail("unknown command %r" % cmd, 2)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,14 @@ library only, Python >= 3.8, no `from __future__` line (orchestrator/ssh/agent.p
 import json
 import os
 
-from ..common import _flock, _listdir, _sha256
+from ..common import flock, listdir, sha256
 
 MANIFEST = ".dflash-manifest.json"
 STATS = ".dflash-stat.json"
 LOCK = ".deploy.lock"
 
 
-def _live(workdir):
+def live_release(workdir):
     cur = os.path.join(workdir, "current")
     if not os.path.islink(cur):
         return None, None
@@ -29,7 +29,7 @@ def _live(workdir):
     return os.path.basename(path), path
 
 
-def _read_manifest(release_path):
+def read_manifest(release_path):
     """The manifest of a release folder, or None when it is missing or damaged."""
     if not release_path:
         return None
@@ -44,18 +44,18 @@ def _lock_path(workdir):
     return os.path.join(workdir, LOCK)
 
 
-def _try_lock(workdir):
-    """The per-target deploy lock: an flock on WORKDIR/.deploy.lock (common._flock), so the kernel
+def try_lock(workdir):
+    """The per-target deploy lock: an flock on WORKDIR/.deploy.lock (common.flock), so the kernel
     releases it when its holder dies (killed -9, connection dropped). The open file when taken,
     else None."""
     os.makedirs(workdir, exist_ok=True)
-    f = _flock(_lock_path(workdir), wait=False)
+    f = flock(_lock_path(workdir), wait=False)
     if f is not None:
         f.truncate(0)    # a dead holder's note must not be read as ours
     return f
 
 
-def _holder(workdir):
+def lock_holder(workdir):
     try:
         with open(_lock_path(workdir)) as f:
             doc = json.loads(f.read() or "{}")
@@ -67,12 +67,12 @@ def _holder(workdir):
         doc.get("pid"), doc.get("by") or "?", doc.get("release"), doc.get("since"))
 
 
-def _clear_leftovers(workdir):
+def clear_leftovers(workdir):
     """Remove what interrupted deploys left (partial releases, temporary links). Only under the
     deploy lock: a `.partial` folder is only ever written by the lock's holder."""
     releases = os.path.join(workdir, "releases")
     cleared = []
-    for folder, names in ((releases, _listdir(releases)), (workdir, _listdir(workdir))):
+    for folder, names in ((releases, listdir(releases)), (workdir, listdir(workdir))):
         for name in names:
             path = os.path.join(folder, name)
             if folder == releases and name.endswith(".partial"):
@@ -85,11 +85,11 @@ def _clear_leftovers(workdir):
     return cleared
 
 
-def _stat_key(st):
+def stat_key(st):
     return [st.st_size, st.st_mtime_ns]
 
 
-def _check(release_path, manifest, known, full):
+def check(release_path, manifest, known, full):
     """(stat cache of the good files, paths that are missing or differ from the manifest).
 
     Cheap by default: a file whose size and mtime are what was recorded when the release was
@@ -108,10 +108,10 @@ def _check(release_path, manifest, known, full):
         if not stat_mod.S_ISREG(st.st_mode) or st.st_size != size or bool(st.st_mode & 0o111) != bool(exe):
             damaged.append(rel)
             continue
-        key = _stat_key(st)
+        key = stat_key(st)
         if full or known.get(rel) != key:
             try:
-                if _sha256(path) != sha:
+                if sha256(path) != sha:
                     damaged.append(rel)
                     continue
             except OSError:

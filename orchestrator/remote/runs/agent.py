@@ -62,20 +62,20 @@ import socket
 import sys
 import time
 
-from ..common import _dist_version, _fail, _home, _now_iso, _out, _read_json, _workdir, _write_json, refuse
-from .common import LOG, _fault, _proc_start, _resolve, _run_ids, _runs_dir, _state, _status
-from ..release.store import _live
+from ..common import checked_workdir, dist_version, emit, fail, home_dir, now_iso, read_json, refuse, write_json
+from .common import LOG, fault, proc_start, resolve, run_ids, run_state, run_status, runs_dir_of
+from ..release.store import live_release
 from .bench import BENCH_FLAGS, BENCH_OPTIONS, cmd_bench
 from .export import cmd_export
 from .follow import cmd_follow, cmd_metrics
 from .kinds import kind_of, run_command
-from .upload import _discard, _place, _receive
-from .housekeeping import RESUMABLE, _end_attempt, _resume_spec, cmd_prune, cmd_rm
-from .locks import BENCH, _Guard, _bench_row, _benches, _claim, _drop, _hold
-from .net import IFNAME_VARS, _network_env
+from .upload import discard, place, receive
+from .housekeeping import RESUMABLE, cmd_prune, cmd_rm, end_attempt, resume_spec
+from .locks import BENCH, Guard, bench_row, benches, claim, drop, hold_slots
+from .net import IFNAME_VARS, network_env
 from .probe import cmd_probe
 from .stop import cmd_stop
-from .supervisor import _exit_record, _runs_trainer, _spawn_supervisor, cmd_supervise
+from .supervisor import cmd_supervise, exit_record, runs_trainer, spawn_supervisor
 
 STOP_TIMEOUT_S = 120.0
 RUN_MIN_FREE = 64 * 10**6    # bytes a new run folder needs free: its log, config and first checkpoints
@@ -86,22 +86,22 @@ def cmd_status(workdir, runs):
     if runs:
         out, missing = [], []
         for r in runs:
-            rid = _resolve(workdir, r)
-            bench = _benches(workdir, [r]) if rid is None and r.startswith(BENCH) else []
+            rid = resolve(workdir, r)
+            bench = benches(workdir, [r]) if rid is None and r.startswith(BENCH) else []
             if rid or bench:
-                out.append(_status(workdir, rid) if rid else _bench_row(bench[0]))
+                out.append(run_status(workdir, rid) if rid else bench_row(bench[0]))
             else:
                 missing.append(r)
-        _out({"runs": out, "missing": missing})
+        emit({"runs": out, "missing": missing})
     else:
-        _out({"runs": [_status(workdir, r) for r in _run_ids(workdir)] + [_bench_row(b) for b in _benches(workdir)],
+        emit({"runs": [run_status(workdir, r) for r in run_ids(workdir)] + [bench_row(b) for b in benches(workdir)],
               "missing": []})
 
 
 # --- launch -------------------------------------------------------------------------------------
 
 def _release_info(workdir):
-    release, path = _live(workdir)
+    release, path = live_release(workdir)
     if release is None or not os.path.isdir(path):
         return None, None, None
     commit = None
@@ -113,7 +113,7 @@ def _release_info(workdir):
         except OSError:
             pass
     if commit is None:
-        man = _read_json(os.path.join(path, ".dflash-manifest.json")) or {}
+        man = read_json(os.path.join(path, ".dflash-manifest.json")) or {}
         meta = man.get(".dflash-release") if isinstance(man, dict) else None
         if isinstance(meta, dict):
             commit = meta.get("commit")
@@ -149,22 +149,22 @@ def cmd_launch(workdir):
     """The spec is stdin's first line; the files it names (`files`) follow it (runs/upload.py)."""
     stdin = sys.stdin.buffer
     spec = json.loads(stdin.readline().decode("utf-8"))
-    uploads = _receive(stdin, _runs_dir(workdir), spec) if not spec.get("resume") else None
+    uploads = receive(stdin, runs_dir_of(workdir), spec) if not spec.get("resume") else None
     try:
         _launch(workdir, dict(spec, upload_dir=uploads))
     finally:
-        _discard(uploads)       # empty once _start_run placed them in the run's folder
+        discard(uploads)       # empty once _start_run placed them in the run's folder
 
 
 def _launch(workdir, spec):
     prev = None
     if spec.get("resume"):          # continue a stopped or failed run in place, with its settings
-        spec, prev = _resume_spec(workdir, spec)
+        spec, prev = resume_spec(workdir, spec)
     run = spec["run"]
     release, release_path, commit = _release_info(workdir)
     if release is None:
         refuse("no_release", "no release deployed in %s" % workdir)
-    if _dist_version("torch") is None:      # the trainer would die at its first import
+    if dist_version("torch") is None:      # the trainer would die at its first import
         refuse("no_torch", "%s has no torch" % sys.executable, python=sys.executable)
     if spec.get("cpu_by_default"):
         visible = _visible_gpus()
@@ -192,26 +192,26 @@ def _launch(workdir, spec):
     if gpus > total:
         refuse("too_many_gpus", "--gpus %d is more than the target's %d GPU(s)" % (gpus, total))
     if spec.get("nodes"):           # one node of several: the interface its ranks advertise (runs/net.py)
-        spec["node_env"], why = _network_env(spec["nodes"], os.environ)
+        spec["node_env"], why = network_env(spec["nodes"], os.environ)
         if why:
             refuse("network", why)
-    rundir = os.path.join(_runs_dir(workdir), run)
+    rundir = os.path.join(runs_dir_of(workdir), run)
     try:
-        os.makedirs(_runs_dir(workdir), exist_ok=True)
-        st = os.statvfs(_runs_dir(workdir))
+        os.makedirs(runs_dir_of(workdir), exist_ok=True)
+        st = os.statvfs(runs_dir_of(workdir))
         free = st.f_bavail * st.f_frsize
     except OSError as e:
-        refuse("io", "cannot use %s: %s" % (_runs_dir(workdir), e.strerror or e))
+        refuse("io", "cannot use %s: %s" % (runs_dir_of(workdir), e.strerror or e))
     if free < RUN_MIN_FREE:
         refuse("no_space", "%s has %.1f MB free; a run needs at least %d MB there for its log "
-                "and checkpoints" % (_runs_dir(workdir), free / 1e6, RUN_MIN_FREE // 10**6))
-    with _Guard(workdir) as guard:
+                "and checkpoints" % (runs_dir_of(workdir), free / 1e6, RUN_MIN_FREE // 10**6))
+    with Guard(workdir) as guard:
         if prev is not None:
-            state, _ = _state(rundir, prev)
+            state, _ = run_state(rundir, prev)
             if state not in RESUMABLE:
                 refuse("not_resumable", "run %s is %s; only a stopped or failed run can be resumed"
                         % (run, state), state=state)
-        chosen_slots, ids, busy, cleared = _claim(workdir, guard, gpus, total, want)
+        chosen_slots, ids, busy, cleared = claim(workdir, guard, gpus, total, want)
         if chosen_slots is None:
             holders = sorted({(h.get("run"), h.get("pid"), h.get("unsupervised", False))
                               for h in busy.values()}, key=str)
@@ -221,13 +221,13 @@ def _launch(workdir, spec):
         # The slots are held before anything starts: by this agent, then by the supervisor it
         # records, then by the trainer (runs/locks.py); a launch cut off at any point leaves either
         # a stale lock (nothing started) or one whose holder runs (docs/reliability.md).
-        since, held = _now_iso(), _launcher()
-        _hold(guard, run, chosen_slots, held, since)
-        _fault("launch.claimed")
+        since, held = now_iso(), _launcher()
+        hold_slots(guard, run, chosen_slots, held, since)
+        fault("launch.claimed")
 
         def hold(pids):
             held.update(pids)
-            _hold(guard, run, chosen_slots, held, since)
+            hold_slots(guard, run, chosen_slots, held, since)
 
         attempts, done = [], False
         try:
@@ -235,9 +235,9 @@ def _launch(workdir, spec):
                 try:
                     os.mkdir(rundir)
                 except FileExistsError:
-                    _fail("run %s already exists" % run)
+                    fail("run %s already exists" % run)
             else:
-                prev["previous_state"], attempts = _end_attempt(rundir, prev)
+                prev["previous_state"], attempts = end_attempt(rundir, prev)
             started, rec = _start_run(workdir, spec, run, rundir, release, release_path, commit,
                                       compile_policy, gpus, ids, chosen_slots,
                                       prev, attempts, hold)
@@ -252,11 +252,11 @@ def _launch(workdir, spec):
             refuse(reason, "cannot write the run folder %s: %s" % (rundir, e.strerror or e))
         finally:
             if not done:
-                _drop(guard, run)
-        _fault("launch.started")
+                drop(guard, run)
+        fault("launch.started")
         hold(started)
-        _fault("launch.held")
-    _out({"ok": True, "run": run, "pid": started["pid"], "supervisor_pid": started["supervisor_pid"],
+        fault("launch.held")
+    emit({"ok": True, "run": run, "pid": started["pid"], "supervisor_pid": started["supervisor_pid"],
           "release": release, "commit": commit, "compile_policy": compile_policy,
           "gpus": gpus, "kind": rec["kind"], "output": rec["output"],
           "gpu_ids": ids, "slots": chosen_slots, "rundir": rundir, "log": os.path.join(rundir, LOG),
@@ -267,7 +267,7 @@ def _launch(workdir, spec):
 
 def _launcher():
     """This agent as the first holder of a run's slots (runs/locks.py) and in its run.json."""
-    return {"launcher_pid": os.getpid(), "launcher_start": _proc_start(os.getpid())}
+    return {"launcher_pid": os.getpid(), "launcher_start": proc_start(os.getpid())}
 
 
 def _start_run(workdir, spec, run, rundir, release, release_path, commit, compile_policy,
@@ -278,7 +278,7 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, compil
     start anything. A spawn failure is recorded in exit.json and refused here."""
     # the log exists as soon as the run does, so `logs` right after launch reads an empty log
     open(os.path.join(rundir, LOG), "ab").close()
-    _place(spec.get("upload_dir"), rundir)      # the files sent with the launch (runs/upload.py)
+    place(spec.get("upload_dir"), rundir)      # the files sent with the launch (runs/upload.py)
 
     config = None
     if spec.get("config_text") is not None:
@@ -293,7 +293,7 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, compil
     argv = [python] + command
     nodes = spec.get("nodes")
     env = dict(os.environ)
-    env.update({"HOME": _home(), "PYTHONUNBUFFERED": "1",
+    env.update({"HOME": home_dir(), "PYTHONUNBUFFERED": "1",
                 "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in ids),
                 "DFLASH_OPS_WORKDIR": workdir, "DFLASH_OPS_RUN": run})
     env.update(spec.get("node_env") or {})
@@ -317,25 +317,25 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, compil
         "gpus": gpus, "gpu_ids": ids,
         "slots": chosen_slots, "topology": spec.get("topology") or "threads",
         "workers": spec.get("workers"), "extra_args": list(spec.get("extra") or []),
-        "started": _now_iso(), "started_ts": time.time(), "python": python,
+        "started": now_iso(), "started_ts": time.time(), "python": python,
         "python_version": platform.python_version(), "hostname": socket.gethostname(),
         "controller": spec.get("controller"), "pid": None,
         "user_env": spec.get("user_env") or {},   # hosts.yaml env: + launch --env, secrets masked
         "nodes": nodes or None,     # {"targets": [...], "index": i, "endpoint", "address"}: a job over several nodes
     }
-    rec.update(_launcher())         # the run is starting while this agent lives (runs/common.py _state)
-    _write_json(os.path.join(rundir, "run.json"), rec)
-    _fault("launch.recorded")
+    rec.update(_launcher())         # the run is starting while this agent lives (runs/common.py run_state)
+    write_json(os.path.join(rundir, "run.json"), rec)
+    fault("launch.recorded")
 
     def hello(pids):                # before the supervisor starts anything, it is on record
         rec.update(pids)
-        _write_json(os.path.join(rundir, "run.json"), rec)
+        write_json(os.path.join(rundir, "run.json"), rec)
         hold(pids)
 
-    started = _spawn_supervisor(rundir, rec, env, hello)
+    started = spawn_supervisor(rundir, rec, env, hello)
     if "error" in started:
-        now = _read_json(os.path.join(rundir, "run.json")) or {}
-        if _runs_trainer(now):
+        now = read_json(os.path.join(rundir, "run.json")) or {}
+        if runs_trainer(now):
             # The supervisor died after the trainer started: the run runs, unsupervised; its slots
             # stay held by the trainer (its pid is in run.json) until it ends.
             return {"pid": now["pid"], "pid_start": now.get("pid_start"), "unsupervised": True,
@@ -343,8 +343,8 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, compil
                     "supervisor_start": now.get("supervisor_start")}, rec
         # Recorded at once, so the run is not taken for one still starting.
         if not os.path.exists(os.path.join(rundir, "exit.json")):
-            _write_json(os.path.join(rundir, "exit.json"),
-                        _exit_record(rec, "failed", None, None, False, started["error"]))
+            write_json(os.path.join(rundir, "exit.json"),
+                       exit_record(rec, "failed", None, None, False, started["error"]))
         refuse("spawn", started["error"], run=run)
     return started, rec
 
@@ -367,15 +367,15 @@ def _split(args, flags=(), options=()):
         elif word in options and head:
             found[word] = head.pop(0)
         else:
-            _fail("unexpected argument %r (values go after `--`)" % word, 2)
+            fail("unexpected argument %r (values go after `--`)" % word, 2)
     return found, values
 
 
 def main(argv):
     if len(argv) < 2:
-        _fail("usage: runs_agent launch|status|follow|stop|metrics|export|probe|rm|prune|bench "
-              "WORKDIR [OPTIONS] -- [VALUE ...]", 2)
-    cmd, workdir, args = argv[0], _workdir(argv[1]), list(argv[2:])
+        fail("usage: runs_agent launch|status|follow|stop|metrics|export|probe|rm|prune|bench "
+             "WORKDIR [OPTIONS] -- [VALUE ...]", 2)
+    cmd, workdir, args = argv[0], checked_workdir(argv[1]), list(argv[2:])
     try:
         if cmd == "launch":
             cmd_launch(workdir)
@@ -414,7 +414,7 @@ def main(argv):
             opts, values = _split(args, ("--reuse",))
             cmd_probe(workdir, values, "--reuse" in opts)
         else:
-            _fail("unknown command %r" % cmd, 2)
+            fail("unknown command %r" % cmd, 2)
     except BrokenPipeError:
         # The reader went away (the connection dropped, `| head`): nothing left to do.
         try:

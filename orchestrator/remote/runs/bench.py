@@ -28,7 +28,7 @@ It lives only as long as its controller. The controller holds stdin open until t
 EOF there means it is gone (killed, timed out, its connection dropped: sshd closes the command's
 pipes): a thread waiting for that EOF hangs this agent up (SIGHUP to its main thread). SIGHUP,
 SIGTERM (`stop`) and SIGINT end it the same way: the worker (export, specdec: a session of its own,
-export._child) is killed with its process group, the slot released, the temporary folder removed,
+export.run_child) is killed with its process group, the slot released, the temporary folder removed,
 later signals ignored until that is done; then SIGHUP exits 129 unheard, SIGTERM and SIGINT refuse
 "stopped" (exit_code 128 + N). Killed with SIGKILL, it leaves a lock whose holder is dead (free to the
 next claim) and a folder the next bench's or export's sweep removes; its worker dies with it
@@ -46,10 +46,10 @@ import sys
 import threading
 import time
 
-from ..common import _now_iso, _out, _read_json, refuse
-from .common import LOG, _proc_start, _run_ids, _runs_dir, _state
-from .export import _child, _export_into, _private_tmp, _program, _run_cwd, _run_env, _run_to_export
-from .locks import _HOLDERS, BENCH, _Guard, _claim, _hold, _release_slots
+from ..common import emit, now_iso, read_json, refuse
+from .common import LOG, proc_start, run_ids, run_state, runs_dir_of
+from .export import export_into, private_tmp, program, run_child, run_cwd, run_env, run_to_export
+from .locks import BENCH, Guard, HOLDERS, claim, hold_slots, release_slots
 
 PROMPTS = "prompts.jsonl"
 BENCH_FLAGS = ("--running-ok", "--target-changed-ok")
@@ -112,8 +112,8 @@ def _skipped(rundir):
 
 def _busy(workdir, rid):
     """Other runs running on this target now: their GPUs and CPU time are not the measurement's alone."""
-    return [r for r in _run_ids(workdir)
-            if r != rid and _state(os.path.join(_runs_dir(workdir), r))[0] == "running"]
+    return [r for r in run_ids(workdir)
+            if r != rid and run_state(os.path.join(runs_dir_of(workdir), r))[0] == "running"]
 
 
 def _claim_slot(workdir, rid, total, gpu=None):
@@ -122,18 +122,18 @@ def _claim_slot(workdir, rid, total, gpu=None):
     if gpu is not None and not 0 <= gpu < total:
         refuse("bad_gpu", "--gpu %d: the target's GPUs are %s" % (gpu, "0..%d" % (total - 1) if total else "none"),
                found=True, run=rid, exit_code=2)
-    name, started = BENCH + str(os.getpid()), _proc_start(os.getpid())
+    name, started = BENCH + str(os.getpid()), proc_start(os.getpid())
     me = {"kind": "bench-decode", "since_ts": time.time()}
-    for pid, start in _HOLDERS:     # this agent is each of a run's holders: held while it lives
+    for pid, start in HOLDERS:     # this agent is each of a run's holders: held while it lives
         me.update({pid: os.getpid(), start: started})
-    with _Guard(workdir) as guard:
-        slots, ids, busy, _ = _claim(workdir, guard, 1 if total else 0, total, None if gpu is None else [gpu])
+    with Guard(workdir) as guard:
+        slots, ids, busy, _ = claim(workdir, guard, 1 if total else 0, total, None if gpu is None else [gpu])
         if slots is None:
             held = ", ".join("%s by run %s (pid %s)" % ("the CPU slot" if s == "cpu" else "GPU " + s[3:],
                                                          h.get("run"), h.get("pid")) for s, h in sorted(busy.items()))
             refuse("busy", "no free %s to measure on: %s" % ("GPU" if total else "CPU slot", held), found=True, run=rid,
                    busy={s: {"run": h.get("run"), "pid": h.get("pid")} for s, h in busy.items()}, exit_code=1)
-        _hold(guard, name, slots, dict(me, bench=rid), _now_iso())
+        hold_slots(guard, name, slots, dict(me, bench=rid), now_iso())
     return name, ",".join(map(str, ids))
 
 
@@ -141,7 +141,7 @@ def _specdec(workdir, rid, cfg, rec, folder, prompts, tmp, max_new_tokens, limit
              dtype="auto"):
     """`python -m trainer.specdec` with its stderr passed through line by line: its document."""
     result = os.path.join(tmp, "result.json")
-    argv = _program(workdir, "trainer.specdec") + [
+    argv = program(workdir, "trainer.specdec") + [
         "--target", str(cfg.get("target")), "--drafter", folder, "--prompts", prompts,
         "--max-new-tokens", str(max_new_tokens), "--json", result, "--engine", engine, "--dtype", dtype]
     if limit is not None:
@@ -149,8 +149,8 @@ def _specdec(workdir, rid, cfg, rec, folder, prompts, tmp, max_new_tokens, limit
     kwargs = cfg.get("chat_template_kwargs")
     if kwargs is not None:          # how its trainer rendered the chat rows (a YAML mapping kept as JSON)
         argv += ["--chat-template-kwargs", kwargs if isinstance(kwargs, str) else json.dumps(kwargs)]
-    _child(rid, "specdec", argv, _run_cwd(workdir, rec), _run_env(rec, os.environ, cuda_visible), echo=True,
-           reason=lambda last: "not_lossless" if "NOT lossless" in last else "bench")
+    run_child(rid, "specdec", argv, run_cwd(workdir, rec), run_env(rec, os.environ, cuda_visible), echo=True,
+              reason=lambda last: "not_lossless" if "NOT lossless" in last else "bench")
     with open(result) as f:
         return json.load(f)
 
@@ -226,13 +226,13 @@ def cmd_bench(workdir, opts, values):
 def _measure(workdir, run, upload, step, limit, gpu, max_new_tokens, running_ok, target_changed_ok, gpus, engine,
              dtype):
     """The measurement, its reply written; whatever ends it, the slot and the temporary folder go."""
-    rid, rundir, rec = _run_to_export(workdir, run, running_ok)
+    rid, rundir, rec = run_to_export(workdir, run, running_ok)
     current = os.path.join(workdir, "current")
     if not os.path.isfile(os.path.join(current, "trainer", "specdec.py")):
         refuse("no_release", "the live release in %s has no trainer/specdec.py" % workdir, found=True, run=rid)
-    cfg = _read_json(os.path.join(rundir, "trainer-config.json")) or {}
-    tmp, claimed = _private_tmp(workdir), False
-    for sig in ENDING:          # _private_tmp set export's handlers: this agent's are these
+    cfg = read_json(os.path.join(rundir, "trainer-config.json")) or {}
+    tmp, claimed = private_tmp(workdir), False
+    for sig in ENDING:          # private_tmp set export's handlers: this agent's are these
         signal.signal(sig, _end)
     try:
         os.mkdir(tmp)
@@ -242,7 +242,7 @@ def _measure(workdir, run, upload, step, limit, gpu, max_new_tokens, running_ok,
                 f.write(upload)
             n, skipped = None, 0
         else:
-            n, skipped = _held_out(rid, cfg, prompts, _run_cwd(workdir, rec)), _skipped(rundir)
+            n, skipped = _held_out(rid, cfg, prompts, run_cwd(workdir, rec)), _skipped(rundir)
         claimed = True      # from here the slot may be written: the finally releases it whatever ends this
         _, cuda_visible = _claim_slot(workdir, rid, gpus, gpu)
         notes = []      # said on stderr now, and kept in the reply (the controller's --json shows no stderr)
@@ -256,15 +256,15 @@ def _measure(workdir, run, upload, step, limit, gpu, max_new_tokens, running_ok,
             sys.stderr.write("bench-decode: %s\n" % note)
         sys.stderr.flush()
         folder = os.path.join(tmp, "draft")
-        info = _export_into(workdir, rid, rundir, rec, folder, "float32", step, running_ok, target_changed_ok,
-                            cuda_visible)
+        info = export_into(workdir, rid, rundir, rec, folder, "float32", step, running_ok, target_changed_ok,
+                           cuda_visible)
         doc = _specdec(workdir, rid, cfg, rec, folder, prompts, tmp, max_new_tokens, limit, cuda_visible, engine, dtype)
-        _out({"ok": True, "found": True, "run": rid, "step": info.get("step"), "running": info.get("running"),
+        emit({"ok": True, "found": True, "run": rid, "step": info.get("step"), "running": info.get("running"),
               "prompts_source": "upload" if n is None else "held-out", "held_out": n, "notes": notes,
               "gpu": cuda_visible or None, "result": doc})
     finally:
         for sig in ENDING:      # ending now whatever comes: a signal would cut the cleanup short
             signal.signal(sig, signal.SIG_IGN)
         if claimed:
-            _release_slots(workdir, BENCH + str(os.getpid()))
+            release_slots(workdir, BENCH + str(os.getpid()))
         shutil.rmtree(tmp, ignore_errors=True)

@@ -4,15 +4,17 @@ The runs agent runs on the TARGET under its own python as ONE program, `python -
 orchestrator/ssh/agent.py joins runs/agent.py and the modules it imports into SOURCE, because
 `python -c` cannot import its parts on the target. So every part is standard library only,
 Python >= 3.8, has no `from __future__` line, and names what it takes from another part with
-`from .PART import NAME` (removed when joined). The commands: runs/agent.py.
+`from .PART import NAME` (removed when joined; such a NAME is public in PART, while a part's
+private helpers keep the underscore). The commands: runs/agent.py.
 """
 import json
 import os
 import re
+import shutil
 import signal
 import time
 
-from ..common import _now_iso, _read_json, refuse
+from ..common import listdir, now_iso, read_json, refuse
 
 LOG = "train.log"
 CHOSEN_POLICY = "compile-policy.json"   # trainer/run/config.py CHOSEN_POLICY: the policy the trainer runs
@@ -26,7 +28,7 @@ TAIL_SCAN = 1 << 16      # bytes read from a log's end at a time
 FAULTS = "DFLASH_OPS_AGENT_FAULTS"
 
 
-def _fault(point):
+def fault(point):
     """A named point of the launch sequence (launch.claimed, supervisor.go, ...). Inert unless a test
     sets DFLASH_OPS_AGENT_FAULTS=kill_at=POINT (as trainer/faults.py's DFLASH_TRAINER_FAULTS): then
     this process SIGKILLs itself there, as a crash at exactly that point would end it."""
@@ -38,7 +40,7 @@ def _fault(point):
 
 # --- processes ----------------------------------------------------------------------------------
 
-def _proc_start(pid):
+def proc_start(pid):
     """The process's start time in clock ticks since boot (/proc/PID/stat field 22), or None when
     it is gone or a zombie. Together with the pid it names one process, even after pid reuse."""
     try:
@@ -52,11 +54,11 @@ def _proc_start(pid):
     return int(fields[19])
 
 
-def _alive(pid, start=None):
+def proc_alive(pid, start=None):
     if not pid:
         return False
     if os.path.isdir("/proc/self"):
-        now = _proc_start(pid)
+        now = proc_start(pid)
         return now is not None and (start is None or now == start)
     try:   # no /proc: the best we can do
         os.kill(pid, 0)
@@ -67,81 +69,92 @@ def _alive(pid, start=None):
         return True
 
 
-def _unsupervised(*docs):
+def sweep_dead(folder, prefix):
+    """Remove what agents that are gone left in `folder`: its entries PREFIX...-PID (the PID after
+    the name's last `-`) whose PID no longer runs. SIGKILL or a stopped container ends an agent
+    before its `finally` removes them: runs/.upload-RUN-PID (runs/upload.py), runs/.rm-RUN-PID
+    (runs/housekeeping.py), exports/.tmp-PID (runs/export.py)."""
+    for name in listdir(folder):
+        pid = name.rsplit("-", 1)[-1]
+        if name.startswith(prefix) and pid.isdigit() and not proc_alive(int(pid)):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
+def unsupervised(*docs):
     """A run's trainer alive and its supervisor not (killed after it started the trainer), each
     judged by its pid and start time in any of `docs` (run.json, a slot's lock): the trainer runs
     on and holds its slots until it ends, and no exit.json will be written unless `stop` ends it."""
     def alive(pid, start):
-        return any(_alive(d.get(pid), d.get(start)) for d in docs)
+        return any(proc_alive(d.get(pid), d.get(start)) for d in docs)
     return alive("pid", "pid_start") and not alive("supervisor_pid", "supervisor_start")
 
 
 # --- runs ---------------------------------------------------------------------------------------
 
-def _runs_dir(workdir):
+def runs_dir_of(workdir):
     return os.path.join(workdir, "runs")
 
 
-def _run_ids(workdir):
+def run_ids(workdir):
     try:
-        names = os.listdir(_runs_dir(workdir))
+        names = os.listdir(runs_dir_of(workdir))
     except OSError:
         return []
     ids = []
     for name in names:
         if name.startswith("."):     # .rm-RUN-PID: a run being removed (runs/housekeeping.py)
             continue
-        rec = _read_json(os.path.join(_runs_dir(workdir), name, "run.json"))
+        rec = read_json(os.path.join(runs_dir_of(workdir), name, "run.json"))
         if rec is not None:
             ids.append((rec.get("started_ts") or 0, name))
     return [name for _, name in sorted(ids)]
 
 
-def _resolve(workdir, run):
+def resolve(workdir, run):
     """RUN, or the newest run for "latest"/""; None when there is no such run."""
     if run in ("", "latest", None):
-        ids = _run_ids(workdir)
+        ids = run_ids(workdir)
         return ids[-1] if ids else None
     if not _RUN_NAME.match(run):
         return None
-    return run if os.path.isfile(os.path.join(_runs_dir(workdir), run, "run.json")) else None
+    return run if os.path.isfile(os.path.join(runs_dir_of(workdir), run, "run.json")) else None
 
 
-def _not_found(workdir, run, **extra):
+def not_found(workdir, run, **extra):
     """The refusal of a command about a run that is not there (`latest`: there are no runs)."""
-    refuse("not_found", "no run %r in %s" % (run, _runs_dir(workdir)), run=run, **extra)
+    refuse("not_found", "no run %r in %s" % (run, runs_dir_of(workdir)), run=run, **extra)
 
 
-def _find(workdir, run):
-    """_resolve's run id; the not-found refusal when there is no such run."""
-    rid = _resolve(workdir, run)
+def find(workdir, run):
+    """resolve's run id; the not-found refusal when there is no such run."""
+    rid = resolve(workdir, run)
     if rid is None:
-        _not_found(workdir, run)
+        not_found(workdir, run)
     return rid
 
 
-def _state(rundir, rec=None):
+def run_state(rundir, rec=None):
     """(state, exit document). The supervisor's exit.json is the truth once it exists; before,
     the run is running while its trainer (or its supervisor) lives, or while the agent that
     launches it still does; with none of them alive and no exit.json, a run whose trainer never
     started failed, else the trainer's last log event decides (`done`: succeeded, `stopped`:
     stopped), else the run was lost (killed -9 as a whole, container stopped): failed."""
-    ex = _read_json(os.path.join(rundir, "exit.json"))
+    ex = read_json(os.path.join(rundir, "exit.json"))
     if ex is not None:
         return ex.get("state", "failed"), ex
-    rec = rec or _read_json(os.path.join(rundir, "run.json")) or {}
-    if _alive(rec.get("pid"), rec.get("pid_start")) or \
-            _alive(rec.get("supervisor_pid"), rec.get("supervisor_start")):
+    rec = rec or read_json(os.path.join(rundir, "run.json")) or {}
+    if proc_alive(rec.get("pid"), rec.get("pid_start")) or \
+            proc_alive(rec.get("supervisor_pid"), rec.get("supervisor_start")):
         return "running", None
     if rec.get("pid") is None:
-        if _alive(rec.get("launcher_pid"), rec.get("launcher_start")):
+        if proc_alive(rec.get("launcher_pid"), rec.get("launcher_start")):
             return "running", None   # the agent is still starting it (its supervisor starts nothing without it)
         if "launcher_pid" not in rec and time.time() - rec.get("started_ts", 0) < 30 and \
                 not os.path.exists(os.path.join(rundir, "supervisor.failed")):
             return "running", None   # a record from before launcher_pid: the supervisor may be starting it
         if "launcher_pid" in rec:
             now = time.time()
-            return "failed", {"state": "failed", "ended": _now_iso(now), "ended_ts": now, "signal": None,
+            return "failed", {"state": "failed", "ended": now_iso(now), "ended_ts": now, "signal": None,
                               "exit_code": None, "lost": False, "started": False, "recorded_by": "status",
                               "reason": "the launch was cut off before the trainer started (its agent or "
                                         "supervisor was killed); nothing ran"}
@@ -153,7 +166,7 @@ def _state(rundir, rec=None):
         ended = os.path.getmtime(log)
     except OSError:
         ended = rec.get("started_ts") or time.time()
-    post = {"ended": _now_iso(ended), "ended_ts": ended, "signal": None, "recorded_by": "status"}
+    post = {"ended": now_iso(ended), "ended_ts": ended, "signal": None, "recorded_by": "status"}
     event = _last_event(log)
     if event == "done":
         post.update(state="succeeded", exit_code=0, lost=False,
@@ -249,7 +262,7 @@ def _last_metrics(log_path):
             if start > 0:
                 lines = lines[1:]          # the first one is cut
             for raw in reversed(lines):
-                doc = _metric(raw)
+                doc = metric(raw)
                 if doc is None:
                     continue
                 if doc.get("step") is not None and "step" not in found:
@@ -265,7 +278,7 @@ def _last_metrics(log_path):
             span *= 8
 
 
-def _metric(raw):
+def metric(raw):
     raw = _json_line(raw)
     if not raw.startswith(b"{") or not raw.endswith(b"}"):
         return None
@@ -278,10 +291,10 @@ def _metric(raw):
     return None
 
 
-def _status(workdir, run):
-    rundir = os.path.join(_runs_dir(workdir), run)
-    rec = _read_json(os.path.join(rundir, "run.json")) or {}
-    state, ex = _state(rundir, rec)
+def run_status(workdir, run):
+    rundir = os.path.join(runs_dir_of(workdir), run)
+    rec = read_json(os.path.join(rundir, "run.json")) or {}
+    state, ex = run_state(rundir, rec)
     m = _last_metrics(os.path.join(rundir, LOG))
     ended = (ex or {}).get("ended_ts")
     started = rec.get("started_ts")
@@ -292,14 +305,14 @@ def _status(workdir, run):
            "elapsed_s": round((ended or time.time()) - started, 1) if started else None,
            "pid": rec.get("pid"), "gpus": rec.get("gpus"), "slots": rec.get("slots"),
            # what the trainer resolved and runs (its CHOSEN_POLICY), else what was asked
-           "compile_policy": (_read_json(os.path.join(rundir, CHOSEN_POLICY)) or {}).get("compile_policy")
+           "compile_policy": (read_json(os.path.join(rundir, CHOSEN_POLICY)) or {}).get("compile_policy")
            or rec.get("compile_policy"),
            "release": rec.get("release"),
            "log": os.path.join(rundir, LOG), "exit": ex,
            # a job over several nodes: the nodes, and which ranks this one ran (the trainer's node.json)
            "nodes": (rec.get("nodes") or {}).get("targets"),
-           "node": _read_json(os.path.join(rundir, "node.json"))}
-    if state == "running" and _unsupervised(rec):   # its end is then judged from its log
+           "node": read_json(os.path.join(rundir, "node.json"))}
+    if state == "running" and unsupervised(rec):   # its end is then judged from its log
         doc["unsupervised"] = True
     try:
         doc["log_bytes"] = os.path.getsize(os.path.join(rundir, LOG))
@@ -311,7 +324,7 @@ def _status(workdir, run):
 _CAUSE_KEYS = {"rank": "rank", "exitcode": "exitcode", "error_file": "error_file", "traceback": "error"}
 
 
-def _root_cause(log_path):
+def root_cause(log_path):
     """torchrun's root cause of a failed run, from the last `Root Cause (first observed failure)`
     block in the log's tail: {"rank", "exitcode", "error_file", "error"}. The error is the exception
     line of the rank's error file (written by the trainer's @record) when there is one, else
@@ -334,7 +347,7 @@ def _root_cause(log_path):
     code = cause.get("exitcode", "").split(" ")[0]
     cause["exitcode"] = int(code) if code.lstrip("-").isdigit() else None
     path = cause.get("error_file")
-    doc = _read_json(path) if path and path.startswith("/") else None
+    doc = read_json(path) if path and path.startswith("/") else None
     if isinstance(doc, dict):
         msg = doc.get("message")
         msg = msg.get("message") if isinstance(msg, dict) else msg

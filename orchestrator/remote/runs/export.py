@@ -32,8 +32,8 @@ import sys
 import tempfile
 import threading
 
-from ..common import MASKED, _read_json, _sha256, refuse
-from .common import _alive, _not_found, _resolve, _run_ids, _runs_dir, _state
+from ..common import MASKED, read_json, refuse, sha256
+from .common import not_found, resolve, run_ids, run_state, runs_dir_of, sweep_dead
 from .kinds import kind_of
 
 CHUNK = 1 << 20
@@ -44,24 +44,12 @@ STILL_RUNNING = "the run is still running (pass --running-ok to export its newes
 
 def _latest_succeeded(workdir):
     """The newest succeeded run that leaves a drafter (a regen run has rows, no drafter)."""
-    for rid in reversed(_run_ids(workdir)):
-        rundir = os.path.join(_runs_dir(workdir), rid)
-        rec = _read_json(os.path.join(rundir, "run.json")) or {}
-        if kind_of(rec)["drafter"] and _state(rundir, rec)[0] == "succeeded":
+    for rid in reversed(run_ids(workdir)):
+        rundir = os.path.join(runs_dir_of(workdir), rid)
+        rec = read_json(os.path.join(rundir, "run.json")) or {}
+        if kind_of(rec)["drafter"] and run_state(rundir, rec)[0] == "succeeded":
             return rid
     return None
-
-
-def _sweep(exports):
-    """Temporary folders of exports whose agent is gone (killed -9, container restarted)."""
-    try:
-        names = os.listdir(exports)
-    except OSError:
-        return
-    for name in names:
-        pid = name[len(".tmp-"):] if name.startswith(".tmp-") else ""
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(os.path.join(exports, name), ignore_errors=True)
 
 
 def _interrupted(signum, frame):
@@ -88,33 +76,33 @@ def hang_up_on_eof():
     threading.Thread(target=watch, name="hang-up", daemon=True).start()
 
 
-def _run_to_export(workdir, run, running_ok=False):
+def run_to_export(workdir, run, running_ok=False):
     """(run id, its folder, its run.json) of RUN as export takes it ("latest"/"": the newest succeeded training
     run), or the refusal: no such run, a regen run, a running run without --running-ok, no release."""
     if run in ("", "latest", None):
         rid = _latest_succeeded(workdir)
     else:
-        rid = _resolve(workdir, run)
+        rid = resolve(workdir, run)
     if rid is None:
-        _not_found(workdir, run or "latest", any_runs=bool(_run_ids(workdir)))
-    rundir = os.path.join(_runs_dir(workdir), rid)
-    rec = _read_json(os.path.join(rundir, "run.json")) or {}
+        not_found(workdir, run or "latest", any_runs=bool(run_ids(workdir)))
+    rundir = os.path.join(runs_dir_of(workdir), rid)
+    rec = read_json(os.path.join(rundir, "run.json")) or {}
     if not kind_of(rec)["drafter"]:
         refuse("no_drafter", "a %s run has no drafter (its output is in %s)" % (rec.get("kind"), rec.get("output")),
                found=True, run=rid, exit_code=2)
-    if _state(rundir, rec)[0] == "running" and not running_ok:
+    if run_state(rundir, rec)[0] == "running" and not running_ok:
         refuse("running", STILL_RUNNING, found=True, run=rid)
     if not os.path.isfile(os.path.join(workdir, "current", "trainer", "export.py")):
         refuse("no_release", "the live release in %s has no trainer/export.py" % workdir, found=True, run=rid)
     return rid, rundir, rec
 
 
-def _private_tmp(workdir):
+def private_tmp(workdir):
     """A new WORKDIR/exports/.tmp-PID (leftovers of killed agents swept first); SIGHUP/SIGTERM then
     end this agent through its finally blocks, so the caller's `finally` removes the folder."""
     exports = os.path.join(workdir, "exports")
     os.makedirs(exports, exist_ok=True)
-    _sweep(exports)
+    sweep_dead(exports, ".tmp-")
     for sig in (signal.SIGHUP, signal.SIGTERM):
         signal.signal(sig, _interrupted)
     return os.path.join(exports, ".tmp-%d" % os.getpid())
@@ -122,7 +110,7 @@ def _private_tmp(workdir):
 
 # `python -m MODULE` of the live release (argv[1]) run from another folder (the run's own cwd, against
 # which its relative --target and --data were written): the release's code first on sys.path, not the cwd.
-# Started by _child, it first asks the kernel for SIGKILL when that agent dies (PR_SET_PDEATHSIG, prctl
+# Started by run_child, it first asks the kernel for SIGKILL when that agent dies (PR_SET_PDEATHSIG, prctl
 # option 1; ctypes is the standard library's way to it), so that no worker outlives an agent killed
 # with SIGKILL; an agent gone before the call (the parent is another process by then) ends it at once.
 # The variable is removed first: the worker's own children do not inherit it.
@@ -139,14 +127,14 @@ _RUN_MODULE = ("import os, sys\n"
                "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
 
 
-def _run_cwd(workdir, rec):
+def run_cwd(workdir, rec):
     """Where the run's trainer ran (its relative --target and --data are relative to it): run.json's
     "cwd" while that release is kept, else the live release."""
     cwd = rec.get("cwd")
     return cwd if cwd and os.path.isdir(cwd) else os.path.realpath(os.path.join(workdir, "current"))
 
 
-def _run_env(rec, environ, cuda_visible):
+def run_env(rec, environ, cuda_visible):
     """The environment of a program run on the run's behalf: this agent's (the target's env: now),
     the run's launch-time variables over it (run.json "user_env", hosts.yaml env: and launch --env;
     a masked secret keeps this agent's value), unbuffered, with only `cuda_visible` GPUs."""
@@ -164,7 +152,7 @@ def _signal_text(n):
     return "signal %d (%s)" % (n, "SIGKILL: out of memory?" if n == signal.SIGKILL else name)
 
 
-def _child(rid, what, argv, cwd, env, echo=False, reason=None):
+def run_child(rid, what, argv, cwd, env, echo=False, reason=None):
     """Run argv (stdin closed) to its end: its stdout. Its stderr lines pass through to this agent's
     stderr as they come when `echo`, else only the last one is kept. A failure is refused with
     `reason(last line)` (default "export"): the last line less its program's `WHAT: error: `, or,
@@ -203,36 +191,36 @@ def _child(rid, what, argv, cwd, env, echo=False, reason=None):
         return out.read()
 
 
-def _program(workdir, module):
+def program(workdir, module):
     """argv of `python -m MODULE` of the live release, whatever the cwd (_RUN_MODULE)."""
     return [sys.executable, "-c", _RUN_MODULE, os.path.realpath(os.path.join(workdir, "current")), module]
 
 
-def _export_into(workdir, rid, rundir, rec, folder, dtype, step, running_ok=False, target_changed_ok=False,
-                 cuda_visible=""):
+def export_into(workdir, rid, rundir, rec, folder, dtype, step, running_ok=False, target_changed_ok=False,
+                cuda_visible=""):
     """`python -m trainer.export` of the live release into `folder`, from the run's cwd with its
     launch-time env (rec: its run.json): its document (step, checkpoint, ...), or the refusal "export"
     with the trainer's last line and exit status."""
-    argv = _program(workdir, "trainer.export") + ["--run", rundir, "-o", folder, "--dtype", dtype]
+    argv = program(workdir, "trainer.export") + ["--run", rundir, "-o", folder, "--dtype", dtype]
     if step is not None:
         argv += ["--step", str(step)]
     argv += ["--running-ok"] * running_ok + ["--target-changed-ok"] * target_changed_ok
-    out = _child(rid, "export", argv, _run_cwd(workdir, rec), _run_env(rec, os.environ, cuda_visible))
+    out = run_child(rid, "export", argv, run_cwd(workdir, rec), run_env(rec, os.environ, cuda_visible))
     return json.loads(out.decode("utf-8", "replace").strip().splitlines()[-1])
 
 
 def cmd_export(workdir, run, step, dtype, running_ok=False, target_changed_ok=False):
-    rid, rundir, rec = _run_to_export(workdir, run, running_ok)
-    tmp = _private_tmp(workdir)
-    hang_up_on_eof()    # after _private_tmp's handlers: SIGHUP ends this agent through the finally below
+    rid, rundir, rec = run_to_export(workdir, run, running_ok)
+    tmp = private_tmp(workdir)
+    hang_up_on_eof()    # after private_tmp's handlers: SIGHUP ends this agent through the finally below
     try:
         os.mkdir(tmp)
         folder = os.path.join(tmp, "draft")
-        info = _export_into(workdir, rid, rundir, rec, folder, dtype, step, running_ok, target_changed_ok)
+        info = export_into(workdir, rid, rundir, rec, folder, dtype, step, running_ok, target_changed_ok)
         files = []
         for name in sorted(os.listdir(folder)):
             path = os.path.join(folder, name)
-            files.append({"name": name, "size": os.path.getsize(path), "sha256": _sha256(path)})
+            files.append({"name": name, "size": os.path.getsize(path), "sha256": sha256(path)})
         header = {"ok": True, "found": True, "run": rid, "step": info.get("step"), "running": info.get("running"),
                   "dtype": dtype, "checkpoint": info.get("checkpoint"), "mask_token_id": info.get("mask_token_id"),
                   "target_layer_ids": info.get("target_layer_ids"), "target_changed": info.get("target_changed"),

@@ -8,8 +8,8 @@ import json
 import os
 import time
 
-from ..common import _out, _read_json
-from .common import LOG, TAIL_SCAN, _find, _metric, _runs_dir, _state, _status
+from ..common import emit, read_json
+from .common import LOG, TAIL_SCAN, find, metric, run_state, run_status, runs_dir_of
 
 POLL_S = 0.05            # how often an idle log is looked at (latency budget: 0.3 s)
 HEARTBEAT_S = 2.0        # a stderr heartbeat this often, so dead connections are noticed
@@ -58,10 +58,10 @@ def _control(doc):
 
 
 def cmd_follow(workdir, run, offset, follow, tail):
-    rid = _find(workdir, run)
-    rundir = os.path.join(_runs_dir(workdir), rid)
+    rid = find(workdir, run)
+    rundir = os.path.join(runs_dir_of(workdir), rid)
     path = os.path.join(rundir, LOG)
-    rec = _read_json(os.path.join(rundir, "run.json")) or {}
+    rec = read_json(os.path.join(rundir, "run.json")) or {}
     if offset < 0:
         offset = _tail_offset(path, tail) if tail is not None else 0
     _write_all(1, (json.dumps({"run": rid, "offset": offset, "started": rec.get("started")})
@@ -92,7 +92,7 @@ def cmd_follow(workdir, run, offset, follow, tail):
             continue
         if sent == 0 and now - last_live >= LIVENESS_S:
             last_live = now
-            state, _ = _state(rundir)
+            state, _ = run_state(rundir)
             if state != "running":
                 follow = False
                 continue
@@ -103,25 +103,25 @@ def cmd_follow(workdir, run, offset, follow, tail):
             time.sleep(idle)
     if fd is not None:
         os.close(fd)
-    doc = _status(workdir, rid)
+    doc = run_status(workdir, rid)
     doc["offset"] = offset
     _control({"end": doc})
 
 
 def cmd_metrics(workdir, run):
     """The trainer's OUT/metrics.jsonl when it wrote one, else the log's JSON lines."""
-    rid = _find(workdir, run)
-    rundir = os.path.join(_runs_dir(workdir), rid)
+    rid = find(workdir, run)
+    rundir = os.path.join(runs_dir_of(workdir), rid)
     metrics = []
     for name in ("metrics.jsonl", LOG):
         try:
             with open(os.path.join(rundir, name), "rb") as f:
                 for raw in f:
-                    doc = _metric(raw)
+                    doc = metric(raw)
                     if doc is not None:
                         metrics.append(doc)
         except OSError:
             continue
         if metrics:
             break
-    _out({"found": True, "run": rid, "status": _status(workdir, rid), "metrics": metrics})
+    emit({"found": True, "run": rid, "status": run_status(workdir, rid), "metrics": metrics})

@@ -17,20 +17,20 @@ renamed to runs/.rm-RUN-PID before its files go: a half-removed run is never lis
 import os
 import shutil
 
-from ..common import _listdir, _out, _read_json, refuse
-from .common import _alive, _find, _resolve, _run_ids, _runs_dir, _state
+from ..common import emit, read_json, refuse
+from .common import find, resolve, run_ids, run_state, runs_dir_of, sweep_dead
 from .kinds import kind_of
-from .locks import _Guard
+from .locks import Guard
 
 RESUMABLE = ("stopped", "failed")
 
 
-def _resume_spec(workdir, spec):
+def resume_spec(workdir, spec):
     """The launch spec of an attempt that continues run spec["resume"] with the run's own
     settings (config, trainer arguments, topology, policy); spec may choose the GPUs and a name.
     (spec, the run's record); the not-found refusal when there is no such run."""
-    rid = _find(workdir, spec["resume"])
-    rec = _read_json(os.path.join(_runs_dir(workdir), rid, "run.json")) or {}
+    rid = find(workdir, spec["resume"])
+    rec = read_json(os.path.join(runs_dir_of(workdir), rid, "run.json")) or {}
     new = {"run": rid, "resume": rid, "kind": rec.get("kind") or "train", "target": spec.get("target"),
            "gpus": rec.get("gpus", 0) if spec.get("gpus") is None else spec["gpus"],
            "gpu_ids": spec.get("gpu_ids"), "target_gpus": spec.get("target_gpus", 0),
@@ -48,10 +48,10 @@ def _resume_spec(workdir, spec):
     return new, rec
 
 
-def _end_attempt(rundir, rec):
+def end_attempt(rundir, rec):
     """Close the run's last attempt before the next one starts: (its summary, all attempts so
     far). Its end records go, so the run reads as starting again."""
-    state, ex = _state(rundir, rec)
+    state, ex = run_state(rundir, rec)
     done = list(rec.get("attempts") or [])
     done.append({"attempt": rec.get("attempt") or 1, "started": rec.get("started"),
                  "release": rec.get("release"), "gpu_ids": rec.get("gpu_ids"), "state": state,
@@ -79,26 +79,17 @@ def _size(path):
     return total
 
 
-def _sweep_removals(workdir):
-    """Folders of removals that were cut short (an agent killed -9 mid-rmtree)."""
-    runs = _runs_dir(workdir)
-    for name in _listdir(runs):
-        pid = name.rsplit("-", 1)[-1]
-        if name.startswith(".rm-") and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(os.path.join(runs, name), ignore_errors=True)
-
-
 def _remove(workdir, rids, dry_run, reply):
     for rid in rids:
-        rundir = os.path.join(_runs_dir(workdir), rid)
-        rec = _read_json(os.path.join(rundir, "run.json")) or {}
-        state, _ = _state(rundir, rec)
+        rundir = os.path.join(runs_dir_of(workdir), rid)
+        rec = read_json(os.path.join(rundir, "run.json")) or {}
+        state, _ = run_state(rundir, rec)
         if state == "running":
             reply["refused"].append({"run": rid, "state": state, "name": rec.get("name")})
             continue
         size = _size(rundir)
         if not dry_run:
-            gone = os.path.join(_runs_dir(workdir), ".rm-%s-%d" % (rid, os.getpid()))
+            gone = os.path.join(runs_dir_of(workdir), ".rm-%s-%d" % (rid, os.getpid()))
             os.rename(rundir, gone)
             shutil.rmtree(gone, ignore_errors=True)
         reply["removed"].append({"run": rid, "state": state, "name": rec.get("name"), "bytes": size})
@@ -107,30 +98,30 @@ def _remove(workdir, rids, dry_run, reply):
 
 def cmd_rm(workdir, runs, dry_run):
     reply = {"removed": [], "refused": [], "missing": [], "freed": 0, "dry_run": dry_run}
-    with _Guard(workdir):
-        _sweep_removals(workdir)
+    with Guard(workdir):
+        sweep_dead(runs_dir_of(workdir), ".rm-")     # removals cut short (an agent killed -9 mid-rmtree)
         rids = []
         for run in runs:
-            rid = _resolve(workdir, run)
+            rid = resolve(workdir, run)
             if rid is None:
                 reply["missing"].append(run)
             elif rid not in rids:
                 rids.append(rid)
         _remove(workdir, rids, dry_run, reply)
-    _out(reply)
+    emit(reply)
 
 
 def _pruned(workdir, rid):
     """Whether `prune` may remove the run, by its kind (runs/kinds.py)."""
-    return kind_of(_read_json(os.path.join(_runs_dir(workdir), rid, "run.json")) or {})["pruned"]
+    return kind_of(read_json(os.path.join(runs_dir_of(workdir), rid, "run.json")) or {})["pruned"]
 
 
 def cmd_prune(workdir, keep, dry_run):
     reply = {"removed": [], "refused": [], "missing": [], "freed": 0, "dry_run": dry_run,
              "kept": []}
-    with _Guard(workdir):
-        _sweep_removals(workdir)
-        ids = _run_ids(workdir)                      # oldest first
+    with Guard(workdir):
+        sweep_dead(runs_dir_of(workdir), ".rm-")     # removals cut short (an agent killed -9 mid-rmtree)
+        ids = run_ids(workdir)                      # oldest first
         data = [r for r in ids if not _pruned(workdir, r)]   # e.g. regen's rows, which training runs read
         ids = [r for r in ids if r not in data]
         old, reply["kept"] = (ids[:-keep], ids[-keep:]) if keep > 0 else (ids, [])
@@ -138,4 +129,4 @@ def cmd_prune(workdir, keep, dry_run):
     # a running run among the old ones is kept, not an error
     reply["kept"] = [r["run"] for r in reply["refused"]] + data + reply["kept"]
     reply["refused"] = []
-    _out(reply)
+    emit(reply)

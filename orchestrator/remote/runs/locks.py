@@ -18,13 +18,13 @@ bench-PID` finds the agent there (runs/stop.py). A dead agent's lock is stale li
 import os
 import time
 
-from ..common import _flock, _read_json, _write_json
-from .common import _alive, _runs_dir, _unsupervised
+from ..common import flock, read_json, write_json
+from .common import proc_alive, runs_dir_of, unsupervised
 
 BENCH = "bench-"        # the prefix of a bench-decode's name in its slot lock: bench-PID
 
 
-class _Guard:
+class Guard:
     """An flock on WORKDIR/locks/.guard: slot files are only judged and changed under it."""
 
     def __init__(self, workdir):
@@ -34,29 +34,29 @@ class _Guard:
         self.f = None
 
     def __enter__(self):
-        self.f = _flock(self.path)
+        self.f = flock(self.path)
         return self
 
     def __exit__(self, *exc):
         self.f.close()
 
 
-_HOLDERS = (("launcher_pid", "launcher_start"), ("supervisor_pid", "supervisor_start"), ("pid", "pid_start"))
+HOLDERS = (("launcher_pid", "launcher_start"), ("supervisor_pid", "supervisor_start"), ("pid", "pid_start"))
 
 
 def _holder_live(workdir, lock):
     """The lock's holder ({run, pid, unsupervised}) while the run lives, else None."""
-    rundir = os.path.join(_runs_dir(workdir), str(lock.get("run")))
+    rundir = os.path.join(runs_dir_of(workdir), str(lock.get("run")))
     if os.path.exists(os.path.join(rundir, "exit.json")):
         return None
     # run.json too: the supervisor records the trainer there before the trainer starts, so a
     # trainer whose agent and supervisor were both killed is still seen
-    rec = _read_json(os.path.join(rundir, "run.json")) or {}
-    live = {pid for pid, start in _HOLDERS for doc in (lock, rec) if _alive(doc.get(pid), doc.get(start))}
+    rec = read_json(os.path.join(rundir, "run.json")) or {}
+    live = {pid for pid, start in HOLDERS for doc in (lock, rec) if proc_alive(doc.get(pid), doc.get(start))}
     if not live:
         return None
     return {"run": lock.get("run"), "pid": lock.get("pid") or rec.get("pid"),
-            "unsupervised": _unsupervised(lock, rec)}
+            "unsupervised": unsupervised(lock, rec)}
 
 
 def _busy_slots(workdir, guard, slots):
@@ -64,7 +64,7 @@ def _busy_slots(workdir, guard, slots):
     busy, cleared = {}, []
     for slot in slots:
         path = os.path.join(guard.dir, slot + ".json")
-        lock = _read_json(path)
+        lock = read_json(path)
         if lock is None:
             if os.path.exists(path):      # unreadable: a crash mid-write; nothing holds it
                 os.unlink(path)
@@ -78,22 +78,22 @@ def _busy_slots(workdir, guard, slots):
     return busy, cleared
 
 
-def _release_slots(workdir, run):
-    with _Guard(workdir) as guard:
-        _drop(guard, run)
+def release_slots(workdir, run):
+    with Guard(workdir) as guard:
+        drop(guard, run)
 
 
-def _drop(guard, run):
+def drop(guard, run):
     """Remove the run's slot files (the caller holds the guard)."""
     for name in os.listdir(guard.dir):
         if name.endswith(".json"):
             path = os.path.join(guard.dir, name)
-            lock = _read_json(path)
+            lock = read_json(path)
             if lock is not None and lock.get("run") == run:
                 os.unlink(path)
 
 
-def _claim(workdir, guard, gpus, total, want=None):
+def claim(workdir, guard, gpus, total, want=None):
     """(slots, GPU ids, busy, cleared): the slots a run of `gpus` GPUs takes (the one `cpu` slot
     for gpus=0; exactly the GPUs `want` when named); slots is None when not enough of them are
     free."""
@@ -114,17 +114,17 @@ def _claim(workdir, guard, gpus, total, want=None):
     return slots, ids, busy, cleared
 
 
-def _hold(guard, run, slots, holders, since):
+def hold_slots(guard, run, slots, holders, since):
     """Write the lock of each slot for the run: `holders` names the processes that hold it so far
     ({launcher_pid, launcher_start, supervisor_pid, ..., pid, pid_start})."""
     for slot in slots:
         doc = {"run": run, "slot": slot, "since": since, "pid": None, "pid_start": None,
                "supervisor_pid": None, "supervisor_start": None}
         doc.update(holders)
-        _write_json(os.path.join(guard.dir, slot + ".json"), doc)
+        write_json(os.path.join(guard.dir, slot + ".json"), doc)
 
 
-def _benches(workdir, names=None):
+def benches(workdir, names=None):
     """The slot locks of the bench-decodes running here (their agent alive), oldest first; only those
     named when `names` is given. Read without the guard, nothing cleared: status writes nothing, and a
     dead agent's stale lock goes at the next claim of its slot."""
@@ -135,16 +135,16 @@ def _benches(workdir, names=None):
         return []
     found = {}
     for name in files:
-        lock = _read_json(os.path.join(folder, name)) if name.endswith(".json") else None
+        lock = read_json(os.path.join(folder, name)) if name.endswith(".json") else None
         run = str(lock.get("run")) if isinstance(lock, dict) else ""
         if run.startswith(BENCH) and (names is None or run in names) and run not in found and \
-                _alive(lock.get("launcher_pid"), lock.get("launcher_start")):
+                proc_alive(lock.get("launcher_pid"), lock.get("launcher_start")):
             found[run] = lock
     return sorted(found.values(), key=lambda lock: lock.get("since_ts") or 0)
 
 
-def _bench_row(lock):
-    """A running bench-decode as a status row: the keys of a run's (common._status), kind bench-decode,
+def bench_row(lock):
+    """A running bench-decode as a status row: the keys of a run's (common.run_status), kind bench-decode,
     pid its agent's, "measures" the run it measures."""
     started, slot = lock.get("since_ts"), lock.get("slot")
     return {"run": lock.get("run"), "kind": "bench-decode", "measures": lock.get("bench"), "output": None,

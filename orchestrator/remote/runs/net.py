@@ -106,6 +106,6 @@ def _addresses_loopback(ip_output, iface):
     return iface == "lo" or (bool(addrs) and all(a.is_loopback for a in addrs))
 
 
-def _network_env(nodes, env):
+def network_env(nodes, env):
     """_node_network for this container: the variables, or (None, why)."""
     return _node_network(nodes["address"], env, _ip_addr(), socket.gethostname())

@@ -16,23 +16,23 @@ import os
 import subprocess
 import sys
 
-from ..common import _dist_version, _fail, _home, _out, _read_json, refuse
-from ..release.store import _live
+from ..common import dist_version, emit, fail, home_dir, read_json, refuse
+from ..release.store import live_release
 
 
 def cmd_probe(workdir, args, reuse=False):
-    _, path = _live(workdir)
+    _, path = live_release(workdir)
     if not path or not os.path.isdir(path):
         refuse("no_release", "no release deployed in %s" % workdir)
     if reuse:
-        saved = _read_json(os.path.join(workdir, "probe.json"))
+        saved = read_json(os.path.join(workdir, "probe.json"))
         if isinstance(saved, dict) and isinstance(saved.get("result"), dict) and saved.get("policy") \
-                and saved.get("torch") and saved.get("torch") == _dist_version("torch"):
-            _out({"ok": True, "probe": dict(saved["result"], reused=saved.get("time"))})
+                and saved.get("torch") and saved.get("torch") == dist_version("torch"):
+            emit({"ok": True, "probe": dict(saved["result"], reused=saved.get("time"))})
             return
     env = dict(os.environ)
     # `pct exec --keep-env 0` leaves no HOME; torch's compile caches want one.
-    env.update({"HOME": _home(), "PYTHONUNBUFFERED": "1"})
+    env.update({"HOME": home_dir(), "PYTHONUNBUFFERED": "1"})
     sys.stderr.flush()
     proc = subprocess.run([sys.executable, "-m", "trainer.probe", "--workdir", workdir] + list(args),
                           cwd=path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
@@ -41,5 +41,5 @@ def cmd_probe(workdir, args, reuse=False):
     try:
         doc = json.loads(proc.stdout.decode("utf-8", "replace"))
     except ValueError:
-        _fail("the probe printed no JSON document")
-    _out({"ok": True, "probe": doc})
+        fail("the probe printed no JSON document")
+    emit({"ok": True, "probe": doc})

@@ -12,37 +12,37 @@ import shutil
 import signal
 import time
 
-from ..common import _now_iso, _out, _read_json, _write_json
-from .common import _alive, _find, _resolve, _runs_dir, _state
-from .locks import BENCH, _benches, _release_slots
-from .supervisor import _exit_record, _signal_name
+from ..common import emit, now_iso, read_json, write_json
+from .common import find, proc_alive, resolve, run_state, runs_dir_of
+from .locks import BENCH, benches, release_slots
+from .supervisor import exit_record, signal_name
 
 
 def cmd_stop(workdir, run, force, timeout):
-    bench = _benches(workdir, [run]) if run.startswith(BENCH) and _resolve(workdir, run) is None else []
+    bench = benches(workdir, [run]) if run.startswith(BENCH) and resolve(workdir, run) is None else []
     if bench:
         return _stop_bench(workdir, bench[0], force, timeout)
-    rid = _find(workdir, run)
-    rundir = os.path.join(_runs_dir(workdir), rid)
-    rec = _read_json(os.path.join(rundir, "run.json")) or {}
-    state, _ = _state(rundir, rec)
+    rid = find(workdir, run)
+    rundir = os.path.join(runs_dir_of(workdir), rid)
+    rec = read_json(os.path.join(rundir, "run.json")) or {}
+    state, _ = run_state(rundir, rec)
     if state != "running":      # the bench-decodes running here: a `stop` of a measured run may mean one
-        _out({"found": True, "run": rid, "already": True, "state": state,
-              "benches": [b.get("run") for b in _benches(workdir)]})
+        emit({"found": True, "run": rid, "already": True, "state": state,
+              "benches": [b.get("run") for b in benches(workdir)]})
         return
-    stop = _read_json(os.path.join(rundir, "stop.json")) or {}
-    stop.setdefault("requested", _now_iso())
+    stop = read_json(os.path.join(rundir, "stop.json")) or {}
+    stop.setdefault("requested", now_iso())
     stop["force"] = bool(force) or stop.get("force", False)
-    _write_json(os.path.join(rundir, "stop.json"), stop)
+    write_json(os.path.join(rundir, "stop.json"), stop)
     sig = signal.SIGKILL if force else signal.SIGTERM
     start = time.monotonic()
     deadline = start + timeout
     while rec.get("pid") is None and time.monotonic() < deadline:   # still starting
         time.sleep(0.1)
-        rec = _read_json(os.path.join(rundir, "run.json")) or {}
+        rec = read_json(os.path.join(rundir, "run.json")) or {}
     pid, pid_start = rec.get("pid"), rec.get("pid_start")
     signalled = False
-    if _alive(pid, pid_start):
+    if proc_alive(pid, pid_start):
         try:
             os.killpg(pid, sig)
             signalled = True
@@ -52,23 +52,23 @@ def cmd_stop(workdir, run, force, timeout):
     while time.monotonic() < deadline:
         if os.path.exists(exit_path):
             break
-        if not _alive(pid, pid_start) and \
-                not _alive(rec.get("supervisor_pid"), rec.get("supervisor_start")):
+        if not proc_alive(pid, pid_start) and \
+                not proc_alive(rec.get("supervisor_pid"), rec.get("supervisor_start")):
             # No supervisor to record the end (it was killed): record it here.
-            _write_json(exit_path, _exit_record(rec, "stopped", None, None, True,
-                                                "recorded by stop: the supervisor was gone"))
-            _release_slots(workdir, rid)
+            write_json(exit_path, exit_record(rec, "stopped", None, None, True,
+                                              "recorded by stop: the supervisor was gone"))
+            release_slots(workdir, rid)
             break
         time.sleep(0.1)
-    state, ex = _state(rundir, rec)
-    _out({"found": True, "run": rid, "already": False, "signal": _signal_name(sig),
+    state, ex = run_state(rundir, rec)
+    emit({"found": True, "run": rid, "already": False, "signal": signal_name(sig),
           "signalled": signalled, "state": state, "exit": ex,
           "timed_out": state == "running", "waited_s": round(time.monotonic() - start, 2)})
 
 
 def _workers(pid):
     """The children of process `pid` (from /proc): a bench agent's export or specdec, each the leader of
-    its own session and process group (export._child)."""
+    its own session and process group (export.run_child)."""
     found = []
     for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if not name.isdigit():
@@ -101,13 +101,13 @@ def _stop_bench(workdir, lock, force, timeout):
             os.killpg(worker, signal.SIGKILL)
         except OSError:
             pass
-    while _alive(pid, start) and time.monotonic() < begin + timeout:
+    while proc_alive(pid, start) and time.monotonic() < begin + timeout:
         time.sleep(0.05)
-    ended = not _alive(pid, start)
+    ended = not proc_alive(pid, start)
     if ended:
-        _release_slots(workdir, bench)
+        release_slots(workdir, bench)
         shutil.rmtree(os.path.join(workdir, "exports", ".tmp-%d" % pid), ignore_errors=True)
-    _out({"found": True, "run": bench, "kind": "bench-decode", "measures": lock.get("bench"), "already": False,
-          "signal": _signal_name(sig), "signalled": signalled, "state": "stopped" if ended else "running",
+    emit({"found": True, "run": bench, "kind": "bench-decode", "measures": lock.get("bench"), "already": False,
+          "signal": signal_name(sig), "signalled": signalled, "state": "stopped" if ended else "running",
           "exit": None, "timed_out": not ended, "waited_s": round(time.monotonic() - begin, 2),
           "slots": [lock.get("slot")]})

@@ -21,10 +21,10 @@ import signal
 import sys
 import time
 
-from ..common import _now_iso, _read_json, _write_json
-from .common import LOG, _alive, _fault, _proc_start, _root_cause
+from ..common import now_iso, read_json, write_json
+from .common import LOG, fault, proc_alive, proc_start, root_cause
 from .kinds import kind_of
-from .locks import _release_slots
+from .locks import release_slots
 
 HELLO_TIMEOUT_S = 60.0
 
@@ -56,7 +56,7 @@ def _send(fd, doc):
         return False
 
 
-def _spawn_supervisor(rundir, rec, env, on_hello):
+def spawn_supervisor(rundir, rec, env, on_hello):
     """Double fork: the grandchild (the supervisor) is in its own session, has /dev/null and its
     own log for its three streams and no other inherited fd, so the exec that ran this agent
     (ssh, pct exec / lxc-attach) returns at once (docs/background.md#pct). on_hello(doc) records
@@ -83,15 +83,15 @@ def _spawn_supervisor(rundir, rec, env, on_hello):
     os.close(go_r)
     os.waitpid(pid, 0)
     try:
-        _fault("launch.spawned")
+        fault("launch.spawned")
         hello = _read_line(rfd, HELLO_TIMEOUT_S)
         if hello is None or "error" in hello:
             return hello or {"error": "the supervisor did not start (see %s/supervisor.log)" % rundir}
-        _fault("launch.hello")
+        fault("launch.hello")
         on_hello(hello)
-        _fault("launch.recorded_supervisor")
+        fault("launch.recorded_supervisor")
         _send(go_w, {"go": True})
-        _fault("launch.go")
+        fault("launch.go")
         started = _read_line(rfd, HELLO_TIMEOUT_S)
         if started is None:
             return {"error": "the supervisor did not report the trainer's pid (see %s/supervisor.log)"
@@ -127,7 +127,7 @@ def _short_argv(rundir, env, wfd, go_r):
 def cmd_supervise(rundir, wfd, go_r):
     """The supervisor after _short_argv's exec: its environment is the trainer's."""
     try:
-        rec = _read_json(os.path.join(rundir, "run.json"))
+        rec = read_json(os.path.join(rundir, "run.json"))
     except BaseException as e:  # never return into the agent's code
         _report_and_exit(wfd, e)
     _supervise_then_exit(rundir, rec, dict(os.environ), wfd, go_r)
@@ -213,12 +213,12 @@ def _fork_trainer(command, cwd, env, log):
     return pid, gate_w, err_r
 
 
-def _runs_trainer(rec):
+def runs_trainer(rec):
     """Whether the recorded trainer pid runs the trainer: a process still waiting at its gate
     (runs/supervisor.py) is the supervisor's fork, with the supervisor's command line, and exits
     without starting anything once its supervisor is gone."""
     pid = rec.get("pid")
-    if not _alive(pid, rec.get("pid_start")):
+    if not proc_alive(pid, rec.get("pid_start")):
         return False
     try:
         with open("/proc/%d/cmdline" % pid, "rb") as f:
@@ -229,13 +229,13 @@ def _runs_trainer(rec):
 
 
 def _supervise(rundir, rec, env, report_fd, go_r):
-    me = {"supervisor_pid": os.getpid(), "supervisor_start": _proc_start(os.getpid())}
+    me = {"supervisor_pid": os.getpid(), "supervisor_start": proc_start(os.getpid())}
     _send(report_fd, me)
     go = _read_line(go_r, HELLO_TIMEOUT_S)
     os.close(go_r)
     if not go:      # the agent died before it recorded this supervisor: nothing was started
         os._exit(0)
-    _fault("supervisor.go")
+    fault("supervisor.go")
 
     log_path = os.path.join(rundir, LOG)
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -245,12 +245,12 @@ def _supervise(rundir, rec, env, report_fd, go_r):
 
     note("run %s: %s" % (rec["run"], rec["command_line"]))
     pid, gate, err = _fork_trainer(rec["command"], rec["cwd"], env, log)
-    _fault("supervisor.forked")
-    rec = dict(rec, pid=pid, pgid=pid, pid_start=_proc_start(pid), **me)
+    fault("supervisor.forked")
+    rec = dict(rec, pid=pid, pgid=pid, pid_start=proc_start(pid), **me)
     with open(os.path.join(rundir, "pid"), "w") as f:
         f.write("%d\n" % pid)
-    _write_json(os.path.join(rundir, "run.json"), rec)
-    _fault("supervisor.recorded")
+    write_json(os.path.join(rundir, "run.json"), rec)
+    fault("supervisor.recorded")
     os.write(gate, b"g")
     os.close(gate)
     with os.fdopen(err, "rb") as f:
@@ -265,7 +265,7 @@ def _supervise(rundir, rec, env, report_fd, go_r):
         os.close(log)
         _finish(rundir, rec, None, None, "cannot start the trainer: %s" % failed)
         return
-    _fault("supervisor.started")
+    fault("supervisor.started")
 
     def forward(signum, frame):
         # Someone stopped the supervisor itself (a container shutdown): pass it on as a stop,
@@ -291,7 +291,7 @@ def _supervise(rundir, rec, env, report_fd, go_r):
     _finish(rundir, rec, status, log, None)
 
 
-def _signal_name(num):
+def signal_name(num):
     try:
         return signal.Signals(num).name
     except ValueError:
@@ -299,7 +299,7 @@ def _signal_name(num):
 
 
 def _finish(rundir, rec, status, log, error):
-    stop = _read_json(os.path.join(rundir, "stop.json"))
+    stop = read_json(os.path.join(rundir, "stop.json"))
     code = sig = None
     if status is not None:
         if os.WIFSIGNALED(status):
@@ -312,9 +312,9 @@ def _finish(rundir, rec, status, log, error):
         state = "stopped"     # on request, or a SIGTERM from outside (a shutdown): checkpointed
     else:
         state = "failed"
-    ex = _exit_record(rec, state, code, sig, stop is not None, error)
+    ex = exit_record(rec, state, code, sig, stop is not None, error)
     if state == "failed" and rec.get("topology") == "processes":
-        ex["root_cause"] = _root_cause(os.path.join(rundir, LOG))   # torchrun's, when it wrote one
+        ex["root_cause"] = root_cause(os.path.join(rundir, LOG))   # torchrun's, when it wrote one
     if log is not None:
         pid = rec.get("pid")
         if sig and stop is None and sig not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -328,8 +328,8 @@ def _finish(rundir, rec, status, log, error):
         if kind_of(rec)["ended"] and rec.get("output"):
             os.write(log, _output_note(rec, state).encode())
         os.close(log)
-    _write_json(os.path.join(rundir, "exit.json"), ex)
-    _release_slots(rec["workdir"], rec["run"])
+    write_json(os.path.join(rundir, "exit.json"), ex)
+    release_slots(rec["workdir"], rec["run"])
 
 
 def _output_note(rec, state):
@@ -341,12 +341,12 @@ def _output_note(rec, state):
     return "dflash-ops: %s\n" % line
 
 
-def _exit_record(rec, state, code, sig, stop_requested, error):
+def exit_record(rec, state, code, sig, stop_requested, error):
     """The exit.json document: how the run ended. The supervisor writes it; `stop` does when the
     supervisor is gone."""
     now = time.time()
     return {"state": state, "exit_code": code, "signal": sig,
-            "signal_name": _signal_name(sig) if sig else None,
-            "returncode": 128 + sig if sig else code, "ended": _now_iso(now), "ended_ts": now,
+            "signal_name": signal_name(sig) if sig else None,
+            "returncode": 128 + sig if sig else code, "ended": now_iso(now), "ended_ts": now,
             "stop_requested": stop_requested, "error": error,
             "duration_s": round(now - rec.get("started_ts", now), 1)}

@@ -13,8 +13,8 @@ import hashlib
 import os
 import shutil
 
-from ..common import _fail, refuse
-from .common import _alive, _fault
+from ..common import fail, refuse
+from .common import fault, sweep_dead
 from .kinds import kind_of
 
 UPLOAD = ".upload-"
@@ -22,7 +22,7 @@ UPLOAD = ".upload-"
 UPLOAD_CHUNK = 1 << 20
 
 
-def _receive(stream, runs_dir, spec):
+def receive(stream, runs_dir, spec):
     """Read spec["files"] from `stream` into a new runs/.upload-RUN-PID folder: its path, or None
     without files. Files other than the kind's inputs are refused ("bad_upload") before a byte is
     read; a short stream or a hash that differs fails the launch; a full disk refuses it."""
@@ -31,7 +31,7 @@ def _receive(stream, runs_dir, spec):
     if names != inputs:
         refuse("bad_upload", "a %s run takes %s; this launch sent %s" % (
             spec.get("kind") or "train", ", ".join(inputs) or "no files", ", ".join(names) or "none"))
-    _sweep_uploads(runs_dir)
+    sweep_dead(runs_dir, UPLOAD)    # uploads of launches whose agent is gone
     if not files:
         return None
     folder = os.path.join(runs_dir, "%s%s-%d" % (UPLOAD, spec["run"], os.getpid()))
@@ -51,44 +51,31 @@ def _receive(stream, runs_dir, spec):
 def _receive_one(stream, folder, f):
     name = f.get("name") or ""
     if not name or name != os.path.basename(name) or name.startswith("."):
-        _fail("upload name %r: a plain file name is expected" % name, 2)
+        fail("upload name %r: a plain file name is expected" % name, 2)
     h, left = hashlib.sha256(), int(f["size"])
     with open(os.path.join(folder, name), "wb") as out:
         while left:
             chunk = stream.read(min(left, UPLOAD_CHUNK))
             if not chunk:
-                _fail("upload %s: the stream ended %d bytes short" % (name, left))
+                fail("upload %s: the stream ended %d bytes short" % (name, left))
             h.update(chunk)
             out.write(chunk)
             left -= len(chunk)
-            _fault("upload.receiving")
+            fault("upload.receiving")
         out.flush()
         os.fsync(out.fileno())
     if h.hexdigest() != f["sha256"]:
-        _fail("upload %s: sha256 mismatch (the file changed while it was sent?)" % name)
+        fail("upload %s: sha256 mismatch (the file changed while it was sent?)" % name)
 
 
-def _sweep_uploads(runs_dir):
-    """Upload folders of launches whose agent is gone (RUNS/.upload-RUN-PID, PID no longer running):
-    SIGKILL or a stopped container ends an agent before its `finally`."""
-    try:
-        names = os.listdir(runs_dir)
-    except OSError:
-        return
-    for name in names:
-        pid = name.rsplit("-", 1)[-1]
-        if name.startswith(UPLOAD) and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(os.path.join(runs_dir, name), ignore_errors=True)
-
-
-def _place(folder, rundir):
+def place(folder, rundir):
     """Move the received files into the run's folder."""
     if folder:
         for name in os.listdir(folder):
             os.rename(os.path.join(folder, name), os.path.join(rundir, name))
 
 
-def _discard(folder):
+def discard(folder):
     if folder:
         shutil.rmtree(folder, ignore_errors=True)
 
