@@ -57,13 +57,14 @@ def _interrupted(signum, frame):
 
 
 def hang_up_on_eof():
-    """A thread that reads stdin to its EOF (the controller sends nothing) and then sends SIGHUP to the
-    main thread: pthread_kill interrupts a blocking call there (a write to a full pipe, an open). The
-    thread blocks SIGHUP and SIGTERM, so that signals to the process land in the main thread."""
+    """A thread that reads stdin to its EOF (the controller sends nothing more) and then sends SIGHUP to
+    the main thread: pthread_kill interrupts a blocking call there (a read, a write to a full pipe, an
+    open), where a signal to the process might land in this thread; this thread blocks SIGHUP, SIGTERM
+    and SIGINT for the same reason. export's and bench's agents end on it."""
     main_ident = threading.main_thread().ident
 
     def watch():
-        signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGHUP, signal.SIGTERM))
+        signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGHUP, signal.SIGTERM, signal.SIGINT))
         try:
             while os.read(0, 1 << 16):
                 pass
