@@ -72,6 +72,12 @@ CASES = (
            "left running, slot free, no folder left; status shows it, stop ends it",
      ("test_bench_decode_remote.py::test_bench_decode_measures_a_trained_run",
       "test_transport_ssh.py::test_a_held_stdin_stays_open")),
+    ("20", "a play interrupted mid-step (Ctrl-C, SIGTERM, SIGKILL): it hung (Ctrl-C) or died (SIGTERM) with the step's "
+           "command running on; now the command ended, one line, lock free, steps that ended recorded, --from resumes",
+     ("test_play_signals.py",)),
+    ("21", "export's controller, agent or worker killed (INT, TERM, KILL) while the target exports or mid-transfer: "
+           "the agent ran on; now nothing left running, no partial that looks whole, the next export sweeps",
+     ("test_export_signals.py",)),
     ("-", "earlier rounds: overlapping deploys, dead deploys, damaged releases, full disks",
      ("test_deploy_reliability.py::test_overlapping", "test_deploy_reliability.py::test_a_dead_deploy",
       "test_deploy_reliability.py::test_damage", "test_deploy_reliability.py::test_a_full_disk")),

@@ -11,7 +11,7 @@ import threading
 import click
 
 from orchestrator.errors import TargetsFailed
-from orchestrator.ui import State, emit, json_option, table
+from orchestrator.ui import State, emit, json_option, sigterm_raises, table
 
 
 @click.command()
@@ -27,7 +27,8 @@ def play(state: State, file, names, start, dry_run, var, as_json):
     in order on each target, targets in parallel; the first failure stops that target.
 
     Exit status: 0 every target ran every step, 1 a step failed on some target, 2 a mistake in the
-    playbook, its variables or the inventory (FILE:LINE: KEY: message).
+    playbook, its variables or the inventory (FILE:LINE: KEY: message), 130 / 143 interrupted by
+    SIGINT / SIGTERM (the steps' commands ended; one line says where each target stopped).
     """
     from orchestrator.play import run as play_mod
     from orchestrator.play import playbook
@@ -42,7 +43,8 @@ def play(state: State, file, names, start, dry_run, var, as_json):
         with lock:
             click.echo(f"[{target}] {text}", err=True)
 
-    plays = play_mod.play(state.inv, book, targets, given=given, start=start, dry_run=dry_run, on_line=live)
+    with sigterm_raises("play"):    # SIGTERM as Ctrl-C: each step's command is ended, the play says where it stopped
+        plays = play_mod.play(state.inv, book, targets, given=given, start=start, dry_run=dry_run, on_line=live)
     doc = {"playbook": file, "from": start, "dry_run": dry_run, "targets": {p.target: p.as_json() for p in plays}}
     if dry_run:
         emit(as_json, doc, "\n".join(_planned(p) for p in plays))

@@ -14,6 +14,15 @@ holds an flock beside that record (`.TARGET.lock`, its pid and start inside) whi
 second play of the same playbook on the same target is refused in one line naming the first; the
 kernel drops the lock of a play that died (SIGKILL), so the next one goes ahead.
 
+Interrupted (Ctrl-C; SIGTERM too where the caller runs it under ui.sigterm_raises), a play ends as
+`exec` does: each `exec` or `export` step's command runs with a held stdin (transport.Hold, one
+Ending for the play), told the signal's name, so it ends on the target (exec's process group, SIGKILL
+after the grace; export's agent and worker); no step starts after it; a `wait-for` stops waiting.
+The targets' threads are daemons: a step that cannot be told (a `logs`, a `deploy`) is cut off where
+it stands when the controller exits, as if killed. The players' locks are released, the steps that
+ended are in the record, and errors.Interrupted (exit 130 / 143) says in one line where each target
+stopped and how to resume.
+
 Library code: returns data or raises OpsError; never prints (live lines go to `on_line`).
 """
 from __future__ import annotations
@@ -23,17 +32,20 @@ import fcntl
 import hashlib
 import json
 import os
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from orchestrator.ssh import agent
 from orchestrator.play import playbook as pb, templating as tpl
-from orchestrator.errors import FileError, OpsError
+from orchestrator.errors import FileError, Interrupted, OpsError, Terminated
 from orchestrator.inventory import Inventory, Target
 from orchestrator.lines import LineBuffer
 from orchestrator.ssh.session import Session
+from orchestrator.ssh.transport import Hold
 
 OnLine = Callable[[str, str], None]      # (target, text) -> None
 WAIT_NOTE_S = 30.0                        # wait-for says it is still waiting this often
@@ -193,6 +205,49 @@ def save_record(book: pb.Playbook, target: str, results: dict) -> None:
 
 # --- running --------------------------------------------------------------------------------
 
+ENDING_WAIT_S = 5.0     # how long an interrupted play waits for its steps' commands to end (exec's wait)
+
+
+class Ending:
+    """A play's interrupt, shared by its targets: the held stdin (transport.Hold) of every step command
+    under way is told the signal's name once end() is called (exec's watcher then ends its process
+    group); a hold made after that never starts its command."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.holds: dict[Hold, Run] = {}
+        self.signal: str | None = None
+        self.untold: list[tuple[Hold, Run]] = []
+        self.event = threading.Event()      # set by end(): a wait-for stops waiting
+
+    @contextlib.contextmanager
+    def hold(self, run: Run) -> Iterator[Hold]:
+        h = Hold()
+        with self.lock:
+            told = self.signal
+            if told is None:
+                self.holds[h] = run
+        if told is not None:
+            h.end(told)
+        try:
+            yield h
+        finally:
+            with self.lock:
+                self.holds.pop(h, None)
+
+    def end(self, name: str) -> None:
+        """Tell every command under way (called again after a Ctrl-C cut it short, it goes on)."""
+        with self.lock:
+            if self.signal is None:
+                self.signal, self.untold = name, list(self.holds.items())
+        self.event.set()
+        while self.untold:
+            h, run = self.untold[0]
+            if h.end(self.signal, timeout=ENDING_WAIT_S) == Hold.RUNNING:    # idempotent
+                run.told = True
+            self.untold.pop(0)
+
+
 @dataclass
 class Run:
     """One target's play: where it runs and what its templates see."""
@@ -201,6 +256,10 @@ class Run:
     target: Target
     ctx: tpl.Context
     on_line: OnLine
+    ending: Ending = field(default_factory=Ending)
+    at: int | None = None       # the step under way or next (its index); None once the target's play ended
+    busy: bool = False          # step `at` was entered (under way, or ended by the interrupt)
+    told: bool = False          # its command was told to end by the interrupt
 
     def say(self, text: str) -> None:
         self.on_line(self.target.name, text)
@@ -220,9 +279,72 @@ def play(inv: Inventory, book: pb.Playbook, targets: list[Target], *, given: Map
     with contextlib.ExitStack() as players, agent.session(inv, session) as s:
         for t in targets:
             players.enter_context(one_player(book, t.name))
-        group = agent.fan_out(targets, lambda t: _play_target(
-            Run(inv, s, t, tpl.Context(variables(book, t, given)), say), book, first))
-    return [group[t.name].value for t in targets]   # _play_target keeps each step's error
+        ending = Ending()
+        runs = {t.name: Run(inv, s, t, tpl.Context(variables(book, t, given)), say, ending) for t in targets}
+        return _each_target(book, runs, first)
+
+
+def _each_target(book: pb.Playbook, runs: dict[str, Run], first: int) -> list[TargetPlay]:
+    """_play_target on every target, a daemon thread each (at most agent.MAX_WORKERS at work): an
+    interrupted play must not wait for a step that cannot be told to end (exec_command's way)."""
+    done = {name: threading.Event() for name in runs}
+    plays: dict[str, TargetPlay] = {}
+    bugs: list[BaseException] = []
+    slots = threading.Semaphore(agent.MAX_WORKERS)
+
+    def one(run: Run) -> None:
+        try:
+            with slots:
+                if run.ending.signal is None:
+                    plays[run.target.name] = _play_target(run, book, first)
+        except BaseException as e:  # noqa: BLE001 - _play_target keeps each step's error; anything else is a bug
+            bugs.append(e)
+        finally:
+            done[run.target.name].set()
+
+    try:
+        for run in runs.values():
+            threading.Thread(target=one, args=(run,), name=f"play {run.target.name}", daemon=True).start()
+        for event in done.values():
+            event.wait()
+    except KeyboardInterrupt as e:      # Ctrl-C, or SIGTERM as errors.Terminated (ui.sigterm_raises)
+        signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+        raise _interrupted(signum, book, runs, done, plays) from None
+    if bugs:
+        raise bugs[0]
+    return [plays[name] for name in runs]
+
+
+def _interrupted(signum: signal.Signals, book: pb.Playbook, runs: dict[str, Run],
+                 done: dict[str, threading.Event], plays: dict[str, TargetPlay]) -> Interrupted:
+    """Every step's command told to end, up to ENDING_WAIT_S for the targets' threads to stop (a
+    second Ctrl-C meanwhile stops the waiting only); the one line saying where each target stopped."""
+    ending = next(iter(runs.values())).ending
+    deadline = time.monotonic() + ENDING_WAIT_S
+    while ending.signal is None or ending.untold:
+        try:        # a Ctrl-C pressed again meanwhile must not leave a command untold
+            ending.end(signum.name[3:])
+        except KeyboardInterrupt:
+            pass
+    try:
+        for event in done.values():
+            event.wait(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        pass
+    total, parts = len(book.steps), []
+    for name, run in runs.items():
+        if run.at is None:
+            parts.append(f"{name} {'had ended' if name in plays else 'had not started'}")
+            continue
+        step = book.steps[run.at].name
+        where = f"{name} stopped {'in' if run.busy else 'before'} step {step!r} ({run.at + 1}/{total})"
+        if run.told:
+            where += (", its command was ended" if done[name].is_set() else f", its command's end not confirmed "
+                      f"within {ENDING_WAIT_S:g} s (it ends when the node sees this connection close)")
+        elif run.busy and not done[name].is_set():
+            where = f"{name} cut off in step {step!r} ({run.at + 1}/{total})"
+        parts.append(f"{where}; resume with `dflash-ops play {book.path} {name} --from {step}`")
+    return Interrupted(signum, f"interrupted ({signum.name}): {'; '.join(parts)}")
 
 
 def _dry_run(book: pb.Playbook, target: Target, given: Mapping[str, str], first: int) -> TargetPlay:
@@ -242,6 +364,10 @@ def _play_target(run: Run, book: pb.Playbook, first: int) -> TargetPlay:
     total = len(book.steps)
     for i in range(first, total):
         step, res = book.steps[i], out.steps[i]
+        run.at, run.busy = i, False
+        if run.ending.signal is not None:       # interrupted: no step starts
+            return out
+        run.busy = True
         run.say(f"step {i + 1}/{total} {step.name} ({step.action})")
         t0 = time.monotonic()
         try:
@@ -254,10 +380,14 @@ def _play_target(run: Run, book: pb.Playbook, first: int) -> TargetPlay:
             run.ctx.results[step.name] = res.result
             results[step.name] = res.result
             save_record(book, run.target.name, results)
+        if res.status == "failed" and run.ending.signal is not None:
+            run.say(f"{step.name}: interrupted (SIG{run.ending.signal}) after {res.seconds:.1f} s")
+            return out
         if res.status == "failed":
             run.say(f"{step.name}: FAILED ({res.seconds:.1f} s): {res.error}")
             break
         run.say(f"{step.name}: {res.status} ({res.seconds:.1f} s){': ' + res.detail if res.detail else ''}")
+    run.at = None
     return out
 
 
@@ -336,8 +466,10 @@ def _logs(run: Run, o: dict):
 def _export(run: Run, o: dict):
     from orchestrator.runs import export
 
-    res = export.export(run.inv, run.target, o.get("run", "latest"), output=o.get("output") or None, step=o.get("step"),
-                        dtype=o.get("dtype", "bfloat16"), force=o.get("force", False), session=run.session)
+    with run.ending.hold(run) as hold:      # interrupted, the export ends on the target (its agent watches stdin)
+        res = export.export(run.inv, run.target, o.get("run", "latest"), output=o.get("output") or None,
+                            step=o.get("step"), dtype=o.get("dtype", "bfloat16"), force=o.get("force", False),
+                            session=run.session, hold=hold)
     return True, res.as_json(), f"run {res.run} step {res.step} -> {res.output}"
 
 
@@ -349,7 +481,8 @@ def _quiet(run: Run, cmd, env) -> tuple[int | None, str]:
     """A check command (unless, watch): its exit status and stdout, nothing shown."""
     from orchestrator.targets.exec import run_one
 
-    r = run_one(run.session, run.target, _argv(cmd), env=env)
+    with run.ending.hold(run) as hold:
+        r = run_one(run.session, run.target, _argv(cmd), env=env, hold=hold)
     if r.error:
         raise OpsError(r.error)
     return r.exit_code, r.stdout.decode(errors="replace")
@@ -374,7 +507,8 @@ def _exec(run: Run, o: dict):
             shown[stream](data)
         return write
 
-    r = run_one(run.session, run.target, argv, out=sink("out"), err=sink("err"), env=env)
+    with run.ending.hold(run) as hold:
+        r = run_one(run.session, run.target, argv, out=sink("out"), err=sink("err"), env=env, hold=hold)
     for b in shown.values():
         b.flush()
     stdout, stderr = (b"".join(kept[s]).decode(errors="replace") for s in ("out", "err"))
@@ -422,7 +556,8 @@ def _wait_for(run: Run, o: dict):
         if now - noted >= WAIT_NOTE_S:
             noted = now
             run.say(f"still waiting for run {row['run']} ({state}, step {row.get('step')}, {now - t0:.0f} s)")
-        time.sleep(every)
+        if run.ending.event.wait(every):
+            raise OpsError(f"{run.target.name}: interrupted while waiting for run {row['run']}")
 
 
 def _assert(run: Run, o: dict):

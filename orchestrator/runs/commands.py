@@ -13,7 +13,7 @@ import click
 from orchestrator.errors import NotFound, OpsError, TargetsFailed, UsageError
 from orchestrator.runs.logview import Seen, fmt_elapsed, fmt_num, fmt_tau, note, print_job
 from orchestrator.runs.options import POLICIES, TOPOLOGIES
-from orchestrator.ui import State, emit, json_option, table
+from orchestrator.ui import State, emit, json_option, sigterm_raises, table
 
 
 def _split_launch_args(state: State, args: tuple[str, ...]) -> tuple[list, list[str]]:
@@ -368,9 +368,10 @@ def export(state: State, args, output, step, dtype, force, running_ok, target_ch
     target, run = runs.split_target_run(state.inv, args)
     if run != "latest":     # a run over several nodes: rank 0's node (RUN default: this target's newest succeeded)
         target = nodes.rank0_of(state.inv, target, run)
-    res = export_mod.export(state.inv, target, run, output=output, step=step, dtype=dtype, force=force,
-                            running_ok=running_ok, target_changed_ok=target_changed_ok,
-                            progress=None if as_json else progress_bars())
+    with sigterm_raises(f"{target.name}: export"):     # SIGTERM too ends it on the target first
+        res = export_mod.export(state.inv, target, run, output=output, step=step, dtype=dtype, force=force,
+                                running_ok=running_ok, target_changed_ok=target_changed_ok,
+                                progress=None if as_json else progress_bars())
     size = f"{res.bytes / 2**20:.1f} MiB" if res.bytes >= 2**20 else f"{res.bytes} bytes"
     emit(as_json, res.as_json(), f"{res.output}")
     if not as_json:

@@ -8,6 +8,10 @@ to the destination: it is either absent or complete. Nothing is left on the targ
 a killed export left beside it (`.dflash-export.partial-PID-*`, PID no longer running) are removed by
 the next export into the same folder. An -o of `/`, the current folder or a folder holding it, or one
 holding a local target's workdir, is refused before anything travels (--force would replace it).
+The export on the target lives as long as this call: its stdin stays open until the stream is in
+(transport.Hold), and EOF there (this process killed, its connection dropped) ends it, worker and
+temporary folder included. Ctrl-C or SIGTERM (ui.sigterm_raises) hangs up first and waits for that
+end, removes the hidden folder, then raises errors.Interrupted (exit 130 / 143).
 Library function: returns data, never prints.
 """
 from __future__ import annotations
@@ -17,15 +21,17 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable
 
 from orchestrator.ssh import agent
-from orchestrator.errors import NotFound, OpsError, StepFailed, UsageError
+from orchestrator.errors import Interrupted, NotFound, OpsError, StepFailed, Terminated, UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
+from orchestrator.ssh.transport import Hold
 
 DTYPES = ("bfloat16", "float16", "float32")
 TIMEOUT_S = 3600.0
@@ -160,11 +166,12 @@ def exports_home(target: str) -> Path:
 def export(inv: Inventory, target: Target, run: str = "latest", *, output: str | None = None,
            step: int | None = None, dtype: str = "bfloat16", force: bool = False, running_ok: bool = False,
            target_changed_ok: bool = False, progress: Progress | None = None,
-           session: Session | None = None) -> ExportResult:
+           session: Session | None = None, hold: Hold | None = None) -> ExportResult:
     """Export RUN (default: the newest succeeded run) at `step` (default: its last checkpoint) and
     write the folder to `output` (default: exports_home(TARGET)/dflash-RUN-stepN). Raises NotFound for no such run.
     running_ok and target_changed_ok go to the target's export (docs/export.md); force replaces an
-    existing output folder here."""
+    existing output folder here. hold: the agent's held stdin, for a caller that ends the export from
+    another thread (play's interrupt: hold.end(...)); by default its own."""
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}")
     if step is not None and step < 0:
@@ -183,11 +190,11 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
     args = ["export", target.workdir] + (["--step", str(step)] if step is not None else []) + \
         ["--dtype", dtype] + ["--running-ok"] * running_ok + ["--target-changed-ok"] * target_changed_ok + ["--", run]
     start = time.monotonic()
-    recv = _Receiver(partial, progress, target.name)
+    recv, hold = _Receiver(partial, progress, target.name), hold or Hold()
     try:
         with agent.session(inv, session) as s:
             r = agent.stream(s.transport(target), target, agent.RUNS, args, what="export the drafter",
-                             stdout=recv, timeout=TIMEOUT_S)
+                             stdout=recv, timeout=TIMEOUT_S, stdin=hold)
         recv.close()
         head = recv.header
         if head is None:
@@ -206,6 +213,22 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
         size = sum(int(f.get("size", 0)) for f in recv.files)
         raise OpsError(f"{target.name}: export into {where}: disk full ({e.strerror}; the drafter is {size:,} bytes); "
                        "the partial folder was removed: free space there or pass another -o") from None
+    except StepFailed as e:
+        if e.exit_code_remote not in (128 + 9, 128 + 15):
+            raise
+        killed = e.exit_code_remote == 128 + 9      # the OOM killer, `stop --force`; SIGTERM: its cleanup ran
+        how = "killed" if killed else "ended by SIGTERM"
+        raise OpsError(f"{target.name}: the export's agent on the target was {how} "
+                       f"(exit {e.exit_code_remote}); nothing written in {where}; its worker ended with it"
+                       + ("; the next export removes what it left there" if killed else "")) from None
+    except KeyboardInterrupt as e:      # Ctrl-C, or SIGTERM as errors.Terminated (ui.sigterm_raises)
+        signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+        end = ("it had not started on the target" if hold.state == Hold.WAITING else
+               "the export on the target ended" if hold.ended else
+               f"the target did not confirm its end within {hold.grace_s:g} s; it ends when it sees the connection "
+               "gone")
+        raise Interrupted(signum, f"{target.name}: export interrupted ({signum.name}): nothing written in {where}; "
+                                  f"{end}") from None
     finally:
         recv.close()
         shutil.rmtree(partial, ignore_errors=True)

@@ -32,7 +32,7 @@ from typing import Callable, Generic, Iterator, Sequence, TypeVar
 from orchestrator.errors import OpsError, StepFailed, TargetsFailed
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
-from orchestrator.ssh.transport import Result, Transport
+from orchestrator.ssh.transport import Hold, Result, Transport
 
 RELEASE = "release.agent"     # deploy: manifest, apply, install-deps
 RUNS = "runs.agent"           # launch, status, follow, stop, metrics, export, bench, probe
@@ -203,10 +203,11 @@ def call(t: Transport, target: Target, program: str, args: Sequence[str], *, wha
 
 def stream(t: Transport, target: Target, program: str, args: Sequence[str], *, what: str,
            stdout: Callable[[bytes], None], stderr: Callable[[bytes], None] | None = None,
-           timeout: float | None = None, check: bool = True) -> Result:
+           timeout: float | None = None, check: bool = True, stdin: Hold | None = None) -> Result:
     """Run a streaming command (header line + bytes): stdout goes to the sink as it comes.
-    check: a non-zero exit is StepFailed (follow checks for itself: a cut connection is not)."""
-    r = t.run(argv(target, program, args), stdout=stdout, stderr=stderr, timeout=timeout)
+    check: a non-zero exit is StepFailed (follow checks for itself: a cut connection is not).
+    stdin: a transport.Hold the command watches (export ends at its EOF)."""
+    r = t.run(argv(target, program, args), stdout=stdout, stderr=stderr, timeout=timeout, stdin=stdin)
     failed = _exec_failed(target, what, r) if check or r.exit_code in (126, 127) else None
     if failed:
         raise failed

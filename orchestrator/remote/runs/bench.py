@@ -43,12 +43,11 @@ import re
 import shutil
 import signal
 import sys
-import threading
 import time
 
 from ..common import emit, now_iso, read_json, refuse
 from .common import LOG, proc_start, run_ids, run_state, runs_dir_of
-from .export import export_into, private_tmp, program, run_child, run_cwd, run_env, run_to_export
+from .export import export_into, hang_up_on_eof, private_tmp, program, run_child, run_cwd, run_env, run_to_export
 from .locks import BENCH, Guard, HOLDERS, claim, hold_slots, release_slots
 
 PROMPTS = "prompts.jsonl"
@@ -180,26 +179,6 @@ def _read_prompts(n):
     return data
 
 
-def _hang_up_on_eof():
-    """A thread that reads stdin to its EOF (nothing more is sent after the prompts) and then sends
-    SIGHUP to the main thread: pthread_kill interrupts a blocking read there, where a signal to the
-    process might land in this thread. This thread blocks ENDING for the same reason."""
-    main_ident = threading.main_thread().ident
-
-    def watch():
-        signal.pthread_sigmask(signal.SIG_BLOCK, ENDING)
-        try:
-            while os.read(0, 1 << 16):
-                pass
-        except OSError:
-            pass
-        try:
-            signal.pthread_kill(main_ident, signal.SIGHUP)
-        except (OSError, ValueError):
-            pass        # the agent is ending anyway
-    threading.Thread(target=watch, name="hang-up", daemon=True).start()
-
-
 def cmd_bench(workdir, opts, values):
     """opts: BENCH_FLAGS and BENCH_OPTIONS as the agent's _split found them; values: [RUN]."""
     step, limit, gpu = (None if opts.get(k) is None else int(opts[k]) for k in ("--step", "--limit", "--gpu"))
@@ -212,7 +191,7 @@ def cmd_bench(workdir, opts, values):
         signal.signal(sig, _end)
     try:
         upload = _read_prompts(int(opts["--prompts-bytes"])) if "--prompts-bytes" in opts else None
-        _hang_up_on_eof()
+        hang_up_on_eof()    # after the prompts: nothing more comes before EOF
         _measure(workdir, values[0] if values else "latest", upload, step, limit, gpu, max_new_tokens, running_ok,
                  "--target-changed-ok" in opts, int(opts.get("--gpus", 0)), engine, dtype)
     except _Ended as e:

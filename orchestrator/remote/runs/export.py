@@ -13,7 +13,10 @@ sends the result over this one connection: stdout is one JSON header line
 
 followed by the files' bytes back to back, in the header's order. The temporary folder is removed
 whatever happens (the reader going away, SIGHUP/SIGTERM); ones left by an agent killed with SIGKILL
-are removed by the next export. A refusal is a header with "ok": false (and exit status 0):
+are removed by the next export. It lives only as long as its controller, which holds stdin open
+until the stream is in: EOF there (the controller interrupted, killed, its connection dropped) hangs
+this agent up (hang_up_on_eof), its worker and folder with it, wherever it stands (exporting, or
+blocked mid-stream). A refusal is a header with "ok": false (and exit status 0):
 "reason": "not_found" when there is no such run (RUN "latest" or "": the newest SUCCEEDED run), else
 "reason": "no_drafter" (a run of a kind that leaves none: regen) | "running" (the run is still
 running and --running-ok was not given) | "no_release" | "export" with "message" and, for "export",
@@ -27,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 
 from ..common import MASKED, read_json, refuse, sha256
 from .common import not_found, resolve, run_ids, run_state, runs_dir_of, sweep_dead
@@ -50,6 +54,27 @@ def _latest_succeeded(workdir):
 
 def _interrupted(signum, frame):
     raise SystemExit(128 + signum)   # runs the finally blocks: the temporary folder goes
+
+
+def hang_up_on_eof():
+    """A thread that reads stdin to its EOF (the controller sends nothing more) and then sends SIGHUP to
+    the main thread: pthread_kill interrupts a blocking call there (a read, a write to a full pipe, an
+    open), where a signal to the process might land in this thread; this thread blocks SIGHUP, SIGTERM
+    and SIGINT for the same reason. export's and bench's agents end on it."""
+    main_ident = threading.main_thread().ident
+
+    def watch():
+        signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGHUP, signal.SIGTERM, signal.SIGINT))
+        try:
+            while os.read(0, 1 << 16):
+                pass
+        except OSError:
+            pass
+        try:
+            signal.pthread_kill(main_ident, signal.SIGHUP)
+        except (OSError, ValueError):
+            pass        # the agent is ending anyway
+    threading.Thread(target=watch, name="hang-up", daemon=True).start()
 
 
 def run_to_export(workdir, run, running_ok=False):
@@ -188,6 +213,7 @@ def export_into(workdir, rid, rundir, rec, folder, dtype, step, running_ok=False
 def cmd_export(workdir, run, step, dtype, running_ok=False, target_changed_ok=False):
     rid, rundir, rec = run_to_export(workdir, run, running_ok)
     tmp = private_tmp(workdir)
+    hang_up_on_eof()    # after private_tmp's handlers: SIGHUP ends this agent through the finally below
     try:
         os.mkdir(tmp)
         folder = os.path.join(tmp, "draft")
