@@ -5,6 +5,11 @@ Anything else that escapes is a bug and shows a traceback only under `--debug`.
 """
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+from typing import Iterator
+
 # Exit codes in one place (README "Exit codes").
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -99,8 +104,27 @@ class StepFailed(OpsError):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is (ui.sigterm_raises), so that a
-    command ended by `timeout` or `kill` runs the same finally blocks and hang-up (transport.Hold)."""
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is (terminated_on_sigterm), so that
+    a command ended by `timeout` or `kill` runs the same finally blocks and hang-up (transport.Hold)."""
+
+
+@contextlib.contextmanager
+def terminated_on_sigterm() -> Iterator[None]:
+    """While the body runs, SIGTERM raises Terminated in the main thread (by default it would end the
+    controller where it stands); called from another thread, where no handler can be set, nothing
+    changes. ui.sigterm_raises turns it into the command's one line; exec says more itself."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum, frame):
+        raise Terminated()
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
 
 
 class TargetsFailed(OpsError):

@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Sequence
 import click
 
 from orchestrator import inventory as inv_mod
-from orchestrator.errors import Interrupted, Terminated
+from orchestrator.errors import Interrupted, Terminated, terminated_on_sigterm
 
 LARGE_TRANSFER = 4 << 20   # show a progress bar past 4 MiB
 
@@ -41,20 +41,12 @@ def sigterm_raises(what: str) -> Iterator[None]:
     transport.Hold) instead of ending the process where it stands. Either one escaping the body ends
     the command in one line, `WHAT interrupted (SIGINT)`, exit 130 (143 for SIGTERM); the body may raise its
     own errors.Interrupted that says more."""
-    main = threading.current_thread() is threading.main_thread()     # a handler can only be set there
-
-    def on_term(signum, frame):
-        raise Terminated()
-
-    old = signal.signal(signal.SIGTERM, on_term) if main else None
     try:
-        yield
+        with terminated_on_sigterm():
+            yield
     except KeyboardInterrupt as e:
         signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
         raise Interrupted(signum, f"{what} interrupted ({signum.name})") from None
-    finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
 
 
 def emit(as_json: bool, doc, text: str) -> None:

@@ -16,12 +16,11 @@ import posixpath
 import signal
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from orchestrator.ssh import agent
-from orchestrator.errors import Interrupted, OpsError, UsageError
+from orchestrator.errors import Interrupted, OpsError, Terminated, UsageError, terminated_on_sigterm
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
 from orchestrator.ssh.transport import Hold, PctTransport
@@ -216,27 +215,6 @@ def run_one(session: Session, target: Target, argv: Sequence[str], *, out: Write
     return res
 
 
-class _Terminated(BaseException):
-    """SIGTERM while exec waits, raised in the main thread as SIGINT's KeyboardInterrupt is."""
-
-
-@contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises _Terminated in the main thread (by default it would end the controller at once,
-    leaving the commands to their watchers' EOF); called from another thread, nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def terminated(signum, frame):
-        raise _Terminated()
-    previous = signal.signal(signal.SIGTERM, terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-
-
 def exec_command(inv: Inventory, targets: list[Target], argv: Sequence[str], *, out: Write | None = None,
                  err: Write | None = None, env: Mapping[str, str] | None = None) -> list[ExecResult]:
     """Run argv on every target in parallel; one result per target, in the order given. SIGINT or
@@ -260,14 +238,14 @@ def exec_command(inv: Inventory, targets: list[Target], argv: Sequence[str], *, 
             finally:
                 finished[t.name].set()
 
-        with _sigterm_raises():
+        with terminated_on_sigterm():
             try:
                 for t in targets:
                     threading.Thread(target=one, args=(t,), name=f"exec {t.name}", daemon=True).start()
                 for event in finished.values():
                     event.wait()
-            except (KeyboardInterrupt, _Terminated) as e:
-                raise ended(signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM,
+            except KeyboardInterrupt as e:      # errors.Terminated for SIGTERM
+                raise ended(signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT,
                             holds, finished, results) from None
     if bugs:
         raise bugs[0]
@@ -284,13 +262,13 @@ def ended(signum: signal.Signals, holds: Mapping[str, Hold], finished: Mapping[s
         while name not in states:
             try:        # a Ctrl-C pressed again meanwhile must not leave a target untold (end() is idempotent)
                 states[name] = hold.end(signum.name[3:], timeout=max(0.0, deadline - time.monotonic()))
-            except (KeyboardInterrupt, _Terminated):
+            except KeyboardInterrupt:
                 pass
     try:
         for name, state in states.items():
             if state == Hold.RUNNING:
                 finished[name].wait(max(0.0, deadline - time.monotonic()))
-    except (KeyboardInterrupt, _Terminated):
+    except KeyboardInterrupt:
         pass    # a second signal: no more waiting; what has not answered is said so
     told = [n for n, s in states.items() if s == Hold.RUNNING]
     gone = [n for n in told if finished[n].is_set() and n in results and results[n].exit_code is not None]
