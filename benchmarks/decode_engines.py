@@ -6,7 +6,8 @@
 For each document: the engine and dtype, prompts, the target alone's ms/token, tokens/s alone and with
 the drafter, the speedup with its per-prompt bootstrap interval and median, tau with its interval, a
 round's cost by part, the model's speedup (tau x ms/token / ms/round) against the measured one, the tau
-that 2x would need, and the agreement (prompts equal; the largest margin where they differ). Where the
+that 2x would need, each decode's prompt forward (a fixed cost per prompt the model leaves out), and the
+agreement (prompts equal; the largest margin where they differ). Where the
 eager document covers fewer prompts, the graphs figures are recomputed on those same prompts too
 (`graphs-...@N`), so the two engines are compared on identical text.
 """
@@ -32,22 +33,33 @@ def figures(doc: dict, n: int | None = None) -> dict:
     spec_tok, spec_s = sum(len(r["tokens"]) for r in rows), sum(r["spec_s"] for r in rows)
     alone_tok, alone_s = sum(r["alone_tokens"] for r in rows), sum(r["alone_s"] for r in rows)
     differ = [r for r in rows if not r.get("equal", True)]
+    if all("spec_prefill_s" in r for r in rows):
+        prefill = [1e3 * sum(r[k] for r in rows) / len(rows) for k in ("spec_prefill_s", "alone_prefill_s")]
+    elif n is None:  # documents made before the per-prompt prefill: what the rounds and steps leave of the totals
+        t_round, t_token = doc["ms_per_round"]["all"], doc["target_ms_per_token"]
+        prefill = [(1e3 * spec_s - sum(len(r["rounds"]) for r in rows) * t_round) / len(rows),
+                   (1e3 * alone_s - (alone_tok - len(rows)) * t_token) / len(rows)]
+    else:
+        prefill = None
     return {"engine": doc["engine"], "dtype": doc.get("dtype"), "graphed": doc.get("graphed"), "prompts": len(rows),
             "target_ms_per_token": 1e3 * alone_s / alone_tok, "alone_tokens_per_s": alone_tok / alone_s,
             "spec_tokens_per_s": spec_tok / spec_s, "speedup": boot["speedup"], "speedup_ci95": boot["speedup_ci95"],
             "speedup_median": boot["speedup_median"], "tau": boot["tau"], "tau_ci95": boot["tau_ci95"],
             "ms_per_round": doc["ms_per_round"] if n is None else None,
             "model": doc.get("model") if n is None else None,
-            "equal": len(rows) - len(differ),
+            "prefill_ms_per_prompt": prefill, "equal": len(rows) - len(differ),
             "margins_where_differ": sorted(round(r["margin"], 4) for r in differ if r.get("margin") is not None)}
 
 
 def table(rows: dict[str, dict]) -> str:
     head = ("| run | engine, dtype | prompts | target alone ms/token | tokens/s alone -> with | speedup (95%, median) "
-            "| tau (95%) | ms/round: verify + draft + extend + host = all | model speedup, tau for 2x | equal |")
-    out = [head, "|" + " --- |" * 10]
+            "| tau (95%) | ms/round: verify + draft + extend + host = all | model speedup, tau for 2x "
+            "| prefill ms/prompt: with / alone | equal (largest margin where not; exact ties) |")
+    out = [head, "|" + " --- |" * 11]
     for label, f in rows.items():
         ci, tci = f["speedup_ci95"] or (float("nan"),) * 2, f["tau_ci95"] or (float("nan"),) * 2
+        margins = f["margins_where_differ"]
+        prefill = " / ".join(f"{x:.1f}" for x in f["prefill_ms_per_prompt"] or ())
         m = f["ms_per_round"]
         parts = (f"{m['verify']:.2f} + {m['draft']:.2f} + {m['extend']:.2f} + {m['host']:.2f} = {m['all']:.2f}"
                  if m else "")
@@ -58,8 +70,9 @@ def table(rows: dict[str, dict]) -> str:
                    f"| {f['alone_tokens_per_s']:.1f} -> {f['spec_tokens_per_s']:.1f} "
                    f"| **{f['speedup']:.2f}x** ({ci[0]:.2f}-{ci[1]:.2f}, {f['speedup_median']:.2f}) "
                    f"| {f['tau']:.2f} ({tci[0]:.2f}-{tci[1]:.2f}) | {parts} | {model} "
+                   f"| {prefill} "
                    f"| {f['equal']}/{f['prompts']}"
-                   + (f" (margins {f['margins_where_differ']})" if f["margins_where_differ"] else "") + " |")
+                   + (f" ({max(margins)}; {margins.count(0.0)} ties)" if margins else "") + " |")
     return "\n".join(out)
 
 

@@ -165,9 +165,13 @@ def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_token
     rows, drafts = [], []
     started = time.perf_counter()
     for i, p in enumerate(prompts):
+        # Untimed, the prompt's forward once at its length: a length seen for the first time cost ~45 ms
+        # more in bf16 on an H200 (60 vs 16 ms, a per-shape set-up), paid by whichever decode came first
+        # (docs/decoding.md, "Per prompt")
+        dec.speculative(p, 1)
         s = dec.speculative(p, max_new_tokens)
         row = {"prompt_tokens": len(p), "tokens": s.tokens, "rounds": s.produced,
-               "accepted": [a for a, _ in s.drafts], "spec_s": s.spent.total}
+               "accepted": [a for a, _ in s.drafts], "spec_s": s.spent.total, "spec_prefill_s": s.spent.prefill}
         spec.add(s.spent)
         drafts += s.drafts
         speed = f"{len(s.tokens) / s.spent.total:.1f} tokens/s"
@@ -177,7 +181,8 @@ def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_token
             if faults.value("specdec_differ") == str(i):     # a test's stand-in for a lossy drafter loop
                 ref = ref[:-1] + [ref[-1] + 1]
             alone.add(r.spent)
-            row.update(alone_s=r.spent.total, alone_tokens=len(ref), equal=s.tokens == ref)
+            row.update(alone_s=r.spent.total, alone_prefill_s=r.spent.prefill, alone_tokens=len(ref),
+                       equal=s.tokens == ref)
             if s.tokens != ref:
                 k = next((j for j, (x, y) in enumerate(zip(s.tokens, ref)) if x != y), min(len(s.tokens), len(ref)))
                 margin = r.margins[k] if k < len(r.margins) else None
@@ -241,6 +246,9 @@ def document(rows: list[dict], drafts: list[tuple[int, int]], alone: Timing | No
                              "host": 1e3 * max(0.0, spec.total - spec.prefill - on_device) / rounds,
                              "all": 1e3 * t_round},
             "target_ms_per_token": 1e3 * t_token if t_token is not None else None,
+            # the prompt's forward, outside the model below: a fixed cost per prompt for each decode
+            "prefill_ms_per_prompt": {"spec": 1e3 * spec.prefill / max(1, len(rows)),
+                                      "alone": 1e3 * alone.prefill / max(1, len(rows)) if alone is not None else None},
             # speedup ~ tau * (a token's cost alone) / (a round's cost): the model the measurement checks,
             # and the tau at which the drafter would double the target's speed at this round cost
             "model": {"speedup": tau * t_token / t_round if t_token is not None and t_round > 0 else None,

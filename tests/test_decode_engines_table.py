@@ -1,0 +1,34 @@
+"""benchmarks/decode_engines.py on the stored H200 measurement (docs/data/decode-engines-h200-2026-12-03):
+the figures docs/benchmarks.md section 16 and docs/decoding.md quote come out of it, recomputed."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+from decode_engines import main  # noqa: E402
+
+G7 = REPO / "docs" / "data" / "decode-engines-h200-2026-12-03"
+
+
+def test_the_stored_measurement_gives_the_documented_figures(capsys):
+    assert main([str(G7), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    bf16, fp32, eager = rows["graphs-bf16"], rows["graphs-fp32"], rows["eager-fp32"]
+    assert (bf16["prompts"], fp32["prompts"], eager["prompts"]) == (240, 240, 20)
+    assert round(bf16["speedup"], 2) == 1.48 and [round(x, 2) for x in bf16["speedup_ci95"]] == [1.41, 1.55]
+    assert round(bf16["tau"], 2) == 2.83 and round(bf16["model"]["tau_for_2x"], 2) == 3.14
+    assert fp32["equal"] == 240 and bf16["equal"] == 132 and max(bf16["margins_where_differ"]) == 0.125
+    assert round(eager["speedup"], 2) == 1.90 and round(rows["graphs-bf16@20"]["speedup"], 2) == 1.23
+    # made before prefill was kept per prompt: what the rounds and the steps leave of the totals
+    spec, alone = bf16["prefill_ms_per_prompt"]
+    assert spec == pytest.approx(38.5, abs=0.05) and alone == pytest.approx(15.6, abs=0.05)
+
+
+def test_a_folder_without_documents_is_one_line_and_exit_2(tmp_path, capsys):
+    assert main([str(tmp_path)]) == 2
+    assert "no specdec-*.json" in capsys.readouterr().err
