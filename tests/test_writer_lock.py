@@ -70,3 +70,21 @@ def test_specdec_json_has_one_writer_refused_before_it_decodes(tmp_path):
     assert rc == 2 and err.getvalue().count("\n") == 1, err.getvalue()
     assert f"--json {out}: another writer holds it (pid {os.getpid()}" in err.getvalue()
     assert not out.exists()
+
+
+def test_the_lock_file_under_both_locks_keeps_its_file_when_asked_and_names_a_live_holder(tmp_path):
+    """trainer/lock_file.py, shared by the writer's lock and play's one player (which keeps its file:
+    tests/test_play_signals.py opens it after the play): a live holder is refused with what it wrote."""
+    from trainer.controller_view import LockHeld, lock_file
+
+    lock = tmp_path / ".p.lock"
+    with lock_file(lock, b'{"pid": 1}', remove=False) as previous:
+        assert previous == b"" and lock.read_bytes() == b'{"pid": 1}'
+        with pytest.raises(LockHeld) as e:
+            with lock_file(lock, b'{"pid": 2}', remove=False):
+                pass
+        assert e.value.said == b'{"pid": 1}'
+    assert lock.read_bytes() == b'{"pid": 1}'     # kept, and free again: the next taker is told what it said
+    with lock_file(lock, b'{"pid": 3}', remove=True) as previous:
+        assert previous == b'{"pid": 1}'
+    assert not lock.exists()

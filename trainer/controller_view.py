@@ -22,9 +22,12 @@ from trainer.run.config import EMULATE_ALONE, PRECISIONS, build_parser, check_be
 from trainer.run.log import TWINNED, tau_text
 # regen's reader of a prompts file, so bad rows are refused before a launch
 from trainer.run.regen import read_prompts
+# the lock file that names its holder (stdlib only), the one under the trainer's one writer per
+# output: `play`'s one player per playbook and target
+from trainer.lock_file import LockHeld, LockUnopened, lock_file
 # the failure catalog and its matcher (stdlib + PyYAML): `scan`, `logs`
 from trainer.signatures import Catalog, CatalogError, load_catalog
 
 __all__ = ["POLICY_NAMES", "EXIT_PEER_FAILED", "UsageError", "EMULATE_ALONE", "PRECISIONS", "build_parser",
            "check_before_launch", "TWINNED", "tau_text", "read_prompts", "Catalog", "CatalogError",
-           "load_catalog"]
+           "load_catalog", "LockHeld", "LockUnopened", "lock_file"]

@@ -29,7 +29,6 @@ Library code: returns data or raises OpsError; never prints (live lines go to `o
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -47,6 +46,7 @@ from orchestrator.play.runstate import ENDING_WAIT_S, Ending, OnLine, Run
 from orchestrator.errors import FileError, Interrupted, OpsError, Terminated
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
+from trainer.controller_view import LockHeld, LockUnopened, lock_file   # torch-free, stdlib only
 
 
 @dataclass
@@ -160,33 +160,33 @@ class Busy(OpsError):
 
 @contextlib.contextmanager
 def one_player(book: pb.Playbook, target: str):
-    """Held while this process plays `book` on `target`: Busy when another live process holds it."""
+    """Held while this process plays `book` on `target`: Busy when another live process holds it.
+    The lock is the trainer's (trainer/lock_file.py, as its one writer per output), kept beside the record."""
     path = record_path(book, target)
     lock = path.with_name(f".{path.stem}.lock")
-    try:
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError:
-        yield          # no lock where no record can be kept either (save_record says nothing then)
-        return
-    try:
+    mine = json.dumps({"pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode()
+    with contextlib.ExitStack() as held:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            yield          # no lock where no record can be kept either (save_record says nothing then)
+            return
+        try:   # the file stays when the play ends (removing it would race a next player)
+            held.enter_context(lock_file(lock, mine, remove=False))
+        except LockUnopened:
+            yield
+            return
+        except LockHeld as e:
             try:
-                holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+                holder = json.loads(e.said or b"{}")
             except ValueError:
                 holder = {}
             raise Busy(f"{target}: {Path(book.path).name} is being played there already (pid {holder.get('pid')}, "
                        f"since {holder.get('since')}); wait for it to end or stop it, then run again "
                        f"(`--from STEP` resumes at a step)") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode(), 0)
         for left in path.parent.glob(f".{path.name}.*"):    # save_record's temporaries of a killed player
             left.unlink(missing_ok=True)
         yield
-    finally:
-        os.close(fd)       # the lock goes with it; the file stays (removing it would race a next player)
 
 
 def save_record(book: pb.Playbook, target: str, results: dict) -> None:
