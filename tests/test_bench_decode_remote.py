@@ -49,9 +49,8 @@ def ct(sshd, fakepct, make_inventory, tmp_path):
 
     def cli(*args, timeout=180, wait=True):
         argv = [sys.executable, "-c", CLI_MAIN, "-i", str(path), *map(str, args)]
-        if not wait:    # SIGINT at its default, as Ctrl-C finds it (a suite run in the background ignores it)
-            return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
-                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        if not wait:    # SIGINT at its default, as Ctrl-C finds it (conftest.py sees to that in the background too)
+            return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
         return subprocess.run(argv, capture_output=True, timeout=timeout, cwd=tmp_path)
 
     private = fakepct.private(200) / "dflash"
