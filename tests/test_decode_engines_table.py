@@ -32,3 +32,18 @@ def test_the_stored_measurement_gives_the_documented_figures(capsys):
 def test_a_folder_without_documents_is_one_line_and_exit_2(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
     assert "no specdec-*.json" in capsys.readouterr().err
+
+
+def test_the_closing_lines_say_what_tau_2x_needs_where_it_was_not_reached():
+    """specdec's closing line and bench-decode's summary on the stored bf16 document (1.48x): the tau at
+    which these round costs would give 2x; a document at 2x or more says nothing of it."""
+    pytest.importorskip("torch")
+    from orchestrator.runs.bench_decode import summary
+    from trainer.run.specdec import result_line
+
+    doc = json.loads((G7 / "specdec-graphs-bf16.json").read_text())
+    doc.update(target="ct200", run="R", step=5700, prompts_source="held-out")
+    for line in (result_line(doc), summary(doc)):
+        assert "speedup 1.48x" in line and "; 2x needs tau 3.14" in line, line
+    fast = {**doc, "speedup": 2.1}
+    assert "needs tau" not in result_line(fast) and "needs tau" not in summary(fast)

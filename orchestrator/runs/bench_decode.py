@@ -129,6 +129,9 @@ def summary(doc: dict) -> str:
         speedup += f" (95% {ci[0]:.2f}-{ci[1]:.2f}x, median per prompt {doc['speedup_median']:.2f}x)"
     if doc["speedup"] < 1:
         speedup += ": SLOWER than the target alone"
+    need = (doc.get("model") or {}).get("tau_for_2x")
+    if need and doc["speedup"] < 2:     # what the drafter must reach at these round costs (docs/decoding.md)
+        speedup += f"; 2x needs tau {need:.2f}"
     if doc["lossless"]:
         agree = "lossless yes"
     elif doc.get("strict", True):

@@ -271,6 +271,9 @@ def result_line(doc: dict) -> str:
     sp = f"speedup {doc['speedup']:.2f}x" + (f" (95% {sci[0]:.2f}-{sci[1]:.2f}x" if sci else " (") + \
         f"{', ' if sci else ''}median per prompt {doc['speedup_median']:.2f}x, {n} prompts)"
     slower = " (SLOWER than the target alone)" if doc["speedup"] < 1 else ""
+    need = (doc.get("model") or {}).get("tau_for_2x")
+    if need and doc["speedup"] < 2:     # what the drafter must reach at these round costs
+        slower += f"; 2x needs tau {need:.2f}"
     agree = "lossless" if doc["lossless"] else f"{doc['equal_prompts']}/{n} prompts equal to the target alone"
     return (f"{head}: {agree}; {tau}; {doc['target_tokens_per_s']:.1f} -> {doc['spec_tokens_per_s']:.1f} tokens/s, "
             f"{sp}{slower}; drafter {100 * doc['time_share']['drafter']:.0f}% of the time")
