@@ -292,3 +292,36 @@ def test_a_host_that_never_speaks_ssh_fails_fast_in_one_line(sshd, fakepct, make
         assert ("silent: cannot connect to root@127.0.0.1:" in lines[0]
                 and "accepts connections but no SSH server answers" in lines[0]
                 and "(gave up after 2.0 s, connect_timeout 2 s)" in lines[0]), lines[0]
+
+
+def test_tell_all_tells_every_hold_once_within_one_deadline_through_a_second_ctrl_c():
+    """exec's and play's interrupt: every command told, in order, even when a Ctrl-C pressed again lands
+    inside a telling (that hold is told again: end() is idempotent); a hold whose command is still being
+    started (its lock held) answers RUNNING at the shared deadline rather than blocking the others."""
+    import time
+
+    from orchestrator.ssh.transport import tell_all
+
+    class Interrupted(Hold):
+        cut = True
+
+        def end(self, line, timeout=5):
+            if self.cut:
+                self.cut = False
+                raise KeyboardInterrupt
+            return super().end(line, timeout)
+
+    sent = []
+    running, waiting, cut, starting = Hold(), Hold(), Interrupted(), Hold()
+    assert running.begin(lambda: None, sent.append) and cut.begin(lambda: None, sent.append)
+    starting.lock.acquire()     # begin() under way on a silent connection
+    try:
+        t0 = time.monotonic()
+        states = tell_all([running, waiting, cut, starting], "INT", t0 + 0.3)
+        assert time.monotonic() - t0 < 2
+    finally:
+        starting.lock.release()
+    assert states == [Hold.RUNNING, Hold.WAITING, Hold.RUNNING, Hold.RUNNING]
+    assert sent == [b"INT\n", b"INT\n"] and not cut.cut
+    assert not waiting.begin(lambda: sent.append(b"started"), sent.append)   # told before it began: never starts
+    assert tell_all([running], "TERM", time.monotonic() + 1) == [Hold.RUNNING] and len(sent) == 2   # once

@@ -259,9 +259,10 @@ def _interrupted(signum: signal.Signals, book: pb.Playbook, runs: dict[str, Run]
     second Ctrl-C meanwhile stops the waiting only); the one line saying where each target stopped."""
     ending = next(iter(runs.values())).ending
     deadline = time.monotonic() + ENDING_WAIT_S
-    while ending.signal is None or ending.untold:
-        try:        # a Ctrl-C pressed again meanwhile must not leave a command untold
+    while True:
+        try:        # a Ctrl-C pressed again between two tellings: all told again (Hold.end is idempotent)
             ending.end(signum.name[3:])
+            break
         except KeyboardInterrupt:
             pass
     try:

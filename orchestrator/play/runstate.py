@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from orchestrator.inventory import Inventory, Target
 from orchestrator.play import templating as tpl
 from orchestrator.ssh.session import Session
-from orchestrator.ssh.transport import Hold
+from orchestrator.ssh.transport import Hold, tell_all
 
 OnLine = Callable[[str, str], None]      # (target, text) -> None
 ENDING_WAIT_S = 5.0     # how long an interrupted play waits for its steps' commands to end (exec's wait)
@@ -28,7 +29,6 @@ class Ending:
         self.lock = threading.Lock()
         self.holds: dict[Hold, Run] = {}
         self.signal: str | None = None
-        self.untold: list[tuple[Hold, Run]] = []
         self.event = threading.Event()      # set by end(): a wait-for stops waiting
 
     @contextlib.contextmanager
@@ -47,16 +47,17 @@ class Ending:
                 self.holds.pop(h, None)
 
     def end(self, name: str) -> None:
-        """Tell every command under way (called again after a Ctrl-C cut it short, it goes on)."""
+        """Tell every command under way, within ENDING_WAIT_S (a Ctrl-C pressed again meanwhile leaves
+        none untold: transport.tell_all)."""
         with self.lock:
             if self.signal is None:
-                self.signal, self.untold = name, list(self.holds.items())
+                self.signal = name
+            held = list(self.holds.items())
         self.event.set()
-        while self.untold:
-            h, run = self.untold[0]
-            if h.end(self.signal, timeout=ENDING_WAIT_S) == Hold.RUNNING:    # idempotent
+        states = tell_all([h for h, _ in held], self.signal, time.monotonic() + ENDING_WAIT_S)
+        for (_, run), state in zip(held, states):
+            if state == Hold.RUNNING:
                 run.told = True
-            self.untold.pop(0)
 
 
 @dataclass

@@ -159,6 +159,21 @@ class Hold:
             self.lock.release()
 
 
+def tell_all(holds: Iterable[Hold], line: str, deadline: float) -> list[str]:
+    """Every hold told `line` (Hold.end) within one deadline (time.monotonic()); their states, in order.
+    An interrupted command's caller calls it from its Ctrl-C handler (exec, play): a Ctrl-C pressed again
+    meanwhile does not leave a command untold, that hold is told again (end() is idempotent)."""
+    states = []
+    for hold in holds:
+        while True:
+            try:
+                states.append(hold.end(line, timeout=max(0.0, deadline - time.monotonic())))
+                break
+            except KeyboardInterrupt:
+                pass
+    return states
+
+
 def _close(pipe) -> None:
     try:
         pipe.close()

@@ -23,7 +23,7 @@ from orchestrator.ssh import agent
 from orchestrator.errors import Interrupted, OpsError, Terminated, UsageError, terminated_on_sigterm
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
-from orchestrator.ssh.transport import Hold, PctTransport
+from orchestrator.ssh.transport import Hold, PctTransport, tell_all
 
 Write = Callable[[str, bytes], None]    # (target, bytes) -> None
 
@@ -257,13 +257,7 @@ def ended(signum: signal.Signals, holds: Mapping[str, Hold], finished: Mapping[s
     """Every target's command told to end (the signal's name on its held stdin) and waited for, up to
     ENDING_WAIT_S for all; the one line that says what became of each."""
     deadline = time.monotonic() + ENDING_WAIT_S
-    states: dict[str, str] = {}
-    for name, hold in holds.items():
-        while name not in states:
-            try:        # a Ctrl-C pressed again meanwhile must not leave a target untold (end() is idempotent)
-                states[name] = hold.end(signum.name[3:], timeout=max(0.0, deadline - time.monotonic()))
-            except KeyboardInterrupt:
-                pass
+    states = dict(zip(holds, tell_all(holds.values(), signum.name[3:], deadline)))
     try:
         for name, state in states.items():
             if state == Hold.RUNNING:
