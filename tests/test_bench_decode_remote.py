@@ -131,7 +131,7 @@ def test_bench_decode_measures_a_trained_run_on_its_held_out_rows_or_a_file_and_
         assert r.returncode == 0, r.stderr.decode()
         doc = json.loads(r.stdout)
         assert doc["running"] is True and doc["step"] >= 2 and doc["gpu"] == "0" and doc["notes"] == [], doc
-        assert doc["model"] == "tiny:1", doc
+        assert doc["model"] == "tiny:1" and doc["cost_model"]["tau_for_2x"] > 0, doc
     finally:
         assert ct.cli("stop", "ct200", running).returncode == 0
     assert ct.locks() == []

@@ -101,7 +101,9 @@ def bench_decode(inv: Inventory, target: Target, run: str = "latest", *, prompts
         lines.flush()
     result = dict(doc["result"])
     result.pop("drafter", None)     # the target's temporary folder, gone
-    return {**result, "target": target.name, "model": result.get("target"), "run": doc["run"], "step": doc["step"],
+    # "model" is the run's --target here; specdec's model of the round costs goes on as "cost_model"
+    return {**result, "target": target.name, "model": result.get("target"), "cost_model": result.get("model"),
+            "run": doc["run"], "step": doc["step"],
             "running": bool(doc.get("running")), "gpu": doc.get("gpu"), "notes": doc.get("notes") or [],
             "prompts_source": doc["prompts_source"] if prompts is None else str(Path(prompts).expanduser())}
 
@@ -129,7 +131,7 @@ def summary(doc: dict) -> str:
         speedup += f" (95% {ci[0]:.2f}-{ci[1]:.2f}x, median per prompt {doc['speedup_median']:.2f}x)"
     if doc["speedup"] < 1:
         speedup += ": SLOWER than the target alone"
-    need = (doc.get("model") or {}).get("tau_for_2x")
+    need = (doc.get("cost_model") or {}).get("tau_for_2x")
     if need and doc["speedup"] < 2:     # what the drafter must reach at these round costs (docs/decoding.md)
         speedup += f"; 2x needs tau {need:.2f}"
     if doc["lossless"]:
