@@ -46,7 +46,8 @@ def figures(doc: dict, n: int | None = None) -> dict:
             "spec_tokens_per_s": spec_tok / spec_s, "speedup": boot["speedup"], "speedup_ci95": boot["speedup_ci95"],
             "speedup_median": boot["speedup_median"], "tau": boot["tau"], "tau_ci95": boot["tau_ci95"],
             "ms_per_round": doc["ms_per_round"] if n is None else None,
-            "model": doc.get("model") if n is None else None,
+            # specdec's model of the round costs: "model" in its own documents, "cost_model" in bench-decode's
+            "model": cost if isinstance(cost := doc.get("cost_model", doc.get("model")), dict) and n is None else None,
             "prefill_ms_per_prompt": prefill, "equal": len(rows) - len(differ),
             "margins_where_differ": sorted(round(r["margin"], 4) for r in differ if r.get("margin") is not None)}
 

@@ -29,6 +29,16 @@ def test_the_stored_measurement_gives_the_documented_figures(capsys):
     assert spec == pytest.approx(38.5, abs=0.05) and alone == pytest.approx(15.6, abs=0.05)
 
 
+def test_a_bench_decode_document_reads_as_specdecs(tmp_path, capsys):
+    """`dflash-ops bench-decode --json` keeps specdec's round-cost model as cost_model ("model" is the run's
+    --target there): the table reads it from either."""
+    doc = json.loads((G7 / "specdec-graphs-bf16.json").read_text())
+    bench = {**doc, "model": "small-code-gpu", "cost_model": doc["model"], "target": "ct200"}
+    (tmp_path / "specdec-bench.json").write_text(json.dumps(bench))
+    assert main([str(tmp_path), "--json"]) == 0
+    assert round(json.loads(capsys.readouterr().out)["bench"]["model"]["tau_for_2x"], 2) == 3.14
+
+
 def test_a_folder_without_documents_is_one_line_and_exit_2(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
     assert "no specdec-*.json" in capsys.readouterr().err
