@@ -105,7 +105,7 @@ class StepFailed(OpsError):
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is (terminated_on_sigterm), so that
-    a command ended by `timeout` or `kill` runs the same finally blocks and hang-up (transport.Hold)."""
+    a command ended by `timeout` or `kill` runs the same finally blocks and hang-up (hold.Hold)."""
 
 
 @contextlib.contextmanager

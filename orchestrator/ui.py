@@ -38,7 +38,7 @@ def json_option(f):
 def sigterm_raises(what: str) -> Iterator[None]:
     """While the body runs, SIGTERM (`timeout`, `kill`) raises errors.Terminated in the main thread as
     Ctrl-C raises KeyboardInterrupt, so that both run the body's finally blocks (and a held stdin's hang-up,
-    transport.Hold) instead of ending the process where it stands. Either one escaping the body ends
+    hold.Hold) instead of ending the process where it stands. Either one escaping the body ends
     the command in one line, `WHAT interrupted (SIGINT)`, exit 130 (143 for SIGTERM); the body may raise its
     own errors.Interrupted that says more."""
     try:

@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from orchestrator import inventory
 from orchestrator.errors import ConnectError, ContainerError, HostKeyError
 from orchestrator.ssh.session import Session
-from orchestrator.ssh.transport import Hold, LocalTransport, PctTransport
+from orchestrator.ssh.hold import Hold
+from orchestrator.ssh.transport import LocalTransport, PctTransport
 
 ARG = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
               max_size=30)
@@ -300,7 +301,7 @@ def test_tell_all_tells_every_hold_once_within_one_deadline_through_a_second_ctr
     started (its lock held) answers RUNNING at the shared deadline rather than blocking the others."""
     import time
 
-    from orchestrator.ssh.transport import tell_all
+    from orchestrator.ssh.hold import tell_all
 
     class Interrupted(Hold):
         cut = True

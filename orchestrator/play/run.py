@@ -16,7 +16,7 @@ second play of the same playbook on the same target is refused in one line namin
 kernel drops the lock of a play that died (SIGKILL), so the next one goes ahead.
 
 Interrupted (Ctrl-C; SIGTERM too where the caller runs it under ui.sigterm_raises), a play ends as
-`exec` does: each `exec` or `export` step's command runs with a held stdin (transport.Hold, one
+`exec` does: each `exec` or `export` step's command runs with a held stdin (hold.Hold, one
 Ending for the play), told the signal's name, so it ends on the target (exec's process group, SIGKILL
 after the grace; export's agent and worker); no step starts after it; a `wait-for` stops waiting.
 The targets' threads are daemons: a step that cannot be told (a `logs`, a `deploy`) is cut off where

@@ -1,7 +1,7 @@
 """What a target's steps run with: `Run`, one target's play (its inventory, connection, target,
 templates' context, live lines, and the step it is at), and `Ending`, the play's interrupt that all
 its targets share. run.py makes them and runs the steps; actions.py's steps take their commands'
-held stdin (transport.Hold) through `Run.ending`, so an interrupted play ends them on the target.
+held stdin (hold.Hold) through `Run.ending`, so an interrupted play ends them on the target.
 """
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from typing import Callable, Iterator
 from orchestrator.inventory import Inventory, Target
 from orchestrator.play import templating as tpl
 from orchestrator.ssh.session import Session
-from orchestrator.ssh.transport import Hold, tell_all
+from orchestrator.ssh.hold import Hold, tell_all
 
 OnLine = Callable[[str, str], None]      # (target, text) -> None
 ENDING_WAIT_S = 5.0     # how long an interrupted play waits for its steps' commands to end (exec's wait)
 
 
 class Ending:
-    """A play's interrupt, shared by its targets: the held stdin (transport.Hold) of every step command
+    """A play's interrupt, shared by its targets: the held stdin (hold.Hold) of every step command
     under way is told the signal's name once end() is called (exec's watcher then ends its process
     group); a hold made after that never starts its command."""
 
@@ -48,7 +48,7 @@ class Ending:
 
     def end(self, name: str) -> None:
         """Tell every command under way, within ENDING_WAIT_S (a Ctrl-C pressed again meanwhile leaves
-        none untold: transport.tell_all)."""
+        none untold: hold.tell_all)."""
         with self.lock:
             if self.signal is None:
                 self.signal = name

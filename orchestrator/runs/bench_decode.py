@@ -10,7 +10,7 @@ agent holds one free GPU of the target (or its CPU slot) for the whole measureme
 would; none free is refused (exit 1) naming the runs that hold them.
 
 The measurement lives only as long as this call: the agent's stdin stays open until it ends
-(transport.Hold), and EOF there (this process killed, timed out, its connection dropped) ends it
+(hold.Hold), and EOF there (this process killed, timed out, its connection dropped) ends it
 on the target within seconds, worker, slot and temporary folder included. Ctrl-C or SIGTERM here
 hangs up first and waits for that end, then raises errors.Interrupted (exit 130 / 143). While it runs,
 `status` shows it as `bench-PID` (kind bench-decode) and `stop TARGET bench-PID` ends it.
@@ -29,7 +29,7 @@ from orchestrator.runs.export import refusal as export_refusal
 from orchestrator.runs.regen import check_prompts
 from orchestrator.ssh import agent
 from orchestrator.ssh.session import Session
-from orchestrator.ssh.transport import Hold
+from orchestrator.ssh.hold import Hold
 from trainer.controller_view import tau_text
 
 TIMEOUT_S = 6 * 3600.0

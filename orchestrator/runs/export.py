@@ -9,7 +9,7 @@ a killed export left beside it (`.dflash-export.partial-PID-*`, PID no longer ru
 the next export into the same folder. An -o of `/`, the current folder or a folder holding it, or one
 holding a local target's workdir, is refused before anything travels (--force would replace it).
 The export on the target lives as long as this call: its stdin stays open until the stream is in
-(transport.Hold), and EOF there (this process killed, its connection dropped) ends it, worker and
+(hold.Hold), and EOF there (this process killed, its connection dropped) ends it, worker and
 temporary folder included. Ctrl-C or SIGTERM (ui.sigterm_raises) hangs up first and waits for that
 end, removes the hidden folder, then raises errors.Interrupted (exit 130 / 143).
 Library function: returns data, never prints.
@@ -31,7 +31,7 @@ from orchestrator.ssh import agent
 from orchestrator.errors import Interrupted, NotFound, OpsError, StepFailed, Terminated, UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
-from orchestrator.ssh.transport import Hold
+from orchestrator.ssh.hold import Hold
 
 DTYPES = ("bfloat16", "float16", "float32")
 TIMEOUT_S = 3600.0

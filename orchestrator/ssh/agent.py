@@ -32,7 +32,8 @@ from typing import Callable, Generic, Iterator, Sequence, TypeVar
 from orchestrator.errors import OpsError, StepFailed, TargetsFailed
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
-from orchestrator.ssh.transport import Hold, Result, Transport
+from orchestrator.ssh.hold import Hold
+from orchestrator.ssh.transport import Result, Transport
 
 RELEASE = "release.agent"     # deploy: manifest, apply, install-deps
 RUNS = "runs.agent"           # launch, status, follow, stop, metrics, export, bench, probe
@@ -178,7 +179,7 @@ def call(t: Transport, target: Target, program: str, args: Sequence[str], *, wha
          timeout: float | None = None) -> dict:
     """Run `program CMD ARGS...` with the target's python; its reply (the last stdout line).
     stderr, when given, receives the agent's stderr as it comes (and StepFailed then carries
-    only its last line). stdin may be a transport.Hold: held open while the agent runs."""
+    only its last line). stdin may be a hold.Hold: held open while the agent runs."""
     tail: list[bytes] = []
 
     def keep(data: bytes) -> None:
@@ -206,7 +207,7 @@ def stream(t: Transport, target: Target, program: str, args: Sequence[str], *, w
            timeout: float | None = None, check: bool = True, stdin: Hold | None = None) -> Result:
     """Run a streaming command (header line + bytes): stdout goes to the sink as it comes.
     check: a non-zero exit is StepFailed (follow checks for itself: a cut connection is not).
-    stdin: a transport.Hold the command watches (export ends at its EOF)."""
+    stdin: a hold.Hold the command watches (export ends at its EOF)."""
     r = t.run(argv(target, program, args), stdout=stdout, stderr=stderr, timeout=timeout, stdin=stdin)
     failed = _exec_failed(target, what, r) if check or r.exit_code in (126, 127) else None
     if failed:

@@ -5,7 +5,7 @@ The command travels as an argv, quoted once (transport.shell_join) for the node'
 hands it to lxc-attach as argv. It runs in the target's environment: the target's `env:`, as for
 every command, and the folder of its `python:` first on PATH, as in an activated venv (a small
 `sh -c` in front of the argv). That shell leads a process group of its own (setsid) and runs the
-command beside a watcher of its stdin, which the controller holds open (transport.Hold): a line
+command beside a watcher of its stdin, which the controller holds open (hold.Hold): a line
 `INT` / `TERM` from an interrupted controller, or EOF when the controller or its connection is gone
 (SIGKILL), makes the watcher signal the group (INT, TERM; HUP at EOF), then SIGKILL what is left of
 it after ENDING_GRACE_S. The node's side (sshd, sh, pct, lxc-attach) only waits, and ends with it.
@@ -23,7 +23,8 @@ from orchestrator.ssh import agent
 from orchestrator.errors import Interrupted, OpsError, Terminated, UsageError, terminated_on_sigterm
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
-from orchestrator.ssh.transport import Hold, PctTransport, tell_all
+from orchestrator.ssh.hold import Hold, tell_all
+from orchestrator.ssh.transport import PctTransport
 
 Write = Callable[[str, bytes], None]    # (target, bytes) -> None
 
@@ -138,7 +139,7 @@ def in_target_env(target: Target, argv: Sequence[str]) -> list[str]:
     VIRTUAL_ENV set when that folder is a venv's), as `source VENV/bin/activate` would (a python
     named without a folder, `python3`, is found on PATH already). A command that is not there exits
     127 with NOT_FOUND alone on stderr. It runs in a process group of its own, watched: its stdin
-    must be a transport.Hold (at EOF the group is ended)."""
+    must be a hold.Hold (at EOF the group is ended)."""
     return ["sh", "-c", _GROUP, "dflash-ops-exec", "sh", "-c", _ACTIVATE, posixpath.dirname(target.python), *argv]
 
 
