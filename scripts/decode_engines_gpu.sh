@@ -13,6 +13,7 @@
 #     bash scripts/detach.sh start /tmp/r6 env STAGE=train WORK=/tmp/r6/work bash scripts/decode_engines_gpu.sh
 #     bash scripts/detach.sh poll /tmp/r6 540                       # calls until it has ended
 #     STAGE=bench WORK=/tmp/r6/work OUT=$OUT bash scripts/decode_engines_gpu.sh
+#     (RUNS="graphs-bf16 graphs-fp32" COSTS=0: the two graphs decodes alone, ~4 minutes)
 #
 # CPU dry run at the smallest size (seconds to minutes):
 #     SIZE=smoke STAGE=train GPUS=0 WORK=/tmp/de/work OUT=/tmp/de/out PY=.venv/bin/python bash scripts/decode_engines_gpu.sh
@@ -90,9 +91,15 @@ sd() {  # LABEL FLAGS...: specdec of the drafter on the prompts, its live lines 
         --json "$OUT/specdec-$label.json" "$@" > /dev/null 2> "$OUT/specdec-$label.log" || rc=1
     tail -n 1 "$OUT/specdec-$label.log" >&2
 }
-sd graphs-bf16 --engine graphs --dtype bfloat16
-sd graphs-fp32 --engine graphs --dtype float32
-sd eager-fp32 --engine eager --dtype float32 --limit "$N_EAGER"
+# RUNS: which of the three decodes (all by default; fewer when device time is short)
+for run in ${RUNS:-graphs-bf16 graphs-fp32 eager-fp32}; do
+    case $run in
+        graphs-bf16) sd graphs-bf16 --engine graphs --dtype bfloat16 ;;
+        graphs-fp32) sd graphs-fp32 --engine graphs --dtype float32 ;;
+        eager-fp32) sd eager-fp32 --engine eager --dtype float32 --limit "$N_EAGER" ;;
+        *) echo "decode_engines_gpu.sh: RUNS takes graphs-bf16, graphs-fp32, eager-fp32, not $run" >&2; exit 2 ;;
+    esac
+done
 # the round-cost lever: the steps fused by inductor before capture, first at the shapes alone (random
 # weights, a few minutes of compiling; COSTS=0 leaves it out when device time is short), then on every
 # prompt with the drafter
