@@ -10,9 +10,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from decode_engines import main  # noqa: E402
+from decode_engines import bar_scale, main  # noqa: E402
 
 G7 = REPO / "docs" / "data" / "decode-engines-h200-2026-12-03"
+G7B = REPO / "docs" / "data" / "decode-engines-h200-2026-12-03b"  # G7 again, prompts warmed
 
 
 def test_the_stored_measurement_gives_the_documented_figures(capsys):
@@ -37,6 +38,17 @@ def test_a_bench_decode_document_reads_as_specdecs(tmp_path, capsys):
     (tmp_path / "specdec-bench.json").write_text(json.dumps(bench))
     assert main([str(tmp_path), "--json"]) == 0
     assert round(json.loads(capsys.readouterr().out)["bench"]["model"]["tau_for_2x"], 2) == 3.14
+
+
+def test_a_folder_of_graphs_runs_alone_plots_on_a_linear_axis(tmp_path, capsys):
+    """G7 again (2026-12-03b) made no eager run: the table and the plot come out of the two graphs documents,
+    whose bars (~1.4 to ~2.3 ms) a log axis would cut off near the shortest; eager beside them keeps it."""
+    pytest.importorskip("matplotlib")
+    assert main([str(G7B), "-o", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["| graphs-bf16",
+                                                                                           "| graphs-fp32"]
+    assert bar_scale([2.31, 1.36, 2.33, 1.67]) == "linear" and bar_scale([2.29, 1.55, 17.2, 9.1]) == "log"
 
 
 def test_a_folder_without_documents_is_one_line_and_exit_2(tmp_path, capsys):
