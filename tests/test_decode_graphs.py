@@ -127,8 +127,8 @@ def test_the_document_keeps_every_prompts_tokens_and_rounds_and_intervals_per_pr
 def test_each_prompts_forward_runs_once_untimed_before_its_two_timed_decodes(target, monkeypatch):
     """On an H200 in bf16 a prompt length seen for the first time cost ~45 ms more in its forward, paid by
     whichever decode ran first (the speculative one): 1.48x measured where the same rounds gave 1.68x. Each
-    prompt's forward now runs once untimed, so both timed decodes find its length warm, and each decode's
-    prefill seconds are kept per prompt."""
+    prompt's forward now runs once untimed, so both timed decodes find its length warm (measured again:
+    1.70x, docs/benchmarks.md section 16, G8), and each decode's prefill seconds are kept per prompt."""
     calls = []
     real = specdec.decoder
 
