@@ -12,7 +12,7 @@ so the choice does not depend on which other modules exist) is held out: never t
 prompts and evaluation. The chat template is plain concatenation (a code model continues what it is
 given): the user turn is the code so far, the assistant turn its continuation, then end-of-text.
 
-    python -m trainer.small_lm --size cpu --out DIR      # a few minutes on 2 CPU cores
+    python -m trainer.small_lm --size cpu --out DIR      # 3.5 minutes on 2 quiet CPU cores
     python -m trainer.small_lm --size gpu --out DIR      # <= 5 minutes on one H200
 
 A DIR that already holds the same recipe's build (the cache's key) is kept, not trained again.
@@ -77,7 +77,7 @@ RECIPES = {
                     head_dim=16, intermediate_size=64, seq_len=64, batch_size=16, steps=60, lr=1e-2,
                     warmup=10, max_bytes=400_000, eval_batches=2),
     # 6 layers, not 8: at this budget the 8-layer model was the worse one (held-out loss 4.15 against
-    # 4.29, both with the sharded step; docs/decisions.md) and a step costs ~1/4 less.
+    # 4.29, both with the sharded step; docs/decisions.md) and a step costs ~1/5 less.
     "cpu": Recipe("cpu", vocab_size=2048, hidden_size=128, num_layers=6, num_heads=4, num_kv_heads=2,
                   head_dim=32, intermediate_size=384, seq_len=128, batch_size=16, steps=450, lr=3e-3,
                   warmup=30, max_bytes=6_000_000),
