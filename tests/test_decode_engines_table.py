@@ -19,7 +19,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from decode_engines import bar_scale, figures, main  # noqa: E402
 
 G7 = REPO / "docs" / "data" / "decode-engines-h200-2026-12-03"
-G7B = REPO / "docs" / "data" / "decode-engines-h200-2026-12-03b"  # G7 again, prompts warmed
+G8 = REPO / "docs" / "data" / "decode-engines-h200-2026-12-03b"  # G7's recipe again, prompts warmed
 
 
 def test_the_stored_measurement_gives_the_documented_figures(capsys):
@@ -41,7 +41,7 @@ def g8() -> dict:
     """decode_engines.py's rows of G8, once for the tests below (10,000 resamples each)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main([str(G7B), "--json"]) == 0
+        assert main([str(G8), "--json"]) == 0
     return json.loads(out.getvalue())
 
 
@@ -59,7 +59,7 @@ def test_the_warmed_measurement_gives_the_documented_figures(g8):
     assert fp32["equal"] == 240 and fp32["margins_where_differ"] == []    # lossless
     assert round(fp32["speedup"], 2) == 1.40 and [round(x, 2) for x in fp32["speedup_ci95"]] == [1.34, 1.46]
     assert round(fp32["tau"], 2) == 2.88 and round(fp32["model"]["tau_for_2x"], 2) == 3.96
-    docs = {k: json.loads((G7B / f"specdec-{k}.json").read_text()) for k in g8}
+    docs = {k: json.loads((G8 / f"specdec-{k}.json").read_text()) for k in g8}
     assert all(d["lossless"] is (k == "graphs-fp32") for k, d in docs.items())
     # 2x at this round cost: 2 x a round / a token alone, both as the document measured them
     doc = docs["graphs-bf16"]
@@ -75,7 +75,7 @@ def test_the_warmed_measurement_left_no_first_seen_cost(g8):
     once untimed, the timed forwards are alike with and without the drafter, first-seen lengths included."""
     bf16 = g8["graphs-bf16"]
     assert [round(x, 1) for x in bf16["prefill_ms_per_prompt"]] == [19.7, 18.8]
-    rows = json.loads((G7B / "specdec-graphs-bf16.json").read_text())["per_prompt"]
+    rows = json.loads((G8 / "specdec-graphs-bf16.json").read_text())["per_prompt"]
     seen: set[int] = set()
     first = []
     for r in rows:
@@ -134,10 +134,10 @@ def test_a_bench_decode_document_reads_as_specdecs(tmp_path, capsys):
 
 
 def test_a_folder_of_graphs_runs_alone_plots_on_a_linear_axis(tmp_path, capsys):
-    """G7 again (2026-12-03b) made no eager run: the table and the plot come out of the two graphs documents,
+    """G8 (2026-12-03b) made no eager run: the table and the plot come out of the two graphs documents,
     whose bars (~1.4 to ~2.3 ms) a log axis would cut off near the shortest; eager beside them keeps it."""
     pytest.importorskip("matplotlib")
-    assert main([str(G7B), "-o", str(tmp_path / "p.png")]) == 0
+    assert main([str(G8), "-o", str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["| graphs-bf16",
                                                                                            "| graphs-fp32"]
@@ -149,7 +149,7 @@ def test_a_folder_without_documents_is_one_line_and_exit_2(tmp_path, capsys):
     assert "no specdec-*.json" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("folder, speedup, need", [(G7, "1.48x", "3.14"), (G7B, "1.70x", "3.19")])
+@pytest.mark.parametrize("folder, speedup, need", [(G7, "1.48x", "3.14"), (G8, "1.70x", "3.19")])
 def test_the_closing_lines_say_what_tau_2x_needs_where_it_was_not_reached(folder, speedup, need):
     """specdec's closing line and bench-decode's summary on the stored bf16 documents (G7, G8): the tau at
     which these round costs would give 2x; a document at 2x or more says nothing of it."""

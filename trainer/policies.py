@@ -261,8 +261,9 @@ def free_cores(busy: float | None = None, n_cores: int | None = None) -> int:
 
 
 def threads_from_free_cores() -> str:
-    """torch's intra-op threads for a one-process CPU job (the small target's build, regen): the
-    cores free now (free_cores), unless OMP_NUM_THREADS says; returns the line that says so."""
+    """torch's intra-op threads for a one-process CPU job (regen; the small target's build shards its
+    steps instead, trainer/run/cpu_shards.py): the cores free now (free_cores), unless OMP_NUM_THREADS
+    says; returns the line that says so."""
     import torch
 
     if os.environ.get("OMP_NUM_THREADS"):

@@ -112,13 +112,14 @@ def corpus(recipe: Recipe, root: str | None = None) -> tuple[list[str], list[str
     train, held, h, size = [], [], hashlib.sha256(), 0
     for p in stdlib_modules(str(base), recipe.with_tests):
         rel = p.relative_to(base).as_posix()
-        if not held_out(rel) and size >= recipe.max_bytes:
+        held_back = held_out(rel)
+        if not held_back and size >= recipe.max_bytes:
             continue        # past the training budget and not held out: not read
         try:
             text = p.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        if held_out(rel):
+        if held_back:
             held.append(text)
         else:
             train.append(text)
