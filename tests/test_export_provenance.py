@@ -92,14 +92,19 @@ def test_every_checkpoint_records_the_target_and_an_unchanged_one_exports(traine
     assert prov["target_identity"] == rec and prov["step"] == 3
 
 
-def test_an_existing_output_folder_needs_force_empty_or_not(trained, tmp_path):
+def test_an_existing_output_folder_needs_force_and_force_replaces_only_an_earlier_export(trained, tmp_path):
     dest = tmp_path / "d"
     dest.mkdir()
     refused(["--run", trained, "-o", dest], "already exists (pass --force")
-    (dest / "x").write_text("x")
-    refused(["--run", trained, "-o", dest], "already exists (pass --force")
-    rc, doc, _ = call(["--run", trained, "-o", dest, "--force"])
-    assert rc == 0 and not (dest / "x").exists() and (dest / "config.json").is_file()
+    rc, doc, _ = call(["--run", trained, "-o", dest, "--force"])       # empty: nothing to lose
+    assert rc == 0 and (dest / "config.json").is_file()
+    rc, doc, _ = call(["--run", trained, "-o", dest, "--force", "--dtype", "float32"])   # an earlier export
+    assert rc == 0 and json.loads((dest / export.PROVENANCE).read_text())["dtype"] == "float32"
+    (dest / "notes.txt").write_text("mine")          # no longer only an export: never replaced, whatever the flags
+    before = {p.name: p.read_bytes() for p in dest.iterdir()}
+    refused(["--run", trained, "-o", dest, "--force"], "holds 'notes.txt', which an export does not write")
+    assert {p.name: p.read_bytes() for p in dest.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]      # no temporary left beside it
 
 
 def test_a_changed_target_is_refused_and_target_changed_ok_exports_the_trained_ids(trained, tmp_path):

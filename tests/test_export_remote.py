@@ -95,6 +95,19 @@ def test_export_streams_the_latest_succeeded_run_home_and_refuses_bad_input(ct, 
         err = r.stderr.decode()
         assert r.returncode == 2 and f"-o {o}: {needle}" in err and len(err.splitlines()) == 1, err
     assert list(ct.exports.iterdir()) == []
+    # --force replaces an earlier export only: a folder of the user's (here a home's dotfiles) is refused
+    # before anything travels and left byte for byte as it was
+    home = ct.tmp / "homelike"
+    (home / ".cache").mkdir(parents=True)
+    (home / ".bashrc").write_text("export PATH=$PATH\n")
+    (home / ".cache" / "w.whl").write_bytes(b"\0" * 100)
+    (home / "config.json").write_text("{}")
+    before = {p: p.read_bytes() if p.is_file() else None for p in sorted(home.rglob("*"))}
+    r = ct.cli("export", "ct200", ct.run, "-o", home, "--force")
+    err = r.stderr.decode()
+    assert r.returncode == 2 and len(err.splitlines()) == 1, err
+    assert "holds '.bashrc', '.cache', which an export does not write" in err and "nothing was replaced" in err, err
+    assert {p: p.read_bytes() if p.is_file() else None for p in sorted(home.rglob("*"))} == before
     # what killed exports left beside the destination goes with the next export there; a live writer's stays
     gone = subprocess.Popen(["true"])
     gone.wait()

@@ -104,13 +104,22 @@ def check_options(book: pb.Playbook, targets: list[Target], given: Mapping[str, 
     for target in targets:
         ctx = tpl.Context(variables(book, target, given))
         for i, step in enumerate(book.steps[start:], start):
+            known = {}
             for opt, value in step.options.items():
                 try:
-                    options_value(step, opt, value, ctx)
+                    known[opt] = options_value(step, opt, value, ctx)
                 except tpl.Missing:
                     continue
                 except (ValueError, OpsError) as e:
                     raise FileError(book.path, step.lines[opt], step.where(i, opt),
+                                    f"{e} (on {target.name})") from None
+            if step.action == "export" and known.get("output"):    # a folder it may not replace: before any step
+                from orchestrator.runs.export import check_output
+
+                try:
+                    check_output(known["output"], bool(known.get("force")), target)
+                except OpsError as e:
+                    raise FileError(book.path, step.lines["output"], step.where(i, "output"),
                                     f"{e} (on {target.name})") from None
 
 

@@ -347,7 +347,8 @@ def report(state: State, args, out, as_json):
               help="The checkpoint of step N (default: the run's last).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
               show_default=True, help="Weight dtype of the exported folder.")
-@click.option("--force", is_flag=True, help="Replace DIR if it exists, empty or not.")
+@click.option("--force", is_flag=True, help="Replace DIR if it is an earlier export (or empty); a folder holding "
+              "anything else is refused.")
 @click.option("--running-ok", is_flag=True, help="Export a run that is still running (its newest checkpoint).")
 @click.option("--target-changed-ok", is_flag=True,
               help="Export although the target at the run's --target path changed since it trained (same "

@@ -7,7 +7,9 @@ folder beside the destination, checked against the header (sizes and hashes), an
 to the destination: it is either absent or complete. Nothing is left on the target. Hidden folders that
 a killed export left beside it (`.dflash-export.partial-PID-*`, PID no longer running) are removed by
 the next export into the same folder. An -o of `/`, the current folder or a folder holding it, or one
-holding a local target's workdir, is refused before anything travels (--force would replace it).
+holding a local target's workdir, is refused before anything travels; an existing -o is replaced
+only with --force and only when it is an earlier export (its files and its provenance record,
+trainer/owned.py): a folder holding anything else is refused whatever the flags, byte for byte untouched.
 The export on the target lives as long as this call: its stdin stays open until the stream is in
 (hold.Hold), and EOF there (this process killed, its connection dropped) ends it, worker and
 temporary folder included. Ctrl-C or SIGTERM (ui.sigterm_raises) hangs up first and waits for that
@@ -32,6 +34,7 @@ from orchestrator.errors import Interrupted, NotFound, OpsError, StepFailed, Ter
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
 from orchestrator.ssh.hold import Hold
+from trainer.controller_view import NotOurs, not_an_export, swap_in   # torch-free
 
 DTYPES = ("bfloat16", "float16", "float32")
 TIMEOUT_S = 3600.0
@@ -177,9 +180,7 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
     if step is not None and step < 0:
         raise UsageError("--step must be >= 0")
     if output is not None:
-        if why := unsafe_output(Path(output), target):
-            raise UsageError(f"-o {output}: {why}")
-        _check_dest(Path(output), force)
+        check_output(output, force, target)
     if output is None:
         exports_home(target.name).mkdir(parents=True, exist_ok=True)
     where = Path(output).expanduser().resolve().parent if output else exports_home(target.name)
@@ -279,6 +280,15 @@ def unsafe_output(dest: Path, target: Target) -> str | None:
     return None
 
 
+def check_output(output: str, force: bool, target: Target) -> None:
+    """UsageError where -o OUTPUT may not be written: unsafe_output's places, an existing folder
+    without --force, or with it one that is not an earlier export. Export checks it before anything
+    travels; `play` before its first step."""
+    if why := unsafe_output(Path(output), target):
+        raise UsageError(f"-o {output}: {why}")
+    _check_dest(Path(output), force)
+
+
 def sweep_partials(where: Path) -> list[str]:
     """Remove the hidden folders in `where` that exports killed midway left (PARTIAL + the pid of a
     process no longer running); one whose writer still runs is its own. Returns the names removed."""
@@ -309,36 +319,25 @@ def _alive(pid: int) -> bool:
 
 
 def _check_dest(dest: Path, force: bool) -> None:
+    """An existing -o is replaced only with --force, and only when it is an earlier export."""
     dest = dest.expanduser()
-    if (dest.exists() or dest.is_symlink()) and not force:   # empty or not
-        raise UsageError(f"-o {dest}: already exists (pass --force to replace it)")
+    if not os.path.lexists(dest):
+        return
+    if not force:   # empty or not
+        raise UsageError(f"-o {dest}: already exists (pass --force to replace an earlier export)")
+    if why := not_an_export(dest):
+        raise UsageError(f"-o {dest}: {why}; nothing was replaced: export into a new folder instead, e.g. "
+                         f"-o {dest / 'dflash-export'}")
 
 
 def _move_into_place(partial: Path, dest: Path) -> None:
-    """Rename the checked folder to dest; an existing dest (--force) is moved aside first and
-    removed after, so dest is never a mix of the two."""
-    old = None
-    if dest.exists() or dest.is_symlink():
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-        os.rename(dest, old)
-    os.rename(partial, dest)
-    _fsync_dir(dest.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
-
-
-def _fsync_dir(path: Path) -> None:
+    """Rename the checked folder to dest; an existing dest (an earlier export, --force) is moved aside
+    first and removed after, so dest is never a mix of the two (trainer/files.py, swap_in)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        swap_in(partial, dest, not_an_export)
+    except NotOurs as e:    # it changed since the check before the transfer
+        raise UsageError(f"-o {e}") from None
 
 
 __all__ = ["export", "refusal", "ExportResult", "TransferError", "default_output", "exports_home", "DTYPES",
-           "unsafe_output", "sweep_partials"]
+           "unsafe_output", "check_output", "sweep_partials"]

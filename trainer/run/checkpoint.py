@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainer import faults
+from trainer import owned
 from trainer.files import atomic_file, atomic_folder
 
 FORMAT = 1
@@ -90,7 +91,7 @@ def save(out_dir: str | Path, step: int, *, model: dict[str, torch.Tensor], opti
     if verify(final):
         _point_latest(ck, final.name)  # e.g. SIGTERM right after a periodic checkpoint of the same step
         return final
-    with atomic_folder(final) as tmp:  # a killed writer leaves .tmp-step-*, which _prune removes
+    with atomic_folder(final, replaces=owned.ours) as tmp:  # a killed writer leaves .tmp-step-*, which _prune removes
         model_cpu = {k: v.detach().cpu().contiguous() for k, v in model.items()}
         save_file(model_cpu, str(tmp / "model.safetensors"), metadata={"format": str(FORMAT)})
         faults.hit("pause_in_checkpoint", step=step)  # a test kills the writer here, mid-write

@@ -17,8 +17,9 @@ them (trainer/run/provenance.py), never re-derived from what sits at the target 
 (exit 2, one line): a target at that path that is not the one the run trained against (unless
 --target-changed-ok, for a target of the same hidden size and vocab), a run still running (unless
 --running-ok; the JSON line then says `"running": true` and which step it holds), an existing DIR,
-empty or not (unless --force), a run whose drafter reads the target's last layer (speculators,
-vLLM's format, cannot represent it; docs/export.md). A checkpoint written before the record existed still exports, as
+empty or not (unless --force), a DIR that is not an earlier export even with --force (trainer/owned.py),
+a run whose drafter reads the target's last layer (speculators, vLLM's format, cannot represent it;
+docs/export.md). A checkpoint written before the record existed still exports, as
 before, with one line on stderr saying so.
 
 The target's embedding and lm_head are not in the folder: a server uses the target's own. The
@@ -28,17 +29,19 @@ absent or complete. Prints one JSON line (the folder, its files, step). Bad inpu
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from trainer import owned
 from trainer.files import atomic_folder
 from trainer.writer_lock import output_lock
 from trainer.errors import TrainerError, UsageError
 
 DTYPES = ("bfloat16", "float16", "float32")
 ARCHITECTURE = "DFlashDraftModel"
-PROVENANCE = "dflash_ops.json"
+PROVENANCE = owned.EXPORT_PROVENANCE
 # The refusal of a run still running. The runs agent refuses with the same words by the run's state
 # (it cannot import this; a test holds the two equal), which also catches a trainer older than the
 # lock; this check is the one of `python -m trainer.export` run by hand.
@@ -130,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N (default: the latest)")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="the folder to write")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (default: bfloat16)")
-    p.add_argument("--force", action="store_true", help="replace DIR if it exists, empty or not")
+    p.add_argument("--force", action="store_true",
+                   help="replace DIR if it is an earlier export (never a folder holding anything else)")
     p.add_argument("--running-ok", action="store_true",
                    help="export a run that is still running (its newest complete checkpoint)")
     p.add_argument("--target-changed-ok", action="store_true",
@@ -161,8 +165,10 @@ def export(run: str, output: str, *, step: int | None = None, dtype: str = "bflo
     if running and not running_ok:
         raise UsageError(f"--run {run}: {STILL_RUNNING}")
     path = _checkpoint_path(out, run, step)
-    if dest.exists() and not force:
-        raise UsageError(f"-o {output}: already exists (pass --force to replace it)")
+    if os.path.lexists(dest) and not force:
+        raise UsageError(f"-o {output}: already exists (pass --force to replace an earlier export)")
+    if why := owned.not_an_export(dest):    # --force replaces an earlier export, nothing else
+        raise UsageError(f"-o {output}: {why}; nothing was replaced (remove it yourself, or name another folder)")
 
     try:
         ck = checkpoint.load(path)
@@ -193,7 +199,7 @@ def export(run: str, output: str, *, step: int | None = None, dtype: str = "bflo
         raise UsageError(f"{path}: {e}") from None
     torch_dtype = getattr(torch, dtype)
 
-    with output_lock(dest, "-o"), atomic_folder(dest) as tmp:   # one writer per folder
+    with output_lock(dest, "-o"), atomic_folder(dest, replaces=owned.not_an_export) as tmp:   # one writer per folder
         config = draft_config(dcfg, target_config=target.config, target_num_layers=target.num_layers,
                               layer_ids=target.layer_ids, mask_token=_token_text(target.tokenizer, dcfg.mask_token_id),
                               dtype=dtype)

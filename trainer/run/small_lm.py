@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 
 from trainer.files import atomic_folder
+from trainer.owned import not_a_small_lm
 from trainer.run.cpu_shards import ShardedGrads
 
 EOT, MASK = "<|endoftext|>", "<|mask|>"
@@ -281,7 +282,7 @@ def build(size: str, out: str, *, root: str | None = None, log=print, steps: int
     hf_logging.disable_progress_bar()  # save_pretrained's bar would bury the log's lines
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_folder(out_path) as tmp:
+    with atomic_folder(out_path, replaces=not_a_small_lm) as tmp:
         model.to(torch.float32 if not cuda else torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
         hf_tok.save_pretrained(tmp)
         (tmp / "small_lm.json").write_text(json.dumps(report, indent=2))
@@ -443,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
             say(f"small_lm[{a.size}]: kept: {a.out} already holds this recipe's build (held-out loss "
                 f"{report['held_out_loss']:.3f}); delete it to build again")
         else:
+            from trainer.errors import UsageError
+
+            if why := not_a_small_lm(Path(a.out)):   # checked before minutes of building, and again at the swap
+                raise UsageError(f"--out {a.out}: {why}; nothing was replaced (remove it yourself, or name another "
+                                 "folder)")
             report = build(a.size, a.out, log=say)
         print(json.dumps({"out": a.out, "kept": kept,
                           **{k: report[k] for k in ("held_out_loss", "unigram_loss", "seconds")}}))
