@@ -13,7 +13,7 @@ from trainer_quick import wait_for
 from orchestrator.ssh import agent as agent_mod
 
 POLICIES = Path(__file__).resolve().parent.parent / "trainer" / "policies.py"
-SOURCE = agent_mod.source(agent_mod.RUNS)   # what the controller sends: `python -c SOURCE CMD ...`
+SOURCE = agent_mod.command(agent_mod.RUNS)   # what the controller sends: `python -c SOURCE CMD ...`
 
 STUB = r'''
 import argparse, json, os, signal, sys, time
@@ -68,9 +68,10 @@ def kill_leftovers(wd: Path) -> None:
 
 def _json(path):
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError, RecursionError):     # tests write broken records on purpose
         return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def agent(cmd, wd, *args, stdin=None, timeout=60, env=None):

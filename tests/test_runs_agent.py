@@ -77,14 +77,38 @@ def test_every_part_says_where_each_name_comes_from(program):
 
 
 def test_the_joined_source_compiles_for_python_38_and_defines_every_command():
-    ast.parse(SOURCE, feature_version=(3, 8))
+    joined = agent_mod.source(agent_mod.RUNS)
+    ast.parse(joined, feature_version=(3, 8))
     space = {"__name__": "not_main"}
-    exec(compile(SOURCE, "runs.agent", "exec"), space)   # module-level order: no NameError
+    exec(compile(joined, "runs.agent", "exec"), space)   # module-level order: no NameError
     for cmd in ("cmd_launch", "cmd_status", "cmd_follow", "cmd_stop", "cmd_metrics", "cmd_export",
                 "cmd_probe", "main", "_supervise", "claim", "release_slots"):
         assert callable(space[cmd]), cmd
-    assert SOURCE.count("\n# ---- ") + SOURCE.startswith("# ---- ") == len(agent_mod.parts(agent_mod.RUNS))
-    assert "\nfrom ." not in SOURCE      # the package-relative imports are gone
+    assert joined.count("\n# ---- ") + joined.startswith("# ---- ") == len(agent_mod.parts(agent_mod.RUNS))
+    assert "\nfrom ." not in joined      # the package-relative imports are gone
+
+
+def test_a_source_past_one_arguments_limit_travels_compressed_and_runs_the_same():
+    """Linux refuses one argument over 128 KiB (`Argument list too long`): the runs agent passed it as
+    plain text. Past PLAIN_MAX it goes as a launcher that unpacks the same source; small ones stay plain."""
+    joined = agent_mod.source(agent_mod.RUNS)
+    if len(joined.encode()) <= agent_mod.PLAIN_MAX:
+        assert SOURCE == joined
+    else:
+        assert len(SOURCE.encode()) < 128 * 1024 and SOURCE.startswith("import base64,zlib;exec(")
+    assert agent_mod.command(agent_mod.RELEASE) == agent_mod.source(agent_mod.RELEASE)   # small: plain
+    big = "x = 1\n" + "# " + "y" * (agent_mod.PLAIN_MAX + 10) + "\nprint(__name__, x)\n"
+    agent_mod.command.cache_clear()
+    real = agent_mod.source
+    try:
+        agent_mod.source = lambda program: big
+        packed = agent_mod.command("big")
+    finally:
+        agent_mod.source = real
+        agent_mod.command.cache_clear()
+    assert len(packed) < 10_000
+    r = subprocess.run([sys.executable, "-c", packed], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == "__main__ 1\n", r.stderr
 
 
 def test_the_joined_program_answers_usage_and_unknown_commands(tmp_path):
@@ -434,3 +458,113 @@ def test_a_run_that_filled_the_disk_is_named_disk_full_not_killed(tmp_path, monk
     log.write_bytes(b"regen: 4/8 rows\n")
     monkeypatch.setattr(common.os, "statvfs", lambda p: os.statvfs_result((4096,) * 2 + (0,) * 8))
     assert common.run_state(str(rundir))[1]["reason"].startswith("disk full: the filesystem of its folder is full")
+
+
+# ---- a target's own files, bounded ----------------------------------------------------------------
+
+BAD_RECORDS = {     # run folder -> (file, its bytes, what status says of it)
+    "b-deep": ("run.json", b"[" * 100_000 + b"]" * 100_000, "run.json: nested more than 32 levels deep"),
+    "b-list": ("run.json", b"[]", "run.json: a JSON list, not an object"),
+    "b-cut": ("run.json", b'{"run": "b-cut", "started_ts": 1', "run.json: not JSON (Expecting"),
+    "b-type": ("run.json", b'{"gpus": "two", "started_ts": 1}', "run.json: gpus: expected an integer, got a string"),
+    "b-nodes": ("run.json", b'{"nodes": {"targets": [{}]}}', "run.json: nodes.targets: expected a list of a string"),
+    "b-big": ("run.json", b'{"x": "' + b"a" * (1 << 20) + b'"}', "run.json: larger than 1 MB"),
+    "b-utf8": ("run.json", b'{"x": "\xff"}', "run.json: not UTF-8 text"),
+    "b-exit": ("exit.json", b'{"state": "failed", "exit_code": "x"}', "exit.json: exit_code: expected an integer"),
+    "b-state": ("exit.json", b'{"state": 5}', "exit.json: state: expected a string, got a number"),
+    "b-word": ("exit.json", b'{"state": "running"}', "exit.json: state: expected one of succeeded, failed, stopped"),
+    "b-fifo": ("exit.json", None, "exit.json: not a regular file"),
+}
+
+
+def _bad_runs(wd):
+    for run, (name, data, _) in BAD_RECORDS.items():
+        folder = wd / "runs" / run
+        folder.mkdir(parents=True)
+        (folder / "train.log").write_text("a line of the log\n")
+        if name == "exit.json":
+            (folder / "run.json").write_text(json.dumps({"run": run, "started_ts": 1.0}))
+        if data is None:
+            os.mkfifo(folder / name)
+        else:
+            (folder / name).write_bytes(data)
+
+
+def test_a_bad_state_file_makes_its_run_unreadable_and_every_other_run_works(wd):
+    """run.json / exit.json that are 100,000 levels deep, a list, cut short, of other types, too big,
+    not UTF-8 or a FIFO: that run is listed `unreadable` with the reason (never dropped, never a
+    traceback), every other run reads as before, prune keeps it and names it, rm removes it."""
+    launch(wd, "g-a", extra=["--steps", "1"])
+    ended(wd, "g-a")
+    _bad_runs(wd)
+    start = time.monotonic()
+    doc = json.loads(agent("status", wd).stdout)
+    assert time.monotonic() - start < 20
+    rows = {r["run"]: r for r in doc["runs"]}
+    assert set(rows) == {"g-a", *BAD_RECORDS} and rows["g-a"]["state"] == "succeeded"
+    for run, (_, _, reason) in BAD_RECORDS.items():
+        assert rows[run]["state"] == "unreadable" and rows[run]["reason"].startswith(reason), (run, rows[run])
+        assert rows[run]["log_bytes"] == len("a line of the log\n")
+    # the one run named: status, follow (its log, then the reason), stop (nothing to stop)
+    assert state(wd, "b-deep")["state"] == "unreadable"
+    r = agent("follow", wd, "--offset", "0", "--no-follow", "--", "b-list")
+    assert r.stdout.splitlines()[1:] == [b"a line of the log"]
+    end = json.loads(r.stderr.decode().splitlines()[-1])["end"]
+    assert end["state"] == "unreadable" and end["reason"] == "run.json: a JSON list, not an object"
+    stop = json.loads(agent("stop", wd, "--", "b-cut").stdout)
+    assert stop["already"] and stop["state"] == "unreadable"
+    resumed = launch(wd, "x", resume="b-type")
+    assert resumed["reason"] == "not_resumable" and "b-type is unreadable" in resumed["message"]
+    # prune cannot tell whether they ended: kept, named
+    doc = json.loads(agent("prune", wd, "--keep", "0", "--dry-run").stdout)
+    assert [r["run"] for r in doc["removed"]] == ["g-a"]
+    assert {u["run"] for u in doc["unreadable"]} == set(BAD_RECORDS) and set(BAD_RECORDS) <= set(doc["kept"])
+    # rm removes each, the dry run first
+    doc = json.loads(agent("rm", wd, "--dry-run", "--", "b-deep").stdout)
+    assert [(r["run"], r["state"]) for r in doc["removed"]] == [("b-deep", "unreadable")]
+    assert (wd / "runs" / "b-deep").exists()
+    doc = json.loads(agent("rm", wd, "--", *BAD_RECORDS).stdout)
+    assert sorted(r["run"] for r in doc["removed"]) == sorted(BAD_RECORDS) and not doc["missing"]
+    assert doc["removed"][0]["reason"] and sorted(p.name for p in (wd / "runs").iterdir()) == ["g-a"]
+
+
+def test_an_unreadable_run_whose_slot_a_live_process_holds_is_not_removed(wd):
+    """A run whose records cannot be read is judged by its slot locks: one held by a live process
+    is running, refused by rm like any running run."""
+    launch(wd, "l-a", extra=["--steps", "5000"])
+    (wd / "runs" / "l-a" / "run.json").write_bytes(b"[]")
+    assert state(wd, "l-a")["state"] == "unreadable"
+    doc = json.loads(agent("rm", wd, "--", "l-a").stdout)
+    assert doc["removed"] == [] and doc["refused"] == [{"run": "l-a", "state": "running", "name": None}]
+    lock = json.loads((wd / "locks" / "cpu.json").read_text())
+    os.kill(lock["pid"], signal.SIGKILL)
+    wait_for(lambda: _gone(lock["pid"]), 10, "the trainer to die")
+    os.kill(lock["supervisor_pid"], signal.SIGKILL)
+    wait_for(lambda: _gone(lock["supervisor_pid"]), 10, "the supervisor to die")
+    doc = json.loads(agent("rm", wd, "--", "l-a").stdout)
+    assert [r["run"] for r in doc["removed"]] == ["l-a"]
+
+
+def test_state_files_are_read_in_one_place_with_bounds():
+    """remote/common.load_json: a regular file, at most 1 MB of UTF-8, nested at most 32 deep (checked
+    before parsing: 100,000 levels are refused, not a RecursionError), one JSON object; typed checks
+    each field a reader uses; read_json is the lenient reading (None)."""
+    from orchestrator.remote import common
+
+    ok = {"a": [[[1]]], "s": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}
+    assert common.parse_json(json.dumps(ok)) == ok
+    assert common.parse_json('{"a": ' + "[" * 31 + "]" * 31 + "}") == {"a": eval("[" * 31 + "]" * 31)}
+    for text, why in (("[" * 32 + "]" * 32, "a JSON list"), ("[" * 33 + "]" * 33, "nested more than 32"),
+                      ("{" + '"a":{' * 40 + "}" * 41, "nested more than 32"), ("[" * 100_000, "nested more than 32"),
+                      ("", "not JSON"), ("5", "a JSON number"), ('"x"', "a JSON string"), ("null", "a JSON null")):
+        with pytest.raises(common.BadRecord, match=why):
+            common.parse_json(text)
+    assert common.typed({"pid": True}, {"pid": (int,)}) == "pid: expected an integer, got a boolean"
+    assert common.typed({"t": 1}, {"t": common.NUMBER}) is None and common.typed({"t": None}, {"t": (int,)}) is None
+    assert common.typed({"n": {"k": [1, "x"]}}, {"n": {"k": [(int,)]}}) == "n.k: expected a list of an integer"
+    # a log line is read with the same bounds: a deep one is no metric, never a RecursionError in `status`
+    from orchestrator.remote.runs import common as runs_common
+
+    deep = b'{"step": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert runs_common.metric(deep) is None
+    assert runs_common.metric(b'{"step": 3, "loss": 0.5}') == {"step": 3, "loss": 0.5}

@@ -20,8 +20,10 @@ Library code: returns data or raises OpsError; never prints.
 """
 from __future__ import annotations
 
+import base64
 import json
 import re
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -133,12 +135,69 @@ def _joined(entry: str) -> str:
         lines = text.splitlines(keepends=True)
         for node in reversed(_local_imports(name, text)):
             del lines[node.lineno - 1]
-        texts.append(f"# ---- {part_file(name)} ----\n" + "".join(lines))
+        texts.append(f"# ---- {part_file(name)} ----\n" + "".join(lean(lines)))
     return "\n\n".join(texts)
 
 
+# The program travels as one argument (`python -c SOURCE`, inside the one command line sshd gives
+# the user's shell): Linux takes at most 128 KiB in one (MAX_ARG_STRLEN). What runs is the code;
+# the parts' docstrings and comment lines, about a fifth of their text, stay in the files.
+MAX_SOURCE_BYTES = 128 * 1024
+_DOC = re.compile(r'[rRuU]?"""')
+
+
+def lean(lines: list[str]) -> list[str]:
+    """A part's lines less its docstrings and comment lines: line by line, as `_local_imports` reads
+    (no ast.parse in every command's start). A docstring is a line opening with \"\"\" where a
+    statement may start right after a `:` line or at the top; its block keeps a `pass` when it held
+    nothing else. tests/test_agent.py holds the result to ast's reading: the same code, less the
+    docstrings."""
+    out: list[str] = []
+    closing = False         # inside a docstring, until its closing quotes
+    may_doc = True          # the last code line opened a block (or none yet: the module's docstring)
+    pending: str | None = None      # the indentation of a dropped docstring whose block may be empty
+    for line in lines:
+        text = line.strip()
+        if closing:
+            closing = '"""' not in text
+            continue
+        if not text or text.startswith("#"):
+            continue
+        indent = line[:len(line) - len(line.lstrip())]
+        if may_doc and _DOC.match(text):
+            closing = text.count('"""') < 2
+            pending, may_doc = indent, False
+            continue
+        if pending is not None and len(indent) < len(pending):
+            out.append(pending + "pass\n")
+        pending = None
+        out.append(line)
+        may_doc = text.endswith(":")
+    if pending is not None:
+        out.append(pending + "pass\n")
+    return out
+
+
+# Linux caps one argument at 128 KiB (MAX_ARG_STRLEN; `Argument list too long` past it, from the
+# target's shell). A program's source larger than this travels compressed, unpacked by a one-line
+# launcher in the same `-c`: the runs agent passed 128 KiB as plain text.
+PLAIN_MAX = 96 * 1024
+
+
 def argv(target: Target, program: str, args: Sequence[str]) -> list[str]:
-    return [target.python, *OPTIONS.get(program, ()), "-c", source(program), *args]
+    return [target.python, *OPTIONS.get(program, ()), "-c", command(program), *args]
+
+
+@lru_cache(maxsize=None)
+def command(program: str) -> str:
+    """The `-c` text of `program`: its source, or where that is past PLAIN_MAX, a launcher that
+    decompresses and runs it in the same namespace (`__name__` is "__main__" either way)."""
+    text = source(program)
+    if len(text.encode()) <= PLAIN_MAX:
+        return text
+    packed = base64.b85encode(zlib.compress(text.encode(), 9)).decode("ascii")
+    return (f"import base64,zlib;exec(compile(zlib.decompress(base64.b85decode({packed!r})),"
+            f"'<dflash-ops {program}>','exec'))")
 
 
 # --- typed replies ------------------------------------------------------------------------------
@@ -196,9 +255,11 @@ def call(t: Transport, target: Target, program: str, args: Sequence[str], *, wha
         raise failed
     lines = r.stdout.decode(errors="replace").strip().splitlines()
     try:
-        doc = json.loads(lines[-1])
-    except (IndexError, ValueError):
-        raise StepFailed(target.name, what, r.exit_code, f"unreadable reply: {r.stdout[-200:]!r}") from None
+        doc = json.loads(lines[-1])      # the agent's own document (its records are bounded there)
+    except (IndexError, ValueError, RecursionError):
+        doc = None
+    if not isinstance(doc, dict):
+        raise StepFailed(target.name, what, r.exit_code, f"unreadable reply: {r.stdout[-200:]!r}")
     return reply(target, doc)
 
 
