@@ -110,6 +110,6 @@ if [ "${COSTS:-1}" = 1 ]; then
     tail -n 2 "$OUT/costs-compiled.log" >&2
 fi
 # every prompt compiled: ~4 minutes more, past one session's device time after the train stage (COMPILED=1)
-[ "${COMPILED:-0}" = 1 ] && sd graphs-bf16-compiled --engine graphs --dtype bfloat16 --compile
+[ "${COMPILED:-0}" = 1 ] && sd graphs-bf16-compiled --engine graphs --dtype bfloat16 --compile on
 phase "done (exit $rc)"
 exit $rc

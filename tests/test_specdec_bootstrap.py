@@ -58,3 +58,28 @@ def test_a_document_with_per_prompt_records(tmp_path, capsys):
 def test_an_old_document_is_refused_with_one_line(capsys):
     assert main([str(R5 / "specdec-main-speed.json")]) == 2
     assert "give its log instead" in capsys.readouterr().err
+
+
+G8 = REPO / "docs" / "data" / "decode-engines-h200-2026-12-03b"
+
+
+def test_g8s_documents_print_the_lossless_one_first_then_the_sample_then_the_subsets(capsys):
+    bf16, fp32 = G8 / "specdec-graphs-bf16.json", G8 / "specdec-graphs-fp32.json"
+    assert main([str(bf16), str(fp32), "--resamples", "200"]) == 0
+    out = capsys.readouterr().out
+    first, second = out.split(f"{bf16}:")
+    assert first.startswith(f"{fp32}: fp32, lossless (240/240 equal")
+    lines = second.splitlines()
+    assert lines[0] == " bf16, 137/240 equal (max margin 0.125 where they differ, 48 exact ties)"
+    assert lines[1].startswith("  one-token prompts") and ": 39 of 240" in lines[1]
+    assert lines[2].startswith("  outputs ending in an exact loop") and "): 45 (by period 2: 5, 3: 7," in lines[2]
+    assert [line.split(" (n ")[1].split(")")[0] for line in lines[3:6]] == ["240", "201", "156"]
+    assert lines[3].startswith("  all prompts (n 240): tau 2.90 (95% ") and "speedup 1.70x" in lines[3]
+
+
+def test_g8s_document_as_json_with_drop_tau(capsys):
+    assert main([str(G8 / "specdec-graphs-bf16.json"), "--json", "--resamples", "100", "--drop-tau", "10"]) == 0
+    split, without = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert split["dtype"] == "bfloat16" and split["agreement"].startswith("bf16, 137/240 equal")
+    assert split["all"]["prompts"] == 240 and len(split["one_token"]) == 39
+    assert without["dropped"] > 0 and without["prompts"] == 240 - without["dropped"]

@@ -20,6 +20,8 @@ from trainer.errors import EXIT_PEER_FAILED, UsageError
 from trainer.run.config import EMULATE_ALONE, PRECISIONS, build_parser, check_before_launch
 # the run log: the events also written as text lines, and tau with its interval as the log writes it
 from trainer.run.log import TWINNED, tau_text
+# how a decode's outputs compare with the target alone's, as specdec says it (lossless first)
+from trainer.run.decode_sample import agreement
 # regen's reader of a prompts file, so bad rows are refused before a launch
 from trainer.run.regen import read_prompts
 # the lock file that names its holder (stdlib only), the one under the trainer's one writer per
@@ -33,4 +35,4 @@ from trainer.signatures import Catalog, CatalogError, load_catalog
 
 __all__ = ["POLICY_NAMES", "EXIT_PEER_FAILED", "UsageError", "EMULATE_ALONE", "PRECISIONS", "build_parser",
            "check_before_launch", "TWINNED", "tau_text", "read_prompts", "Catalog", "CatalogError",
-           "load_catalog", "LockHeld", "LockUnopened", "lock_file", "not_an_export", "NotOurs", "swap_in"]
+           "load_catalog", "LockHeld", "LockUnopened", "lock_file", "not_an_export", "NotOurs", "swap_in", "agreement"]

@@ -30,7 +30,7 @@ from orchestrator.runs.regen import check_prompts
 from orchestrator.ssh import agent
 from orchestrator.ssh.session import Session
 from orchestrator.ssh.hold import Hold
-from trainer.controller_view import tau_text
+from trainer.controller_view import agreement, tau_text
 
 TIMEOUT_S = 6 * 3600.0
 ENGINES = ("graphs", "eager")           # trainer.specdec --engine: CUDA graphs over static caches, or eager code
@@ -119,32 +119,28 @@ def _refusal(target: Target, run: str, refused: agent.Refused) -> OpsError:
 
 
 def summary(doc: dict) -> str:
-    """The one line: the engine, tau and the speedup with their per-prompt intervals, agreement with the
-    target alone ("lossless" in float32; in bf16 how many prompts are equal)."""
-    n = doc["prompts"]
+    """The one line, as specdec's own: the agreement with the target alone first ("lossless" only
+    where every output is equal), then tau and the speedup with their per-prompt intervals over the
+    headline's prompts (one-token prompts left out), against the target alone in the same mode."""
+    n = doc.get("headline_prompts", doc["prompts"])
     tau = f"tau {tau_text(doc['tau'], doc.get('tau_ci95'), doc.get('rounds'), digits=2)}"
-    engine = doc.get("engine", "eager")
-    how = f"{engine}{' (CUDA graphs)' if doc.get('graphed') else ''}, {doc.get('dtype', 'float32')}"
+    mode = (doc.get("mode") or {}).get("spec") or doc.get("engine", "eager")
     speedup = f"speedup {doc['speedup']:.2f}x"
     ci = doc.get("speedup_ci95")
     if ci:
         speedup += f" (95% {ci[0]:.2f}-{ci[1]:.2f}x, median per prompt {doc['speedup_median']:.2f}x)"
+    speedup += f" against the target alone, both {mode}"
     if doc["speedup"] < 1:
         speedup += ": SLOWER than the target alone"
     need = (doc.get("cost_model") or {}).get("tau_for_2x")
-    if need and doc["speedup"] < 2:     # what the drafter must reach at these round costs (docs/decoding.md)
+    if need and doc["speedup"] < 2:     # what the drafter must reach at these costs (docs/decoding.md)
         speedup += f"; 2x needs tau {need:.2f}"
-    if doc["lossless"]:
-        agree = "lossless yes"
-    elif doc.get("strict", True):
-        agree = "lossless no"
-    else:
-        agree = (f"{doc.get('equal_prompts')}/{n} prompts equal to the target alone (bf16 rounding: see "
-                 "per_prompt margins in --json)")
-    return (f"{doc['target']}: run {doc['run']} step {doc['step']}, {n} prompts "
-            f"({doc['prompts_source']}), {doc['tokens']} tokens, engine {how}: {tau}; "
-            f"{doc['target_tokens_per_s']:.1f} tokens/s alone, "
-            f"{doc['spec_tokens_per_s']:.1f} with the drafter, {speedup}; {agree}")
+    left = f", {doc['one_token_prompts']} one-token prompt(s) left out" if doc.get("one_token_prompts") else ""
+    loops = f"; {doc['loop_prompts']} output(s) end in a loop" if doc.get("loop_prompts") else ""
+    return (f"{doc['target']}: run {doc['run']} step {doc['step']}: {agreement(doc)}; {n} prompts "
+            f"({doc['prompts_source']}{left}), {doc['tokens']} tokens, {doc.get('dtype', 'float32')}: {tau}; "
+            f"{doc['target_tokens_per_s']:.1f} tokens/s alone, {doc['spec_tokens_per_s']:.1f} with the drafter, "
+            f"{speedup}{loops}")
 
 
 __all__ = ["bench_decode", "summary", "NotLossless"]

@@ -3,7 +3,7 @@
 `trainer.specdec --engine graphs` (the default) decodes with these; `--engine eager` keeps the
 transformers-cache path of trainer/run/eval.py. The arithmetic is the same (tests/test_decode_graphs.py
 compares both token for token, and the target's logits with transformers' own forward); what changes
-is what a step costs on a GPU. In eager code a step is ~90% Python and kernel launches, so a 16-token
+is what a step costs on a GPU. In eager code a step is mostly Python and kernel launches, so a 16-token
 verify costs what a 1-token step costs; serving engines (vLLM, SGLang) replay CUDA graphs over a static
 cache, where the step costs its kernels, and the drafter's own cost decides the speedup.
 
@@ -21,9 +21,14 @@ cache, where the step costs its kernels, and the drafter's own cost decides the 
   short by the token budget (the last of a prompt) drafts its shorter block from a graph of its own
   and verifies the full block (the target is causal: the extra positions change nothing before them).
   On a CPU nothing is captured: the same functions run eagerly (the CPU suite checks them against eager).
+  The prompt's forward is padded to a length bucket and replayed from a graph per bucket too, so the
+  decode alone and the decode with the drafter pay the same for it, and neither pays eager launches.
+- `GraphDecoder.step_costs`: each captured step replayed alone, the costs the model of a decode
+  (trainer/run/decode_model.py) predicts from, printed beside what the decodes measured.
 """
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -33,6 +38,7 @@ import torch.nn.functional as F
 
 from trainer.errors import UsageError
 from trainer.model.drafter import Drafter, apply_rope, rope_cos_sin
+from trainer.run.decode_model import RoundCosts
 from trainer.run.eval import Timing
 
 
@@ -158,6 +164,16 @@ class StaticDrafter:
         return d.logits(x[:, 1:])[0].argmax(-1)
 
 
+def prefill_bucket(n: int, room: int) -> int:
+    """The padded length a prompt of n tokens is run at: powers of two from 16 up to 256, then multiples
+    of 256 (a graph per bucket, at most twice the tokens of the prompt, few graphs for long prompts),
+    never past the caches' `room`."""
+    b = 16
+    while b < n:
+        b = b * 2 if b < 256 else b + 256
+    return min(b, room)
+
+
 # --------------------------------------------------------------------------- capture
 
 class _Graph:
@@ -247,9 +263,19 @@ class GraphDecoder:
         self.choice = torch.zeros(B, dtype=torch.long, device=dev)
         self.feats: torch.Tensor | None = None      # the target's features of a verify (made by the first)
         self.margins = torch.zeros(room + 1, dtype=torch.float32, device=dev)  # by the predicted token's position
+        # The prompt's forward: padded to a length bucket (prefill_bucket) and replayed from a graph per
+        # bucket, captured at its first use, so neither decode pays the launches of an eager forward
+        self.room = room
+        self.prompt_ids = torch.zeros(room, dtype=torch.long, device=dev)
+        self.positions = torch.arange(room, device=dev)
+        self.zero = torch.zeros((), dtype=torch.long, device=dev)
+        self.pre_choice = torch.zeros(room, dtype=torch.long, device=dev)
+        self.pre_margin = torch.zeros(room, dtype=torch.float32, device=dev)
+        self.g_prefill: dict[tuple[int, bool], _Graph] = {}
         self.captured = graphs and dev.type == "cuda"
         pool = torch.cuda.graph_pool_handle() if self.captured else None
         make = (lambda fn: _Graph(fn, dev, pool)) if self.captured else (lambda fn: _Graph(fn, torch.device("cpu")))
+        self._make = make
         self.clock = _Clock(dev)
         # Shapes are fixed before capture: one full round's verify gives feats its (B, n*H) shape
         self._verify(B)
@@ -263,7 +289,7 @@ class GraphDecoder:
         # under compile too (inductor would recompile per length). Its verify and extend replay the full
         # block's graphs: the target is causal, so its choices at the first vs positions are the same,
         # and what lands past them in the caches is never seen (masked by position, then overwritten).
-        # Uncaptured, these rounds cost ~20 ms each: most of a prompt's last 16 tokens.
+        # Uncaptured, these rounds would pay eager launches: most of a prompt's last B tokens (docs/decoding.md).
         self.g_short = {vs: make(lambda vs=vs: self._draft(vs)) for vs in range(2, B)}
         self.graphed = self.captured and all(g.graph is not None for g in (self.g_draft, self.g_verify,
                                                                           self.g_extend, self.g_step,
@@ -294,13 +320,26 @@ class GraphDecoder:
         self.anchor.copy_(choice)
         self.p.add_(1)
 
-    def _prefill(self, prompt: list[int], *, features: bool) -> int:
-        ids = torch.tensor([prompt], device=self.dev)
-        choice, margin, feats = self.t.forward(ids, torch.arange(len(prompt), device=self.dev), features=features)
-        self.margins[len(prompt)] = margin[-1]
+    def _prefill_bucket(self, n: int, features: bool) -> None:
+        """The prompt's forward over the first n positions of prompt_ids (n: a bucket's length). Past the
+        prompt, the padding's keys and features land at positions no step sees before it overwrites
+        them (the verify's argument above), and the target is causal: the prompt's choices are its own."""
+        choice, margin, feats = self.t.forward(self.prompt_ids[:n][None], self.positions[:n], features=features)
+        self.pre_choice[:n].copy_(choice)
+        self.pre_margin[:n].copy_(margin)
         if features:
-            self.d.extend(feats, torch.zeros((), dtype=torch.long, device=self.dev))
-        return int(choice[-1])
+            self.d.extend(feats, self.zero)
+
+    def _prefill(self, prompt: list[int], *, features: bool) -> int:
+        n = len(prompt)
+        b = prefill_bucket(n, self.room)
+        self.prompt_ids[:n].copy_(torch.tensor(prompt), non_blocking=False)
+        key = (b, features)
+        if key not in self.g_prefill:   # captured at the first prompt of this bucket (a warm-up, untimed)
+            self.g_prefill[key] = self._make(lambda: self._prefill_bucket(b, features))
+        self.g_prefill[key].replay()
+        self.margins[n] = self.pre_margin[n - 1]
+        return int(self.pre_choice[n - 1])
 
     def _fits(self, prompt: list[int], max_new_tokens: int) -> None:
         if len(prompt) + max_new_tokens > self.max_len:
@@ -311,6 +350,66 @@ class GraphDecoder:
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)
         return time.perf_counter()
+
+    # -- what each step costs alone (the model of trainer/run/decode_model.py)
+    @torch.no_grad()
+    def step_costs(self, prompt_len: int, *, reps: int = 20, batches: int = 5) -> RoundCosts:
+        """Each step on its own, in seconds: the one-token step and a whole round each with their host
+        synchronisation, as the decodes make them; draft, verify and extend replayed back to back (the
+        host launches ahead: their device cost); the prompt's forward at prompt_len's bucket without and
+        with the drafter's features. Leaves the caches holding garbage: call it after the decodes."""
+        p0 = max(1, min(prompt_len, self.max_len - 1))
+        n = max(1, reps // batches)
+        slow = max(1, n // 5)     # a prompt's forward costs many steps
+
+        def step() -> None:
+            self.g_step.replay()
+            int(self.anchor)
+
+        def round_() -> None:      # as speculative() runs one: set anchor and position, three replays, one read
+            self._at(p0)
+            self.g_draft.replay()
+            self.g_verify.replay()
+            self.g_extend.replay()
+            torch.cat([self.drafted, self.choice]).tolist()
+
+        prompt = [0] * p0
+        costs = self._timed(
+            {"step": (step, max(1, min(n, self.room - p0 - 2))),   # each replay moves p on by one
+             "draft": (self.g_draft.replay, n), "verify": (self.g_verify.replay, n),
+             "extend": (self.g_extend.replay, n), "round": (round_, n),
+             "prefill_alone": (lambda: self._prefill(prompt, features=False), slow),
+             "prefill_spec": (lambda: self._prefill(prompt, features=True), slow)}, p0, batches)
+        return RoundCosts(**costs)
+
+    @torch.no_grad()
+    def prefill_costs(self, prompt_len: int, *, reps: int = 20, batches: int = 5) -> tuple[float, float]:
+        """Seconds of the prompt's forward at prompt_len's bucket, (without, with) the drafter's features,
+        host synchronisation included, as the decodes pay it."""
+        prompt = [0] * max(1, min(prompt_len, self.max_len - 1))
+        slow = max(1, reps // batches // 5)
+        c = self._timed({"alone": (lambda: self._prefill(prompt, features=False), slow),
+                         "spec": (lambda: self._prefill(prompt, features=True), slow)}, len(prompt), batches)
+        return c["alone"], c["spec"]
+
+    def _at(self, p: int) -> None:
+        self.anchor.fill_(0)
+        self.p.fill_(p)
+
+    def _timed(self, parts: dict, p0: int, batches: int) -> dict[str, float]:
+        """{name: (one call, calls a batch)} -> seconds a call, the median of `batches` batch means. The
+        parts' batches take turns after one untimed round (which captures a new bucket's prefill), so a
+        change in a shared machine's load reaches every part alike."""
+        means: dict[str, list[float]] = {k: [] for k in parts}
+        for b in range(batches + 1):
+            for name, (once, calls) in parts.items():
+                self._at(p0)
+                t0 = self._sync()
+                for _ in range(calls):
+                    once()
+                if b:
+                    means[name].append((self._sync() - t0) / calls)
+        return {k: statistics.median(v) for k, v in means.items()}
 
     # -- decoding
     @torch.no_grad()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,9 +29,10 @@ import torch
 from trainer import faults
 from trainer.files import atomic_file
 from trainer.model.drafter import Drafter, DrafterConfig
-from trainer.run.decode_graphs import Decoded, GraphDecoder
+from trainer.run.decode_graphs import Decoded, GraphDecoder, prefill_bucket
+from trainer.run.decode_model import RoundCosts, predict_prompt, tau_for
+from trainer.run.decode_sample import agreement, one_token, split_figures
 from trainer.run.eval import Timing, clock, speculative_generate, summarize
-from trainer.run.stats import cluster_bootstrap
 from trainer.run.log import tau_text
 from trainer.writer_lock import output_lock
 
@@ -92,13 +94,29 @@ class EagerDecoder:
         return Decoded(out, t, produced, drafts)
 
 
+def fastest_compile(device: torch.device) -> bool:
+    """Whether the graphs engine's fastest mode compiles each captured step: on a GPU, where inductor's
+    fused kernels shorten a launch-bound step; not on a CPU, where compiling costs minutes and nothing
+    is captured. One choice for both decodes (measure() builds one decoder for the two), so the
+    speedup is always the fastest decode with the drafter against the fastest decode alone."""
+    return device.type == "cuda"
+
+
 def decoder(engine: str, target, drafter: Drafter, prompts: list[list[int]], max_new_tokens: int, *,
             compile: bool = False):
-    """The engine's decoder for these prompts: "graphs" (static caches, CUDA graphs on a GPU; compile: each
-    captured step compiled by inductor first) or "eager"."""
+    """The engine's decoder for these prompts, the same for the target alone and with the drafter:
+    "graphs" (static caches, CUDA graphs on a GPU; compile: each captured step compiled by inductor
+    first) or "eager"."""
     if engine == "eager":
         return EagerDecoder(target, drafter)
     return GraphDecoder(target, drafter, max(map(len, prompts), default=1) + max_new_tokens, compile=compile)
+
+
+def mode_name(engine: str, graphed: bool, compiled: bool) -> str:
+    """How a decode ran, in words: "graphs+compile", "graphs", "graphs (uncaptured)", "eager"."""
+    if engine == "eager":
+        return "eager"
+    return "graphs" + ("+compile" if compiled else "") + ("" if graphed else " (uncaptured)")
 
 
 # --------------------------------------------------------------------------- measuring
@@ -147,16 +165,22 @@ def load_drafter(path: str, target, device, dtype, *, untrained: bool = False) -
 
 def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_tokens: int, warmup: int = 1,
             baseline: bool = True, engine: str = "graphs", strict: bool | None = None, resamples: int = 10_000,
-            seed: int = 0, compile: bool = False, log=print) -> dict:
-    """Both decodes of every prompt under one engine ("graphs" or "eager"), and the document.
+            seed: int = 0, compile: bool | None = None, cost_reps: int | None = None, log=print) -> dict:
+    """Both decodes of every prompt with one decoder (so both in the same mode: compile None picks the
+    fastest, fastest_compile), and the document.
 
     strict (default: when the models run in float32): any prompt whose output differs from the target's
     own greedy decode raises NotLossless. Otherwise (bf16, where a 16-token verify and a 1-token step
     may round a near-tie differently) each prompt says whether it is equal and, where not, the first new
-    token that differs and the target's top-2 logit margin there. baseline=False: only the speculative
-    decode (tau and acceptance; no equality, no speedup)."""
+    token that differs and the target's top-2 logit margin there. Every prompt's target-alone tokens are
+    kept, so equality can be checked again from the document alone. baseline=False: only the
+    speculative decode (tau and acceptance; no equality, no speedup). After the decodes, the graphs
+    engine's steps are timed alone (cost_reps replays each; default 20 on a GPU, 3 on a CPU) for the
+    model that predicts the decode (trainer/run/decode_model.py)."""
     if strict is None:
         strict = next(target.model.parameters()).dtype == torch.float32
+    if compile is None:
+        compile = engine == "graphs" and fastest_compile(target.device)
     dec = decoder(engine, target, drafter, prompts, max_new_tokens, compile=compile)
     for p in prompts[:warmup]:  # kernels, allocator, caches: not timed
         dec.target_alone(p, min(16, max_new_tokens))
@@ -165,10 +189,12 @@ def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_token
     rows, drafts = [], []
     started = time.perf_counter()
     for i, p in enumerate(prompts):
-        # Untimed, the prompt's forward once at its length: a length seen for the first time cost ~45 ms
-        # more in bf16 on an H200 (60 vs 16 ms, a per-shape set-up), paid by whichever decode came first
-        # (docs/decoding.md, "Per prompt")
+        # Untimed, the prompt's forward once at its length for each decode: a length seen for the first
+        # time costs a per-shape set-up (a bucket's graph capture, in the graphs engine), paid by
+        # whichever decode came first (docs/decoding.md, "Per prompt")
         dec.speculative(p, 1)
+        if baseline:
+            dec.target_alone(p, 1)
         s = dec.speculative(p, max_new_tokens)
         row = {"prompt_tokens": len(p), "tokens": s.tokens, "rounds": s.produced,
                "accepted": [a for a, _ in s.drafts], "spec_s": s.spent.total, "spec_prefill_s": s.spent.prefill}
@@ -182,7 +208,7 @@ def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_token
                 ref = ref[:-1] + [ref[-1] + 1]
             alone.add(r.spent)
             row.update(alone_s=r.spent.total, alone_prefill_s=r.spent.prefill, alone_tokens=len(ref),
-                       equal=s.tokens == ref)
+                       target_tokens=ref, equal=s.tokens == ref)
             if s.tokens != ref:
                 k = next((j for j, (x, y) in enumerate(zip(s.tokens, ref)) if x != y), min(len(s.tokens), len(ref)))
                 margin = r.margins[k] if k < len(r.margins) else None
@@ -190,7 +216,7 @@ def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_token
                     raise NotLossless(f"prompt {i}: speculative output differs from the target's greedy decode at new "
                                       f"token {k} ({s.tokens[k:k + 1]} vs {ref[k:k + 1]}; the target's top-2 margin "
                                       f"there {margin if margin is None else round(margin, 4)}): NOT lossless")
-                row.update(target_tokens=ref, first_diff=k, margin=margin)
+                row.update(first_diff=k, margin=margin)
             speed = f"{len(ref) / r.spent.total:.1f} -> {speed}"
         rows.append(row)
         tau = f"tau {sum(s.produced) / len(s.produced):.2f}" if s.produced else "no rounds (the prompt's token only)"
@@ -200,43 +226,67 @@ def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_token
         eta = f", eta {left:.0f}s" if i + 1 < len(prompts) else ""
         log(f"specdec: prompt {i + 1}/{len(prompts)}: {len(s.tokens)} tokens, {len(s.produced)} rounds, {tau}, "
             f"{speed}{differ}{eta}")
+    costs = None
+    if isinstance(dec, GraphDecoder) and rows:
+        reps = cost_reps or (20 if dec.dev.type == "cuda" else 3)
+        log(f"specdec: timing each step alone ({reps} replays each) for the model of the decode")
+        lengths = sorted(len(p) for p in prompts)
+        costs = {"parts": dec.step_costs(lengths[len(lengths) // 2], reps=reps),
+                 # the prompt's forward, timed once per bucket at the longest prompt in it
+                 "prefill": {b: dec.prefill_costs(n, reps=reps)
+                             for b, n in {prefill_bucket(n, dec.room): n for n in lengths}.items()},
+                 "bucket": lambda n: prefill_bucket(n, dec.room)}
     return document(rows, drafts, alone if baseline else None, spec, drafter.cfg.block_size, engine=engine,
-                    graphed=dec.graphed, strict=strict, resamples=resamples, seed=seed)
+                    graphed=dec.graphed, compiled=bool(getattr(dec, "compiled", False)), strict=strict,
+                    resamples=resamples, seed=seed, costs=costs)
 
 
 def document(rows: list[dict], drafts: list[tuple[int, int]], alone: Timing | None, spec: Timing, block_size: int, *,
-             engine: str, graphed: bool, strict: bool, resamples: int, seed: int) -> dict:
-    """The result document of measure(): the figures over all prompts with per-prompt (cluster) bootstrap
-    intervals, where the time went, the model of a round's cost, and every prompt's tokens and rounds."""
+             engine: str, graphed: bool, strict: bool, resamples: int, seed: int, compiled: bool = False,
+             costs: dict | None = None) -> dict:
+    """The result document of measure(). The headline tau and speedup leave out the prompts whose
+    target alone ends the text at once (no round: they say nothing of the drafter); `sample` gives the
+    figures for all prompts, without those, and without those and the outputs that end in a loop, each
+    with per-prompt (cluster) bootstrap intervals (trainer/run/decode_sample.py). Then where the time
+    went, the model of the decode against the measurement, and every prompt's tokens and rounds."""
     produced = [n for r in rows for n in r["rounds"]]
     summary = summarize(produced, drafts, block_size)
     tau, per_round_ci = summary.pop("acceptance_length"), summary.pop("tau_ci95")
     baseline = alone is not None
-    n_spec = sum(len(r["tokens"]) for r in rows)
-    boot = cluster_bootstrap([r["rounds"] for r in rows], tokens=[len(r["tokens"]) for r in rows],
-                             spec_s=[r["spec_s"] for r in rows] if baseline else None,
-                             tokens_alone=[r["alone_tokens"] for r in rows] if baseline else None,
-                             alone_s=[r["alone_s"] for r in rows] if baseline else None,
-                             resamples=resamples, seed=seed)
-    s_rate = n_spec / spec.total
-    n_alone = sum(r["alone_tokens"] for r in rows) if baseline else 0
-    a_rate = n_alone / alone.total if alone is not None else None    # baseline
+    sample = split_figures(rows, resamples=resamples, seed=seed)
+    for loop in sample["loops"]:
+        rows[loop["prompt"]]["loop_period"] = loop["period"]
+    head = sample["excluding_one_token"] if sample["excluding_one_token"]["prompts"] else sample["all"]
+    kept = [r for r in rows if not one_token(r)] if head is sample["excluding_one_token"] else rows
+    s_rate = sum(len(r["tokens"]) for r in kept) / max(1e-12, sum(r["spec_s"] for r in kept))
+    a_rate = sum(r["alone_tokens"] for r in kept) / max(1e-12, sum(r["alone_s"] for r in kept)) if baseline else None
     rounds = max(1, len(produced))
-    # A round's cost and a token's: the decode after the prompt's forward, per round and per token
+    # A round's cost and a token's, from the decodes' own totals: the decode after the prompt's forward
     t_round = (spec.total - spec.prefill) / rounds
+    n_alone = sum(r["alone_tokens"] for r in rows) if baseline else 0
     t_token = (alone.total - alone.prefill) / max(1, n_alone - len(rows)) if alone is not None else None
     on_device = spec.verify - spec.prefill + spec.draft + spec.extend
     equal = sum(bool(r.get("equal")) for r in rows) if baseline else None
-    return {"engine": engine, "graphed": graphed, "strict": strict,
-            "lossless": (equal == len(rows)) if baseline else None, "equal_prompts": equal,
-            "prompts": len(rows), "tokens": n_spec,
-            "tau": tau, **summary, "tau_ci95": boot["tau_ci95"],
+    differ = [r["margin"] for r in rows if baseline and not r["equal"] and r.get("margin") is not None]
+    n = max(1, len(rows))
+    return {"engine": engine, "graphed": graphed, "compiled": compiled,
+            # both decodes ran on one decoder: the same mode, the fastest the engine has unless asked otherwise
+            "mode": {"alone": mode_name(engine, graphed, compiled) if baseline else None,
+                     "spec": mode_name(engine, graphed, compiled)},
+            "strict": strict, "lossless": (equal == len(rows)) if baseline else None, "equal_prompts": equal,
+            "max_margin": max(differ) if differ else None,
+            "prompts": len(rows), "tokens": sum(len(r["tokens"]) for r in rows),
+            "headline": "excluding_one_token" if head is sample["excluding_one_token"] else "all",
+            "headline_prompts": head["prompts"], "one_token_prompts": len(sample["one_token"]),
+            "loop_prompts": len(sample["loops"]),
+            "tau": tau, **summary, "tau_ci95": head["tau_ci95"],
             # the interval that treats every round as independent (it is not: rounds within a prompt are
             # correlated), kept to compare with earlier figures
             "tau_ci95_rounds": per_round_ci,
             "target_tokens_per_s": a_rate, "spec_tokens_per_s": s_rate,
-            "speedup": s_rate / a_rate if a_rate is not None else None, "speedup_ci95": boot.get("speedup_ci95"),
-            "speedup_median": boot.get("speedup_median"), "speedup_mean": boot.get("speedup_mean"),
+            "speedup": head["speedup"], "speedup_ci95": head["speedup_ci95"],
+            "speedup_median": head["speedup_median"], "speedup_mean": head["speedup_mean"],
+            "sample": sample,
             "bootstrap": {"unit": "prompt", "resamples": resamples, "seed": seed},
             "time_share": {"target_verify": spec.verify / spec.total,
                            "drafter": (spec.draft + spec.extend) / spec.total,
@@ -246,38 +296,68 @@ def document(rows: list[dict], drafts: list[tuple[int, int]], alone: Timing | No
                              "host": 1e3 * max(0.0, spec.total - spec.prefill - on_device) / rounds,
                              "all": 1e3 * t_round},
             "target_ms_per_token": 1e3 * t_token if t_token is not None else None,
-            # the prompt's forward, outside the model below: a fixed cost per prompt for each decode
-            "prefill_ms_per_prompt": {"spec": 1e3 * spec.prefill / max(1, len(rows)),
-                                      "alone": 1e3 * alone.prefill / max(1, len(rows)) if alone is not None else None},
-            # speedup ~ tau * (a token's cost alone) / (a round's cost): the model the measurement checks,
-            # and the tau at which the drafter would double the target's speed at this round cost
-            "model": {"speedup": tau * t_token / t_round if t_token is not None and t_round > 0 else None,
-                      "tau_for_2x": 2 * t_round / t_token if t_token else None},
+            "prefill_ms_per_prompt": {"spec": 1e3 * spec.prefill / n,
+                                      "alone": 1e3 * alone.prefill / n if alone is not None else None},
+            "model": _model(rows, head, costs) if baseline else None,
             "per_prompt": rows}
+
+
+def _model(rows: list[dict], head: dict, costs: dict | None) -> dict | None:
+    """The decode predicted from each step's cost measured alone (trainer/run/decode_model.py), beside
+    the measurement, over the headline's prompts; and the tau that 2x and 3x need at the sample's
+    typical prompt (its median length, its mean output), the prompt's forward included."""
+    if costs is None:
+        return None
+    parts: RoundCosts = costs["parts"]
+    keep = [r for r in rows if not one_token(r)] or rows
+    alone_s = spec_s = 0.0
+    for r in keep:
+        pa, ps = costs["prefill"][costs["bucket"](r["prompt_tokens"])]
+        a, b = predict_prompt(replace(parts, prefill_alone=pa, prefill_spec=ps), r["alone_tokens"], len(r["rounds"]))
+        alone_s, spec_s = alone_s + a, spec_s + b
+    n_alone, n_spec = sum(r["alone_tokens"] for r in keep), sum(len(r["tokens"]) for r in keep)
+    measured = {"alone_s": sum(r["alone_s"] for r in keep), "spec_s": sum(r["spec_s"] for r in keep)}
+    new_tokens = round(n_alone / len(keep))
+    return {"source": "each step replayed alone", "prompts": len(keep), "costs_ms": parts.as_ms(),
+            "predicted": {"speedup": (n_spec / spec_s) / (n_alone / alone_s), "alone_s": alone_s, "spec_s": spec_s},
+            "measured": {"speedup": (n_spec / measured["spec_s"]) / (n_alone / measured["alone_s"]), **measured},
+            "speedup": (n_spec / spec_s) / (n_alone / alone_s), "new_tokens": new_tokens,
+            "tau_for_2x": tau_for(parts, 2.0, new_tokens), "tau_for_3x": tau_for(parts, 3.0, new_tokens),
+            "tau_for_2x_long_outputs": tau_for(parts, 2.0), "tau_for_3x_long_outputs": tau_for(parts, 3.0)}
 
 
 # --------------------------------------------------------------------------- python -m trainer.specdec
 
 def result_line(doc: dict) -> str:
-    """The closing line: the engine, tau and the speedup with their per-prompt intervals, agreement."""
-    n = doc["prompts"]
+    """The closing line: the agreement with the target alone first, then tau and the speedup with
+    their per-prompt intervals over the headline's prompts, the mode both decodes ran in, and what
+    the sample holds (one-token prompts left out, outputs ending in a loop)."""
+    n = doc.get("headline_prompts", doc["prompts"])
     ci = doc.get("tau_ci95")
     tau = f"tau {tau_text(doc['tau'], ci, doc['rounds'], f'{n} prompts', digits=2)}"
-    graphs = {"graphs": " (CUDA graphs)" if doc.get("graphed") else " (uncaptured)", "eager": ""}[doc["engine"]]
-    head = f"engine {doc['engine']}{graphs}, {doc.get('dtype', '')}".rstrip(", ")
+    mode = (doc.get("mode") or {}).get("spec") or doc["engine"]
+    left = (f"; {doc['one_token_prompts']} one-token prompt(s) left out" if doc.get("one_token_prompts") else "")
+    loops = doc.get("loop_prompts")
+    if loops:
+        bare = doc["sample"]["excluding_one_token_and_loops"]
+        left += (f"; {loops} output(s) end in a loop (without them: tau {bare['tau']:.2f}"
+                 + (f", {bare['speedup']:.2f}x" if bare.get("speedup") is not None else "") + ")")
     if doc.get("speedup") is None:
-        return f"{head}: {tau}; {doc['spec_tokens_per_s']:.1f} tokens/s drafted (no baseline, no lossless check)"
+        return (f"{mode}, {doc.get('dtype', '')}: {tau}; {doc['spec_tokens_per_s']:.1f} tokens/s drafted "
+                f"(no baseline, no lossless check){left}")
     sci = doc.get("speedup_ci95")
     sp = f"speedup {doc['speedup']:.2f}x" + (f" (95% {sci[0]:.2f}-{sci[1]:.2f}x" if sci else " (") + \
         f"{', ' if sci else ''}median per prompt {doc['speedup_median']:.2f}x, {n} prompts)"
     slower = " (SLOWER than the target alone)" if doc["speedup"] < 1 else ""
-    need = (doc.get("model") or {}).get("tau_for_2x")
-    if need and doc["speedup"] < 2:     # what the drafter must reach at these round costs
-        slower += f"; 2x needs tau {need:.2f}"
-    agree = "lossless" if doc["lossless"] else f"{doc['equal_prompts']}/{n} prompts equal to the target alone"
-    return (f"{head}: {agree}; {tau}; {doc['target_tokens_per_s']:.1f} -> {doc['spec_tokens_per_s']:.1f} tokens/s, "
-            f"{sp}{slower}; drafter {100 * doc['time_share']['drafter']:.0f}% of the time")
-
+    model = doc.get("model") or {}
+    if model.get("source") and model.get("speedup"):   # documents before the model predicted have none
+        slower += f"; predicted {model['speedup']:.2f}x from the steps timed alone"
+    need = model.get("tau_for_2x")
+    if doc["speedup"] < 2:     # what the drafter must reach at these costs, the prompt's forward included
+        slower += f"; 2x needs tau {need:.2f}" if need else "; 2x is out of reach at these costs" if model else ""
+    return (f"{agreement(doc)}; {tau}; {doc['target_tokens_per_s']:.1f} -> {doc['spec_tokens_per_s']:.1f} tokens/s, "
+            f"{sp} against the target alone, both {mode}{slower}; drafter "
+            f"{100 * doc['time_share']['drafter']:.0f}% of the time{left}")
 
 
 def read_prompt_ids(path: str, tokenizer, *, limit: int | None = None,
@@ -314,10 +394,9 @@ def main(argv: list[str] | None = None) -> int:
                         "output must equal the target's own greedy decode (exit 1 otherwise); in bfloat16 a "
                         "16-token verify and a 1-token step can round a near-tie apart, so each prompt reports "
                         "whether it is equal and, where not, the target's top-2 logit margin at the difference")
-    p.add_argument("--compile", action="store_true",
-                   help="graphs engine: compile each captured step with inductor first (fuses the small kernels "
-                        "that leave a replayed step launch-bound; minutes of compiling on a CPU; not yet measured "
-                        "on a GPU, see docs/decoding.md)")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="graphs engine: compile each captured step with inductor first, for both decodes alike "
+                        "(default auto: on a GPU, the fastest mode; off on a CPU, where compiling takes minutes)")
     p.add_argument("--bootstrap", type=int, default=10_000, metavar="N",
                    help="resamples of the per-prompt bootstrap behind tau's and the speedup's intervals")
     p.add_argument("--seed", type=int, default=0, help="the bootstrap's seed")
@@ -363,7 +442,8 @@ def _measure(a, kwargs, say) -> int:
         f"{drafter.cfg.num_layers} draft layers, {dev.type} {a.dtype}, engine {a.engine}")
     try:
         doc = measure(target, drafter, prompts, max_new_tokens=a.max_new_tokens, baseline=a.baseline, log=say,
-                      engine=a.engine, resamples=a.bootstrap, seed=a.seed, compile=a.compile)
+                      engine=a.engine, resamples=a.bootstrap, seed=a.seed,
+                      compile={"auto": None, "on": True, "off": False}[a.compile])
     except NotLossless as e:
         print(f"specdec: error: {e}", file=sys.stderr, flush=True)
         return 1
