@@ -29,6 +29,13 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 INSTALL = sh -c '$(UV) pip install -q --python $(PY) --compile-bytecode \
 	$(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) "$$@" || $(PIP) "$$@"' install
 
+# A venv whose base interpreter is gone (another Python installed, pyenv's version removed) fails every
+# call with exit 127: found when make reads this file, before any stamp is trusted, and rebuilt.
+ifeq ($(shell [ -L $(PY) -o -e $(PY) ] && ! $(PY) -c '' 2>/dev/null && echo gone),gone)
+$(info make: $(VENV)'s Python no longer runs (its base interpreter is gone): rebuilding $(VENV))
+$(shell rm -rf $(VENV))
+endif
+
 $(TRAIN_STAMP): pyproject.toml trainer/requirements.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	test -x $(UV) || $(PIP) uv==$(UV_VERSION) || true

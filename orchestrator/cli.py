@@ -8,6 +8,7 @@ imports them, and none of them imports it.
 from __future__ import annotations
 
 import atexit
+import difflib
 import gc
 import importlib
 import os
@@ -55,6 +56,15 @@ class Commands(click.Group):
             return None
         module, attribute = COMMANDS[name]
         return getattr(importlib.import_module(module), attribute)
+
+    def resolve_command(self, ctx, args):
+        """A misspelled command gets the "did you mean" that a misspelled option gets."""
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and name not in COMMANDS:
+            close = difflib.get_close_matches(name, sorted(COMMANDS), n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else f" (commands: {', '.join(sorted(COMMANDS))})"
+            raise click.UsageError(f"No such command '{name}'{hint}.", ctx)
+        return super().resolve_command(ctx, args)
 
 
 @click.group(cls=Commands, context_settings=CONTEXT)

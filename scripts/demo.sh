@@ -8,8 +8,6 @@ cd "$(dirname "$0")/.."
 T=local                      # named everywhere: a ./hosts.yaml must not redirect the demo
 config=trainer/demo-small-code.yaml   # a drafter for the small real target, on its own answers
 cache=${DFLASH_OPS_CACHE:-$HOME/.cache/dflash-ops}
-data=$cache/demo                # this machine is the `local` target: the files are where it reads them
-mkdir -p "$data"
 # The demo's own python phases (regen, specdec) on ONE intra-op thread: they decode small batches of a
 # small model, where a second OpenMP thread gains nothing and, on 2 cores that something else also
 # uses, its spin-waits cost 3x (regen) to 4x (specdec) the time. The trainer has cpu_threads: 1 in the config.
@@ -25,9 +23,17 @@ step() {
     printf '\n\033[1m== %s\033[0m\n' "$*" >&2
 }
 summary() {
+    rc=$?
+    failed=$phase_name
     step "done"
     printf '\nphase times (%d s in all):\n' "$SECONDS" >&2
     printf '  %s\n' "${phases[@]}" >&2
+    if [ "$rc" -ne 0 ] && [ "$rc" -ne 100 ] && [ "$rc" -ne 103 ]; then   # 100/103: the run's own end, said above
+        printf '\ndemo: FAILED in "%s" (exit %d); see its output above. A venv that no longer runs is rebuilt\n' \
+            "$failed" "$rc" >&2
+        printf 'by the next `make demo`; `make clean` removes it by hand.\n' >&2
+        return
+    fi
     bin=$(dirname "$(command -v dflash-ops)")
     printf '\ndflash-ops is %s; put it on PATH with:\n  export PATH="%s:$PATH"\n' "$bin/dflash-ops" "$bin" >&2
     printf 'state: the local target keeps releases, runs and probe.json in %s;\n' \
@@ -53,8 +59,14 @@ fi
 # cache; prompts cut from its training modules, answered by the target itself (the DFlash recipe's
 # data), and prompts from the modules it never saw, for the held-out tau at the end.
 step "python -m trainer.small_lm --size cpu (built once, then cached)"
-python -m trainer.small_lm --size cpu
-# The prompts and the target's answers depend only on the cached target: made once, kept beside it.
+built=$(python -m trainer.small_lm --size cpu)
+# The prompts and the target's answers depend only on the cached target: made once, kept in a folder
+# named after it (the build's folder name holds its recipe and text hash), so a target built anew (another
+# Python's standard library, another recipe) never trains on the answers of the one before.
+# This machine is the `local` target: the files are where it reads them.
+target_dir=$(printf '%s' "$built" | python -c 'import json, sys; print(json.load(sys.stdin)["out"])')
+data=$cache/demo/$(basename "$target_dir")
+mkdir -p "$data"
 if [ ! -s "$data/prompts.jsonl" ] || [ ! -s "$data/held-out.jsonl" ]; then
     python -m trainer.small_lm --size cpu --prompts train --n 192 --out "$data/prompts.jsonl" >/dev/null
     python -m trainer.small_lm --size cpu --prompts held-out --n 8 --seed 1 --out "$data/held-out.jsonl" >/dev/null

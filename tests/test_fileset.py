@@ -125,3 +125,32 @@ def test_the_hash_cache_lives_under_dflash_ops_home_one_file_per_source(tmp_path
     monkeypatch.setenv("DFLASH_OPS_HOME", str(tmp_path / "home"))
     a, b = fileset.hash_cache_path(tmp_path / "a"), fileset.hash_cache_path(tmp_path / "b")
     assert a.parent == tmp_path / "home" / "hash-cache" and a != b
+
+
+@pytest.mark.parametrize("git", [True, False])
+def test_the_tools_own_outputs_never_ship_wherever_they_lie_and_whatever_gitignore_says(tmp_path, git):
+    """`export RUN -o small-code-dflash` from the checkout once shipped the drafter with the next deploy
+    (docs/deploy.md says exports never ship): an export, a built target and a run's output are known by
+    their writer's marker file, in a git checkout (untracked, not ignored) and in a plain tree alike."""
+    import subprocess
+
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "mod.py").write_text("x = 1\n")
+    exp = src / "small-code-dflash"
+    exp.mkdir()
+    for name in ("config.json", "model.safetensors", "dflash_ops.json"):
+        (exp / name).write_text("{}")
+    run = src / "work" / "runs" / "r1"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "trainer-config.json").write_text("{}")
+    (run / "checkpoints" / "model.safetensors").write_text("w")
+    (src / "notes").mkdir()
+    (src / "notes" / "config.json").write_text("{}")     # a config.json alone is the user's: it ships
+    if git:
+        subprocess.run(["git", "init", "-q", str(src)], check=True)
+    assert fileset.collect(src) == ["notes/config.json", "pkg/mod.py"]
+    assert fileset.collect(src, all_files=True) == ["notes/config.json", "pkg/mod.py"]
+    source = deploy.scan_source(src, src)
+    assert source.files == ["notes/config.json", "pkg/mod.py"]
+    assert source.left_out == {"small-code-dflash": "an export", "work/runs/r1": "a training run's output"}

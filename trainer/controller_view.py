@@ -28,11 +28,12 @@ from trainer.run.regen import read_prompts
 # output: `play`'s one player per playbook and target
 from trainer.lock_file import LockHeld, LockUnopened, lock_file
 # what a command may replace (an earlier export, nothing else of the user's) and the swap that does it
-from trainer.owned import not_an_export
+from trainer.owned import not_an_export, output_kind
 from trainer.files import NotOurs, swap_in
 # the failure catalog and its matcher (stdlib + PyYAML): `scan`, `logs`
 from trainer.signatures import Catalog, CatalogError, load_catalog
 
 __all__ = ["POLICY_NAMES", "EXIT_PEER_FAILED", "UsageError", "EMULATE_ALONE", "PRECISIONS", "build_parser",
            "check_before_launch", "TWINNED", "tau_text", "read_prompts", "Catalog", "CatalogError",
-           "load_catalog", "LockHeld", "LockUnopened", "lock_file", "not_an_export", "NotOurs", "swap_in", "agreement"]
+           "load_catalog", "LockHeld", "LockUnopened", "lock_file", "not_an_export", "NotOurs", "swap_in", "agreement",
+           "output_kind"]

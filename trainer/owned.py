@@ -103,10 +103,23 @@ def not_a_small_lm(path: Path) -> str | None:
     return None
 
 
+# What marks a folder as the tool's output, never as source to ship: the file each writer leaves in it
+OUTPUT_MARKERS = {EXPORT_PROVENANCE: "an export", SMALL_LM_REPORT: "a built target",
+                  "trainer-config.json": "a training run's output"}
+
+
+def output_kind(folder: Path) -> str | None:
+    """What tool output `folder` holds, by its marker file ("an export", ...), or None."""
+    for marker, kind in OUTPUT_MARKERS.items():
+        if (folder / marker).is_file():
+            return kind
+    return None
+
+
 def ours(_path: Path) -> str | None:
     """For a folder inside one the tool made (a checkpoint in a run's folder): always replaceable."""
     return None
 
 
 __all__ = ["EXPORT_PROVENANCE", "EXPORT_FILES", "SMALL_LM_REPORT", "SMALL_LM_FILES", "not_an_export",
-           "not_a_small_lm", "ours", "Check"]
+           "not_a_small_lm", "ours", "Check", "OUTPUT_MARKERS", "output_kind"]

@@ -56,6 +56,9 @@ def deploy(state: State, names, dry_run, source, install_deps, all_files, verify
                               for p, (size, disk) in r.sparse.items())
             lines.append(("  would send" if r.dry_run else "  sent") + " sparse file(s) in full, holes as zeros "
                          f"(they take their whole size there): {files}")
+        if r.left_out:
+            lines.append("  left out (the tool's own output, never shipped): "
+                         + ", ".join(f"{shown(p)}/ ({kind})" for p, kind in sorted(r.left_out.items())))
         lines.append(f"  python {r.python}, torch {r.torch or 'not installed'}")
         if r.deps is not None:
             installed = r.deps.get("changed") or []

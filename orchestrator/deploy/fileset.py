@@ -2,7 +2,8 @@
 git does not ignore (`git ls-files --cached --others --exclude-standard`), so exports, run outputs
 and venvs never ship; elsewhere the source tree less what `.gitignore` and `.git/info/exclude`
 exclude (as SkyPilot and Ray do, docs/background.md#ops-conventions). Either way less what
-`.dflashignore` excludes, and never `.git`, `.venv`, `__pycache__`. `all_files`: every file but
+`.dflashignore` excludes, and never `.git`, `.venv`, `__pycache__`, nor a folder the tool wrote (an
+export, a built target, a run's output: known by its marker file, not by .gitignore). `all_files`: every file but
 those (and `.dflashignore`'s).
 
 The matcher implements gitignore's rules (negation, directory-only `dir/`, anchored `/x`,
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.errors import UsageError
+from trainer.controller_view import output_kind   # torch-free
 
 ALWAYS_EXCLUDED = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".hypothesis",
                    ".mypy_cache", ".ruff_cache", ".dflash-manifest.json", ".dflash-stat.json"}
@@ -147,11 +149,38 @@ def collect(root: Path, all_files: bool = False) -> list[str]:
     Symlinks to files inside the tree are followed (the file's content ships); symlinked folders
     inside it are skipped; a link that leaves the tree, dangles or loops is an error naming it (it
     would ship someone else's files, or nothing)."""
+    return without_outputs(root, collect_all(root, all_files))[0]
+
+
+def collect_all(root: Path, all_files: bool = False) -> list[str]:
+    """collect() before the tool's own outputs are left out."""
     root = root.resolve()
     listed = None if all_files else git_files(root)
     if listed:
         return _from_git(root, listed)
     return _walk(root, ("dflashignore",) if all_files else ("gitignore", "dflashignore"))
+
+
+def without_outputs(root: Path, files: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(files less those inside a folder the tool wrote, {that folder: what it is}). An export, a
+    built target or a training run's output never ships, wherever it lies and whatever .gitignore
+    says: each is known by the marker file its writer leaves (trainer/owned.py), --all-files too."""
+    kinds: dict[str, str | None] = {}
+
+    def output(folder: str) -> str | None:
+        if folder not in kinds:
+            kinds[folder] = output_kind(root / folder) if folder else None
+        return kinds[folder]
+
+    kept, left = [], {}
+    for rel in files:
+        parts = rel.split("/")[:-1]
+        hit = next((f for f in ("/".join(parts[:i + 1]) for i in range(len(parts))) if output(f)), None)
+        if hit is None:
+            kept.append(rel)
+        else:
+            left[hit] = output(hit) or ""
+    return kept, left
 
 
 def git_files(root: Path) -> list[str] | None:

@@ -39,6 +39,7 @@ class Source:
     files: list[str]
     manifest: dict[str, list]
     sparse: dict[str, int] = field(default_factory=dict)   # a file mostly holes -> its bytes on disk
+    left_out: dict[str, str] = field(default_factory=dict)  # a folder the tool wrote -> what it is (never shipped)
 
     @property
     def total_bytes(self) -> int:
@@ -73,11 +74,12 @@ def source_root(explicit: str | None) -> tuple[Path, Path]:
 def scan_source(root: Path, folder: Path, all_files: bool = False) -> Source:
     """The file set under folder (fileset.collect) and its content-hash manifest (paths relative to root)."""
     prefix = folder.relative_to(root).as_posix() if folder != root else ""
-    files = [f"{prefix}/{f}" if prefix else f for f in fileset.collect(folder, all_files)]
+    found, left = fileset.without_outputs(folder.resolve(), fileset.collect_all(folder, all_files))
+    files = [f"{prefix}/{f}" if prefix else f for f in found]
     if not files:
         raise UsageError(f"nothing to deploy in {root}")
     return Source(root.resolve(), files, fileset.manifest(root, files, fileset.hash_cache_path(root)),
-                  sparse_files(root, files))
+                  sparse_files(root, files), {f"{prefix}/{k}" if prefix else k: v for k, v in left.items()})
 
 
 SPARSE_MIN = 1 << 20     # a file of at least this many bytes, less than half of them on disk, is sparse
@@ -193,6 +195,7 @@ class TargetResult:
     deleted: list[str] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)   # missing or damaged in the live release, sent again
     sparse: dict[str, list] = field(default_factory=dict)   # a sparse file sent: [size, bytes on disk here]
+    left_out: dict[str, str] = field(default_factory=dict)  # the tool's own outputs in the source, not shipped
     pruned: list[str] = field(default_factory=list)
     deps: dict | None = None
     seconds: float = 0.0
@@ -225,6 +228,7 @@ def deploy_target(session: Session, target: Target, get_source: Callable[[], Sou
         res.bytes_sent = sum(source.manifest[p][1] for p in changed)
         res.files_sent = len(changed)
         res.sparse = {p: [source.manifest[p][1], source.sparse[p]] for p in changed if p in source.sparse}
+        res.left_out = dict(source.left_out)
         if dry_run:
             res.release, res.ok = live["release"], True
         elif live["release"] and not changed and not deleted:
