@@ -53,3 +53,17 @@ def test_a_real_run_beats_during_data_generation_and_warm_up(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "[trainer] still generating synthetic data (32 + 2 held-out rows) (" in r.stdout
     assert "[trainer] still warming up worker 0 (" in r.stdout or "[trainer] still compiling worker 0 (" in r.stdout
+
+
+def test_a_step_line_tells_elapsed_time_pace_and_eta():
+    """A run says what the rest will take: the pace of this process's steps so far (evals and
+    checkpoints in), not one step's time; the first step logged has no pace yet."""
+    from trainer.run.log import clock, step_line
+
+    m = {"step": 30, "loss": 2.0, "accuracy": 0.5, "acc_per_position": [0.6], "lr": 1e-4, "grad_norm": 1.0,
+         "tokens_per_s": 1000.0, "samples_per_s": 2.0, "elapsed_s": 125.0, "steps_per_s": 0.24,
+         "eta_s": (10_000 - 30) / 0.24}
+    assert step_line(m, 10_000).endswith("| 2:05 elapsed, 0.24 steps/s, eta 11:32:22")
+    assert "eta" not in step_line({**m, "steps_per_s": None, "eta_s": None}, 10_000)
+    assert [clock(s) for s in (0.4, 45, 725, 3 * 3600 + 130, 2 * 86400 + 15000)] == [
+        "0s", "45s", "12:05", "3:02:10", "2d 04:10:00"]

@@ -96,7 +96,22 @@ def step_line(m: dict, steps: int) -> str:
              f"{m['samples_per_s']:.2f} samples/s"]
     if m.get("mfu") is not None:
         parts.append(f"mfu {100 * m['mfu']:.1f}%")
+    if m.get("steps_per_s"):
+        parts.append(f"{clock(m['elapsed_s'])} elapsed, {m['steps_per_s']:.3g} steps/s, eta {clock(m['eta_s'])}")
     return " | ".join(parts)
+
+
+def clock(seconds: float) -> str:
+    """Seconds as a person reads a duration: 45s, 12:05, 3:02:10, 2d 04:10:00."""
+    s = max(0, int(round(seconds)))
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}d {h:02d}:{m:02d}:{s:02d}"
+    if h:
+        return f"{h}:{m:02d}:{s:02d}"
+    return f"{m}:{s:02d}" if m else f"{s}s"
 
 
 def tau_text(tau: float, ci=None, rounds: int | None = None, *more: str, digits: int = 3) -> str:

@@ -277,6 +277,10 @@ def run_loop(cfg: TrainConfig, engine: Engine, prep: Prepared, log, stop: thread
                  "tokens_per_s": batch.tokens / dt, "samples_per_s": len(batch) / dt, "step_s": dt}
             if peak:
                 m["mfu"] = prep.flops * len(batch) / dt / peak
+            # this process's pace so far, evals and checkpoints included: what the rest will take
+            elapsed = time.perf_counter() - t_loop
+            rate = (n - first) / elapsed if elapsed > 0 and n > first else None
+            m.update(elapsed_s=elapsed, steps_per_s=rate, eta_s=(cfg.steps - n) / rate if rate else None)
             log.info(step_line(m, cfg.steps))
             log.metrics(m)
 
