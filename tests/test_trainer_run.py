@@ -105,6 +105,19 @@ def test_sigterm_mid_run_checkpoints_and_exits_143_then_resumes(tmp_path):
     assert max(step_losses(out)) == k + 2
 
 
+def test_ctrl_c_of_a_trainer_run_by_hand_checkpoints_as_sigterm_does(tmp_path):
+    """Ctrl-C once: the step boundary's checkpoint and exit 143, saying so (it used to exit 130 with none)."""
+    out = tmp_path / "run"
+    code, rest, err = sigterm_once_training(
+        [sys.executable, "-m", "trainer", *QUICK, "--out", str(out), "--steps", "100000"],
+        stop=lambda proc: proc.send_signal(signal.SIGINT))
+    assert code == 143, err
+    assert "[trainer] Ctrl-C: checkpointing at the next step boundary" in rest
+    k = next(json.loads(x)["step"] for x in rest.splitlines() if x.startswith("{") and '"stopped"' in x)
+    latest = checkpoint.find_latest(out)
+    assert latest is not None and checkpoint.load(latest).step == k and checkpoint.verify(latest)
+
+
 def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path):
     out, flag = tmp_path / "run", tmp_path / "paused"
     cmd = [sys.executable, "-m", "trainer", *QUICK, "--out", str(out), "--steps", "50", "--checkpoint-every", "2"]

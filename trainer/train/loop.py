@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -331,15 +332,25 @@ def run_loop(cfg: TrainConfig, engine: Engine, prep: Prepared, log, stop: thread
 
 
 def on_sigterm():
-    """SIGTERM sets a flag; the loop checkpoints at the next step boundary and exits 143.
+    """SIGTERM sets a flag; the loop checkpoints at the next step boundary and exits 143. So does a
+    first Ctrl-C of a trainer run by hand (not a torchrun rank: torchrun handles SIGINT for its ranks),
+    which says so; a second one interrupts at once, as Ctrl-C does elsewhere.
 
-    Returns (flag, restore): restore puts the previous handler back (main() may run in-process).
+    Returns (flag, restore): restore puts the previous handlers back (main() may run in-process).
     """
     stop = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         return stop, lambda: None
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    return stop, lambda: signal.signal(signal.SIGTERM, previous)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda *_: stop.set())}
+    if "LOCAL_RANK" not in os.environ and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        def on_ctrl_c(*_):
+            if stop.is_set():
+                raise KeyboardInterrupt
+            stop.set()
+            print("[trainer] Ctrl-C: checkpointing at the next step boundary, then exiting (Ctrl-C again to "
+                  "quit at once, without a checkpoint)", flush=True)
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, on_ctrl_c)
+    return stop, lambda: [signal.signal(s, h) for s, h in previous.items()]
 
 
 def devices_for(cfg: TrainConfig) -> list[torch.device]:
