@@ -8,7 +8,7 @@ TRAIN_STAMP := $(VENV)/.installed-train
 TORCH  ?= torch==2.13.0
 DFLASH_REF ?= dflash==0.1.0
 
-.PHONY: test test-fp8 test-speculators lint demo venv clean fp8-wheel
+.PHONY: check test test-fp8 test-speculators lint demo venv clean fp8-wheel
 
 venv: $(STAMP)
 
@@ -66,6 +66,12 @@ lint: $(STAMP)
 # longest file) took 223-309 s beside two others against 153 s beside one (docs/decisions.md).
 # Files go out in collection order, where tests/conftest.py puts the slowest first (SLOW_FILES), not
 # xdist's own (most tests first), which left the long files of few tests to the end.
+# The quick room, before every commit: lint, types, the tests marked `quick` by tests/conftest.py (every
+# test that starts no sshd, pct or container and compiles nothing, plus one real-sshd smoke of deploy ->
+# launch -> follow). `make test` runs everything.
+check: lint
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m quick tests
+
 test: lint
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder tests
 	$(MAKE) --no-print-directory test-fp8

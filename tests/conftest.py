@@ -105,9 +105,36 @@ def pytest_configure(config):
         os.environ.setdefault(key, value)
 
 
+# ---- the quick room ----------------------------------------------------------------------------
+
+# `make check` (README) runs the tests marked `quick` here: every test of a file outside SLOW_FILES that
+# starts no sshd, pct stand-in or real container and is not marked slow, plus one real-sshd smoke of
+# deploy -> launch -> follow. What it leaves to `make test`: the remote lifecycle, signals and
+# reconnects against the real sshd, the probe's compiles, the trainer's end-to-end runs.
+HEAVY_FIXTURES = {"sshd", "fakepct", "make_inventory", "lxcpct", "make_lxc_inventory", "smoke_target"}
+HEAVY_FILES = ("test_trainer_run.py", "test_heartbeat.py", "test_cpu_shards.py", "test_export_provenance.py",
+               "test_export_parity.py", "test_fp8.py", "test_export_speculators.py", "test_cpu_capabilities.py",
+               "test_real_containers.py", "test_drafter_bench.py", "test_rank_mesh.py", "test_flex_bench.py",
+               "test_gemm_bench.py")
+HEAVY_NAMES = ("compile", "inductor")     # a test that compiles: tens of seconds on 2 cores
+QUICK_SMOKE = "test_runs_lifecycle.py::test_launch_detaches_then_logs_follow_to_success"
+
+
+def quick(item) -> bool:
+    if item.nodeid.endswith(QUICK_SMOKE):
+        return True
+    return (item.path.name not in SLOW_FILES and item.path.name not in HEAVY_FILES
+            and not any(word in item.name for word in HEAVY_NAMES)
+            and not HEAVY_FIXTURES & set(getattr(item, "fixturenames", ()))
+            and item.get_closest_marker("slow") is None and item.get_closest_marker("lxc") is None)
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))    # stable: the rest keep their order
+    for item in items:
+        if quick(item):
+            item.add_marker(pytest.mark.quick)
 
 
 # ---- sshd ------------------------------------------------------------------------------------
