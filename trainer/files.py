@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 
 def temp_beside(dest: Path) -> Path:
@@ -151,4 +151,4 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-_renameat2 = None
+_renameat2: Any = None     # libc.renameat2 once looked up; False where there is none
