@@ -115,7 +115,7 @@ HEAVY_FIXTURES = {"sshd", "fakepct", "make_inventory", "lxcpct", "make_lxc_inven
 HEAVY_FILES = ("test_trainer_run.py", "test_heartbeat.py", "test_cpu_shards.py", "test_export_provenance.py",
                "test_export_parity.py", "test_fp8.py", "test_export_speculators.py", "test_cpu_capabilities.py",
                "test_real_containers.py", "test_drafter_bench.py", "test_rank_mesh.py", "test_flex_bench.py",
-               "test_gemm_bench.py")
+               "test_gemm_bench.py", "test_gate.py")
 HEAVY_NAMES = ("compile", "inductor")     # a test that compiles: tens of seconds on 2 cores
 QUICK_SMOKE = "test_runs_lifecycle.py::test_launch_detaches_then_logs_follow_to_success"
 

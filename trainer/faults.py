@@ -18,6 +18,7 @@ The points (NAME=VALUE):
   step_pause=AFTER:S      after step AFTER, the training loop sleeps S seconds before each step (a test's run
                           that only has to keep running leaves the cores to the test's other processes)
   test_policies=1         the test-only compile policies are known (trainer/policies.py)
+  export_mask_shift=1     the export writes the next token's id as the mask token's (a broken pipeline for the gate)
 
 Torch-free at import (the config and the policy names import it).
 """
@@ -28,7 +29,7 @@ import time
 
 ENV = "DFLASH_TRAINER_FAULTS"
 POINTS = ("fail_worker", "diverge", "pause_in_checkpoint", "test_policies", "regen_batch", "specdec_differ",
-          "step_pause")
+          "step_pause", "export_mask_shift")
 
 
 def _check(points: dict[str, str]) -> None:

@@ -34,7 +34,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from trainer import owned
+from trainer import faults, owned
 from trainer.files import atomic_folder
 from trainer.writer_lock import output_lock
 from trainer.errors import TrainerError, UsageError
@@ -94,9 +94,14 @@ def draft_config(dcfg, *, target_config, target_num_layers: int, layer_ids, mask
         "torch_dtype": dtype,
         "block_size": dcfg.block_size,
         "num_target_layers": target_num_layers,
-        "dflash_config": {"target_layer_ids": list(layer_ids), "mask_token_id": dcfg.mask_token_id,
+        "dflash_config": {"target_layer_ids": list(layer_ids), "mask_token_id": _mask_written(dcfg.mask_token_id),
                           **({"mask_token": mask_token} if mask_token else {})},
     }
+
+
+def _mask_written(mask_token_id: int) -> int:
+    """The mask token id as written; a test's fault writes the next id (a broken export the gate must catch)."""
+    return mask_token_id + 1 if faults.value("export_mask_shift") else mask_token_id
 
 
 def draft_weights(dcfg, weights: dict, target_norm=None) -> dict:
