@@ -67,3 +67,33 @@ def test_a_step_line_tells_elapsed_time_pace_and_eta():
     assert "eta" not in step_line({**m, "steps_per_s": None, "eta_s": None}, 10_000)
     assert [clock(s) for s in (0.4, 45, 725, 3 * 3600 + 130, 2 * 86400 + 15000)] == [
         "0s", "45s", "12:05", "3:02:10", "2d 04:10:00"]
+
+
+def test_on_a_terminal_each_record_is_said_once_as_text_and_the_metrics_file_has_them_all(tmp_path):
+    """A trainer run by hand printed every event twice (its JSON and its text); the log a launch writes
+    (not a terminal) keeps the JSON lines `dflash-ops logs` reads."""
+    import json as json_
+
+    from trainer.run.log import step_line
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    step = {"step": 1, "loss": 2.0, "accuracy": 0.5, "acc_per_position": [0.6], "lr": 1e-4, "grad_norm": 1.0,
+            "tokens_per_s": 10.0, "samples_per_s": 1.0}
+    records = [step, {"event": "eval", "step": 1, "acceptance_length": 1.5},
+               {"event": "checkpoint", "step": 1, "path": "/r/step-1", "seconds": 0.25}]
+    for stream, want_json in ((Terminal(), 0), (io.StringIO(), 3)):
+        log = RunLog(tmp_path / f"m{want_json}.jsonl", stream=stream)
+        log.info(step_line(step, 10))
+        for r in records:
+            log.metrics(r)
+        lines = stream.getvalue().splitlines()
+        assert sum(line.startswith("{") for line in lines) == want_json
+        assert [json_.loads(x) for x in (tmp_path / f"m{want_json}.jsonl").read_text().splitlines()] == records
+    assert lines[0].startswith("[trainer] step 1/10")
+    human = Terminal()
+    log = RunLog(None, stream=human)
+    log.metrics(records[2])
+    assert human.getvalue() == "[trainer] checkpoint: step 1, path /r/step-1, seconds 0.25\n"

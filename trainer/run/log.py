@@ -23,21 +23,33 @@ TWINNED = ("eval", "done", "resume", "worker_ready", "compile_guard", "worker_hu
 
 
 class RunLog:
-    """[trainer] lines and JSON metrics on stdout (and appended to metrics_path)."""
+    """[trainer] lines and JSON metrics on stdout (and appended to metrics_path). On a terminal (a
+    trainer run by hand) the stream is for a person: each record once, as text; a record with a text
+    twin (a step's line, TWINNED events) is not printed again as JSON, and any other is written as a
+    line of text. The run's metrics.jsonl always has every record."""
 
     def __init__(self, metrics_path: Path | None = None, stream: TextIO | None = None):
         self.stream = stream or sys.stdout
         self.metrics_path = metrics_path
+        isatty = getattr(self.stream, "isatty", None)
+        self.human = bool(isatty and isatty())
 
     def info(self, text: str) -> None:
         print(f"[trainer] {text}", file=self.stream, flush=True)
 
     def metrics(self, record: dict) -> None:
         line = json.dumps({k: _clean(v) for k, v in record.items()}, allow_nan=False)
-        print(line, file=self.stream, flush=True)
+        if not self.human:
+            print(line, file=self.stream, flush=True)
+        elif "event" in record and record["event"] not in TWINNED:
+            self.info(f"{record['event']}: " + ", ".join(f"{k} {_shown(v)}" for k, v in record.items() if k != "event"))
         if self.metrics_path is not None:
             with self.metrics_path.open("a") as f:
                 f.write(line + "\n")
+
+
+def _shown(v) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
 class QuietLog(RunLog):
