@@ -11,15 +11,18 @@ Library code: returns data or raises OpsError; never prints (live lines go to `R
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from typing import Any
 
 from orchestrator.errors import OpsError
-from orchestrator.lines import LineBuffer
+from orchestrator.lines import PIECE, ByteLines, LastLine, LineBuffer
 from orchestrator.play import playbook as pb, templating as tpl
 from orchestrator.play.runstate import Run
+from orchestrator.ssh.transport import Kept
 
 WAIT_NOTE_S = 30.0                        # wait-for says it is still waiting this often
+VALUE_BYTES = 64 * 1024                   # an exec step's `value` (its last line) keeps this much of it
 
 
 def _deploy(run: Run, o: dict):
@@ -106,55 +109,72 @@ def _argv(cmd) -> list[str]:
     return ["bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
 
 
-def _quiet(run: Run, cmd, env) -> tuple[int | None, str]:
-    """A check command (unless, watch): its exit status and stdout, nothing shown."""
-    from orchestrator.targets.exec import run_one
+def _quiet(run: Run, cmd, env) -> tuple[int | None, str, str]:
+    """A check command (unless, watch): its exit status, its stdout (the first KEEP_BYTES) and the
+    sha256 of all of it (what `watch` compares), nothing shown."""
+    from orchestrator.targets.exec import KEEP_BYTES, run_one
 
+    kept, digest = Kept(KEEP_BYTES), hashlib.sha256()
+
+    def out(_target: str, data: bytes) -> None:
+        kept(data)
+        digest.update(data)
     with run.ending.hold(run) as hold:
-        r = run_one(run.session, run.target, _argv(cmd), env=env, hold=hold)
+        r = run_one(run.session, run.target, _argv(cmd), out=out, env=env, hold=hold, keep=KEEP_BYTES)
     if r.error:
         raise OpsError(r.error)
-    return r.exit_code, r.stdout.decode(errors="replace")
+    return r.exit_code, kept.value().decode(errors="replace"), digest.hexdigest()
 
 
 def _exec(run: Run, o: dict):
-    from orchestrator.targets.exec import check_command, run_one
+    """The result holds each stream once, bounded: its first KEEP_BYTES (`stdout_truncated`,
+    `stdout_bytes`: all it wrote), and `value`, the last line of stdout that is not blank (its first
+    VALUE_BYTES, `value_truncated`); the live lines show all of it (a line over lines.PIECE in pieces)."""
+    from orchestrator.targets.exec import KEEP_BYTES, check_command, run_one
 
     env = o.get("env") or None
     if "unless" in o:
-        code, _ = _quiet(run, o["unless"], env)
+        code, _, _ = _quiet(run, o["unless"], env)
         if code == 0:
             return False, {"ran": False}, "not needed (`unless` succeeded)"
-    before = _quiet(run, o["watch"], env)[1] if "watch" in o else None
+    before = _quiet(run, o["watch"], env) if "watch" in o else None
     argv = check_command(o["command"] if "command" in o else _argv(o["shell"]))
-    kept: dict[str, list[bytes]] = {"out": [], "err": []}
-    shown = {s: LineBuffer(run.say) for s in kept}
+    kept = {s: Kept(KEEP_BYTES) for s in ("out", "err")}
+    last = {s: LastLine(VALUE_BYTES) for s in kept}
+    # shown as it comes: the whole lines of each chunk in one live line (a line over lines.PIECE in pieces)
+    shown = {s: ByteLines(lambda lines: run.say(b"\n".join(lines).decode(errors="replace")), PIECE)
+             for s in kept}
 
     def sink(stream: str):
         def write(_target: str, data: bytes) -> None:
-            kept[stream].append(data)
+            kept[stream](data)
+            last[stream](data)
             shown[stream](data)
         return write
 
     with run.ending.hold(run) as hold:
         r = run_one(run.session, run.target, argv, out=sink("out"), err=sink("err"), env=env, hold=hold)
-    for b in shown.values():
-        b.flush()
-    stdout, stderr = (b"".join(kept[s]).decode(errors="replace") for s in ("out", "err"))
+    for s in kept:
+        shown[s].flush()
+        last[s].flush()
     if r.error:
         raise OpsError(r.error)
-    lines = [line.strip() for line in stdout.splitlines() if line.strip()]
-    result: dict[str, Any] = {"ran": True, "exit_code": r.exit_code, "stdout": stdout, "stderr": stderr,
-              "value": lines[-1] if lines else ""}
+    result: dict[str, Any] = {"ran": True, "exit_code": r.exit_code,
+                              "stdout": kept["out"].value().decode(errors="replace"),
+                              "stderr": kept["err"].value().decode(errors="replace"),
+                              "value": last["out"].value,
+                              "stdout_bytes": kept["out"].total, "stdout_truncated": kept["out"].cut,
+                              "stderr_bytes": kept["err"].total, "stderr_truncated": kept["err"].cut,
+                              "value_truncated": last["out"].cut}
     if r.exit_code != 0:
-        last = [line for line in stderr.splitlines() if line.strip()][-1:]
-        raise OpsError(f"{run.target.name}: exited {r.exit_code}" + (f": {last[0].strip()}" if last else ""))
+        why = last["err"].value
+        raise OpsError(f"{run.target.name}: exited {r.exit_code}" + (f": {why}" if why else ""))
     if before is not None:
-        after = _quiet(run, o["watch"], env)[1]
-        result["watch"] = {"before": before, "after": after}
-        changed = after != before
-        return changed, result, (f"changed: {after.strip() or '-'} (was {before.strip() or '-'})" if changed
-                                 else f"no change ({after.strip() or '-'})")
+        after = _quiet(run, o["watch"], env)
+        result["watch"] = {"before": before[1], "after": after[1]}
+        changed = after[2] != before[2]
+        was, now = before[1].strip() or "-", after[1].strip() or "-"
+        return changed, result, (f"changed: {now} (was {was})" if changed else f"no change ({now})")
     return o.get("changes", True), result, result["value"][:120]
 
 

@@ -40,8 +40,9 @@ def play(state: State, file, names, start, dry_run, var, as_json):
     lock = threading.Lock()
 
     def live(target: str, text: str) -> None:
+        lead = f"[{target}] "     # text: a line, or several joined by newlines (an exec step's, a chunk at a time)
         with lock:
-            click.echo(f"[{target}] {text}", err=True)
+            click.echo(lead + text.replace("\n", "\n" + lead), err=True)
 
     with sigterm_raises("play"):    # SIGTERM as Ctrl-C: each step's command is ended, the play says where it stopped
         plays = play_mod.play(state.inv, book, targets, given=given, start=start, dry_run=dry_run, on_line=live)

@@ -16,7 +16,7 @@ from orchestrator.play import templating as tpl
 from orchestrator.ssh.session import Session
 from orchestrator.ssh.hold import Hold, tell_all
 
-OnLine = Callable[[str, str], None]      # (target, text) -> None
+OnLine = Callable[[str, str], None]      # (target, text) -> None; text: a line, or lines joined by \n
 ENDING_WAIT_S = 5.0     # how long an interrupted play waits for its steps' commands to end (exec's wait)
 
 
@@ -74,4 +74,5 @@ class Run:
     told: bool = False          # its command was told to end by the interrupt
 
     def say(self, text: str) -> None:
+        """A live line (or several, joined by newlines: each is shown led by the target's name)."""
         self.on_line(self.target.name, text)

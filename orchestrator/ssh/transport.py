@@ -35,13 +35,25 @@ KEEPALIVE_S = 5          # as Ansible's proxmox_pct_remote does (docs/background
 
 @dataclass(frozen=True)
 class Result:
+    """A command's exit status and the output kept: a stream given to a sink is not kept (b""); one
+    kept under `run(keep=N)` is its first N bytes, and *_bytes counts all of it (None: not counted)."""
     exit_code: int
     stdout: bytes = b""
     stderr: bytes = b""
+    stdout_bytes: int | None = None
+    stderr_bytes: int | None = None
 
     @property
     def ok(self) -> bool:
         return self.exit_code == 0
+
+    @property
+    def stdout_cut(self) -> bool:
+        return self.stdout_bytes is not None and self.stdout_bytes > len(self.stdout)
+
+    @property
+    def stderr_cut(self) -> bool:
+        return self.stderr_bytes is not None and self.stderr_bytes > len(self.stderr)
 
 
 # --- pure functions (unit-tested) -----------------------------------------------------------
@@ -88,7 +100,9 @@ class Transport:
     description = "transport"
 
     def run(self, argv: Sequence[str], *, stdin: Stdin = None, stdout: Sink | None = None,
-            stderr: Sink | None = None, timeout: float | None = None) -> Result:
+            stderr: Sink | None = None, timeout: float | None = None, keep: int | None = None) -> Result:
+        """stdout / stderr: sinks the stream goes to as it comes; a stream without one is kept in the
+        Result, all of it, or with `keep` its first `keep` bytes (the rest counted, not kept)."""
         raise NotImplementedError
 
     def script(self, source: str, **kw) -> Result:
@@ -136,28 +150,59 @@ def _pump_both(sources, on_failure: Callable[[], None]):
     return threads, failures
 
 
-class _Collector:
-    """A sink that either forwards to the caller or keeps the bytes for the Result."""
+class Kept:
+    """A sink that keeps the first `limit` bytes of a stream (all of it for None; none for 0) and
+    counts the whole (`total`); `cut`: some were not kept. Memory: `limit`; time: linear."""
 
-    def __init__(self, sink: Sink | None):
-        self.sink = sink
+    def __init__(self, limit: int | None = None):
+        self.limit = limit
         self.parts: list[bytes] = []
+        self.size = self.total = 0
 
     def __call__(self, data: bytes) -> None:
-        if self.sink is None:
-            self.parts.append(data)
-        else:
-            self.sink(data)
+        self.total += len(data)
+        room = len(data) if self.limit is None else min(len(data), self.limit - self.size)
+        if room > 0:
+            self.parts.append(bytes(data[:room]) if room < len(data) else bytes(data))
+            self.size += room
+
+    @property
+    def cut(self) -> bool:
+        return self.total > self.size
 
     def value(self) -> bytes:
-        return b"".join(self.parts)
+        if len(self.parts) > 1:         # joined once
+            self.parts[:] = [b"".join(self.parts)]
+        return self.parts[0] if self.parts else b""
+
+
+class _Collector:
+    """A sink that either forwards to the caller or keeps the bytes for the Result (all, or the
+    first `keep`)."""
+
+    def __init__(self, sink: Sink | None, keep: int | None = None):
+        self.sink = sink
+        self.kept = Kept(keep) if sink is None else None
+
+    def __call__(self, data: bytes) -> None:
+        if self.sink is not None:
+            self.sink(data)
+        elif self.kept is not None:
+            self.kept(data)
+
+    def value(self) -> bytes:
+        return self.kept.value() if self.kept is not None else b""
+
+    @property
+    def total(self) -> int | None:
+        return self.kept.total if self.kept is not None else None
 
 
 class LocalTransport(Transport):
     description = "local"
 
-    def run(self, argv, *, stdin=None, stdout=None, stderr=None, timeout=None) -> Result:
-        out, err = _Collector(stdout), _Collector(stderr)
+    def run(self, argv, *, stdin=None, stdout=None, stderr=None, timeout=None, keep=None) -> Result:
+        out, err = _Collector(stdout, keep), _Collector(stderr, keep)
         hold = stdin if isinstance(stdin, Hold) else None
         started: list[subprocess.Popen] = []
 
@@ -224,7 +269,7 @@ class LocalTransport(Transport):
             raise failures[0]   # the caller's sink raised (e.g. its reader went away)
         if code < 0:          # match what a shell / lxc-attach reports: 128 + signal
             code = 128 - code
-        return Result(code, out.value(), err.value())
+        return Result(code, out.value(), err.value(), out.total, err.total)
 
 
 # paramiko is imported on first use, without `invoke` (sshconfig.paramiko says why).
@@ -248,9 +293,9 @@ class SshTransport(Transport):
         """A direct-tcpip channel to address:port, used as the socket of the next hop."""
         return self.transport.open_channel("direct-tcpip", (address, port), ("127.0.0.1", 0))
 
-    def run(self, argv, *, stdin=None, stdout=None, stderr=None, timeout=None) -> Result:
+    def run(self, argv, *, stdin=None, stdout=None, stderr=None, timeout=None, keep=None) -> Result:
         line = shell_join(reporting_signals(argv))
-        out, err = _Collector(stdout), _Collector(stderr)
+        out, err = _Collector(stdout, keep), _Collector(stderr, keep)
         self.runs += 1
         try:
             chan = self.transport.open_session(timeout=self.host.connect_timeout)
@@ -302,7 +347,7 @@ class SshTransport(Transport):
             if not self.transport.is_active():
                 raise ConnectionLost(self.host.name)
             code = 255
-        return Result(code, out.value(), err.value())
+        return Result(code, out.value(), err.value(), out.total, err.total)
 
     def alive(self) -> bool:
         return self.transport is not None and self.transport.is_active()
@@ -400,9 +445,13 @@ class PctTransport(Transport):
         sink = kw.get("stderr")
         mark = STATUS_MARK.encode()
         kept: list[bytes] = []   # all of stderr when the caller keeps it, else a tail to find the mark in
+        head = Kept(kw.get("keep")) if sink is None and kw.get("keep") is not None else None
 
         def watch(data: bytes) -> None:
             kept.append(data)
+            if head is not None:        # the caller keeps the first `keep` bytes: kept is a tail
+                head(data)
+                del kept[:-8]
             if sink is None:
                 return
             del kept[:-8]
@@ -418,7 +467,11 @@ class PctTransport(Transport):
             code, _, text = err[err.index(mark) + len(mark):].decode(errors="replace").strip().partition(" ")
             raise self._container_error(int(code) if code.isdigit() else 1, text)
         self._verify = False
-        return r if sink is not None else Result(r.exit_code, r.stdout, err)
+        if sink is not None:
+            return r
+        if head is not None:
+            return Result(r.exit_code, r.stdout, head.value(), r.stdout_bytes, head.total)
+        return Result(r.exit_code, r.stdout, err, r.stdout_bytes, len(err))
 
 
 class EnvTransport(Transport):

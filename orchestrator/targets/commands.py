@@ -106,7 +106,8 @@ def exec_(ctx, names, all_targets, env, as_json) -> None:
 
     `dflash-ops exec ct200 -- nvidia-smi`: output streams as it comes and the exit status is the
     command's; several targets run in parallel, each line led by `[target]`, exit 1 if any failed.
-    Ctrl-C (or SIGTERM) ends the command on every target, exit 130 (143).
+    --json keeps the first MiB of each target's stdout and of its stderr (the rest counted: stdout_bytes,
+    stdout_truncated). Ctrl-C (or SIGTERM) ends the command on every target, exit 130 (143).
     """
     from orchestrator.targets import exec as exec_mod
     from orchestrator.envvars import parse_assignments
@@ -116,7 +117,7 @@ def exec_(ctx, names, all_targets, env, as_json) -> None:
     argv = exec_mod.check_command(ctx.meta["command"])
     variables = parse_assignments(env)
     if as_json:
-        results = exec_mod.exec_command(state.inv, targets, argv, env=variables)
+        results = exec_mod.exec_command(state.inv, targets, argv, env=variables, keep=exec_mod.KEEP_BYTES)
         emit(True, {"targets": {r.target: r.as_json() for r in results}}, "")
         sys.exit(exec_mod.exit_status(results))
     streams = exec_mod.Streams([t.name for t in targets], sys.stdout.buffer, sys.stderr.buffer)

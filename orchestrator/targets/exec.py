@@ -12,6 +12,7 @@ it after ENDING_GRACE_S. The node's side (sshd, sh, pct, lxc-attach) only waits,
 """
 from __future__ import annotations
 
+import collections
 import posixpath
 import signal
 import threading
@@ -22,11 +23,15 @@ from typing import Callable, Mapping, Sequence
 from orchestrator.ssh import agent
 from orchestrator.errors import Interrupted, OpsError, Terminated, UsageError, terminated_on_sigterm
 from orchestrator.inventory import Inventory, Target
+from orchestrator.lines import Prefixed
 from orchestrator.ssh.session import Session
 from orchestrator.ssh.hold import Hold, tell_all
-from orchestrator.ssh.transport import PctTransport
+from orchestrator.ssh.transport import Kept, PctTransport
 
 Write = Callable[[str, bytes], None]    # (target, bytes) -> None
+# What `exec --json` (and a playbook's exec step) keeps of each target's stdout, and of its stderr: the
+# first KEEP_BYTES; the rest is counted (stdout_bytes, stdout_truncated), not kept.
+KEEP_BYTES = 1 << 20
 
 
 @dataclass
@@ -34,10 +39,12 @@ class ExecResult:
     target: str
     exit_code: int | None = None        # None: the command did not run (error says why)
     error: str | None = None
-    stdout: bytes = b""
+    stdout: bytes = b""                 # what was kept: all, or the first `keep` bytes (run_one)
     stderr: bytes = b""
     seconds: float = 0.0
     note: str | None = None             # what a failure means (exit 127: not found, and where)
+    stdout_bytes: int = 0               # all the command wrote there, kept or not
+    stderr_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -46,26 +53,16 @@ class ExecResult:
     def as_json(self) -> dict:
         return {"ok": self.ok, "exit_code": self.exit_code, "error": self.error,
                 "stdout": self.stdout.decode(errors="replace"),
-                "stderr": self.stderr.decode(errors="replace"), "seconds": self.seconds, "note": self.note}
+                "stderr": self.stderr.decode(errors="replace"), "seconds": self.seconds, "note": self.note,
+                "stdout_bytes": self.stdout_bytes, "stdout_truncated": self.stdout_bytes > len(self.stdout),
+                "stderr_bytes": self.stderr_bytes, "stderr_truncated": self.stderr_bytes > len(self.stderr)}
 
 
-class LinePrefixer:
+class LinePrefixer(Prefixed):
     """A sink that writes whole lines, each led by `prefix`; a partial line waits for its end
-    (or for flush()), so lines of parallel targets never interleave mid-line."""
-
-    def __init__(self, prefix: bytes, write: Callable[[bytes], None]):
-        self.prefix, self.write, self.pending = prefix, write, b""
-
-    def __call__(self, data: bytes) -> None:
-        data = self.pending + data
-        *lines, self.pending = data.split(b"\n")
-        if lines:
-            self.write(b"".join(self.prefix + line + b"\n" for line in lines))
-
-    def flush(self) -> None:
-        if self.pending:
-            self.write(self.prefix + self.pending + b"\n")
-            self.pending = b""
+    (or for flush()), so lines of parallel targets never interleave mid-line. A line longer than
+    lines.PIECE bytes is written in pieces, each a prefixed line of its own: what waits is bounded, and
+    the time is linear in the output (lines.Prefixed)."""
 
 
 def select(inv: Inventory, names: Sequence[str], all_targets: bool) -> list[Target]:
@@ -182,20 +179,29 @@ def not_found_note(target: Target, argv: Sequence[str]) -> str:
 
 
 def run_one(session: Session, target: Target, argv: Sequence[str], *, out: Write | None = None,
-            err: Write | None = None, env: Mapping[str, str] | None = None, hold: Hold | None = None) -> ExecResult:
+            err: Write | None = None, env: Mapping[str, str] | None = None, hold: Hold | None = None,
+            keep: int | None = None) -> ExecResult:
     """The command on one target, in its environment (in_target_env). With out/err the output is
-    streamed there, else kept. A command not found (exit 127, the shell said so) gets `note`.
-    `hold.end(...)` ends the command; without one it has its own, and ends if the controller dies."""
+    streamed there, else kept: all of it, or with `keep` the first `keep` bytes of each stream (the
+    rest counted: stdout_bytes, stderr_bytes). A command not found (exit 127, the shell said so) gets
+    `note`. `hold.end(...)` ends the command; without one it has its own, and ends if the controller dies."""
     res = ExecResult(target.name)
     start = time.monotonic()
-    kept: list[bytes] = []      # all of stderr when it is kept, else its last chunks
+    kept = Kept(0 if err else keep)                     # stderr when it is kept; counted either way
+    tail: collections.deque[bytes] = collections.deque(maxlen=8)    # its last chunks: the "not found" line
+    seen = [0]                                          # stdout's bytes, when it is streamed
 
-    def keep(data: bytes) -> None:
-        kept.append(data)
+    def keep_err(data: bytes) -> None:
+        kept(data)
+        tail.append(data)
         if err:
             err(target.name, data)
-            del kept[:-8]
-    on_err = NotFoundFilter(keep)
+
+    def stream_out(data: bytes) -> None:
+        seen[0] += len(data)
+        if out:
+            out(target.name, data)
+    on_err = NotFoundFilter(keep_err)
     try:
         # The container's state first, on its own: pct's refusal must not reach the user's
         # stream as if the command had printed it.
@@ -203,11 +209,12 @@ def run_one(session: Session, target: Target, argv: Sequence[str], *, out: Write
         if isinstance(t, PctTransport):
             t.check()
         r = t.run(in_target_env(target, argv), stdin=hold or Hold(),
-                  stdout=(lambda b: out(target.name, b)) if out else None, stderr=on_err)
+                  stdout=stream_out if out else None, stderr=on_err, keep=keep)
         on_err.flush()
         res.exit_code, res.stdout = r.exit_code, r.stdout
-        res.stderr = b"" if err else b"".join(kept)
-        last = b"".join(kept).rstrip().splitlines()[-1:]
+        res.stdout_bytes = seen[0] if out else r.stdout_bytes if r.stdout_bytes is not None else len(r.stdout)
+        res.stderr, res.stderr_bytes = (b"" if err else kept.value()), kept.total
+        last = b"".join(tail).rstrip().splitlines()[-1:]
         if r.exit_code == 127 and (on_err.found or last and b"not found" in last[0]):
             res.note = not_found_note(target, argv)
     except OpsError as e:
@@ -217,9 +224,11 @@ def run_one(session: Session, target: Target, argv: Sequence[str], *, out: Write
 
 
 def exec_command(inv: Inventory, targets: list[Target], argv: Sequence[str], *, out: Write | None = None,
-                 err: Write | None = None, env: Mapping[str, str] | None = None) -> list[ExecResult]:
-    """Run argv on every target in parallel; one result per target, in the order given. SIGINT or
-    SIGTERM ends the command on every target and raises Interrupted (exit 130 / 143), saying so.
+                 err: Write | None = None, env: Mapping[str, str] | None = None,
+                 keep: int | None = None) -> list[ExecResult]:
+    """Run argv on every target in parallel; one result per target, in the order given (output not
+    streamed is kept as run_one keeps it, `keep`). SIGINT or SIGTERM ends the command on every target
+    and raises Interrupted (exit 130 / 143), saying so.
 
     A daemon thread per target (at most agent.MAX_WORKERS at work), not fan_out's pool, whose
     threads are joined at exit: an interrupted exec must not wait for a connect still under way."""
@@ -233,7 +242,8 @@ def exec_command(inv: Inventory, targets: list[Target], argv: Sequence[str], *, 
         def one(t: Target) -> None:
             try:
                 with slots:
-                    results[t.name] = run_one(session, t, argv, out=out, err=err, env=env, hold=holds[t.name])
+                    results[t.name] = run_one(session, t, argv, out=out, err=err, env=env, hold=holds[t.name],
+                                             keep=keep)
             except BaseException as e:  # noqa: BLE001 - run_one keeps OpsErrors; anything else is a bug, raised below
                 bugs.append(e)
             finally:
@@ -288,7 +298,7 @@ def exit_status(results: list[ExecResult]) -> int:
 
 class Streams:
     """The writers for exec's live output: raw bytes for one target, `[target] ` line prefixes
-    (whole lines, under one lock) for several."""
+    (whole lines, under one lock; a line over lines.PIECE bytes in pieces) for several."""
 
     def __init__(self, names: list[str], stdout, stderr):
         self.lock = threading.Lock()
