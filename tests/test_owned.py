@@ -163,7 +163,8 @@ def test_play_refuses_a_users_folder_as_the_exports_output_before_any_step(tmp_p
     before = home_like(home)
     work = tmp_path / "work"
     work.mkdir()
-    r = dflash_ops("play", ROOT / "playbooks" / "train.yaml", "--var", f"output={home}", cwd=work, home=tmp_path / "ops")
+    r = dflash_ops("play", ROOT / "playbooks" / "train.yaml", "--var", f"output={home}", cwd=work,
+                   home=tmp_path / "ops")
     assert r.returncode == 2 and r.stdout == "", r.stderr
     err = r.stderr.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
