@@ -51,5 +51,9 @@ def parse_assignments(items: Iterable[str], what: str = "--env") -> dict[str, st
                              f"(not first a digit)")
         if "\x00" in value:
             raise UsageError(f"{what} {name}: a value cannot contain a NUL byte")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:      # bytes the shell passed that are not UTF-8 (surrogate-escaped)
+            raise UsageError(f"{what} {name}: the value is not UTF-8 text: {value!r}") from None
         out[name] = value
     return out

@@ -78,6 +78,23 @@ CASES = (
     ("21", "export's controller, agent or worker killed (INT, TERM, KILL) while the target exports or mid-transfer: "
            "the agent ran on; now nothing left running, no partial that looks whole, the next export sweeps",
      ("test_export_signals.py",)),
+    ("22", "numbers, bytes and files the loader let through: a 5000-digit port/vmid/gpus/connect_timeout (internal "
+           "error), 1.0e+400 / 1.0e-320, a NUL in env:, a FIFO as inventory, playbook, prompts, --config or ssh_config "
+           "(waited forever), ssh_config and jump ports out of range: one line FILE:LINE, exit 2",
+     ("test_inventory_limits.py::test_numbers_and_text_outside", "test_inventory_limits.py::test_bounds_through",
+      "test_inventory_limits.py::test_what_is_not_a_regular_file", "test_inventory_limits.py::test_the_ssh_config_is",
+      "test_inventory_limits.py::test_a_jump_port_outside", "test_launch_options.py::test_a_config_is_a_bounded")),
+    ("23", "one bad state file on the target (run.json 100k levels deep, a list, cut short; exit.json of wrong types) "
+           "broke status, logs, prune and rm for the whole target: now that run is unreadable with the reason, every "
+           "other run works, rm removes it; replies and log lines bounded the same way",
+     ("test_runs_agent.py::test_a_bad_state_file_makes", "test_runs_agent.py::test_an_unreadable_run_whose_slot",
+      "test_runs_agent.py::test_state_files_are_read_in_one_place", "test_launch_safety.py::test_a_bad_state_file_on",
+      "test_agent.py::test_a_reply_that_is_not", "test_runs_unit.py::test_a_log_line_nested_beyond")),
+    ("24", "refusals that disagreed: --gpus beyond the target exit 1 where --gpu-ids -1 was 2; a --var reading a "
+           "step's result or not UTF-8 failed in the step: every impossible request and --var problem is exit 2, "
+           "before any step",
+     ("test_runs_unit.py::test_launch_refuses_more_gpus", "test_launch_options.py::test_the_spec_is_one_document",
+      "test_play.py::test_every_var_problem", "test_exec_env.py::test_env_is_one_argv")),
     ("-", "earlier rounds: overlapping deploys, dead deploys, damaged releases, full disks",
      ("test_deploy_reliability.py::test_overlapping", "test_deploy_reliability.py::test_a_dead_deploy",
       "test_deploy_reliability.py::test_damage", "test_deploy_reliability.py::test_a_full_disk")),

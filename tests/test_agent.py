@@ -101,6 +101,35 @@ def test_the_line_scan_of_relative_imports_is_asts_reading_of_every_part():
         assert [(n.level, n.module, n.lineno) for n in agent._local_imports(part, text)] == want, part
 
 
+def test_the_program_sent_is_the_parts_code_less_docstrings_and_within_one_argument():
+    """source() leaves out docstrings and comment lines, line by line (agent.lean): for every part,
+    ast reads the same code as in the file, less the docstrings (an emptied block holds `pass`); and
+    each program, quoted on its command line, fits one argument (128 KiB, MAX_ARG_STRLEN) with room."""
+    import ast
+    from pathlib import Path
+
+    from orchestrator.ssh.transport import shell_join
+
+    def undocumented(tree):
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body \
+                    and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        return ast.dump(tree)
+
+    remote = Path(agent.__file__).resolve().parents[1] / "remote"
+    for path in sorted(remote.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        lean = "".join(agent.lean(text.splitlines(keepends=True)))
+        assert undocumented(ast.parse(lean)) == undocumented(ast.parse(text)), path
+        assert '"""' not in lean, path
+    for program in (agent.RELEASE, agent.RUNS):
+        line = shell_join(agent.argv(Target(name="t", python="/usr/bin/python3"), program, ["status", "/w"]))
+        assert len(line.encode()) < agent.MAX_SOURCE_BYTES * 0.85, (program, len(line.encode()))
+
+
 def test_a_relative_import_over_several_lines_is_refused_by_name():
     text = "import os\nfrom .common import (a,\n    b)\n"
     with pytest.raises(ValueError, match=r"runs/x.py:2: a relative import is one line"):
@@ -136,3 +165,18 @@ def test_no_part_of_a_joined_agent_shadows_another_parts_global(program):
                for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.Lambda))
                for name in sorted(_bound_in(fn)) if owner.get(name, part) != part]
     assert shadows == []
+
+
+@pytest.mark.parametrize("stdout", [b"[" * 100_000 + b"]" * 100_000 + b"\n", b"[1, 2]\n", b"\"x\"\n", b"{\"a\": \n"])
+def test_a_reply_that_is_not_a_bounded_json_object_is_one_line(stdout):
+    """The agent's reply is read in one place (agent.call): nested beyond what json reads, a list, a
+    string, cut short: StepFailed naming the target (exit 1), never a RecursionError or a TypeError later."""
+    from orchestrator.errors import StepFailed
+    from orchestrator.ssh.transport import Result
+
+    class Replies:              # what a transport gives back; nothing is run
+        def run(self, argv, **kw):
+            return Result(0, stdout, b"")
+
+    with pytest.raises(StepFailed, match=r"^t: read the runs exited 0: unreadable reply"):
+        agent.call(Replies(), Target(name="t"), agent.RUNS, ["status", "/w"], what="read the runs")

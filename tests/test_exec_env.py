@@ -206,3 +206,8 @@ def test_env_is_one_argv_quoted_once():
         {"HF_TOKEN": "***", "AWS_SECRET_ACCESS_KEY": "***", "HF_HOME": "/h"}
     with pytest.raises(UsageError):
         envvars.parse_assignments(["NOEQUALS"])
+    # what no command argument can carry, refused as the option's value (--env, --var) before anything runs
+    with pytest.raises(UsageError, match="--env A: a value cannot contain a NUL byte"):
+        envvars.parse_assignments(["A=x\x00y"])
+    with pytest.raises(UsageError, match="--var A: the value is not UTF-8 text"):
+        envvars.parse_assignments(["A=x\udcffy"], what="--var")

@@ -58,7 +58,7 @@ def test_good_file_loads_into_frozen_objects():
     ("hosts:\n  a:\n    address: x\n    jump: nowhere\n", 4, "names a missing host 'nowhere'"),
     ("targts: {}\n", 1, "targts: unknown key (did you mean 'targets'?)"),
     ("default: ct2\ntargets:\n  ct200: {}\n", 1, "default: names a missing target 'ct2' (did you mean 'ct200'?)"),
-    ("targets:\n  t:\n    vmid: 5\n", 3, "Proxmox VMIDs start at 100"),
+    ("targets:\n  t:\n    vmid: 5\n", 3, "must be a Proxmox VMID, 100..999999999 (got 5)"),
     ("hosts:\n  a:\n    address: x\n    port: 70000\n", 4, "must be 1..65535"),
     ("hosts: [1, 2]\n", 1, "hosts: expected a mapping, got a list"),
     ("targets:\n  t:\n    expect: 3\n", 3, "expected a mapping"),

@@ -63,21 +63,130 @@ def test_what_is_not_plain_data_is_refused_at_its_line(text, line, needle):
     refused(text, line, needle)
 
 
-def test_size_limit_and_dev_zero_through_the_cli(tmp_path):
+def test_size_limit_through_the_cli(tmp_path):
     big = tmp_path / "hosts.yaml"
     big.write_text("# comment\n" * 110_000)            # 1.1 MB of comments
-    for path in (big, "/dev/zero"):
-        start = time.monotonic()
-        r = cli("-i", path, "targets")
-        assert r.returncode == 2, r.stderr
-        assert r.stderr.strip() == f"dflash-ops: {path}: larger than 1 MB; an inventory or a playbook is a few KB"
-        assert time.monotonic() - start < 20
+    start = time.monotonic()
+    r = cli("-i", big, "targets")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == f"dflash-ops: {big}: larger than 1 MB; an inventory or a playbook is a few KB"
+    assert time.monotonic() - start < 20
     big.write_text("# comment\n" * 100_000)            # under 1 MB: read
     assert cli("-i", big, "targets").returncode == 0
 
 
+def test_what_is_not_a_regular_file_is_refused_before_it_is_read(tmp_path):
+    """A FIFO (nobody writing: an open would wait forever), a device (/dev/zero never ends), a
+    socket, a folder: one line, exit 2, at once; as an inventory, a playbook or a prompts file."""
+    import socket
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "sock"))
+    good = tmp_path / "hosts.yaml"
+    good.write_text("targets:\n  t: {}\n")
+    for path, kind in ((fifo, "a FIFO"), ("/dev/zero", "a character device"), ("/dev/null", "a character device"),
+                       (tmp_path / "sock", "a socket"), (tmp_path, "a folder")):
+        start = time.monotonic()
+        for args in (("-i", path, "targets"), ("-i", good, "play", path, "--dry-run"),
+                     ("-i", good, "regen", "t", "--prompts", path, "--model", "tiny")):
+            if args[2] == "play" and path == tmp_path:
+                continue        # click's own check of the argument (dir_okay=False), exit 2 too
+            r = cli(*args, timeout=20)
+            assert r.returncode == 2, (args, r.stderr)
+            assert r.stderr.strip().endswith(f"{path}: not a regular file ({kind}); name a file"), (args, r.stderr)
+            assert len(r.stderr.strip().splitlines()) == 1
+        assert time.monotonic() - start < 20
+    sock.close()
+
+
+BIG = "9" * 5000
+
+
+@pytest.mark.parametrize("text, line, needle", [
+    pytest.param(f"hosts:\n  h:\n    address: h.invalid\n    port: {BIG}\n", 4,
+                 "hosts.h.port: an integer of 5000 digits (at most 18)", id="port-5000-digits"),
+    pytest.param(f"targets:\n  t:\n    vmid: {BIG}\n", 3, "targets.t.vmid: an integer of 5000 digits", id="vmid"),
+    pytest.param(f"targets:\n  t:\n    gpus: {BIG}\n", 3, "targets.t.gpus: an integer of 5000 digits", id="gpus"),
+    pytest.param(f"hosts:\n  h:\n    address: h.invalid\n    connect_timeout: {BIG}\n", 4,
+                 "hosts.h.connect_timeout: an integer of 5000 digits", id="timeout-5000-digits"),
+    pytest.param(f"targets:\n  t:\n    env: {{A: {BIG}}}\n", 3, "targets.t.env.A: an integer of 5000", id="env-int"),
+    pytest.param(f"{BIG}: x\n", 1, "an integer of 5000 digits", id="a-key"),
+    pytest.param("targets:\n  t:\n    gpus: 1234567890123456789\n", 3, "an integer of 19 digits", id="19-digits"),
+    pytest.param("targets:\n  t:\n    gpus: 1025\n", 3, "targets.t.gpus: must be 0..1024 (got 1025)", id="gpus-range"),
+    pytest.param("targets:\n  t:\n    vmid: 1000000000\n", 3, "targets.t.vmid: must be a Proxmox VMID, "
+                 "100..999999999", id="vmid-range"),
+    pytest.param("hosts:\n  h:\n    address: x\n    connect_timeout: 1.0e+400\n", 4,
+                 "hosts.h.connect_timeout: '1.0e+400': a decimal is 0 or between 1e-12 and 1e+18", id="timeout-inf"),
+    pytest.param("hosts:\n  h:\n    address: x\n    connect_timeout: 1.0e-320\n", 4,
+                 "hosts.h.connect_timeout: '1.0e-320': a decimal is 0 or between", id="timeout-subnormal"),
+    pytest.param("hosts:\n  h:\n    address: x\n    connect_timeout: 0.001\n", 4,
+                 "hosts.h.connect_timeout: must be a number of seconds, 0.1..3600 (got 0.001)", id="timeout-range"),
+    pytest.param("hosts:\n  h:\n    address: x\n    connect_timeout: 86400\n", 4,
+                 "must be a number of seconds, 0.1..3600 (got 86400.0)", id="timeout-a-day"),
+    pytest.param("hosts:\n  h:\n    address: x\n    connect_timeout: .nan\n", 4, "plain decimal", id="nan"),
+    pytest.param('targets:\n  t:\n    env: {A: "x\\0y"}\n', 3,
+                 "targets.t.env.A: a NUL character (\\0) in a value", id="env-nul"),
+    pytest.param('targets:\n  t:\n    python: "\\x00"\n', 3, "targets.t.python: a NUL character", id="python-nul"),
+    pytest.param('groups:\n  g: [a, "b\\0"]\n', 2, "groups.g[1]: a NUL character", id="list-item-nul"),
+    pytest.param('hosts:\n  h:\n    "a\\0": x\n', 3, "hosts.h.a\x00: a NUL character", id="key-nul"),
+])
+def test_numbers_and_text_outside_their_bounds_are_refused_at_their_line(text, line, needle):
+    """Every number a file holds has at most 18 digits and a decimal a size (no inf, no 1e-320),
+    then each key its range; no value holds a NUL: FILE:LINE: KEY, never an internal error."""
+    refused(text, line, needle)
+
+
+@pytest.mark.parametrize("config, needle", [
+    ("Host h\n  Port 99999999999999999999999\n", "Port '99999999999999999999'... (for h): expected a number 1..65535"),
+    ("Host h\n  Port abc\n", "Port 'abc' (for h): expected a number 1..65535"),
+    ("Host h\n  Port 70000\n", "expected a number 1..65535"),
+    ("Host h\n  ConnectTimeout 1e400\n", "ConnectTimeout '1e400' (for h): expected a number 0.1..3600"),
+    ("Host h\n  ConnectTimeout nan\n", "ConnectTimeout 'nan'"),
+    (None, "not a regular file (a FIFO)"),
+])
+def test_the_ssh_config_is_held_to_the_same_bounds(tmp_path, config, needle):
+    """What ~/.ssh/config (or -F) fills in takes the range hosts.yaml gives its key; a FIFO named as
+    the ssh_config is refused, not waited on: one line naming the inventory and the ssh_config."""
+    cfg = tmp_path / "ssh_config"
+    if config is None:
+        os.mkfifo(cfg)
+    else:
+        cfg.write_text(config)
+    start = time.monotonic()
+    with pytest.raises(FileError) as e:
+        inventory.parse("hosts:\n  h: {address: h}\n", "inv.yaml", ssh_config=str(cfg))
+    msg = str(e.value)
+    assert msg.startswith(f"inv.yaml: ssh_config: {cfg}") and needle in msg and "\n" not in msg, msg
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("jump", ["ops@b.invalid:" + "9" * 5000, "ops@b.invalid:99999", "b.invalid:0"])
+def test_a_jump_port_outside_1_65535_is_refused_at_its_line(jump):
+    refused(f"hosts:\n  h:\n    address: h.invalid\n    jump: {json.dumps(jump)}\n", 4,
+            "hosts.h.jump: jump ")
+
+
+def test_numbers_inside_their_bounds_load():
+    inv = inventory.parse("hosts:\n  h: {address: h.invalid, port: 65535, connect_timeout: 0.1}\n"
+                          "targets:\n  t: {host: h, vmid: 999999999, gpus: 1024, env: {A: 123456789012345678}}\n")
+    t = inv.targets["t"]
+    assert (t.vmid, t.gpus, t.env["A"], inv.hosts["h"].connect_timeout) == (999999999, 1024, "123456789012345678", 0.1)
+
+
+def test_bounds_through_the_cli_are_one_line_exit_2(tmp_path):
+    for text in (f"hosts:\n  h:\n    address: h.invalid\n    port: {BIG}\n",
+                 'targets:\n  t:\n    env: {A: "x\\0y"}\n'):
+        p = tmp_path / "hosts.yaml"
+        p.write_text(text)
+        r = cli("-i", p, "targets")
+        assert r.returncode == 2 and r.stderr.startswith(f"dflash-ops: {p}:"), r.stderr
+        assert "internal error" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
 def test_hostile_yaml_through_the_cli_is_one_line_exit_2(tmp_path):
-    for text, needle in [("targets:\n  t:\n    python: !!python/name:os.system\n", ":3: YAML tag"),
+    for text, needle in [("targets:\n  t:\n    python: !!python/name:os.system\n", ":3: targets.t.python: YAML tag"),
                          ("x: " + "[" * 50000 + "]" * 50000 + "\n", ":1: not valid YAML")]:
         p = tmp_path / "hosts.yaml"
         p.write_text(text)

@@ -48,10 +48,29 @@ def test_the_policy_is_one_of_the_trainers_names_or_auto():
     ({"resume": "R", "extra": ["--steps", "1"]}, "--resume continues the run"),
     ({"resume": "--force"}, "is not a run id"),
     ({"config": "/nonexistent/x.yaml"}, "cannot read"),
+    ({"config": "/dev/zero"}, r"--config /dev/zero: not a regular file \(a character device\)"),
+    ({"gpu_ids": "9" * 5000}, "expected GPU indexes"),
 ])
 def test_bad_options_are_usage_errors_before_anything_connects(kw, message):
     with pytest.raises(UsageError, match=message):
         LaunchOptions.build(**kw)
+
+
+def test_a_config_is_a_bounded_regular_file_of_utf8(tmp_path):
+    """--config is read as hosts.yaml is: a FIFO is refused, not waited on; over 256 KB or not
+    UTF-8, one line naming it (exit 2), never an internal error."""
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    big, latin = tmp_path / "big.yaml", tmp_path / "latin.yaml"
+    big.write_text("# x\n" * 70_000)
+    latin.write_bytes(b"steps: 3\n# caf\xe9\n")
+    for path, needle in ((fifo, "not a regular file (a FIFO)"), (big, "larger than 256 KB"),
+                         (latin, f"{latin}:2: not UTF-8 text (byte 0xe9)")):
+        with pytest.raises(UsageError) as e:
+            LaunchOptions.build(config=str(path))
+        assert str(e.value).startswith("--config ") and needle in str(e.value) and e.value.exit_code == 2
 
 
 def test_the_spec_is_one_document_with_the_target_checks(tmp_path):
@@ -66,7 +85,7 @@ def test_the_spec_is_one_document_with_the_target_checks(tmp_path):
     assert spec.doc["extra"] == ["--steps", "2"] and spec.env == {"A": "1"}
     with pytest.raises(UsageError, match="ct200 has GPUs 0..1"):
         runs.launch_spec(INV, INV.targets["ct200"], LaunchOptions.build(gpu_ids="2"))
-    with pytest.raises(runs.LaunchRefused, match="--gpus 3 is more than"):
+    with pytest.raises(UsageError, match="--gpus 3 is more than"):     # impossible: bad input, exit 2
         runs.launch_spec(INV, INV.targets["ct200"], LaunchOptions.build(gpus=3))
 
 

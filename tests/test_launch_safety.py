@@ -139,3 +139,54 @@ def test_follow_counts_outages_not_reconnect_attempts(inv_path, sshd, make_inven
     wait_for(lambda: events and isinstance(events[-1], follow_mod.End), 60, "the follow to end")
     summary = events[-1].summary
     assert summary.outages == 2 and summary.reconnects == count(follow_mod.Reconnecting) >= 6, summary
+
+
+def test_a_bad_state_file_on_the_target_breaks_only_its_run(inv_path, fakepct):
+    """run.json 100,000 levels deep, a JSON list, cut short; exit.json with wrong types: through the
+    CLI over the real sshd and pct stand-in, status lists each as unreadable with the reason (exit 0,
+    one note each), every other run reads as before, `logs` of a bad one shows its log and the reason
+    (exit 1, no internal error), prune keeps and names them, rm removes them (dry run first)."""
+    runs = fakepct.private(200) / "dflash" / "runs"
+    good, deep, listed, cut, typed = "20250101-000000-aaaaa1", "b-deep", "b-list", "b-cut", "b-exit"
+    for run in (good, deep, listed, cut, typed):
+        (runs / run).mkdir(parents=True)
+        (runs / run / "train.log").write_text(f"the log of {run}\n")
+    (runs / good / "run.json").write_text(json.dumps({"run": good, "started_ts": 1.0, "started": "then"}))
+    (runs / good / "exit.json").write_text(json.dumps({"state": "succeeded", "exit_code": 0, "ended_ts": 2.0}))
+    (runs / deep / "run.json").write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    (runs / listed / "run.json").write_bytes(b"[]")
+    (runs / cut / "run.json").write_bytes(b'{"run": "b-cut", "started_ts": 1')
+    (runs / typed / "run.json").write_text(json.dumps({"run": typed, "started_ts": 3.0}))
+    (runs / typed / "exit.json").write_text(json.dumps({"state": "failed", "exit_code": "7", "signal_name": 9}))
+    bad = {deep: "run.json: nested more than 32 levels deep", listed: "run.json: a JSON list, not an object",
+           cut: "run.json: not JSON (", typed: "exit.json: exit_code: expected an integer, got a string"}
+
+    r = cli(inv_path, "status", "ct200")
+    out, err = r.stdout.decode(), r.stderr.decode()
+    assert r.returncode == 0, err
+    assert all(run in out for run in (good, *bad)) and "succeeded" in out and out.count("unreadable") == 4, out
+    for run, why in bad.items():
+        assert f"ct200: run {run} is unreadable: {why}" in err and f"`dflash-ops rm ct200 {run}` removes it" in err
+    assert "internal error" not in err and "Traceback" not in err
+    rows = {row["run"]: row for row in json.loads(cli(inv_path, "status", "ct200", "--json").stdout)["runs"]}
+    assert rows[good]["state"] == "succeeded" and all(rows[run]["state"] == "unreadable" for run in bad)
+
+    r = cli(inv_path, "logs", "ct200", good)
+    assert r.returncode == 0 and r.stdout.decode() == f"the log of {good}\n", r.stderr.decode()
+    for run, why in bad.items():
+        r = cli(inv_path, "logs", "ct200", run)
+        err = r.stderr.decode()
+        assert r.returncode == 1 and r.stdout.decode() == f"the log of {run}\n", err
+        assert f"run {run}: unreadable ({why}" in err and "internal error" not in err, err
+
+    r = cli(inv_path, "prune", "ct200", "--keep", "0", "--dry-run")
+    out = r.stdout.decode()
+    assert r.returncode == 0 and f"would remove run {good}" in out, r.stderr.decode()
+    assert all(f"kept run {run}, unreadable ({why}" in out for run, why in bad.items()), out
+    r = cli(inv_path, "rm", "ct200", deep, "--dry-run")
+    assert r.returncode == 0 and f"would remove run {deep} (unreadable: {bad[deep]}" in r.stdout.decode()
+    assert (runs / deep).exists()
+    r = cli(inv_path, "rm", "ct200", *bad)
+    assert r.returncode == 0 and r.stdout.decode().count("removed run") == 4, r.stderr.decode()
+    assert sorted(p.name for p in runs.iterdir()) == [good]
+    assert cli(inv_path, "status", "ct200").returncode == 0

@@ -82,6 +82,59 @@ def test_the_cli_exits_2_with_file_line_and_no_traceback(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+VARS = """\
+vars:
+  msg: hi
+  n: 0
+  ids: null
+steps:
+  - name: first
+    exec: {command: [touch, "{{ playbook_dir }}/ran"]}
+  - name: say
+    exec: {command: [echo, "{{ msg }}"]}
+  - name: launch
+    launch: {gpus: "{{ n }}"}
+  - name: exactly
+    launch: {gpu_ids: "{{ ids }}"}
+  - name: wait
+    wait-for: {timeout: "{{ msg }}"}
+"""
+
+
+@pytest.mark.parametrize("var, needle", [
+    (b"msg={{ steps.first.value }}", "--var msg: {{ steps.first.value }} reads a step's result, which no variable can"),
+    (b"msg={{ nope }}", "--var msg: unknown variable 'nope'"),
+    (b"msg={{ 1+1 }}", "--var msg: {{ 1+1 }}: not a template"),
+    (b"msg=a\xffb", "--var msg: the value is not UTF-8 text: 'a\\udcffb'"),
+    (b"n=20000", "play.yaml:11: steps[2].launch.gpus: --gpus 20000 is more than the target's 1 GPU(s) "
+                 "(hosts.yaml `gpus:`) (on t)"),
+    (b"n=" + b"9" * 5000, "play.yaml:11: steps[2].launch.gpus: a whole number of 5000 digits (at most 18) (on t)"),
+    (b"ids=-1", "play.yaml:13: steps[3].launch.gpu_ids: --gpu-ids -1: t has GPUs 0..0 (hosts.yaml `gpus:`) (on t)"),
+    (b"ids=1", "play.yaml:13: steps[3].launch.gpu_ids: --gpu-ids 1: t has GPUs 0..0"),
+    (b"msg=1e999", "play.yaml:15: steps[4].wait-for.timeout: '1e999': a number is 0 or between 1e-12 and 1e+18"),
+    (b"msg=nan", "play.yaml:15: steps[4].wait-for.timeout: 'nan': a number is 0 or between"),
+], ids=["reads-a-step", "unknown-variable", "not-a-template", "not-utf8", "more-gpus", "5000-digits", "gpu-id-minus-1",
+        "gpu-id-absent", "inf", "nan"])
+def test_every_var_problem_is_exit_2_before_any_step_runs(tmp_path, var, needle):
+    """A --var that reads a step's result, names no variable, is not UTF-8, or asks a launch for
+    GPUs the target does not have (or a number without bounds): one line, exit 2, and the first
+    step (which would touch a file) never ran."""
+    (tmp_path / "hosts.yaml").write_text("targets:\n  t: {gpus: 1}\n")
+    (tmp_path / "play.yaml").write_text(VARS)
+    args = [b"ids=0", b"msg=5"] + [var]
+    r = subprocess.run([sys.executable, "-c", CLI_MAIN, "-i", "hosts.yaml", "play", "play.yaml", "t",
+                        *(x for a in args for x in (b"--var", a))], capture_output=True, cwd=tmp_path, timeout=120,
+                       env=dict(os.environ, DFLASH_OPS_HOME=str(tmp_path)))
+    err = r.stderr.decode()
+    assert r.returncode == 2 and err.startswith("dflash-ops: ") and needle in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "ran").exists()
+    # the same vars, well-formed: the pre-check passes (--dry-run runs nothing)
+    r = subprocess.run([sys.executable, "-c", CLI_MAIN, "-i", "hosts.yaml", "play", "play.yaml", "t", "--dry-run",
+                        "--var", "ids=0", "--var", "msg=5", "--var", "n=1"], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=120, env=dict(os.environ, DFLASH_OPS_HOME=str(tmp_path)))
+    assert r.returncode == 0, r.stderr
+
+
 def test_the_shipped_playbooks_load_and_dry_run_shows_what_would_run(tmp_path):
     with pytest.raises(FileError, match=r"bootstrap.yaml:\d+: vars.torch: required"):
         pb.load(str(REPO / "playbooks" / "bootstrap.yaml"))

@@ -163,7 +163,7 @@ def test_a_bad_prompts_file_is_refused_before_anything_starts(ct):
                             (notjson, f"{notjson}:2: not JSON"),
                             (empty, f"{empty}:2: an empty user turn"),
                             (lone, f"{lone}:3: text that cannot be encoded as UTF-8"),
-                            (ct.tmp, "no such file")]:
+                            (ct.tmp, f"--prompts {ct.tmp}: not a regular file (a folder)")]:
         r = ct.cli("regen", "ct200", "--prompts", prompts, "--model", model, "--gpus", "0")
         err = r.stderr.decode()
         assert r.returncode == 2 and needle in err, (prompts, r.returncode, err)

@@ -90,7 +90,7 @@ def test_launch_refusals_say_what_to_do(ct):
     r = ct.cli("launch", "ct200", "--gpus", "0")          # --policy auto is the default
     assert r.returncode == 1 and b"run `dflash-ops probe ct200`" in r.stderr
     r = ct.cli("launch", "ct200", "--gpus", "3", "--policy", "eager")
-    assert r.returncode == 1 and b"more than the target's 2 GPU(s)" in r.stderr
+    assert r.returncode == 2 and b"more than the target's 2 GPU(s)" in r.stderr      # impossible: bad input
     for err in (r.stderr,):
         assert b"Traceback" not in err and len(err.decode().strip().splitlines()) == 1
     r = ct.cli("logs", "ct200")

@@ -68,8 +68,17 @@ def test_refusal_messages_say_what_to_do():
 
 
 def test_launch_refuses_more_gpus_than_the_target_has_before_connecting():
-    with pytest.raises(runs.LaunchRefused, match="--gpus 9 is more than the target's 8 GPU"):
-        nodes.launch(INV, [INV.targets["ct200"]], LaunchOptions.build(gpus=9, compile_policy="eager"))
+    """An impossible request (more GPUs than the target has, an id it does not have) is bad input:
+    UsageError (exit 2), as --gpu-ids out of range always was, before anything connects."""
+    for opts, needle in ((LaunchOptions.build(gpus=9, compile_policy="eager"), "--gpus 9 is more than the target's 8"),
+                         (LaunchOptions.build(gpus=20000), "--gpus 20000 is more than"),
+                         (LaunchOptions.build(gpu_ids="-1"), "--gpu-ids -1: ct200 has GPUs 0..7"),
+                         (LaunchOptions.build(gpu_ids="8"), "--gpu-ids 8: ct200 has GPUs 0..7")):
+        with pytest.raises(UsageError, match=needle) as e:
+            nodes.launch(INV, [INV.targets["ct200"]], opts)
+        assert e.value.exit_code == 2
+    with pytest.raises(UsageError, match="--gpus 1 is more than the target's 0 GPU"):
+        nodes.launch(INV, [INV.targets["ct201"]], LaunchOptions.build(gpus=1))
 
 
 @settings(max_examples=60, deadline=None)
@@ -231,3 +240,13 @@ def test_logs_takes_f_for_follow_as_tail_and_kubectl_do():
 
     assert logs.make_context("logs", ["-f"]).params["follow"] is True
     assert logs.make_context("logs", ["--no-follow"]).params["follow"] is False
+
+
+def test_a_log_line_nested_beyond_what_json_reads_is_text():
+    """`logs` reads each line of the target's log: one nested 100,000 deep is shown as text, not an
+    internal error after the log."""
+    from orchestrator.runs import logview
+
+    line = b'{"event": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert logview._json_line(line) == (b"", None)
+    assert logview._json_line(b'{"event": "done"}') == (b"", {"event": "done"})

@@ -182,7 +182,7 @@ def _probe_choice(workdir: str | None, topology: str) -> tuple[str, dict]:
     try:
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:     # RecursionError: nested beyond what json reads
         raise PolicyError(f"{path}: unreadable probe result ({e}): run `dflash-ops probe` again") from None
     chosen = saved.get("policy") if isinstance(saved, dict) else None
     if topology == "processes" and isinstance(saved, dict) and saved.get("processes_policy"):

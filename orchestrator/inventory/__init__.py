@@ -186,6 +186,17 @@ def load(explicit: str | None = None, ssh_config: str | None = None) -> Inventor
 _TOP_KEYS = {"default": str, "hosts": dict, "targets": dict, "ssh_config": str, "groups": dict}
 HOSTNAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*$")
 _INTERNAL = {"name", "identities"}      # dataclass fields that are not hosts.yaml keys
+MAX_GPUS = 1024             # a target's `gpus:`; more than any machine holds
+MAX_CONNECT_TIMEOUT = 3600.0
+# The range of each number key (yamlnodes bounds every number's digits and size first):
+# key -> (lowest, highest, the rule as the message says it).
+RANGES = {
+    "port": (1, 65535, "1..65535"),
+    "train_port": (1, 65535, "1..65535"),
+    "vmid": (100, 999_999_999, "a Proxmox VMID, 100..999999999"),
+    "gpus": (0, MAX_GPUS, f"0..{MAX_GPUS}"),
+    "connect_timeout": (0.1, MAX_CONNECT_TIMEOUT, f"a number of seconds, 0.1..{MAX_CONNECT_TIMEOUT:g}"),
+}
 
 
 def parse(text: str, file: str = "hosts.yaml", ssh_config: str | None = None) -> Inventory:
@@ -326,25 +337,16 @@ def _build(cls, name: str, node, line: int, file: str, where: str):
         values[key] = _convert(fields[key].type, vnode, file, f"{where}.{key}", vline)
     for key in sorted(required - values.keys()):
         raise InventoryError(file, line, f"{where}.{key}", "missing required key")
-    if "port" in values and not 0 < values["port"] < 65536:
-        raise InventoryError(file, yamlnodes.line_of(node, "port", line), f"{where}.port", "must be 1..65535")
-    if "gpus" in values and values["gpus"] < 0:
-        raise InventoryError(file, yamlnodes.line_of(node, "gpus", line), f"{where}.gpus", "must be >= 0")
-    if "connect_timeout" in values and not values["connect_timeout"] > 0:
-        raise InventoryError(file, yamlnodes.line_of(node, "connect_timeout", line), f"{where}.connect_timeout",
-                             "must be a number of seconds > 0")
+    for key, (low, high, what) in RANGES.items():
+        if key in values and not low <= values[key] <= high:
+            raise InventoryError(file, yamlnodes.line_of(node, key, line), f"{where}.{key}",
+                                 f"must be {what} (got {values[key]})")
     if "workdir" in values and (why := names.workdir_problem(values["workdir"])):
         raise InventoryError(file, yamlnodes.line_of(node, "workdir", line), f"{where}.workdir",
                              f"{why} (got {values['workdir']!r})")
-    if "train_port" in values and not 0 < values["train_port"] < 65536:
-        raise InventoryError(file, yamlnodes.line_of(node, "train_port", line), f"{where}.train_port",
-                             "must be 1..65535")
     if "train_address" in values and not _is_address(values["train_address"]):
         raise InventoryError(file, yamlnodes.line_of(node, "train_address", line), f"{where}.train_address",
                              f"expected an IPv4 address or a host name, got {values['train_address']!r}")
-    if "vmid" in values and values["vmid"] < 100:
-        raise InventoryError(file, yamlnodes.line_of(node, "vmid", line), f"{where}.vmid",
-                             "Proxmox VMIDs start at 100")
     for key, (_, eline) in yamlnodes.mapping(node, file, where).items():
         if key == "env":
             for k, (_, kline) in yamlnodes.mapping(yamlnodes.child(node, "env"), file, f"{where}.env").items():

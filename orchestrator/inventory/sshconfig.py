@@ -19,6 +19,9 @@ import re
 import sys
 import threading
 
+from orchestrator.errors import FileError
+from orchestrator.inventory import yamlnodes     # the one reading of a local file's bytes
+
 _PARAMIKO_IMPORT = threading.Lock()
 SSH_KEYS = ("hostname", "user", "port", "identityfile", "identitiesonly", "proxyjump",
             "userknownhostsfile", "connecttimeout")
@@ -113,13 +116,11 @@ class SshConfig:
         self._cfg = None
         if path is None:
             return
-        try:
-            with open(os.path.expanduser(path), encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise SshConfigError(f"{path}: cannot read: {e.strerror or e}") from None
-        except UnicodeDecodeError:
-            raise SshConfigError(f"{path}: not UTF-8 text") from None
+        try:        # a regular file of at most 1 MB (a FIFO is refused, not waited on), UTF-8
+            text = yamlnodes.decode(yamlnodes.read_bytes(os.path.expanduser(path), yamlnodes.MAX_BYTES,
+                                                         "larger than 1 MB"), path)
+        except FileError as e:
+            raise SshConfigError(str(e)) from None
         try:
             self._cfg = paramiko().SSHConfig.from_text(text)
         except Exception as e:  # noqa: BLE001 - paramiko raises ConfigParseError / ValueError
@@ -154,7 +155,7 @@ def apply(host, explicit: set[str], cfg: SshConfig):
     if "user" in o and "user" not in explicit:
         new["user"] = o["user"]
     if "port" in o and "port" not in explicit:
-        new["port"] = int(o["port"])
+        new["port"] = _number(o["port"], int, 1, 65535, "Port", host, cfg)
     if "identityfile" in o and "identity_file" not in explicit:
         files = tuple(os.path.expanduser(p) for p in o["identityfile"])
         new["identities"] = files
@@ -163,10 +164,25 @@ def apply(host, explicit: set[str], cfg: SshConfig):
     if "userknownhostsfile" in o and "known_hosts" not in explicit:
         new["known_hosts"] = os.path.expanduser(str(o["userknownhostsfile"]).split()[0])
     if "connecttimeout" in o and "connect_timeout" not in explicit:
-        new["connect_timeout"] = float(o["connecttimeout"])
+        new["connect_timeout"] = _number(o["connecttimeout"], float, 0.1, 3600, "ConnectTimeout", host, cfg)
     if "proxyjump" in o and "jump" not in explicit and str(o["proxyjump"]).lower() != "none":
         new["jump"] = str(o["proxyjump"])
     return dataclasses.replace(host, **new) if new else host
+
+
+def _number(text, kind, low, high, key: str, host, cfg: SshConfig):
+    """An ssh_config number within the range hosts.yaml gives its key; SshConfigError otherwise."""
+    word = str(text).strip()
+    try:
+        if len(word) > 18:
+            raise ValueError
+        value = kind(word)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:       # nan compares false: out of range too
+        raise SshConfigError(f"{cfg.path}: {key} {word[:20]!r}{'...' if len(word) > 20 else ''} (for "
+                             f"{host.address}): expected a number {low:g}..{high:g}")
+    return value
 
 
 def parse_hop(spec: str) -> tuple[str | None, str, int | None] | None:
@@ -175,7 +191,10 @@ def parse_hop(spec: str) -> tuple[str | None, str, int | None] | None:
     if not m:
         return None
     host = m.group("host").strip("[]")
-    return m.group("user"), host, int(m.group("port")) if m.group("port") else None
+    port = m.group("port")
+    if port is not None and not (len(port) <= 5 and 0 < int(port) < 65536):     # digits first: no 5000-digit int()
+        return None
+    return m.group("user"), host, int(port) if port else None
 
 
 def looks_like_address(spec: str) -> bool:
@@ -204,7 +223,8 @@ def jump_hosts(host, hosts: dict, cfg: SshConfig, make_host, depth: int = 0) -> 
             continue
         parsed = parse_hop(hop)
         if parsed is None:
-            raise SshConfigError(f"jump {hop!r}: not [user@]host[:port]")
+            raise SshConfigError(f"jump {hop[:60]!r}{'...' if len(hop) > 60 else ''}: not [user@]host[:port] "
+                                 f"(a port is 1..65535)")
         user, address, port = parsed
         if hop in hosts:   # an entry as a later hop: its settings, this chain's jump
             h = dataclasses.replace(hosts[hop], name=name, jump=prev)

@@ -119,10 +119,11 @@ def parse(text: str, file: str, given: Mapping[str, str] | None = None) -> Playb
                                                                      f"vars.{name}")
             var_lines[name] = vline
     known = set(variables) | set(TARGET_KEYS) | set(BUILTINS)
-    for name in given:
+    for name, value in given.items():
         if name not in known:
             raise UsageError(f"--var {name}: {file} has no variable {name!r}{yn.did_you_mean(name, known)} "
                              f"(its variables: {', '.join(sorted(set(variables) | set(TARGET_KEYS)))})")
+        _check_given(name, value, known)
     for name, value in variables.items():
         if value is None and name not in given:
             raise FileError(file, var_lines[name], f"vars.{name}",
@@ -213,6 +214,18 @@ def _check_step(step: Step, i: int, file: str, aline: int, earlier: list[Step]) 
 
 
 # --- templates: every name known ---------------------------------------------------------------
+
+def _check_given(name: str, value: str, known: set[str]) -> None:
+    """A `--var` value is checked as the file's `vars:` are, before any step runs: its templates
+    name known variables, never a step's result (a variable means the same in every step)."""
+    for expr in expressions(value):
+        if expr.strip().split(".")[0].split("|")[0].strip() == "steps":
+            raise UsageError(f"--var {name}: {{{{{expr}}}}} reads a step's result, which no variable can (it is one "
+                             f"value for every step); write the template in the step's option instead")
+    try:
+        _check_templates(value, known, set(), "--var", 0, name)
+    except FileError as e:
+        raise UsageError(f"--var {name}: {e.message}") from None
 
 def _check_templates(value, known: set[str], steps: set[str], file: str, line: int, where: str) -> None:
     for expr in expressions(value):

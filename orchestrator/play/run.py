@@ -100,7 +100,8 @@ def variables(book: pb.Playbook, target: Target, given: Mapping[str, str]) -> di
 
 def check_options(book: pb.Playbook, targets: list[Target], given: Mapping[str, str], start: int) -> None:
     """Render every step's options on every target before anything runs: a value of the wrong
-    type is FILE:LINE: KEY (exit 2). Options that read earlier steps' results wait for them."""
+    type, or a launch the target can never run (more GPUs than it has, a GPU id it does not have),
+    is FILE:LINE: KEY (exit 2). Options that read earlier steps' results wait for them."""
     for target in targets:
         ctx = tpl.Context(variables(book, target, given))
         for i, step in enumerate(book.steps[start:], start):
@@ -121,6 +122,22 @@ def check_options(book: pb.Playbook, targets: list[Target], given: Mapping[str, 
                 except OpsError as e:
                     raise FileError(book.path, step.lines["output"], step.where(i, "output"),
                                     f"{e} (on {target.name})") from None
+            if step.action == "launch":     # GPUs the target does not have: bad input, before any step
+                _check_launch(book, i, step, known, target)
+
+
+def _check_launch(book: pb.Playbook, i: int, step: pb.Step, known: dict, target: Target) -> None:
+    """A launch step's GPUs against the target, as `launch` checks them (runs/launch.check_gpus)."""
+    from orchestrator.runs.launch import check_gpus
+    from orchestrator.runs.options import LaunchOptions
+
+    try:
+        check_gpus(LaunchOptions.build(gpus=known.get("gpus"), gpu_ids=known.get("gpu_ids")), target)
+    except OpsError as e:
+        opt = next((o for o in ("gpu_ids", "gpus") if o in step.options), None)
+        said = str(e).removeprefix(f"{target.name}: ")
+        raise FileError(book.path, step.lines[opt] if opt else step.line, step.where(i, opt),
+                        f"{said} (on {target.name})") from None
 
 
 def options_value(step: pb.Step, opt: str, value, ctx: tpl.Context):
@@ -158,7 +175,7 @@ def record_path(book: pb.Playbook, target: str) -> Path:
 def load_record(book: pb.Playbook, target: str) -> dict:
     try:
         doc = json.loads(record_path(book, target).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):     # no record, or one that cannot be read: none
         return {}
     return doc.get("results") or {} if isinstance(doc, dict) else {}
 

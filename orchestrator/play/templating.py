@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from orchestrator.errors import OpsError, UsageError
+from orchestrator.inventory.yamlnodes import MAX_FLOAT, MAX_INT_DIGITS, MIN_FLOAT, float_in_range
 
 FILTERS: dict[str, Callable[[Any], Any]] = {
     "dirname": lambda v: os.path.dirname(_text(v)),
@@ -246,17 +247,24 @@ def convert(kind, value):
         if isinstance(value, (list, dict)) or value is None:
             raise ValueError(f"expected a string, got {_kind(value)}")
         return _text(value)
-    if kind == "int":
-        if isinstance(value, bool) or not isinstance(value, (int, str)) or not re.match(r"^\s*\d+\s*$", str(value)):
-            raise ValueError(f"expected a whole number, got {value!r}")
-        return int(value)
+    if kind == "int":     # the file's own bounds (yamlnodes) hold for a value from --var too
+        text = value.strip() if isinstance(value, str) else value
+        if isinstance(value, bool) or not isinstance(value, (int, str)) or not re.fullmatch(r"\d+", str(text)):
+            raise ValueError(f"expected a whole number, got {_short(value)}")
+        if len(str(text)) > MAX_INT_DIGITS:
+            raise ValueError(f"a whole number of {len(str(text))} digits (at most {MAX_INT_DIGITS})")
+        return int(text)
     if kind == "num":
         try:
-            if isinstance(value, bool):
+            if isinstance(value, bool) or isinstance(value, str) and len(value) > 64:
                 raise ValueError
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"expected a number, got {value!r}") from None
+            raise ValueError(f"expected a number, got {_short(value)}") from None
+        if not float_in_range(number):
+            raise ValueError(f"{_short(value)}: a number is 0 or between {MIN_FLOAT:g} and {MAX_FLOAT:g} in size "
+                             "(not inf, not nan)")
+        return number
     if kind == "bool":
         words = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
         if isinstance(value, bool):
@@ -283,6 +291,11 @@ def convert(kind, value):
             return value                 # a bash script
         return convert("list", value)    # an argv
     raise AssertionError(kind)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:27] + "..." + text[-10:]
 
 
 def _kind(value) -> str:

@@ -10,6 +10,7 @@ imports is public (no leading underscore); a part's private helpers keep the und
 """
 import json
 import os
+import re
 import sys
 import time
 
@@ -38,13 +39,136 @@ def now_iso(ts=None):
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
-def read_json(path):
-    """The JSON document at path, or None when it is missing or unreadable."""
+# --- the target's own files, read in one place -------------------------------------------------
+#
+# Every JSON file the agents read on the target (run.json, exit.json, node.json, a slot's lock,
+# probe.json, a release's manifest) is read by load_json: a regular file of at most `limit` bytes
+# of UTF-8 (MAX_RECORD_BYTES for a run's records and probe.json, MAX_TREE_BYTES for a file with a
+# line per file of a release), nested at most MAX_RECORD_DEPTH deep (checked before it is parsed,
+# so 100,000 nested lists are refused, not a RecursionError), one JSON object; `typed` then checks
+# the type of each field a reader uses. One that is not is a BadRecord saying why; read_json is the
+# lenient reading (None), for a file whose absence and damage mean the same.
+
+MAX_RECORD_BYTES = 1 << 20       # a run's records are a few KB (its config's text is the largest part)
+MAX_TREE_BYTES = 256 << 20       # a release's manifest or stat record: a line per file of the source tree
+MAX_RECORD_DEPTH = 32
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_PAIR = re.compile(r"\[\]|\{\}")
+_DEEP = re.compile(r"[\[{]{%d}" % (MAX_RECORD_DEPTH + 1))
+
+
+class BadRecord(Exception):
+    """A file that is there but cannot be used; str() says why, in a few words."""
+
+
+def load_json(path, limit=MAX_RECORD_BYTES):
+    """The JSON object at path; None when there is no such file; BadRecord when there is one that
+    is not a bounded JSON object (read without waiting: a FIFO is refused, not waited on)."""
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as e:
+        raise BadRecord("cannot be read (%s)" % e.strerror)
+    with os.fdopen(fd, "rb") as f:
+        if os.fstat(fd).st_mode & 0o170000 != 0o100000:      # S_ISREG (a part's `stat` is a local name)
+            raise BadRecord("not a regular file")
+        try:
+            data = f.read(limit + 1)
+        except OSError as e:
+            raise BadRecord("cannot be read (%s)" % e.strerror)
+    if len(data) > limit:
+        raise BadRecord("larger than %d MB" % (limit >> 20))
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRecord("not UTF-8 text")
+    return parse_json(text)
+
+
+def parse_json(text):
+    """text as one JSON object, nested at most MAX_RECORD_DEPTH deep; BadRecord otherwise."""
+    if _too_deep(text):
+        raise BadRecord("nested more than %d levels deep" % MAX_RECORD_DEPTH)
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise BadRecord("not JSON (%s)" % (str(e).split("\n")[0] if str(e) else "empty"))
+    if not isinstance(doc, dict):
+        raise BadRecord("a JSON %s, not an object" % json_kind(doc))
+    return doc
+
+
+def _too_deep(text):
+    """Whether the JSON text nests lists and objects more than MAX_RECORD_DEPTH deep: with strings
+    left out, the innermost pairs of brackets removed MAX_RECORD_DEPTH times, a pair is still
+    left. (Unbalanced text is json.loads's to refuse.)"""
+    if text.count("[") + text.count("{") <= MAX_RECORD_DEPTH:
+        return False
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    for _ in range(MAX_RECORD_DEPTH):
+        if _DEEP.search(brackets):      # as many openers in a row: deep already (and at once for [[[[...)
+            return True
+        fewer = _PAIR.sub("", brackets)
+        if fewer == brackets:
+            return False
+        brackets = fewer
+    return _PAIR.search(brackets) is not None
+
+
+def json_kind(value):
+    if value is None:
+        return "null"
+    for kinds, name in ((bool, "boolean"), ((int, float), "number"), (str, "string"), (list, "list"),
+                        (dict, "object")):
+        if isinstance(value, kinds):
+            return name
+    return type(value).__name__
+
+
+def read_json(path, limit=MAX_TREE_BYTES):
+    """The JSON object at path, or None when it is missing or is not a bounded JSON object (a
+    release's manifest and stat record are read this way: MAX_TREE_BYTES by default)."""
+    try:
+        return load_json(path, limit)
+    except BadRecord:
+        return None
+
+
+NUMBER = (int, float)
+
+
+def typed(doc, fields, where=""):
+    """Why `doc` does not have the fields a reader uses, each of its type, or None when it does.
+    fields: {name: types}, types a tuple of types, [types] for a list of them, or {name: types} for
+    an object of its own; null is every field's value when it has none. True is no number here."""
+    for name, want in fields.items():
+        value = doc.get(name)
+        if value is None:
+            continue
+        at = where + name
+        if isinstance(want, dict):
+            if not isinstance(value, dict):
+                return "%s: expected an object, got a %s" % (at, json_kind(value))
+            why = typed(value, want, at + ".")
+            if why:
+                return why
+        elif isinstance(want, list):
+            if not isinstance(value, list) or not all(_is(v, want[0]) for v in value):
+                return "%s: expected a list of %s" % (at, _names(want[0]))
+        elif not _is(value, want):
+            return "%s: expected %s, got a %s" % (at, _names(want), json_kind(value))
+    return None
+
+
+def _is(value, kinds):
+    return isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+
+
+def _names(kinds):
+    return " or ".join({int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+                        list: "a list", dict: "an object"}[k] for k in kinds if not (k is int and float in kinds))
 
 
 def write_json(path, doc):

@@ -15,7 +15,8 @@ def _bytes(n: int) -> str:
 def _lines(r) -> list[str]:
     verb = "would remove" if r.dry_run else "removed"
     lines = [f"{r.target}: {verb} run {x['run']}" + (f" {x['name']!r}" if x.get("name") else "")
-             + f" ({x['state']}, {_bytes(x['bytes'])})" for x in r.removed]
+             + f" ({x['state']}" + (f": {x['reason']}" if x.get("reason") else "") + f", {_bytes(x['bytes'])})"
+             for x in r.removed]
     lines.append(f"{r.target}: {'would free' if r.dry_run else 'freed'} {_bytes(r.freed)}")
     for other in r.nodes:      # a job's other nodes: their halves of the same runs
         lines += [line.replace(f"{other.target}: {verb} run", f"{other.target}: {verb} the job's half of run")
@@ -70,6 +71,9 @@ def prune(state: State, names, keep, dry_run, as_json):
         lines += _lines(o.value)
         if o.value.kept:
             lines.append(f"{name}: kept {len(o.value.kept)} run(s): {', '.join(o.value.kept)}")
+        for x in o.value.unreadable:     # prune cannot tell whether it ended; rm of it can remove it
+            lines.append(f"{name}: kept run {x['run']}, unreadable ({x['reason']}); "
+                         f"`dflash-ops rm {name} {x['run']}` removes it")
     emit(as_json, doc, "\n".join(lines))
     group.raise_failures()
 

@@ -188,8 +188,9 @@ def logs(state: State, args, follow, tail, as_json):
     """Print a run's log (default: the latest run) and name the failures in it.
 
     Exit status: 0 succeeded, 100 failed, 101 still running (--no-follow), 102 not found,
-    103 stopped. stdout is the log itself (on a terminal, each step or event once, as a line of
-    text); notes and the summary go to stderr. Ctrl-C stops following; the run goes on.
+    103 stopped, 1 its records on the target cannot be read (unreadable: the log, then why).
+    stdout is the log itself (on a terminal, each step or event once, as a line of text); notes
+    and the summary go to stderr. Ctrl-C stops following; the run goes on.
     """
     from orchestrator.runs import nodes, status as runs
 
@@ -219,6 +220,10 @@ def status(state: State, names, all_targets, as_json):
                   for r in rows]) if rows else ("" if errors else "no runs")
     if rows or not errors or as_json:
         emit(as_json, {"runs": rows, "errors": errors}, text)
+    for r in rows if not as_json else []:     # its records on the target cannot be used: why, and the way out
+        if r["state"] == "unreadable":
+            note(f"{r['target']}: run {r['run']} is unreadable: {r.get('reason')}; "
+                 f"`dflash-ops rm {r['target']} {r['run']}` removes it")
     if errors:
         if not as_json:
             for name, err in errors.items():

@@ -124,7 +124,7 @@ class _Stream:
             text = raw.decode("utf-8", errors="replace")
             try:
                 doc = json.loads(text)
-            except ValueError:
+            except (ValueError, RecursionError):
                 doc = None
             if isinstance(doc, dict) and "end" in doc:
                 self.end = doc["end"]

@@ -26,6 +26,7 @@ class Removal:
     refused: list[dict] = field(default_factory=list)    # running runs named to rm
     missing: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)        # prune: the newest N and running ones
+    unreadable: list[dict] = field(default_factory=list)  # prune: {"run", "reason"}, kept (rm removes one)
     freed: int = 0
     dry_run: bool = False
     nodes: list["Removal"] = field(default_factory=list)   # rm of a job's run: the other nodes' halves
@@ -36,8 +37,8 @@ class Removal:
 
 def _removal(target: Target, doc: dict) -> Removal:
     return Removal(target.name, doc.get("removed") or [], doc.get("refused") or [],
-                   doc.get("missing") or [], doc.get("kept") or [], int(doc.get("freed") or 0),
-                   bool(doc.get("dry_run")))
+                   doc.get("missing") or [], doc.get("kept") or [], doc.get("unreadable") or [],
+                   int(doc.get("freed") or 0), bool(doc.get("dry_run")))
 
 
 def remove(inv: Inventory, target: Target, runs: Sequence[str], *, dry_run: bool = False,

@@ -29,6 +29,11 @@ class LaunchRefused(OpsError):
     """launch said no: nothing deployed, not enough free GPUs, no probe result (exit 1)."""
 
 
+# The runs agent's refusals of a request the target can never meet (GPUs it does not have): bad
+# input, exit 2, as the same request refused here before connecting (check_gpus).
+IMPOSSIBLE = ("too_many_gpus", "bad_gpu_ids")
+
+
 # --- pure helpers (unit-tested) -----------------------------------------------------------------
 
 def new_run_id(target: str, now: float | None = None) -> str:
@@ -45,6 +50,18 @@ def check_gpu_ids(opts: LaunchOptions, target: Target) -> None:
         have = f"0..{target.gpus - 1}" if target.gpus else "none (gpus: 0)"
         ids = ",".join(map(str, opts.gpu_ids))
         raise UsageError(f"--gpu-ids {ids}: {target.name} has GPUs {have} (hosts.yaml `gpus:`)")
+
+
+def check_gpus(opts: LaunchOptions, target: Target) -> int | None:
+    """The GPUs the launch asks of `target` (None: a resumed run's own), checked against what it
+    has: more GPUs than it has, or a GPU id it does not have, is an impossible request, bad input
+    (UsageError, exit 2), wherever it is asked (launch, regen, a playbook's launch step)."""
+    check_gpu_ids(opts, target)
+    gpus = (None if opts.resume is not None else target.gpus) if opts.gpus is None else opts.gpus
+    if gpus is not None and gpus > target.gpus:
+        raise UsageError(f"{target.name}: --gpus {gpus} is more than the target's "
+                         f"{target.gpus} GPU(s) (hosts.yaml `gpus:`)")
+    return gpus
 
 
 def refusal_message(target: Target, doc: dict) -> str:
@@ -137,16 +154,12 @@ class LaunchSpec:
 def launch_spec(inv: Inventory, target: Target, opts: LaunchOptions, run: str | None = None,
                 nnodes: int = 1) -> LaunchSpec:
     """The runs agent's launch spec of `opts` on `target` (run: the job's id, else a new one; nnodes:
-    the job's nodes), with the checks that need the target (UsageError, LaunchRefused) and the
+    the job's nodes), with the checks that need the target (UsageError) and the
     trainer's own check of its flags and config (UsageError)."""
-    check_gpu_ids(opts, target)
+    gpus = check_gpus(opts, target)
     kind = KINDS[opts.kind]
     if nnodes > 1 and not kind["nodes"]:     # its program takes no rendezvous flags
         raise UsageError(f"a {opts.kind} run runs on one target; name one, not {nnodes}")
-    gpus = (None if opts.resume is not None else target.gpus) if opts.gpus is None else opts.gpus
-    if gpus is not None and gpus > target.gpus:
-        raise LaunchRefused(f"{target.name}: --gpus {gpus} is more than the target's "
-                            f"{target.gpus} GPU(s) (hosts.yaml `gpus:`)")
     env = dict(opts.env) or None
     spec = {**opts.doc(), "run": run or new_run_id(target.name), "target": target.name, "gpus": gpus,
             "target_gpus": target.gpus, "controller": _controller(),
@@ -188,6 +201,8 @@ def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
     except agent.Refused as e:
         if e.reason == "spawn":
             raise StepFailed(target.name, "launch the trainer", 1, e.doc.get("message", "")) from None
+        if e.reason in IMPOSSIBLE:
+            raise UsageError(refusal_message(target, e.doc)) from None
         raise LaunchRefused(refusal_message(target, e.doc)) from None
     except StepFailed as e:
         # The agent was cut off (killed, the connection dropped): its exit status says nothing of
@@ -252,4 +267,4 @@ def _launch_stdin(spec: dict):
 
 
 __all__ = ["launch_spec", "launch_on", "LaunchSpec", "LaunchResult", "LaunchRefused", "new_run_id",
-           "check_gpu_ids", "refusal_message"]
+           "check_gpu_ids", "check_gpus", "refusal_message", "IMPOSSIBLE"]

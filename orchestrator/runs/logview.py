@@ -113,7 +113,7 @@ def _json_line(data: bytes) -> tuple[bytes, dict | None]:
         return lead, None
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):     # a line of the log: anything may be written there
         return lead, None
     return lead, (doc if isinstance(doc, dict) else None)
 
@@ -252,6 +252,8 @@ def _summary_line(s) -> str:
     how = ""
     if s.state == "running":
         how = "still running"
+    elif s.state == "unreadable":       # its records on the target cannot be used; the log was shown
+        how = f"unreadable ({ex.get('reason')}; `dflash-ops rm {s.target} {s.run}` removes it)"
     elif ex.get("signal_name"):
         how = f"{s.state} ({ex['signal_name']})"
     elif ex.get("exit_code") is not None:

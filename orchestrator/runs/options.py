@@ -14,13 +14,17 @@ from typing import Any, Mapping, Sequence
 
 from trainer.controller_view import POLICY_NAMES   # names only (torch-free)
 
-from orchestrator.errors import UsageError
+from orchestrator.errors import FileError, UsageError
+from orchestrator.inventory import yamlnodes
 
 TOPOLOGIES = ("threads", "processes")
 POLICIES = ("auto", *POLICY_NAMES)     # auto: the probe's choice, resolved by the trainer on the target
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")   # what the runs agent accepts as a run id
 BENCH_ID_RE = re.compile(r"^bench-\d+$")     # a running bench-decode, as status lists it (remote/runs/locks.py)
 LABEL_RE = re.compile(r"^[^\x00-\x1f\x7f]{1,64}$")            # launch --name: one printable line
+# A config travels in the launch spec and is kept in run.json, which the runs agent reads up to 1 MB
+# (remote/common.MAX_RECORD_BYTES): a config is a few KB.
+MAX_CONFIG_BYTES = 256 << 10
 
 
 def check_run(run: str) -> str:
@@ -100,10 +104,12 @@ class LaunchOptions:
         text = cname = source = None
         if config:
             path = Path(config).expanduser()
-            try:
-                text = path.read_text(encoding="utf-8")
-            except OSError as e:
-                raise UsageError(f"--config {config}: cannot read: {e.strerror or e}") from None
+            try:        # a regular file (a FIFO is not waited on), bounded, UTF-8: hosts.yaml's rules
+                text = yamlnodes.decode(yamlnodes.read_bytes(path, MAX_CONFIG_BYTES, f"larger than "
+                                                             f"{MAX_CONFIG_BYTES >> 10} KB; a trainer config is a "
+                                                             f"few KB"), str(path))
+            except FileError as e:
+                raise UsageError(f"--config {e}") from None
             cname, source = path.name, str(path.resolve())
         return cls(gpus=gpus, gpu_ids=ids, topology=topology, compile_policy=compile_policy,
                    workers=workers, extra=tuple(extra), name=name, resume=resume, config_text=text,

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from orchestrator.errors import EXIT_OK, EXIT_RUN_FAILED, EXIT_RUN_RUNNING, EXIT_RUN_STOPPED, NotFound, UsageError
+from orchestrator.errors import (EXIT_FAILED, EXIT_OK, EXIT_RUN_FAILED, EXIT_RUN_RUNNING, EXIT_RUN_STOPPED, NotFound,
+                                 UsageError)
 from orchestrator.inventory import Inventory, Target
 from orchestrator.inventory.names import RUN_ID_RE
 from orchestrator.runs.options import BENCH_ID_RE, check_run
 from orchestrator.ssh import agent
 from orchestrator.ssh.session import Session
 
+# `unreadable`: the run's records on the target cannot be used (remote/runs/common.py); how it ended
+# is not known, so `logs` exits 1, the exit status of a command that could not tell.
 STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_RUN_FAILED, "running": EXIT_RUN_RUNNING,
-              "stopped": EXIT_RUN_STOPPED}
+              "stopped": EXIT_RUN_STOPPED, "unreadable": EXIT_FAILED}
 
 
 def split_target_run(inv: Inventory, args: Sequence[str]) -> tuple[Target, str]:
@@ -86,12 +89,12 @@ def status_docs(s: Session, targets: Sequence[Target], runs: Mapping[str, Sequen
                                                        what=what, timeout=60))
 
 
-STATE_ORDER = ("failed", "running", "stopped", "succeeded")
+STATE_ORDER = ("failed", "running", "unreadable", "stopped", "succeeded")
 
 
 def job_state(states: Sequence[str]) -> str:
-    """One state for the job: failed if any node failed, else running while any runs, else stopped
-    if any stopped, else succeeded."""
+    """One state for the job: failed if any node failed, else running while any runs, else
+    unreadable if a node's records are, else stopped if any stopped, else succeeded."""
     for state in STATE_ORDER:
         if state in states:
             return state

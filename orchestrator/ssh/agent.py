@@ -178,10 +178,10 @@ def lean(lines: list[str]) -> list[str]:
     return out
 
 
-# Linux caps one argument at 128 KiB (MAX_ARG_STRLEN; `Argument list too long` past it, from the
-# target's shell). A program's source larger than this travels compressed, unpacked by a one-line
-# launcher in the same `-c`: the runs agent passed 128 KiB as plain text.
-PLAIN_MAX = 96 * 1024
+# The lean source still grows with the agents: past three quarters of the cap (MAX_SOURCE_BYTES) it
+# travels compressed, unpacked by a one-line launcher in the same `-c` (a fifth of the size), so no
+# addition to the agents ever meets `Argument list too long` on the target.
+PLAIN_MAX = MAX_SOURCE_BYTES * 3 // 4
 
 
 def argv(target: Target, program: str, args: Sequence[str]) -> list[str]:

@@ -3,6 +3,8 @@ by file:line. Torch-free, so the controller checks a prompts file with it before
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 from trainer.errors import UsageError
@@ -12,12 +14,9 @@ def read_jsonl(path: str, flag: str) -> list[tuple[int, object]]:
     """(line number, value) for each non-empty line of a JSONL file; bad JSON or text that is not
     UTF-8 is a UsageError naming file:line, a missing, unreadable or empty file one naming the
     option (`flag`)."""
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"{flag} {path}: no such file")
     values = []
     try:
-        with p.open("rb") as f:
+        with _regular_file(path, flag) as f:
             for n, raw in enumerate(f, 1):
                 try:
                     line = raw.decode("utf-8")
@@ -34,3 +33,29 @@ def read_jsonl(path: str, flag: str) -> list[tuple[int, object]]:
     if not values:
         raise UsageError(f"{flag} {path}: no rows")
     return values
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _regular_file(path: str, flag: str):
+    """The file open for reading, refused unless it is a regular file: opened without waiting (a
+    FIFO with no writer would block the open, and a read of it or of a device may never end)."""
+    def check(mode: int) -> None:
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "not a plain file")
+            raise UsageError(f"{flag} {path}: not a regular file ({kind}); name a file")
+
+    try:
+        check(os.stat(path).st_mode)           # a socket cannot even be opened (ENXIO)
+        fd = os.open(Path(path), os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except FileNotFoundError:
+        raise UsageError(f"{flag} {path}: no such file") from None
+    f = open(fd, "rb")
+    try:
+        check(os.fstat(fd).st_mode)            # what was opened, should the name have moved
+    except UsageError:
+        f.close()
+        raise
+    return f

@@ -63,7 +63,7 @@ import sys
 import time
 
 from ..common import checked_workdir, dist_version, emit, fail, home_dir, now_iso, read_json, refuse, write_json
-from .common import LOG, fault, proc_start, resolve, run_ids, run_state, run_status, runs_dir_of
+from .common import LOG, fault, proc_start, resolve, run_ids, run_record, run_state, run_status, runs_dir_of
 from ..release.store import live_release
 from .bench import BENCH_FLAGS, BENCH_OPTIONS, cmd_bench
 from .export import cmd_export
@@ -334,7 +334,7 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, compil
 
     started = spawn_supervisor(rundir, rec, env, hello)
     if "error" in started:
-        now = read_json(os.path.join(rundir, "run.json")) or {}
+        now = run_record(rundir)
         if runs_trainer(now):
             # The supervisor died after the trainer started: the run runs, unsupervised; its slots
             # stay held by the trainer (its pid is in run.json) until it ends.

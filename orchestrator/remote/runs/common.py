@@ -7,14 +7,13 @@ Python >= 3.8, has no `from __future__` line, and names what it takes from anoth
 `from .PART import NAME` (removed when joined; such a NAME is public in PART, while a part's
 private helpers keep the underscore). The commands: runs/agent.py.
 """
-import json
 import os
 import re
 import shutil
 import signal
 import time
 
-from ..common import listdir, now_iso, read_json, refuse
+from ..common import NUMBER, BadRecord, listdir, load_json, now_iso, parse_json, read_json, refuse, typed
 
 LOG = "train.log"
 CHOSEN_POLICY = "compile-policy.json"   # trainer/run/config.py CHOSEN_POLICY: the policy the trainer runs
@@ -95,18 +94,77 @@ def runs_dir_of(workdir):
     return os.path.join(workdir, "runs")
 
 
+# --- a run's records: each field read, with its type ---------------------------------------------
+#
+# The fields of a run's files that the agents and the controller read, and the type each must have
+# (null is allowed for each; remote/common.typed). A file that is not a bounded JSON object
+# (remote/common.load_json), or has a field of another type, makes its run `unreadable`: listed with
+# the reason, never judged from, removable by `rm`; every other run is read as before.
+
+RUN_FIELDS = {
+    "run": (str,), "kind": (str,), "output": (str,), "name": (str,), "attempt": (int,), "started": (str,),
+    "started_ts": NUMBER, "first_started": (str,), "target": (str,), "release": (str,), "release_path": (str,),
+    "commit": (str,), "compile_policy": (str,), "topology": (str,), "workers": (int,), "gpus": (int,),
+    "gpu_ids": [(int,)], "slots": [(str,)], "extra_args": [(str,)], "command": [(str,)], "command_line": (str,),
+    "cwd": (str,), "python": (str,), "user_env": (dict,), "env": (dict,), "attempts": [(dict,)],
+    "config": {"file": (str,), "source": (str,), "text": (str,)},
+    "nodes": {"targets": [(str,)], "index": (int,), "endpoint": (str,), "address": (str,)},
+    "pid": (int,), "pid_start": (int,), "supervisor_pid": (int,), "supervisor_start": (int,),
+    "launcher_pid": (int,), "launcher_start": (int,),
+}
+ENDED = ("succeeded", "failed", "stopped")
+EXIT_FIELDS = {
+    "state": (str,), "exit_code": (int,), "signal": (int,), "signal_name": (str,), "returncode": (int,),
+    "ended": (str,), "ended_ts": NUMBER, "duration_s": NUMBER, "stop_requested": (bool,), "error": (str,),
+    "lost": (bool,), "reason": (str,), "disk_full": (bool,),
+    "root_cause": {"rank": (int,), "exitcode": (int,), "error_file": (str,), "error": (str,)},
+}
+NODE_FIELDS = {"node_rank": (int,), "ranks": [(int,)], "rank0": (bool,)}
+POLICY_FIELDS = {"compile_policy": (str,)}
+UNREADABLE = "unreadable"
+
+
+def record(rundir, name, fields):
+    """(the run's file `name` as a JSON object, None) with each of `fields` of its type; (None, None)
+    when there is no such file; (None, why) when it cannot be used (why names the file)."""
+    try:
+        doc = load_json(os.path.join(rundir, name))
+    except BadRecord as e:
+        return None, "%s: %s" % (name, e)
+    why = typed(doc, fields) if doc is not None else None
+    if why is None and name == "exit.json" and doc is not None and doc.get("state") not in ENDED + (None,):
+        why = "state: expected one of %s, got %r" % (", ".join(ENDED), doc.get("state"))
+    return (None, "%s: %s" % (name, why)) if why else (doc, None)
+
+
+def run_record(rundir):
+    """The run's run.json, each field of its type; {} when it is missing or cannot be used (run_state
+    says `unreadable` then, with why)."""
+    return record(rundir, "run.json", RUN_FIELDS)[0] or {}
+
+
 def run_ids(workdir):
+    """Every run folder with a run.json, oldest first (by its start; an unreadable one by its file's
+    time): the runs `status` lists, `rm` and `logs` find (resolve) and `prune` weighs."""
     try:
         names = os.listdir(runs_dir_of(workdir))
     except OSError:
         return []
     ids = []
     for name in names:
-        if name.startswith("."):     # .rm-RUN-PID: a run being removed (runs/housekeeping.py)
+        if name.startswith(".") or not _RUN_NAME.match(name):   # .rm-RUN-PID: a run being removed
             continue
-        rec = read_json(os.path.join(runs_dir_of(workdir), name, "run.json"))
-        if rec is not None:
-            ids.append((rec.get("started_ts") or 0, name))
+        path = os.path.join(runs_dir_of(workdir), name, "run.json")
+        if not os.path.isfile(path):
+            continue
+        rec, _ = record(os.path.dirname(path), "run.json", RUN_FIELDS)
+        started = (rec or {}).get("started_ts")
+        if started is None:
+            try:
+                started = os.path.getmtime(path)
+            except OSError:
+                started = 0
+        ids.append((started, name))
     return [name for _, name in sorted(ids)]
 
 
@@ -134,15 +192,20 @@ def find(workdir, run):
 
 
 def run_state(rundir, rec=None):
-    """(state, exit document). The supervisor's exit.json is the truth once it exists; before,
+    """(state, exit document). `unreadable` when run.json or exit.json cannot be used (record: the
+    exit document's "reason" says why). The supervisor's exit.json is the truth once it exists; before,
     the run is running while its trainer (or its supervisor) lives, or while the agent that
     launches it still does; with none of them alive and no exit.json, a run whose trainer never
     started failed, else the trainer's last log event decides (`done`: succeeded, `stopped`:
     stopped), else the run was lost (killed -9 as a whole, container stopped): failed."""
-    ex = read_json(os.path.join(rundir, "exit.json"))
+    on_disk, why = record(rundir, "run.json", RUN_FIELDS)
+    ex, why_ex = record(rundir, "exit.json", EXIT_FIELDS)
+    if why or why_ex:       # nothing to judge from: said as it is, never taken for an end
+        return UNREADABLE, {"state": UNREADABLE, "reason": why or why_ex, "exit_code": None, "ended": None,
+                            "ended_ts": None, "signal": None, "lost": False, "recorded_by": "status"}
     if ex is not None:
-        return ex.get("state", "failed"), ex
-    rec = rec or read_json(os.path.join(rundir, "run.json")) or {}
+        return ex.get("state") or "failed", ex
+    rec = rec or on_disk or {}
     if proc_alive(rec.get("pid"), rec.get("pid_start")) or \
             proc_alive(rec.get("supervisor_pid"), rec.get("supervisor_start")):
         return "running", None
@@ -237,8 +300,8 @@ def _last_event(log_path):
         raw = _json_line(raw)
         if raw.startswith(b"{") and raw.endswith(b"}") and b'"event"' in raw:
             try:
-                doc = json.loads(raw.decode("utf-8", "replace"))
-            except ValueError:
+                doc = parse_json(raw.decode("utf-8", "replace"))
+            except BadRecord:
                 continue
             if isinstance(doc, dict) and isinstance(doc.get("event"), str):
                 return doc["event"]
@@ -265,12 +328,9 @@ def _last_metrics(log_path):
                 doc = metric(raw)
                 if doc is None:
                     continue
-                if doc.get("step") is not None and "step" not in found:
-                    found["step"] = doc["step"]
-                if doc.get("loss") is not None and "loss" not in found:
-                    found["loss"] = doc["loss"]
-                if doc.get("acceptance_length") is not None and "tau" not in found:
-                    found["tau"] = doc["acceptance_length"]
+                for key, name in (("step", "step"), ("loss", "loss"), ("acceptance_length", "tau")):
+                    if _is_number(doc.get(key)) and name not in found:      # a log line's, not a record's
+                        found[name] = doc[key]
                 if len(found) == 3:
                     return found
             if ("step" in found and "loss" in found) or start == 0 or span >= 1 << 24:
@@ -278,23 +338,30 @@ def _last_metrics(log_path):
             span *= 8
 
 
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def metric(raw):
+    """A log line's JSON metrics (a bounded JSON object with a step or an acceptance length), else None."""
     raw = _json_line(raw)
     if not raw.startswith(b"{") or not raw.endswith(b"}"):
         return None
     try:
-        doc = json.loads(raw.decode("utf-8", "replace"))
-    except ValueError:
+        doc = parse_json(raw.decode("utf-8", "replace"))
+    except BadRecord:
         return None
-    if isinstance(doc, dict) and ("step" in doc or "acceptance_length" in doc):
+    if "step" in doc or "acceptance_length" in doc:
         return doc
     return None
 
 
 def run_status(workdir, run):
     rundir = os.path.join(runs_dir_of(workdir), run)
-    rec = read_json(os.path.join(rundir, "run.json")) or {}
-    state, ex = run_state(rundir, rec)
+    state, ex = run_state(rundir)
+    if state == UNREADABLE:
+        return unreadable_row(rundir, run, ex)
+    rec = run_record(rundir)
     m = _last_metrics(os.path.join(rundir, LOG))
     ended = (ex or {}).get("ended_ts")
     started = rec.get("started_ts")
@@ -305,13 +372,13 @@ def run_status(workdir, run):
            "elapsed_s": round((ended or time.time()) - started, 1) if started else None,
            "pid": rec.get("pid"), "gpus": rec.get("gpus"), "slots": rec.get("slots"),
            # what the trainer resolved and runs (its CHOSEN_POLICY), else what was asked
-           "compile_policy": (read_json(os.path.join(rundir, CHOSEN_POLICY)) or {}).get("compile_policy")
+           "compile_policy": (record(rundir, CHOSEN_POLICY, POLICY_FIELDS)[0] or {}).get("compile_policy")
            or rec.get("compile_policy"),
            "release": rec.get("release"),
            "log": os.path.join(rundir, LOG), "exit": ex,
            # a job over several nodes: the nodes, and which ranks this one ran (the trainer's node.json)
            "nodes": (rec.get("nodes") or {}).get("targets"),
-           "node": read_json(os.path.join(rundir, "node.json"))}
+           "node": record(rundir, "node.json", NODE_FIELDS)[0]}
     if state == "running" and unsupervised(rec):   # its end is then judged from its log
         doc["unsupervised"] = True
     try:
@@ -319,6 +386,20 @@ def run_status(workdir, run):
     except OSError:
         doc["log_bytes"] = 0
     return doc
+
+
+def unreadable_row(rundir, run, ex):
+    """The status row of a run whose run.json or exit.json cannot be used: the keys of every row,
+    its state `unreadable`, the reason in "reason" (and in its exit document); nothing judged."""
+    try:
+        log_bytes = os.path.getsize(os.path.join(rundir, LOG))
+    except OSError:
+        log_bytes = 0
+    return {"run": run, "kind": None, "output": None, "name": None, "attempt": None, "state": UNREADABLE,
+            "reason": ex["reason"], "step": None, "loss": None, "tau": None, "started": None, "started_ts": None,
+            "ended": None, "elapsed_s": None, "pid": None, "gpus": None, "slots": None, "compile_policy": None,
+            "release": None, "log": os.path.join(rundir, LOG), "exit": ex, "nodes": None, "node": None,
+            "log_bytes": log_bytes}
 
 
 _CAUSE_KEYS = {"rank": "rank", "exitcode": "exitcode", "error_file": "error_file", "traceback": "error"}

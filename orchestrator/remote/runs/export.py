@@ -32,8 +32,8 @@ import sys
 import tempfile
 import threading
 
-from ..common import MASKED, read_json, refuse, sha256
-from .common import not_found, resolve, run_ids, run_state, runs_dir_of, sweep_dead
+from ..common import MASKED, refuse, sha256
+from .common import not_found, resolve, run_ids, run_record, run_state, runs_dir_of, sweep_dead
 from .kinds import kind_of
 
 CHUNK = 1 << 20
@@ -46,7 +46,7 @@ def _latest_succeeded(workdir):
     """The newest succeeded run that leaves a drafter (a regen run has rows, no drafter)."""
     for rid in reversed(run_ids(workdir)):
         rundir = os.path.join(runs_dir_of(workdir), rid)
-        rec = read_json(os.path.join(rundir, "run.json")) or {}
+        rec = run_record(rundir)
         if kind_of(rec)["drafter"] and run_state(rundir, rec)[0] == "succeeded":
             return rid
     return None
@@ -87,7 +87,7 @@ def run_to_export(workdir, run, running_ok=False):
     if rid is None:
         not_found(workdir, run or "latest", any_runs=bool(run_ids(workdir)))
     rundir = os.path.join(runs_dir_of(workdir), rid)
-    rec = read_json(os.path.join(rundir, "run.json")) or {}
+    rec = run_record(rundir)
     if not kind_of(rec)["drafter"]:
         refuse("no_drafter", "a %s run has no drafter (its output is in %s)" % (rec.get("kind"), rec.get("output")),
                found=True, run=rid, exit_code=2)

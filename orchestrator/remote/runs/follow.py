@@ -8,8 +8,8 @@ import json
 import os
 import time
 
-from ..common import emit, read_json
-from .common import LOG, TAIL_SCAN, find, metric, run_state, run_status, runs_dir_of
+from ..common import emit
+from .common import LOG, TAIL_SCAN, find, metric, run_record, run_state, run_status, runs_dir_of
 
 POLL_S = 0.05            # how often an idle log is looked at (latency budget: 0.3 s)
 HEARTBEAT_S = 2.0        # a stderr heartbeat this often, so dead connections are noticed
@@ -61,7 +61,7 @@ def cmd_follow(workdir, run, offset, follow, tail):
     rid = find(workdir, run)
     rundir = os.path.join(runs_dir_of(workdir), rid)
     path = os.path.join(rundir, LOG)
-    rec = read_json(os.path.join(rundir, "run.json")) or {}
+    rec = run_record(rundir)
     if offset < 0:
         offset = _tail_offset(path, tail) if tail is not None else 0
     _write_all(1, (json.dumps({"run": rid, "offset": offset, "started": rec.get("started")})

@@ -13,14 +13,18 @@ Both reply {"removed": [{"run", "state", "name", "bytes"}], "refused": [{"run", 
 "missing": [RUN...], "freed": BYTES, "dry_run": bool}. They hold the slot guard (runs/locks.py)
 while they judge and remove, so a `launch --resume` of the same run waits for them, and a run is
 renamed to runs/.rm-RUN-PID before its files go: a half-removed run is never listed.
+
+A run whose run.json or exit.json cannot be used (runs/common.py, `unreadable`) is removed by `rm`
+(state `unreadable`, its "reason" added) unless a live process holds a slot in its name; `prune`,
+which cannot tell whether it ended, keeps it and names it in "unreadable": [{"run", "reason"}].
 """
 import os
 import shutil
 
-from ..common import emit, read_json, refuse
-from .common import find, resolve, run_ids, run_state, runs_dir_of, sweep_dead
+from ..common import emit, refuse
+from .common import UNREADABLE, find, resolve, run_ids, run_record, run_state, runs_dir_of, sweep_dead
 from .kinds import kind_of
-from .locks import Guard
+from .locks import Guard, holds_slots
 
 RESUMABLE = ("stopped", "failed")
 
@@ -30,7 +34,11 @@ def resume_spec(workdir, spec):
     settings (config, trainer arguments, topology, policy); spec may choose the GPUs and a name.
     (spec, the run's record); the not-found refusal when there is no such run."""
     rid = find(workdir, spec["resume"])
-    rec = read_json(os.path.join(runs_dir_of(workdir), rid, "run.json")) or {}
+    state, ex = run_state(os.path.join(runs_dir_of(workdir), rid))
+    if state == UNREADABLE:     # nothing to continue from: its settings are in the file that cannot be read
+        refuse("not_resumable", "run %s is unreadable (%s); it cannot be resumed" % (rid, ex["reason"]),
+               state=state)
+    rec = run_record(os.path.join(runs_dir_of(workdir), rid))
     new = {"run": rid, "resume": rid, "kind": rec.get("kind") or "train", "target": spec.get("target"),
            "gpus": rec.get("gpus", 0) if spec.get("gpus") is None else spec["gpus"],
            "gpu_ids": spec.get("gpu_ids"), "target_gpus": spec.get("target_gpus", 0),
@@ -82,8 +90,10 @@ def _size(path):
 def _remove(workdir, rids, dry_run, reply):
     for rid in rids:
         rundir = os.path.join(runs_dir_of(workdir), rid)
-        rec = read_json(os.path.join(rundir, "run.json")) or {}
-        state, _ = run_state(rundir, rec)
+        rec = run_record(rundir)
+        state, ex = run_state(rundir, rec)
+        if state == UNREADABLE and holds_slots(workdir, rid):   # its records say nothing; its slots do
+            state, rec = "running", {}
         if state == "running":
             reply["refused"].append({"run": rid, "state": state, "name": rec.get("name")})
             continue
@@ -92,7 +102,11 @@ def _remove(workdir, rids, dry_run, reply):
             gone = os.path.join(runs_dir_of(workdir), ".rm-%s-%d" % (rid, os.getpid()))
             os.rename(rundir, gone)
             shutil.rmtree(gone, ignore_errors=True)
-        reply["removed"].append({"run": rid, "state": state, "name": rec.get("name"), "bytes": size})
+        removed = {"run": rid, "state": state, "name": rec.get("name") if state != UNREADABLE else None,
+                   "bytes": size}
+        if state == UNREADABLE:
+            removed["reason"] = ex["reason"]
+        reply["removed"].append(removed)
         reply["freed"] += size
 
 
@@ -113,20 +127,25 @@ def cmd_rm(workdir, runs, dry_run):
 
 def _pruned(workdir, rid):
     """Whether `prune` may remove the run, by its kind (runs/kinds.py)."""
-    return kind_of(read_json(os.path.join(runs_dir_of(workdir), rid, "run.json")) or {})["pruned"]
+    return kind_of(run_record(os.path.join(runs_dir_of(workdir), rid)))["pruned"]
 
 
 def cmd_prune(workdir, keep, dry_run):
     reply = {"removed": [], "refused": [], "missing": [], "freed": 0, "dry_run": dry_run,
-             "kept": []}
+             "kept": [], "unreadable": []}
     with Guard(workdir):
         sweep_dead(runs_dir_of(workdir), ".rm-")     # removals cut short (an agent killed -9 mid-rmtree)
         ids = run_ids(workdir)                      # oldest first
-        data = [r for r in ids if not _pruned(workdir, r)]   # e.g. regen's rows, which training runs read
-        ids = [r for r in ids if r not in data]
+        for rid in ids:                             # not known to have ended: kept, named
+            state, ex = run_state(os.path.join(runs_dir_of(workdir), rid))
+            if state == UNREADABLE:
+                reply["unreadable"].append({"run": rid, "reason": ex["reason"]})
+        unreadable = [r["run"] for r in reply["unreadable"]]
+        data = [r for r in ids if r not in unreadable and not _pruned(workdir, r)]   # e.g. regen's rows
+        ids = [r for r in ids if r not in data and r not in unreadable]
         old, reply["kept"] = (ids[:-keep], ids[-keep:]) if keep > 0 else (ids, [])
         _remove(workdir, old, dry_run, reply)
     # a running run among the old ones is kept, not an error
-    reply["kept"] = [r["run"] for r in reply["refused"]] + data + reply["kept"]
+    reply["kept"] = [r["run"] for r in reply["refused"]] + data + unreadable + reply["kept"]
     reply["refused"] = []
     emit(reply)

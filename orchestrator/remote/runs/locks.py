@@ -18,8 +18,8 @@ bench-PID` finds the agent there (runs/stop.py). A dead agent's lock is stale li
 import os
 import time
 
-from ..common import flock, read_json, write_json
-from .common import proc_alive, runs_dir_of, unsupervised
+from ..common import MAX_RECORD_BYTES, flock, listdir, read_json, write_json
+from .common import proc_alive, run_record, runs_dir_of, unsupervised
 
 BENCH = "bench-"        # the prefix of a bench-decode's name in its slot lock: bench-PID
 
@@ -51,7 +51,7 @@ def _holder_live(workdir, lock):
         return None
     # run.json too: the supervisor records the trainer there before the trainer starts, so a
     # trainer whose agent and supervisor were both killed is still seen
-    rec = read_json(os.path.join(rundir, "run.json")) or {}
+    rec = run_record(rundir)
     live = {pid for pid, start in HOLDERS for doc in (lock, rec) if proc_alive(doc.get(pid), doc.get(start))}
     if not live:
         return None
@@ -59,12 +59,22 @@ def _holder_live(workdir, lock):
             "unsupervised": unsupervised(lock, rec)}
 
 
+def holds_slots(workdir, run):
+    """Whether a live process holds a slot in the run's name (a run whose records cannot be read
+    is judged by its locks alone)."""
+    for name in listdir(os.path.join(workdir, "locks")):
+        lock = read_json(os.path.join(workdir, "locks", name), MAX_RECORD_BYTES) if name.endswith(".json") else None
+        if lock is not None and lock.get("run") == run and _holder_live(workdir, lock):
+            return True
+    return False
+
+
 def _busy_slots(workdir, guard, slots):
     """{slot: holder} for the slots held by a live run; stale locks are removed on the way."""
     busy, cleared = {}, []
     for slot in slots:
         path = os.path.join(guard.dir, slot + ".json")
-        lock = read_json(path)
+        lock = read_json(path, MAX_RECORD_BYTES)
         if lock is None:
             if os.path.exists(path):      # unreadable: a crash mid-write; nothing holds it
                 os.unlink(path)
@@ -88,7 +98,7 @@ def drop(guard, run):
     for name in os.listdir(guard.dir):
         if name.endswith(".json"):
             path = os.path.join(guard.dir, name)
-            lock = read_json(path)
+            lock = read_json(path, MAX_RECORD_BYTES)
             if lock is not None and lock.get("run") == run:
                 os.unlink(path)
 
@@ -135,7 +145,7 @@ def benches(workdir, names=None):
         return []
     found = {}
     for name in files:
-        lock = read_json(os.path.join(folder, name)) if name.endswith(".json") else None
+        lock = read_json(os.path.join(folder, name), MAX_RECORD_BYTES) if name.endswith(".json") else None
         run = str(lock.get("run")) if isinstance(lock, dict) else ""
         if run.startswith(BENCH) and (names is None or run in names) and run not in found and \
                 proc_alive(lock.get("launcher_pid"), lock.get("launcher_start")):

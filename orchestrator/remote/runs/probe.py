@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from ..common import dist_version, emit, fail, home_dir, read_json, refuse
+from ..common import MAX_RECORD_BYTES, dist_version, emit, fail, home_dir, read_json, refuse
 from ..release.store import live_release
 
 
@@ -25,7 +25,7 @@ def cmd_probe(workdir, args, reuse=False):
     if not path or not os.path.isdir(path):
         refuse("no_release", "no release deployed in %s" % workdir)
     if reuse:
-        saved = read_json(os.path.join(workdir, "probe.json"))
+        saved = read_json(os.path.join(workdir, "probe.json"), MAX_RECORD_BYTES)     # a few KB
         if isinstance(saved, dict) and isinstance(saved.get("result"), dict) and saved.get("policy") \
                 and saved.get("torch") and saved.get("torch") == dist_version("torch"):
             emit({"ok": True, "probe": dict(saved["result"], reused=saved.get("time"))})

@@ -13,7 +13,7 @@ import signal
 import time
 
 from ..common import emit, now_iso, read_json, write_json
-from .common import find, proc_alive, resolve, run_state, runs_dir_of
+from .common import find, proc_alive, resolve, run_record, run_state, runs_dir_of
 from .locks import BENCH, benches, release_slots
 from .supervisor import exit_record, signal_name
 
@@ -24,7 +24,7 @@ def cmd_stop(workdir, run, force, timeout):
         return _stop_bench(workdir, bench[0], force, timeout)
     rid = find(workdir, run)
     rundir = os.path.join(runs_dir_of(workdir), rid)
-    rec = read_json(os.path.join(rundir, "run.json")) or {}
+    rec = run_record(rundir)
     state, _ = run_state(rundir, rec)
     if state != "running":      # the bench-decodes running here: a `stop` of a measured run may mean one
         emit({"found": True, "run": rid, "already": True, "state": state,
@@ -39,7 +39,7 @@ def cmd_stop(workdir, run, force, timeout):
     deadline = start + timeout
     while rec.get("pid") is None and time.monotonic() < deadline:   # still starting
         time.sleep(0.1)
-        rec = read_json(os.path.join(rundir, "run.json")) or {}
+        rec = run_record(rundir)
     pid, pid_start = rec.get("pid"), rec.get("pid_start")
     signalled = False
     if proc_alive(pid, pid_start):
