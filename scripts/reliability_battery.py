@@ -95,6 +95,14 @@ CASES = (
            "before any step",
      ("test_runs_unit.py::test_launch_refuses_more_gpus", "test_launch_options.py::test_the_spec_is_one_document",
       "test_play.py::test_every_var_problem", "test_exec_env.py::test_env_is_one_argv")),
+    ("25", "export -o DIR --force replaced whatever DIR held (a home folder, through export and through play's "
+           "train.yaml): only an earlier export (or an empty folder) is replaced, atomically; anything else is "
+           "refused, untouched",
+     ("test_owned.py", "test_export_provenance.py::test_an_existing_output_folder_needs_force",
+      "test_export_remote.py::test_export_streams_the_latest")),
+    ("26", "output without bounds: exec --json of 300 MB took 5.8 GB, two targets of 100 MB without newlines 219 s, "
+           "a play step's record held its 80 MB twice: 1 MiB kept per stream and target, linear time",
+     ("test_exec_output.py",)),
     ("-", "earlier rounds: overlapping deploys, dead deploys, damaged releases, full disks",
      ("test_deploy_reliability.py::test_overlapping", "test_deploy_reliability.py::test_a_dead_deploy",
       "test_deploy_reliability.py::test_damage", "test_deploy_reliability.py::test_a_full_disk")),
