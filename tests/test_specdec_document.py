@@ -110,3 +110,15 @@ def test_the_model_predicts_from_each_steps_own_cost_with_the_prompts_forward():
     assert m["costs_ms"]["host"] == pytest.approx(1e3 * (0.013 - 0.004 - 0.006 - 0.002))
     assert m["tau_for_2x_long_outputs"] == pytest.approx(2 * 0.013 / 0.008)
     assert m["tau_for_2x"] > m["tau_for_2x_long_outputs"]      # the prompt's forward costs the drafter more
+
+
+def test_both_decodes_are_timed_in_the_fastest_mode_chosen_once():
+    """Best against best: one choice (compiled under graphs on a GPU, not on a CPU) for the one decoder
+    both decodes run on; the document names each decode's mode, and they are the same."""
+    import torch
+
+    assert specdec.fastest_compile(torch.device("cuda", 0)) and not specdec.fastest_compile(torch.device("cpu"))
+    assert specdec.mode_name("graphs", True, True) == "graphs+compile"
+    assert specdec.mode_name("graphs", False, False) == "graphs (uncaptured)"
+    doc = document()
+    assert doc["mode"]["alone"] == doc["mode"]["spec"] == "graphs+compile"
