@@ -71,6 +71,10 @@ def test_a_flag_typed_before_the_dashes_is_refused_with_the_line_that_has_it_aft
     assert r.returncode == 2 and one_line(r) == (
         "dflash-ops: --steps is not an option of `dflash-ops launch`; trainer flags go after `--`: "
         "`dflash-ops launch ct200 --gpus 2 --follow -- --steps 5`\n")
+    r = cli(path, "launch", "ct200", "--gpu", "0")     # launch's own near name, and no trainer flag: not moved
+    assert r.returncode == 2 and one_line(r) == (
+        "dflash-ops: --gpu is not an option of `dflash-ops launch` (did you mean --gpu-ids or --gpus?), nor one of "
+        "the trainer flags (`dflash-ops launch --help`; `python -m trainer --help`)\n")
     r = cli(path, "launch", "--foll")    # a typo of launch's own: its near name too
     assert r.returncode == 2
     assert "--foll is not an option of `dflash-ops launch` (did you mean --follow?)" in one_line(r)

@@ -71,8 +71,14 @@ class PassThroughCommand(click.Command):
                 i += 1
         theirs = self.flags is not None and e.option_name in self.flags()
         near = f" (did you mean {' or '.join(sorted(e.possibilities))}?)" if e.possibilities and not theirs else ""
-        fixed = " ".join(shlex.quote(w) for w in [*head, "--", *tail, *args[end + 1:]])
         what = f"{e.option_name} is not an option of `{ctx.command_path}`{near}"
+        if self.flags is not None and not theirs and (e.possibilities or not any(
+                f.startswith(e.option_name) for f in self.flags())):   # argparse takes a unique prefix
+            # a near name of our own (`--gpu` for --gpus), or a flag the program has neither: moving
+            # it after `--` would be no cure
+            return (f"{what}, nor one of the {self.passthrough} (`{ctx.command_path} --help`; "
+                    "`python -m trainer --help`)")
+        fixed = " ".join(shlex.quote(w) for w in [*head, "--", *tail, *args[end + 1:]])
         return f"{what}; {self.passthrough} go after `--`: `{ctx.command_path} {fixed}`"
 
 
