@@ -51,6 +51,7 @@ sshd_module = _load_sshd_module()
 # docs/benchmarks.md; its section 14, C9, has each file's current figure on a faster machine).
 # test_transport_ssh (23 -> ~13 s) left the list.
 SLOW_FILES = (
+    "test_real_containers.py",      # 59-75 (load 2-4; 170 at load 5) with the LXC base cached; + ~150 to build it
     "test_probe_program.py",        # 130: the probe's policy x topology matrix, inductor compiled cold
     "test_runs_lifecycle.py",       # 106 (112 before its resume test's reference run trained in pytest's process)
     "test_numerics.py",             # 88 with a cold inductor cache (67 warmer)
@@ -347,3 +348,144 @@ def smoke_target(tmp_path_factory):
         else:
             os.environ["DFLASH_OPS_CACHE"] = old_cache
     return root, folder
+
+
+# ---- real LXC containers (tests/fixtures/lxcnode.py, tests/realpct/pct) ----------------------
+
+def _load_lxcnode_module():
+    spec = importlib.util.spec_from_file_location("dflash_tests_lxcnode", TESTS / "fixtures" / "lxcnode.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+lxcnode_module = _load_lxcnode_module()
+
+
+@pytest.fixture(scope="session")
+def lxc_base(request):
+    """The cached base rootfs (built the first time on this machine, with progress lines on the terminal).
+    A machine where LXC cannot run is one clear failure line, never a skip."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+
+    def log(line: str) -> None:
+        if capture is not None:
+            with capture.global_and_fixture_disabled():
+                print(line, file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    error = None
+    try:
+        base = lxcnode_module.ensure_base(log)
+        lxcnode_module.probe_start(base)
+    except lxcnode_module.LxcUnavailable as e:
+        error = str(e)
+    if error is not None:      # outside the except: no chained traceback, the one line alone
+        pytest.fail(f"real containers unavailable: {error}", pytrace=False)
+    return base
+
+
+@dataclass
+class LxcPct:
+    """FakePct's interface over real LXC containers (``node``: tests/fixtures/lxcnode.py's LxcNode).
+    ``create`` returns the host folder the container sees as /srv/ct (``mount_point``)."""
+
+    node: object
+    mount_point: str = "/srv/ct"
+
+    @property
+    def path(self) -> Path:
+        return self.node.pct_path
+
+    def create(self, vmid: int, running: bool = True, name: str | None = None, extra: str = "") -> Path:
+        """Define container ``vmid`` (``extra``: more lxc.* lines); start it unless ``running`` is False."""
+        share = self.node.define(vmid, name, extra)
+        if running:
+            self.start(vmid)
+        return share
+
+    def private(self, vmid: int) -> Path:
+        return self.node.share(vmid)
+
+    def status(self, vmid: int) -> str:
+        return self.node.status(vmid)
+
+    def start(self, vmid: int) -> None:
+        self._run("start", vmid)
+
+    def stop(self, vmid: int) -> None:
+        """`pct stop`: a hard stop (lxc-stop --kill), every process of the container SIGKILLed."""
+        self._run("stop", vmid)
+
+    def shutdown(self, vmid: int) -> None:
+        """`pct shutdown`: SIGPWR to the container's init, which ends its processes cleanly."""
+        self._run("shutdown", vmid)
+
+    def destroy(self, vmid: int) -> None:
+        self.node.destroy(vmid)
+
+    def run(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
+        return self.node.pct(*args, **kwargs)
+
+    def _run(self, *args) -> None:
+        done = self.run(*args)
+        if done.returncode != 0:
+            raise RuntimeError(f"pct {' '.join(map(str, args))} failed: {done.stderr.decode()}")
+
+    def vmids(self) -> list[int]:
+        return self.node.vmids()
+
+
+def _lxcpct(tmp_path_factory, lxc_base):
+    root = Path(tempfile.mkdtemp(prefix="dflash-lxc-"))
+    node = lxcnode_module.LxcNode.create(root, lxc_base)
+    try:
+        yield LxcPct(node)
+    finally:
+        node.destroy_all()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def lxcpct(tmp_path_factory, lxc_base):
+    """Real LXC containers behind a pct with pve-container's semantics (tests/realpct/pct); FakePct's
+    interface plus ``shutdown``. Every container is destroyed afterwards."""
+    yield from _lxcpct(tmp_path_factory, lxc_base)
+
+
+@pytest.fixture(scope="module")
+def lxcpct_module(tmp_path_factory, lxc_base):
+    """``lxcpct`` shared by a module's tests (containers are slow to set up; reuse one where state allows)."""
+    yield from _lxcpct(tmp_path_factory, lxc_base)
+
+
+def lxc_inventory_writer(folder: Path, sshd, pct_path: Path):
+    """``make(targets, hosts=None, default=None) -> Path``: make_inventory's factory over the real sshd
+    and a real-container pct; a target without ``python`` gets the container venv's."""
+    counter = [0]
+
+    def make(targets: dict, hosts: dict | None = None, default: str | None = None) -> Path:
+        all_hosts = {"node": {"address": sshd.host, "port": sshd.port, "user": sshd.user,
+                              "identity_file": str(sshd.identity_file), "known_hosts": str(sshd.known_hosts),
+                              "pct": str(pct_path)}}
+        for name, entry in (hosts or {}).items():
+            merged = {**all_hosts.get(name, {}), **entry}
+            all_hosts[name] = {k: v for k, v in merged.items() if v is not None}
+        targets = {name: ({"python": lxcnode_module.VENV_PYTHON, **t} if "vmid" in t else t)
+                   for name, t in targets.items()}
+        doc = {"default": default} if default is not None else {}
+        doc.update(hosts=all_hosts, targets=targets)
+        counter[0] += 1
+        path = Path(folder) / ("hosts.yaml" if counter[0] == 1 else f"hosts-{counter[0]}.yaml")
+        path.write_text(_yaml_dump(doc))
+        return path
+
+    return make
+
+
+@pytest.fixture
+def make_lxc_inventory(tmp_path, sshd, lxcpct):
+    """make_inventory over real containers: host ``node`` is the test sshd + ``lxcpct``'s pct."""
+    return lxc_inventory_writer(tmp_path, sshd, lxcpct.path)

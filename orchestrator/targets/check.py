@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from orchestrator.ssh import agent
 from orchestrator.errors import ConnectError, ContainerError, OpsError
@@ -24,6 +24,7 @@ class Check:
     seconds: float = 0.0
     error: str | None = None
     note: str | None = None          # a fact that does not fail the check (local without torch, not judged)
+    warnings: list[str] = field(default_factory=list)   # what would break GPU training there, each with its remedy
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -47,6 +48,54 @@ def judged(inv: Inventory, t: Target, names: list[str] | None) -> bool:
     return inv.default == "local" or list(inv.targets) == ["local"]
 
 
+MiB, GiB = 1 << 20, 1 << 30
+SHM_MIN = 1 * GiB          # NCCL's shared-memory transport: a few MB per peer and channel; Docker's 64 MB breaks it
+MEMLOCK_MIN = 1 * GiB      # pinned host memory (pin_memory, NCCL's buffers, InfiniBand): 8 MB or 64 KB defaults fail
+DISK_MIN = 10 * GiB        # checkpoints of a real drafter (and its optimizer state) are GBs each
+DISK_MIN_FRACTION = 0.05
+DISK_LINE = "low disk: "     # a warning, not a failure: training runs until the disk fills
+
+
+def _size(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB" if n >= MiB else f"{n / 1024:.0f} KiB"
+
+
+def training_warnings(t: Target, facts: dict) -> list[str]:
+    """One line per fact of the target (orchestrator/remote/release/agent.py, machine_facts) that breaks
+    training there, each with its remedy; GPU facts only for a target with `gpus:`. docs/containers.md."""
+    out: list[str] = []
+    conf = f"/etc/pve/lxc/{t.vmid}.conf" if t.vmid is not None else None
+    if t.gpus and "nvidia_nodes" in facts and not any(n.startswith("nvidia") and n[6:].isdigit()
+                                                      for n in facts["nvidia_nodes"]):
+        out.append(f"no /dev/nvidia* GPU device nodes{' in CT %s' % t.vmid if conf else ''} (hosts.yaml gives it "
+                   f"{t.gpus} GPU(s)): "
+                   + ("pass them through: `dev0: /dev/nvidia0` ... plus /dev/nvidiactl, /dev/nvidia-uvm in " + conf
+                      + " (PVE >= 8.1), or lxc.cgroup2.devices.allow: c 195:* rwm and lxc.mount.entry: "
+                        "/dev/nvidia0 dev/nvidia0 none bind,optional,create=file per node"
+                      if conf else "install the NVIDIA driver, or set `gpus: 0`"))
+    shm = facts.get("shm")
+    if t.gpus and "shm" in facts and (shm is None or shm["total"] < SHM_MIN):
+        what = "no /dev/shm" if shm is None else f"/dev/shm is {_size(shm['total'])}"
+        out.append(f"{what}: NCCL's shared-memory transport and torch's worker processes need more "
+                   f"(>= {_size(SHM_MIN)}); "
+                   + (f"mount a bigger one, `lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,create=dir,"
+                      f"size=16G 0 0` in {conf}" if conf
+                      else "remount it bigger (`mount -o remount,size=16G /dev/shm`)"))
+    memlock = facts.get("memlock")
+    if t.gpus and memlock and memlock[0] is not None and memlock[0] < MEMLOCK_MIN:
+        out.append(f"locked memory is limited to {_size(memlock[0])} (ulimit -l): pinned host memory (NCCL, "
+                   "pin_memory) fails or falls back; "
+                   + (f"`lxc.prlimit.memlock: unlimited` in {conf}" if conf
+                      else "raise memlock to unlimited in /etc/security/limits.conf"))
+    disk = facts.get("disk")
+    if disk and disk["total"] and (disk["free"] < DISK_MIN or disk["free"] < DISK_MIN_FRACTION * disk["total"]):
+        out.append(f"{DISK_LINE}{disk['path']} (where {t.workdir} is) has {_size(disk['free'])} free of "
+                   f"{_size(disk['total'])}: "
+                   f"checkpoints need GBs; free space (`dflash-ops prune {t.name} --keep 2`)"
+                   + (f" or grow the CT's disk (`pct resize {t.vmid} rootfs +50G`)" if t.vmid is not None else ""))
+    return out
+
+
 def check_one(session: Session, inv: Inventory, t: Target, judge: bool = True) -> Check:
     c = Check(t.name, describe(inv, t))
     start = time.monotonic()
@@ -57,10 +106,16 @@ def check_one(session: Session, inv: Inventory, t: Target, judge: bool = True) -
             assert isinstance(transport, PctTransport)      # what Session.transport gives a pct target
             transport.check()
             c.container = "running"
-        live = agent.call(transport, t, agent.RELEASE, ["manifest", t.workdir, "--no-files"],
+        live = agent.call(transport, t, agent.RELEASE, ["manifest", t.workdir, "--no-files", "--facts"],
                           what="check python")
         c.python, c.torch, c.release = live["python"], live["torch"], live["release"]
+        c.warnings = training_warnings(t, live.get("facts") or {})
         c.ok = bool(c.torch) or not judge
+        broken = [w for w in c.warnings if not w.startswith(DISK_LINE)]   # the GPU facts: training fails there
+        if broken and judge and c.ok:
+            c.ok = False
+            c.error = (f"{t.name}: {len(broken)} thing(s) in this container break GPU training "
+                       "(each below, with its remedy)")
         if not c.torch and judge:   # the trainer cannot run there: a failed check, with the command that fixes it
             c.error = (f"{t.name}: {live.get('executable') or t.python} has no torch; install it with "
                        f"`dflash-ops play playbooks/bootstrap.yaml {t.name} --var torch=...` "

@@ -39,6 +39,10 @@ def targets(state: State, check, names, as_json):
          table(["TARGET", "OK", "WHERE", "CONTAINER", "PYTHON", "TORCH", "RELEASE", "ERROR"],
                [[c.target, "yes" if c.ok else "NO", c.where, c.container, c.python, c.torch,
                  c.release, c.error or c.note] for c in checks]))
+    if not as_json:     # what would break training there, one line each with its remedy (in --json: warnings)
+        for c in checks:
+            for w in c.warnings:
+                click.echo(f"dflash-ops: {c.target}: {w}", err=True)
     failed = {c.target: c.error or "failed" for c in checks if not c.ok}
     if failed:
         raise TargetsFailed(failed)

@@ -5,12 +5,15 @@ this module and what it imports, joined by orchestrator/ssh/agent.py (`python -c
 files on the target). Standard library only, Python >= 3.8, no `from __future__`, no rsync/tar
 binaries needed in the container.
 
-    manifest WORKDIR [--verify] [--tidy] [--no-files]
+    manifest WORKDIR [--verify] [--tidy] [--no-files] [--facts]
                                 -> JSON: python/torch versions, live release id and its manifest
                                 less the files found missing or damaged there (`damaged`);
                                 --verify hashes every file, --tidy clears leftovers of
                                 interrupted deploys when no deploy holds the lock,
-                                --no-files leaves the manifest out (versions and release only)
+                                --no-files leaves the manifest out (versions and release only),
+                                --facts adds `facts`: what GPU training needs of the machine or
+                                container (its /dev/nvidia* nodes, /dev/shm, the memlock limit,
+                                the free space where WORKDIR is), for `targets --check`
     apply WORKDIR RELEASE BASE BYTES:FILES BY
                                 stdin: a tar of the changed files plus .dflash-manifest.json;
                                 under the deploy lock, builds releases/RELEASE from release BASE
@@ -40,7 +43,7 @@ from .store import MANIFEST, STATS, check, clear_leftovers, live_release, lock_h
 KEEP = 5
 
 
-def cmd_manifest(workdir, full=False, tidy=False, no_files=False):
+def cmd_manifest(workdir, full=False, tidy=False, no_files=False, facts=False):
     """The live release's manifest, less the files that are missing or damaged there (so the
     controller sends them again). With tidy, and no deploy running, clears leftovers first;
     with no_files, only the versions and the release id (`targets --check`)."""
@@ -71,9 +74,42 @@ def cmd_manifest(workdir, full=False, tidy=False, no_files=False):
     finally:
         if lock is not None:
             lock.close()
-    emit({"python": sys.version.split()[0], "executable": sys.executable,
-          "torch": dist_version("torch"), "release": release, "manifest": manifest,
-          "damaged": damaged, "cleared": cleared, "workdir": workdir})
+    doc = {"python": sys.version.split()[0], "executable": sys.executable,
+           "torch": dist_version("torch"), "release": release, "manifest": manifest,
+           "damaged": damaged, "cleared": cleared, "workdir": workdir}
+    if facts:
+        doc["facts"] = machine_facts(workdir)
+    emit(doc)
+
+
+def machine_facts(workdir):
+    """What breaks GPU training in a container, read where the trainer runs: the /dev/nvidia* nodes
+    (none: the GPUs are not passed through), /dev/shm's size and free bytes (NCCL's shared-memory
+    transport, torch's worker processes), RLIMIT_MEMLOCK (soft, hard; None: unlimited: pinned host
+    memory), and the free space of the filesystem WORKDIR is on (its nearest existing folder)."""
+    import resource
+
+    try:
+        nodes = sorted(n for n in os.listdir("/dev") if n.startswith("nvidia"))
+    except OSError:
+        nodes = []
+
+    def space(path):
+        try:
+            st = os.statvfs(path)
+        except OSError:
+            return None
+        return {"path": path, "total": st.f_blocks * st.f_frsize, "free": st.f_bavail * st.f_frsize}
+
+    where = os.path.abspath(workdir)
+    while not os.path.isdir(where) and where != os.path.dirname(where):
+        where = os.path.dirname(where)
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    unlimited = resource.RLIM_INFINITY
+    return {"nvidia_nodes": nodes,
+            "shm": space("/dev/shm") if os.path.isdir("/dev/shm") else None,
+            "memlock": [None if soft == unlimited else soft, None if hard == unlimited else hard],
+            "disk": space(where)}
 
 
 def _safe_rel(name):
@@ -286,8 +322,9 @@ def main(argv):
     if len(argv) < 2:
         fail("usage: agent manifest|apply|install-deps WORKDIR ...", 2)
     cmd, workdir = argv[0], checked_workdir(argv[1])
-    if cmd == "manifest" and set(argv[2:]) <= {"--verify", "--tidy", "--no-files"}:
-        cmd_manifest(workdir, "--verify" in argv[2:], "--tidy" in argv[2:], "--no-files" in argv[2:])
+    if cmd == "manifest" and set(argv[2:]) <= {"--verify", "--tidy", "--no-files", "--facts"}:
+        cmd_manifest(workdir, "--verify" in argv[2:], "--tidy" in argv[2:], "--no-files" in argv[2:],
+                     "--facts" in argv[2:])
     elif cmd == "apply" and len(argv) == 6:
         need, _, files = argv[4].partition(":")       # NEED: BYTES[:FILES]
         cmd_apply(workdir, argv[2], argv[3], int(need), int(files or 0), argv[5])
