@@ -174,6 +174,7 @@ def _follow(session: Session, own: bool, target: Target, run: str, follow: bool,
 
     def worker() -> None:
         attempt, down_since, calls, streamed = 0, None, 0, False
+        headless = False    # a reconnect's agent already ended before its header once
         while not stopping.is_set():
             stream = _Stream(events, state["offset"])
             conn: dict = {}
@@ -209,6 +210,13 @@ def _follow(session: Session, own: bool, target: Target, run: str, follow: bool,
                         # on, so the follow reconnects and resumes at its offset.
                         raise ConnectionLost(target.name, "the log stream ended early" +
                                              (f" (its agent was killed by signal {killed})" if killed else ""))
+                    if streamed and target.vmid is not None and not headless and (killed or r.exit_code == 1):
+                        # A reconnect that reached a container while it went down (`pct shutdown`): its
+                        # agent was killed, or lxc-attach could not enter, before any header. One more
+                        # attempt, whose `pct status` says what became of the container.
+                        headless = True
+                        raise ConnectionLost(target.name, "the log stream's agent ended before it started "
+                                                          f"(exit {r.exit_code})")
                     raise StepFailed(target.name, "follow the log", r.exit_code,
                                      "\n".join(stream.stderr_text) or "no log stream")
                 events.put(("end", stream.end))
@@ -224,7 +232,7 @@ def _follow(session: Session, own: bool, target: Target, run: str, follow: bool,
                     events.put(("error", e))
                     return
                 if stream.header is not None:      # that connection worked: a new outage
-                    attempt, down_since = 0, None
+                    attempt, down_since, headless = 0, None, False
                 now = time.monotonic()
                 down_since = down_since or now
                 if now - down_since > give_up_s:
