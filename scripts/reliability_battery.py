@@ -78,9 +78,9 @@ CASES = (
     ("21", "export's controller, agent or worker killed (INT, TERM, KILL) while the target exports or mid-transfer: "
            "the agent ran on; now nothing left running, no partial that looks whole, the next export sweeps",
      ("test_export_signals.py",)),
-    ("22", "numbers, bytes and files the loader let through: a 5000-digit port/vmid/gpus/connect_timeout (internal "
-           "error), 1.0e+400 / 1.0e-320, a NUL in env:, a FIFO as inventory, playbook, prompts, --config or ssh_config "
-           "(waited forever), ssh_config and jump ports out of range: one line FILE:LINE, exit 2",
+    ("22", "numbers, bytes and files the loader let through: a 5000-digit port/vmid/gpus/connect_timeout (a "
+           "ValueError crash), 1.0e+400 / 1.0e-320, a NUL in env:, a FIFO as inventory, playbook, prompts, --config "
+           "or ssh_config (waited forever), ssh_config and jump ports out of range: one line FILE:LINE, exit 2",
      ("test_inventory_limits.py::test_numbers_and_text_outside", "test_inventory_limits.py::test_bounds_through",
       "test_inventory_limits.py::test_what_is_not_a_regular_file", "test_inventory_limits.py::test_the_ssh_config_is",
       "test_inventory_limits.py::test_a_jump_port_outside", "test_launch_options.py::test_a_config_is_a_bounded")),
@@ -103,6 +103,22 @@ CASES = (
     ("26", "output without bounds: exec --json of 300 MB took 5.8 GB, two targets of 100 MB without newlines 219 s, "
            "a play step's record held its 80 MB twice: 1 MiB kept per stream and target, linear time",
      ("test_exec_output.py",)),
+    ("27", "launch and regen interrupted at the controller (Ctrl-C, SIGTERM, SIGKILL) with the agent held at a point "
+           "of the launch: Ctrl-C hung until the agent's call ended (a regen's upload went on, its run started) and "
+           "said nothing; now the connection closes at once, one line names the run that may have started (130 / "
+           "143), and the run runs holding its slot or nothing does; the next launch works",
+     ("test_controller_signals.py::test_a_launch_interrupted", "test_controller_signals.py::test_a_regen_interrupted")),
+    ("28", "logs --follow interrupted (INT, TERM, KILL): the run goes on, no follow agent left, SIGTERM says so as "
+           "Ctrl-C does (it died silently); the node's sshd killed under a follow (it resumes) and an exec (one "
+           "line, exit 1, the command's group ended); the next command works",
+     ("test_controller_signals.py::test_a_follow_interrupted", "test_controller_signals.py::test_sshd_killed")),
+    ("29", "rm of a running run (exit 1) and of an id that is a path (../x, /srv/ct/dflash/x, ..: exit 2): nothing "
+           "removed",
+     ("test_controller_signals.py::test_rm_refuses",)),
+    ("30", "prompts files: a million tiny rows (the controller kept them all: 626 MB, 25 s), a line without end (read "
+           "whole), raw NUL bytes and bytes not UTF-8 (no column), JSON cut short (wrong column): streamed, one line "
+           "FILE:LINE, exit 2 at the controller and in trainer.regen (before torch loads)",
+     ("test_prompts_files.py",)),
     ("-", "earlier rounds: overlapping deploys, dead deploys, damaged releases, full disks",
      ("test_deploy_reliability.py::test_overlapping", "test_deploy_reliability.py::test_a_dead_deploy",
       "test_deploy_reliability.py::test_damage", "test_deploy_reliability.py::test_a_full_disk")),

@@ -51,6 +51,7 @@ sshd_module = _load_sshd_module()
 # docs/benchmarks.md; its section 14, C9, has each file's current figure on a faster machine).
 # test_transport_ssh (23 -> ~13 s) left the list.
 SLOW_FILES = (
+    "test_controller_signals.py",   # ~60-80: launch/regen/follow interrupted, a private sshd killed and restarted
     "test_real_containers.py",      # 59-75 (load 2-4; 170 at load 5) with the LXC base cached; + ~150 to build it
     "test_probe_program.py",        # 130: the probe's policy x topology matrix, inductor compiled cold
     "test_runs_lifecycle.py",       # 106 (112 before its resume test's reference run trained in pytest's process)

@@ -22,8 +22,8 @@ from trainer.run.config import EMULATE_ALONE, PRECISIONS, build_parser, check_be
 from trainer.run.log import TWINNED, tau_text
 # how a decode's outputs compare with the target alone's, as specdec says it (lossless first)
 from trainer.run.decode_sample import agreement
-# regen's reader of a prompts file, so bad rows are refused before a launch
-from trainer.run.regen import read_prompts
+# regen's reader of a prompts file, so bad rows are refused before a launch (count_prompts: checked, not kept)
+from trainer.run.regen import count_prompts, read_prompts
 # the lock file that names its holder (stdlib only), the one under the trainer's one writer per
 # output: `play`'s one player per playbook and target
 from trainer.lock_file import LockHeld, LockUnopened, lock_file
@@ -34,6 +34,6 @@ from trainer.files import NotOurs, swap_in
 from trainer.signatures import Catalog, CatalogError, load_catalog
 
 __all__ = ["POLICY_NAMES", "EXIT_PEER_FAILED", "UsageError", "EMULATE_ALONE", "PRECISIONS", "build_parser",
-           "check_before_launch", "TWINNED", "tau_text", "read_prompts", "Catalog", "CatalogError",
+           "check_before_launch", "TWINNED", "tau_text", "read_prompts", "count_prompts", "Catalog", "CatalogError",
            "load_catalog", "LockHeld", "LockUnopened", "lock_file", "not_an_export", "NotOurs", "swap_in", "agreement",
            "output_kind"]

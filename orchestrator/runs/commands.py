@@ -129,7 +129,8 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, co
     opts = LaunchOptions.build(gpus=gpus, gpu_ids=gpu_ids, config=config, topology=topology,
                                compile_policy=compile_policy, workers=workers, extra=extra, name=name, resume=resume,
                                env=parse_assignments(env))
-    with open_session(state.inv) as session:   # one connection for the launch and the follow
+    # SIGTERM as Ctrl-C: a launch under way is cut off saying which run may have started (nodes.launch)
+    with sigterm_raises("launch"), open_session(state.inv) as session:   # one connection for launch and follow
         res = nodes.launch(state.inv, targets, opts, session=session)
         info = _nodes_info(res) if len(res.nodes) > 1 else _launch_info(res.nodes[0])
         _note_cleared(res)
@@ -196,13 +197,14 @@ def logs(state: State, args, follow, tail, as_json):
     Exit status: 0 succeeded, 100 failed, 101 still running (--no-follow), 102 not found,
     103 stopped, 1 its records on the target cannot be read (unreadable: the log, then why).
     stdout is the log itself (on a terminal, each step or event once, as a line of text); notes
-    and the summary go to stderr. Ctrl-C stops following; the run goes on.
+    and the summary go to stderr. Ctrl-C (exit 130) or SIGTERM (143) stops following; the run goes on.
     """
     from orchestrator.runs import nodes, status as runs
 
     target, run = runs.split_target_run(state.inv, args)
     seen = Seen() if as_json else None
-    summary = print_job(nodes.follow(state.inv, target, run, follow=follow, tail=tail), as_json, seen)
+    with sigterm_raises("logs"):    # SIGTERM as Ctrl-C: the follow stops saying the run goes on (exit 143)
+        summary = print_job(nodes.follow(state.inv, target, run, follow=follow, tail=tail), as_json, seen)
     if seen is not None:   # as_json: ONE document, at the end (also with --follow): the summary and each event once
         emit(True, {**summary.as_json(), **seen.as_json()}, "")
     sys.exit(summary.exit_code)

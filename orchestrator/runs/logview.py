@@ -19,7 +19,7 @@ import sys
 import click
 from trainer.controller_view import TWINNED     # the trainer's list of events it also writes as text (torch-free)
 
-from orchestrator.errors import OpsError
+from orchestrator.errors import OpsError, Terminated
 
 SEVERITY_COLOUR = {"fatal": b"1;31", "warning": b"33"}
 
@@ -135,11 +135,11 @@ def print_job(events, as_json: bool, seen: Seen | None = None):
         job = next(events)
         try:
             return _print_events(events, job, as_json, out, isatty(sys.stdout), seen)
-        except KeyboardInterrupt:       # Ctrl-C stops this follow, not the run
+        except KeyboardInterrupt as e:  # Ctrl-C (SIGTERM where the caller raises it) stops this follow, not the run
             first = job.targets[0]
             note(f"stopped following; run {job.run} goes on ({', '.join(job.targets)}): "
                  f"`dflash-ops logs {first} {job.run}` follows it again, `dflash-ops stop {first} {job.run}` stops it")
-            sys.exit(130)
+            sys.exit(143 if isinstance(e, Terminated) else 130)
 
 
 def _print_events(events, job, as_json: bool, out, tty: bool, seen: Seen | None = None):

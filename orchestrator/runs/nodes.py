@@ -15,12 +15,13 @@ Library functions: they return data or raise OpsError; never print.
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Sequence
 
 from orchestrator.ssh import agent
-from orchestrator.errors import OpsError, UsageError
+from orchestrator.errors import Interrupted, OpsError, Terminated, UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.runs.options import LaunchOptions
 from orchestrator.runs.launch import LaunchResult, launch_on, launch_spec, new_run_id
@@ -88,7 +89,12 @@ def launch(inv: Inventory, targets: Sequence[Target], opts: LaunchOptions, *,
             spec.doc["nodes"] = {"targets": names, "index": i, "endpoint": endpoint, "address": t.train_address}
         specs[t.name] = spec
     with agent.session(inv, session) as s:
-        group = agent.fan_out(targets, lambda t: launch_on(s, t, specs[t.name]))
+        try:
+            group = agent.fan_out(targets, lambda t: launch_on(s, t, specs[t.name]), interrupted=s.close)
+        except KeyboardInterrupt as e:
+            # Its connections closed: an agent still reading the launch (a regen's upload) ends at the
+            # short stream and starts nothing; one past it finishes the launch (crash-safe on the target).
+            raise launch_interrupted(e, names, run) from None
         if group.failures and not several:
             raise group[names[0]].error
         if group.failures:
@@ -101,6 +107,15 @@ def launch(inv: Inventory, targets: Sequence[Target], opts: LaunchOptions, *,
                             f"`dflash-ops stop {name} {run} --force`" for name, err in undo.failures.items())
             raise NodesFailed("; ".join(group.failures.values()) + said)
     return NodesLaunch(run=run, nodes=[group[n].value for n in names], endpoint=endpoint)
+
+
+def launch_interrupted(e: KeyboardInterrupt, names: Sequence[str], run: str) -> Interrupted:
+    """The one line of a launch interrupted (Ctrl-C, or SIGTERM as errors.Terminated) while its agents
+    ran: the run may have started; how to see it and stop it."""
+    signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+    return Interrupted(signum, f"{', '.join(names)}: launch interrupted ({signum.name}): run {run} may have "
+                               f"started there; `dflash-ops status {names[0]} {run}` says, "
+                               f"`dflash-ops stop {names[0]} {run}` stops it")
 
 
 def _undo(s: Session, targets: Sequence[Target], run: str, fresh: bool) -> agent.GroupResult:

@@ -23,10 +23,10 @@ from orchestrator.runs.options import LaunchOptions, upload
 def check_prompts(path: str) -> int:
     """The rows of a prompts file, each checked as `python -m trainer.regen` reads it (torch-free);
     bad input is a UsageError of one line naming file:line."""
-    from trainer.controller_view import UsageError as BadRows, read_prompts
+    from trainer.controller_view import UsageError as BadRows, count_prompts
 
     try:
-        return len(read_prompts(path))
+        return count_prompts(path)      # streamed: a million rows in the memory of one
     except BadRows as e:
         raise UsageError(str(e)) from None
 

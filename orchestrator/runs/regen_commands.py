@@ -7,7 +7,7 @@ import click
 from orchestrator.errors import UsageError
 from orchestrator.runs.commands import PassThroughCommand, _devices, _note_cleared, _split_launch_args, follow_launched
 from orchestrator.runs.logview import note
-from orchestrator.ui import State, emit, json_option
+from orchestrator.ui import State, emit, json_option, sigterm_raises
 
 
 @click.command(cls=PassThroughCommand, passthrough="regen flags")
@@ -51,7 +51,8 @@ def regen(state: State, args, prompts, model, gpus, gpu_ids, max_new_tokens, bat
     opts, rows = regen_options(prompts=prompts, model=model, gpus=gpus, gpu_ids=gpu_ids,
                                max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature,
                                thinking=thinking, seed=seed, name=name, extra=extra, env=parse_assignments(env))
-    with open_session(state.inv) as session:   # one connection for the launch and the follow
+    # SIGTERM as Ctrl-C: a launch under way is cut off saying which run may have started (nodes.launch)
+    with sigterm_raises("regen"), open_session(state.inv) as session:   # one connection for launch and follow
         res = nodes.launch(state.inv, targets, opts, session=session)
         _note_cleared(res)
         node = res.nodes[0]

@@ -322,9 +322,12 @@ class GroupResult(dict):
 
 
 def fan_out(targets: Sequence[Target], fn: Callable[[Target], T], *,
-            max_workers: int = MAX_WORKERS) -> GroupResult:
+            max_workers: int = MAX_WORKERS, interrupted: Callable[[], None] | None = None) -> GroupResult:
     """fn(target) for every target in parallel. An OpsError stops only its own target (kept in
-    its Outcome); anything else is a bug and propagates."""
+    its Outcome); anything else is a bug and propagates. interrupted: called when the caller's
+    thread is interrupted (Ctrl-C, errors.Terminated) while the targets' calls run, to end them (close
+    their connections) before the interruption goes on: the workers are waited for, and a call left
+    running would hold the controller until its own timeout."""
 
     def one(target: Target) -> Outcome:
         try:
@@ -336,8 +339,13 @@ def fan_out(targets: Sequence[Target], fn: Callable[[Target], T], *,
     if not targets:
         return group
     with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(targets)))) as pool:
-        for outcome in pool.map(one, targets):
-            group[outcome.target] = outcome
+        try:
+            for outcome in pool.map(one, targets):
+                group[outcome.target] = outcome
+        except KeyboardInterrupt:
+            if interrupted is not None:
+                interrupted()
+            raise
     return group
 
 

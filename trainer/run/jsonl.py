@@ -6,33 +6,53 @@ import json
 import os
 import stat
 from pathlib import Path
+from typing import Iterator
 
 from trainer.errors import UsageError
+
+
+MAX_LINE_BYTES = 64 << 20     # one row: far more than any conversation a target's context takes
 
 
 def read_jsonl(path: str, flag: str) -> list[tuple[int, object]]:
     """(line number, value) for each non-empty line of a JSONL file; bad JSON or text that is not
     UTF-8 is a UsageError naming file:line, a missing, unreadable or empty file one naming the
     option (`flag`)."""
-    values = []
+    return list(iter_jsonl(path, flag))
+
+
+def iter_jsonl(path: str, flag: str) -> Iterator[tuple[int, object]]:
+    """read_jsonl's values one at a time, as they are read: memory bounded by a line (a line over
+    MAX_LINE_BYTES is refused, file:line, before more of it is read), whatever the number of rows."""
+    values = 0
     try:
         with _regular_file(path, flag) as f:
-            for n, raw in enumerate(f, 1):
+            n = 0
+            while raw := f.readline(MAX_LINE_BYTES + 1):
+                n += 1
+                if len(raw) > MAX_LINE_BYTES:
+                    raise UsageError(f"{path}:{n}: a line of more than {MAX_LINE_BYTES >> 20} MiB")
                 try:
                     line = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    raise UsageError(f"{path}:{n}: not UTF-8 text") from None
+                except UnicodeDecodeError as e:     # as hosts.yaml's and --config's: the byte named
+                    raise UsageError(f"{path}:{n}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                                     f"{e.start + 1}); save the file as UTF-8") from None
                 if not line.strip():
                     continue
+                line = line.rstrip("\r\n")     # an error's column is then on the row's own line
                 try:
-                    values.append((n, json.loads(line)))
+                    value = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise UsageError(f"{path}:{n}: not JSON: {e.msg}") from None
+                    what = "a NUL byte" if line[e.pos:e.pos + 1] == "\0" else e.msg.removesuffix(" at")
+                    raise UsageError(f"{path}:{n}: not JSON: {what} at column {e.colno}") from None
+                except RecursionError:
+                    raise UsageError(f"{path}:{n}: not JSON: nested too deeply") from None
+                values += 1
+                yield n, value
     except OSError as e:
         raise UsageError(f"{flag} {path}: cannot read: {e.strerror or e}") from None
     if not values:
         raise UsageError(f"{flag} {path}: no rows")
-    return values
 
 
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),

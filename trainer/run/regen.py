@@ -40,11 +40,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from trainer import faults
 from trainer.errors import UsageError
-from trainer.run.jsonl import read_jsonl
+from trainer.run.jsonl import iter_jsonl
 from trainer.writer_lock import output_lock
 
 PROGRESS_S = 10.0
@@ -63,9 +63,20 @@ class Row:
 
 
 def read_prompts(path: str) -> list[Row]:
-    """Input rows -> the turns to answer; a bad row is a UsageError naming file:line. Torch-free:
-    the controller checks a prompts file with it before it uploads one."""
-    return [Row(n, _turns(doc, f"{path}:{n}")) for n, doc in read_jsonl(path, "--prompts")]
+    """Input rows -> the turns to answer; a bad row is a UsageError naming file:line. Torch-free."""
+    return list(iter_prompts(path))
+
+
+def iter_prompts(path: str) -> Iterator[Row]:
+    """read_prompts' rows one at a time: memory bounded by a row, whatever their number."""
+    for n, doc in iter_jsonl(path, "--prompts"):
+        yield Row(n, _turns(doc, f"{path}:{n}"))
+
+
+def count_prompts(path: str) -> int:
+    """The rows of a prompts file, each checked as read_prompts checks it, none kept: what the controller
+    runs before it uploads one (a million rows in bounded memory)."""
+    return sum(1 for _ in iter_prompts(path))
 
 
 def _turns(doc, where: str) -> tuple[tuple[str, str], ...]:
@@ -237,11 +248,12 @@ def regen(target_spec: str, prompts: str, out: str, *, max_new_tokens: int = 512
           seed: int = 0, block_size: int = 16, seq_len: int = 3072, log=print) -> dict:
     import threading
 
+    rows = read_prompts(prompts)        # bad rows refused before torch loads (seconds)
+
     import torch
 
     from trainer.run.target import load_target
 
-    rows = read_prompts(prompts)
     out_path = Path(out)
     with output_lock(out_path, "--out", log=log):  # one writer: two would double rows
         if out_path.exists() and not resume:

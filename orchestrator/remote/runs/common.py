@@ -25,16 +25,26 @@ TAIL_SCAN = 1 << 16      # bytes read from a log's end at a time
 # --- test hooks ---------------------------------------------------------------------------------
 
 FAULTS = "DFLASH_OPS_AGENT_FAULTS"
+_PAUSED = set()  # type: set[str]  # the points this process was held at (pause_at)
 
 
 def fault(point):
     """A named point of the launch sequence (launch.claimed, supervisor.go, ...). Inert unless a test
     sets DFLASH_OPS_AGENT_FAULTS=kill_at=POINT (as trainer/faults.py's DFLASH_TRAINER_FAULTS): then
-    this process SIGKILLs itself there, as a crash at exactly that point would end it."""
+    this process SIGKILLs itself there, as a crash at exactly that point would end it. pause_at=POINT:PATH
+    (an absolute path) holds it there, the first time: it creates PATH and goes on once PATH is gone (60 s
+    at most), so a test can act on the launch's controller while the agent stands at that point."""
     for item in os.environ.get(FAULTS, "").split(","):
         name, _, value = item.partition("=")
         if name == "kill_at" and value == point:
             os.kill(os.getpid(), signal.SIGKILL)
+        if name == "pause_at" and value.partition(":")[0] == point and point not in _PAUSED:
+            _PAUSED.add(point)      # once: a point passed again (upload.receiving, per chunk) goes on
+            path = value.partition(":")[2]
+            open(path, "w").close()
+            deadline = time.time() + 60
+            while os.path.exists(path) and time.time() < deadline:
+                time.sleep(0.02)
 
 
 # --- processes ----------------------------------------------------------------------------------
