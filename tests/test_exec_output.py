@@ -19,14 +19,30 @@ MAIN = "from orchestrator.cli import main; main()"
 MB = 1_000_000
 
 
+# Started by a small launcher that forks the CLI itself: Linux carries a process's peak RSS across
+# exec from the mm it replaces, so a CLI forked straight from this (torch-loaded, late in a suite) pytest
+# process reported pytest's own size as its peak (906 MB in a full run where the CLI used ~60).
+LAUNCHER = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+_, status, usage = os.wait4(pid, 0)
+os.write(2, ("%d %f %f" % (os.waitstatus_to_exitcode(status), usage.ru_maxrss / 1024,
+                            usage.ru_utime + usage.ru_stime)).encode())
+"""
+
+
 def cli(path, *args, home, stdout=subprocess.PIPE, timeout=120):
     """The CLI's (exit status, stdout, peak RSS in MB of the CLI process, CPU seconds)."""
-    proc = subprocess.Popen([sys.executable, "-c", MAIN, "-i", str(path), *map(str, args)], stdout=stdout,
-                            stderr=subprocess.DEVNULL, env=dict(os.environ, DFLASH_OPS_HOME=str(home)))
+    proc = subprocess.Popen([sys.executable, "-S", "-c", LAUNCHER, "-c", MAIN, "-i", str(path), *map(str, args)],
+                            stdout=stdout, stderr=subprocess.PIPE, env=dict(os.environ, DFLASH_OPS_HOME=str(home)))
     out = proc.stdout.read() if stdout is subprocess.PIPE else b""
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, out, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
+    code, peak, cpu = proc.stderr.read().split()
+    proc.wait(timeout=timeout)
+    return int(code), out, float(peak), float(cpu)
 
 
 @pytest.fixture
