@@ -28,9 +28,10 @@ def test_the_policy_is_one_of_the_trainers_names_or_auto():
 
     choices = {p.name: p.type.choices for p in launch.params if isinstance(p.type, click.Choice)}
     assert tuple(choices["topology"]) == TOPOLOGIES  # the CLI checks the same
-    # one option, two spellings (--policy: the command table's older one); its name checked by build alone
+    assert tuple(choices["compile_policy"]) == POLICIES   # Click's own refusal names the choices
+    # one option, two spellings (--policy: the command table's older one); play's launch step is checked by build
     opt = next(p for p in launch.params if p.name == "compile_policy")
-    assert opt.opts == ["--compile-policy", "--policy"] and not isinstance(opt.type, click.Choice)
+    assert opt.opts == ["--compile-policy", "--policy"] and opt.default == "auto"
     with pytest.raises(UsageError, match="--compile-policy bogus: not a policy") as e:
         LaunchOptions.build(compile_policy="bogus")
     assert e.value.exit_code == EXIT_USAGE == 2

@@ -11,7 +11,9 @@ the trainer will: its flags, its config rules, its failure catalog, its way of w
 from __future__ import annotations
 
 # the names of the compile policies (`--compile-policy`, the probe's matrix)
-from trainer.policies import POLICY_NAMES
+from trainer.policies import AUTO, POLICY_CHOICES, POLICY_NAMES
+# the training topologies (--topology), one home: the trainer's config
+from trainer.run.config import TOPOLOGIES
 # the trainer's expected failures: its usage error (bad flags, config, prompt rows) and the exit
 # code of a rank that another node's failure ended
 from trainer.errors import EXIT_PEER_FAILED, UsageError
@@ -33,7 +35,7 @@ from trainer.files import NotOurs, swap_in
 # the failure catalog and its matcher (stdlib + PyYAML): `scan`, `logs`
 from trainer.signatures import Catalog, CatalogError, load_catalog
 
-__all__ = ["POLICY_NAMES", "EXIT_PEER_FAILED", "UsageError", "EMULATE_ALONE", "PRECISIONS", "build_parser",
-           "check_before_launch", "TWINNED", "tau_text", "read_prompts", "count_prompts", "Catalog", "CatalogError",
-           "load_catalog", "LockHeld", "LockUnopened", "lock_file", "not_an_export", "NotOurs", "swap_in", "agreement",
-           "output_kind"]
+__all__ = ["POLICY_NAMES", "AUTO", "POLICY_CHOICES", "TOPOLOGIES", "EXIT_PEER_FAILED", "UsageError", "EMULATE_ALONE",
+           "PRECISIONS", "build_parser", "check_before_launch", "TWINNED", "tau_text", "read_prompts",
+           "count_prompts", "Catalog", "CatalogError", "load_catalog", "LockHeld", "LockUnopened", "lock_file",
+           "not_an_export", "NotOurs", "swap_in", "agreement", "output_kind"]

@@ -29,6 +29,10 @@ POLICY_NAMES = ("eager", "inductor", "max-autotune-no-cudagraphs", "reduce-overh
 # What a probe without --policies tries: every policy but max-autotune-no-cudagraphs, whose first
 # compile autotunes GEMMs for minutes (no first step in 280 s at the 8B shape, > 190 s for the probe's
 # unit on one H200; docs/probe-h200.md). It stays a policy: --policies names it to probe it.
+# `--compile-policy auto`: the probe's saved choice for this host, resolved by the trainer (resolve());
+# the default everywhere a policy is asked for. POLICY_CHOICES: what a user may name.
+AUTO = "auto"
+POLICY_CHOICES = (AUTO, *POLICY_NAMES)
 PROBED_BY_DEFAULT = tuple(p for p in POLICY_NAMES if p != "max-autotune-no-cudagraphs")
 
 # What each policy hands torch.compile: never mode= and options= together, torch refuses that
@@ -137,7 +141,7 @@ def resolve_for_run(policy: str, workdir: str | None, topology: str = "threads",
     """resolve(), and for 'auto' with the run's length: (policy, the one line that says why auto
     took eager instead of the probe's choice, or None). A compiled policy pays its compile back
     only after compile_s / (eager's step - its step) steps; a run shorter than that is faster eager."""
-    if policy != "auto":
+    if policy != AUTO:
         _check_name(policy)
         return policy, None
     chosen, saved = _probe_choice(workdir, topology)

@@ -12,7 +12,7 @@ import click
 
 from orchestrator.errors import NotFound, OpsError, TargetsFailed, UsageError
 from orchestrator.runs.logview import Seen, fmt_elapsed, fmt_num, fmt_tau, note, print_job
-from orchestrator.runs.options import POLICIES, TOPOLOGIES
+from orchestrator.runs.options import AUTO, POLICIES, TOPOLOGIES
 from orchestrator.ui import State, emit, json_option, sigterm_raises, table
 
 
@@ -103,9 +103,9 @@ def trainer_flags() -> set[str]:
               help="Trainer YAML config; copied into the run's folder.")
 @click.option("--topology", type=click.Choice(TOPOLOGIES), default="threads",
               show_default=True, help="One thread per device, or one process per device.")
-@click.option("--compile-policy", "--policy", "compile_policy", default="auto", show_default=True,
-              metavar="NAME|auto", help=f"Compile policy ({', '.join(POLICIES)}); auto = the probe's choice, "
-              "resolved by the trainer (run `dflash-ops probe` first). --policy: the same.")
+@click.option("--compile-policy", "--policy", "compile_policy", type=click.Choice(POLICIES), default=AUTO,
+              show_default=True, help="Compile policy; auto = the probe's choice, resolved by the trainer (run "
+              "`dflash-ops probe` first). --policy: the same.")
 @click.option("--workers", type=click.IntRange(min=1), metavar="K",
               help="With --gpus 0: CPU worker threads.")
 @click.option("--follow", is_flag=True, help="Then follow the log, as `logs --follow` does.")
@@ -162,7 +162,7 @@ def follow_launched(state: State, session, res, doc: dict, as_json: bool) -> Non
 
 def _launch_info(res) -> str:
     policy_text = (res.compile_policy or f"none: {res.kind} into {res.output}") + (
-        " (the trainer resolves it; `status --json` shows its choice)" if res.compile_policy == "auto" else "")
+        " (the trainer resolves it; `status --json` shows its choice)" if res.compile_policy == AUTO else "")
     what = (f"resumed run {res.run} (attempt {res.attempt}, was {res.resumed_from}; "
             if res.attempt > 1 else f"launched run {res.run} (")
     label = f"{res.name!r}, " if res.name else ""

@@ -12,13 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from trainer.controller_view import POLICY_NAMES   # names only (torch-free)
+from trainer.controller_view import AUTO, POLICY_CHOICES, TOPOLOGIES   # names only (torch-free)
 
 from orchestrator.errors import FileError, UsageError
 from orchestrator.inventory import yamlnodes
 
-TOPOLOGIES = ("threads", "processes")
-POLICIES = ("auto", *POLICY_NAMES)     # auto: the probe's choice, resolved by the trainer on the target
+POLICIES = POLICY_CHOICES     # auto: the probe's choice, resolved by the trainer on the target
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")   # what the runs agent accepts as a run id
 BENCH_ID_RE = re.compile(r"^bench-\d+$")     # a running bench-decode, as status lists it (remote/runs/locks.py)
 LABEL_RE = re.compile(r"^[^\x00-\x1f\x7f]{1,64}$")            # launch --name: one printable line
@@ -56,7 +55,7 @@ class LaunchOptions:
     gpus: int | None = None
     gpu_ids: tuple[int, ...] | None = None
     topology: str = "threads"
-    compile_policy: str = "auto"
+    compile_policy: str = AUTO
     workers: int | None = None
     extra: tuple[str, ...] = ()
     name: str | None = None
@@ -75,10 +74,10 @@ class LaunchOptions:
               env: Mapping[str, str] | None = None) -> "LaunchOptions":
         """The options checked (UsageError, exit 2); the config file read."""
         topology = topology or "threads"
-        compile_policy = compile_policy or "auto"
+        compile_policy = compile_policy or AUTO
         if name is not None and not LABEL_RE.match(name):
             raise UsageError(f"--name {name!r}: one line of at most 64 printable characters")
-        if compile_policy not in POLICIES:     # the one check of the name on the controller's side
+        if compile_policy not in POLICIES:     # play's launch step (the CLI's Choice refused it before)
             raise UsageError(f"--compile-policy {compile_policy}: not a policy (choose from {', '.join(POLICIES)})")
         if topology not in TOPOLOGIES:
             raise UsageError(f"--topology must be one of {', '.join(TOPOLOGIES)}")
@@ -144,5 +143,5 @@ def upload(name: str, path: str) -> dict:
     return {"name": name, "path": path, "size": size, "sha256": h.hexdigest()}
 
 
-__all__ = ["LaunchOptions", "upload", "POLICIES", "TOPOLOGIES", "check_run", "RUN_NAME_RE", "BENCH_ID_RE",
+__all__ = ["LaunchOptions", "upload", "AUTO", "POLICIES", "TOPOLOGIES", "check_run", "RUN_NAME_RE", "BENCH_ID_RE",
            "LABEL_RE"]

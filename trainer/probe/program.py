@@ -44,10 +44,9 @@ from trainer.files import atomic_file
 from trainer.probe.build import build_report, call_or_default, check_expect, mode_options
 from trainer.probe.case import CPU_SHAPE, GPU_SHAPE, case_main
 from trainer.probe import schedule, verdicts
-from trainer.run.config import EMULATE_ALONE, PRECISIONS
+from trainer.run.config import EMULATE_ALONE, PRECISIONS, TOPOLOGIES
 from trainer.probe.watch import TAIL_LINES, explain, rendezvous_problem, run_isolated  # noqa: F401 - TAIL_LINES: tests
 
-TOPOLOGIES = ("threads", "processes")
 WRONG = "compiled-wrong"   # the signature of a case that ran but computes something else
 HISTORY_KEEP = 20
 # Two policies within this fraction of each other's step time are a tie on a noisy machine:

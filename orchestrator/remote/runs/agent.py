@@ -63,7 +63,7 @@ import sys
 import time
 
 from ..common import checked_workdir, dist_version, emit, fail, home_dir, now_iso, read_json, refuse, write_json
-from .common import LOG, fault, proc_start, resolve, run_ids, run_record, run_state, run_status, runs_dir_of
+from .common import AUTO_POLICY, LOG, fault, proc_start, resolve, run_ids, run_record, run_state, run_status, runs_dir_of  # noqa: E501
 from ..release.store import live_release
 from .bench import BENCH_FLAGS, BENCH_OPTIONS, cmd_bench
 from .export import cmd_export
@@ -176,8 +176,8 @@ def _launch(workdir, spec):
     if spec.get("nodes") and not kind["nodes"]:     # its program takes no rendezvous flags
         refuse("one_node", "a %s run runs on one node; name one target" % spec.get("kind"))
     # none: a kind without a policy (regen), and no probe either
-    compile_policy = (spec.get("compile_policy") or "auto") if kind["policy"] else None
-    if compile_policy == "auto":
+    compile_policy = (spec.get("compile_policy") or AUTO_POLICY) if kind["policy"] else None
+    if compile_policy == AUTO_POLICY:
         _check_probe(workdir)
     # `auto` goes to the trainer as is: it resolves it from DFLASH_OPS_WORKDIR/probe.json, refuses a
     # choice probed under another torch build, and records what it runs (status reads it back).

@@ -22,7 +22,7 @@ import os
 import shutil
 
 from ..common import emit, refuse
-from .common import UNREADABLE, find, resolve, run_ids, run_record, run_state, runs_dir_of, sweep_dead
+from .common import AUTO_POLICY, UNREADABLE, find, resolve, run_ids, run_record, run_state, runs_dir_of, sweep_dead
 from .kinds import kind_of
 from .locks import Guard, holds_slots
 
@@ -42,7 +42,7 @@ def resume_spec(workdir, spec):
     new = {"run": rid, "resume": rid, "kind": rec.get("kind") or "train", "target": spec.get("target"),
            "gpus": rec.get("gpus", 0) if spec.get("gpus") is None else spec["gpus"],
            "gpu_ids": spec.get("gpu_ids"), "target_gpus": spec.get("target_gpus", 0),
-           "topology": rec.get("topology") or "threads", "compile_policy": rec.get("compile_policy") or "auto",
+           "topology": rec.get("topology") or "threads", "compile_policy": rec.get("compile_policy") or AUTO_POLICY,
            "workers": rec.get("workers"), "extra": list(rec.get("extra_args") or []),
            "config_file": (rec.get("config") or {}).get("file"),
            "name": spec.get("name") or rec.get("name"), "controller": spec.get("controller"),
