@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     # Frozen, they are left to the OS, as the process's memory is; garbage in cycles then goes
     # unfinalized, and nothing needs it: files and connections are closed where they are used.
     atexit.register(gc.freeze)
+    from orchestrator import waits
+    waits.note = lambda target, what, s: click.echo(
+        f"dflash-ops: {target}: still waiting on the target to {what} ({s:.0f} s)", err=True)
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     if debug:   # library logs (paramiko's transport thread) to stderr
         import logging

@@ -180,3 +180,32 @@ def test_a_reply_that_is_not_a_bounded_json_object_is_one_line(stdout):
 
     with pytest.raises(StepFailed, match=r"^t: read the runs exited 0: unreadable reply"):
         agent.call(Replies(), Target(name="t"), agent.RUNS, ["status", "/w"], what="read the runs")
+
+
+def test_a_call_the_target_has_not_answered_says_so_every_note_period(monkeypatch):
+    """No silent wait: a call that takes longer than waits.NOTE_S says what it waits for, from the library's
+    hook (the CLI prints it); one that shows its own progress (stderr lines) is left to it."""
+    import threading
+
+    from orchestrator import waits
+    from orchestrator.ssh.transport import Result
+
+    heard, answered = [], threading.Event()
+
+    def note(target, what, seconds):
+        heard.append((target, what))
+        answered.set()
+
+    class Slow:                 # a target that answers once the first note was heard
+        def run(self, argv, **kw):
+            assert answered.wait(30)
+            return Result(0, b'{"ok": true}\n', b"")
+
+    monkeypatch.setattr(waits, "NOTE_S", 0.05)
+    monkeypatch.setattr(waits, "note", note)
+    assert agent.call(Slow(), Target(name="t"), agent.RUNS, ["status", "/w"], what="read the runs") == {"ok": True}
+    assert heard[0] == ("t", "read the runs")
+    heard.clear()
+    answered.set()
+    agent.call(Slow(), Target(name="t"), agent.RUNS, ["probe", "/w"], what="probe", stderr=lambda b: None)
+    assert heard == []

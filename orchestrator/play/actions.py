@@ -21,7 +21,7 @@ from orchestrator.play import playbook as pb, templating as tpl
 from orchestrator.play.runstate import Run
 from orchestrator.ssh.transport import Kept
 
-WAIT_NOTE_S = 30.0                        # wait-for says it is still waiting this often
+WAIT_NOTE_S = 20.0                        # wait-for says it is still waiting this often
 VALUE_BYTES = 64 * 1024                   # an exec step's `value` (its last line) keeps this much of it
 
 

@@ -25,12 +25,13 @@ import json
 import re
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from typing import Callable, Generic, Iterator, Sequence, TypeVar
 
+from orchestrator import waits
 from orchestrator.errors import OpsError, StepFailed, TargetsFailed
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
@@ -247,7 +248,10 @@ def call(t: Transport, target: Target, program: str, args: Sequence[str], *, wha
         del tail[:-64]
         stderr(data)
 
-    r = t.run(argv(target, program, args), stdin=stdin, stderr=keep if stderr else None, timeout=timeout)
+    # said every 20 s while the target has not answered, unless the call shows its own progress (an
+    # upload on stdin, the agent's live lines on stderr)
+    with waits.noted(target.name, what) if stdin is None and stderr is None else nullcontext():
+        r = t.run(argv(target, program, args), stdin=stdin, stderr=keep if stderr else None, timeout=timeout)
     if stderr:
         r = Result(r.exit_code, r.stdout, b"".join(tail))
     failed = _exec_failed(target, what, r)
