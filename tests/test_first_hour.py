@@ -41,3 +41,10 @@ def test_scan_of_a_missing_file_exits_102_as_the_readme_says(tmp_path):
     r = dflash_ops("scan", tmp_path / "missing.log", home=tmp_path)
     assert r.returncode == 102 and "no such file" in r.stderr
     assert "`scan`: 100 a fatal signature was found, 102 no such file." in (REPO / "README.md").read_text()
+
+
+def test_rm_of_an_unknown_run_says_only_that(tmp_path):
+    """It printed `local: freed 0 bytes` before its error."""
+    r = dflash_ops("rm", "local", "nope", home=tmp_path)
+    assert r.returncode == 102 and r.stdout == "", r.stdout
+    assert r.stderr == "dflash-ops: local: no run 'nope' (see `dflash-ops status local`)\n", r.stderr

@@ -38,7 +38,8 @@ def rm(state: State, args, dry_run, as_json):
     args = list(args)
     target = inv.target(args.pop(0)) if args[0] in inv.targets and len(args) > 1 else inv.default_target()
     res = housekeeping.remove(inv, target, args, dry_run=dry_run)
-    emit(as_json, res.as_json(), "\n".join(_lines(res)))
+    if as_json or res.removed:      # nothing removed and a refusal to say: no "freed 0 bytes" before it
+        emit(as_json, res.as_json(), "\n".join(_lines(res)))
     for x in res.refused:
         click.echo(f"dflash-ops: {target.name}: run {x['run']} is running; not removed (stop it "
                    f"with `dflash-ops stop {target.name} {x['run']}`)", err=True)
