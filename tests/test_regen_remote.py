@@ -102,6 +102,9 @@ def test_regen_runs_detached_with_progress_and_writes_what_a_direct_regen_writes
     assert "6 answers are shorter than a block (raise --max-new-tokens" in log
     assert log.splitlines()[-1] == (f"dflash-ops: the rows are in {out}; train on them with "
                                     f"`dflash-ops launch ct200 -- --data {out}`")
+    # its end is a regen's: rows, not a trainer's steps, loss and tau
+    ended = r.stderr.decode()
+    assert f"ct200: regen run {run}: succeeded (exit 0); rows written 6;" in ended and "last loss" not in ended, ended
     r = ct.cli("status", "ct200", "--json")
     row = next(x for x in json.loads(r.stdout)["runs"] if x["run"] == run)
     assert row["kind"] == "regen" and row["output"] == out and row["state"] == "succeeded"

@@ -75,6 +75,8 @@ class Summary:
     classified: str | None = None     # the catalog's name for the failure (text, then exit status)
     exit: dict | None = None
     elapsed_s: float | None = None
+    kind: str = "train"               # what the run runs: train (python -m trainer) or regen
+    rows: int | None = None           # a regen: the rows written so far
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -343,7 +345,8 @@ def _summary(target: Target, end: dict, counts: dict[str, int], hits: list[dict]
                    exit_code=exit_code_for(state), step=end.get("step"), loss=end.get("loss"),
                    tau=end.get("tau"), lines=lines, bytes=total, offset=end.get("offset", 0),
                    reconnects=reconnects, outages=outages, signatures=dict(counts), hits=hits,
-                   classified=classified, exit=ex or None, elapsed_s=end.get("elapsed_s"))
+                   classified=classified, exit=ex or None, elapsed_s=end.get("elapsed_s"),
+                   kind=end.get("kind") or "train", rows=end.get("rows"))
 
 
 __all__ = ["follow", "Line", "Reconnecting", "Resumed", "End", "Summary", "Event"]

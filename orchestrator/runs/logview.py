@@ -263,9 +263,12 @@ def _summary_line(s) -> str:
     else:
         how = s.state
     sigs = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in s.signatures.items()) or "none"
-    parts = [f"{s.target}: run {s.run}: {how}", f"steps {fmt_num(s.step)}",
-             f"last loss {fmt_num(s.loss)}", f"tau {fmt_tau(s.tau)}",
-             f"elapsed {fmt_elapsed(s.elapsed_s)}", f"signatures: {sigs}"]
+    if s.kind == "regen":       # the target's answers: rows, not steps, loss and tau
+        parts = [f"{s.target}: regen run {s.run}: {how}", f"rows written {fmt_num(s.rows)}"]
+    else:
+        parts = [f"{s.target}: run {s.run}: {how}", f"steps {fmt_num(s.step)}", f"last loss {fmt_num(s.loss)}",
+                 f"tau {fmt_tau(s.tau)}"]
+    parts += [f"elapsed {fmt_elapsed(s.elapsed_s)}", f"signatures: {sigs}"]
     if s.classified and s.state == "failed":
         parts.append(f"cause: {s.classified}")
     if s.outages:

@@ -339,10 +339,11 @@ def _last_metrics(log_path):
                 doc = metric(raw)
                 if doc is None:
                     continue
-                for key, name in (("step", "step"), ("loss", "loss"), ("acceptance_length", "tau")):
+                for key, name in (("step", "step"), ("loss", "loss"), ("acceptance_length", "tau"),
+                                  ("written", "written")):
                     if _is_number(doc.get(key)) and name not in found:      # a log line's, not a record's
                         found[name] = doc[key]
-                if len(found) == 3:
+                if "written" in found or len(found) == 3:     # a regen's rows, or a trainer's three
                     return found
             if ("step" in found and "loss" in found) or start == 0 or span >= 1 << 24:
                 return found
@@ -362,7 +363,7 @@ def metric(raw):
         doc = parse_json(raw.decode("utf-8", "replace"))
     except BadRecord:
         return None
-    if "step" in doc or "acceptance_length" in doc:
+    if "step" in doc or "acceptance_length" in doc or "written" in doc:     # a trainer's, or a regen's rows
         return doc
     return None
 
@@ -378,7 +379,7 @@ def run_status(workdir, run):
     started = rec.get("started_ts")
     doc = {"run": run, "kind": rec.get("kind") or "train", "output": rec.get("output"),
            "name": rec.get("name"), "attempt": rec.get("attempt") or 1, "state": state,
-           "step": m.get("step"), "loss": m.get("loss"), "tau": m.get("tau"),
+           "step": m.get("step"), "loss": m.get("loss"), "tau": m.get("tau"), "rows": m.get("written"),
            "started": rec.get("started"), "started_ts": started, "ended": (ex or {}).get("ended"),
            "elapsed_s": round((ended or time.time()) - started, 1) if started else None,
            "pid": rec.get("pid"), "gpus": rec.get("gpus"), "slots": rec.get("slots"),
