@@ -119,6 +119,9 @@ CASES = (
            "whole), raw NUL bytes and bytes not UTF-8 (no column), JSON cut short (wrong column): streamed, one line "
            "FILE:LINE, exit 2 at the controller and in trainer.regen (before torch loads)",
      ("test_prompts_files.py",)),
+    ("31", "scale: play --dry-run of a 10,000-step playbook took 31 s (5,000: 5.5 s), each step rebuilding the set "
+           "of the names before it: linear now (10,000 steps 2.8 s)",
+     ("test_play.py::test_a_playbook_of_many_steps",)),
     ("-", "earlier rounds: overlapping deploys, dead deploys, damaged releases, full disks",
      ("test_deploy_reliability.py::test_overlapping", "test_deploy_reliability.py::test_a_dead_deploy",
       "test_deploy_reliability.py::test_damage", "test_deploy_reliability.py::test_a_full_disk")),

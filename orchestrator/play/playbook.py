@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from orchestrator.inventory import yamlnodes as yn
 from orchestrator.envvars import NAME_RE
@@ -130,23 +130,23 @@ def parse(text: str, file: str, given: Mapping[str, str] | None = None) -> Playb
                             f"required: pass --var {name}=VALUE (the comments in {file} say what it takes)")
         _check_templates(value, known, set(), file, var_lines[name], f"vars.{name}")
 
-    steps: list[Step] = []
+    steps: dict[str, Step] = {}     # by name, in order: each step checked against those before it in O(1)
     items = yn.sequence(top["steps"][0], file, "steps")
     if not items:
         raise FileError(file, top["steps"][1], "steps", "no steps")
     for i, snode in enumerate(items):
         step = _step(snode, i, file, steps)
         for opt, value in step.options.items():
-            _check_templates(value, known, {s.name for s in steps}, file, step.lines[opt], step.where(i, opt))
-        steps.append(step)
-    return Playbook(path=file, steps=tuple(steps), vars=variables, description=description)
+            _check_templates(value, known, steps.keys(), file, step.lines[opt], step.where(i, opt))
+        steps[step.name] = step
+    return Playbook(path=file, steps=tuple(steps.values()), vars=variables, description=description)
 
 
 def _is_null(node) -> bool:
     return node.tag == "tag:yaml.org,2002:null"
 
 
-def _step(node, i: int, file: str, earlier: list[Step]) -> Step:
+def _step(node, i: int, file: str, earlier: dict[str, Step]) -> Step:
     where = f"steps[{i}]"
     items = yn.mapping(node, file, where)
     if "name" not in items:
@@ -155,9 +155,9 @@ def _step(node, i: int, file: str, earlier: list[Step]) -> Step:
     if not STEP_NAME_RE.match(name):
         raise FileError(file, items["name"][1], f"{where}.name",
                         f"{name!r}: a step name is letters, digits, _ and - (it is used in {{{{ steps.NAME }}}})")
-    for s in earlier:
-        if s.name == name:
-            raise FileError(file, items["name"][1], f"{where}.name", f"duplicate step name (first on line {s.line})")
+    if name in earlier:
+        raise FileError(file, items["name"][1], f"{where}.name",
+                        f"duplicate step name (first on line {earlier[name].line})")
     actions = [k for k in items if k != "name"]
     unknown = [k for k in actions if k not in ACTIONS]
     if unknown:
@@ -191,7 +191,7 @@ def _step(node, i: int, file: str, earlier: list[Step]) -> Step:
     return step
 
 
-def _check_step(step: Step, i: int, file: str, aline: int, earlier: list[Step]) -> None:
+def _check_step(step: Step, i: int, file: str, aline: int, earlier: dict[str, Step]) -> None:
     """What one option alone cannot say: exec's command xor shell, assert's step and one test."""
     o, where = step.options, f"steps[{i}].{step.action}"
     if step.action == "exec" and ("command" in o) == ("shell" in o):
@@ -199,10 +199,10 @@ def _check_step(step: Step, i: int, file: str, aline: int, earlier: list[Step]) 
     if step.action == "assert":
         if "step" not in o or "that" not in o:
             raise FileError(file, aline, where, "needs `step:` (an earlier step) and `that:` (a key of its result)")
-        if o["step"] not in {s.name for s in earlier}:
+        if o["step"] not in earlier:
             raise FileError(file, step.lines["step"], f"{where}.step",
                             f"{o['step']!r} is not an earlier step"
-                            f"{yn.did_you_mean(str(o['step']), [s.name for s in earlier])}")
+                            f"{yn.did_you_mean(str(o['step']), list(earlier))}")
         tests = [t for t in ASSERT_TESTS if t in o]
         if len(tests) != 1:
             raise FileError(file, aline, where, f"needs exactly one test of {', '.join(ASSERT_TESTS)}")
@@ -227,7 +227,7 @@ def _check_given(name: str, value: str, known: set[str]) -> None:
     except FileError as e:
         raise UsageError(f"--var {name}: {e.message}") from None
 
-def _check_templates(value, known: set[str], steps: set[str], file: str, line: int, where: str) -> None:
+def _check_templates(value, known: set[str], steps: Collection[str], file: str, line: int, where: str) -> None:
     for expr in expressions(value):
         try:
             path, _ = parse_expr(expr)
