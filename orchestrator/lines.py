@@ -31,6 +31,27 @@ def pieces(line: bytes, limit: int | None) -> list[bytes]:
     return out
 
 
+def feeds(data: bytes, limit: int | None) -> list[bytes]:
+    """data as feeds of at most `limit` bytes (itself when shorter, or for None): a feed can then
+    complete at most one line longer than `limit`, the one under way when it came."""
+    if limit is None or len(data) <= limit:
+        return [bytes(data)]
+    view = memoryview(data)
+    return [bytes(view[i:i + limit]) for i in range(0, len(data), limit)]
+
+
+def cut_overflow(pending: bytearray, limit: int) -> list[bytes]:
+    """The pieces of at most `limit` bytes cut from the front of a line under way longer than `limit`,
+    taken out of `pending` (which keeps 1..limit bytes: a newline next ends them); [] when it fits."""
+    out, start = [], 0
+    while len(pending) - start > limit:
+        k = cut_point(pending, start + limit, start)
+        out.append(bytes(pending[start:k]))
+        start = k
+    del pending[:start]
+    return out
+
+
 class ByteLines:
     """Feed bytes; `on_lines(lines)` gets the lines each feed completes (without their newlines), in one
     list. With `limit`, a line longer than that many bytes comes as pieces of at most `limit` bytes, each
@@ -44,14 +65,8 @@ class ByteLines:
         self.pending = bytearray()
 
     def __call__(self, data: bytes) -> None:
-        if not data:
-            return
-        if self.limit is None or len(data) <= self.limit:
-            self._feed(bytes(data))
-            return
-        view = memoryview(data)
-        for i in range(0, len(data), self.limit):
-            self._feed(bytes(view[i:i + self.limit]))
+        for feed in feeds(data, self.limit) if data else ():
+            self._feed(feed)
 
     def _feed(self, data: bytes) -> None:
         """data: at most `limit` bytes, so only the line that began before it can be longer."""
@@ -65,13 +80,8 @@ class ByteLines:
             out = pieces(first, self.limit)
             out += whole[1:]
         self.pending += tail
-        if self.limit is not None and len(self.pending) > self.limit:
-            buf, start = self.pending, 0
-            while len(buf) - start > self.limit:    # leaves 1..limit bytes: a newline next ends them
-                k = cut_point(buf, start + self.limit, start)
-                out.append(bytes(buf[start:k]))
-                start = k
-            del buf[:start]
+        if self.limit is not None:
+            out += cut_overflow(self.pending, self.limit)
         if out:
             self.on_lines(out)
 
@@ -96,26 +106,17 @@ class Prefixed:
         self.pending = bytearray()
 
     def __call__(self, data: bytes) -> None:
-        if len(data) <= self.limit:
-            self._feed(bytes(data))
-            return
-        view = memoryview(data)
-        for i in range(0, len(data), self.limit):
-            self._feed(bytes(view[i:i + self.limit]))
+        for feed in feeds(data, self.limit):
+            self._feed(feed)
 
     def _feed(self, data: bytes) -> None:
         """data: at most `limit` bytes, so a line that starts and ends in it is no longer than `limit`."""
         first = data.find(b"\n")
         if first < 0:
             self.pending += data
-            if len(self.pending) > self.limit:
-                buf, start, out = self.pending, 0, []
-                while len(buf) - start > self.limit:    # leaves 1..limit bytes: a newline next ends them
-                    k = cut_point(buf, start + self.limit, start)
-                    out.append(self.prefix + buf[start:k] + b"\n")
-                    start = k
-                del buf[:start]
-                self.write(b"".join(out))
+            cut = cut_overflow(self.pending, self.limit)
+            if cut:
+                self.write(b"".join(self.prefix + piece + b"\n" for piece in cut))
             return
         last = data.rfind(b"\n")
         head = bytes(self.pending) + data[:first]       # the line under way ends here
