@@ -28,16 +28,17 @@ TESTS = Path(__file__).resolve().parent
 FAKEPCT_SRC = TESTS / "fakepct" / "pct"
 
 
-def _load_sshd_module():
+def _load_fixture(name: str):
     # Loaded by path: `tests` is not a package and `fixtures` is a common top-level name.
-    spec = importlib.util.spec_from_file_location("dflash_tests_sshd", TESTS / "fixtures" / "sshd.py")
+    spec = importlib.util.spec_from_file_location(f"dflash_tests_{name}", TESTS / "fixtures" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
 
-sshd_module = _load_sshd_module()
+sshd_module = _load_fixture("sshd")
+lxcnode_module = _load_fixture("lxcnode")     # real LXC containers (tests/fixtures/lxcnode.py, tests/realpct/pct)
 
 
 # ---- order: the slowest files first ------------------------------------------------------------
@@ -225,14 +226,8 @@ def install_fakepct(dest: Path, node: str = "pve1") -> FakePct:
     dest.mkdir(parents=True, exist_ok=True)
     state = dest / "state"
     state.mkdir(exist_ok=True)
-    source = FAKEPCT_SRC.read_text()
-    first, _, rest = source.partition("\n")
-    assert first.startswith("#!"), "tests/fakepct/pct must start with a shebang"
-    # The stand-in is stdlib only; pinning the interpreter keeps it independent of PATH on "node". -S: no
-    # site-packages to set up (the venv's .pth files), ~30 ms of each of the ~850 pct calls of a suite.
     exe = dest / "pct"
-    exe.write_text(f"#!{sys.executable} -S\n{rest}")
-    exe.chmod(0o755)
+    lxcnode_module.pinned_script(FAKEPCT_SRC, exe)
     (dest / "pct.json").write_text(json.dumps({"root": str(state), "node": node}))
     os.makedirs("/srv/ct", exist_ok=True)
     return FakePct(path=exe, root=state, node=node)
@@ -312,6 +307,18 @@ def make_inventory(tmp_path, sshd, fakepct):
 
 
 @pytest.fixture
+def exec_targets(sshd, fakepct, make_inventory):
+    """An inventory of two containers (ct200, ct201) and the node itself, over the real sshd, for exec."""
+    fakepct.create(200)
+    fakepct.create(201)
+    return make_inventory({
+        "ct200": {"host": "node", "vmid": 200, "python": sys.executable, "workdir": "/srv/ct/dflash"},
+        "ct201": {"host": "node", "vmid": 201, "python": sys.executable, "workdir": "/srv/ct/dflash"},
+        "node": {"host": "node", "python": sys.executable, "workdir": "/tmp/dflash-node"},
+    })
+
+
+@pytest.fixture
 def wd(tmp_path):
     """A runs-agent workdir whose one live release's trainer is a stub (tests/runs_agent_stub.py)."""
     from runs_agent_stub import kill_leftovers, make_workdir
@@ -352,17 +359,6 @@ def smoke_target(tmp_path_factory):
 
 
 # ---- real LXC containers (tests/fixtures/lxcnode.py, tests/realpct/pct) ----------------------
-
-def _load_lxcnode_module():
-    spec = importlib.util.spec_from_file_location("dflash_tests_lxcnode", TESTS / "fixtures" / "lxcnode.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-lxcnode_module = _load_lxcnode_module()
-
 
 @pytest.fixture(scope="session")
 def lxc_base(request):

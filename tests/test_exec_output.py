@@ -45,21 +45,11 @@ def cli(path, *args, home, stdout=subprocess.PIPE, timeout=120):
     return int(code), out, float(peak), float(cpu)
 
 
-@pytest.fixture
-def inv_path(sshd, fakepct, make_inventory):
-    fakepct.create(200)
-    fakepct.create(201)
-    return make_inventory({
-        "ct200": {"host": "node", "vmid": 200, "python": sys.executable, "workdir": "/srv/ct/dflash"},
-        "ct201": {"host": "node", "vmid": 201, "python": sys.executable, "workdir": "/srv/ct/dflash"},
-    })
-
-
-def test_exec_json_keeps_the_first_mib_and_counts_the_rest_in_bounded_memory(inv_path, tmp_path):
+def test_exec_json_keeps_the_first_mib_and_counts_the_rest_in_bounded_memory(exec_targets, tmp_path):
     # 60 MB of stdout without a newline, and some stderr: before, the controller held all of it, several
     # times over (5.9 GB peak for 300 MB); now its peak is the CLI's own plus a few MiB.
-    _, _, idle, _ = cli(inv_path, "exec", "ct200", "--json", "--", "true", home=tmp_path)
-    code, out, peak, _ = cli(inv_path, "exec", "ct200", "--json", "--", "sh", "-c",
+    _, _, idle, _ = cli(exec_targets, "exec", "ct200", "--json", "--", "true", home=tmp_path)
+    code, out, peak, _ = cli(exec_targets, "exec", "ct200", "--json", "--", "sh", "-c",
                              f"head -c {60 * MB} /dev/zero; echo oops >&2; exit 3", home=tmp_path)
     assert code == 3
     doc = json.loads(out)["targets"]["ct200"]
@@ -71,25 +61,25 @@ def test_exec_json_keeps_the_first_mib_and_counts_the_rest_in_bounded_memory(inv
     assert peak < idle + 60, (peak, idle)           # MB; 60 MB of output, kept whole, was ~1.2 GB
 
 
-def test_several_targets_take_time_linear_in_their_output(inv_path, tmp_path):
+def test_several_targets_take_time_linear_in_their_output(exec_targets, tmp_path):
     # Lines without a newline through the `[target] ` writer: before, each chunk re-joined and re-split
     # the line held so far (two targets of 100 MB: 224 s; of 12.5 MB: 4.7 s). CPU seconds of the CLI,
     # not wall time: two targets of N MB cost about twice one of N MB; quadratic, it was 5x at 10 MB
     # and grew with N.
     n = 20 * MB
     cmd = ["--", "sh", "-c", f"head -c {n} /dev/zero"]
-    _, _, _, base = cli(inv_path, "exec", "ct200", "--", "true", home=tmp_path, stdout=subprocess.DEVNULL)
-    code1, _, peak1, one = cli(inv_path, "exec", "ct200", *cmd, home=tmp_path, stdout=subprocess.DEVNULL)
-    code2, _, peak2, two = cli(inv_path, "exec", "ct200", "ct201", *cmd, home=tmp_path, stdout=subprocess.DEVNULL)
+    _, _, _, base = cli(exec_targets, "exec", "ct200", "--", "true", home=tmp_path, stdout=subprocess.DEVNULL)
+    code1, _, peak1, one = cli(exec_targets, "exec", "ct200", *cmd, home=tmp_path, stdout=subprocess.DEVNULL)
+    code2, _, peak2, two = cli(exec_targets, "exec", "ct200", "ct201", *cmd, home=tmp_path, stdout=subprocess.DEVNULL)
     assert code1 == code2 == 0
     assert (two - base) < 4 * max(one - base, 0.2), (base, one, two)
     assert peak2 < peak1 + 30, (peak1, peak2)       # MB: nothing held per target but a piece of a line
 
 
-def test_the_prefixed_output_is_the_output_in_pieces(inv_path, tmp_path):
+def test_the_prefixed_output_is_the_output_in_pieces(exec_targets, tmp_path):
     out = tmp_path / "out"
     with open(out, "wb") as f:
-        code, _, _, _ = cli(inv_path, "exec", "ct200", "ct201", "--", "sh", "-c",
+        code, _, _, _ = cli(exec_targets, "exec", "ct200", "ct201", "--", "sh", "-c",
                             f"head -c {3 * PIECE + 5} /dev/zero | tr '\\0' a; echo; echo two; printf three",
                             home=tmp_path, stdout=f)
     assert code == 0
@@ -100,7 +90,7 @@ def test_the_prefixed_output_is_the_output_in_pieces(inv_path, tmp_path):
         assert mine == [b"a" * PIECE] * 3 + [b"a" * 5, b"two", b"three"]
 
 
-def test_a_play_step_keeps_each_stream_once_and_bounded(inv_path, tmp_path):
+def test_a_play_step_keeps_each_stream_once_and_bounded(exec_targets, tmp_path):
     book = tmp_path / "big.yaml"
     book.write_text("steps:\n"
                     "  - name: big\n"
@@ -109,7 +99,7 @@ def test_a_play_step_keeps_each_stream_once_and_bounded(inv_path, tmp_path):
                     f"    exec: {{shell: \"head -c {200_000} /dev/zero | tr '\\\\0' v\"}}\n"
                     "  - name: check\n"
                     "    assert: {step: big, that: value, equals: last-line}\n")
-    code, out, peak, _ = cli(inv_path, "play", book, "ct200", "--json", home=tmp_path)
+    code, out, peak, _ = cli(exec_targets, "play", book, "ct200", "--json", home=tmp_path)
     assert code == 0, out[-2000:]
     steps = {s["name"]: s["result"] for s in json.loads(out)["targets"]["ct200"]["steps"]}
     big, wide = steps["big"], steps["wide"]

@@ -17,17 +17,6 @@ MAIN = "from orchestrator.cli import main; main()"
 
 
 @pytest.fixture
-def inv_path(sshd, fakepct, make_inventory):
-    fakepct.create(200)
-    fakepct.create(201)
-    return make_inventory({
-        "ct200": {"host": "node", "vmid": 200, "python": sys.executable, "workdir": "/srv/ct/dflash"},
-        "ct201": {"host": "node", "vmid": 201, "python": sys.executable, "workdir": "/srv/ct/dflash"},
-        "node": {"host": "node", "python": sys.executable, "workdir": "/tmp/dflash-node"},
-    })
-
-
-@pytest.fixture
 def where(fakepct, tmp_path):
     """target -> (the pid file as the command sees it, as this machine sees it)."""
     def at(target: str):
@@ -110,9 +99,9 @@ def running_group(pidfile) -> dict[int, str]:
 
 @pytest.mark.parametrize("target, sig", [("ct200", signal.SIGINT), ("ct200", signal.SIGTERM),
                                          ("node", signal.SIGINT), ("local", signal.SIGTERM)])
-def test_sigint_and_sigterm_end_the_command_and_say_so(inv_path, where, target, sig):
+def test_sigint_and_sigterm_end_the_command_and_say_so(exec_targets, where, target, sig):
     remote, local = where(target)
-    proc = start(inv_path, target, "--", *command(remote))
+    proc = start(exec_targets, target, "--", *command(remote))
     members: dict[int, str] = {}
     try:
         assert wait_for(proc, b"started\n") == b"started\n"
@@ -131,9 +120,9 @@ def test_sigint_and_sigterm_end_the_command_and_say_so(inv_path, where, target, 
 
 
 @pytest.mark.parametrize("target", ["ct200", "node", "local"])
-def test_sigkill_of_the_controller_ends_the_command_when_its_connection_closes(inv_path, where, target):
+def test_sigkill_of_the_controller_ends_the_command_when_its_connection_closes(exec_targets, where, target):
     remote, local = where(target)
-    proc = start(inv_path, target, "--", *command(remote))
+    proc = start(exec_targets, target, "--", *command(remote))
     members: dict[int, str] = {}
     try:
         wait_for(proc, b"started\n")
@@ -146,8 +135,8 @@ def test_sigkill_of_the_controller_ends_the_command_when_its_connection_closes(i
         kill_all(members)
 
 
-def test_every_target_of_several_is_ended(inv_path, fakepct):
-    proc = start(inv_path, "ct200", "ct201", "--", *command("/srv/ct/pid"))
+def test_every_target_of_several_is_ended(exec_targets, fakepct):
+    proc = start(exec_targets, "ct200", "ct201", "--", *command("/srv/ct/pid"))
     members: dict[int, str] = {}
     try:
         out = wait_for(proc, b"started\n", times=2)
@@ -164,9 +153,9 @@ def test_every_target_of_several_is_ended(inv_path, fakepct):
         kill_all(members)
 
 
-def test_a_command_that_ignores_the_signal_is_killed_after_the_grace(inv_path, where):
+def test_a_command_that_ignores_the_signal_is_killed_after_the_grace(exec_targets, where):
     remote, local = where("ct200")
-    proc = start(inv_path, "ct200", "--", *command(remote, prelude="trap '' INT; "))   # its sleep ignores it too
+    proc = start(exec_targets, "ct200", "--", *command(remote, prelude="trap '' INT; "))   # its sleep ignores it too
     members: dict[int, str] = {}
     try:
         wait_for(proc, b"started\n")
@@ -183,9 +172,9 @@ def test_a_command_that_ignores_the_signal_is_killed_after_the_grace(inv_path, w
         kill_all(members)
 
 
-def test_what_a_command_leaves_in_the_background_outlives_an_exec_that_ended_by_itself(inv_path, where):
+def test_what_a_command_leaves_in_the_background_outlives_an_exec_that_ended_by_itself(exec_targets, where):
     remote, local = where("ct200")
-    r = subprocess.run([sys.executable, "-c", MAIN, "-i", str(inv_path), "exec", "ct200", "--", "sh", "-c",
+    r = subprocess.run([sys.executable, "-c", MAIN, "-i", str(exec_targets), "exec", "ct200", "--", "sh", "-c",
                         f"sleep 60 >/dev/null 2>&1 & echo $! >{remote}; exit 3"], capture_output=True, timeout=60)
     assert (r.returncode, r.stderr) == (3, b"")
     pid = int(local.read_text())
