@@ -1,13 +1,23 @@
-"""The remote-call layer's pure parts: fan_out's per-target results, session ownership, typed
-replies (the wire itself is tested against the real sshd by every command's tests)."""
+"""The remote-call layer's pure parts: the agents' parts joined into one program and how it travels,
+fan_out's per-target results, session ownership, typed replies (the wire itself is tested against the
+real sshd by every command's tests)."""
+import ast
+import builtins
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 from agent_parts import top_level_names
+from runs_agent_stub import SOURCE
 
 from orchestrator.ssh import agent
 from orchestrator.errors import OpsError, TargetsFailed
 from orchestrator.inventory import Target
+
+
+REMOTE = Path(__file__).resolve().parent.parent / "orchestrator" / "remote"
 
 
 def targets(*names):
@@ -85,14 +95,10 @@ def test_the_line_scan_of_relative_imports_is_asts_reading_of_every_part():
     """source() finds the parts' relative imports line by line (no ast.parse in every command's start):
     for every file of orchestrator/remote/ it must find exactly the top-level relative imports that
     ast finds, at the same lines."""
-    import ast
-    from pathlib import Path
-
-    remote = Path(agent.__file__).resolve().parents[1] / "remote"
-    files = sorted(p for p in remote.rglob("*.py") if p.name != "__init__.py")
+    files = sorted(p for p in REMOTE.rglob("*.py") if p.name != "__init__.py")
     assert len(files) >= 10
     for path in files:
-        part = path.relative_to(remote).with_suffix("").as_posix().replace("/", ".")
+        part = path.relative_to(REMOTE).with_suffix("").as_posix().replace("/", ".")
         text = path.read_text(encoding="utf-8")
         want = [(n.level, n.module, n.lineno) for n in ast.parse(text).body
                 if isinstance(n, ast.ImportFrom) and n.level]
@@ -105,9 +111,6 @@ def test_the_program_sent_is_the_parts_code_less_docstrings_and_within_one_argum
     """source() leaves out docstrings and comment lines, line by line (agent.lean): for every part,
     ast reads the same code as in the file, less the docstrings (an emptied block holds `pass`); and
     each program, quoted on its command line, fits one argument (128 KiB, MAX_ARG_STRLEN) with room."""
-    import ast
-    from pathlib import Path
-
     from orchestrator.ssh.transport import shell_join
 
     def undocumented(tree):
@@ -119,8 +122,7 @@ def test_the_program_sent_is_the_parts_code_less_docstrings_and_within_one_argum
                 node.body = body[1:] or [ast.Pass()]
         return ast.dump(tree)
 
-    remote = Path(agent.__file__).resolve().parents[1] / "remote"
-    for path in sorted(remote.rglob("*.py")):
+    for path in sorted(REMOTE.rglob("*.py")):
         text = path.read_text(encoding="utf-8")
         lean = "".join(agent.lean(text.splitlines(keepends=True)))
         assert undocumented(ast.parse(lean)) == undocumented(ast.parse(text)), path
@@ -140,8 +142,6 @@ def test_a_relative_import_over_several_lines_is_refused_by_name():
 
 def _bound_in(fn) -> set[str]:
     """The names a function (or lambda) binds: its parameters and every name it stores."""
-    import ast
-
     a = fn.args
     names = {p.arg for p in a.posonlyargs + a.args + a.kwonlyargs + [v for v in (a.vararg, a.kwarg) if v]}
     return names | {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
@@ -153,8 +153,6 @@ def test_no_part_of_a_joined_agent_shadows_another_parts_global(program):
     parts define one name): a function whose local has the
     name of another part's top-level name would hide it from itself only, and a later `from .x import
     name` of that name would silently change what the function reads. None may."""
-    import ast
-
     owner: dict[str, str] = {}      # the first part to bind a name (parts come dependencies first)
     trees = {part: ast.parse(agent._module_text(part)) for part in agent.parts(program)}
     for part, tree in trees.items():
@@ -209,3 +207,89 @@ def test_a_call_the_target_has_not_answered_says_so_every_note_period(monkeypatc
     answered.set()
     agent.call(Slow(), Target(name="t"), agent.RUNS, ["probe", "/w"], what="probe", stderr=lambda b: None)
     assert heard == []
+
+
+# ---- the parts, joined ------------------------------------------------------------------------
+
+def _bound_anywhere(tree):
+    """Every name the part binds somewhere (locals, arguments, loop and except targets)."""
+    names = top_level_names(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            names.add(node.id)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+@pytest.mark.parametrize("program", [agent.RUNS, agent.RELEASE])
+def test_every_part_says_where_each_name_comes_from(program):
+    """A part is a module of a normal package: stdlib imports, `from .PART import NAME` for what
+    another part defines (NAME must be defined there), nothing used that it neither defines nor
+    imports; no two parts of a program define the same name (they share one namespace)."""
+    defined_by: dict = {}
+    for name in agent.parts(program):
+        text = (REMOTE / agent.part_file(name)).read_text()
+        tree = ast.parse(text, feature_version=(3, 8))
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                part = agent.imported_part(name, node)
+                for a in node.names:
+                    assert a.asname is None, f"{name}: `as` would not survive the join"
+                    assert defined_by.get(a.name) == part, f"{name}: {a.name} is not defined by {part}"
+                    imported.add(a.name)
+            elif isinstance(node, ast.ImportFrom):
+                assert node.module != "__future__", f"{name}: `from __future__` is only legal first"
+                assert node.module.split(".")[0] in sys.stdlib_module_names, f"{name}: imports {node.module}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    assert a.name.split(".")[0] in sys.stdlib_module_names, f"{name}: imports {a.name}"
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        missing = used - set(dir(builtins)) - {"__name__", "__file__"} - _bound_anywhere(tree)
+        assert not missing, f"{name} uses {sorted(missing)} without importing them"
+        stdlib = {(a.asname or a.name).split(".")[0] for node in tree.body
+                  if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0)
+                  for a in node.names}
+        for top in top_level_names(tree) - imported - stdlib:
+            assert top not in defined_by, f"{top} is defined by both {defined_by[top]} and {name}"
+            defined_by[top] = name
+    assert list(agent.parts(program))[-1] == program
+
+
+def test_the_joined_source_compiles_for_python_38_and_defines_every_command():
+    joined = agent.source(agent.RUNS)
+    ast.parse(joined, feature_version=(3, 8))
+    space = {"__name__": "not_main"}
+    exec(compile(joined, "runs.agent", "exec"), space)   # module-level order: no NameError
+    for cmd in ("cmd_launch", "cmd_status", "cmd_follow", "cmd_stop", "cmd_metrics", "cmd_export",
+                "cmd_probe", "main", "_supervise", "claim", "release_slots"):
+        assert callable(space[cmd]), cmd
+    assert joined.count("\n# ---- ") + joined.startswith("# ---- ") == len(agent.parts(agent.RUNS))
+    assert "\nfrom ." not in joined      # the package-relative imports are gone
+
+
+def test_a_source_past_one_arguments_limit_travels_compressed_and_runs_the_same(monkeypatch):
+    """Linux refuses one argument over 128 KiB (`Argument list too long`): the runs agent passed it as
+    plain text. Past PLAIN_MAX it goes as a launcher that unpacks the same source; small ones stay plain."""
+    joined = agent.source(agent.RUNS)
+    if len(joined.encode()) <= agent.PLAIN_MAX:
+        assert SOURCE == joined
+    else:
+        assert len(SOURCE.encode()) < 128 * 1024 and SOURCE.startswith("import base64,zlib;exec(")
+    assert agent.command(agent.RELEASE) == agent.source(agent.RELEASE)   # small: plain
+    big = "x = 1\n" + "# " + "y" * (agent.PLAIN_MAX + 10) + "\nprint(__name__, x)\n"
+    agent.command.cache_clear()
+    monkeypatch.setattr(agent, "source", lambda program: big)
+    packed = agent.command("big")
+    monkeypatch.undo()
+    agent.command.cache_clear()
+    assert len(packed) < 10_000
+    r = subprocess.run([sys.executable, "-c", packed], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == "__main__ 1\n", r.stderr

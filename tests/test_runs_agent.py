@@ -1,8 +1,6 @@
 """The runs agent on this machine, with a stub trainer: slots and locks, run records, exit
-statuses, the follow protocol; and the joining of its parts into one program. Fast and
+statuses, the follow protocol (the joining of its parts into one program: test_agent.py). Fast and
 deterministic; the real trainer over sshd + pct is in test_runs_lifecycle.py."""
-import ast
-import builtins
 import hashlib
 import json
 import os
@@ -10,105 +8,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from agent_parts import top_level_names
 from runs_agent_stub import SOURCE, _gone, _json, agent, ended, launch, state
 from trainer_quick import wait_for
-
-from orchestrator.ssh import agent as agent_mod
-
-REMOTE = Path(__file__).resolve().parent.parent / "orchestrator" / "remote"
-
-
-# ---- the parts, joined ------------------------------------------------------------------------
-
-def _bound_anywhere(tree):
-    """Every name the part binds somewhere (locals, arguments, loop and except targets)."""
-    names = top_level_names(tree)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
-            names.add(node.id)
-        elif isinstance(node, ast.arg):
-            names.add(node.arg)
-        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.ExceptHandler) and node.name:
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-    return names
-
-
-@pytest.mark.parametrize("program", [agent_mod.RUNS, agent_mod.RELEASE])
-def test_every_part_says_where_each_name_comes_from(program):
-    """A part is a module of a normal package: stdlib imports, `from .PART import NAME` for what
-    another part defines (NAME must be defined there), nothing used that it neither defines nor
-    imports; no two parts of a program define the same name (they share one namespace)."""
-    defined_by: dict = {}
-    for name in agent_mod.parts(program):
-        text = (REMOTE / agent_mod.part_file(name)).read_text()
-        tree = ast.parse(text, feature_version=(3, 8))
-        imported = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level:
-                part = agent_mod.imported_part(name, node)
-                for a in node.names:
-                    assert a.asname is None, f"{name}: `as` would not survive the join"
-                    assert defined_by.get(a.name) == part, f"{name}: {a.name} is not defined by {part}"
-                    imported.add(a.name)
-            elif isinstance(node, ast.ImportFrom):
-                assert node.module != "__future__", f"{name}: `from __future__` is only legal first"
-                assert node.module.split(".")[0] in sys.stdlib_module_names, f"{name}: imports {node.module}"
-            elif isinstance(node, ast.Import):
-                for a in node.names:
-                    assert a.name.split(".")[0] in sys.stdlib_module_names, f"{name}: imports {a.name}"
-        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-        missing = used - set(dir(builtins)) - {"__name__", "__file__"} - _bound_anywhere(tree)
-        assert not missing, f"{name} uses {sorted(missing)} without importing them"
-        stdlib = {(a.asname or a.name).split(".")[0] for node in tree.body
-                  if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0)
-                  for a in node.names}
-        for top in top_level_names(tree) - imported - stdlib:
-            assert top not in defined_by, f"{top} is defined by both {defined_by[top]} and {name}"
-            defined_by[top] = name
-    assert list(agent_mod.parts(program))[-1] == program
-
-
-def test_the_joined_source_compiles_for_python_38_and_defines_every_command():
-    joined = agent_mod.source(agent_mod.RUNS)
-    ast.parse(joined, feature_version=(3, 8))
-    space = {"__name__": "not_main"}
-    exec(compile(joined, "runs.agent", "exec"), space)   # module-level order: no NameError
-    for cmd in ("cmd_launch", "cmd_status", "cmd_follow", "cmd_stop", "cmd_metrics", "cmd_export",
-                "cmd_probe", "main", "_supervise", "claim", "release_slots"):
-        assert callable(space[cmd]), cmd
-    assert joined.count("\n# ---- ") + joined.startswith("# ---- ") == len(agent_mod.parts(agent_mod.RUNS))
-    assert "\nfrom ." not in joined      # the package-relative imports are gone
-
-
-def test_a_source_past_one_arguments_limit_travels_compressed_and_runs_the_same():
-    """Linux refuses one argument over 128 KiB (`Argument list too long`): the runs agent passed it as
-    plain text. Past PLAIN_MAX it goes as a launcher that unpacks the same source; small ones stay plain."""
-    joined = agent_mod.source(agent_mod.RUNS)
-    if len(joined.encode()) <= agent_mod.PLAIN_MAX:
-        assert SOURCE == joined
-    else:
-        assert len(SOURCE.encode()) < 128 * 1024 and SOURCE.startswith("import base64,zlib;exec(")
-    assert agent_mod.command(agent_mod.RELEASE) == agent_mod.source(agent_mod.RELEASE)   # small: plain
-    big = "x = 1\n" + "# " + "y" * (agent_mod.PLAIN_MAX + 10) + "\nprint(__name__, x)\n"
-    agent_mod.command.cache_clear()
-    real = agent_mod.source
-    try:
-        agent_mod.source = lambda program: big
-        packed = agent_mod.command("big")
-    finally:
-        agent_mod.source = real
-        agent_mod.command.cache_clear()
-    assert len(packed) < 10_000
-    r = subprocess.run([sys.executable, "-c", packed], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and r.stdout == "__main__ 1\n", r.stderr
 
 
 def test_the_joined_program_answers_usage_and_unknown_commands(tmp_path):
