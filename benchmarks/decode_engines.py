@@ -64,8 +64,10 @@ def table(rows: dict[str, dict]) -> str:
         m = f["ms_per_round"]
         parts = (f"{m['verify']:.2f} + {m['draft']:.2f} + {m['extend']:.2f} + {m['host']:.2f} = {m['all']:.2f}"
                  if m else "")
-        model = (f"{f['model']['speedup']:.2f}x, {f['model']['tau_for_2x']:.2f}" if f["model"] and
-                 f["model"].get("speedup") else "")
+        # the speedup the model gives: predicted from the steps alone, or (documents before 2026-12-05)
+        # recomputed from the decode's own totals
+        said = ((f["model"] or {}).get("predicted") or {}).get("speedup") or (f["model"] or {}).get("speedup")
+        model = f"{said:.2f}x, {f['model']['tau_for_2x']:.2f}" if said else ""
         out.append(f"| {label} | {f['engine']}{' (graphs captured)' if f['graphed'] else ''}, {f['dtype']} "
                    f"| {f['prompts']} | {f['target_ms_per_token']:.3f} "
                    f"| {f['alone_tokens_per_s']:.1f} -> {f['spec_tokens_per_s']:.1f} "

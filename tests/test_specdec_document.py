@@ -45,8 +45,7 @@ def document(rows=ROWS, costs=COSTS):
     for r in rows:
         spec.add(Timing(total=r["spec_s"], prefill=r["spec_prefill_s"], verify=r["spec_prefill_s"]))
         alone.add(Timing(total=r["alone_s"], prefill=r["alone_prefill_s"], verify=r["alone_s"]))
-    bucket = {20: 32, 40: 64}
-    c = {"parts": costs, "prefill": {32: (0.01, 0.012), 64: (0.02, 0.025)}, "bucket": bucket.__getitem__}
+    c = {"parts": costs, "prefill": {20: (0.01, 0.012), 40: (0.02, 0.025)}}     # by prompt length
     doc = specdec.document(rows, drafts, alone, spec, 16, engine="graphs", graphed=True, compiled=True,
                            strict=False, resamples=300, seed=0, costs=c)
     return {"dtype": "bfloat16", "prompts": doc["prompts"], **doc}

@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 def _gate(a, extra: list[str], root: Path) -> int:
     import torch
 
+    from trainer.errors import UsageError
     from trainer.files import atomic_file
     from trainer.run.target import load_target
 
@@ -233,9 +234,9 @@ def _gate(a, extra: list[str], root: Path) -> int:
         doc.update(failed=e.stage, error=str(e))
         say(f"FAILED at {e}")
         code = 1
+    except UsageError:          # bad input (the row's data, the target): one line, exit 2
+        raise
     except Exception as e:      # noqa: BLE001 - a stage that crashed is that stage failing, said in one line
-        if type(e).__name__ == "UsageError":
-            raise
         doc.update(failed=stage, error=f"{type(e).__name__}: {e}")
         say(f"FAILED at {stage}: {type(e).__name__}: {e}")
         code = 1

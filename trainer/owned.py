@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Callable
 from pathlib import Path
 
 # An exported draft folder (trainer/run/export.py writes it): the weights, their config, and this
@@ -30,9 +29,6 @@ SMALL_LM_FILES = frozenset({SMALL_LM_REPORT, "config.json", "model.safetensors",
                             "added_tokens.json", "vocab.json", "merges.txt"})
 # the record is a few hundred bytes; more is not ours
 RECORD_MAX = 1 << 20
-
-Check = Callable[[Path], "str | None"]
-
 
 def _listing(path: Path) -> tuple[str | None, list[str]]:
     """(why `path` is not a plain folder of plain files, its names)."""
@@ -122,4 +118,4 @@ def ours(_path: Path) -> str | None:
 
 
 __all__ = ["EXPORT_PROVENANCE", "EXPORT_FILES", "SMALL_LM_REPORT", "SMALL_LM_FILES", "not_an_export",
-           "not_a_small_lm", "ours", "Check", "OUTPUT_MARKERS", "output_kind"]
+           "not_a_small_lm", "ours", "OUTPUT_MARKERS", "output_kind"]

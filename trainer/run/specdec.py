@@ -231,11 +231,11 @@ def measure(target, drafter: Drafter, prompts: list[list[int]], *, max_new_token
         reps = cost_reps or (20 if dec.dev.type == "cuda" else 3)
         log(f"specdec: timing each step alone ({reps} replays each) for the model of the decode")
         lengths = sorted(len(p) for p in prompts)
+        # the prompt's forward, timed once per bucket (at the longest prompt in it), by prompt length
+        by_bucket = {b: dec.prefill_costs(n, reps=reps)
+                     for b, n in {prefill_bucket(n, dec.room): n for n in lengths}.items()}
         costs = {"parts": dec.step_costs(lengths[len(lengths) // 2], reps=reps),
-                 # the prompt's forward, timed once per bucket at the longest prompt in it
-                 "prefill": {b: dec.prefill_costs(n, reps=reps)
-                             for b, n in {prefill_bucket(n, dec.room): n for n in lengths}.items()},
-                 "bucket": lambda n: prefill_bucket(n, dec.room)}
+                 "prefill": {n: by_bucket[prefill_bucket(n, dec.room)] for n in lengths}}
     return document(rows, drafts, alone if baseline else None, spec, drafter.cfg.block_size, engine=engine,
                     graphed=dec.graphed, compiled=bool(getattr(dec, "compiled", False)), strict=strict,
                     resamples=resamples, seed=seed, costs=costs)
@@ -312,7 +312,7 @@ def _model(rows: list[dict], head: dict, costs: dict | None) -> dict | None:
     keep = [r for r in rows if not one_token(r)] or rows
     alone_s = spec_s = 0.0
     for r in keep:
-        pa, ps = costs["prefill"][costs["bucket"](r["prompt_tokens"])]
+        pa, ps = costs["prefill"][r["prompt_tokens"]]
         a, b = predict_prompt(replace(parts, prefill_alone=pa, prefill_spec=ps), r["alone_tokens"], len(r["rounds"]))
         alone_s, spec_s = alone_s + a, spec_s + b
     n_alone, n_spec = sum(r["alone_tokens"] for r in keep), sum(len(r["tokens"]) for r in keep)
@@ -321,7 +321,7 @@ def _model(rows: list[dict], head: dict, costs: dict | None) -> dict | None:
     return {"source": "each step replayed alone", "prompts": len(keep), "costs_ms": parts.as_ms(),
             "predicted": {"speedup": (n_spec / spec_s) / (n_alone / alone_s), "alone_s": alone_s, "spec_s": spec_s},
             "measured": {"speedup": (n_spec / measured["spec_s"]) / (n_alone / measured["alone_s"]), **measured},
-            "speedup": (n_spec / spec_s) / (n_alone / alone_s), "new_tokens": new_tokens,
+            "new_tokens": new_tokens,
             "tau_for_2x": tau_for(parts, 2.0, new_tokens), "tau_for_3x": tau_for(parts, 3.0, new_tokens),
             "tau_for_2x_long_outputs": tau_for(parts, 2.0), "tau_for_3x_long_outputs": tau_for(parts, 3.0)}
 
@@ -350,8 +350,8 @@ def result_line(doc: dict) -> str:
         f"{', ' if sci else ''}median per prompt {doc['speedup_median']:.2f}x, {n} prompts)"
     slower = " (SLOWER than the target alone)" if doc["speedup"] < 1 else ""
     model = doc.get("model") or {}
-    if model.get("source") and model.get("speedup"):   # documents before the model predicted have none
-        slower += f"; predicted {model['speedup']:.2f}x from the steps timed alone"
+    if model.get("predicted"):      # documents before the model predicted have none
+        slower += f"; predicted {model['predicted']['speedup']:.2f}x from the steps timed alone"
     need = model.get("tau_for_2x")
     if doc["speedup"] < 2:     # what the drafter must reach at these costs, the prompt's forward included
         slower += f"; 2x needs tau {need:.2f}" if need else "; 2x is out of reach at these costs" if model else ""
