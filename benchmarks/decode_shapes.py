@@ -4,6 +4,7 @@
         [--heads N] [--kv-heads N] [--head-dim N] [--intermediate N] [--vocab N] [--draft-layers N]
         [--block-size N] [--dtype bfloat16] [--compile | --no-compile] [--prompt-len 128]
         [--new-tokens 256] [--taus 2.90,6.5,7.9,4.25] [--reps 100] [--json FILE] [--cpu-ok]
+        [--wait-for FILE]
 
 What carries over from the project's small target (100M parameters) to a user's model is tau, the
 tokens a round yields, not the speedup: on a GPU the small target's step is launch-bound (its verify
@@ -91,6 +92,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=100, metavar="N", help="timed calls of each part, in 5 batches")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the document here (atomically)")
+    p.add_argument("--wait-for", metavar="FILE",
+                   help="compile and capture, then wait until FILE exists before timing: the minutes of "
+                        "compiling may overlap other work on the GPU, the timing must not")
     p.add_argument("--cpu-ok", action="store_true",
                    help=f"build on a CPU even when the weights exceed {CPU_LIMIT_GB:g} GB (Qwen3-8B's: ~18 GB in bf16)")
     return p
@@ -234,6 +238,21 @@ def render(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def wait_for(path: Path, every: float = 60.0) -> None:
+    """Sleep until path exists, saying so once a minute."""
+    import time
+
+    start = said = time.monotonic()
+    if not path.exists():
+        note(f"built; waiting for {path} before timing")
+    while not path.exists():
+        time.sleep(1.0)
+        if time.monotonic() - said >= every:
+            said = time.monotonic()
+            note(f"waiting for {path} before timing ({said - start:.0f} s)")
+    note(f"{path} is there: timing")
+
+
 def measure(a: argparse.Namespace, shape: Shape, draft: dict, taus: list[float]) -> dict:
     gb = sum(shape.params(draft["layers"], len(draft["layer_ids"]))) * DTYPE_BYTES[a.dtype] / 1e9
     import torch
@@ -271,6 +290,8 @@ def measure(a: argparse.Namespace, shape: Shape, draft: dict, taus: list[float])
          "capturing each step as a CUDA graph" if cuda else "no GPU: nothing captured, the steps run eagerly")
     with torch.no_grad():
         dec = GraphDecoder(target, drafter, max_len, compile=compiled)
+        if a.wait_for:
+            wait_for(Path(a.wait_for))
         note("measuring in turn the one-token step, draft, verify, extend, the round and the prompt's forward "
              "(GraphDecoder.step_costs: a warm-up, then 5 batches each)")
         c = dec.step_costs(a.prompt_len, reps=a.reps)

@@ -134,3 +134,26 @@ def test_the_costs_are_the_decoders_own_step_costs_and_the_table_follows_from_th
     assert row["long"] == pytest.approx(speedup_at(c, 2.9)) and row["at_new_tokens"] == pytest.approx(
         speedup_at(c, 2.9, 256))
     assert doc["table"]["tau_for"][0]["long"] == pytest.approx(tau_for(c, doc["table"]["tau_for"][0]["speedup"]))
+
+
+def test_wait_for_holds_the_timing_until_the_file_exists(tmp_path):
+    """--wait-for: the process has built and captured, says it waits, and times only once the file is
+    there (event order, not a clock: the file is made only after the wait was announced)."""
+    pytest.importorskip("torch")
+    gate, out = tmp_path / "gate", tmp_path / "toy.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, str(SCRIPT), *TOY, "--json", str(out), "--wait-for", str(gate)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        seen = []
+        for line in p.stderr:
+            seen.append(line)
+            if "waiting for" in line:
+                break
+        assert not out.exists() and p.poll() is None, seen
+        gate.touch()
+        _, rest = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 0, rest
+    assert f"{gate} is there: timing" in rest and out.exists()
