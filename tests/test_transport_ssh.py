@@ -299,6 +299,7 @@ def test_tell_all_tells_every_hold_once_within_one_deadline_through_a_second_ctr
     """exec's and play's interrupt: every command told, in order, even when a Ctrl-C pressed again lands
     inside a telling (that hold is told again: end() is idempotent); a hold whose command is still being
     started (its lock held) answers RUNNING at the shared deadline rather than blocking the others."""
+    import threading
     import time
 
     from orchestrator.ssh.hold import tell_all
@@ -316,12 +317,17 @@ def test_tell_all_tells_every_hold_once_within_one_deadline_through_a_second_ctr
     running, waiting, cut, starting = Hold(), Hold(), Interrupted(), Hold()
     assert running.begin(lambda: None, sent.append) and cut.begin(lambda: None, sent.append)
     starting.lock.acquire()     # begin() under way on a silent connection
+    got: list = []
     try:
-        t0 = time.monotonic()
-        states = tell_all([running, waiting, cut, starting], "INT", t0 + 0.3)
-        assert time.monotonic() - t0 < 2
+        # `starting`'s lock stays held until the finally: a tell_all that waited on it would never return
+        teller = threading.Thread(target=lambda: got.append(
+            tell_all([running, waiting, cut, starting], "INT", time.monotonic() + 0.3)), daemon=True)
+        teller.start()
+        teller.join(30)
+        assert not teller.is_alive(), "tell_all waited on a hold whose start is under way"
     finally:
         starting.lock.release()
+    states = got[0]
     assert states == [Hold.RUNNING, Hold.WAITING, Hold.RUNNING, Hold.RUNNING]
     assert sent == [b"INT\n", b"INT\n"] and not cut.cut
     assert not waiting.begin(lambda: sent.append(b"started"), sent.append)   # told before it began: never starts
