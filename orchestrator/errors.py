@@ -18,6 +18,7 @@ EXIT_RUN_FAILED = 100
 EXIT_RUN_RUNNING = 101
 EXIT_NOT_FOUND = 102
 EXIT_RUN_STOPPED = 103
+EXIT_RUN_LOST = 104     # the run ended with its container (stopped or restarted under it): `lost`
 
 
 class OpsError(Exception):
