@@ -68,10 +68,11 @@ _THIS_BOOT = []  # type: list[str]  # this agent's boot(), read once
 
 
 def boot():
-    """Which start of this machine or container the processes seen now belong to: the kernel's boot id
-    (/proc/sys/kernel/random/boot_id: new at each boot of the node, the same in all its containers) and
-    the start time of PID 1 (a container's own init, which a stop and start of the container replaces;
-    a host's init lives as long as its boot), as "BOOT_ID/TICKS". PIDs count again from 1 after a
+    """Which start of this machine or container the processes seen now belong to, "BOOT_ID/TICKS": the
+    boot id (/proc/sys/kernel/random/boot_id: new at each boot of the node; LXC mounts a random one of
+    its own over it at each start of a container, lxc src/lxc/conf.c lxc_setup_boot_id) and the start
+    time of PID 1 (a container's own init, which a stop and start of the container replaces, whether or
+    not LXC gave it a boot id; a host's init lives as long as its boot). PIDs count again from 1 after a
     container's restart and start times again from 0 after a reboot, so a pid and its start time name
     a process only within one boot: a record made under another is of processes that are gone."""
     if not _THIS_BOOT:
