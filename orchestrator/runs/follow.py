@@ -271,9 +271,13 @@ def _follow(session: Session, own: bool, target: Target, run: str, follow: bool,
     total = 0
     down_since: float | None = None
 
+    last_step = [b""]       # the last step's JSON line seen: a run that ended with its container says where it was
+
     def make_line(data: bytes) -> Line:
         nonlocal number
         number += 1
+        if data.startswith(b'{"step": '):
+            last_step[0] = data
         hits = [sig for _, sig in matcher.feed(data.decode("utf-8", errors="replace"))]
         for sig in hits:
             counts[sig.id] = counts.get(sig.id, 0) + 1
@@ -308,6 +312,12 @@ def _follow(session: Session, own: bool, target: Target, run: str, follow: bool,
                 if pending:
                     yield make_line(pending)
                     pending = b""
+                if (item.get("exit") or {}).get("recorded_by") == "follow" and last_step[0]:
+                    try:
+                        seen = json.loads(last_step[0])
+                        item.update(step=seen.get("step"), loss=seen.get("loss"))
+                    except (ValueError, RecursionError):
+                        pass
                 yield End(_summary(target, item, counts, hits_seen, number, total,
                                    state["reconnects"], catalog, state["outages"]))
                 return

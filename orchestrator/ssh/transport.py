@@ -438,7 +438,8 @@ class PctTransport(Transport):
                     f"and is {state}")
         else:
             said = f"is {state}, not running"
-        return ContainerError(self.target, self.vmid, f"{said}; start it with `pct start {self.vmid}`", state=state)
+        return ContainerError(self.target, self.vmid, f"{said}; start it with `pct start {self.vmid}`", state=state,
+                              under=rc if rc in (137, 143) else None)
 
     def check(self, rc: int = 255) -> None:
         """`pct status` on its own: a stopped or unknown container raises ContainerError (`rc`: the exit of
