@@ -350,11 +350,12 @@ def _ended_with_container(target: Target, e: ContainerError, state: dict, header
     the run's end as the runs agent would give it, state `lost` (README, exit 104). Once the container
     runs again `status` says the same (`lost`), or `stopped` when a clean shutdown's SIGTERM let the
     trainer checkpoint first."""
-    run = state["run"]
+    run, kind = state["run"], header.get("kind") or "train"
     reason = (f"ended with its container: CT {e.vmid} is {e.state} (`pct start {e.vmid}`, then "
               f"`dflash-ops status {target.name}` says how it ended and `dflash-ops launch {target.name} "
-              f"--resume {run}` continues it from its last checkpoint)")
-    return {"run": run, "state": LOST, "offset": max(state["offset"], 0), "kind": header.get("kind") or "train",
+              f"--resume {run}` continues it from " + ("the rows it wrote)" if kind == "regen" else
+                                                        "its last checkpoint)"))
+    return {"run": run, "state": LOST, "offset": max(state["offset"], 0), "kind": kind,
             "exit": {"state": LOST, "lost": True, "container": e.state, "container_restarted": False,
                      "exit_code": None, "signal": None, "reason": reason, "recorded_by": "follow"}}
 
