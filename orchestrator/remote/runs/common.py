@@ -89,8 +89,8 @@ def boot():
 def proc_alive(pid, start=None, booted=None):
     """Whether the process of this pid (and start time, when given) runs now; `booted`, the boot()
     the pid was recorded under (a run's or a lock's "boot"), when given, must be this one: after a
-    restart of the container a new process may have both the pid and, in ticks since the node's
-    boot, no way to be told from it but this."""
+    restart of the container the pid names another process, and after a reboot of the node even
+    its start time, counted from the boot, may be the recorded one."""
     if not pid or (booted is not None and booted != boot()):
         return False
     if os.path.isdir("/proc/self"):
