@@ -4,9 +4,10 @@ the real sshd on 127.0.0.1: what the pct stand-in cannot show (PID, mount, cgrou
 stop that takes every process of the container with it, PIDs counted again from 1 after a restart).
 
 One container for the tests of the tool (CT 230, module-scoped), deployed once; they run in file order,
-the last two stop and restart it (each leaves it running). CT 231 (targets --check's warnings) and the
-last test's CT 232 (tests/realpct/pct itself, function-scoped fixtures) are their own. Once the base
-rootfs is cached, about 1 minute on 2 cores (3 under load 5)."""
+the container-life tests (a hard stop under a run, a shutdown, a hard stop under a regen and a
+bench-decode, one under a deploy) stop and restart it, each leaving it running. CT 231 (targets
+--check's warnings) and the last test's CT 232 (tests/realpct/pct itself, function-scoped fixtures) are
+their own. Once the base rootfs is cached, about 1 minute on 2 cores (3 under load 5; docs/benchmarks.md)."""
 from __future__ import annotations
 
 import json
