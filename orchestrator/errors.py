@@ -18,6 +18,7 @@ EXIT_RUN_FAILED = 100
 EXIT_RUN_RUNNING = 101
 EXIT_NOT_FOUND = 102
 EXIT_RUN_STOPPED = 103
+EXIT_RUN_LOST = 104     # the run ended with its container (stopped or restarted under it): `lost`
 
 
 class OpsError(Exception):
@@ -88,9 +89,10 @@ class ConnectionLost(OpsError):
 class ContainerError(OpsError):
     """pct refused: the container is stopped, unknown, or pct itself is missing."""
 
-    def __init__(self, target: str, vmid: int, message: str, state: str | None = None):
+    def __init__(self, target: str, vmid: int, message: str, state: str | None = None, under: int | None = None):
         self.target, self.vmid, self.message = target, vmid, message
         self.state = state      # pct status's word (stopped, ...) when pct answered one
+        self.under = under      # the exit (137, 143) of a command the container went down under
         super().__init__(f"{target}: container {vmid}: {message}")
 
 

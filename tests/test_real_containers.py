@@ -4,15 +4,19 @@ the real sshd on 127.0.0.1: what the pct stand-in cannot show (PID, mount, cgrou
 stop that takes every process of the container with it, PIDs counted again from 1 after a restart).
 
 One container for the tests of the tool (CT 230, module-scoped), deployed once; they run in file order,
-the last two stop and restart it (each leaves it running). CT 231 (targets --check's warnings) and the
-last test's CT 232 (tests/realpct/pct itself, function-scoped fixtures) are their own. Once the base
-rootfs is cached, about 1 minute on 2 cores (3 under load 5)."""
+the container-life tests (a hard stop under a run, a shutdown, a hard stop under a regen and a
+bench-decode, one under a deploy) stop and restart it, each leaving it running. CT 231 (targets
+--check's warnings) and the last test's CT 232 (tests/realpct/pct itself, function-scoped fixtures) are
+their own. Once the base rootfs is cached, about 1 minute on 2 cores (3 under load 5; docs/benchmarks.md)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -236,10 +240,31 @@ def _follow(ct, run):
     return follow, out
 
 
+def _container_line(run: str, kind: str = "run") -> str:
+    """The start of the follow's last line when the container of the run it follows is found stopped."""
+    return (f"dflash-ops: {TARGET}: {kind} {run}: lost (ended with its container: CT {VMID} is stopped "
+            f"(`pct start {VMID}`, then `dflash-ops status {TARGET}` says how it ended and `dflash-ops launch "
+            f"{TARGET} --resume {run}` continues it from "
+            + ("the rows it wrote)); " if kind == "regen run" else "its last checkpoint)); "))
+
+
+def _boot(ct) -> str:
+    """The container's boot as the runs agent records it (remote/runs/common.py boot): BOOT_ID/PID 1's start."""
+    r = ct.in_ct("sh", "-c", "cat /proc/sys/kernel/random/boot_id; cut -d' ' -f22 /proc/1/stat")
+    boot_id, init = r.stdout.decode().split()
+    return f"{boot_id}/{init}"
+
+
 def test_a_hard_stopped_container_ends_the_follow_and_the_run_is_lost(ct):
-    run = ct.launch(*LONG)
-    wait_for(lambda: ct.steps_logged(run) >= 3, what="training steps")
+    """`pct stop` under a training run being followed: the follow ends with the run's end, `lost` (exit 104),
+    one line; after `pct start` status says `lost (ended with its container)`, the run's PIDs handed to other
+    processes are not the run's (its record is of another boot), its slot is free, and `launch --resume`
+    continues it from its last checkpoint."""
+    run = ct.launch(*LONG, "--checkpoint-every", "2")
+    wait_for(lambda: ct.steps_logged(run) >= 3 and list((ct.rundir(run) / "checkpoints").glob("step-*")),
+             what="training steps and a checkpoint")
     rec = wait_for(lambda: ct.record(run).get("supervisor_pid") and ct.record(run), what="pids")
+    assert rec["boot"] == _boot(ct), rec
     follow, out = _follow(ct, run)
     try:
         stopped = time.monotonic()
@@ -248,29 +273,28 @@ def test_a_hard_stopped_container_ends_the_follow_and_the_run_is_lost(ct):
         took = time.monotonic() - stopped
     finally:
         follow.kill()
-    # The stream's agent died with the container (SIGKILL: 137): one reconnect, which finds the container
-    # stopped and ends the follow with that line, exit 1 (README "Exit codes": a target could not be
-    # reached). No retry loop: it ends as soon as pct says the container is stopped.
-    *notes, last = err.decode().strip().splitlines()
-    assert follow.returncode == 1 and took < 30, (follow.returncode, took, err)
-    assert last == f"dflash-ops: {TARGET}: container {VMID}: is stopped, not running; start it with `pct start {VMID}`"
-    assert len(notes) <= 1 and all(n.startswith("dflash-ops: connection lost (") and "killed by signal 9" in n
-                                   for n in notes), notes
+    # The stream's agent died with the container (lxc-attach: 137); pct status says it is stopped: the run
+    # ended with it. One line, exit 104 (README "Exit codes"), no retry loop, no note before it.
+    lines = err.decode().strip().splitlines()
+    assert follow.returncode == 104 and took < 30, (follow.returncode, took, err)
+    assert len(lines) == 1 and lines[0].startswith(_container_line(run)), lines
+    assert "steps " in lines[0] and "steps -" not in lines[0], lines    # where it was, from the log it streamed
 
     ct.pct.start(VMID)
+    assert _boot(ct) != rec["boot"] and _boot(ct).split("/")[0] != rec["boot"].split("/")[0]
     st = ct.status(run)
-    assert st["state"] == "failed" and st["exit"]["lost"], st
-    assert "killed with SIGKILL, or the container stopped" in st["exit"]["reason"], st
+    assert (st["state"], st["exit"]["lost"], st["exit"]["container_restarted"]) == ("lost", True, True), st
+    assert st["exit"]["reason"].startswith("ended with its container"), st
     r = ct.cli("status", TARGET)
     [line] = [x for x in r.stdout.decode().splitlines() if x.startswith(run)]
-    assert "failed (lost)" in line, r.stdout.decode()
+    assert "lost (ended with its container)" in line, r.stdout.decode()
     # The run's PIDs given to new processes after the restart: still not the run's.
     taken = _occupy_pids(ct, [rec["pid"], rec["supervisor_pid"]])
     assert rec["pid"] in taken, (taken, rec)
     st = ct.status(run)
-    assert st["state"] == "failed" and st["exit"]["lost"], st
+    assert st["state"] == "lost", st
     r = ct.cli("logs", TARGET, run)
-    assert r.returncode == 100, r.stderr
+    assert r.returncode == 104 and f"run {run}: lost (ended with its container".encode() in r.stderr, r.stderr
 
     # The run's slot lock is free for a new launch (its holder is gone: cleared as stale, and said)
     r = ct.cli("launch", TARGET, "--gpus", "0", "--workers", "1", "--policy", "eager", "--config", ct.cfg, *LONG)
@@ -281,12 +305,22 @@ def test_a_hard_stopped_container_ends_the_follow_and_the_run_is_lost(ct):
     r = ct.cli("stop", TARGET, again, "--force")
     assert r.returncode == 0 and b"stopped" in r.stdout, r
 
+    # ... and the lost run continues from its last checkpoint
+    last = max(int(p.name.split("-")[1]) for p in (ct.rundir(run) / "checkpoints").glob("step-*"))
+    r = ct.cli("launch", TARGET, "--resume", run)
+    assert r.returncode == 0 and f"resumed run {run} (attempt 2".encode() in r.stderr, r.stderr
+    wait_for(lambda: f'{{"event": "resume", "step": {last}}}'.encode() in (ct.rundir(run) / "train.log").read_bytes(),
+             what="the resumed trainer")
+    assert ct.record(run)["attempts"][0]["state"] == "lost"
+    r = ct.cli("stop", TARGET, run, "--force")
+    assert r.returncode == 0, r
+
 
 def test_a_clean_shutdown_under_a_running_job_stops_it_with_a_checkpoint(ct):
     """`pct shutdown`: the container's init sends SIGTERM to every process (as systemd's final kill does),
     so the trainer checkpoints and exits 143: the run is `stopped`, resumable. The follow's own agent got
     the SIGTERM too: it reconnects, and ends with the run's end (103) if the container still answers,
-    else with the stopped container's line (1): which one is a race with the container's last second.
+    else as a run that ended with its container (104): which one is a race with the container's last second.
     A reconnect that reaches the container while it goes down (its agent killed, or lxc-attach unable to
     enter, before any header) tries once more, so the follow never ends on `follow the log exited 137`."""
     run = ct.launch(*LONG)
@@ -299,8 +333,7 @@ def test_a_clean_shutdown_under_a_running_job_stops_it_with_a_checkpoint(ct):
         follow.kill()
     last = err.decode().strip().splitlines()[-1]
     assert (follow.returncode == 103 and f"run {run}: stopped (exit 143)" in last) or (
-        follow.returncode == 1 and last == f"dflash-ops: {TARGET}: container {VMID}: is stopped, not running; "
-                                           f"start it with `pct start {VMID}`"), err
+        follow.returncode == 104 and last.startswith(_container_line(run))), err
     assert b"Traceback" not in err
     ct.pct.start(VMID)
     st = ct.status(run)
@@ -310,6 +343,140 @@ def test_a_clean_shutdown_under_a_running_job_stops_it_with_a_checkpoint(ct):
     assert r.returncode == 0 and f"resumed run {run} (attempt 2".encode() in r.stderr, r.stderr
     r = ct.cli("stop", TARGET, run, "--force")
     assert r.returncode == 0, r
+
+
+CHAT = [("def add(a, b):\n", "    return a + b\n"), ("import os\n", "import sys\n"), ("class P:\n", "    x = 1\n"),
+        ("for i in range(3):\n", "    print(i)\n"), ("while True:\n", "    break\n"), ("x = [1]\n", "y = x\n")]
+
+
+def test_a_regen_and_a_bench_decode_end_with_their_container(ct, smoke_target):
+    """One `pct stop` under a regen (held before its third batch, followed) and a bench-decode (decoding for
+    minutes on the slot gpu0 of `ct230g`, the same container as if it had a GPU): the follow ends as the
+    regen's end, `lost` (104); the bench-decode says it ended with its container (1). After `pct start`: the
+    regen is `lost` and `launch --resume` finishes it from the rows it had written; no bench-decode is listed
+    and its slot is free. The regen answers with the small real target at its smoke size (the session's
+    build, conftest.py), copied into the container: `tiny` has no chat template for regen."""
+    model = ct.pct.private(VMID) / "smoke-target"
+    if not model.exists():
+        shutil.copytree(smoke_target[1], model)
+    (ct.pct.private(VMID) / "chat.jsonl").write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n" for q, a in CHAT))
+    cfg = ct.tmp / "chat.yaml"
+    cfg.write_text(tiny_run_config(data="/srv/ct/chat.jsonl", block_size=4, eval_prompts=2, eval_new_tokens=8,
+                                   steps=4))
+    trained = ct.launch("--config", cfg)
+    r = ct.cli("logs", TARGET, trained, "--follow")
+    assert r.returncode == 0, r.stderr.decode()
+    path = lxc_inventory_writer(ct.tmp, ct.sshd, ct.pct.path)(
+        {TARGET: {"host": "node", "vmid": VMID, "workdir": WORKDIR},
+         "ct230g": {"host": "node", "vmid": VMID, "workdir": WORKDIR, "gpus": 1}})
+
+    def cli(*args, **kw):
+        return subprocess.Popen([sys.executable, "-c", CLI_MAIN, "-i", str(path), *map(str, args)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+    prompts = ct.tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q, _ in CHAT))
+    r = ct.cli("regen", TARGET, "--prompts", prompts, "--model", "/srv/ct/smoke-target", "--gpus", "0",
+               "--max-new-tokens", "6", "--batch-size", "2",
+               "--env", "DFLASH_TRAINER_FAULTS=regen_batch=2:hang")    # hangs before its third batch
+    assert r.returncode == 0, r.stderr.decode()
+    regen = r.stdout.decode().strip()
+    rows = ct.rundir(regen) / "regen.jsonl"
+    wait_for(lambda: rows.exists() and rows.read_bytes().count(b"\n") == 4, what="two batches written")
+    follow = cli("logs", TARGET, regen, "--follow")
+    bench = cli("bench-decode", "ct230g", trained, "--max-new-tokens", "100000", "--limit", "1")
+    try:
+        # its worker, `python -c RUN_MODULE RELEASE trainer.specdec --target ...` (the agent's own source names
+        # trainer.specdec too, never followed by a space and --target)
+        def decoding():
+            if bench.poll() is not None:
+                pytest.fail(f"bench-decode ended early: {bench.returncode}: {bench.stderr.read().decode()}")
+            return ct.in_ct("pgrep", "-f", " trainer[.]specdec --target ").returncode == 0
+        wait_for(decoding, 180, "the bench's specdec")
+        lock = json.loads((ct.pct.private(VMID) / "dflash" / "locks" / "gpu0.json").read_text())
+        assert lock["run"].startswith("bench-") and lock["boot"] == _boot(ct), lock
+        ct.pct.stop(VMID)
+        _, err = follow.communicate(timeout=120)
+        _, bench_err = bench.communicate(timeout=120)
+    finally:
+        follow.kill()
+        bench.kill()
+    lines = err.decode().strip().splitlines()
+    assert follow.returncode == 104 and len(lines) == 1 and lines[0].startswith(
+        _container_line(regen, "regen run")), err
+    [line] = bench_err.decode().strip().splitlines()[-1:]
+    assert bench.returncode == 1 and line.startswith(
+        f"dflash-ops: ct230g: run {trained}: the measurement ended with its container: CT {VMID} went down under "
+        f"the command (exit 137, killed by SIGKILL) and is stopped; start it with `pct start {VMID}`; nothing "
+        "measured"), bench_err.decode()
+    assert b"Traceback" not in bench_err
+
+    ct.pct.start(VMID)
+    r = ct.cli("status", TARGET, "--json")
+    runs = json.loads(r.stdout)["runs"]
+    assert [x["kind"] for x in runs if x["kind"] == "bench-decode"] == [], runs
+    st = next(x for x in runs if x["run"] == regen)
+    assert (st["state"], st["kind"], st["exit"]["container_restarted"]) == ("lost", "regen", True), st
+    r = ct.cli("launch", TARGET, "--resume", regen)     # the fault is not set again
+    assert r.returncode == 0 and f"resumed run {regen} (attempt 2".encode() in r.stderr, r.stderr
+    r = ct.cli("logs", TARGET, regen, "--follow")
+    assert r.returncode == 0 and b"regen: resuming after 4 of 6 rows" in r.stdout, r.stdout.decode()
+    assert rows.read_bytes().count(b"\n") == 6
+    # the bench's slot: its lock is of another boot, so the next claim of gpu0 takes it
+    launch = cli("launch", "ct230g", "--gpus", "1", "--policy", "eager", "--config", ct.cfg, *LONG)
+    out, err = launch.communicate(timeout=240)
+    assert launch.returncode == 0 and f"cleared a stale lock on gpu0 left by run {lock['run']}".encode() in err, err
+    assert ct.cli("stop", TARGET, out.decode().strip(), "--force").returncode == 0
+
+
+def test_a_container_stopped_mid_deploy_is_repaired_by_the_next_deploy(ct):
+    """`pct stop` while a deploy streams its changed files into the container: the deploy fails in one line
+    that says the container went down under it, `current` still names the complete release it named, and the
+    next deploy (after `pct start`) clears the partial release and flips to a complete new one."""
+    src = copy_trainer(ct.tmp / "src-deploy")
+    (src / "trainer" / "blob_for_deploy.py").write_text(f"BLOB = {os.urandom(2 << 20).hex()!r}\n")
+    wd = ct.pct.private(VMID) / "dflash"
+    before = os.readlink(wd / "current")
+    inv = inventory.load(str(ct.path))
+    reached, go, result = threading.Event(), threading.Event(), {}
+
+    def progress(target, total):
+        def update(n):          # the first bytes are on their way: hold the stream here
+            reached.set()
+            assert go.wait(120)
+        return update
+
+    def run():
+        result["r"] = deploy.deploy(inv, [TARGET], source=str(src), progress=progress)[TARGET]
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        assert reached.wait(120), "the deploy never started streaming"
+        wait_for(lambda: [p for p in (wd / "releases").iterdir() if p.name.endswith(".partial")], 60,
+                 "the partial release")
+        ct.pct.stop(VMID)
+    finally:
+        go.set()
+        thread.join(120)
+    res = result["r"]
+    assert not res.ok and res.error.startswith(f"{TARGET}: container {VMID}: went down under the command (exit 137"), \
+        res.error
+    assert "\n" not in res.error and "Traceback" not in res.error
+    ct.pct.start(VMID)
+    assert os.readlink(wd / "current") == before
+    assert [p.name for p in (wd / "releases").iterdir() if p.name.endswith(".partial")]      # its leftover
+    again = deploy.deploy(inv, [TARGET], source=str(src))[TARGET]
+    assert again.ok, again.error
+    assert not [p for p in (wd / "releases").iterdir() if p.name.endswith(".partial")]
+    live = wd / "releases" / os.path.basename(os.readlink(wd / "current"))
+    assert again.release == live.name != os.path.basename(before)
+    assert (live / "trainer" / "blob_for_deploy.py").read_bytes() == \
+        (src / "trainer" / "blob_for_deploy.py").read_bytes()
+    r = ct.in_ct(PYTHON, "-c", "import sys; sys.path.insert(0, '/srv/ct/dflash/current'); "
+                                "import trainer.blob_for_deploy as b; print(len(b.BLOB))")
+    assert r.returncode == 0 and r.stdout.strip() == str(4 << 20).encode(), r
 
 
 def test_realpct_has_pcts_semantics(lxcpct, make_lxc_inventory, tmp_path):

@@ -82,7 +82,7 @@ def test_a_stale_lock_of_a_killed_run_is_cleared(wd):
     os.killpg(a["pid"], signal.SIGKILL)              # nobody is left to release the lock
     wait_for(lambda: state(wd, "s-a")["state"] != "running", what="s-a to die")
     st = state(wd, "s-a")
-    assert st["state"] == "failed" and st["exit"]["lost"]
+    assert st["state"] == "lost" and st["exit"]["lost"] and not st["exit"]["container_restarted"]
     assert (wd / "locks" / "cpu.json").exists()      # still there: stale
     c = launch(wd, "s-c", extra=["--steps", "1"])
     assert c["ok"] and c["cleared"] == [{"slot": "cpu", "run": "s-a"}]
@@ -232,7 +232,7 @@ def test_a_run_outlives_its_killed_supervisor_and_is_judged_by_its_log(wd):
     os.killpg(rec["pid"], signal.SIGKILL)                # lost for real
     wait_for(lambda: _gone(rec["pid"]), what="the trainer to die")
     first = state(wd, "k-c")
-    assert first["state"] == "failed" and first["exit"]["lost"]
+    assert first["state"] == "lost" and first["exit"]["lost"]
     time.sleep(1.2)
     assert state(wd, "k-c")["elapsed_s"] == first["elapsed_s"]   # a lost run's clock stops
 
@@ -338,6 +338,39 @@ def test_rm_and_prune_never_touch_a_running_run_and_say_what_they_free(wd):
     agent("stop", wd, "--force", "--", "h-d")
 
 
+def test_a_pid_recorded_under_another_boot_is_never_the_runs(tmp_path):
+    """A run's processes are named by pid, start time and boot (the kernel's boot id and PID 1's start):
+    a live process with the recorded pid and start time is still not the run's when the record was made
+    under another boot (a container restarted: its PIDs count from 1 again). The run is then `lost`,
+    said as ended with its container; its slot lock is stale. tests/test_real_containers.py shows it on a
+    restarted container."""
+    from orchestrator.remote.runs import common, locks
+
+    me, start = os.getpid(), common.proc_start(os.getpid())
+    assert common.boot().count("/") == 1 and common.boot().split("/")[0]
+    assert common.proc_alive(me, start, common.boot()) and common.proc_alive(me, start)
+    assert not common.proc_alive(me, start, "another-boot/1")
+    wd = tmp_path / "wd"
+    rundir = wd / "runs" / "r"
+    rundir.mkdir(parents=True)
+    rec = {"run": "r", "pid": me, "pid_start": start, "supervisor_pid": me, "supervisor_start": start,
+           "started_ts": 1, "boot": common.boot()}
+    (rundir / "run.json").write_text(json.dumps(rec))
+    (rundir / common.LOG).write_bytes(b'{"step": 3, "loss": 1.5}\n')
+    assert common.run_state(str(rundir))[0] == "running"
+    (rundir / "run.json").write_text(json.dumps(dict(rec, boot="another-boot/1")))
+    state, ex = common.run_state(str(rundir))
+    assert (state, ex["lost"], ex["container_restarted"]) == ("lost", True, True), ex
+    assert ex["reason"].startswith("ended with its container"), ex
+    (wd / "locks").mkdir()
+    lock = {"run": "r", "slot": "cpu", "launcher_pid": me, "launcher_start": start, "pid": me, "pid_start": start,
+            "boot": "another-boot/1"}
+    (wd / "locks" / "cpu.json").write_text(json.dumps(lock))
+    with locks.Guard(str(wd)) as guard:
+        slots, _, busy, cleared = locks.claim(str(wd), guard, 0, 0)
+    assert (slots, busy, cleared) == (["cpu"], {}, [{"slot": "cpu", "run": "r"}])
+
+
 def test_a_run_that_filled_the_disk_is_named_disk_full_not_killed(tmp_path, monkeypatch):
     """Every process of the run gone, no exit.json (the supervisor could not write it either): a log
     that says ENOSPC, or a full filesystem under the run's folder, names the cause."""
@@ -351,7 +384,7 @@ def test_a_run_that_filled_the_disk_is_named_disk_full_not_killed(tmp_path, monk
     log = rundir / common.LOG
     log.write_bytes(b'{"event": "start"}\nregen: 4/8 rows\n')
     state, ex = common.run_state(str(rundir))
-    assert (state, ex["lost"], ex["disk_full"]) == ("failed", True, False) and "killed with SIGKILL" in ex["reason"]
+    assert (state, ex["lost"], ex["disk_full"]) == ("lost", True, False) and "killed with SIGKILL" in ex["reason"]
     with log.open("ab") as f:
         f.write(b"OSError: [Errno 28] No space left on device\n")
     state, ex = common.run_state(str(rundir))

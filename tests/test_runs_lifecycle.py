@@ -184,7 +184,7 @@ def test_second_launch_on_busy_slot_is_refused_until_the_first_is_killed(ct):
     rec = wait_for(lambda: ct.record(first).get("pid") and ct.record(first), what="pids")
     os.kill(rec["supervisor_pid"], signal.SIGKILL)   # kill -9 the whole run: nobody releases
     os.killpg(rec["pid"], signal.SIGKILL)            # the slot, its lock goes stale
-    wait_for(lambda: ct.status(first)["state"] == "failed", what="the run to be seen dead")
+    wait_for(lambda: ct.status(first)["state"] == "lost", what="the run to be seen dead")
     r = ct.cli("launch", "ct200", "--gpus", "0", "--policy", "eager", "--config", ct.cfg, *LONG)
     assert r.returncode == 0, r.stderr
     assert f"cleared a stale lock on cpu left by run {first}".encode() in r.stderr
@@ -321,7 +321,7 @@ def test_resume_of_a_stopped_run_reaches_the_weights_of_an_uninterrupted_run(ct,
     r = ct.cli("status", "ct200")
     assert b"split" in r.stdout and b"NAME" in r.stdout
     r = ct.cli("launch", "ct200", "--resume", split)
-    assert r.returncode == 1 and b"only a stopped or failed run can be resumed" in r.stderr
+    assert r.returncode == 1 and b"only a stopped, failed or lost run can be resumed" in r.stderr
 
 
 def test_rm_and_prune_refuse_a_running_run_and_say_what_they_free(ct):

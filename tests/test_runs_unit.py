@@ -46,8 +46,32 @@ def test_target_and_run_arguments():
 
 
 def test_exit_codes_as_documented():
-    assert [status.exit_code_for(s) for s in ("succeeded", "failed", "running", "stopped")] == \
-        [0, 100, 101, 103]
+    assert [status.exit_code_for(s) for s in ("succeeded", "failed", "running", "stopped", "lost")] == \
+        [0, 100, 101, 103, 104]
+
+
+def test_a_run_whose_container_went_down_under_its_follow_is_lost():
+    """A follow whose stream was cut and whose container pct then calls stopped ends as the run's end: lost
+    (104), one summary line that says so and what to type; status's table says the same of a lost run."""
+    from orchestrator.errors import ContainerError
+    from orchestrator.runs import commands, logview
+
+    t = INV.targets["ct200"]
+    e = ContainerError("ct200", 200, "went down under the command ...", state="stopped", under=137)
+    end = follow._ended_with_container(t, e, {"run": "R", "offset": 10}, {"kind": "train"})
+    end.update(step=7, loss=2.5)
+    s = follow._summary(t, end, {}, [], 3, 10, 0, load_catalog())
+    assert (s.state, s.exit_code, s.classified) == ("lost", 104, None)
+    assert logview._summary_line(s).startswith(
+        "ct200: run R: lost (ended with its container: CT 200 is stopped (`pct start 200`, then `dflash-ops status "
+        "ct200` says how it ended and `dflash-ops launch ct200 --resume R` continues it from its last checkpoint)); "
+        "steps 7; last loss 2.5")
+    regen = follow._ended_with_container(t, e, {"run": "G", "offset": 0}, {"kind": "regen"})
+    assert regen["kind"] == "regen" and "continues it from the rows it wrote" in regen["exit"]["reason"]
+    row = {"state": "lost", "exit": {"lost": True, "container_restarted": True}}
+    assert commands._state_text(row) == "lost (ended with its container)"
+    assert commands._state_text({"state": "lost", "exit": {"lost": True}}) == "lost"
+    assert status.job_state(["running", "lost", "succeeded"]) == "lost"
 
 
 def test_refusal_messages_say_what_to_do():

@@ -332,3 +332,19 @@ def test_tell_all_tells_every_hold_once_within_one_deadline_through_a_second_ctr
     assert sent == [b"INT\n", b"INT\n"] and not cut.cut
     assert not waiting.begin(lambda: sent.append(b"started"), sent.append)   # told before it began: never starts
     assert tell_all([running], "TERM", time.monotonic() + 1) == [Hold.RUNNING] and len(sent) == 2   # once
+
+
+def test_a_container_stopped_under_a_command_is_said_so_not_as_its_own_137(fakepct):
+    """lxc-attach exits 137 when a hard stop (`pct stop`) kills the command with the whole container: the
+    checked exec asks `pct status` and says the container went down under it (ContainerError, `under`); a
+    command's own SIGKILL in a running container is its own 137. tests/test_real_containers.py: the same on
+    real containers, under a follow, a bench-decode and a deploy."""
+    fakepct.create(301)
+    pct = str(fakepct.path)
+    r = PctTransport(LocalTransport(), 301, pct=pct, verify=True).run(["sh", "-c", "kill -9 $$"])
+    assert r.exit_code == 137
+    with pytest.raises(ContainerError) as e:
+        PctTransport(LocalTransport(), 301, pct=pct, verify=True).run(["sh", "-c", f"{pct} stop 301; sleep 30"])
+    assert (e.value.state, e.value.under) == ("stopped", 137)
+    assert str(e.value) == ("301: container 301: went down under the command (exit 137, killed by SIGKILL) and is "
+                            "stopped; start it with `pct start 301`")

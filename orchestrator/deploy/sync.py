@@ -235,7 +235,10 @@ def deploy_target(session: Session, target: Target, get_source: Callable[[], Sou
             res.release, res.unchanged, res.ok = live["release"], True, True
         else:
             try:
-                out = _apply(t, target, source, changed, live["release"] or "", res.bytes_sent, progress)
+                # a transport of its own, checked (PctTransport verify): a container that goes down under the
+                # build is said as such (ContainerError), not as the agent's exit 137
+                out = _apply(session.transport(target), target, source, changed, live["release"] or "",
+                             res.bytes_sent, progress)
             except agent.Refused as e:
                 if e.reason == "moved" and attempt == 1:
                     continue

@@ -34,7 +34,7 @@ from orchestrator.runs.options import POLICIES, TOPOLOGIES
 TARGET_KEYS = ("target", "host", "vmid", "python", "workdir", "gpus")
 BUILTINS = ("playbook_dir",)
 STEP_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
-RUN_STATES = ("running", "succeeded", "failed", "stopped", "ended")
+RUN_STATES = ("running", "succeeded", "failed", "stopped", "lost", "ended")
 
 # Option kinds: "str" "int" "num" "bool" "list" (of words; one word may be written alone) "argv"
 # (a list, never one string) "map" (str -> str) "cmd" (an argv list, or a string run by bash -c)

@@ -22,7 +22,7 @@ import signal
 from pathlib import Path
 from typing import Callable
 
-from orchestrator.errors import Interrupted, OpsError, StepFailed, Terminated, UsageError
+from orchestrator.errors import ContainerError, Interrupted, OpsError, StepFailed, Terminated, UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.lines import LineBuffer
 from orchestrator.runs.export import refusal as export_refusal
@@ -85,6 +85,12 @@ def bench_decode(inv: Inventory, target: Target, run: str = "latest", *, prompts
                              stdin=hold, stderr=lines, timeout=TIMEOUT_S)
     except agent.Refused as e:
         raise _refusal(target, run, e) from None
+    except ContainerError as e:
+        if e.under is None:
+            raise
+        # the container went down under the measurement (or was found down): every process of it ended there
+        raise OpsError(f"{target.name}: run {run}: the measurement ended with its container: CT {e.vmid} {e.message}; "
+                       f"nothing measured; its slot is free once the container runs again") from None
     except StepFailed as e:
         if e.exit_code_remote in (128 + 9, 128 + 15):   # the agent itself killed (stop --force, the OOM killer)
             raise OpsError(f"{target.name}: run {run}: the measurement's agent on the target was killed (exit "

@@ -258,6 +258,8 @@ def _state_text(r: dict) -> str:
         return f"failed (exit {ex['exit_code']})"
     if r["state"] == "failed" and ex.get("lost"):
         return "failed (disk full)" if ex.get("disk_full") else "failed (lost)"
+    if r["state"] == "lost":      # gone with no exit status: with its container, when the agent could tell
+        return "lost (ended with its container)" if ex.get("container_restarted") else "lost"
     if r["state"] == "failed" and ex.get("started") is False:
         return "failed (never started)"
     return "running (no supervisor)" if r["state"] == "running" and r.get("unsupervised") else r["state"]

@@ -20,7 +20,7 @@ from orchestrator.ssh import agent
 from orchestrator.errors import (ConnectError, ConnectionLost, ContainerError, HostKeyError, NotFound, OpsError,
                      StepFailed, UsageError)
 from orchestrator.inventory import Inventory, Target
-from orchestrator.runs.status import exit_code_for, not_found
+from orchestrator.runs.status import LOST, exit_code_for, not_found
 from orchestrator.ssh.session import Session
 from orchestrator.ssh.transport import SshTransport
 
@@ -157,7 +157,8 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
            dead_s: float = DEAD_S) -> Generator[Event, None, None]:
     """Stream the run's log: yields Line for each line as it arrives (annotated with the failure
     signatures it matches), Reconnecting/Resumed around dropped connections, and End last
-    (with the summary and the exit code `logs` documents in README "Exit codes": 0, 100-103).
+    (with the summary and the exit code `logs` documents in README "Exit codes": 0, 100-104; a
+    container found stopped after the stream was cut ends the follow as the run's end, `lost`).
     Raises NotFound for an unknown run."""
     if catalog is None:
         from trainer.controller_view import load_catalog
@@ -173,6 +174,7 @@ def _follow(session: Session, own: bool, target: Target, run: str, follow: bool,
     events: queue.Queue = queue.Queue()
     stopping = threading.Event()
     state: dict[str, Any] = {"run": run, "offset": -1 if tail is not None else 0, "reconnects": 0, "outages": 0}
+    header: dict = {}       # the last stream's header (the run's kind)
 
     def worker() -> None:
         attempt, down_since, calls, streamed = 0, None, 0, False
@@ -228,6 +230,11 @@ def _follow(session: Session, own: bool, target: Target, run: str, follow: bool,
                 streamed = streamed or stream.header is not None
                 if stopping.is_set():
                     return
+                if streamed and isinstance(e, ContainerError) and e.state is not None:
+                    # The container stopped under the run being followed (pct answered its state):
+                    # every process of the run ended with it. That is the follow's end, not an error.
+                    events.put(("end", _ended_with_container(target, e, state, header)))
+                    return
                 # Before any stream ran, a failure is the answer (SshTransport has already
                 # retried its connect); reconnecting is for streams that were cut.
                 if not streamed or not _retryable(e):
@@ -253,6 +260,7 @@ def _follow(session: Session, own: bool, target: Target, run: str, follow: bool,
         if stream.header is not None and "offset" in stream.header:
             state["run"] = stream.header["run"]     # "latest" is pinned once resolved
             state["offset"] = stream.offset
+            header.update(stream.header)
 
     thread = threading.Thread(target=worker, name="dflash-follow", daemon=True)
     thread.start()
@@ -263,9 +271,13 @@ def _follow(session: Session, own: bool, target: Target, run: str, follow: bool,
     total = 0
     down_since: float | None = None
 
+    last_step = [b""]       # the last step's JSON line seen: a run that ended with its container says where it was
+
     def make_line(data: bytes) -> Line:
         nonlocal number
         number += 1
+        if data.startswith(b'{"step": '):
+            last_step[0] = data
         hits = [sig for _, sig in matcher.feed(data.decode("utf-8", errors="replace"))]
         for sig in hits:
             counts[sig.id] = counts.get(sig.id, 0) + 1
@@ -300,6 +312,12 @@ def _follow(session: Session, own: bool, target: Target, run: str, follow: bool,
                 if pending:
                     yield make_line(pending)
                     pending = b""
+                if (item.get("exit") or {}).get("recorded_by") == "follow" and last_step[0]:
+                    try:
+                        seen = json.loads(last_step[0])
+                        item.update(step=seen.get("step"), loss=seen.get("loss"))
+                    except (ValueError, RecursionError):
+                        pass
                 yield End(_summary(target, item, counts, hits_seen, number, total,
                                    state["reconnects"], catalog, state["outages"]))
                 return
@@ -325,6 +343,21 @@ def _watch(stream: _Stream, conn: dict, dead_s: float, stopping: threading.Event
             if ssh is not None:
                 ssh.close()
             return
+
+
+def _ended_with_container(target: Target, e: ContainerError, state: dict, header: dict) -> dict:
+    """The end of a follow whose run's container was found stopped (pct status) after its stream was cut:
+    the run's end as the runs agent would give it, state `lost` (README, exit 104). Once the container
+    runs again `status` says the same (`lost`), or `stopped` when a clean shutdown's SIGTERM let the
+    trainer checkpoint first."""
+    run, kind = state["run"], header.get("kind") or "train"
+    reason = (f"ended with its container: CT {e.vmid} is {e.state} (`pct start {e.vmid}`, then "
+              f"`dflash-ops status {target.name}` says how it ended and `dflash-ops launch {target.name} "
+              f"--resume {run}` continues it from " + ("the rows it wrote)" if kind == "regen" else
+                                                        "its last checkpoint)"))
+    return {"run": run, "state": LOST, "offset": max(state["offset"], 0), "kind": kind,
+            "exit": {"state": LOST, "lost": True, "container": e.state, "container_restarted": False,
+                     "exit_code": None, "signal": None, "reason": reason, "recorded_by": "follow"}}
 
 
 def _summary(target: Target, end: dict, counts: dict[str, int], hits: list[dict], lines: int,

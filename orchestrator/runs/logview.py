@@ -258,6 +258,8 @@ def _summary_line(s) -> str:
         how = f"{s.state} ({ex['signal_name']})"
     elif ex.get("exit_code") is not None:
         how = f"{s.state} (exit {ex['exit_code']})"
+    elif s.state == "lost":
+        how = f"lost ({ex.get('reason')})"
     elif ex.get("lost"):
         how = f"{s.state} (lost: {ex.get('reason')})"
     else:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from orchestrator.errors import (EXIT_FAILED, EXIT_OK, EXIT_RUN_FAILED, EXIT_RUN_RUNNING, EXIT_RUN_STOPPED, NotFound,
-                                 UsageError)
+from orchestrator.errors import (EXIT_FAILED, EXIT_OK, EXIT_RUN_FAILED, EXIT_RUN_LOST, EXIT_RUN_RUNNING,
+                                 EXIT_RUN_STOPPED, NotFound, UsageError)
 from orchestrator.inventory import Inventory, Target
 from orchestrator.inventory.names import RUN_ID_RE
 from orchestrator.runs.options import BENCH_ID_RE, check_run
@@ -19,9 +19,11 @@ from orchestrator.ssh import agent
 from orchestrator.ssh.session import Session
 
 # `unreadable`: the run's records on the target cannot be used (remote/runs/common.py); how it ended
-# is not known, so `logs` exits 1, the exit status of a command that could not tell.
+# is not known, so `logs` exits 1, the exit status of a command that could not tell. `lost`: every
+# process of the run ended with no exit status, with its container (stopped or restarted under it).
+LOST = "lost"
 STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_RUN_FAILED, "running": EXIT_RUN_RUNNING,
-              "stopped": EXIT_RUN_STOPPED, "unreadable": EXIT_FAILED}
+              "stopped": EXIT_RUN_STOPPED, LOST: EXIT_RUN_LOST, "unreadable": EXIT_FAILED}
 
 
 def split_target_run(inv: Inventory, args: Sequence[str]) -> tuple[Target, str]:
@@ -89,12 +91,13 @@ def status_docs(s: Session, targets: Sequence[Target], runs: Mapping[str, Sequen
                                                        what=what, timeout=60))
 
 
-STATE_ORDER = ("failed", "running", "unreadable", "stopped", "succeeded")
+STATE_ORDER = ("failed", LOST, "running", "unreadable", "stopped", "succeeded")
 
 
 def job_state(states: Sequence[str]) -> str:
-    """One state for the job: failed if any node failed, else running while any runs, else
-    unreadable if a node's records are, else stopped if any stopped, else succeeded."""
+    """One state for the job: failed if any node failed, else lost if a node's run ended with its
+    container, else running while any runs, else unreadable if a node's records are, else stopped if
+    any stopped, else succeeded."""
     for state in STATE_ORDER:
         if state in states:
             return state
@@ -160,5 +163,5 @@ def call_about_run(s: Session, target: Target, run: str, args: list[str], what: 
         raise
 
 
-__all__ = ["split_target_run", "exit_code_for", "status", "status_docs", "job_state", "group_rows", "not_found",
+__all__ = ["LOST", "split_target_run", "exit_code_for", "status", "status_docs", "job_state", "group_rows", "not_found",
            "metrics", "call_about_run"]

@@ -382,17 +382,28 @@ def node_noise_removed(text: str) -> str:
 
 STATUS_MARK = "dflash-ops pct-status:"
 # Runs on the node: the exec, and only when it exits 255 (pct's own refusal, or the command's own
-# status) -- or 1 under `sudo -n` (a password wanted) -- `pct status` to tell which. The common
-# case costs no extra pct start (a Perl program that takes a good part of a second on a node).
+# status) -- or 1 under `sudo -n` (a password wanted), or 137 / 143 (lxc-attach's 128 + SIGKILL /
+# SIGTERM: the container may have been stopped or shut down under the command, every process of it
+# killed) -- `pct status` to tell which. The common case costs no extra pct start (a Perl program
+# that takes a good part of a second on a node). After a 137, pct may still say running for a moment:
+# a hard stop kills the container's processes first and closes its command socket (pct's "running",
+# docs/containers.md) only once LXC has cleaned up, so it asks again, up to WENT_DOWN_CHECKS times
+# 0.5 s apart. The mark line carries pct status's exit, the command's and pct's words.
+WENT_DOWN_CHECKS = 5
 _CHECKED = (
     's=$1 p=$2 v=$3; shift 3\n'
     '"$@"\n'
     'rc=$?\n'
-    'case "$s:$rc" in *:255|1:1) ;; *) exit "$rc";; esac\n'
-    'if [ "$s" = 1 ]; then out=$(sudo -n "$p" status "$v" 2>&1); else out=$("$p" status "$v" 2>&1); fi\n'
-    'src=$?\n'
-    'case "$src:$out" in 0:*"status: running"*) exit "$rc";; esac\n'
-    "printf '%s %s %s\\n' '" + STATUS_MARK + "' \"$src\" \"$out\" >&2\n"
+    'case "$s:$rc" in *:255|*:137|*:143|1:1) ;; *) exit "$rc";; esac\n'
+    'n=1\n'
+    'while :; do\n'
+    '  if [ "$s" = 1 ]; then out=$(sudo -n "$p" status "$v" 2>&1); else out=$("$p" status "$v" 2>&1); fi\n'
+    '  src=$?\n'
+    '  case "$src:$out" in 0:*"status: running"*) ;; *) break;; esac\n'
+    f'  [ "$rc" = 137 ] && [ "$n" -lt {WENT_DOWN_CHECKS} ] || exit "$rc"\n'
+    '  n=$((n + 1)); sleep 0.5 2>/dev/null || sleep 1\n'
+    'done\n'
+    "printf '%s %s %s %s\\n' '" + STATUS_MARK + "' \"$src\" \"$rc\" \"$out\" >&2\n"
     'exit 255\n'
 )
 
@@ -418,7 +429,9 @@ class PctTransport(Transport):
         self.description = f"{inner.description} pct {vmid}"
         self._verify = verify
 
-    def _container_error(self, code: int, text: str) -> ContainerError:
+    def _container_error(self, code: int, text: str, rc: int = 255) -> ContainerError:
+        """pct status's answer (exit `code`, `text`) as the error; `rc`, the command's exit: 137 / 143
+        when the container went down under it."""
         text = node_noise_removed(text).strip()
         if self.sudo and "password is required" in text:
             return ContainerError(self.target, self.vmid,
@@ -428,15 +441,24 @@ class PctTransport(Transport):
                                   f"pct status exited {code}")
         m = re.search(r"^status: (\S+)", text, re.M)
         state = m.group(1) if m else "unknown"
-        return ContainerError(self.target, self.vmid,
-                              f"is {state}, not running; start it with `pct start {self.vmid}`", state=state)
+        if rc in (137, 143):
+            said = (f"went down under the command (exit {rc}, killed by SIG{'KILL' if rc == 137 else 'TERM'}) "
+                    f"and is {state}")
+        else:
+            said = f"is {state}, not running"
+        return ContainerError(self.target, self.vmid, f"{said}; start it with `pct start {self.vmid}`", state=state,
+                              under=rc if rc in (137, 143) else None)
 
-    def check(self) -> None:
-        """`pct status` on its own: a stopped or unknown container raises ContainerError."""
-        r = self.inner.run(pct_status_argv(self.pct, self.vmid, sudo=self.sudo))
-        text = (r.stdout + r.stderr).decode(errors="replace")
-        if r.exit_code != 0 or "status: running" not in text:
-            raise self._container_error(r.exit_code, text)
+    def check(self, rc: int = 255) -> None:
+        """`pct status` on its own: a stopped or unknown container raises ContainerError (`rc`: the exit of
+        a command that ended before, 137 / 143 when the container may have gone down under it)."""
+        for n in range(1, WENT_DOWN_CHECKS + 1 if rc == 137 else 2):    # as _CHECKED asks after a 137
+            if n > 1:
+                time.sleep(0.5)
+            r = self.inner.run(pct_status_argv(self.pct, self.vmid, sudo=self.sudo))
+            text = (r.stdout + r.stderr).decode(errors="replace")
+            if r.exit_code != 0 or "status: running" not in text:
+                raise self._container_error(r.exit_code, text, rc)
         self._verify = False
 
     def run(self, argv, **kw) -> Result:
@@ -464,8 +486,9 @@ class PctTransport(Transport):
         r = self.inner.run(pct_checked_argv(self.pct, self.vmid, argv, sudo=self.sudo, env=self.env), **kw)
         err = b"".join(kept)
         if r.exit_code == 255 and mark in err:
-            code, _, text = err[err.index(mark) + len(mark):].decode(errors="replace").strip().partition(" ")
-            raise self._container_error(int(code) if code.isdigit() else 1, text)
+            code, _, rest = err[err.index(mark) + len(mark):].decode(errors="replace").strip().partition(" ")
+            rc, _, text = rest.partition(" ")
+            raise self._container_error(int(code) if code.isdigit() else 1, text, int(rc) if rc.isdigit() else 255)
         self._verify = False
         if sink is not None:
             return r

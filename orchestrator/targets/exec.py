@@ -217,6 +217,9 @@ def run_one(session: Session, target: Target, argv: Sequence[str], *, out: Write
         last = b"".join(tail).rstrip().splitlines()[-1:]
         if r.exit_code == 127 and (on_err.found or last and b"not found" in last[0]):
             res.note = not_found_note(target, argv)
+        if r.exit_code in (137, 143) and isinstance(t, PctTransport) and (hold is None or hold.line is None):
+            t.check(r.exit_code)    # the container stopped under the command: said so, not as its own failure
+            # (not asked when this exec ended the command itself: Ctrl-C, SIGTERM, the grace's SIGKILL)
     except OpsError as e:
         res.error = e.render()
     res.seconds = round(time.monotonic() - start, 3)

@@ -63,7 +63,7 @@ import sys
 import time
 
 from ..common import checked_workdir, dist_version, emit, fail, home_dir, now_iso, read_json, refuse, write_json
-from .common import AUTO_POLICY, LOG, fault, proc_start, resolve, run_ids, run_record, run_state, run_status, runs_dir_of  # noqa: E501
+from .common import AUTO_POLICY, LOG, boot, fault, proc_start, resolve, run_ids, run_record, run_state, run_status, runs_dir_of  # noqa: E501
 from ..release.store import live_release
 from .bench import BENCH_FLAGS, BENCH_OPTIONS, cmd_bench
 from .export import cmd_export
@@ -209,7 +209,7 @@ def _launch(workdir, spec):
         if prev is not None:
             state, _ = run_state(rundir, prev)
             if state not in RESUMABLE:
-                refuse("not_resumable", "run %s is %s; only a stopped or failed run can be resumed"
+                refuse("not_resumable", "run %s is %s; only a stopped, failed or lost run can be resumed"
                         % (run, state), state=state)
         chosen_slots, ids, busy, cleared = claim(workdir, guard, gpus, total, want)
         if chosen_slots is None:
@@ -266,8 +266,9 @@ def _launch(workdir, spec):
 
 
 def _launcher():
-    """This agent as the first holder of a run's slots (runs/locks.py) and in its run.json."""
-    return {"launcher_pid": os.getpid(), "launcher_start": proc_start(os.getpid())}
+    """This agent as the first holder of a run's slots (runs/locks.py) and in its run.json, with the boot
+    every process of the run is recorded under (runs/common.py boot)."""
+    return {"launcher_pid": os.getpid(), "launcher_start": proc_start(os.getpid()), "boot": boot()}
 
 
 def _start_run(workdir, spec, run, rundir, release, release_path, commit, compile_policy,

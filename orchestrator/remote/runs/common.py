@@ -64,8 +64,34 @@ def proc_start(pid):
     return int(fields[19])
 
 
-def proc_alive(pid, start=None):
-    if not pid:
+_THIS_BOOT = []  # type: list[str]  # this agent's boot(), read once
+
+
+def boot():
+    """Which start of this machine or container the processes seen now belong to, "BOOT_ID/TICKS": the
+    boot id (/proc/sys/kernel/random/boot_id: new at each boot of the node; LXC mounts a random one of
+    its own over it at each start of a container, lxc src/lxc/conf.c lxc_setup_boot_id) and the start
+    time of PID 1 (a container's own init, which a stop and start of the container replaces, whether or
+    not LXC gave it a boot id; a host's init lives as long as its boot). PIDs count again from 1 after a
+    container's restart and start times again from 0 after a reboot, so a pid and its start time name
+    a process only within one boot: a record made under another is of processes that are gone."""
+    if not _THIS_BOOT:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot_id = f.read().strip()
+        except OSError:
+            boot_id = ""
+        init = proc_start(1)
+        _THIS_BOOT.append("%s/%s" % (boot_id, "" if init is None else init))
+    return _THIS_BOOT[0]
+
+
+def proc_alive(pid, start=None, booted=None):
+    """Whether the process of this pid (and start time, when given) runs now; `booted`, the boot()
+    the pid was recorded under (a run's or a lock's "boot"), when given, must be this one: after a
+    restart of the container the pid names another process, and after a reboot of the node even
+    its start time, counted from the boot, may be the recorded one."""
+    if not pid or (booted is not None and booted != boot()):
         return False
     if os.path.isdir("/proc/self"):
         now = proc_start(pid)
@@ -95,7 +121,7 @@ def unsupervised(*docs):
     judged by its pid and start time in any of `docs` (run.json, a slot's lock): the trainer runs
     on and holds its slots until it ends, and no exit.json will be written unless `stop` ends it."""
     def alive(pid, start):
-        return any(proc_alive(d.get(pid), d.get(start)) for d in docs)
+        return any(proc_alive(d.get(pid), d.get(start), d.get("boot")) for d in docs)
     return alive("pid", "pid_start") and not alive("supervisor_pid", "supervisor_start")
 
 
@@ -121,9 +147,10 @@ RUN_FIELDS = {
     "config": {"file": (str,), "source": (str,), "text": (str,)},
     "nodes": {"targets": [(str,)], "index": (int,), "endpoint": (str,), "address": (str,)},
     "pid": (int,), "pid_start": (int,), "supervisor_pid": (int,), "supervisor_start": (int,),
-    "launcher_pid": (int,), "launcher_start": (int,),
+    "launcher_pid": (int,), "launcher_start": (int,), "boot": (str,),
 }
-ENDED = ("succeeded", "failed", "stopped")
+ENDED = ("succeeded", "failed", "stopped")     # what a supervisor records in exit.json
+LOST = "lost"       # judged, never recorded: every process gone, no exit status (run_state)
 EXIT_FIELDS = {
     "state": (str,), "exit_code": (int,), "signal": (int,), "signal_name": (str,), "returncode": (int,),
     "ended": (str,), "ended_ts": NUMBER, "duration_s": NUMBER, "stop_requested": (bool,), "error": (str,),
@@ -208,7 +235,9 @@ def run_state(rundir, rec=None):
     the run is running while its trainer (or its supervisor) lives, or while the agent that
     launches it still does; with none of them alive and no exit.json, a run whose trainer never
     started failed, else the trainer's last log event decides (`done`: succeeded, `stopped`:
-    stopped), else the run was lost (killed -9 as a whole, container stopped): failed."""
+    stopped), else the run is `lost`: it ended with its container (stopped or restarted under it:
+    its "boot" is not this one) or was killed -9 as a whole, and nothing recorded how; `stopped`
+    when a stop had been asked for, `failed` when the disk is full (nothing could be written)."""
     on_disk, why = record(rundir, "run.json", RUN_FIELDS)
     ex, why_ex = record(rundir, "exit.json", EXIT_FIELDS)
     if why or why_ex:       # nothing to judge from: said as it is, never taken for an end
@@ -217,11 +246,13 @@ def run_state(rundir, rec=None):
     if ex is not None:
         return ex.get("state") or "failed", ex
     rec = rec or on_disk or {}
-    if proc_alive(rec.get("pid"), rec.get("pid_start")) or \
-            proc_alive(rec.get("supervisor_pid"), rec.get("supervisor_start")):
+    booted = rec.get("boot")
+    if proc_alive(rec.get("pid"), rec.get("pid_start"), booted) or \
+            proc_alive(rec.get("supervisor_pid"), rec.get("supervisor_start"), booted):
         return "running", None
-    if rec.get("pid") is None:
-        if proc_alive(rec.get("launcher_pid"), rec.get("launcher_start")):
+    restarted = booted is not None and booted != boot()
+    if rec.get("pid") is None and not restarted:
+        if proc_alive(rec.get("launcher_pid"), rec.get("launcher_start"), booted):
             return "running", None   # the agent is still starting it (its supervisor starts nothing without it)
         if "launcher_pid" not in rec and time.time() - rec.get("started_ts", 0) < 30 and \
                 not os.path.exists(os.path.join(rundir, "supervisor.failed")):
@@ -232,9 +263,9 @@ def run_state(rundir, rec=None):
                               "exit_code": None, "lost": False, "started": False, "recorded_by": "status",
                               "reason": "the launch was cut off before the trainer started (its agent or "
                                         "supervisor was killed); nothing ran"}
-    # Every process of the run is gone and none recorded how it ended (the supervisor was killed
-    # -9, the container stopped). The trainer's own last event in its log still says whether it
-    # finished or checkpointed on SIGTERM; the log's last write is when the run ended.
+    # Every process of the run is gone and none recorded how it ended (the container stopped or
+    # restarted, the supervisor was killed -9). The trainer's own last event in its log still says
+    # whether it finished or checkpointed on SIGTERM; the log's last write is when the run ended.
     log = os.path.join(rundir, LOG)
     try:
         ended = os.path.getmtime(log)
@@ -252,11 +283,15 @@ def run_state(rundir, rec=None):
                            "(it checkpointed and exited)")
         return "stopped", post
     stopped = os.path.exists(os.path.join(rundir, "stop.json"))
-    full = _disk_full(rundir, log)
-    post.update(lost=True, exit_code=None, disk_full=bool(full),
-                reason=full or "the run's processes are gone and left no exit status "
-                               "(killed with SIGKILL, or the container stopped)")
-    return ("stopped" if stopped else "failed"), post
+    full = None if restarted else _disk_full(rundir, log)
+    post.update(lost=True, exit_code=None, disk_full=bool(full), container_restarted=restarted,
+                reason=full or (RESTARTED if restarted else KILLED))
+    return ("stopped" if stopped else "failed" if full else LOST), post
+
+
+RESTARTED = ("ended with its container: the container (or its node) was stopped or restarted while the run "
+             "ran, and every process of it ended there with no exit status")
+KILLED = "the run's processes are gone and left no exit status (all killed with SIGKILL)"
 
 
 DISK_FULL_BYTES = 1 << 20   # less free than this where the run writes: nothing it writes (exit.json) fits

@@ -64,8 +64,8 @@ def cmd_follow(workdir, run, offset, follow, tail):
     rec = run_record(rundir)
     if offset < 0:
         offset = _tail_offset(path, tail) if tail is not None else 0
-    _write_all(1, (json.dumps({"run": rid, "offset": offset, "started": rec.get("started")})
-                   + "\n").encode())
+    _write_all(1, (json.dumps({"run": rid, "offset": offset, "started": rec.get("started"),
+                               "kind": rec.get("kind") or "train"}) + "\n").encode())
     fd = None
     last_hb = last_live = time.monotonic()
     idle = POLL_S

@@ -22,11 +22,11 @@ import os
 import shutil
 
 from ..common import emit, refuse
-from .common import AUTO_POLICY, UNREADABLE, find, resolve, run_ids, run_record, run_state, runs_dir_of, sweep_dead
+from .common import AUTO_POLICY, LOST, UNREADABLE, find, resolve, run_ids, run_record, run_state, runs_dir_of, sweep_dead  # noqa: E501
 from .kinds import kind_of
 from .locks import Guard, holds_slots
 
-RESUMABLE = ("stopped", "failed")
+RESUMABLE = ("stopped", "failed", LOST)
 
 
 def resume_spec(workdir, spec):

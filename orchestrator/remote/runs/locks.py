@@ -2,13 +2,14 @@
 
 Slots: each GPU index is a slot `gpuN`; a CPU run (--gpus 0) takes the one slot `cpu`, so two CPU
 runs never compete for the same cores. A slot is a file WORKDIR/locks/SLOT.json naming the run and
-the pids of the processes that hold it (with their start times, so a recycled pid is not mistaken
-for the holder): the launching agent's from before anything starts, then its supervisor's, then
-the trainer's. It is free when the file is missing, or when its run has ended (exit.json) or
-none of its processes (those of the lock and of the run's run.json) is alive any more (killed -9,
-container restarted, a launch cut off before its trainer started): a stale lock, cleared. A
-trainer whose supervisor was killed still holds its slots until it ends. Slot files are only
-judged and changed under an flock on WORKDIR/locks/.guard.
+the pids of the processes that hold it (with their start times and the boot they ran under, so a
+recycled pid is not mistaken for the holder, not even after a restart of the container): the
+launching agent's from before anything starts, then its supervisor's, then the trainer's. It
+is free when the file is missing, or when its run has ended (exit.json) or none of its processes
+(those of the lock and of the run's run.json) is alive any more (killed -9, container restarted, a
+launch cut off before its trainer started): a stale lock, cleared. A trainer whose supervisor was
+killed still holds its slots until it ends. Slot files are only judged and changed under an flock
+on WORKDIR/locks/.guard.
 
 A bench-decode's agent (runs/bench.py) holds one slot as the "run" `bench-PID`, itself each of its
 holders, with "kind": "bench-decode", "bench": the run it measures and "since_ts". That lock is its
@@ -19,7 +20,7 @@ import os
 import time
 
 from ..common import MAX_RECORD_BYTES, flock, listdir, read_json, write_json
-from .common import proc_alive, run_record, runs_dir_of, unsupervised
+from .common import boot, proc_alive, run_record, runs_dir_of, unsupervised
 
 BENCH = "bench-"        # the prefix of a bench-decode's name in its slot lock: bench-PID
 
@@ -52,7 +53,8 @@ def _holder_live(workdir, lock):
     # run.json too: the supervisor records the trainer there before the trainer starts, so a
     # trainer whose agent and supervisor were both killed is still seen
     rec = run_record(rundir)
-    live = {pid for pid, start in HOLDERS for doc in (lock, rec) if proc_alive(doc.get(pid), doc.get(start))}
+    live = {pid for pid, start in HOLDERS for doc in (lock, rec)
+            if proc_alive(doc.get(pid), doc.get(start), doc.get("boot"))}
     if not live:
         return None
     return {"run": lock.get("run"), "pid": lock.get("pid") or rec.get("pid"),
@@ -126,10 +128,11 @@ def claim(workdir, guard, gpus, total, want=None):
 
 def hold_slots(guard, run, slots, holders, since):
     """Write the lock of each slot for the run: `holders` names the processes that hold it so far
-    ({launcher_pid, launcher_start, supervisor_pid, ..., pid, pid_start})."""
+    ({launcher_pid, launcher_start, supervisor_pid, ..., pid, pid_start}), all of this boot
+    (common.boot: a lock read after a restart of the container is of processes that are gone)."""
     for slot in slots:
         doc = {"run": run, "slot": slot, "since": since, "pid": None, "pid_start": None,
-               "supervisor_pid": None, "supervisor_start": None}
+               "supervisor_pid": None, "supervisor_start": None, "boot": boot()}
         doc.update(holders)
         write_json(os.path.join(guard.dir, slot + ".json"), doc)
 
@@ -148,7 +151,7 @@ def benches(workdir, names=None):
         lock = read_json(os.path.join(folder, name), MAX_RECORD_BYTES) if name.endswith(".json") else None
         run = str(lock.get("run")) if isinstance(lock, dict) else ""
         if run.startswith(BENCH) and (names is None or run in names) and run not in found and \
-                proc_alive(lock.get("launcher_pid"), lock.get("launcher_start")):
+                proc_alive(lock.get("launcher_pid"), lock.get("launcher_start"), lock.get("boot")):
             found[run] = lock
     return sorted(found.values(), key=lambda lock: lock.get("since_ts") or 0)
 

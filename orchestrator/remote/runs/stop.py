@@ -40,9 +40,9 @@ def cmd_stop(workdir, run, force, timeout):
     while rec.get("pid") is None and time.monotonic() < deadline:   # still starting
         time.sleep(0.1)
         rec = run_record(rundir)
-    pid, pid_start = rec.get("pid"), rec.get("pid_start")
+    pid, pid_start, booted = rec.get("pid"), rec.get("pid_start"), rec.get("boot")
     signalled = False
-    if proc_alive(pid, pid_start):
+    if proc_alive(pid, pid_start, booted):
         try:
             os.killpg(pid, sig)
             signalled = True
@@ -52,8 +52,8 @@ def cmd_stop(workdir, run, force, timeout):
     while time.monotonic() < deadline:
         if os.path.exists(exit_path):
             break
-        if not proc_alive(pid, pid_start) and \
-                not proc_alive(rec.get("supervisor_pid"), rec.get("supervisor_start")):
+        if not proc_alive(pid, pid_start, booted) and \
+                not proc_alive(rec.get("supervisor_pid"), rec.get("supervisor_start"), booted):
             # No supervisor to record the end (it was killed): record it here.
             write_json(exit_path, exit_record(rec, "stopped", None, None, True,
                                               "recorded by stop: the supervisor was gone"))
@@ -88,7 +88,7 @@ def _stop_bench(workdir, lock, force, timeout):
     the slot and removes its temporary folder, then exits (SIGKILL with force, to its worker's process
     group too); wait up to `timeout` for the agent to be gone. An agent that could not clean up (killed)
     leaves its lock and WORKDIR/exports/.tmp-PID: removed here."""
-    bench, pid, start = lock.get("run"), lock.get("launcher_pid"), lock.get("launcher_start")
+    bench, pid, start, booted = lock.get("run"), lock.get("launcher_pid"), lock.get("launcher_start"), lock.get("boot")
     sig = signal.SIGKILL if force else signal.SIGTERM
     begin, signalled, workers = time.monotonic(), False, _workers(pid) if force else []
     try:
@@ -101,9 +101,9 @@ def _stop_bench(workdir, lock, force, timeout):
             os.killpg(worker, signal.SIGKILL)
         except OSError:
             pass
-    while proc_alive(pid, start) and time.monotonic() < begin + timeout:
+    while proc_alive(pid, start, booted) and time.monotonic() < begin + timeout:
         time.sleep(0.05)
-    ended = not proc_alive(pid, start)
+    ended = not proc_alive(pid, start, booted)
     if ended:
         release_slots(workdir, bench)
         shutil.rmtree(os.path.join(workdir, "exports", ".tmp-%d" % pid), ignore_errors=True)

@@ -218,7 +218,7 @@ def runs_trainer(rec):
     (runs/supervisor.py) is the supervisor's fork, with the supervisor's command line, and exits
     without starting anything once its supervisor is gone."""
     pid = rec.get("pid")
-    if not proc_alive(pid, rec.get("pid_start")):
+    if not proc_alive(pid, rec.get("pid_start"), rec.get("boot")):
         return False
     try:
         with open("/proc/%d/cmdline" % pid, "rb") as f:
