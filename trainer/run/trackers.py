@@ -1,5 +1,5 @@
 """Experiment trackers: the run's metric records as TensorBoard event files (OUT/tensorboard/) and,
-when asked, a W&B run, beside OUT/metrics.jsonl (docs/trainer.md, "Curves: TensorBoard and W&B").
+when asked, a W&B run, beside OUT/metrics.jsonl (docs/runs.md, "Curves: TensorBoard and W&B").
 
 RunLog hands every record it writes to metrics.jsonl to `Trackers.record`, so the trackers see the
 same numbers, rounded the same way; `scalars(record)` says which of a record's numbers become which
