@@ -83,3 +83,15 @@ def test_wandb_offline_run_has_the_metrics_and_says_how_to_sync(tmp_path):
     assert folder.parent == out / trackers.WANDB_DIR and folder.name.startswith("offline-run-")
     [data] = folder.glob("run-*.wandb")
     assert data.stat().st_size > 0 and (out / trackers.TB_DIR).is_dir()
+
+
+def test_a_resumed_run_continues_its_curves_from_the_checkpoint(tmp_path):
+    """A run of 4 steps, then --resume to 6: one curve, steps 1..6 each once, the checkpoint's step kept."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert _trainer(tmp_path, "--eval-prompts", "0").returncode == 0
+    r = _trainer(tmp_path, "--eval-prompts", "0", "--resume", "--steps", "6")
+    assert r.returncode == 0, r.stderr
+    acc = EventAccumulator(str(tmp_path / "out" / trackers.TB_DIR), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]

@@ -105,7 +105,8 @@ class Trackers:
 
     def record(self, record: dict) -> None:
         if record.get("event") == "resume" and not self.opened:
-            self.resumed_at = int(record["step"])
+            # what the interrupted run logged after its checkpoint's step is superseded, as in metrics.jsonl
+            self.resumed_at = int(record["step"]) + 1
         pairs = scalars(record)
         if not pairs:
             return
