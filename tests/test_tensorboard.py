@@ -152,5 +152,6 @@ def test_a_real_tensorboard_serves_the_runs_loss(ct, tmp_path):
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err.decode()
+    assert err.decode().strip().endswith(f"tensorboard: stopped (SIGINT); the event files stay in {ct.home}")
     with pytest.raises(OSError):        # TensorBoard ended with the command
         urllib.request.urlopen(url, timeout=5)

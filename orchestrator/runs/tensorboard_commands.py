@@ -5,8 +5,11 @@ Ctrl-C.
 """
 from __future__ import annotations
 
+import signal
+
 import click
 
+from orchestrator.errors import Interrupted, Terminated
 from orchestrator.inventory import Inventory, Target
 from orchestrator.inventory.names import RUN_ID_RE
 from orchestrator.runs.logview import note
@@ -76,5 +79,9 @@ def tensorboard(state: State, words, no_serve, port, every, as_json):
             tb.watch(inv, targets, pinned, session, every,
                      on_pass=lambda rs: None if as_json else note(_lines(r for r in rs if r.new_bytes)),
                      on_error=lambda e: note(f"tensorboard: {e.render()}; trying again in {every:g} s"))
+        except KeyboardInterrupt as e:      # Ctrl-C, or SIGTERM as errors.Terminated: how serving ends
+            signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+            raise Interrupted(signum, f"tensorboard: stopped ({signum.name}); the event files stay in "
+                                      f"{tb.home()}") from None
         finally:
             server.stop()

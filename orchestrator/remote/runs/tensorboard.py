@@ -26,7 +26,7 @@ from .common import resolve, run_record, run_state, runs_dir_of
 
 TB_DIR = "tensorboard"        # trainer/run/trackers.py TB_DIR
 PASS_BYTES = 32 << 20
-CHUNK = 1 << 20
+SEND_CHUNK = 1 << 20
 
 
 def _event_files(folder):
@@ -83,6 +83,6 @@ def cmd_tensorboard(workdir, runs):
     out = sys.stdout.buffer
     out.write((json.dumps({"ok": True, "runs": listed, "missing": missing}) + "\n").encode())
     for data in blobs:
-        for i in range(0, len(data), CHUNK):
-            out.write(data[i:i + CHUNK])
+        for i in range(0, len(data), SEND_CHUNK):
+            out.write(data[i:i + SEND_CHUNK])
     out.flush()
