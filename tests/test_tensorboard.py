@@ -3,6 +3,7 @@ reached through a real sshd on 127.0.0.1 writes its metrics as TensorBoard event
 brings them home incrementally and a real TensorBoard process serves them."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,6 +120,25 @@ def test_bad_input_is_one_line_and_its_exit_code(ct):
     assert r.returncode == 2 and b"Invalid value for '--port'" in r.stderr and b"Traceback" not in r.stderr
 
 
+BROWSER = shutil.which("chromium-headless-shell") or shutil.which("chromium")
+
+
+def _screenshot(url: str, png: Path) -> None:
+    """The scalars dashboard, filtered to train/loss, as a headless browser shows it (its path printed:
+    `pytest -rA` or `-s` shows it); without a browser (.ci/run installs Debian's chromium-headless-shell),
+    nothing. The time series tab draws with WebGL, which a headless browser without a GPU leaves blank;
+    the scalars tab draws SVG."""
+    if BROWSER is None:
+        print("no headless browser here: no screenshot")
+        return
+    r = subprocess.run([BROWSER, "--no-sandbox", "--hide-scrollbars", "--window-size=1400,1000",
+                        "--virtual-time-budget=30000", f"--screenshot={png}",
+                        f"{url}#scalars&tagFilter=train%2Floss&_smoothingWeight=0"],
+                       capture_output=True, timeout=180, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", r.stderr.decode()[-2000:]
+    print(f"screenshot of the served train/loss curve: {png}")
+
+
 @pytest.mark.slow
 def test_a_real_tensorboard_serves_the_runs_loss(ct, tmp_path):
     """The command starts TensorBoard on a free loopback port; its HTTP scalars API has the run's loss,
@@ -148,6 +168,7 @@ def test_a_real_tensorboard_serves_the_runs_loss(ct, tmp_path):
         served = wait_for(scalars_served, timeout=120, what="TensorBoard serving the run's loss", every=0.5)
         assert [s for _, s, _ in served] == [s for s, _ in losses]
         assert [v for _, _, v in served] == pytest.approx([v for _, v in losses], rel=1e-6)
+        _screenshot(url, tmp_path / "tensorboard-train-loss.png")
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
