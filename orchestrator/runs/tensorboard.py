@@ -145,7 +145,7 @@ class _Receiver:
     def check(self) -> None:
         if self.todo:
             raise TransferError(f"the stream ended with {len(self.todo)} event file(s) incomplete; the next pass "
-                                "sends them again")
+                                "brings the rest")
         if self.extra:
             raise TransferError(f"{self.extra} bytes more than the header announced")
 
@@ -166,6 +166,7 @@ def sync_target(session: Session, target: Target, runs: Sequence[str],
             recv.out.close()
     if recv.header is None:
         raise StepFailed(target.name, "bring the event files", 0, "the agent sent no header")
+    agent.reply(target, recv.header)        # a refusal, in the one reply format, is raised as such
     recv.check()
     done = []
     for r in recv.header["runs"]:
