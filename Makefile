@@ -8,7 +8,7 @@ TRAIN_STAMP := $(VENV)/.installed-train
 TORCH  ?= torch==2.13.0
 DFLASH_REF ?= dflash==0.1.0
 
-.PHONY: check test test-fp8 test-speculators lint demo venv clean fp8-wheel
+.PHONY: check test test-fp8 test-speculators test-wandb lint demo venv clean fp8-wheel
 
 venv: $(STAMP)
 
@@ -76,6 +76,7 @@ test: lint
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder tests
 	$(MAKE) --no-print-directory test-fp8
 	$(MAKE) --no-print-directory test-speculators
+	$(MAKE) --no-print-directory test-wandb
 
 # --precision fp8's tests with torchao importable, and nothing else: torchao is installed into an
 # ignored folder on their PYTHONPATH only. Wherever torchao is importable, transformers imports it in
@@ -98,6 +99,14 @@ test-speculators: $(STAMP)
 	test -d $(SPECULATORS_DIR)/speculators || $(PY) -m pip install -q --disable-pip-version-check --no-deps \
 		--target $(SPECULATORS_DIR) $(SPECULATORS)
 	PYTHONPATH="$(abspath $(SPECULATORS_DIR))" $(PY) -m pytest -q -p no:cacheprovider tests/test_export_speculators.py
+
+# --report-to wandb (trainer/run/trackers.py) with wandb importable, offline (WANDB_MODE=offline: nothing is
+# sent): wandb and its dependencies go into an ignored folder on that test's PYTHONPATH only, as torchao
+# above. wandb is no dependency of the project: only those who ask for W&B install it.
+WANDB_DIR := .scratch/wandb
+test-wandb: $(STAMP)
+	test -d $(WANDB_DIR)/wandb || $(PY) -m pip install -q --disable-pip-version-check --target $(WANDB_DIR) wandb==0.30.0
+	PYTHONPATH="$(abspath $(WANDB_DIR))" WANDB_MODE=offline $(PY) -m pytest -q -p no:cacheprovider tests/test_trackers.py -k wandb
 
 demo: $(TRAIN_STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/demo.sh

@@ -38,6 +38,7 @@ COMMANDS = {
     "stop": ("orchestrator.runs.commands", "stop"),
     "report": ("orchestrator.runs.commands", "report"),
     "export": ("orchestrator.runs.commands", "export"),
+    "tensorboard": ("orchestrator.runs.tensorboard_commands", "tensorboard"),
     "bench-decode": ("orchestrator.runs.bench_commands", "bench_decode"),
     "rm": ("orchestrator.runs.cleanup_commands", "rm"),
     "prune": ("orchestrator.runs.cleanup_commands", "prune"),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make demo`: the whole daily loop on the built-in `local` target (this machine; CPU when it has
 # no GPU): deploy -> probe -> launch -> logs --follow -> report -> export. Ends with the run's exit status
-# (0 succeeded, 100 failed, 103 stopped). The Makefile puts the venv's bin first on PATH.
+# (0 succeeded, 100 failed, 103 stopped), then the `dflash-ops tensorboard` line that serves the run's curves.
+# The Makefile puts the venv's bin first on PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,6 +41,10 @@ summary() {
         "${DFLASH_OPS_HOME:-$HOME/.dflash-ops}/local" >&2
     printf '       the small target and the demo data are cached in %s; reports and exports are in out/\n' \
         "$cache" >&2
+    if [ -n "${run:-}" ]; then      # the run's curves, served here (its event files were brought home above)
+        printf '\nits curves in TensorBoard (served on 127.0.0.1, its URL printed; Ctrl-C ends it):\n' >&2
+        printf '  dflash-ops tensorboard %s %s\n' "$T" "$run" >&2
+    fi
 }
 trap summary EXIT
 
@@ -104,6 +109,11 @@ set +e
 dflash-ops logs "$T" "$run" --follow
 rc=$?
 set -e
+
+# The run's TensorBoard event files, brought home into $DFLASH_OPS_HOME/tensorboard/local/RUN (docs/runs.md,
+# "Curves: TensorBoard and W&B"); the last lines print the command that serves them.
+step "dflash-ops tensorboard $T $run --no-serve"
+dflash-ops tensorboard "$T" "$run" --no-serve || true
 
 # out/ is git-ignored, so the PNG is never shipped by a later `deploy` of this checkout.
 step "dflash-ops report $T $run -o out/dflash-report-$run.png"

@@ -269,10 +269,11 @@ def call(t: Transport, target: Target, program: str, args: Sequence[str], *, wha
 
 def stream(t: Transport, target: Target, program: str, args: Sequence[str], *, what: str,
            stdout: Callable[[bytes], None], stderr: Callable[[bytes], None] | None = None,
-           timeout: float | None = None, check: bool = True, stdin: Hold | None = None) -> Result:
+           timeout: float | None = None, check: bool = True, stdin: Hold | bytes | None = None) -> Result:
     """Run a streaming command (header line + bytes): stdout goes to the sink as it comes.
     check: a non-zero exit is StepFailed (follow checks for itself: a cut connection is not).
-    stdin: a hold.Hold the command watches (export ends at its EOF)."""
+    stdin: a hold.Hold the command watches (export ends at its EOF), or bytes sent before EOF
+    (tensorboard's sizes of the copies held)."""
     r = t.run(argv(target, program, args), stdout=stdout, stderr=stderr, timeout=timeout, stdin=stdin)
     failed = _exec_failed(target, what, r) if check or r.exit_code in (126, 127) else None
     if failed:

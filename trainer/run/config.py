@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from trainer.errors import UsageError
 from trainer.model.objective import OBJECTIVES, POSITION_WEIGHTS, Objective  # torch-free
 from trainer.policies import POLICY_NAMES, known as known_policies  # torch-free at import
+from trainer.run import trackers  # torch-free at import
 
 
 # The run's resolved settings (flags + YAML) in OUT, for --resume checks and `python -m trainer.eval`.
@@ -187,6 +188,9 @@ class TrainConfig:
                             "(0 = no eval; --data synthetic makes N rows more)")
     eval_new_tokens: int = opt(64, "tokens generated per eval prompt")
     eval_every: int = opt(0, "measure acceptance length every N steps (0 = at the end only)")
+    report_to: str = opt("auto", "where the metrics also go (metrics.jsonl always has them): tensorboard (event files "
+                         "in OUT/tensorboard), wandb, both (tensorboard,wandb), none; auto: tensorboard when the "
+                         "tensorboard package is installed", metavar="auto|none|tensorboard,wandb")
     eval_at_start: bool = opt(False, "also measure the untrained drafter's acceptance length before training")
     eval_overlap_ok: bool = opt(False, "run even when eval prompts are also training rows' prompts (too few rows to "
                                 "hold any out, or repeated prompts); without it the run refuses, as tau would not be "
@@ -357,6 +361,7 @@ def validate(c: TrainConfig, here: bool = True) -> None:
     need(c.graph_target in ON_OFF, f"--graph-target must be on or off, got {c.graph_target!r}")
     need(c.fp32_wgrad in ON_OFF, f"--fp32-wgrad must be on or off, got {c.fp32_wgrad!r}")
     need(c.ce_kernel in ON_OFF, f"--ce-kernel must be on or off, got {c.ce_kernel!r}")
+    trackers.parse(c.report_to)      # its own UsageError, naming the flag
     need(c.precision in PRECISIONS, f"--precision {c.precision!r}: expected one of {', '.join(PRECISIONS)}")
     need(not c.fp8_emulate or c.precision != "bf16", EMULATE_ALONE)
     need(c.precision == "bf16" or c.gpus > 0 or c.fp8_emulate,

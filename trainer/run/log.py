@@ -1,7 +1,8 @@
 """The run log: readable lines plus one JSON object per line for metrics, flushed line by line.
 
 Every JSON line goes to stdout (the run's log, what `dflash-ops logs` follows) and is appended to
-OUT/metrics.jsonl (what `dflash-ops report` plots). Readable lines start with `[trainer]` so they
+OUT/metrics.jsonl (what `dflash-ops report` plots), and to the run's trackers (TensorBoard, W&B:
+trainer/run/trackers.py) when it has them. Readable lines start with `[trainer]` so they
 never parse as JSON. Standard library only: the controller reads TWINNED and tau_text from here
 (through trainer/controller_view.py).
 """
@@ -26,11 +27,13 @@ class RunLog:
     """[trainer] lines and JSON metrics on stdout (and appended to metrics_path). On a terminal (a
     trainer run by hand) the stream is for a person: each record once, as text; a record with a text
     twin (a step's line, TWINNED events) is not printed again as JSON, and any other is written as a
-    line of text. The run's metrics.jsonl always has every record."""
+    line of text. The run's metrics.jsonl always has every record, and `trackers` (an object with
+    record(dict) and close(), trainer/run/trackers.Trackers) gets each as metrics.jsonl has it."""
 
-    def __init__(self, metrics_path: Path | None = None, stream: TextIO | None = None):
+    def __init__(self, metrics_path: Path | None = None, stream: TextIO | None = None, trackers=None):
         self.stream = stream or sys.stdout
         self.metrics_path = metrics_path
+        self.trackers = trackers
         isatty = getattr(self.stream, "isatty", None)
         self.human = bool(isatty and isatty())
 
@@ -38,7 +41,8 @@ class RunLog:
         print(f"[trainer] {text}", file=self.stream, flush=True)
 
     def metrics(self, record: dict) -> None:
-        line = json.dumps({k: _clean(v) for k, v in record.items()}, allow_nan=False)
+        clean = {k: _clean(v) for k, v in record.items()}
+        line = json.dumps(clean, allow_nan=False)
         if not self.human:
             print(line, file=self.stream, flush=True)
         elif "event" in record and record["event"] not in TWINNED:
@@ -46,6 +50,14 @@ class RunLog:
         if self.metrics_path is not None:
             with self.metrics_path.open("a") as f:
                 f.write(line + "\n")
+        if self.trackers is not None:
+            self.trackers.record(clean)
+
+    def close(self) -> None:
+        """Close the trackers (their last events written); the log itself needs no closing."""
+        trackers, self.trackers = self.trackers, None
+        if trackers is not None:
+            trackers.close()
 
 
 def _shown(v) -> str:

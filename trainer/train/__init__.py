@@ -10,6 +10,9 @@ def train_entry(argv: list[str] | None = None) -> int:
     from trainer.run.config import parse
 
     cfg = parse(argv)
+    from trainer.run.trackers import check
+
+    check(cfg.report_to)        # a tracker asked for and not installed: one line, exit 2, before any work
     from trainer.train.main import main
 
     return main(cfg)

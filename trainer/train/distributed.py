@@ -57,7 +57,7 @@ from trainer.exits import exit_process, in_rank
 from trainer.files import atomic_file
 from trainer.run.config import TrainConfig
 from trainer.errors import EXIT_PEER_FAILED, UsageError
-from trainer.run.log import QuietLog, RunLog
+from trainer.run.log import QuietLog
 from trainer.engine.ranks import RankEngine, device_barrier, wrap_ddp
 from trainer.engine.step import Replica, build_replica
 from trainer.train import loop
@@ -268,33 +268,36 @@ def _rank(cfg: TrainConfig, rank: int, world: int, local: int, device: torch.dev
     # every node's first rank records the settings in its own --out (with its checkpoints, a node's
     # folder is then a complete run for `python -m trainer.export`)
     with loop.run_folder(cfg, writer=local == 0) as (out, resume_from):  # rank 0 is a first rank too
-        log = RunLog(out / "metrics.jsonl") if writer else QuietLog()
-        policy, why = loop.resolve_policy(cfg, device, out if writer else None)
-        log.info(f"torch {torch.__version__} | {world} ranks on {device.type} | topology processes "
-                 f"({dist.get_backend()}) | compile policy {policy}"
-                 + (" (auto: from probe.json)" if cfg.compile_policy == "auto" else ""))
-        if why:
-            log.info(why)
-        prep = loop.prepare(cfg, device, log, out, resume_from, stop, writer=writer,
-                             barrier=lambda: device_barrier(device),
-                             load_checkpoint=lambda path: _checkpoint_everywhere(path, rank, world),
-                             agree_min=lambda n: _least(n, device))
+        log = loop.open_log(cfg, out) if writer else QuietLog()
+        try:
+            policy, why = loop.resolve_policy(cfg, device, out if writer else None)
+            log.info(f"torch {torch.__version__} | {world} ranks on {device.type} | topology processes "
+                     f"({dist.get_backend()}) | compile policy {policy}"
+                     + (" (auto: from probe.json)" if cfg.compile_policy == "auto" else ""))
+            if why:
+                log.info(why)
+            prep = loop.prepare(cfg, device, log, out, resume_from, stop, writer=writer,
+                                 barrier=lambda: device_barrier(device),
+                                 load_checkpoint=lambda path: _checkpoint_everywhere(path, rank, world),
+                                 agree_min=lambda n: _least(n, device))
 
-        def build() -> Replica:
-            return build_replica(rank, device, prep.drafter, prep.target, policy=policy, n_devices=1, lr=cfg.lr,
-                                 betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
-                                 pos_weights=prep.pos_weights,
-                                 optimizer_state=prep.ck.optimizer if prep.ck else None,
-                                 wrap=lambda m: wrap_ddp(m, device),
-                                 compile_target=policies.compiled_part(cfg.compile_target, policy, device),
-                                 compile_update=policies.compiled_part(cfg.compile_update, policy, device),
-                                 objective=prep.objective, muon=prep.muon)
+            def build() -> Replica:
+                return build_replica(rank, device, prep.drafter, prep.target, policy=policy, n_devices=1, lr=cfg.lr,
+                                     betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
+                                     pos_weights=prep.pos_weights,
+                                     optimizer_state=prep.ck.optimizer if prep.ck else None,
+                                     wrap=lambda m: wrap_ddp(m, device),
+                                     compile_target=policies.compiled_part(cfg.compile_target, policy, device),
+                                     compile_update=policies.compiled_part(cfg.compile_update, policy, device),
+                                     objective=prep.objective, muon=prep.muon)
 
-        engine = RankEngine(build, rank, world, device, log, guard=not cfg.skip_compile_guard, node_first=local == 0,
-                            grace=grace, job=job)
-        if prep.ck is not None:
-            checkpoint.restore_rng(prep.ck.rng)
-        return loop.run_loop(cfg, engine, prep, log, stop)
+            engine = RankEngine(build, rank, world, device, log, guard=not cfg.skip_compile_guard,
+                                node_first=local == 0, grace=grace, job=job)
+            if prep.ck is not None:
+                checkpoint.restore_rng(prep.ck.rng)
+            return loop.run_loop(cfg, engine, prep, log, stop)
+        finally:
+            log.close()
 
 
 def _least(n: int, device: torch.device) -> int:

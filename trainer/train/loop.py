@@ -30,7 +30,8 @@ from trainer.run.config import CHOSEN_POLICY, RUN_CONFIG, TrainConfig, chat_temp
 from trainer.run.data import (Loader, check_samples, encode_rows, most_anchors, overlap, read_rows, split_eval,
                               synthetic)
 from trainer.run.eval import acceptance_length
-from trainer.run.log import eval_line, heartbeat, step_line
+from trainer.run.log import RunLog, eval_line, heartbeat, step_line
+from trainer.run.trackers import Trackers, check as trackers_to_use
 from trainer.run.target import Target, load_target
 from trainer.train.batches import Batches
 from trainer.train.schedule import lr_at
@@ -87,6 +88,16 @@ def run_folder(cfg: TrainConfig, *, writer: bool) -> Iterator[tuple[Path, Path |
     out, resume_from = open_run(cfg, writer=writer)
     with provenance.running(out) if writer else contextlib.nullcontext():
         yield out, resume_from
+
+
+def open_log(cfg: TrainConfig, out: Path) -> RunLog:
+    """The writer's log: stdout, OUT/metrics.jsonl, and the trackers --report-to names (closed by
+    log.close())."""
+    log = RunLog(out / "metrics.jsonl")
+    names = trackers_to_use(cfg.report_to)
+    if names:
+        log.trackers = Trackers(names, out, log.info)
+    return log
 
 
 def resolve_policy(cfg: TrainConfig, device: torch.device, out: Path | None = None) -> tuple[str, str | None]:
@@ -275,7 +286,8 @@ def run_loop(cfg: TrainConfig, engine: Engine, prep: Prepared, log, stop: thread
             per_pos = (correct / count.clamp(min=1))[1:].tolist()  # block positions 1..B-1
             m = {"step": n, "loss": last_loss, "accuracy": float(correct.sum() / count.sum().clamp(min=1)),
                  "acc_per_position": per_pos, "lr": lr, "grad_norm": res.grad_norm,
-                 "tokens_per_s": batch.tokens / dt, "samples_per_s": len(batch) / dt, "step_s": dt}
+                 "tokens_per_s": batch.tokens / dt, "samples_per_s": len(batch) / dt, "step_s": dt,
+                 "peak_memory_gb": _peak_memory_gb(r0.device)}
             if peak:
                 m["mfu"] = prep.flops * len(batch) / dt / peak
             # this process's pace so far, evals and checkpoints included: what the rest will take
@@ -462,6 +474,15 @@ def _tau_metrics(res: dict | None) -> dict:
     """An eval's numbers in the metric records (what `dflash-ops report` and `status` read)."""
     keys = ("acceptance_length", "rounds", "tau_ci95", "accept_rate_by_position")
     return {k: res[k] for k in keys} if res else {"acceptance_length": None}
+
+
+def _peak_memory_gb(device: torch.device) -> float:
+    """The most memory this process has held so far, in GiB: the CUDA allocator's on a GPU (the
+    primary's device), the resident set on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # KiB on Linux
 
 
 def _peak_flops(device: torch.device) -> float | None:

@@ -23,7 +23,8 @@ from trainer.exits import exit_process, report
 from trainer.run import checkpoint
 from trainer.run.config import TrainConfig
 from trainer.run.log import RunLog
-from trainer.train.loop import devices_for, on_sigterm, owns_process, prepare, resolve_policy, run_folder, run_loop
+from trainer.train.loop import (devices_for, on_sigterm, open_log, owns_process, prepare, resolve_policy, run_folder,
+                                run_loop)
 
 def main(cfg: TrainConfig) -> int:
     if cfg.topology == "processes":
@@ -58,11 +59,14 @@ def main(cfg: TrainConfig) -> int:
 def _main(cfg: TrainConfig, stop: threading.Event) -> int:
     # ---- config and run folder ----------------------------------------------------------------
     with run_folder(cfg, writer=True) as (out, resume_from):
-        return _train(cfg, stop, out, resume_from)
+        log = open_log(cfg, out)
+        try:
+            return _train(cfg, stop, out, resume_from, log)
+        finally:
+            log.close()
 
 
-def _train(cfg: TrainConfig, stop: threading.Event, out, resume_from) -> int:
-    log = RunLog(out / "metrics.jsonl")
+def _train(cfg: TrainConfig, stop: threading.Event, out, resume_from, log: RunLog) -> int:
 
     # ---- devices and compile policy -----------------------------------------------------------
     devices = devices_for(cfg)

@@ -3,8 +3,8 @@
 Runs on the TARGET, under the target's own python, as `python -c SOURCE CMD ...`, SOURCE being
 this module and what it imports, joined by orchestrator/ssh/agent.py. Standard library only,
 Python >= 3.8. Every command prints one JSON document as its last stdout line (a refusal is
-`{"ok": false, "reason": R, ...}`, exit 0), except `follow` and `export`, whose stdout is a JSON
-header line followed by raw bytes.
+`{"ok": false, "reason": R, ...}`, exit 0), except `follow`, `export` and `tensorboard`, whose stdout
+is a JSON header line followed by raw bytes.
 
     launch WORKDIR            stdin: the launch spec (one JSON line), then the bytes of the files
                               it names ("files", runs/upload.py). Checks the release, the probe result
@@ -24,6 +24,9 @@ header line followed by raw bytes.
                               wait for it to checkpoint and exit; RUN bench-PID: that bench-decode
                               (runs/stop.py)
     metrics WORKDIR -- RUN    the log's JSON metric lines
+    tensorboard WORKDIR -- RUN...
+                              the runs' TensorBoard event files from the sizes the controller holds
+                              (stdin), as a header line and bytes (runs/tensorboard.py)
     export WORKDIR [--step N] [--dtype D] [--running-ok] [--target-changed-ok] -- RUN
                               the run's drafter as a DFlash folder, streamed (runs/export.py)
     bench WORKDIR [--step N] [--max-new-tokens N] [--limit N] [--running-ok] [--prompts-bytes N] -- RUN
@@ -75,6 +78,7 @@ from .locks import BENCH, Guard, bench_row, benches, claim, drop, hold_slots
 from .net import IFNAME_VARS, network_env
 from .probe import cmd_probe
 from .stop import cmd_stop
+from .tensorboard import cmd_tensorboard
 from .supervisor import cmd_supervise, exit_record, runs_trainer, spawn_supervisor
 
 STOP_TIMEOUT_S = 120.0
@@ -374,7 +378,7 @@ def _split(args, flags=(), options=()):
 
 def main(argv):
     if len(argv) < 2:
-        fail("usage: runs_agent launch|status|follow|stop|metrics|export|probe|rm|prune|bench "
+        fail("usage: runs_agent launch|status|follow|stop|metrics|export|probe|rm|prune|bench|tensorboard "
              "WORKDIR [OPTIONS] -- [VALUE ...]", 2)
     cmd, workdir, args = argv[0], checked_workdir(argv[1]), list(argv[2:])
     try:
@@ -411,6 +415,9 @@ def main(argv):
         elif cmd == "prune":
             opts, _ = _split(args, ("--dry-run",), ("--keep",))
             cmd_prune(workdir, int(opts.get("--keep", 0)), "--dry-run" in opts)
+        elif cmd == "tensorboard":
+            _, values = _split(args)
+            cmd_tensorboard(workdir, values)
         elif cmd == "probe":
             opts, values = _split(args, ("--reuse",))
             cmd_probe(workdir, values, "--reuse" in opts)
