@@ -39,6 +39,7 @@ LONG = [*IDLE_RUN, "--", "--steps", "1000000"]
 class Env:
     def __init__(self, pct, sshd, path: Path, cfg: Path, tmp: Path):
         self.pct, self.sshd, self.path, self.cfg, self.tmp = pct, sshd, path, cfg, tmp
+        self.source: Path | None = None     # what the fixture deployed
 
     def argv(self, *args) -> list[str]:
         return [sys.executable, "-c", CLI_MAIN, "-i", str(self.path), *map(str, args)]
@@ -82,7 +83,7 @@ def ct(sshd, lxcpct_module, tmp_path_factory):
     cfg = tmp / "tiny.yaml"
     cfg.write_text(tiny_run_config())
     env = Env(lxcpct_module, sshd, path, cfg, tmp)
-    source = copy_trainer(tmp / "src")      # only the trainer package: what a run needs, quick to deploy
+    source = env.source = copy_trainer(tmp / "src")   # only the trainer package: what a run needs, quick to deploy
     res = deploy.deploy(inventory.load(str(path)), [TARGET], source=str(source))[TARGET]
     assert res.ok, res.error
     return env
@@ -203,6 +204,24 @@ def test_launch_follow_stop_and_export(ct):
     assert r.returncode == 0 and f"run {long} stopped (SIGTERM -> exit 143".encode() in r.stdout, r
     r = ct.cli("logs", TARGET, long)
     assert r.returncode == 103 and f"run {long}: stopped".encode() in r.stderr
+
+
+def test_the_train_playbook_deploys_probes_launches_follows_and_exports(ct):
+    """The shipped playbooks/train.yaml, whole, on the real container: deploy, the probe's threads in the
+    container's own torch, a launch on the CPU, the follow to the end, the tau check and the export home."""
+    out = ct.tmp / "play-export"
+    r = ct.cli("play", Path(__file__).resolve().parent.parent / "playbooks" / "train.yaml", TARGET,
+               "--var", f"config={ct.cfg}", "--var", "gpus=0", "--var", "trainer_args=--steps 6",
+               "--var", "probe_policies=eager", "--var", "probe_topologies=threads",
+               "--var", f"source={ct.source}", "--var", f"output={out}", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    play = json.loads(r.stdout)["targets"][TARGET]
+    steps = {s["name"]: s for s in play["steps"]}
+    assert play["ok"] and {"deploy", "probe", "launch", "follow", "tau", "export"} <= set(steps), play
+    assert all(s["status"] in ("ok", "changed") for s in steps.values()), play
+    run = steps["launch"]["result"]["run"]
+    assert ct.status(run)["state"] == "succeeded"
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
 
 
 def _occupy_pids(ct, pids: list[int]) -> list[int]:
