@@ -14,15 +14,15 @@ venv: $(STAMP)
 
 # Two stamps: what the demo runs on (the controller and the trainer: torch, transformers & co), and,
 # on top, what the tests need (pytest, ruff, mypy, the DFlash reference). `make demo` on a fresh
-# clone installs the first only (the test extra cost 19 s of a first demo's ~115 s of venv);
-# `make test` adds the rest to the same venv.
+# clone installs the first only, so a first demo does not wait for the test tools; `make test` adds
+# the rest to the same venv.
 #
-# The packages go in with uv (pinned, installed into the venv by pip): a fresh venv with torch and the
-# train extra took 112 s with pip and 61 s with uv on 2 cores, bytecode compiled by both (uv only
-# with --compile-bytecode; without it, a shell with PYTHONDONTWRITEBYTECODE=1 would compile torch
-# from source in every process). uv reads no pip configuration: $PIP_FIND_LINKS is passed on, and
-# where uv cannot install (no wheel of it for the machine, a registry only pip is set up for) the
-# same line runs with pip.
+# The packages go in with uv (pinned, installed into the venv by pip), which installs a fresh venv
+# faster than pip (docs/decisions.md, "The test suite and the demo"), with bytecode compiled
+# (--compile-bytecode; without it, a shell with PYTHONDONTWRITEBYTECODE=1 would compile torch from
+# source in every process). uv reads no pip configuration: $PIP_FIND_LINKS is passed on, and where
+# uv cannot install (no wheel of it for the machine, a registry only pip is set up for) the same
+# line runs with pip.
 UV_VERSION := 0.13.9
 UV  := $(VENV)/bin/uv
 PIP := $(PY) -m pip install -q --disable-pip-version-check
@@ -53,17 +53,17 @@ $(STAMP): $(TRAIN_STAMP)
 # ruff (pinned in the test extra, configured in pyproject.toml): pyflakes and pycodestyle, lines up
 # to 120 columns. Only checks: nothing here rewrites or reformats the tree. Then mypy (pinned there
 # too, [tool.mypy]): the type hints of orchestrator/ and trainer/ at mypy's default strictness
-# (docs/architecture.md, "Checks"). Its cache is .scratch/mypy-cache (ignored, ~45 MB). Cold (a fresh
-# clone, a new mypy or torch: it reads torch's 1,400 modules) 36-50 s of CPU, 1:45-2:50 on 2 cores
-# shared with other work; warm, a few files changed, 1.5 s of CPU, 4-6 s (make lint whole).
+# (docs/architecture.md, "Checks"). Its cache is .scratch/mypy-cache (ignored, ~45 MB): a cold run (a fresh
+# clone, a new mypy or torch) reads torch whole and is the long part of `make lint`; a warm one reads
+# only the files changed and what imports them.
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
 # Lint first, then two pytest workers, one test file each at a time (module fixtures stay within one
-# worker): the suite waits on sshd, subprocesses and torch start-ups more than it computes, but a third
-# worker on 2 cores did not pay: 728-866 s against 749-807 s with two, and the probe test's compile (the
-# longest file) took 223-309 s beside two others against 153 s beside one (docs/decisions.md).
+# worker): the suite waits on sshd, subprocesses and torch start-ups more than it computes, but on 2
+# cores a third worker slows the compiling files as much as it gains elsewhere (docs/decisions.md,
+# "The test suite and the demo"; the suite's times are in docs/benchmarks.md).
 # Files go out in collection order, where tests/conftest.py puts the slowest first (SLOW_FILES), not
 # xdist's own (most tests first), which left the long files of few tests to the end.
 # The quick room, before every commit: lint, types, the tests marked `quick` by tests/conftest.py (every

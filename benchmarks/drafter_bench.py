@@ -1,4 +1,4 @@
-"""Drafter training-step benchmark (issue 5, "Measure"): fwd + bwd + AdamW per sample, in a worker thread.
+"""Drafter training-step benchmark: fwd + bwd + AdamW per sample, in a worker thread.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/drafter_bench.py --out DIR              # GPU, the 8B shape
     .venv/bin/python benchmarks/drafter_bench.py --tiny --out /tmp/bench          # CPU, end to end

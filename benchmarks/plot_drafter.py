@@ -20,7 +20,7 @@ from _plot import save_png  # noqa: E402
 
 GOAL_MS = 60.0
 SPECFORGE_MS = 105.6
-ROOFLINE_MS = 50.0      # ~790 TFLOP/s practical bf16 roofline over the dense count (issue 5)
+ROOFLINE_MS = 50.0      # ~790 TFLOP/s practical bf16 roofline over the dense count: the drafter's goal
 
 
 def per_sample_breakdown(record: dict) -> dict[str, float]:

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _plot import save_png  # noqa: E402
 
-GOAL_MS = 80.0          # the whole step, one H200 (issue 14)
+GOAL_MS = 80.0          # the goal for the whole step on one H200 (docs/benchmarks.md)
 SPECFORGE_MS = 112.8    # SpecForge 0.2.0's drafter step alone, same GPU and shape
 
 

@@ -1,4 +1,4 @@
-"""Train-step benchmark (issue 14): the trainer's own step, frozen target forward included.
+"""Train-step benchmark: the trainer's own step, frozen target forward included.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/train_step_bench.py --out DIR                      # 1 GPU, 8B shape
     PYTHONUNBUFFERED=1 python3 benchmarks/train_step_bench.py --out DIR --target-mode full   # the old forward
@@ -33,7 +33,7 @@ is approximate (their kernels share the device); the total is exact. Peak memory
 max_memory_allocated per GPU over the timed blocks.
 
 --target-mode: `truncated` (the trainer's default: the target stops after its last tapped layer),
-`full` (the whole base model with every hidden state, as before issue 14), `inference` (truncated,
+`full` (the whole base model with every hidden state, as the trainer once ran it), `inference` (truncated,
 under torch.inference_mode, then cloned so the drafter's autograd may save it: a lever measured
 here, not used by the trainer), `compiled` (truncated, each decoder layer compiled by inductor:
 `Target.compile_layers`, what the trainer does on a GPU under a compiled policy since

@@ -23,8 +23,9 @@ CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
 
 # Every command: its name, and the module and attribute that define it (`--help` lists them sorted,
 # as click does). A command's module is imported when the command runs (or `--help` lists them all): a
-# no-change `deploy` then imports deploy's modules only, not those of probe, runs and play, which were
-# about a third of its start-up (more on a loaded machine, where the controller's CPU is the cost).
+# no-change `deploy` then imports deploy's modules only, not those of probe, runs and play: imports are
+# most of the controller's own CPU, which is what a loaded machine charges every command (docs/decisions.md,
+# "deploy and SSH", has the figures).
 COMMANDS = {
     "targets": ("orchestrator.targets.commands", "targets"),
     "exec": ("orchestrator.targets.commands", "exec_"),

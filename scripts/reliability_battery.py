@@ -1,6 +1,6 @@
 """The reliability battery: each fault case's reproductions, run as tests, and what held.
 
-    .venv/bin/python scripts/reliability_battery.py            # ~5 minutes on 2 cores
+    .venv/bin/python scripts/reliability_battery.py            # minutes on 2 cores
     .venv/bin/python scripts/reliability_battery.py --list     # the cases and their tests, no run
 
 Every case is a fault that once broke the tool (a killed agent, a hostile inventory, an unsafe

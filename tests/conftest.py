@@ -44,39 +44,37 @@ lxcnode_module = _load_fixture("lxcnode")     # real LXC containers (tests/fixtu
 # ---- order: the slowest files first ------------------------------------------------------------
 
 # `make test` runs two workers, each one test file at a time, handed out in collection order
-# (--dist loadfile --no-loadscope-reorder). These files take 20 s or more, so they start first,
-# longest first: a long file started last would run on while the other workers have nothing left.
-# Seconds: each file alone on the 2-core machine, others' work beside it, re-measured at load ~1 after
-# the test sshd stopped reading root's .bashrc and the trainer's programs froze their objects at exit;
-# later changes scaled by their A/B ratio alone on a quiet machine (those runs are in the git history of
-# docs/benchmarks.md; its section 14, C9, has each file's current figure on a faster machine).
-# test_transport_ssh (23 -> ~13 s) left the list.
+# (--dist loadfile --no-loadscope-reorder). These files take the longest, so they start first, longest
+# first: a long file started last would run on while the other workers have nothing left. The order
+# follows each file's measured time on the 2-core machine (docs/benchmarks.md, the suite's rows, has
+# the current figures; this list's earlier ones are in this file's git history): re-measure and
+# reorder when a file's cost changes much. Each line says what makes the file long.
 SLOW_FILES = (
-    "test_controller_signals.py",   # ~60-80: launch/regen/follow interrupted, a private sshd killed and restarted
-    "test_real_containers.py",      # 59-75 (load 2-4; 170 at load 5) with the LXC base cached; + ~150 to build it
-    "test_probe_program.py",        # 130: the probe's policy x topology matrix, inductor compiled cold
-    "test_runs_lifecycle.py",       # 106 (112 before its resume test's reference run trained in pytest's process)
-    "test_numerics.py",             # 88 with a cold inductor cache (67 warmer)
-    "test_bench_decode_remote.py",  # 60-69, + issue 43's kill sequence: 101 -> 118 s beside other work (load ~2.5)
-    "test_probe_remote.py",         # 53
-    "test_play_remote.py",          # 52
-    "test_nodes.py",                # 52
-    "test_trainer_topology.py",     # 47
-    "test_distill.py",              # ~45 (measured beside another helper's tests): two trainer runs, a trace
-    "test_muon.py",                 # ~110 beside other helpers' work (load 6 on 2 cores): torchrun vs threads, 2 runs
-    "test_dpace.py",                # ~45 beside other helpers' work (load 6 on 2 cores): a trainer run, a trace
-    "test_export_remote.py",        # 46 (54 before two export processes fewer)
-    "test_regen_remote.py",         # 45
-    "test_probe_schedule.py",       # 43 (50 before its stand-in case's child stopped holding the case's pipe)
-    "test_job_ends_as_one.py",      # 39
-    "test_train_step_bench.py",     # 34
-    "test_trainer_e2e.py",          # 29
-    "test_small_target.py",         # 28
-    "test_launch_safety.py",        # 27
-    "test_trainer_kernels.py",      # ~26 (20.8 alone on a quiet machine, where small_target took 17.7): flex compiles
-    "test_deploy_reliability.py",   # 24
-    "test_deploy.py",               # 20
-    "test_logs_terminal.py",        # 20
+    "test_controller_signals.py",   # launch/regen/follow interrupted, a private sshd killed and restarted
+    "test_real_containers.py",      # real LXC containers (longer on a loaded machine; building the base, once)
+    "test_probe_program.py",        # the probe's policy x topology matrix, inductor compiled cold
+    "test_runs_lifecycle.py",       # runs launched, resumed, stopped and removed through the real sshd
+    "test_numerics.py",             # compiled steps against eager (faster with a warm inductor cache)
+    "test_bench_decode_remote.py",  # bench-decode through the agent, and its kill sequence
+    "test_probe_remote.py",         # the probe through the runs agent
+    "test_play_remote.py",          # playbooks against the real sshd
+    "test_nodes.py",                # one job over two namespaced nodes, each with its sshd
+    "test_trainer_topology.py",     # threads against torchrun ranks
+    "test_distill.py",              # two trainer runs, a trace
+    "test_muon.py",                 # torchrun against threads, two runs
+    "test_dpace.py",                # a trainer run, a trace
+    "test_export_remote.py",        # export streamed from a trained run
+    "test_regen_remote.py",         # regen launched as a run
+    "test_probe_schedule.py",       # timed stand-in cases side by side
+    "test_job_ends_as_one.py",      # two-node jobs over loopback gloo, each failure ended
+    "test_train_step_bench.py",     # the train-step benchmark
+    "test_trainer_e2e.py",          # the trainer end to end
+    "test_small_target.py",         # the small real target, regen and specdec
+    "test_launch_safety.py",        # launches whose agent is killed; reconnects
+    "test_trainer_kernels.py",      # FlexAttention compiles
+    "test_deploy_reliability.py",   # deploy under concurrency, damage and full disks
+    "test_deploy.py",               # deploys through the real sshd
+    "test_logs_terminal.py",        # logs followed on a terminal
 )
 
 
@@ -119,7 +117,7 @@ HEAVY_FILES = ("test_trainer_run.py", "test_heartbeat.py", "test_cpu_shards.py",
                "test_export_parity.py", "test_fp8.py", "test_export_speculators.py", "test_cpu_capabilities.py",
                "test_real_containers.py", "test_drafter_bench.py", "test_rank_mesh.py", "test_flex_bench.py",
                "test_gemm_bench.py", "test_gate.py")
-HEAVY_NAMES = ("compile", "inductor")     # a test that compiles: tens of seconds on 2 cores
+HEAVY_NAMES = ("compile", "inductor")     # a test that compiles: too long for the quick room
 QUICK_SMOKE = "test_runs_lifecycle.py::test_launch_detaches_then_logs_follow_to_success"
 
 

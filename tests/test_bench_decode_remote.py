@@ -162,7 +162,7 @@ def in_container(private: Path) -> list[int]:
 
 def ends_with_its_controller(ct, run: str) -> None:
     """A bench-decode lives as long as its controller, and status and stop see it (in the test above, on its
-    trained run: one training run fewer). Issue 43: a bench-decode's agent and specdec ran on for minutes after
+    trained run: one training run fewer). Before, a bench-decode's agent and specdec ran on for minutes after
     its controller was killed or timed out, holding the slot, unseen by `status`, beyond `stop`; Ctrl-C left the
     slot's lock and its folder. Each way it can end, at the worker it runs then (export or specdec), and what must
     hold after it: nothing of it running in the container, the slot free (the next bench-decode takes it), no

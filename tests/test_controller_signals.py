@@ -1,6 +1,6 @@
-"""The controller (`dflash-ops`) interrupted, through a real sshd into the pct stand-in (reliability round
-5): Ctrl-C, SIGTERM and SIGKILL of a `launch` while its agent stands at a point of the launch sequence
-(held there by DFLASH_OPS_AGENT_FAULTS=pause_at=POINT:PATH) and of a `logs --follow`; the sshd itself
+"""The controller (`dflash-ops`) interrupted, through a real sshd into the pct stand-in: Ctrl-C,
+SIGTERM and SIGKILL of a `launch` while its agent stands at a point of the launch sequence (held there
+by DFLASH_OPS_AGENT_FAULTS=pause_at=POINT:PATH) and of a `logs --follow`; the sshd itself
 killed under a follow and under an exec; `rm` of a running run and of an id with `../`. Each checks the
 target afterwards: processes, slot locks, leftovers, and that the next command works."""
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""benchmarks/decode_engines.py on the stored H200 measurements: G7 (docs/data/decode-engines-h200-2026-12-03),
-the run that found the per-prompt set-up, and G8 (docs/data/decode-engines-h200-2026-12-03b), the same recipe
-with each prompt's forward warmed: the figures docs/benchmarks.md section 16, docs/decoding.md,
+"""benchmarks/decode_engines.py on the stored H200 measurements: ENGINES_1203
+(docs/data/decode-engines-h200-2026-12-03), the run that found the per-prompt set-up, ENGINES_1203B
+(docs/data/decode-engines-h200-2026-12-03b), the same recipe with each prompt's forward warmed, and
+ENGINES_1205 (docs/data/decode-engines-h200-2026-12-05), both decodes compiled: the figures
+docs/benchmarks.md section 16, docs/decoding.md,
 docs/fidelity.md and docs/recipe.md quote come out of them, recomputed, and the current ones are found in
 those documents as written."""
 from __future__ import annotations
@@ -18,14 +20,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 from decode_engines import bar_scale, figures, main  # noqa: E402
 
-G7 = REPO / "docs" / "data" / "decode-engines-h200-2026-12-03"
-G8 = REPO / "docs" / "data" / "decode-engines-h200-2026-12-03b"  # G7's recipe again, prompts warmed
-G9 = REPO / "docs" / "data" / "decode-engines-h200-2026-12-05"   # best against best: both compiled
+ENGINES_1203 = REPO / "docs" / "data" / "decode-engines-h200-2026-12-03"
+ENGINES_1203B = REPO / "docs" / "data" / "decode-engines-h200-2026-12-03b"  # the same recipe, prompts warmed
+ENGINES_1205 = REPO / "docs" / "data" / "decode-engines-h200-2026-12-05"   # best against best: both compiled
 SHAPES = REPO / "docs" / "data" / "decode-shapes-h200" / "qwen3-8b-bf16.json"
 
 
 def test_the_stored_measurement_gives_the_documented_figures(capsys):
-    assert main([str(G7), "--json"]) == 0
+    assert main([str(ENGINES_1203), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     bf16, fp32, eager = rows["graphs-bf16"], rows["graphs-fp32"], rows["eager-fp32"]
     assert (bf16["prompts"], fp32["prompts"], eager["prompts"]) == (240, 240, 20)
@@ -39,17 +41,17 @@ def test_the_stored_measurement_gives_the_documented_figures(capsys):
 
 
 @pytest.fixture(scope="module")
-def g8() -> dict:
-    """decode_engines.py's rows of G8, once for the tests below (10,000 resamples each)."""
+def warmed() -> dict:
+    """decode_engines.py's rows of ENGINES_1203B, once for the tests below (10,000 resamples each)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main([str(G8), "--json"]) == 0
+        assert main([str(ENGINES_1203B), "--json"]) == 0
     return json.loads(out.getvalue())
 
 
-def test_the_warmed_measurement_gives_the_documented_figures(g8):
-    bf16, fp32 = g8["graphs-bf16"], g8["graphs-fp32"]
-    assert set(g8) == {"graphs-bf16", "graphs-fp32"}     # no eager run, so no run cut to its prompts
+def test_the_warmed_measurement_gives_the_documented_figures(warmed):
+    bf16, fp32 = warmed["graphs-bf16"], warmed["graphs-fp32"]
+    assert set(warmed) == {"graphs-bf16", "graphs-fp32"}     # no eager run, so no run cut to its prompts
     assert (bf16["prompts"], fp32["prompts"]) == (240, 240)
     assert round(bf16["speedup"], 2) == 1.70 and [round(x, 2) for x in bf16["speedup_ci95"]] == [1.63, 1.78]
     assert round(bf16["speedup_median"], 2) == 1.54
@@ -61,23 +63,23 @@ def test_the_warmed_measurement_gives_the_documented_figures(g8):
     assert fp32["equal"] == 240 and fp32["margins_where_differ"] == []    # lossless
     assert round(fp32["speedup"], 2) == 1.40 and [round(x, 2) for x in fp32["speedup_ci95"]] == [1.34, 1.46]
     assert round(fp32["tau"], 2) == 2.88 and round(fp32["model"]["tau_for_2x"], 2) == 3.96
-    docs = {k: json.loads((G8 / f"specdec-{k}.json").read_text()) for k in g8}
+    docs = {k: json.loads((ENGINES_1203B / f"specdec-{k}.json").read_text()) for k in warmed}
     assert all(d["lossless"] is (k == "graphs-fp32") for k, d in docs.items())
     # 2x at this round cost: 2 x a round / a token alone, both as the document measured them
     doc = docs["graphs-bf16"]
     assert round(2 * doc["ms_per_round"]["all"] / doc["target_ms_per_token"], 2) == 3.19
     assert round(doc["target_ms_per_token"], 2) == 2.15
-    # the first 20 prompts, where G7's eager run stopped
+    # the first 20 prompts, where ENGINES_1203's eager run stopped
     first = {k: figures(d, 20) for k, d in docs.items()}
     assert [round(first[k]["speedup"], 2) for k in docs] == [1.56, 1.34] and first["graphs-bf16"]["equal"] == 8
 
 
-def test_the_warmed_measurement_left_no_first_seen_cost(g8):
-    """G7's bf16 decode paid ~60 ms at a prompt length seen first (~16 after): with each prompt's forward run
+def test_the_warmed_measurement_left_no_first_seen_cost(warmed):
+    """ENGINES_1203's bf16 decode paid ~60 ms at a prompt length seen first (~16 after): with each prompt's forward run
     once untimed, the timed forwards are alike with and without the drafter, first-seen lengths included."""
-    bf16 = g8["graphs-bf16"]
+    bf16 = warmed["graphs-bf16"]
     assert [round(x, 1) for x in bf16["prefill_ms_per_prompt"]] == [19.7, 18.8]
-    rows = json.loads((G8 / "specdec-graphs-bf16.json").read_text())["per_prompt"]
+    rows = json.loads((ENGINES_1203B / "specdec-graphs-bf16.json").read_text())["per_prompt"]
     seen: set[int] = set()
     first = []
     for r in rows:
@@ -105,20 +107,20 @@ def _x(block: dict) -> str:
     return f"{block['speedup']:.2f}x ({lo:.2f}-{hi:.2f}"
 
 
-def test_the_documents_lead_with_the_lossless_figure_and_label_the_bf16_one(g8):
-    """Issue 49: the figures the documents quote, recomputed from G8's documents by decode_sample (the
-    same code specdec's summary uses): the lossless float32 headline (one-token prompts left out) and
+def test_the_documents_lead_with_the_lossless_figure_and_label_the_bf16_one(warmed):
+    """The figures the documents quote, recomputed from ENGINES_1203B's documents by decode_sample (the same
+    code specdec's summary uses): the lossless float32 headline (one-token prompts left out) and
     the figure without loops, each where it is quoted; bf16's figure never without its "K/N equal"
     label; the best-against-best estimate and the tau 2x needs with the prompt's forward in."""
     from trainer.run.decode_model import RoundCosts, tau_for
     from trainer.run.decode_sample import split_figures
 
-    docs = {k: json.loads((G8 / f"specdec-{k}.json").read_text()) for k in ("graphs-fp32", "graphs-bf16")}
+    docs = {k: json.loads((ENGINES_1203B / f"specdec-{k}.json").read_text()) for k in ("graphs-fp32", "graphs-bf16")}
     fp, bf = (split_figures(docs[k]["per_prompt"], resamples=10_000, seed=0) for k in docs)
     head, bare, bf_head = fp["excluding_one_token"], fp["excluding_one_token_and_loops"], bf["excluding_one_token"]
     assert fp["all"]["lossless"] and not bf["all"]["lossless"] and bf["all"]["equal_prompts"] == 137
     d = docs["graphs-bf16"]
-    best = 0.9529130383858759 / (d["ms_per_round"]["all"] / d["tau"])   # the compiled target alone (G4)
+    best = 0.9529130383858759 / (d["ms_per_round"]["all"] / d["tau"])   # the compiled target alone
     m, pre = d["ms_per_round"], d["prefill_ms_per_prompt"]
     costs = RoundCosts(step=d["target_ms_per_token"] / 1e3, draft=m["draft"] / 1e3, verify=m["verify"] / 1e3,
                        extend=m["extend"] / 1e3, round=m["all"] / 1e3, prefill_alone=pre["alone"] / 1e3,
@@ -142,14 +144,14 @@ def test_the_documents_lead_with_the_lossless_figure_and_label_the_bf16_one(g8):
 
 
 
-def test_the_best_against_best_figures_come_from_g9_and_the_8b_shape():
-    """Issue 51: the current figures the documents quote, recomputed: G9's lossless headline and the same
-    without loops (decode_sample, from every prompt's rounds and seconds), the tau 2x needs at G9's costs
-    with the prompt's forward in, and what G9's tau predicts at Qwen3-8B's measured step costs."""
+def test_the_best_against_best_figures_come_from_the_compiled_run_and_the_8b_shape():
+    """The current figures the documents quote, recomputed: ENGINES_1205's lossless headline and the same
+    without loops (decode_sample, from every prompt's rounds and seconds), the tau 2x needs at its costs
+    with the prompt's forward in, and what ENGINES_1205's tau predicts at Qwen3-8B's measured step costs."""
     from trainer.run.decode_model import RoundCosts, speedup_at, tau_for
     from trainer.run.decode_sample import split_figures
 
-    doc = json.loads((G9 / "specdec-graphs-fp32.json").read_text())
+    doc = json.loads((ENGINES_1205 / "specdec-graphs-fp32.json").read_text())
     assert doc["mode"] == {"alone": "graphs+compile", "spec": "graphs+compile"} and doc["dtype"] == "float32"
     fp = split_figures(doc["per_prompt"], resamples=10_000, seed=0)
     head, bare = fp["excluding_one_token"], fp["excluding_one_token_and_loops"]
@@ -177,7 +179,7 @@ def test_the_best_against_best_figures_come_from_g9_and_the_8b_shape():
 def test_a_bench_decode_document_reads_as_specdecs(tmp_path, capsys):
     """`dflash-ops bench-decode --json` keeps specdec's round-cost model as cost_model ("model" is the run's
     --target there): the table reads it from either."""
-    doc = json.loads((G7 / "specdec-graphs-bf16.json").read_text())
+    doc = json.loads((ENGINES_1203 / "specdec-graphs-bf16.json").read_text())
     bench = {**doc, "model": "small-code-gpu", "cost_model": doc["model"], "target": "ct200"}
     (tmp_path / "specdec-bench.json").write_text(json.dumps(bench))
     assert main([str(tmp_path), "--json"]) == 0
@@ -185,10 +187,10 @@ def test_a_bench_decode_document_reads_as_specdecs(tmp_path, capsys):
 
 
 def test_a_folder_of_graphs_runs_alone_plots_on_a_linear_axis(tmp_path, capsys):
-    """G8 (2026-12-03b) made no eager run: the table and the plot come out of the two graphs documents,
+    """ENGINES_1203B (2026-12-03b) made no eager run: the table and the plot come out of the two graphs documents,
     whose bars (~1.4 to ~2.3 ms) a log axis would cut off near the shortest; eager beside them keeps it."""
     pytest.importorskip("matplotlib")
-    assert main([str(G8), "-o", str(tmp_path / "p.png")]) == 0
+    assert main([str(ENGINES_1203B), "-o", str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["| graphs-bf16",
                                                                                            "| graphs-fp32"]
@@ -200,10 +202,10 @@ def test_a_folder_without_documents_is_one_line_and_exit_2(tmp_path, capsys):
     assert "no specdec-*.json" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("folder, speedup, need", [(G7, "1.48x", "3.14"), (G8, "1.70x", "3.19")])
+@pytest.mark.parametrize("folder, speedup, need", [(ENGINES_1203, "1.48x", "3.14"), (ENGINES_1203B, "1.70x", "3.19")])
 def test_the_closing_lines_say_what_tau_2x_needs_where_it_was_not_reached(folder, speedup, need):
-    """specdec's closing line and bench-decode's summary on the stored bf16 documents (G7, G8): the tau at
-    which these round costs would give 2x; a document at 2x or more says nothing of it."""
+    """specdec's closing line and bench-decode's summary on the stored bf16 documents (ENGINES_1203,
+    ENGINES_1203B): the tau at which these round costs would give 2x; a document at 2x or more says nothing of it."""
     pytest.importorskip("torch")
     from orchestrator.runs.bench_decode import summary
     from trainer.run.specdec import result_line

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-G9 = REPO / "docs/data/decode-engines-h200-2026-12-05/specdec-graphs-fp32.json"
+ENGINES_1205 = REPO / "docs/data/decode-engines-h200-2026-12-05/specdec-graphs-fp32.json"
 SHAPES = REPO / "docs/data/decode-shapes-h200/qwen3-8b-bf16.json"
 
 
@@ -34,8 +34,8 @@ def by_hand(ms: dict, tau: float, n: int, *, verify=None, draft=None, extend=Non
 
 
 def test_each_lever_is_the_model_with_one_part_changed(capsys):
-    r = _load().report(str(G9), str(SHAPES))
-    doc = json.loads(G9.read_text())
+    r = _load().report(str(ENGINES_1205), str(SHAPES))
+    doc = json.loads(ENGINES_1205.read_text())
     ms, tau, n = doc["model"]["costs_ms"], doc["tau"], doc["model"]["new_tokens"]
     rows = {row["lever"]: row["speedup"] for row in r["levers"]}
     assert rows["as measured"] == pytest.approx(doc["model"]["predicted"]["speedup"], rel=0.02)

@@ -10,12 +10,12 @@ import pytest
 from trainer.run.decode_sample import figures, loop_period, loop_span, one_token, split_figures, structure
 from trainer.run.stats import cluster_bootstrap
 
-G8 = Path(__file__).resolve().parent.parent / "docs" / "data" / "decode-engines-h200-2026-12-03b"
+ENGINES_1203B = Path(__file__).resolve().parent.parent / "docs" / "data" / "decode-engines-h200-2026-12-03b"
 TEXT = [int(c) for c in "31415926535897932384626433832795028841971693993751058209749445923078164062862"]
 
 
-def g8(dtype: str) -> dict:
-    return json.loads((G8 / f"specdec-graphs-{dtype}.json").read_text())
+def warmed(dtype: str) -> dict:
+    return json.loads((ENGINES_1203B / f"specdec-graphs-{dtype}.json").read_text())
 
 
 @pytest.mark.parametrize("period", [1, 3, 6])
@@ -43,8 +43,8 @@ def test_no_loop(tokens):
     assert loop_period(tokens) is None
 
 
-def test_a_natural_g8_output_is_not_a_loop():
-    rows = g8("fp32")["per_prompt"]
+def test_a_natural_warmed_output_is_not_a_loop():
+    rows = warmed("fp32")["per_prompt"]
     assert len(rows[0]["tokens"]) == 128 and loop_period(rows[0]["tokens"]) is None
 
 
@@ -113,8 +113,8 @@ def test_without_a_baseline_there_is_no_speedup_and_no_check():
 
 
 @pytest.mark.parametrize("dtype, one, loops, equal", [("bf16", 39, 45, 137), ("fp32", 36, 47, 240)])
-def test_the_g8_documents(dtype, one, loops, equal):
-    doc = g8(dtype)
+def test_the_warmed_documents(dtype, one, loops, equal):
+    doc = warmed(dtype)
     got = split_figures(doc["per_prompt"])  # specdec's own resamples and seed
     assert len(got["one_token"]) == one and len(got["loops"]) == loops
     assert all(len(doc["per_prompt"][x["prompt"]]["tokens"]) == 128 for x in got["loops"])  # they ran to the budget

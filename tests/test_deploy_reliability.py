@@ -1,4 +1,4 @@
-"""deploy under concurrency, damage, odd links and full disks (issue 11, cases 1-4 and 8), against
+"""deploy under concurrency, damage, odd links and full disks, against
 the real sshd + pct stand-in. Races are forced, not hoped for: a deploy is held mid-stream by
 its progress callback (it then holds the deploy lock and owns a `.partial` folder)."""
 import hashlib

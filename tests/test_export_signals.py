@@ -1,4 +1,4 @@
-"""`export` killed at the controller mid-transfer (issue 43): SIGINT, SIGTERM and SIGKILL while the folder
+"""`export` killed at the controller mid-transfer: SIGINT, SIGTERM and SIGKILL while the folder
 streams home; and its controller, agent or worker killed while the target exports or mid-transfer.
 
 The export on the target is a stub release's trainer.export (no torch). Mid-transfer: its second file is

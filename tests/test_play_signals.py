@@ -1,4 +1,4 @@
-"""`play` interrupted at the controller while a step's command runs in the container (issue 43): Ctrl-C
+"""`play` interrupted at the controller while a step's command runs in the container: Ctrl-C
 (SIGINT) and SIGTERM end that command (its whole process group, as `exec` does), the play exits 130 / 143
 with one line naming the target and step where it stopped; SIGKILL ends it too (the closed connection);
 each way its player's lock is free, its record holds the steps that ended, and `--from` resumes there.

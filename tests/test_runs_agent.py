@@ -191,7 +191,7 @@ def test_launch_refusals(wd, tmp_path):
     assert not (wd / "runs" / "k-a").exists() and not (wd / "runs" / "k-b").exists()
 
 
-# ---- issue 11: values never options, deaths after the end, no space ---------------------------
+# ---- values never options, deaths after the end, no space -------------------------------------
 
 def test_a_run_id_is_never_read_as_an_option(wd):
     launch(wd, "o-a", extra=["--steps", "5000"])
@@ -272,7 +272,7 @@ def test_launch_on_a_full_disk_leaves_nothing_behind(wd):
         subprocess.run(["umount", "-l", str(runs)], check=False)
 
 
-# ---- issue 13: names, chosen GPUs, resume in place, rm and prune ------------------------------
+# ---- names, chosen GPUs, resume in place, rm and prune ----------------------------------------
 
 def test_gpu_ids_take_exactly_those_slots_and_a_name_is_shown(wd):
     doc = launch(wd, "g-a", gpus=0, total=4, gpu_ids=[0, 3], name="first try",

@@ -12,7 +12,7 @@ from runs_agent_stub import SOURCE, _gone, _json, agent, ended, launch, state
 from trainer_quick import wait_for
 
 
-# ---- issue 29: the launch sequence, killed at each of its points --------------------------------
+# ---- the launch sequence, killed at each of its points ------------------------------------------
 
 # Where a SIGKILL leaves nothing running (the slot free), a supervised run, or (the supervisor killed
 # after the trainer started) a run that runs on unsupervised, its slot still taken.

@@ -269,7 +269,7 @@ def test_a_run_that_finishes_after_its_supervisor_was_killed_succeeded(ct):
     assert not (ct.rundir(run) / "exit.json").exists()     # judged from the trainer's log
 
 
-# ---- issue 13: run housekeeping --------------------------------------------------------------
+# ---- run housekeeping ------------------------------------------------------------------------
 
 def _final_weights(rundir: Path):
     torch = pytest.importorskip("torch")

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 from specdec_bootstrap import figures, main, read_doc, read_log  # noqa: E402
 
-R5 = REPO / "docs" / "data" / "small-target-r5-h200"
+SMALL_TARGET_RUN = REPO / "docs" / "data" / "small-target-r5-h200"
 
 
 def test_a_logs_lines_give_each_prompts_rounds_without_the_prefills_token():
@@ -29,9 +29,9 @@ def test_a_line_of_another_format_is_refused():
         read_log("specdec: prompt 1/1: 128 tokens, tau 2.12, 48.5 -> 74.4 tokens/s\n")
 
 
-def test_r5s_log_gives_its_documents_totals():
-    rows = read_log((R5 / "specdec-main-speed.log").read_text())
-    doc = json.loads((R5 / "specdec-main-speed.json").read_text())
+def test_the_small_target_runs_log_gives_its_documents_totals():
+    rows = read_log((SMALL_TARGET_RUN / "specdec-main-speed.log").read_text())
+    doc = json.loads((SMALL_TARGET_RUN / "specdec-main-speed.json").read_text())
     assert len(rows) == doc["prompts"] and sum(r["tokens"] for r in rows) == doc["tokens"]
     got = figures(rows, resamples=200)
     assert got["rounds"] == doc["rounds"] and got["tau"] == doc["tau"]
@@ -56,15 +56,15 @@ def test_a_document_with_per_prompt_records(tmp_path, capsys):
 
 
 def test_an_old_document_is_refused_with_one_line(capsys):
-    assert main([str(R5 / "specdec-main-speed.json")]) == 2
+    assert main([str(SMALL_TARGET_RUN / "specdec-main-speed.json")]) == 2
     assert "give its log instead" in capsys.readouterr().err
 
 
-G8 = REPO / "docs" / "data" / "decode-engines-h200-2026-12-03b"
+ENGINES_1203B = REPO / "docs" / "data" / "decode-engines-h200-2026-12-03b"
 
 
-def test_g8s_documents_print_the_lossless_one_first_then_the_sample_then_the_subsets(capsys):
-    bf16, fp32 = G8 / "specdec-graphs-bf16.json", G8 / "specdec-graphs-fp32.json"
+def test_the_warmed_documents_print_the_lossless_one_first_then_the_sample_then_the_subsets(capsys):
+    bf16, fp32 = ENGINES_1203B / "specdec-graphs-bf16.json", ENGINES_1203B / "specdec-graphs-fp32.json"
     assert main([str(bf16), str(fp32), "--resamples", "200"]) == 0
     out = capsys.readouterr().out
     first, second = out.split(f"{bf16}:")
@@ -77,8 +77,9 @@ def test_g8s_documents_print_the_lossless_one_first_then_the_sample_then_the_sub
     assert lines[3].startswith("  all prompts (n 240): tau 2.90 (95% ") and "speedup 1.70x" in lines[3]
 
 
-def test_g8s_document_as_json_with_drop_tau(capsys):
-    assert main([str(G8 / "specdec-graphs-bf16.json"), "--json", "--resamples", "100", "--drop-tau", "10"]) == 0
+def test_the_warmed_document_as_json_with_drop_tau(capsys):
+    doc = ENGINES_1203B / "specdec-graphs-bf16.json"
+    assert main([str(doc), "--json", "--resamples", "100", "--drop-tau", "10"]) == 0
     split, without = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     assert split["dtype"] == "bfloat16" and split["agreement"].startswith("bf16, 137/240 equal")
     assert split["all"]["prompts"] == 240 and len(split["one_token"]) == 39

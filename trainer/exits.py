@@ -64,7 +64,7 @@ def exit_process(code: int, *, finalize: bool | None = None) -> NoReturn:
 
     finalize=True: `sys.exit` (atexit handlers and finalizers run), every object alive then frozen
     first: the interpreter's last collections would walk all of torch's and transformers' objects
-    several times over (0.8 s of a `tiny` run's exit on 2 cores; 0.1 s frozen). Frozen objects are
+    several times over, most of a short run's exit (docs/decisions.md). Frozen objects are
     left to the OS, as the process's memory is; garbage in cycles goes unfinalized, and nothing
     needs it: files are closed where they are written. finalize=False: flush stdout and
     stderr, then `os._exit`, where finalization could crash or hang after the outcome is known (a

@@ -27,8 +27,8 @@ from trainer import faults
 POLICY_NAMES = ("eager", "inductor", "max-autotune-no-cudagraphs", "reduce-overhead",
                 "cudagraphs-no-trees")
 # What a probe without --policies tries: every policy but max-autotune-no-cudagraphs, whose first
-# compile autotunes GEMMs for minutes (no first step in 280 s at the 8B shape, > 190 s for the probe's
-# unit on one H200; docs/probe-h200.md). It stays a policy: --policies names it to probe it.
+# compile autotunes GEMMs for minutes before the first step (docs/probe-h200.md). It stays a policy:
+# --policies names it to probe it.
 # `--compile-policy auto`: the probe's saved choice for this host, resolved by the trainer (resolve());
 # the default everywhere a policy is asked for. POLICY_CHOICES: what a user may name.
 AUTO = "auto"
@@ -214,9 +214,9 @@ def cores() -> int:
 
 def passive_waits() -> None:
     """Idle OpenMP threads sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE, unless set): on a
-    machine that other work also loads, spinning threads take the cores the working ones need
-    (regen 3x, specdec 4x slower on 2 busy cores, scripts/demo.sh). OpenMP reads it once, when torch
-    loads it: call before torch is imported."""
+    machine that other work also loads, spinning threads take the cores the working ones need, and
+    regen and specdec slow down several times over (docs/decisions.md has the figures). OpenMP reads
+    it once, when torch loads it: call before torch is imported."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
@@ -226,7 +226,7 @@ def busy_cores(window: float = 0.3) -> float:
     iowait), times the cores this process may run on (cores(): its affinity, which a container's
     cpuset narrows while /proc/stat may still count the host's). Not the load average: its
     one-minute mean still counts work that just ended (the venv's install before a first demo, the
-    probe before the build), which made a quiet machine look half busy. Off Linux: the one-minute
+    probe before the build), which made a quiet machine look busy. Off Linux: the one-minute
     load average."""
     def sample() -> list[int] | None:
         try:

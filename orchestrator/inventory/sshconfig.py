@@ -32,14 +32,14 @@ def paramiko():
     """paramiko, imported on first use so `dflash-ops --help` stays fast, and without `invoke`.
 
     paramiko.config imports invoke inside a try/except, only to run `Match exec` lines of an
-    ssh_config; invoke's import (it pulls in asyncio and unittest.mock) is ~85 ms of every
-    command, about a fifth of a no-change deploy. So invoke is hidden for the length of that one
+    ssh_config; invoke's import pulls in asyncio and unittest.mock, a large share of every
+    command's start (docs/decisions.md, "deploy and SSH"). So invoke is hidden for the length of that one
     import and the entry removed again: nothing else in the process is affected, and
     paramiko.config raises its ImportError only if asked to run `Match exec` (reported as one
     line by `load`).
 
     paramiko's `__init__` also imports importlib.metadata (with email, zipfile and csv behind it,
-    ~50 ms, a tenth of a no-change deploy) only to read its own version for the SSH banner. That
+    again a share of every command's start) only to read its own version for the SSH banner. That
     one call is answered from the name of paramiko's `.dist-info` folder instead, for the length of
     the import (`_metadata_stand_in`); where the folder is not found the real module is imported."""
     # Under a lock: targets connect from parallel threads, and a second thread must neither see

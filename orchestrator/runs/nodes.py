@@ -1,6 +1,6 @@
 """A run as a job of one or more nodes: launch, follow and stop go through here whatever the
 number of nodes. Over several nodes it is one DDP job, one torchrun per target, joined by
-torchrun's c10d rendezvous (docs/architecture.md, "Several nodes").
+torchrun's c10d rendezvous (docs/nodes-internals.md).
 
 `launch` starts the same run id on every target at once (agent.fan_out), the first target
 hosting the rendezvous at its `train_address:train_port`; when any target refuses or fails, the

@@ -48,9 +48,9 @@ RUNS = "runs.agent"           # launch, status, follow, stop, metrics, export, b
 OPTIONS = {RELEASE: ("-S",)}
 MAX_WORKERS = 16
 # A part's relative import: one line, `from .X import a, b` / `from ..X import c` at the top level.
-# Read line by line, not by ast.parse: parsing the parts cost ~24 ms of CPU in every command that
-# reaches a target (a tenth of a no-change deploy's controller; tests/test_agent.py holds the scan to
-# ast's reading of every part). A relative import over several lines is refused by name.
+# Read line by line, not by ast.parse: parsing every part would be paid in every command that reaches
+# a target, where the controller's own CPU is what a no-change deploy costs (tests/test_agent.py holds
+# the scan to ast's reading of every part). A relative import over several lines is refused by name.
 _RELATIVE = re.compile(r"from (\.+)([\w.]*) import [\w, ]+")
 
 

@@ -78,8 +78,8 @@ class _QuickAck(socket.socket):
     clears the flag by itself). sshd leaves Nagle on for commands without a tty: after
     authentication it sends small messages the client does not answer (a hostkeys request, the
     authorized_keys debug lines), then holds the reply to the first channel open until those are
-    acknowledged, which a delayed ACK does only after ~40 ms. That wait was the first command's
-    on every connection, half again what the command itself took over loopback (8 ms then)."""
+    acknowledged, which a delayed ACK does only when its timer fires. That wait fell on the first
+    command of every connection, longer than the command itself over loopback (docs/decisions.md)."""
 
     def recv(self, bufsize: int, flags: int = 0) -> bytes:
         data = super().recv(bufsize, flags)
@@ -99,8 +99,8 @@ def _dial(host: Host, deadline: float) -> socket.socket:
         raise socket.timeout("timed out")
     conn = socket.create_connection((host.address, host.port), timeout=left)
     # paramiko leaves Nagle on: two small messages in a row (a channel's EOF and CLOSE, which it sends
-    # together when the command's stdin was held open to its end, exec's) wait ~40 ms for the server's
-    # delayed ACK, and the next command on the connection behind them. Its packets are whole sends.
+    # together when the command's stdin was held open to its end, exec's) wait for the server's
+    # delayed ACK timer, and the next command on the connection behind them. Its packets are whole sends.
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if _QUICKACK is not None:
         conn = _QuickAck(conn.family, conn.type, conn.proto, fileno=conn.detach())

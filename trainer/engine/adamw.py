@@ -1,9 +1,9 @@
 """The optimizer update as one compiled function: clip to the global norm + AdamW, in one pass.
 
-torch's fused AdamW reads and writes the 1 B-parameter drafter's weights, gradients and both
-moments (28 bytes per parameter) at ~3.4 TB/s on an H200 (8.5 ms a step), and with the clip
-folded in (grad_scale / found_inf) 11.2 ms; the same update written as plain tensor math and
-compiled by inductor streams at 4.2 TB/s, a copy's speed (7.0 ms; docs/benchmarks.md). So on a
+The update is bound by memory: it reads and writes the drafter's weights, gradients and both
+moments (28 bytes per parameter). torch's fused AdamW streams them below a copy's speed, slower
+still with the clip folded in (grad_scale / found_inf); the same update written as plain tensor
+math and compiled by inductor streams at a copy's speed (docs/benchmarks.md has the figures). So on a
 GPU under a compiled policy the update is this module's function over the SAME torch.optim.AdamW's
 state (its `exp_avg`, `exp_avg_sq`, `step` tensors and param_groups): checkpoints, resume and
 the eager path are unchanged, and the optimizer object stays the one source of truth.

@@ -278,7 +278,7 @@ def run_probe(args) -> dict:
               f"{len(plan)} cases, threads={n_threads}")
     labels = [f"[{i}/{len(plan)}] {p} {t} x{n}" for i, (p, t, n) in enumerate(plan, 1)]
     cases: list = [None] * len(plan)
-    rendezvous = rendezvous_problem() if "processes" in args.topologies else None   # < 1 s
+    rendezvous = rendezvous_problem() if "processes" in args.topologies else None   # a quick local check
     kept_in = None if args.fresh else verdicts.cache_dir(args.workdir)
     store_in = verdicts.cache_dir(args.workdir)
     base = verdicts.base_key(build, args.device, args.steps)

@@ -4,9 +4,8 @@ shards' gradients summed in shard order by the caller's thread.
 
 Why not torch's intra-op threads: they meet at a barrier after every op (thousands a step), and on
 cores other work is using, one descheduled thread holds every other one at each barrier. Worker
-threads meet once a step. The small target's build beside two busy loops on 2 cores
-(docs/decisions.md): 2 intra-op threads 2.1-2.2 s a step, 1 thread 1.25-1.28, 2 shard workers
-1.05-1.09; quiet, about as fast as 2 intra-op threads (0.47-0.53 s against 0.43-0.48).
+threads meet once a step. So on a loaded machine shard workers are the fastest way to use its cores,
+and on a quiet one about as fast as intra-op threads (docs/decisions.md has the figures).
 
 The result does not depend on how many workers run, nor on the load: the shards, the intra-op thread
 count (cores // shards: one on 2 cores) and the order of the gradients' sum are fixed, so 1 worker or

@@ -12,8 +12,8 @@ so the choice does not depend on which other modules exist) is held out: never t
 prompts and evaluation. The chat template is plain concatenation (a code model continues what it is
 given): the user turn is the code so far, the assistant turn its continuation, then end-of-text.
 
-    python -m trainer.small_lm --size cpu --out DIR      # 3.5 minutes on 2 quiet CPU cores
-    python -m trainer.small_lm --size gpu --out DIR      # <= 5 minutes on one H200
+    python -m trainer.small_lm --size cpu --out DIR      # minutes on 2 CPU cores
+    python -m trainer.small_lm --size gpu --out DIR      # minutes on one H200 (docs/fidelity.md)
 
 A DIR that already holds the same recipe's build (the cache's key) is kept, not trained again.
 
@@ -207,7 +207,7 @@ def build(size: str, out: str, *, root: str | None = None, log=print, steps: int
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                            lr=recipe.lr, betas=(0.9, 0.95), fused=True)  # fused on a CPU too: 3x faster there
+                            lr=recipe.lr, betas=(0.9, 0.95), fused=True)  # fused on a CPU too: faster there
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
     def lr_at(step: int) -> float:

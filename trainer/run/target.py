@@ -316,8 +316,8 @@ def _no_mask(base: torch.nn.Module) -> dict:
     """The base model's forward kwargs that say "no attention mask" outright, where it takes them.
 
     Without an attention mask, transformers (4.53+) builds one per call from the position ids: it
-    checks them for packed sequences, which reads a device value on the host (a synchronisation,
-    ~0.5 ms of Python, and no CUDA graph can be captured across it; under capture it even builds a
+    checks them for packed sequences, which reads a device value on the host (a synchronisation
+    and Python on every call, and no CUDA graph can be captured across it; under capture it even builds a
     dense mask). With every layer full-attention, the mask it arrives at is None (SDPA's causal
     path); handing it the prepared mapping {"full_attention": None} skips the work and gives the
     same tensor (tests/test_trainer_target.py). Models with other layer types build their masks."""
