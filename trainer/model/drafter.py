@@ -127,18 +127,39 @@ class Attention(nn.Module):
             B, Tc, n = x.shape[0], ctx.shape[1], x.shape[1] - 1
             q, k, v = (block_rows_linear(proj, inp, lead, n, block_size)
                        for proj, inp, lead in ((self.q_proj, x, 0), (self.k_proj, kv_in, Tc), (self.v_proj, kv_in, Tc)))
-            Tq, Tk = n * block_size, Tc + n * block_size
+            Tq = n * block_size     # the keys: Tc + n * block_size rows
         else:
-            B, Tq, Tk = x.shape[0], x.shape[1], kv_in.shape[1]
+            B, Tq = x.shape[0], x.shape[1]
             q, k, v = self.q_proj(x), self.k_proj(kv_in), self.v_proj(kv_in)
-        q = self.q_norm(q.view(B, Tq, self.nh, self.hd)).transpose(1, 2)  # (B, nh, Tq, hd)
-        k = self.k_norm(k.view(B, Tk, self.nkv, self.hd)).transpose(1, 2)  # (B, nkv, Tk, hd)
-        v = v.view(B, Tk, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, Tk, hd)
-        q = apply_rope(q, *rope_q)
-        k = apply_rope(k, *rope_k)
+        q = self.heads(q, self.nh, self.q_norm, rope_q)     # (B, nh, Tq, hd)
+        k = self.heads(k, self.nkv, self.k_norm, rope_k)    # (B, nkv, Tk, hd)
+        v = self.heads(v, self.nkv)                         # (B, nkv, Tk, hd)
         o = attention.attend(q, k, v, mask)  # (B, nh, Tq, hd): dense SDPA or block-sparse flex
         o = o.transpose(1, 2).reshape(B, Tq, self.nh * self.hd)
         return self.o_proj(predicted_rows(o, predicted) if predicted else o)
+
+    # The pieces the decoders (run/eval.py, run/decode_graphs.py) assemble with their own caches: the
+    # same projections, norms and RoPE as forward, written once here.
+
+    def heads(self, t: torch.Tensor, n: int, norm: RMSNorm | None = None, rope=None) -> torch.Tensor:
+        """(B, T, n*hd) projected rows -> (B, n, T, hd), RMS-normed and rotated when given norm, rope."""
+        B, T = t.shape[:2]
+        t = t.view(B, T, n, self.hd)
+        t = (norm(t) if norm is not None else t).transpose(1, 2)
+        return apply_rope(t, *rope) if rope is not None else t
+
+    def kv(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k_norm, RoPE) and values of rows x (B, T, H): (B, nkv, T, hd) each."""
+        return self.heads(self.k_proj(x), self.nkv, self.k_norm, rope), self.heads(self.v_proj(x), self.nkv)
+
+    def qkv(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries (B, nh, T, hd), keys and values (B, nkv, T, hd) of rows x (B, T, H)."""
+        return (self.heads(self.q_proj(x), self.nh, self.q_norm, rope), *self.kv(x, rope))
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """Attention output (B, nh, T, hd) -> o_proj's (B, T, H)."""
+        B, _, T, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
 class MLP(nn.Module):

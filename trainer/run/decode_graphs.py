@@ -136,10 +136,9 @@ class StaticDrafter:
         ctx = d.hidden_norm(d.fc(feats[None].to(d.fc.weight.dtype)))  # (1, T, H)
         rope = rope_cos_sin(pos[None], self.hd, d.cfg.rope_theta, ctx.dtype)
         for i, layer in enumerate(d.layers):
-            a = layer.self_attn
-            self.k[i].index_copy_(2, pos, apply_rope(a.k_norm(a.k_proj(ctx).view(1, T, a.nkv, a.hd)).transpose(1, 2),
-                                                     *rope))
-            self.v[i].index_copy_(2, pos, a.v_proj(ctx).view(1, T, a.nkv, a.hd).transpose(1, 2))
+            k, v = layer.self_attn.kv(ctx, rope)
+            self.k[i].index_copy_(2, pos, k)
+            self.v[i].index_copy_(2, pos, v)
 
     @torch.no_grad()
     def draft(self, block: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -153,13 +152,10 @@ class StaticDrafter:
         mask = seen[None, None, None]  # (1, 1, 1, max_len + T): context before the anchor, the whole block
         for i, layer in enumerate(d.layers):
             a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = apply_rope(a.q_norm(a.q_proj(h).view(1, T, a.nh, a.hd)).transpose(1, 2), *rope)
-            k = apply_rope(a.k_norm(a.k_proj(h).view(1, T, a.nkv, a.hd)).transpose(1, 2), *rope)
-            v = a.v_proj(h).view(1, T, a.nkv, a.hd).transpose(1, 2)
+            q, k, v = a.qkv(layer.input_layernorm(x), rope)
             k, v = torch.cat([self.k[i], k], dim=2), torch.cat([self.v[i], v], dim=2)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.nh != a.nkv)
-            x = x + a.o_proj(o.transpose(1, 2).reshape(1, T, a.nh * a.hd))
+            x = x + a.out(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return d.logits(x[:, 1:])[0].argmax(-1)
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from trainer.model import masks
 from trainer.errors import UsageError
-from trainer.model.drafter import Drafter, apply_rope, rope_cos_sin
+from trainer.model.drafter import Drafter, rope_cos_sin
 from trainer.run.target import Target
 
 
@@ -78,9 +78,7 @@ def extend_context(drafter: Drafter, cache: DraftCache, feats: torch.Tensor, sta
     pos = torch.arange(start, start + T, device=feats.device)[None]
     rope = rope_cos_sin(pos, drafter.cfg.head_dim, drafter.cfg.rope_theta, ctx.dtype)
     for i, layer in enumerate(drafter.layers):
-        a = layer.self_attn
-        k = apply_rope(a.k_norm(a.k_proj(ctx).view(1, T, a.nkv, a.hd)).transpose(1, 2), *rope)
-        v = a.v_proj(ctx).view(1, T, a.nkv, a.hd).transpose(1, 2)
+        k, v = layer.self_attn.kv(ctx, rope)
         old_k, old_v = cache.k[i], cache.v[i]
         cache.k[i] = k if old_k is None else torch.cat([old_k, k], dim=2)
         cache.v[i] = v if old_v is None else torch.cat([old_v, v], dim=2)
@@ -97,10 +95,7 @@ def draft_block(drafter: Drafter, cache: DraftCache, block: torch.Tensor, start:
     rope = rope_cos_sin(pos, drafter.cfg.head_dim, drafter.cfg.rope_theta, x.dtype)
     for i, layer in enumerate(drafter.layers):
         a = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = apply_rope(a.q_norm(a.q_proj(h).view(1, T, a.nh, a.hd)).transpose(1, 2), *rope)
-        k = apply_rope(a.k_norm(a.k_proj(h).view(1, T, a.nkv, a.hd)).transpose(1, 2), *rope)
-        v = a.v_proj(h).view(1, T, a.nkv, a.hd).transpose(1, 2)
+        q, k, v = a.qkv(layer.input_layernorm(x), rope)
         old_k, old_v = cache.k[i], cache.v[i]
         assert old_k is not None and old_v is not None     # extend_context gave it the context
         k, v = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
@@ -108,7 +103,7 @@ def draft_block(drafter: Drafter, cache: DraftCache, block: torch.Tensor, start:
             k = k.repeat_interleave(a.nh // a.nkv, dim=1)
             v = v.repeat_interleave(a.nh // a.nkv, dim=1)
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype))  # no mask: all visible
-        x = x + a.o_proj(o.transpose(1, 2).reshape(1, T, a.nh * a.hd))
+        x = x + a.out(o)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return drafter.logits(x[:, 1:])[0].argmax(-1)
 
