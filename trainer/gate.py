@@ -83,6 +83,13 @@ def one_row(target, data: str, row: int, new_tokens: int, cfg) -> tuple[list[int
         rows = checked_rows(data, row)
         (n, sample), = data_mod.encode_rows([rows[row - 1]], target.tokenizer, data)
         prompt = list(data_mod.row_prompt(sample))
+    # the row must fit the run's --seq-len whole, or its last tokens are cut before training and never
+    # learnt: the prompt keeps its last tokens
+    keep = max(1, cfg.seq_len - new_tokens)
+    if len(prompt) > keep:
+        say(f"row: its prompt keeps its last {keep} of {len(prompt)} tokens, so that prompt and continuation fit "
+            f"--seq-len {cfg.seq_len}")
+        prompt = prompt[-keep:]
     cont, _ = target_greedy(target, prompt, new_tokens, target.eos_ids())
     return prompt, cont
 
@@ -211,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     check_target_spec(a.target)
     if a.steps < 10 or a.new_tokens < 2:
         raise UsageError("--steps must be >= 10 and --new-tokens >= 2")
+    if a.new_tokens >= a.cfg.seq_len:
+        raise UsageError(f"--new-tokens {a.new_tokens}: the row (a prompt and its continuation) must fit the run's "
+                         f"--seq-len {a.cfg.seq_len}; ask for fewer")
     if a.out and Path(a.out).exists() and any(Path(a.out).iterdir()):
         raise UsageError(f"--out {a.out}: not empty; name a new folder")
     with tempfile.TemporaryDirectory(prefix="dflash-gate-") as tmp:
