@@ -66,7 +66,7 @@ class TrainConfig:
     # run
     steps: int = opt(10000, "optimizer steps in total")      # the recipe's max_steps (docs/recipe.md)
     seed: int = opt(0, "seed for the drafter init, data order and anchors")
-    out: str = opt("out", "output folder: checkpoints, metrics.jsonl, cached data", metavar="DIR")
+    out: str = opt("out", "output folder: checkpoints, metrics.jsonl", metavar="DIR")
     resume: bool = opt(False, "continue from the last complete checkpoint in --out")
     # devices and workers
     gpus: int = opt(0, "GPUs to use (0 = CPU)")
@@ -126,9 +126,9 @@ class TrainConfig:
     # drafter and objective
     draft_layers: int = opt(5, "drafter layers")
     block_size: int = opt(16, "tokens per block: the anchor plus block_size-1 predicted tokens")
-    anchors: int = opt(512, "anchors (blocks) per sequence per step, at most; the trainer uses fewer, and says so in "
-                       "one line at start, when rows are too short for them or the GPU's free memory is "
-                       "(docs/recipe.md)")
+    anchors: int = opt(0, "anchors (blocks) per sequence per step, at most; 0 = auto: the recipe's 512 on a GPU, 16 on "
+                          "the CPU (trainer/demo.yaml's), said in one line at start; the trainer uses fewer, and says "
+                          "so, when rows are too short for them or the GPU's free memory is (docs/recipe.md)")
     # gamma 0: 7 for a block of 16, 5 for 10, 4 for 8; the objective's fields are read by trainer/model/objective.py
     gamma: float = opt(0.0, "loss decay w_k = exp(-(k-1)/gamma) (--position-weights exp); 0 = from the block size")
     position_weights: str = opt("exp", "how much each block position's loss counts: exp (the recipe's fixed decay, "
@@ -366,7 +366,7 @@ def validate(c: TrainConfig, here: bool = True) -> None:
          f"--ce-rows: expected a positive number of rows, e.g. 2048 (0 = sized to 1 GiB), got {c.ce_rows}")
     need(c.block_size >= 2, f"--block-size must be >= 2, got {c.block_size}")
     need(c.seq_len >= c.block_size, f"--seq-len {c.seq_len} is shorter than one block (--block-size {c.block_size})")
-    need(c.anchors >= 1, f"--anchors must be >= 1, got {c.anchors}")
+    need(c.anchors >= 0, f"--anchors must be >= 1 (or 0: auto), got {c.anchors}")
     need(c.draft_layers >= 1, f"--draft-layers must be >= 1, got {c.draft_layers}")
     need(c.batch_size >= 1, f"--batch-size must be >= 1, got {c.batch_size}")
     need(c.nnodes >= 1, f"--nnodes must be >= 1, got {c.nnodes}")

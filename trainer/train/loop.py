@@ -218,7 +218,8 @@ def _anchors(cfg: TrainConfig, device: torch.device, dcfg: DrafterConfig, n_para
     anchors = agree_min(fit.anchors)       # on every rank, resumed or not: it is a collective
     line = fit.line
     if anchors != fit.anchors:
-        line = f"anchors {anchors} instead of {cfg.anchors}: another rank's device has less free memory"
+        asked = cfg.anchors or sizing.auto_anchors(dev.kind)
+        line = f"anchors {anchors} instead of {asked}: another rank's device has less free memory"
     kept = sizing.resumed(ck.meta.get("anchors"), cfg.anchors, sizing.Fit(anchors, line)) if ck else None
     if kept is not None:
         anchors, line = kept.anchors, kept.line
@@ -258,6 +259,7 @@ def run_loop(cfg: TrainConfig, engine: Engine, prep: Prepared, log, stop: thread
     # The step queued last, logged once the next one is queued (engine.step returns before the
     # devices have run it), or at a step boundary that needs its results.
     pending = None
+    slow_said: list[int] = []   # the step whose slowness was said (once)
 
     def finish(until: float | None = None) -> None:
         """Read and log the pending step (waits for its update; a non-finite norm raises). Its
@@ -284,6 +286,10 @@ def run_loop(cfg: TrainConfig, engine: Engine, prep: Prepared, log, stop: thread
             m.update(elapsed_s=elapsed, steps_per_s=rate, eta_s=(cfg.steps - n) / rate if rate else None)
             log.info(step_line(m, cfg.steps))
             log.metrics(m)
+        # once, past the first step (which builds and warms up): a CPU run that will take long says so
+        if not slow_said and n > first + 1 and dt > sizing.SLOW_STEP_S and r0.device.type == "cpu":
+            slow_said.append(n)
+            log.info(sizing.slow_line(dt, cfg.steps - n, prep.anchors, cfg.batch_size, cfg.n_devices))
 
     while step < cfg.steps:
         faults.hit("step_pause", step=step)
