@@ -26,6 +26,7 @@ from trainer.model import choices, fp8, masks
 from trainer.model.drafter import Drafter, DrafterConfig, flops_per_sample
 from trainer.model.objective import Objective
 from trainer.run import checkpoint, provenance, sizing
+from trainer.run.cache import cache_root
 from trainer.run.config import CHOSEN_POLICY, RUN_CONFIG, TrainConfig, chat_template_options, layer_ids, objective_of
 from trainer.run.data import (Loader, check_samples, encode_rows, most_anchors, overlap, read_rows, split_eval,
                               synthetic)
@@ -395,11 +396,14 @@ def _load_data(cfg, target, out, log, stop):
         t = time.time()
         n = cfg.synthetic_samples + cfg.eval_prompts
         with heartbeat(log, f"generating synthetic data ({cfg.synthetic_samples} + {cfg.eval_prompts} held-out rows)"):
-            path = str(synthetic(target, out_dir=str(out), n=n, prompt_len=cfg.synthetic_prompt_len,
-                                 new_tokens=cfg.synthetic_new_tokens, temperature=cfg.synthetic_temperature,
-                                 seed=cfg.seed, min_new=cfg.block_size, should_stop=stop.is_set))
+            made, reused = synthetic(target, folder=cache_root() / "synthetic", identity=provenance.identity(target),
+                                     n=n, prompt_len=cfg.synthetic_prompt_len,
+                                     new_tokens=cfg.synthetic_new_tokens, temperature=cfg.synthetic_temperature,
+                                     seed=cfg.seed, min_new=cfg.block_size, should_stop=stop.is_set)
+        path = str(made)
         log.info(f"synthetic data (for tests: random-token prompts continued by the target): {path} "
-                 f"({time.time() - t:.1f}s)")
+                 + ("(reused: the same target, seed and sizes made it before)" if reused else
+                    f"(generated in {time.time() - t:.1f}s; kept for runs with the same target, seed and sizes)"))
     samples, skipped = _read_samples(path, cfg, target)
     samples, prompts, held_out = split_eval(samples, cfg.eval_prompts)
     shared = overlap(prompts, samples)
