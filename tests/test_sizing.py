@@ -235,4 +235,6 @@ def test_a_slow_cpu_step_names_the_flag_that_makes_it_cheaper():
         "slow steps: 6.2 s a step on the CPU, ~16.7 h for the 9700 steps left; --anchors 16 (now 241) makes each "
         "step cheaper (trainer/demo.yaml is a CPU-sized run)")
     assert "--batch-size 4 (now 8) halves" in slow_line(4.0, 100, 16, 8, 1)
+    assert "~7 min for the 100 steps left" in slow_line(4.0, 100, 16, 8, 1)
+    assert "~16 s for the 2 steps left" in slow_line(7.8, 2, 225, 8, 1)
     assert "--workers" in slow_line(4.0, 100, 16, 2, 2)

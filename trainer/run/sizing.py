@@ -143,9 +143,12 @@ def slow_line(step_s: float, steps_left: int, anchors: int, batch: int, workers:
         cure = f"--batch-size {max(workers, batch // 2)} (now {batch}) halves each step's work"
     else:
         cure = "--workers (CPU threads, one sequence each) or --gpus spread it"
-    hours = step_s * steps_left / 3600
-    return (f"slow steps: {step_s:.1f} s a step on the CPU, ~{hours:.1f} h for the {steps_left} steps left; {cure} "
-            f"(trainer/demo.yaml is a CPU-sized run)")
+    return (f"slow steps: {step_s:.1f} s a step on the CPU, ~{_span(step_s * steps_left)} for the {steps_left} steps "
+            f"left; {cure} (trainer/demo.yaml is a CPU-sized run)")
+
+
+def _span(s: float) -> str:
+    return f"{s / 3600:.1f} h" if s >= 5400 else f"{s / 60:.0f} min" if s >= 90 else f"{s:.0f} s"
 
 
 def record(asked: int, used: int) -> dict:
