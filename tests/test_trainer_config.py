@@ -35,6 +35,8 @@ def test_yaml_sets_any_flag_and_flags_win(tmp_path):
     ("compile_policy: turbo\n", "--compile-policy 'turbo'"),
     ("target: tiny:x\n", "expected tiny or tiny:SEED"),
     ("keep_checkpoints: 1\n", "--keep-checkpoints must be >= 2"),
+    ("epochs: -1\n", "--epochs must be >= 0 (0 = use --steps), got -1"),
+    ("anchors: -1\n", "--anchors must be >= 1 (or 0: auto), got -1"),
 ])
 def test_bad_config_names_the_file_and_key(tmp_path, text, needle):
     cfg = tmp_path / "c.yaml"

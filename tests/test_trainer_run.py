@@ -348,6 +348,23 @@ def test_synthetic_data_is_made_once_per_inputs_and_reused_by_a_later_run(tmp_pa
     assert sorted(p.name for p in (tmp_path / "cache" / "synthetic").iterdir() if p.name.startswith(".")) == []
 
 
+def test_epochs_set_the_length_from_the_rows_and_say_so(tmp_path, capsys):
+    """--epochs 1.5 over the rows left for training, 4 a step: ceil(1.5 x rows / 4) steps, whatever --steps says;
+    the schedule and the step lines count to that length."""
+    out = tmp_path / "run"
+    assert train(out, "--epochs", "1.5", "--steps", "999", "--eval-prompts", "2", "--log-every", "1") == 0
+    printed = capsys.readouterr().out
+    rows = int(printed.split(" rows for training;")[0].rsplit(" ", 1)[1])
+    steps = -(-3 * rows // 8)
+    assert f"[trainer] --epochs 1.5: {steps} steps ({rows} training rows, batch 4), not --steps" in printed
+    assert sorted(step_losses(out)) == list(range(1, steps + 1))
+    assert f"step {steps}/{steps} |" in printed and "/999" not in printed
+    done, = [m for m in metrics(out) if m.get("event") == "done"]
+    assert done["step"] == steps
+    lrs = [m["lr"] for m in metrics(out) if "lr" in m and "event" not in m]
+    assert lrs[-1] < lrs[len(lrs) // 2] < max(lrs)      # the cosine ran its course over those steps
+
+
 def test_run_summary_gives_tau_with_rounds_interval_and_acceptance_by_position(tmp_path, capsys):
     out = tmp_path / "run"
     assert train(out, "--steps", "2", "--eval-every", "1") == 0

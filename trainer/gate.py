@@ -101,7 +101,7 @@ def train(args, row_file: Path, out: Path, gpus: int, extra: list[str], position
     config = ["--config", args.config] if args.config else []
     # the run's flags first, the gate's after them: the trainer takes a flag's last value
     cmd = [sys.executable, "-m", "trainer", *config, *extra, "--target", args.target,
-           "--data", str(row_file), "--out", str(out), "--steps", str(args.steps), "--gpus", str(gpus),
+           "--data", str(row_file), "--out", str(out), "--steps", str(args.steps), "--epochs", "0", "--gpus", str(gpus),
            "--batch-size", "1", "--anchors", str(positions), "--eval-prompts", "0", "--eval-every", "0",
            "--checkpoint-every", "0", "--log-every", str(max(1, args.steps // 10))]
     t0 = time.monotonic()

@@ -65,6 +65,8 @@ class TrainConfig:
                              "1..L-3)", metavar="I,J,..")
     # run
     steps: int = opt(10000, "optimizer steps in total")      # the recipe's max_steps (docs/recipe.md)
+    epochs: float = opt(0.0, "passes over the training rows instead of --steps: the steps become ceil(epochs x rows / "
+                             "--batch-size) once the rows are read, said in one line (0 = --steps)", metavar="X")
     seed: int = opt(0, "seed for the drafter init, data order and anchors")
     out: str = opt("out", "output folder: checkpoints, metrics.jsonl", metavar="DIR")
     resume: bool = opt(False, "continue from the last complete checkpoint in --out")
@@ -369,6 +371,7 @@ def validate(c: TrainConfig, here: bool = True) -> None:
     need(c.anchors >= 0, f"--anchors must be >= 1 (or 0: auto), got {c.anchors}")
     need(c.draft_layers >= 1, f"--draft-layers must be >= 1, got {c.draft_layers}")
     need(c.batch_size >= 1, f"--batch-size must be >= 1, got {c.batch_size}")
+    need(0 <= c.epochs < 1e6, f"--epochs must be >= 0 (0 = use --steps), got {c.epochs}")
     need(c.nnodes >= 1, f"--nnodes must be >= 1, got {c.nnodes}")
     if c.nnodes > 1:
         need(c.topology == "processes", f"--nnodes {c.nnodes} needs --topology processes (one DDP job over the nodes)")

@@ -6,7 +6,9 @@ trainer/train/distributed.py with one torchrun rank per device.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -64,6 +66,7 @@ class Prepared:
     anchors: int = 0             # anchors per sequence a step uses: --anchors, or fewer (sizing.py)
     objective: Objective = Objective()  # what the loss trains the drafter to match (--objective)
     muon: MuonSettings | None = None    # --optimizer muon's settings; None: AdamW alone (the recipe)
+    steps: int = 0               # the run's length: --steps, or what --epochs makes of the rows (run_steps)
 
 
 def open_run(cfg: TrainConfig, *, writer: bool) -> tuple[Path, Path | None]:
@@ -159,7 +162,16 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
     anchors = _anchors(cfg, device, dcfg, n_params, pad_len, samples, log, agree_min, ck, objective)
     return Prepared(out, ck, target, samples, eval_prompts, pad_len, pos_weights, dcfg, drafter,
                     flops_per_sample(dcfg, pad_len, anchors * cfg.block_size), record, eval_overlap, anchors, objective,
-                    muon)
+                    muon, run_steps(cfg, len(samples), log))
+
+
+def run_steps(cfg: TrainConfig, rows: int, log) -> int:
+    """--steps, or with --epochs the steps that many passes over the training rows take (said once)."""
+    if not cfg.epochs:
+        return cfg.steps
+    steps = max(1, math.ceil(cfg.epochs * rows / cfg.batch_size))
+    log.info(f"--epochs {cfg.epochs:g}: {steps} steps ({rows} training rows, batch {cfg.batch_size}), not --steps")
+    return steps
 
 
 def _muon(cfg: TrainConfig, drafter: Drafter, log) -> MuonSettings | None:
@@ -237,6 +249,7 @@ def run_loop(cfg: TrainConfig, engine: Engine, prep: Prepared, log, stop: thread
     called at the same points on every rank; only the writer (rank 0) logs metrics and evaluates; the
     savers (rank 0, and the first rank of every other node) write checkpoints.
     """
+    cfg = dataclasses.replace(cfg, steps=prep.steps or cfg.steps)     # --epochs decided once, in prepare
     out, ck = prep.out, prep.ck
     loader = Loader(len(prep.samples), cfg.seed)
     step = 0
