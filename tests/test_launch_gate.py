@@ -71,6 +71,10 @@ def test_the_gate_passes_then_the_run_starts_with_the_same_config(ct):
     # and the run it let through trains to its end
     logs = ct.cli("logs", "ct200", run)
     assert logs.returncode == 0, logs.stderr[-2000:]
+    table = ct.cli("status", "ct200").stdout.splitlines()
+    assert table[0].split()[-3:] == ["ELAPSED", "STEPS/S", "ETA"]       # the pace: a running run's only
+    row, = (line for line in table if line.startswith(run))
+    assert row.split()[-2:] == ["-", "-"] and " succeeded " in row
 
 
 def test_a_damaged_export_fails_the_gate_at_export_and_nothing_is_launched(ct):

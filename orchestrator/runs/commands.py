@@ -273,9 +273,10 @@ def status(state: State, names, all_targets, as_json):
     from orchestrator.runs import status as runs
 
     rows, errors = runs.status(state.inv, list(names), all_targets=all_targets)
-    text = table(["RUN", "NAME", "TARGET", "STATE", "STEP", "LOSS", "TAU", "STARTED", "ELAPSED"],
+    text = table(["RUN", "NAME", "TARGET", "STATE", "STEP", "LOSS", "TAU", "STARTED", "ELAPSED", "STEPS/S", "ETA"],
                  [[r["run"], _name(r), _where(r), _state_text(r), r.get("step"), fmt_num(r.get("loss")),
-                   fmt_tau(r.get("tau")), r.get("started"), fmt_elapsed(r.get("elapsed_s"))]
+                   fmt_tau(r.get("tau")), r.get("started"), fmt_elapsed(r.get("elapsed_s")),
+                   fmt_num(r.get("steps_per_s"), 3), fmt_elapsed(r.get("eta_s"))]
                   for r in rows]) if rows else ("" if errors else "no runs")
     if rows or not errors or as_json:
         emit(as_json, {"runs": rows, "errors": errors}, text)
