@@ -398,8 +398,9 @@ def report(state: State, args, out, as_json):
         raise UsageError(f"--out {path}: cannot write: {e.strerror or e}") from None
     ev = report_mod.last_eval(doc["metrics"])
     emit(as_json, {"target": target.name, "run": doc["run"], "path": str(written), "points": len(doc["metrics"]),
-                   "state": st.get("state"), "eval": ev},
-         str(written) + (f"\n{report_mod.eval_line(ev)}" if ev else ""))
+                   "state": st.get("state"), "eval": ev, "evals": report_mod.evals(doc["metrics"]),
+                   "resumes": report_mod.resumes(doc["metrics"])},
+         "\n".join([str(written), *report_mod.summary_lines(doc["metrics"])]))
 
 
 # --- export --------------------------------------------------------------------------------------

@@ -188,8 +188,10 @@ class TrainConfig:
     eval_prompts: int = opt(8, "prompts of the last N rows, held out from training, for the acceptance-length eval "
                             "(0 = no eval; --data synthetic makes N rows more)")
     eval_new_tokens: int = opt(64, "tokens generated per eval prompt")
-    eval_every: int = opt(0, "measure acceptance length every N steps (0 = at the end only)")
-    eval_at_start: bool = opt(False, "also measure the untrained drafter's acceptance length before training")
+    eval_every: int = opt(-1, "measure acceptance length every N steps (-1 = auto: about 10 evals a run, every steps / "
+                              "10; 0 = at the end only)")
+    eval_at_start: bool = opt(True, "also measure the untrained drafter's acceptance length before training, the "
+                                    "baseline `dflash-ops report` shows (--no-eval-at-start: not)")
     eval_overlap_ok: bool = opt(False, "run even when eval prompts are also training rows' prompts (too few rows to "
                                 "hold any out, or repeated prompts); without it the run refuses, as tau would not be "
                                 "measured on held-out prompts")
@@ -245,8 +247,9 @@ def _add_option(p: argparse.ArgumentParser, f: Field, default: bool = False) -> 
     its words); another program's gets both (default)."""
     flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
     extra: dict[str, Any] = {"default": f.default} if default else {}
-    if f.type in ("bool", bool):
-        p.add_argument(flag, dest=f.name, action="store_true", help=help, **extra)
+    if f.type in ("bool", bool):    # on by default: --no-NAME turns it off
+        action = argparse.BooleanOptionalAction if f.default is True else "store_true"
+        p.add_argument(flag, dest=f.name, action=action, help=help, **extra)
         return
     conv = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
     if default and f.metadata["choices"]:
@@ -403,8 +406,8 @@ def validate(c: TrainConfig, here: bool = True) -> None:
          f"--adam-beta1 and --adam-beta2 must be in [0, 1), got {c.adam_beta1}, {c.adam_beta2}")
     need(c.keep_checkpoints >= 2,
          f"--keep-checkpoints must be >= 2 (the previous checkpoint must survive), got {c.keep_checkpoints}")
-    need(c.log_every >= 1 and c.checkpoint_every >= 0 and c.eval_every >= 0,
-         "--log-every must be >= 1; --checkpoint-every and --eval-every >= 0")
+    need(c.log_every >= 1 and c.checkpoint_every >= 0 and c.eval_every >= -1,
+         "--log-every must be >= 1; --checkpoint-every >= 0 and --eval-every >= 0 (or -1: auto)")
     need(c.eval_prompts >= 0 and c.eval_new_tokens >= 1, "--eval-prompts must be >= 0 and --eval-new-tokens >= 1")
     need(c.synthetic_samples >= 1 and c.synthetic_prompt_len >= 1 and c.synthetic_new_tokens >= c.block_size,
          f"--synthetic-new-tokens must be >= --block-size ({c.block_size}); samples and prompt length >= 1")

@@ -66,7 +66,8 @@ class Prepared:
     anchors: int = 0             # anchors per sequence a step uses: --anchors, or fewer (sizing.py)
     objective: Objective = Objective()  # what the loss trains the drafter to match (--objective)
     muon: MuonSettings | None = None    # --optimizer muon's settings; None: AdamW alone (the recipe)
-    steps: int = 0               # the run's length: --steps, or what --epochs makes of the rows (run_steps)
+    steps: int = 0               # the run's length: --steps, or what --epochs makes of the rows (run_length)
+    eval_every: int = 0          # --eval-every, or what auto (-1) makes of the length (run_length)
 
 
 def open_run(cfg: TrainConfig, *, writer: bool) -> tuple[Path, Path | None]:
@@ -162,16 +163,24 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
     anchors = _anchors(cfg, device, dcfg, n_params, pad_len, samples, log, agree_min, ck, objective)
     return Prepared(out, ck, target, samples, eval_prompts, pad_len, pos_weights, dcfg, drafter,
                     flops_per_sample(dcfg, pad_len, anchors * cfg.block_size), record, eval_overlap, anchors, objective,
-                    muon, run_steps(cfg, len(samples), log))
+                    muon, *run_length(cfg, len(samples), bool(eval_prompts), log))
 
 
-def run_steps(cfg: TrainConfig, rows: int, log) -> int:
-    """--steps, or with --epochs the steps that many passes over the training rows take (said once)."""
-    if not cfg.epochs:
-        return cfg.steps
-    steps = max(1, math.ceil(cfg.epochs * rows / cfg.batch_size))
-    log.info(f"--epochs {cfg.epochs:g}: {steps} steps ({rows} training rows, batch {cfg.batch_size}), not --steps")
-    return steps
+def run_length(cfg: TrainConfig, rows: int, evals: bool, log) -> tuple[int, int]:
+    """(steps, eval_every): --steps, or with --epochs the steps that many passes over the training rows
+    take; --eval-every, or with auto (-1) about 10 evals a run. Each derived value said once."""
+    steps = cfg.steps
+    if cfg.epochs:
+        steps = max(1, math.ceil(cfg.epochs * rows / cfg.batch_size))
+        log.info(f"--epochs {cfg.epochs:g}: {steps} steps ({rows} training rows, batch {cfg.batch_size}), not --steps")
+    every = cfg.eval_every
+    if every < 0:
+        every = max(1, round(steps / 10)) if steps >= 10 else 0
+        if evals:
+            when = f"evals every {every} steps and at the end" if every else "evals at the end"
+            log.info(f"{when} (--eval-every auto; {'the untrained baseline first; ' if cfg.eval_at_start else ''}"
+                     "--eval-every N sets it, 0: at the end only)")
+    return steps, every
 
 
 def _muon(cfg: TrainConfig, drafter: Drafter, log) -> MuonSettings | None:
@@ -249,7 +258,8 @@ def run_loop(cfg: TrainConfig, engine: Engine, prep: Prepared, log, stop: thread
     called at the same points on every rank; only the writer (rank 0) logs metrics and evaluates; the
     savers (rank 0, and the first rank of every other node) write checkpoints.
     """
-    cfg = dataclasses.replace(cfg, steps=prep.steps or cfg.steps)     # --epochs decided once, in prepare
+    # --epochs and --eval-every auto, decided once in prepare
+    cfg = dataclasses.replace(cfg, steps=prep.steps or cfg.steps, eval_every=max(0, prep.eval_every))
     out, ck = prep.out, prep.ck
     loader = Loader(len(prep.samples), cfg.seed)
     step = 0
