@@ -83,7 +83,7 @@ class TrainConfig:
     compile_policy: str = opt("eager", f"{' | '.join(POLICY_NAMES)} | auto (the probe's choice from "
                               "WORKDIR/probe.json)", metavar="NAME|auto")
     workdir: str = opt("", "the dflash-ops WORKDIR holding probe.json (default: $DFLASH_OPS_WORKDIR)", metavar="DIR")
-    cpu_threads: int = opt(0, "torch intra-op threads on CPU (0 = torch's default)")
+    cpu_threads: int = opt(0, "torch intra-op threads on CPU (0 = auto: 1 for one CPU worker, cores / K for K workers)")
     skip_compile_guard: bool = opt(False, "skip the guard that checks each worker's first compiled step against an "
                                    "eager forward/backward on the same weights and batch (on by default for every "
                                    "policy but eager)")
