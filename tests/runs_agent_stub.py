@@ -37,7 +37,8 @@ for i in range(first, a.steps + 1):
         open(os.path.join(a.out, "checkpoint"), "w").write(str(i))
         print(json.dumps({"event": "stopped", "step": i - 1}), flush=True)
         sys.exit(143)
-    print(json.dumps({"step": i, "loss": 1.0 / i, "tokens_per_s": 100.0 + i}), flush=True)
+    pace = {} if i == first else {"steps_per_s": 4.0, "eta_s": (a.steps - i) / 4.0}   # the trainer's: none at first
+    print(json.dumps(dict({"step": i, "loss": 1.0 / i, "tokens_per_s": 100.0 + i}, **pace)), flush=True)
     time.sleep(a.sleep)
 print(json.dumps({"event": "done", "step": a.steps, "loss": 1.0 / a.steps, "acceptance_length": 2.5}))
 '''

@@ -63,7 +63,8 @@ def test_the_collector_finds_the_walk_through_and_continued_lines():
     assert len(CASES) > 40
     for doc in ("README.md", "docs/train-your-model.md"):
         lines = [line for _, line in fenced_command_lines(REPO / doc)]
-        assert any(line.startswith("dflash-ops launch ct200 --gpus 8 --config configs/qwen3-8b.yaml --follow -- ")
+        walk_through = "dflash-ops launch ct200 --gpus 8 --config configs/qwen3-8b.yaml --gate --follow -- "
+        assert any(line.startswith(walk_through)
                    and "--target /models/MyModel" in line for line in lines), doc
 
 

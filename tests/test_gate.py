@@ -50,6 +50,16 @@ def test_a_working_pipeline_passes_with_the_whole_block_accepted_by_every_decode
     assert "PASSED: every round accepted the whole block of 4" in r.stderr
 
 
+def test_a_row_longer_than_the_runs_seq_len_keeps_the_end_of_its_prompt_and_passes(data, tmp_path):
+    """Cut by --seq-len, the row's last tokens would never be trained and their drafts rejected: a sound
+    pipeline would fail. The prompt gives up its first tokens instead, and says so."""
+    r, doc = gate(data, tmp_path / "g", "--seq-len", "28")
+    assert r.returncode == 0 and doc["passed"], r.stderr[-2000:]
+    assert doc["row_tokens"] == {"prompt": 4, "continuation": 24}
+    assert "[gate] row: its prompt keeps its last 4 of 8 tokens, so that prompt and continuation fit --seq-len 28" \
+        in r.stderr
+
+
 def test_an_export_with_the_wrong_mask_token_fails_at_decode(data, tmp_path):
     r, doc = gate(data, tmp_path / "g", env=faults.env(export_mask_shift="1"))
     assert r.returncode == 1 and not doc["passed"] and doc["failed"] == "decode", r.stderr[-2000:]

@@ -49,7 +49,9 @@ def test_a_real_run_beats_during_data_generation_and_warm_up(tmp_path):
 
     r = subprocess.run([sys.executable, "-m", "trainer", *QUICK, "--steps", "1", "--gpus", "0",
                         "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
-                       env=subprocess_env(DFLASH_HEARTBEAT_S="0.001"), timeout=300)
+                       # a cache of its own: the data is generated here, not reused from an earlier run's
+                       env=subprocess_env(DFLASH_HEARTBEAT_S="0.001", DFLASH_OPS_CACHE=str(tmp_path / "cache")),
+                       timeout=300)
     assert r.returncode == 0, r.stderr
     assert "[trainer] still generating synthetic data (32 + 2 held-out rows) (" in r.stdout
     assert "[trainer] still warming up worker 0 (" in r.stdout or "[trainer] still compiling worker 0 (" in r.stdout

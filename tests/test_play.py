@@ -147,6 +147,7 @@ def test_the_shipped_playbooks_load_and_dry_run_shows_what_would_run(tmp_path):
     assert out.startswith("local: would run 4 step(s) (from launch)\n  launch (launch)\n")
     assert '    args: ["--steps", "5", "--lr", "1e-3"]' in out and "    run: <steps.launch.run>" in out
     assert "    output: \n" in out and "deploy (deploy)" not in out    # empty: export's own default folder
+    assert "    gate: true\n" in out                # the pipeline gate before the run, by default (a var: true)
 
 
 # --- templates and assertions (pure) -------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 One container (module-scoped, so torch is installed once): bootstrap.yaml turns it from python only
 into one the probe passes on, with torch from a wheel file given as a variable; a second run changes
-nothing and says so; train.yaml then trains on it, on the CPU, and brings the drafter home.
+nothing and says so; train.yaml then trains on it, on the CPU, after the pipeline gate passed, and
+brings the drafter home.
 """
 from __future__ import annotations
 
@@ -128,4 +129,8 @@ def test_train_playbook_runs_to_an_exported_drafter(ct):
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "dflash_ops.json", "model.safetensors"]
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     assert steps["probe"]["reused"] and steps["launch"]["compile_policy"] == "auto"
+    # the pipeline gate ran first, with the run's config, and passed: every draft on its row accepted
+    gate = steps["launch"]["gate"]
+    assert gate["passed"] and gate["run"] < run and gate["result"]["decode"]["block_size"] == 4
+    assert "[gate] PASSED: every round accepted the whole block of 4" in r.stderr   # live, from the target
     assert "[ct210] follow: ok" in r.stderr      # the log was followed live

@@ -237,6 +237,18 @@ def test_a_run_outlives_its_killed_supervisor_and_is_judged_by_its_log(wd):
     assert state(wd, "k-c")["elapsed_s"] == first["elapsed_s"]   # a lost run's clock stops
 
 
+def test_status_gives_a_running_runs_pace_and_eta_from_its_last_step_line(wd):
+    run = launch(wd, "pace", extra=["--steps", "5000", "--sleep", "0.05"])["run"]
+    wait_for(lambda: b'"step": 3' in (wd / "runs" / run / "train.log").read_bytes(), what="steps")
+    st = state(wd, run)
+    assert st["state"] == "running" and st["steps_per_s"] == 4.0
+    assert st["eta_s"] == (5000 - st["step"]) / 4.0          # the step line's own, not another line's
+    agent("stop", wd, "--", run)
+    ended(wd, run)
+    st = state(wd, run)
+    assert st["state"] == "stopped" and st["steps_per_s"] is None and st["eta_s"] is None   # only while it runs
+
+
 def test_unsupervised_is_one_rule_for_status_and_the_slot_locks():
     """A trainer alive whose supervisor is not, by pid and start time in run.json or a lock."""
     from orchestrator.remote.runs.common import proc_start, unsupervised

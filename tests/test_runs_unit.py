@@ -165,6 +165,27 @@ def test_report_series_and_png(tmp_path):
         report.render([{"event": "checkpoint"}], tmp_path / "x.png")
 
 
+def test_report_gives_the_untrained_baseline_every_evals_tau_and_marks_resumes(tmp_path):
+    metrics = [{"event": "eval", "step": 0, "acceptance_length": 1.01, "rounds": 50}]
+    metrics += [{"step": i, "loss": 5.0 - i / 10} for i in range(1, 7)]
+    metrics += [{"event": "eval", "step": 3, "acceptance_length": 1.4}, {"event": "stopped", "step": 4},
+                {"event": "resume", "step": 3},               # its checkpoint was step 3: step 4 again
+                {"event": "eval", "step": 3, "acceptance_length": 1.45},
+                {"event": "done", "step": 6, "loss": 4.4, "acceptance_length": 1.9, "rounds": 40}]
+    assert report.evals(metrics) == [{"step": 0, "tau": 1.01}, {"step": 3, "tau": 1.45}, {"step": 6, "tau": 1.9}]
+    assert report.resumes(metrics) == [3]
+    assert report.summary_lines(metrics) == [
+        "tau at each eval: untrained 1.010 -> 1.450 (step 3) -> 1.900 (step 6)",
+        "tau 1.900 (40 rounds), at step 6",
+        "resumed from step 3"]
+    fig = report.figure(metrics)
+    for ax in fig.axes[:3]:     # each step panel marks where the run continued
+        assert [line.get_xdata()[0] for line in ax.get_lines() if line.get_linestyle() == "--"] == [3]
+    assert any(t.get_text() == "untrained 1.010" for t in fig.axes[1].texts)
+    # a run with one eval and no baseline (an older trainer, or --no-eval-at-start): only the last eval
+    assert report.summary_lines([{"event": "done", "step": 3, "acceptance_length": 2.5}]) == ["tau 2.500, at step 3"]
+
+
 def test_report_gives_the_last_evals_tau_rounds_interval_and_a_bar_per_block_position(tmp_path):
     metrics = [{"step": i, "loss": 5.0 - i / 10} for i in range(1, 5)]
     metrics += [{"event": "eval", "step": 2, "acceptance_length": 1.5, "rounds": 40, "tau_ci95": [1.3, 1.7],

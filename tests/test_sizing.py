@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.run.sizing import GIB, Device, Fit, Shape, fit_anchors, record, resumed, sequence_bytes
+from trainer.run.sizing import (CPU_ANCHORS, GIB, Device, Fit, Shape, auto_anchors, fit_anchors, record, resumed,
+                                 sequence_bytes, slow_line)
 
 # The Qwen3-8B recipe (configs/qwen3-8b.yaml): 5 draft layers of the 8B shape, rows of 3072 tokens,
 # 4 sequences per GPU; the 8B target (16.4 GB) already on the device.
@@ -192,3 +193,48 @@ def test_cutting_padding_anchors_leaves_the_loss_and_gradients_as_they_were():
         assert float(cut[0]) > 0 and any(float(x.abs().max()) > 0 for x in cut[2])
     finally:
         tiny.engine.close()
+
+
+# --- auto (--anchors 0, the default): the recipe's on a GPU, the demo's on the CPU -----------------
+
+TINY_CPU = Shape(hidden=256, intermediate=688, layers=5, kv_dim=128, feature_layers=5, trainable=4_000_000,
+                 block=16, pad_len=256, seqs=8)
+
+
+def flops(n: int) -> float:
+    return 1e9 * n       # a step's work grows with the anchors
+
+
+def test_auto_is_the_demos_anchors_on_the_cpu_said_in_one_line_with_what_the_recipe_would_cost():
+    fit = fit_anchors(0, TINY_CPU, Device("cpu", "cpu"), flops)
+    assert fit.anchors == CPU_ANCHORS == 16
+    # the rows hold at most 241 blocks: the recipe's 512 would be 241, ~15x this step's work
+    assert fit.line.startswith("anchors 16 (--anchors auto on the CPU: trainer/demo.yaml's; the recipe's 512 are "
+                               "a GPU's, ~15x the work of a step here; --anchors N asks for others)")
+    assert "\n" not in fit.line
+    # rows too short even for 16: both said
+    short = fit_anchors(0, Shape(**{**TINY_CPU.__dict__, "pad_len": 20}), Device("cpu", "cpu"), flops)
+    assert short.anchors == 5 and "anchors 5 instead of 16: the longest row (20 tokens)" in short.line
+
+
+def test_auto_is_the_recipe_on_a_gpu_and_anchors_asked_for_on_the_cpu_are_kept():
+    assert fit_anchors(0, RECIPE, gpu(141)) == fit_anchors(512, RECIPE, gpu(141)) == Fit(512, None)
+    assert fit_anchors(0, RECIPE, gpu(48)).anchors == fit_anchors(512, RECIPE, gpu(48)).anchors < 512
+    assert fit_anchors(64, TINY_CPU, Device("cpu", "cpu"), flops) == Fit(64, None)
+    assert (auto_anchors("cpu"), auto_anchors("cuda")) == (16, 512)
+
+
+def test_a_resumed_auto_run_keeps_what_its_start_chose():
+    fit = fit_anchors(0, TINY_CPU, Device("cpu", "cpu"), flops)
+    kept = resumed(record(0, fit.anchors), 0, fit)
+    assert kept is not None and kept.anchors == 16
+
+
+def test_a_slow_cpu_step_names_the_flag_that_makes_it_cheaper():
+    assert slow_line(6.2, 9700, 241, 8, 1) == (
+        "slow steps: 6.2 s a step on the CPU, ~16.7 h for the 9700 steps left; --anchors 16 (now 241) makes each "
+        "step cheaper (trainer/demo.yaml is a CPU-sized run)")
+    assert "--batch-size 4 (now 8) halves" in slow_line(4.0, 100, 16, 8, 1)
+    assert "~7 min for the 100 steps left" in slow_line(4.0, 100, 16, 8, 1)
+    assert "~16 s for the 2 steps left" in slow_line(7.8, 2, 225, 8, 1)
+    assert "--workers" in slow_line(4.0, 100, 16, 2, 2)

@@ -35,6 +35,8 @@ def test_yaml_sets_any_flag_and_flags_win(tmp_path):
     ("compile_policy: turbo\n", "--compile-policy 'turbo'"),
     ("target: tiny:x\n", "expected tiny or tiny:SEED"),
     ("keep_checkpoints: 1\n", "--keep-checkpoints must be >= 2"),
+    ("epochs: -1\n", "--epochs must be >= 0 (0 = use --steps), got -1"),
+    ("anchors: -1\n", "--anchors must be >= 1 (or 0: auto), got -1"),
 ])
 def test_bad_config_names_the_file_and_key(tmp_path, text, needle):
     cfg = tmp_path / "c.yaml"
@@ -164,16 +166,20 @@ def test_the_defaults_are_the_recipe_and_the_qwen3_8b_config_agrees_with_them():
     """docs/recipe.md lists these with their sources; configs/qwen3-8b.yaml only adds the Qwen3-8B run's
     paths, its 8-GPU global batch and its eval/checkpoint cadence."""
     d = TrainConfig()
-    assert (d.draft_layers, d.block_size, d.anchors, d.seq_len, d.steps) == (5, 16, 512, 3072, 10000)
+    # anchors 0: auto, the recipe's 512 on a GPU (the demo's 16 on the CPU: trainer/run/sizing.py)
+    assert (d.draft_layers, d.block_size, d.anchors, d.seq_len, d.steps) == (5, 16, 0, 3072, 10000)
     assert (d.lr, d.min_lr, d.warmup, d.grad_clip, d.gamma) == (6e-4, 0.0, 0.04, 1.0, 0.0)
     assert (d.adam_beta1, d.adam_beta2, d.weight_decay) == (0.9, 0.999, 0.0)
     # the levers beside the recipe (docs/recipe.md) are off unless asked for
     assert (d.objective, d.position_weights, d.optimizer) == ("ce", "exp", "adamw")
     import yaml
 
+    from trainer.run.sizing import auto_anchors
+
     recipe = yaml.safe_load((ROOT / "configs" / "qwen3-8b.yaml").read_text())
     own = {"target", "data", "batch_size", "gamma", "chat_template_kwargs", "eval_prompts", "eval_new_tokens",
-           "eval_every", "checkpoint_every", "log_every"}
+           "eval_every", "checkpoint_every", "log_every", "anchors"}
+    assert recipe["anchors"] == 512 == auto_anchors("cuda")      # the default's choice on a GPU, set in the file
     assert {k: v for k, v in recipe.items() if k not in own} == {k: getattr(d, k) for k in recipe if k not in own}
     from trainer.model.masks import default_gamma
 

@@ -304,12 +304,65 @@ def test_synthetic_eval_prompts_are_held_out_synthetic_rows(tmp_path, capsys):
     """Not fresh random tokens: the prompts of the last rows the target continued, which are not trained on."""
     out = tmp_path / "run"
     assert train(out, "--steps", "1") == 0
-    (path,) = (out / "data").glob("synthetic-*.jsonl")
+    printed = capsys.readouterr().out
+    said, = [line for line in printed.splitlines() if "synthetic data (for tests" in line]
+    path = Path(said.split("target): ")[1].split(" (")[0])     # the log names the cached file it reads
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     prompts = [r["input_ids"][: r["loss_mask"].index(1)] for r in rows]
     assert len(set(map(tuple, prompts))) == len(prompts) > 32  # 32 + 2 made, less any cut short by an EOS
     assert json.loads((out / "eval_prompts.json").read_text()) == prompts[-2:]
-    assert f"{len(rows) - 2} rows for training; 2 eval prompts held out" in capsys.readouterr().out
+    assert f"{len(rows) - 2} rows for training; 2 eval prompts held out" in printed
+
+
+def test_synthetic_data_is_made_once_per_inputs_and_reused_by_a_later_run(tmp_path, capsys, monkeypatch):
+    """Kept in the tool's cache, keyed by the target's identity, the seed and the sizes: a second run in
+    another --out reads the same file and makes nothing; another seed, or a changed target, is other data."""
+    import trainer.run.data as data_mod
+
+    monkeypatch.setenv("DFLASH_OPS_CACHE", str(tmp_path / "cache"))
+    made = []
+    real = data_mod.continue_prompts
+    monkeypatch.setattr(data_mod, "continue_prompts", lambda *a, **k: made.append(1) or real(*a, **k))
+
+    def said(out: Path, *extra: str) -> str:
+        assert train(out, "--steps", "1", "--eval-prompts", "0", *extra) == 0
+        line, = [x for x in capsys.readouterr().out.splitlines() if "synthetic data (for tests" in x]
+        return line
+
+    first = said(tmp_path / "a")
+    assert "(generated in " in first and made
+    path = Path(first.split("target): ")[1].split(" (")[0])
+    assert path.parent == tmp_path / "cache" / "synthetic" and path.is_file()
+    before, made[:] = path.read_bytes(), []
+    again = said(tmp_path / "b")
+    assert again.endswith(f"{path} (reused: the same target, seed and sizes made it before)") and not made
+    assert path.read_bytes() == before
+    other = said(tmp_path / "c", "--seed", "6")
+    assert "(generated in " in other and made and str(path) not in other
+    # the target's identity is in the key: the same name with other weights (its built-in seed) is other data
+    import trainer.run.provenance as provenance
+
+    real_identity = provenance.identity
+    monkeypatch.setattr(provenance, "identity", lambda t: {**real_identity(t), "weights_sha256": "rebuilt"})
+    assert "(generated in " in said(tmp_path / "d")
+    assert sorted(p.name for p in (tmp_path / "cache" / "synthetic").iterdir() if p.name.startswith(".")) == []
+
+
+def test_epochs_set_the_length_from_the_rows_and_say_so(tmp_path, capsys):
+    """--epochs 1.5 over the rows left for training, 4 a step: ceil(1.5 x rows / 4) steps, whatever --steps says;
+    the schedule and the step lines count to that length."""
+    out = tmp_path / "run"
+    assert train(out, "--epochs", "1.5", "--steps", "999", "--eval-prompts", "2", "--log-every", "1") == 0
+    printed = capsys.readouterr().out
+    rows = int(printed.split(" rows for training;")[0].rsplit(" ", 1)[1])
+    steps = -(-3 * rows // 8)
+    assert f"[trainer] --epochs 1.5: {steps} steps ({rows} training rows, batch 4), not --steps" in printed
+    assert sorted(step_losses(out)) == list(range(1, steps + 1))
+    assert f"step {steps}/{steps} |" in printed and "/999" not in printed
+    done, = [m for m in metrics(out) if m.get("event") == "done"]
+    assert done["step"] == steps
+    lrs = [m["lr"] for m in metrics(out) if "lr" in m and "event" not in m]
+    assert lrs[-1] < lrs[len(lrs) // 2] < max(lrs)      # the cosine ran its course over those steps
 
 
 def test_run_summary_gives_tau_with_rounds_interval_and_acceptance_by_position(tmp_path, capsys):

@@ -29,7 +29,7 @@ import time
 
 ENV = "DFLASH_TRAINER_FAULTS"
 POINTS = ("fail_worker", "diverge", "pause_in_checkpoint", "test_policies", "regen_batch", "specdec_differ",
-          "step_pause", "export_mask_shift")
+          "step_pause", "export_mask_shift", "export_corrupt")
 
 
 def _check(points: dict[str, str]) -> None:

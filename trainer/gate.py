@@ -1,7 +1,10 @@
 """`python -m trainer.gate`: prove the pipeline on one row before the long run.
 
-    python -m trainer.gate --target T --data FILE [--config C] [--row N] [--steps 300] [--new-tokens 48]
-        [--gpus 0|1] [--out DIR] [--json FILE] [-- TRAINER_ARGS...]
+    python -m trainer.gate [--target T] [--data FILE|synthetic] [--config C] [--row N] [--steps 300]
+        [--new-tokens 48] [--gpus 0|1] [--out DIR] [--json FILE] [-- TRAINER_ARGS...]
+
+--target and --data default to the run's own (its --config and TRAINER_ARGS, read as the trainer reads
+them), so `dflash-ops launch --gate` runs it with exactly the real run's settings.
 
 The field's most common failure is a drafter whose training loss looks fine and whose acceptance when
 served is near zero: something between training, export and decoding is broken (a layer id off by one,
@@ -10,10 +13,13 @@ SpecForge's does: overfit one sample, export it, decode it; a working pipeline t
 draft. The stages, each said as it starts, the first that fails named (exit 1):
 
 1. `row`: row N of --data gives its prompt (the tokens before its first loss token, or a chat row's
-   turns before the assistant's); the target writes its own greedy continuation of it (--new-tokens),
-   and that is the one row trained on (a drafter learns what the target will say).
-2. `train`: `python -m trainer` with the run's --config on that row alone, one sequence a step, no eval
-   (TRAINER_ARGS after `--` are passed on). The loss must fall below a tenth of its first value.
+   turns before the assistant's; with `synthetic`, the random prompt the run's --seed draws); the target
+   writes its own greedy continuation of it (--new-tokens), and that is the one row trained on (a drafter
+   learns what the target will say).
+2. `train`: `python -m trainer` with the run's --config and TRAINER_ARGS (after `--`) on that row alone,
+   one sequence a step with every position of the row an anchor, no eval: the gate's own data, length,
+   batch, anchors, eval and checkpoint flags come last, so they win over the run's. The loss must fall
+   below a tenth of its first value.
 3. `export`: `trainer.export` of the run (float32) loads back as a drafter for this target.
 4. `decode`: the row's prompt decoded with the drafter by both engines of trainer.specdec (eager, and
    graphs), and by the reference's `dflash_generate` where PyPI's `dflash` is importable. Each must give
@@ -34,6 +40,7 @@ import time
 from pathlib import Path
 
 STAGES = ("row", "train", "export", "decode")
+SYNTHETIC = "synthetic"     # --data synthetic: the trainer's own random prompts (trainer/run/data.py)
 LOSS_FALL = 10.0        # the overfit's last logged loss must be below first / this
 
 
@@ -54,31 +61,49 @@ def checked_rows(data: str, row: int) -> list:
     from trainer.errors import UsageError
     from trainer.run import data as data_mod
 
+    if data == SYNTHETIC:
+        return []
     rows = data_mod.read_rows(data)
     if not 1 <= row <= len(rows):
         raise UsageError(f"--row {row}: {data} has {len(rows)} row(s)")
     return rows
 
 
-def one_row(target, data: str, row: int, new_tokens: int) -> tuple[list[int], list[int]]:
-    """(prompt ids, the target's greedy continuation) of row `row` (1-based, among the rows the trainer reads)."""
+def one_row(target, data: str, row: int, new_tokens: int, cfg) -> tuple[list[int], list[int]]:
+    """(prompt ids, the target's greedy continuation) of row `row` (1-based, among the rows the trainer
+    reads; synthetic: the row-th random prompt the run's seed draws, as its synthetic data does)."""
     from trainer.run import data as data_mod
     from trainer.run.specdec import target_greedy
 
-    rows = checked_rows(data, row)
-    (n, sample), = data_mod.encode_rows([rows[row - 1]], target.tokenizer, data)
-    prompt = list(data_mod.row_prompt(sample))
+    if data == SYNTHETIC:
+        low, high, exclude = data_mod.prompt_vocab(target)
+        prompt = data_mod.random_prompts(row, cfg.synthetic_prompt_len, low=low, high=high, seed=cfg.seed,
+                                         exclude=exclude)[row - 1]
+    else:
+        rows = checked_rows(data, row)
+        (n, sample), = data_mod.encode_rows([rows[row - 1]], target.tokenizer, data)
+        prompt = list(data_mod.row_prompt(sample))
+    # the row must fit the run's --seq-len whole, or its last tokens are cut before training and never
+    # learnt: the prompt keeps its last tokens
+    keep = max(1, cfg.seq_len - new_tokens)
+    if len(prompt) > keep:
+        say(f"row: its prompt keeps its last {keep} of {len(prompt)} tokens, so that prompt and continuation fit "
+            f"--seq-len {cfg.seq_len}")
+        prompt = prompt[-keep:]
     cont, _ = target_greedy(target, prompt, new_tokens, target.eos_ids())
     return prompt, cont
 
 
-def train(args, row_file: Path, out: Path, gpus: int, extra: list[str]) -> dict:
-    """The trainer on the one row, in its own process; {"first_loss", "last_loss", "seconds"}."""
+def train(args, row_file: Path, out: Path, gpus: int, extra: list[str], positions: int) -> dict:
+    """The trainer on the one row, in its own process; {"first_loss", "last_loss", "seconds"}.
+    positions: the row's loss positions; every one is an anchor at every step (a run's few anchors,
+    drawn at random, would leave some positions of the row unlearnt and the gate failing a sound pipeline)."""
     config = ["--config", args.config] if args.config else []
-    cmd = [sys.executable, "-m", "trainer", "--target", args.target, *config,
-           "--data", str(row_file), "--out", str(out), "--steps", str(args.steps), "--gpus", str(gpus),
-           "--batch-size", "1", "--eval-prompts", "0", "--eval-every", "0", "--checkpoint-every", "0",
-           "--log-every", str(max(1, args.steps // 10)), *extra]
+    # the run's flags first, the gate's after them: the trainer takes a flag's last value
+    cmd = [sys.executable, "-m", "trainer", *config, *extra, "--target", args.target,
+           "--data", str(row_file), "--out", str(out), "--steps", str(args.steps), "--epochs", "0", "--gpus", str(gpus),
+           "--batch-size", "1", "--anchors", str(positions), "--eval-prompts", "0", "--eval-every", "0",
+           "--checkpoint-every", "0", "--log-every", str(max(1, args.steps // 10))]
     t0 = time.monotonic()
     with open(out.parent / "train.log", "w") as log:
         r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -105,8 +130,9 @@ def export(run: Path, folder: Path, target, device) -> object:
     try:
         export_mod.export(str(run), str(folder), dtype="float32")
         return load_drafter(str(folder), target, device, torch.float32)
-    except (TrainerError, OSError, ValueError, RuntimeError, KeyError) as e:
-        raise GateFailed("export", f"the exported folder does not load back: {e}") from None
+    except Exception as e:      # noqa: BLE001 - whatever stops the folder loading (a safetensors error included)
+        what = str(e) if isinstance(e, TrainerError) else f"{type(e).__name__}: {e}"
+        raise GateFailed("export", f"the exported folder does not load back: {what}") from None
 
 
 def decode(target, drafter, folder: Path, prompt: list[int], cont: list[int]) -> dict:
@@ -166,7 +192,7 @@ def _reference(target, folder: Path, prompt: list[int], new_tokens: int):
 
 def main(argv: list[str] | None = None) -> int:
     from trainer.errors import UsageError
-    from trainer.run.config import OneLineParser, check_target_spec
+    from trainer.run.config import OneLineParser, check_target_spec, parse
 
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -174,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m trainer.gate",
                       description="Overfit one row, export, decode it: the pipeline works when every draft is "
                                   "accepted (tau = block size).")
-    p.add_argument("--target", required=True, help="the target (an HF folder, tiny, small-code, ...)")
-    p.add_argument("--data", required=True, help="the run's data (chat or input_ids rows)")
+    p.add_argument("--target", help="the target (an HF folder, tiny, small-code, ...; default: the run's, from "
+                                     "--config and TRAINER_ARGS)")
+    p.add_argument("--data", help="the run's data (chat or input_ids rows, or synthetic; default: the run's)")
     p.add_argument("--config", help="the run's YAML config (its drafter's shape and recipe)")
     p.add_argument("--row", type=int, default=1, help="which row's prompt (1-based; default 1)")
     p.add_argument("--steps", type=int, default=300, help="training steps on the one row (default 300)")
@@ -184,9 +211,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="where the row, the run and the export go (default: a temporary folder, removed)")
     p.add_argument("--json", dest="json_out", help="also write the result document here")
     a = p.parse_args(argv)
+    # the run's own settings, read as the trainer reads them (its --config, then its flags)
+    a.cfg = parse([*(["--config", a.config] if a.config else []), *extra])
+    a.target = a.target or a.cfg.target
+    a.data = a.data or a.cfg.data
     check_target_spec(a.target)
     if a.steps < 10 or a.new_tokens < 2:
         raise UsageError("--steps must be >= 10 and --new-tokens >= 2")
+    if a.new_tokens >= a.cfg.seq_len:
+        raise UsageError(f"--new-tokens {a.new_tokens}: the row (a prompt and its continuation) must fit the run's "
+                         f"--seq-len {a.cfg.seq_len}; ask for fewer")
     if a.out and Path(a.out).exists() and any(Path(a.out).iterdir()):
         raise UsageError(f"--out {a.out}: not empty; name a new folder")
     with tempfile.TemporaryDirectory(prefix="dflash-gate-") as tmp:
@@ -209,14 +243,14 @@ def _gate(a, extra: list[str], root: Path) -> int:
     try:
         say(f"row: row {a.row} of {a.data}, the target's own continuation of its prompt ({a.new_tokens} tokens)")
         target = load_target(a.target, device=device, dtype=torch.float32)
-        prompt, cont = one_row(target, a.data, a.row, a.new_tokens)
+        prompt, cont = one_row(target, a.data, a.row, a.new_tokens, a.cfg)
         row_file = root / "row.jsonl"
         row_file.write_text(json.dumps({"input_ids": prompt + cont, "loss_mask": [0] * len(prompt) + [1] * len(cont)})
                             + "\n")
         doc["row_tokens"] = {"prompt": len(prompt), "continuation": len(cont)}
         stage = "train"
         say(f"train: {a.steps} steps on that row alone ({'GPU' if gpus else 'CPU'}; log {root / 'train.log'})")
-        doc["train"] = train(a, row_file, root / "run", gpus, extra)
+        doc["train"] = train(a, row_file, root / "run", gpus, extra, len(cont))
         say(f"train: loss {doc['train']['first_loss']:.3f} -> {doc['train']['last_loss']:.4f} "
             f"in {doc['train']['seconds']:.0f} s")
         stage = "export"

@@ -217,7 +217,8 @@ def scalar(node, want, file: str, where: str):
     value = construct(node)
     if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)  # `python: 3` is odd but unambiguous; addresses like 10.0.0.1 are str already
-    ok = isinstance(value, want) and not (isinstance(value, bool) and want is not bool)
+    bool_ok = want is bool or (isinstance(want, tuple) and bool in want)    # True is an int to isinstance
+    ok = isinstance(value, want) and not (isinstance(value, bool) and not bool_ok)
     if not ok:
         raise FileError(file, line(node), where, f"expected {type_name(want)}, got {node.value!r}")
     return value

@@ -70,8 +70,19 @@ def _launch(run: Run, o: dict):
                                topology=o.get("topology"), compile_policy=o.get("compile_policy"),
                                workers=o.get("workers"),
                                extra=o.get("args", []), name=o.get("name"), env=o.get("env"))
+    verdict = None
+    if o.get("gate"):       # the pipeline gate first, with the same options; the run only if it passes
+        from orchestrator.runs.gate import GateFailed, run_gate
+
+        verdict = run_gate(run.inv, run.target, opts, session=run.session, on_line=run.say,
+                           on_start=lambda gate_run: run.say(f"gate run {gate_run}: one row overfit, exported and "
+                                                             f"decoded before the run starts"))
+        if not verdict.passed:
+            raise GateFailed(verdict)
     res = nodes.launch(run.inv, [run.target], opts, session=run.session).nodes[0]  # a job of one node
-    return True, res.as_json(), f"run {res.run} (pid {res.pid}, policy {res.compile_policy})"
+    doc = {**res.as_json(), **({"gate": verdict.as_json()} if verdict else {})}
+    return True, doc, (f"run {res.run} (pid {res.pid}, policy {res.compile_policy})"
+                       + (f", after gate run {verdict.run} passed" if verdict else ""))
 
 
 def _logs(run: Run, o: dict):

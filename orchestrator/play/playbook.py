@@ -44,7 +44,7 @@ ACTIONS: dict[str, dict[str, Any]] = {
     "probe": {"gpus": "int", "policies": "list", "topologies": "list", "case_timeout": "int", "reuse": "bool"},
     "launch": {"gpus": "int", "gpu_ids": "str", "name": "str", "config": "str",
                "topology": TOPOLOGIES, "compile_policy": POLICIES, "workers": "int", "env": "map",
-               "args": "list"},
+               "args": "list", "gate": "bool"},
     "logs": {"run": "str"},
     "export": {"run": "str", "step": "int", "output": "str",
                "dtype": ("bfloat16", "float16", "float32"), "force": "bool"},

@@ -109,12 +109,15 @@ def trainer_flags() -> set[str]:
 @click.option("--workers", type=click.IntRange(min=1), metavar="K",
               help="With --gpus 0: CPU worker threads.")
 @click.option("--follow", is_flag=True, help="Then follow the log, as `logs --follow` does.")
+@click.option("--gate", is_flag=True,
+              help="First run the pipeline gate (one row overfit, exported, decoded) with the run's config on the "
+                   "target; launch only if it passes (exit 1 naming the stage that broke).")
 @click.option("--env", "env", multiple=True, metavar="K=V",
               help="Set a variable for the trainer (repeatable; over hosts.yaml env:).")
 @json_option
 @click.pass_obj
 def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, compile_policy, workers, follow,
-           env, as_json):
+           gate, env, as_json):
     """Start the trainer detached from this session; print the run id.
 
     Trainer flags go after `--`, e.g. `dflash-ops launch ct200 --gpus 2 -- --steps 500`.
@@ -131,19 +134,67 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, co
                                env=parse_assignments(env))
     # SIGTERM as Ctrl-C: a launch under way is cut off saying which run may have started (nodes.launch)
     with sigterm_raises("launch"), open_session(state.inv) as session:   # one connection for launch and follow
+        verdict = _gate(state, session, targets[0], opts, as_json) if gate else None
         res = nodes.launch(state.inv, targets, opts, session=session)
         info = _nodes_info(res) if len(res.nodes) > 1 else _launch_info(res.nodes[0])
         _note_cleared(res)
+        if verdict is not None and not as_json:
+            note(f"the gate (run {verdict.run}) passed: {_passed_text(verdict)}")
         if not follow:
             if as_json:
-                emit(True, res.as_json(), "")
+                emit(True, {**res.as_json(), **({"gate": verdict.as_json()} if verdict else {})}, "")
             else:
                 click.echo(res.run)
                 note(info + f"; follow it with `dflash-ops logs {res.target} {res.run}`")
             return
         if not as_json:
             note(info)
-        follow_launched(state, session, res, res.as_json(), as_json)
+        follow_launched(state, session, res, {**res.as_json(), **({"gate": verdict.as_json()} if verdict else {})},
+                        as_json)
+
+
+def _gate(state: State, session, target, opts, as_json: bool):
+    """`launch --gate`: the gate on the (first) target, its lines on stderr; its verdict when it
+    passed, else GateFailed (exit 1) naming the stage. Ctrl-C while it runs leaves it running and
+    launches nothing."""
+    from orchestrator.errors import Interrupted
+    from orchestrator.runs.gate import GateFailed, run_gate
+
+    started: list[str] = []
+
+    def on_start(run: str) -> None:
+        started.append(run)
+        if not as_json:
+            note(f"{target.name}: gate run {run}: one row overfit, exported and decoded with this run's config "
+                 f"before the run starts (minutes; `dflash-ops logs {target.name} {run}` shows it)")
+
+    def on_line(text: str) -> None:
+        if not as_json and not text.startswith("{"):     # its result document comes back as the verdict
+            click.echo(text, err=True)
+
+    try:
+        verdict = run_gate(state.inv, target, opts, session=session, on_line=on_line, on_start=on_start)
+    except KeyboardInterrupt as e:
+        if not started:
+            raise
+        import signal
+
+        from orchestrator.errors import Terminated
+        signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+        raise Interrupted(signum, f"{target.name}: stopped following gate run {started[0]}, which goes on "
+                                  f"(`dflash-ops stop {target.name} {started[0]}` stops it); the run was not "
+                                  f"launched") from None
+    if not verdict.passed:
+        if as_json:
+            emit(True, {"gate": verdict.as_json()}, "")
+        raise GateFailed(verdict)
+    return verdict
+
+
+def _passed_text(verdict) -> str:
+    d = (verdict.doc or {}).get("decode") or {}
+    return (f"tau {d.get('tau', 0):.2f} = the block size {d.get('block_size')} on the trained row, decoders "
+            f"{', '.join(d.get('decoders') or [])} agree")
 
 
 def follow_launched(state: State, session, res, doc: dict, as_json: bool) -> None:
@@ -222,9 +273,10 @@ def status(state: State, names, all_targets, as_json):
     from orchestrator.runs import status as runs
 
     rows, errors = runs.status(state.inv, list(names), all_targets=all_targets)
-    text = table(["RUN", "NAME", "TARGET", "STATE", "STEP", "LOSS", "TAU", "STARTED", "ELAPSED"],
+    text = table(["RUN", "NAME", "TARGET", "STATE", "STEP", "LOSS", "TAU", "STARTED", "ELAPSED", "STEPS/S", "ETA"],
                  [[r["run"], _name(r), _where(r), _state_text(r), r.get("step"), fmt_num(r.get("loss")),
-                   fmt_tau(r.get("tau")), r.get("started"), fmt_elapsed(r.get("elapsed_s"))]
+                   fmt_tau(r.get("tau")), r.get("started"), fmt_elapsed(r.get("elapsed_s")),
+                   fmt_num(r.get("steps_per_s"), 3), fmt_elapsed(r.get("eta_s"))]
                   for r in rows]) if rows else ("" if errors else "no runs")
     if rows or not errors or as_json:
         emit(as_json, {"runs": rows, "errors": errors}, text)
@@ -348,8 +400,9 @@ def report(state: State, args, out, as_json):
         raise UsageError(f"--out {path}: cannot write: {e.strerror or e}") from None
     ev = report_mod.last_eval(doc["metrics"])
     emit(as_json, {"target": target.name, "run": doc["run"], "path": str(written), "points": len(doc["metrics"]),
-                   "state": st.get("state"), "eval": ev},
-         str(written) + (f"\n{report_mod.eval_line(ev)}" if ev else ""))
+                   "state": st.get("state"), "eval": ev, "evals": report_mod.evals(doc["metrics"]),
+                   "resumes": report_mod.resumes(doc["metrics"])},
+         "\n".join([str(written), *report_mod.summary_lines(doc["metrics"])]))
 
 
 # --- export --------------------------------------------------------------------------------------

@@ -49,6 +49,39 @@ def last_eval(metrics: Sequence[dict]) -> dict | None:
             "by_position": list(m.get("accept_rate_by_position") or [])}
 
 
+def evals(metrics: Sequence[dict]) -> list[dict]:
+    """Every measured tau in step order, a resumed run's re-measured steps once (the later wins):
+    [{"step", "tau"}]; step 0 is the untrained baseline (the trainer's --eval-at-start, on by default)."""
+    by_step: dict = {}
+    for m in metrics:
+        if isinstance(m.get("step"), (int, float)) and isinstance(m.get("acceptance_length"), (int, float)):
+            by_step[m["step"]] = m["acceptance_length"]
+    return [{"step": s, "tau": t} for s, t in sorted(by_step.items())]
+
+
+def resumes(metrics: Sequence[dict]) -> list:
+    """The steps a run was resumed from (the trainer's `resume` records), in order."""
+    return [m["step"] for m in metrics if m.get("event") == "resume" and isinstance(m.get("step"), (int, float))]
+
+
+def summary_lines(metrics: Sequence[dict]) -> list[str]:
+    """What `report` prints under the PNG's path: the tau measured at each eval from the untrained
+    baseline on, the last eval's interval and acceptance by position, and the resumes."""
+    lines = []
+    taus = evals(metrics)
+    if len(taus) > 1 or (taus and taus[0]["step"] == 0):
+        first = taus[0]
+        said = ("untrained " if first["step"] == 0 else f"at step {first['step']} ") + f"{first['tau']:.3f}"
+        lines.append("tau at each eval: " + said + "".join(f" -> {e['tau']:.3f} (step {e['step']})"
+                                                          for e in taus[1:]))
+    ev = last_eval(metrics)
+    if ev:
+        lines.append(eval_line(ev))
+    if resumes(metrics):
+        lines.append("resumed from step " + ", ".join(str(s) for s in resumes(metrics)))
+    return lines
+
+
 def eval_line(ev: dict) -> str:
     """`tau 2.345 (95% 2.201-2.489, 812 rounds), at step 200; acceptance by block position 1..3: ...`"""
     from trainer.controller_view import tau_text     # the trainer's own way of writing it (stdlib only)
@@ -80,7 +113,10 @@ def figure(metrics: Sequence[dict], *, title: str = ""):
     panels = [("loss", "loss", "tab:blue"), ("tau", "acceptance length (tau)", "tab:green"),
               ("throughput", data["throughput_label"], "tab:orange")]
     ev = last_eval(metrics)
+    taus = evals(metrics)
     for ax, (key, label, colour) in zip(axes, panels):
+        for i, s in enumerate(resumes(metrics)):    # where a stopped run continued
+            ax.axvline(s, color="grey", linestyle="--", linewidth=0.8, label="resumed" if i == 0 else None)
         points = data[key]
         if points:
             xs, ys = zip(*points)
@@ -93,6 +129,11 @@ def figure(metrics: Sequence[dict], *, title: str = ""):
                                 fmt="none", ecolor=colour, capsize=4)
                 note = f"{ys[-1]:.3f}" + (f" ({ev['rounds']} rounds)" if ev and ev["rounds"] is not None else "")
                 ax.annotate(note, (xs[-1], ys[-1]), textcoords="offset points", xytext=(4, 4), fontsize=9)
+                if taus and taus[0]["step"] == 0:
+                    ax.annotate(f"untrained {taus[0]['tau']:.3f}", (0, taus[0]["tau"]), textcoords="offset points",
+                                xytext=(4, -12), fontsize=9, color="grey")
+            if resumes(metrics):
+                ax.legend(loc="best", fontsize=8)
         else:
             _no_data(ax)
         ax.set_ylabel(label)

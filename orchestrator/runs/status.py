@@ -121,7 +121,8 @@ def group_rows(rows: list[dict]) -> list[dict]:
             out.append(job)
         job["nodes"].append(node)
         if (r.get("node") or {}).get("rank0"):
-            job.update({k: r.get(k) for k in ("target", "step", "loss", "tau", "exit", "log", "pid")})
+            job.update({k: r.get(k) for k in ("target", "step", "loss", "tau", "steps_per_s", "eta_s", "exit", "log",
+                                               "pid")})
     for job in jobs.values():
         job["state"] = job_state([n["state"] for n in job["nodes"]])
     return out

@@ -66,8 +66,10 @@ class TrainConfig:
                              "1..L-3)", metavar="I,J,..")
     # run
     steps: int = opt(10000, "optimizer steps in total")      # the recipe's max_steps (docs/recipe.md)
+    epochs: float = opt(0.0, "passes over the training rows instead of --steps: the steps become ceil(epochs x rows / "
+                             "--batch-size) once the rows are read, said in one line (0 = --steps)", metavar="X")
     seed: int = opt(0, "seed for the drafter init, data order and anchors")
-    out: str = opt("out", "output folder: checkpoints, metrics.jsonl, cached data", metavar="DIR")
+    out: str = opt("out", "output folder: checkpoints, metrics.jsonl", metavar="DIR")
     resume: bool = opt(False, "continue from the last complete checkpoint in --out")
     # devices and workers
     gpus: int = opt(0, "GPUs to use (0 = CPU)")
@@ -82,7 +84,7 @@ class TrainConfig:
     compile_policy: str = opt("eager", f"{' | '.join(POLICY_NAMES)} | auto (the probe's choice from "
                               "WORKDIR/probe.json)", metavar="NAME|auto")
     workdir: str = opt("", "the dflash-ops WORKDIR holding probe.json (default: $DFLASH_OPS_WORKDIR)", metavar="DIR")
-    cpu_threads: int = opt(0, "torch intra-op threads on CPU (0 = torch's default)")
+    cpu_threads: int = opt(0, "torch intra-op threads on CPU (0 = auto: 1 for one CPU worker, cores / K for K workers)")
     skip_compile_guard: bool = opt(False, "skip the guard that checks each worker's first compiled step against an "
                                    "eager forward/backward on the same weights and batch (on by default for every "
                                    "policy but eager)")
@@ -127,9 +129,9 @@ class TrainConfig:
     # drafter and objective
     draft_layers: int = opt(5, "drafter layers")
     block_size: int = opt(16, "tokens per block: the anchor plus block_size-1 predicted tokens")
-    anchors: int = opt(512, "anchors (blocks) per sequence per step, at most; the trainer uses fewer, and says so in "
-                       "one line at start, when rows are too short for them or the GPU's free memory is "
-                       "(docs/recipe.md)")
+    anchors: int = opt(0, "anchors (blocks) per sequence per step, at most; 0 = auto: the recipe's 512 on a GPU, 16 on "
+                          "the CPU (trainer/demo.yaml's), said in one line at start; the trainer uses fewer, and says "
+                          "so, when rows are too short for them or the GPU's free memory is (docs/recipe.md)")
     # gamma 0: 7 for a block of 16, 5 for 10, 4 for 8; the objective's fields are read by trainer/model/objective.py
     gamma: float = opt(0.0, "loss decay w_k = exp(-(k-1)/gamma) (--position-weights exp); 0 = from the block size")
     position_weights: str = opt("exp", "how much each block position's loss counts: exp (the recipe's fixed decay, "
@@ -187,11 +189,13 @@ class TrainConfig:
     eval_prompts: int = opt(8, "prompts of the last N rows, held out from training, for the acceptance-length eval "
                             "(0 = no eval; --data synthetic makes N rows more)")
     eval_new_tokens: int = opt(64, "tokens generated per eval prompt")
-    eval_every: int = opt(0, "measure acceptance length every N steps (0 = at the end only)")
+    eval_every: int = opt(-1, "measure acceptance length every N steps (-1 = auto: about 10 evals a run, every steps / "
+                              "10; 0 = at the end only)")
     report_to: str = opt("auto", "where the metrics also go (metrics.jsonl always has them): tensorboard (event files "
                          "in OUT/tensorboard), wandb, both (tensorboard,wandb), none; auto: tensorboard when the "
                          "tensorboard package is installed", metavar="auto|none|tensorboard,wandb")
-    eval_at_start: bool = opt(False, "also measure the untrained drafter's acceptance length before training")
+    eval_at_start: bool = opt(True, "also measure the untrained drafter's acceptance length before training, the "
+                                    "baseline `dflash-ops report` shows (--no-eval-at-start: not)")
     eval_overlap_ok: bool = opt(False, "run even when eval prompts are also training rows' prompts (too few rows to "
                                 "hold any out, or repeated prompts); without it the run refuses, as tau would not be "
                                 "measured on held-out prompts")
@@ -247,8 +251,9 @@ def _add_option(p: argparse.ArgumentParser, f: Field, default: bool = False) -> 
     its words); another program's gets both (default)."""
     flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
     extra: dict[str, Any] = {"default": f.default} if default else {}
-    if f.type in ("bool", bool):
-        p.add_argument(flag, dest=f.name, action="store_true", help=help, **extra)
+    if f.type in ("bool", bool):    # on by default: --no-NAME turns it off
+        action = argparse.BooleanOptionalAction if f.default is True else "store_true"
+        p.add_argument(flag, dest=f.name, action=action, help=help, **extra)
         return
     conv = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
     if default and f.metadata["choices"]:
@@ -371,9 +376,10 @@ def validate(c: TrainConfig, here: bool = True) -> None:
          f"--ce-rows: expected a positive number of rows, e.g. 2048 (0 = sized to 1 GiB), got {c.ce_rows}")
     need(c.block_size >= 2, f"--block-size must be >= 2, got {c.block_size}")
     need(c.seq_len >= c.block_size, f"--seq-len {c.seq_len} is shorter than one block (--block-size {c.block_size})")
-    need(c.anchors >= 1, f"--anchors must be >= 1, got {c.anchors}")
+    need(c.anchors >= 0, f"--anchors must be >= 1 (or 0: auto), got {c.anchors}")
     need(c.draft_layers >= 1, f"--draft-layers must be >= 1, got {c.draft_layers}")
     need(c.batch_size >= 1, f"--batch-size must be >= 1, got {c.batch_size}")
+    need(0 <= c.epochs < 1e6, f"--epochs must be >= 0 (0 = use --steps), got {c.epochs}")
     need(c.nnodes >= 1, f"--nnodes must be >= 1, got {c.nnodes}")
     if c.nnodes > 1:
         need(c.topology == "processes", f"--nnodes {c.nnodes} needs --topology processes (one DDP job over the nodes)")
@@ -405,8 +411,8 @@ def validate(c: TrainConfig, here: bool = True) -> None:
          f"--adam-beta1 and --adam-beta2 must be in [0, 1), got {c.adam_beta1}, {c.adam_beta2}")
     need(c.keep_checkpoints >= 2,
          f"--keep-checkpoints must be >= 2 (the previous checkpoint must survive), got {c.keep_checkpoints}")
-    need(c.log_every >= 1 and c.checkpoint_every >= 0 and c.eval_every >= 0,
-         "--log-every must be >= 1; --checkpoint-every and --eval-every >= 0")
+    need(c.log_every >= 1 and c.checkpoint_every >= 0 and c.eval_every >= -1,
+         "--log-every must be >= 1; --checkpoint-every >= 0 and --eval-every >= 0 (or -1: auto)")
     need(c.eval_prompts >= 0 and c.eval_new_tokens >= 1, "--eval-prompts must be >= 0 and --eval-new-tokens >= 1")
     need(c.synthetic_samples >= 1 and c.synthetic_prompt_len >= 1 and c.synthetic_new_tokens >= c.block_size,
          f"--synthetic-new-tokens must be >= --block-size ({c.block_size}); samples and prompt length >= 1")

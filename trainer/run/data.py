@@ -15,6 +15,7 @@ the batches and anchors the uninterrupted run would have seen.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Collection, Mapping, Sequence
@@ -268,26 +269,46 @@ def continue_prompts(target, prompts: torch.Tensor, new_tokens: int, *, temperat
     return torch.stack(toks, dim=1)
 
 
-def synthetic(target, *, out_dir: str, n: int, prompt_len: int, new_tokens: int, temperature: float,
-              seed: int, min_new: int, batch: int = 128, should_stop=lambda: False) -> Path:
-    """Write (or reuse) OUT/data/synthetic-KEY.jsonl: n random prompts continued by the target.
+@contextlib.contextmanager
+def one_cpu_thread(on: bool):
+    """torch's intra-op threads at 1 while the target decodes on the CPU: each call of a token's decode is
+    little work, and a second thread's spinning waits lose several-fold to a busy machine's other
+    processes (docs/benchmarks.md, "Synthetic data")."""
+    if not on:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
-    KEY covers everything that changes the rows, so a cached file is only reused when it is the same data.
+
+def synthetic(target, *, folder: Path, identity: dict, n: int, prompt_len: int, new_tokens: int, temperature: float,
+              seed: int, min_new: int, batch: int = 128, should_stop=lambda: False) -> tuple[Path, bool]:
+    """(FOLDER/synthetic-KEY.jsonl, whether it was there already): n random prompts continued by the
+    target, written once (atomically) and reused by every later run with the same inputs.
+
+    KEY covers everything that changes the rows (the target's identity: trainer/run/provenance.py's, its
+    weights' hashes included, so a target rebuilt in the same folder is another; the device type, whose
+    kernels may round differently; the seed and every size), so a cached file is only reused when it is
+    the same data.
     A continuation is cut after the first EOS, and dropped if that leaves fewer than `min_new` tokens
     (no room for a block); rows are prompt + continuation, with loss on the continuation.
     """
-    spec = dict(target=target.fingerprint, n=n, prompt_len=prompt_len, new_tokens=new_tokens,
-                temperature=temperature, seed=seed, min_new=min_new, v=1)
+    spec = dict(target=identity, device=target.device.type, n=n, prompt_len=prompt_len,
+                new_tokens=new_tokens, temperature=temperature, seed=seed, min_new=min_new, v=1)
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    path = Path(out_dir) / "data" / f"synthetic-{key}.jsonl"
+    path = Path(folder) / f"synthetic-{key}.jsonl"
     if path.is_file():
-        return path
+        return path, True
     path.parent.mkdir(parents=True, exist_ok=True)
     low, high, exclude = prompt_vocab(target)
     prompts = random_prompts(n, prompt_len, low=low, high=high, seed=seed, exclude=exclude)
     eos = target.eos_ids()
     g = torch.Generator().manual_seed(seed + 1)
-    with atomic_file(path) as f:  # SIGTERM (Stopped) leaves no file behind
+    with one_cpu_thread(target.device.type == "cpu"), atomic_file(path) as f:  # SIGTERM (Stopped) leaves no file
         for i in range(0, n, batch):
             if should_stop():
                 break
@@ -301,7 +322,7 @@ def synthetic(target, *, out_dir: str, n: int, prompt_len: int, new_tokens: int,
                 f.write(json.dumps({"input_ids": prompt + c, "loss_mask": [0] * len(prompt) + [1] * len(c)}) + "\n")
         if should_stop():
             raise Stopped("SIGTERM while generating synthetic data, before training started: nothing to checkpoint")
-    return path
+    return path, False
 
 
 # --------------------------------------------------------------------------- batches

@@ -104,6 +104,13 @@ def _mask_written(mask_token_id: int) -> int:
     return mask_token_id + 1 if faults.value("export_mask_shift") else mask_token_id
 
 
+def _corrupt_for_a_test(path: Path) -> None:
+    """A test's fault cuts the weights file in half (an export damaged on its way: the gate must say so)."""
+    if faults.value("export_corrupt"):
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size // 2)
+
+
 def draft_weights(dcfg, weights: dict, target_norm=None) -> dict:
     """The checkpoint's weights under the reference's names (ours are the same), checked against
     the drafter's shapes. target_norm (H,) stands in for `norm.weight` when the checkpoint has none
@@ -211,6 +218,7 @@ def export(run: str, output: str, *, step: int | None = None, dtype: str = "bflo
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file({k: v.detach().to("cpu", torch_dtype).contiguous() for k, v in weights.items()},
                   str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _corrupt_for_a_test(tmp / "model.safetensors")
         provenance_doc = {"run": str(out.resolve()), "step": ck.step, "checkpoint": str(path.resolve()),
                           "running": running, "target": cfg.target, "target_identity": record,
                           "target_changed": list(changed.values()), "dtype": dtype, "drafter": asdict(dcfg),

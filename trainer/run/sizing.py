@@ -12,7 +12,10 @@ The rule, applied once at start (trainer/train/loop.prepare), never changes a ru
    to the most that fit (a multiple of 8). Lowering anchors changes neither the data nor the model
    (seq_len would truncate rows, batch_size would change the optimisation), so it is the one knob
    turned. If even one anchor does not fit, the config is kept and the line says what to lower.
-3. On the CPU nothing is changed; a step costing more than CPU_SLOW_FLOPS says it will be slow.
+3. --anchors 0 (auto, the default) is the recipe's 512 on a GPU, then fitted as above; on the CPU it is
+   CPU_ANCHORS (trainer/demo.yaml's), said in one line with what the recipe's would cost. Anchors asked
+   for on the CPU are kept; a step costing more than CPU_SLOW_FLOPS says it will be slow, and a step
+   that took more than SLOW_STEP_S says so once, with the flag that would make it cheaper (slow_line).
 4. A resumed run keeps the anchors its start chose (its checkpoints record them, `resumed`), so a
    resume on a device with more or less free memory does not change the step it continues; only a
    changed --anchors is fitted anew.
@@ -36,6 +39,9 @@ RESERVE = 3 * GIB          # CUDA context, the fused cross-entropy's 1 GiB chunk
 TRAINABLE_BYTES = 16       # per trainable parameter: fp32 weight, gradient and two AdamW moments
 CPU_SLOW_FLOPS = 1e12      # a worker's step past this takes seconds to minutes on a CPU
 ROUND = 8                  # anchors cut for memory are a multiple of this (when at least this many fit)
+RECIPE_ANCHORS = 512       # --anchors 0 (auto) on a GPU: the recipe's (docs/recipe.md)
+CPU_ANCHORS = 16           # --anchors 0 (auto) on the CPU: trainer/demo.yaml's, a step of about a second there
+SLOW_STEP_S = 3.0          # a CPU step past this is said once, with the flag that makes it cheaper
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,8 @@ def sequence_bytes(s: Shape, anchors: int) -> int:
 def fit_anchors(anchors: int, s: Shape, d: Device, step_flops: Callable[[int], float] = lambda n: 0.0) -> Fit:
     """The anchors to use for `anchors` asked, and why when they differ (rules in the module doc).
     step_flops(n): one worker's training FLOPs per step with n anchors (for the CPU's line)."""
+    auto = anchors == 0
+    anchors = auto_anchors(d.kind) if auto else anchors
     fits = max(1, s.pad_len - s.block + 1)
     room = min(fits, s.room) if s.room > 0 else fits
     why = []
@@ -107,12 +115,40 @@ def fit_anchors(anchors: int, s: Shape, d: Device, step_flops: Callable[[int], f
                        f"weights and optimizer state (docs/recipe.md#memory)")
             use = cut
     line = f"anchors {use} instead of {anchors}: {'; and '.join(why)}" if use != anchors else None
+    if auto and d.kind == "cpu":
+        recipe = step_flops(min(RECIPE_ANCHORS, room)) / max(step_flops(use), 1.0)    # what the rows would take
+        sized = (f"anchors {use} (--anchors auto on the CPU: trainer/demo.yaml's; the recipe's {RECIPE_ANCHORS} are "
+                 f"a GPU's" + (f", ~{recipe:.0f}x the work of a step here" if recipe > 1.5 else "")
+                 + "; --anchors N asks for others)")
+        return Fit(use, sized if line is None else f"{sized}; {line}")
     if d.kind == "cpu" and step_flops(use) > CPU_SLOW_FLOPS:
         slow = (f"on the CPU: {use} anchors x block {s.block} over {s.pad_len} tokens is a GPU recipe, "
                 f"~{step_flops(use) / 1e12:.1f} TFLOP per worker step; kept as configured, expect slow steps "
                 f"(trainer/demo.yaml is a CPU-sized run)")
         line = slow if line is None else f"{line}; {slow}"
     return Fit(use, line)
+
+
+def auto_anchors(kind: str) -> int:
+    """What --anchors 0 (auto) asks for on a device of this kind ("cuda", "cpu"), before fitting."""
+    return CPU_ANCHORS if kind == "cpu" else RECIPE_ANCHORS
+
+
+def slow_line(step_s: float, steps_left: int, anchors: int, batch: int, workers: int) -> str:
+    """The one line of a CPU step that took step_s (past SLOW_STEP_S): what the run will take at that
+    pace, and the flag that makes a step cheaper (fewer anchors, else a smaller batch, else more workers)."""
+    if anchors > CPU_ANCHORS:
+        cure = f"--anchors {CPU_ANCHORS} (now {anchors}) makes each step cheaper"
+    elif batch > workers:
+        cure = f"--batch-size {max(workers, batch // 2)} (now {batch}) halves each step's work"
+    else:
+        cure = "--workers (CPU threads, one sequence each) or --gpus spread it"
+    return (f"slow steps: {step_s:.1f} s a step on the CPU, ~{_span(step_s * steps_left)} for the {steps_left} steps "
+            f"left; {cure} (trainer/demo.yaml is a CPU-sized run)")
+
+
+def _span(s: float) -> str:
+    return f"{s / 3600:.1f} h" if s >= 5400 else f"{s / 60:.0f} min" if s >= 90 else f"{s:.0f} s"
 
 
 def record(asked: int, used: int) -> dict:

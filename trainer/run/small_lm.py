@@ -39,6 +39,7 @@ import torch
 
 from trainer.files import atomic_folder
 from trainer.owned import not_a_small_lm
+from trainer.run.cache import cache_root
 from trainer.run.cpu_shards import ShardedGrads
 
 EOT, MASK = "<|endoftext|>", "<|mask|>"
@@ -338,10 +339,6 @@ def seen_in(train: list[str], k: int = SEEN_LINES) -> Callable[[str], bool]:
 
 
 # --------------------------------------------------------------------------- the cache
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DFLASH_OPS_CACHE") or Path.home() / ".cache" / "dflash-ops")
-
 
 def cache_key(recipe: Recipe, text_hash: str) -> str:
     return _key(dataclasses.asdict(recipe), text_hash)

@@ -6,7 +6,9 @@ trainer/train/distributed.py with one torchrun rank per device.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -26,6 +28,7 @@ from trainer.model import choices, fp8, masks
 from trainer.model.drafter import Drafter, DrafterConfig, flops_per_sample
 from trainer.model.objective import Objective
 from trainer.run import checkpoint, provenance, sizing
+from trainer.run.cache import cache_root
 from trainer.run.config import CHOSEN_POLICY, RUN_CONFIG, TrainConfig, chat_template_options, layer_ids, objective_of
 from trainer.run.data import (Loader, check_samples, encode_rows, most_anchors, overlap, read_rows, split_eval,
                               synthetic)
@@ -64,6 +67,8 @@ class Prepared:
     anchors: int = 0             # anchors per sequence a step uses: --anchors, or fewer (sizing.py)
     objective: Objective = Objective()  # what the loss trains the drafter to match (--objective)
     muon: MuonSettings | None = None    # --optimizer muon's settings; None: AdamW alone (the recipe)
+    steps: int = 0               # the run's length: --steps, or what --epochs makes of the rows (run_length)
+    eval_every: int = 0          # --eval-every, or what auto (-1) makes of the length (run_length)
 
 
 def open_run(cfg: TrainConfig, *, writer: bool) -> tuple[Path, Path | None]:
@@ -169,7 +174,24 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
     anchors = _anchors(cfg, device, dcfg, n_params, pad_len, samples, log, agree_min, ck, objective)
     return Prepared(out, ck, target, samples, eval_prompts, pad_len, pos_weights, dcfg, drafter,
                     flops_per_sample(dcfg, pad_len, anchors * cfg.block_size), record, eval_overlap, anchors, objective,
-                    muon)
+                    muon, *run_length(cfg, len(samples), bool(eval_prompts), log))
+
+
+def run_length(cfg: TrainConfig, rows: int, evals: bool, log) -> tuple[int, int]:
+    """(steps, eval_every): --steps, or with --epochs the steps that many passes over the training rows
+    take; --eval-every, or with auto (-1) about 10 evals a run. Each derived value said once."""
+    steps = cfg.steps
+    if cfg.epochs:
+        steps = max(1, math.ceil(cfg.epochs * rows / cfg.batch_size))
+        log.info(f"--epochs {cfg.epochs:g}: {steps} steps ({rows} training rows, batch {cfg.batch_size}), not --steps")
+    every = cfg.eval_every
+    if every < 0:
+        every = max(1, round(steps / 10)) if steps >= 10 else 0
+        if evals:
+            when = f"evals every {every} steps and at the end" if every else "evals at the end"
+            log.info(f"{when} (--eval-every auto; {'the untrained baseline first; ' if cfg.eval_at_start else ''}"
+                     "--eval-every N sets it, 0: at the end only)")
+    return steps, every
 
 
 def _muon(cfg: TrainConfig, drafter: Drafter, log) -> MuonSettings | None:
@@ -229,7 +251,8 @@ def _anchors(cfg: TrainConfig, device: torch.device, dcfg: DrafterConfig, n_para
     anchors = agree_min(fit.anchors)       # on every rank, resumed or not: it is a collective
     line = fit.line
     if anchors != fit.anchors:
-        line = f"anchors {anchors} instead of {cfg.anchors}: another rank's device has less free memory"
+        asked = cfg.anchors or sizing.auto_anchors(dev.kind)
+        line = f"anchors {anchors} instead of {asked}: another rank's device has less free memory"
     kept = sizing.resumed(ck.meta.get("anchors"), cfg.anchors, sizing.Fit(anchors, line)) if ck else None
     if kept is not None:
         anchors, line = kept.anchors, kept.line
@@ -246,6 +269,8 @@ def run_loop(cfg: TrainConfig, engine: Engine, prep: Prepared, log, stop: thread
     called at the same points on every rank; only the writer (rank 0) logs metrics and evaluates; the
     savers (rank 0, and the first rank of every other node) write checkpoints.
     """
+    # --epochs and --eval-every auto, decided once in prepare
+    cfg = dataclasses.replace(cfg, steps=prep.steps or cfg.steps, eval_every=max(0, prep.eval_every))
     out, ck = prep.out, prep.ck
     loader = Loader(len(prep.samples), cfg.seed)
     step = 0
@@ -269,6 +294,7 @@ def run_loop(cfg: TrainConfig, engine: Engine, prep: Prepared, log, stop: thread
     # The step queued last, logged once the next one is queued (engine.step returns before the
     # devices have run it), or at a step boundary that needs its results.
     pending = None
+    slow_said: list[int] = []   # the step whose slowness was said (once)
 
     def finish(until: float | None = None) -> None:
         """Read and log the pending step (waits for its update; a non-finite norm raises). Its
@@ -296,6 +322,10 @@ def run_loop(cfg: TrainConfig, engine: Engine, prep: Prepared, log, stop: thread
             m.update(elapsed_s=elapsed, steps_per_s=rate, eta_s=(cfg.steps - n) / rate if rate else None)
             log.info(step_line(m, cfg.steps))
             log.metrics(m)
+        # once, past the first step (which builds and warms up): a CPU run that will take long says so
+        if not slow_said and n > first + 1 and dt > sizing.SLOW_STEP_S and r0.device.type == "cpu":
+            slow_said.append(n)
+            log.info(sizing.slow_line(dt, cfg.steps - n, prep.anchors, cfg.batch_size, cfg.n_devices))
 
     while step < cfg.steps:
         faults.hit("step_pause", step=step)
@@ -401,11 +431,14 @@ def _load_data(cfg, target, out, log, stop):
         t = time.time()
         n = cfg.synthetic_samples + cfg.eval_prompts
         with heartbeat(log, f"generating synthetic data ({cfg.synthetic_samples} + {cfg.eval_prompts} held-out rows)"):
-            path = str(synthetic(target, out_dir=str(out), n=n, prompt_len=cfg.synthetic_prompt_len,
-                                 new_tokens=cfg.synthetic_new_tokens, temperature=cfg.synthetic_temperature,
-                                 seed=cfg.seed, min_new=cfg.block_size, should_stop=stop.is_set))
+            made, reused = synthetic(target, folder=cache_root() / "synthetic", identity=provenance.identity(target),
+                                     n=n, prompt_len=cfg.synthetic_prompt_len,
+                                     new_tokens=cfg.synthetic_new_tokens, temperature=cfg.synthetic_temperature,
+                                     seed=cfg.seed, min_new=cfg.block_size, should_stop=stop.is_set)
+        path = str(made)
         log.info(f"synthetic data (for tests: random-token prompts continued by the target): {path} "
-                 f"({time.time() - t:.1f}s)")
+                 + ("(reused: the same target, seed and sizes made it before)" if reused else
+                    f"(generated in {time.time() - t:.1f}s; kept for runs with the same target, seed and sizes)"))
     samples, skipped = _read_samples(path, cfg, target)
     samples, prompts, held_out = split_eval(samples, cfg.eval_prompts)
     shared = overlap(prompts, samples)

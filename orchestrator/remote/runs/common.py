@@ -355,7 +355,8 @@ def _last_event(log_path):
 
 
 def _last_metrics(log_path):
-    """Last step and loss, last acceptance length, from the log's JSON lines (read from the end)."""
+    """Last step and loss (and the pace and ETA its line gives), last acceptance length, from the log's JSON
+    lines (read from the end)."""
     found = {}
     try:
         size = os.path.getsize(log_path)
@@ -374,12 +375,16 @@ def _last_metrics(log_path):
                 doc = metric(raw)
                 if doc is None:
                     continue
+                if "step" not in found and _is_number(doc.get("step")) and _is_number(doc.get("loss")):
+                    for key in ("steps_per_s", "eta_s"):        # the last step line's pace, when it had one
+                        if _is_number(doc.get(key)):
+                            found[key] = doc[key]
                 for key, name in (("step", "step"), ("loss", "loss"), ("acceptance_length", "tau"),
                                   ("written", "written")):
                     if _is_number(doc.get(key)) and name not in found:      # a log line's, not a record's
                         found[name] = doc[key]
-                if "written" in found or len(found) == 3:     # a regen's rows, or a trainer's three
-                    return found
+                if "written" in found or all(k in found for k in ("step", "loss", "tau")):   # a regen's rows,
+                    return found                                                            # or a trainer's three
             if ("step" in found and "loss" in found) or start == 0 or span >= 1 << 24:
                 return found
             span *= 8
@@ -415,6 +420,9 @@ def run_status(workdir, run):
     doc = {"run": run, "kind": rec.get("kind") or "train", "output": rec.get("output"),
            "name": rec.get("name"), "attempt": rec.get("attempt") or 1, "state": state,
            "step": m.get("step"), "loss": m.get("loss"), "tau": m.get("tau"), "rows": m.get("written"),
+           # the trainer's own pace and ETA at its last step line (a running run's; null before its second)
+           "steps_per_s": m.get("steps_per_s") if state == "running" else None,
+           "eta_s": m.get("eta_s") if state == "running" else None,
            "started": rec.get("started"), "started_ts": started, "ended": (ex or {}).get("ended"),
            "elapsed_s": round((ended or time.time()) - started, 1) if started else None,
            "pid": rec.get("pid"), "gpus": rec.get("gpus"), "slots": rec.get("slots"),
@@ -443,7 +451,8 @@ def unreadable_row(rundir, run, ex):
     except OSError:
         log_bytes = 0
     return {"run": run, "kind": None, "output": None, "name": None, "attempt": None, "state": UNREADABLE,
-            "reason": ex["reason"], "step": None, "loss": None, "tau": None, "started": None, "started_ts": None,
+            "reason": ex["reason"], "step": None, "loss": None, "tau": None, "steps_per_s": None, "eta_s": None,
+            "started": None, "started_ts": None,
             "ended": None, "elapsed_s": None, "pid": None, "gpus": None, "slots": None, "compile_policy": None,
             "release": None, "log": os.path.join(rundir, LOG), "exit": ex, "nodes": None, "node": None,
             "log_bytes": log_bytes}

@@ -26,6 +26,7 @@ import os
 
 REGEN_PROMPTS = "prompts.jsonl"     # regen's input in the run's folder (the controller's upload)
 REGEN_OUT = "regen.jsonl"           # what it writes there: the trainer's --data
+GATE_OUT = "gate.json"              # a gate run's verdict in its folder (trainer.gate --json)
 
 
 def trainer_flags(spec, gpus, policy, config=None, resume=False):
@@ -58,6 +59,16 @@ def _regen_argv(spec, rundir, gpus, policy, config, resume):
              "--gpus", str(gpus)] + list(spec.get("extra") or []))
 
 
+def _gate_argv(spec, rundir, gpus, policy, config, resume):
+    # the run's config, policy and trainer arguments, on one device of the run's (the gate trains one
+    # row on one device); its row, run and export in RUNDIR/gate, its verdict in RUNDIR/gate.json
+    argv = ["--out", os.path.join(rundir, "gate"), "--json", os.path.join(rundir, GATE_OUT),
+            "--gpus", str(min(gpus, 1))]
+    if config:
+        argv += ["--config", config]
+    return argv + ["--", "--compile-policy", policy] + list(spec.get("extra") or [])
+
+
 KINDS = {
     "train": {"module": "trainer", "argv": _train_argv, "policy": True, "nodes": True, "checked": True,
               "drafter": True, "pruned": True, "inputs": (), "output": None, "ended": None},
@@ -66,6 +77,8 @@ KINDS = {
               "ended": ("the rows are in {output}; train on them with `dflash-ops launch {target} -- --data {output}`",
                         "the rows so far are in {output}; `dflash-ops launch {target} --resume {run}` continues "
                         "from there")},
+    "gate": {"module": "trainer.gate", "argv": _gate_argv, "policy": True, "nodes": False, "checked": False,
+             "drafter": False, "pruned": True, "inputs": (), "output": GATE_OUT, "ended": None},
 }
 # A kind this agent does not know (a run.json written by a newer controller): nothing is assumed of
 # it; it is kept by prune and never exported.
