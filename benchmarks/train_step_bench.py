@@ -107,7 +107,7 @@ class Placement:
 def run(args, emit, res: dict) -> None:
     import torch
 
-    from trainer import policies
+    from trainer import cores
     from trainer.model import choices
 
     choices.configure(fp32_wgrad=args.fp32_wgrad == "on", flex_tiles=args.flex_tiles, ce_rows=args.ce_rows,
@@ -132,7 +132,7 @@ def run(args, emit, res: dict) -> None:
                    else [torch.device("cpu")] * args.workers)
         all_devices = [str(d) for d in devices]
         if not cuda and args.workers > 1:
-            policies.share_cpu(args.workers)  # as trainer/train/main.py does for CPU workers
+            cores.share_cpu(args.workers)  # as trainer/train/main.py does for CPU workers
     try:
         _run(args, emit, res, Placement(cuda, procs, rank, devices, all_devices))
     finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import policies
+from trainer import cores, policies
 from trainer.policies import POLICY_NAMES, PolicyError
 
 from tolerance import assert_close
@@ -256,8 +256,8 @@ def test_importing_policies_needs_no_torch():
     import subprocess
     import sys
     from pathlib import Path
-    code = ("import sys, trainer.policies as p; p.describe('inductor'); p.resolve('eager', None); "
-            "assert 'torch' not in sys.modules")
+    code = ("import sys, trainer.policies as p, trainer.cores as c; p.describe('inductor'); "
+            "p.resolve('eager', None); c.free_cores(); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
                    check=True, timeout=60)
 
@@ -266,13 +266,13 @@ def test_share_cpu_gives_each_worker_its_share_of_the_cores(monkeypatch):
     before = torch.get_num_threads()
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        cores = len(os.sched_getaffinity(0))
-        assert policies.share_cpu(2) == max(1, cores // 2) == torch.get_num_threads()
-        assert policies.share_cpu(64) == 1 == torch.get_num_threads()
-        assert policies.share_cpu(1) == cores
+        n = len(os.sched_getaffinity(0))
+        assert cores.share_cpu(2) == max(1, n // 2) == torch.get_num_threads()
+        assert cores.share_cpu(64) == 1 == torch.get_num_threads()
+        assert cores.share_cpu(1) == n
         monkeypatch.setenv("OMP_NUM_THREADS", "1")        # the user's word wins
         torch.set_num_threads(1)
-        assert policies.share_cpu(1) == 1
+        assert cores.share_cpu(1) == 1
     finally:
         torch.set_num_threads(before)
 
@@ -290,26 +290,26 @@ def test_max_autotune_is_probed_only_when_named():
 # ---- CPU threads of the one-process jobs ----------------------------------------------------
 
 def test_free_cores_are_the_cores_less_the_busy_ones_and_at_least_one():
-    assert policies.free_cores(busy=0.2, n_cores=2) == 2
-    assert policies.free_cores(busy=1.4, n_cores=4) == 3
-    assert policies.free_cores(busy=2.0, n_cores=2) == 1      # a loaded laptop: one thread, not two spinning
-    assert policies.free_cores(busy=0.0, n_cores=1) == 1
+    assert cores.free_cores(busy=0.2, n_cores=2) == 2
+    assert cores.free_cores(busy=1.4, n_cores=4) == 3
+    assert cores.free_cores(busy=2.0, n_cores=2) == 1      # a loaded laptop: one thread, not two spinning
+    assert cores.free_cores(busy=0.0, n_cores=1) == 1
 
 
 def test_busy_cores_are_the_busy_share_of_the_window_not_the_minutes_mean():
     # /proc/stat's cpu line: user nice system idle iowait irq softirq steal (ticks, all cpus summed)
     a = [1000, 0, 500, 9000, 100, 0, 10, 0]
-    assert policies.busy_between(a, [1100, 0, 600, 9100, 100, 0, 10, 0], 2) == pytest.approx(4 / 3)
-    assert policies.busy_between(a, [1000, 0, 500, 9200, 100, 0, 10, 0], 2) == 0.0   # idle: a quiet machine
-    assert policies.busy_between(a, [1000, 0, 500, 9100, 200, 0, 10, 100], 2) == pytest.approx(2 / 3)  # steal busy,
-    assert policies.busy_between(a, a, 2) is None                                                      # iowait free
+    assert cores.busy_between(a, [1100, 0, 600, 9100, 100, 0, 10, 0], 2) == pytest.approx(4 / 3)
+    assert cores.busy_between(a, [1000, 0, 500, 9200, 100, 0, 10, 0], 2) == 0.0   # idle: a quiet machine
+    assert cores.busy_between(a, [1000, 0, 500, 9100, 200, 0, 10, 100], 2) == pytest.approx(2 / 3)  # steal busy,
+    assert cores.busy_between(a, a, 2) is None                                                      # iowait free
 
 
 def test_busy_cores_counts_a_spinning_process_beside_it():
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)
-        assert policies.busy_cores(0.5) >= 0.7
+        assert cores.busy_cores(0.5) >= 0.7
     finally:
         spin.kill()
         spin.wait()

@@ -1,5 +1,5 @@
 """`python -m trainer.regen`: training rows answered by the target itself (trainer/run/regen.py)."""
-from trainer.policies import passive_waits
+from trainer.cores import passive_waits
 
 passive_waits()     # before torch loads OpenMP (trainer.run imports torch)
 from trainer.exits import exit_process, run  # noqa: E402

@@ -1,6 +1,6 @@
 """`python -m trainer.small_lm`: the small real target: a code LM trained on the standard library
 (trainer/run/small_lm.py)."""
-from trainer.policies import passive_waits
+from trainer.cores import passive_waits
 
 passive_waits()     # before torch loads OpenMP (trainer.run imports torch)
 from trainer.exits import exit_process, run  # noqa: E402

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer import policies
+from trainer import cores
 from trainer.model import fp8, masks
 from trainer.exits import exit_process
 from trainer.run.data import Sample, make_batch
@@ -272,7 +272,7 @@ class _Case:
 def run_case(policy: str, topology: str, n: int, steps: int, device_kind: str, rank: int = 0,
              precision: str = "bf16", emulate: bool = False) -> dict:
     if device_kind != "cuda" and topology == "threads":
-        policies.share_cpu(n)
+        cores.share_cpu(n)
     t0 = time.perf_counter()
     phase("compile")                         # building the replicas, then the first step compiles
     case = _Case(policy, topology, n, device_kind, rank, precision, emulate)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from trainer import policies
+from trainer import cores, policies
 from trainer.files import atomic_file
 from trainer.probe.build import build_report, call_or_default, check_expect, mode_options
 from trainer.probe.case import CPU_SHAPE, GPU_SHAPE, case_main
@@ -77,7 +77,7 @@ def _run_child(policy: str, topology: str, n: int, args, on_beat=None, control=N
     case += ["--fp8-emulate"] if args.fp8_emulate else []
     if topology == "processes":
         if args.device != "cuda" and "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = str(max(1, policies.cores() // n))   # the ranks share the cores
+            env["OMP_NUM_THREADS"] = str(max(1, cores.cores() // n))   # the ranks share the cores
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
                f"--nproc-per-node={n}", *case]
     else:
@@ -254,7 +254,7 @@ def default_jobs(cuda: bool, cores: int) -> int:
 
 
 def args_jobs(args, cuda: bool) -> int:
-    return getattr(args, "jobs", None) or default_jobs(cuda, policies.cores())
+    return getattr(args, "jobs", None) or default_jobs(cuda, cores.cores())
 
 
 def run_probe(args) -> dict:

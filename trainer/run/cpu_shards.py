@@ -21,25 +21,25 @@ from typing import Callable, Sequence
 
 import torch
 
-from trainer import policies
+from trainer import cores
 
 
 class ShardedGrads:
     """The gradient of a batch's mean loss, from `shards` equal parts of its rows run by up to
     min(shards, cores) worker threads. While open, torch's intra-op threads are cores // shards
-    (policies.share_cpu: one on 2 cores), restored on close. OMP_NUM_THREADS, when set, is left alone
+    (cores.share_cpu: one on 2 cores), restored on close. OMP_NUM_THREADS, when set, is left alone
     (and then the bits follow it)."""
 
     def __init__(self, params: Sequence[torch.Tensor], shards: int = 2, workers: int | None = None):
         self.params, self.shards = list(params), shards
-        self.workers = max(1, min(shards, workers or policies.cores()))
+        self.workers = max(1, min(shards, workers or cores.cores()))
         self._threads_before = torch.get_num_threads()
-        self.intra_op = policies.share_cpu(shards)     # not workers: the bits must not follow them
+        self.intra_op = cores.share_cpu(shards)     # not workers: the bits must not follow them
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="shard")
 
     def describe(self) -> str:
         return (f"{self.workers} shard worker thread(s) x {self.intra_op} CPU thread(s), "
-                f"{self.shards} shards a batch: {policies.cores()} cores")
+                f"{self.shards} shards a batch: {cores.cores()} cores")
 
     def __call__(self, rows: torch.Tensor, loss_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Set p.grad to d(mean loss)/dp for the batch `rows` (its first dim cut into the shards; it

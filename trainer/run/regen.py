@@ -407,9 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.temperature < 0:
         raise UsageError("--temperature must be 0 (greedy) or more")
     if a.gpus == 0:
-        from trainer import policies
+        from trainer import cores
 
-        print(f"regen: {policies.threads_from_free_cores()}", file=sys.stderr, flush=True)
+        print(f"regen: {cores.threads_from_free_cores()}", file=sys.stderr, flush=True)
     doc = regen(a.target, a.prompts, a.out, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
                 temperature=a.temperature, thinking=a.thinking, gpus=a.gpus, resume=not a.no_resume, seed=a.seed,
                 block_size=a.block_size, seq_len=a.seq_len, log=lambda s: print(s, file=sys.stderr, flush=True))

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from trainer import policies
+from trainer import cores, policies
 from trainer.engine.step import build_replica
 from trainer.engine.workers import ThreadEngine, WorkerFailed, WorkerHung
 from trainer.exits import exit_process, report
@@ -73,7 +73,7 @@ def _train(cfg: TrainConfig, stop: threading.Event, out, resume_from, log: RunLo
     if cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
     elif devices[0].type == "cpu" and len(devices) > 1:
-        policies.share_cpu(len(devices))      # K CPU workers: cores / K intra-op threads each
+        cores.share_cpu(len(devices))      # K CPU workers: cores / K intra-op threads each
     elif devices[0].type == "cpu":
         # one CPU worker: a second intra-op thread's spinning waits lose several-fold on a machine whose
         # cores other work shares (docs/benchmarks.md, "CPU figures"); more only when asked
