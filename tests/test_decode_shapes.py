@@ -61,7 +61,7 @@ def test_a_toy_shape_end_to_end(tmp_path, capsys):
         want = tau_for(c, r["speedup"], n)
         assert r["at_new_tokens"] == (None if want is None else pytest.approx(want))
     rows = doc["table"]["speedup_at"]
-    assert [r["tau"] for r in rows] == [2.9, 6.5, 7.9, 4.25]   # the default taus
+    assert [r["tau"] for r in rows] == [float(t) for t in _load().TAUS.split(",")]   # the default taus
     for r in rows:
         assert r["long"] == pytest.approx(speedup_at(c, r["tau"]))
         assert r["at_new_tokens"] == pytest.approx(speedup_at(c, r["tau"], n))
@@ -130,9 +130,9 @@ def test_the_costs_are_the_decoders_own_step_costs_and_the_table_follows_from_th
     assert _load().main([*TOY, "--reps", "5", "--new-tokens", "256", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert asked == [(16, 5)] and doc["costs_ms"]["round"] == pytest.approx(7.0)
-    row = next(r for r in doc["table"]["speedup_at"] if r["tau"] == 2.9)
-    assert row["long"] == pytest.approx(speedup_at(c, 2.9)) and row["at_new_tokens"] == pytest.approx(
-        speedup_at(c, 2.9, 256))
+    row = next(r for r in doc["table"]["speedup_at"] if r["tau"] == 2.71)
+    assert row["long"] == pytest.approx(speedup_at(c, 2.71)) and row["at_new_tokens"] == pytest.approx(
+        speedup_at(c, 2.71, 256))
     assert doc["table"]["tau_for"][0]["long"] == pytest.approx(tau_for(c, doc["table"]["tau_for"][0]["speedup"]))
 
 
