@@ -189,6 +189,11 @@ def test_launch_refusals(wd, tmp_path):
     assert launch(wd, "k-a", kind="regen", nodes=nodes, files=prompts)["reason"] == "one_node"
     assert launch(wd, "k-b", kind="newer")["reason"] == "bad_kind"
     assert not (wd / "runs" / "k-a").exists() and not (wd / "runs" / "k-b").exists()
+    # the spec is checked at the door (runs/spec.py): a misspelt key or a wrong type starts nothing
+    bad = launch(wd, "s-a", topolgy="processes")
+    assert bad["reason"] == "bad_spec" and "topolgy" in bad["message"], bad
+    assert launch(wd, "s-b", gpus=True)["reason"] == "bad_spec"
+    assert not (wd / "runs" / "s-a").exists() and not (wd / "runs" / "s-b").exists()
 
 
 # ---- values never options, deaths after the end, no space -------------------------------------

@@ -31,6 +31,7 @@ POLICY_NAMES = ("eager", "inductor", "max-autotune-no-cudagraphs", "reduce-overh
 # `--compile-policy auto`: the probe's saved choice for this host, resolved by the trainer (resolve());
 # the default everywhere a policy is asked for. POLICY_CHOICES: what a user may name.
 AUTO = "auto"
+PROBE_FILE = "probe.json"      # WORKDIR/probe.json: the probe's saved choice, which `auto` reads
 POLICY_CHOICES = (AUTO, *POLICY_NAMES)
 PROBED_BY_DEFAULT = tuple(p for p in POLICY_NAMES if p != "max-autotune-no-cudagraphs")
 
@@ -178,7 +179,7 @@ def weigh(saved: dict, chosen: str, topology: str, steps: int | None) -> tuple[s
 def _probe_choice(workdir: str | None, topology: str) -> tuple[str, dict]:
     """The probe's choice for `topology` and the whole saved probe.json (PolicyError when missing,
     unreadable, unknown or from another torch)."""
-    path = os.path.join(workdir, "probe.json") if workdir else None
+    path = os.path.join(workdir, PROBE_FILE) if workdir else None
     if not path or not os.path.isfile(path):
         raise PolicyError(f"no probe result in {workdir or '(no workdir given)'}: "
                           "run `dflash-ops probe`")

@@ -12,7 +12,7 @@ import click
 
 from orchestrator.errors import NotFound, OpsError, TargetsFailed, UsageError
 from orchestrator.runs.logview import Seen, fmt_elapsed, fmt_num, fmt_tau, note, print_job
-from orchestrator.runs.options import AUTO, POLICIES, TOPOLOGIES
+from orchestrator.runs.options import AUTO, DEFAULT_TOPOLOGY, POLICIES, TOPOLOGIES
 from orchestrator.ui import State, emit, json_option, sigterm_raises, table
 
 
@@ -101,7 +101,7 @@ def trainer_flags() -> set[str]:
               help="Continue this stopped or failed run from its last checkpoint (same run id, its own settings).")
 @click.option("--config", type=click.Path(dir_okay=False), metavar="FILE",
               help="Trainer YAML config; copied into the run's folder.")
-@click.option("--topology", type=click.Choice(TOPOLOGIES), default="threads",
+@click.option("--topology", type=click.Choice(TOPOLOGIES), default=DEFAULT_TOPOLOGY,
               show_default=True, help="One thread per device, or one process per device.")
 @click.option("--compile-policy", "--policy", "compile_policy", type=click.Choice(POLICIES), default=AUTO,
               show_default=True, help="Compile policy; auto = the probe's choice, resolved by the trainer (run "

@@ -21,6 +21,7 @@ from orchestrator.envvars import user_env
 from orchestrator.errors import OpsError, StepFailed, UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.remote.runs.kinds import KINDS, trainer_flags   # stdlib only, shared with the runs agent
+from orchestrator.remote.runs.spec import normalize     # the launch spec declared once, shared likewise
 from orchestrator.runs.options import LaunchOptions
 from orchestrator.ssh.session import Session
 
@@ -161,11 +162,11 @@ def launch_spec(inv: Inventory, target: Target, opts: LaunchOptions, run: str | 
     if nnodes > 1 and not kind["nodes"]:     # its program takes no rendezvous flags
         raise UsageError(f"a {opts.kind} run runs on one target; name one, not {nnodes}")
     env = dict(opts.env) or None
-    spec = {**opts.doc(), "run": run or new_run_id(target.name), "target": target.name, "gpus": gpus,
-            "target_gpus": target.gpus, "controller": _controller(),
-            "user_env": user_env(inv, target, env),   # recorded in run.json, secrets masked
-            # CPU only because nobody said how many GPUs: the runs agent refuses it on a target with GPUs
-            "cpu_by_default": opts.gpus is None and opts.resume is None and not gpus}
+    spec = normalize({**opts.doc(), "run": run or new_run_id(target.name), "target": target.name, "gpus": gpus,
+                      "target_gpus": target.gpus, "controller": _controller(),
+                      "user_env": user_env(inv, target, env),   # recorded in run.json, secrets masked
+                      # CPU only because nobody said how many GPUs: the runs agent refuses it on a target with GPUs
+                      "cpu_by_default": opts.gpus is None and opts.resume is None and not gpus})
     if opts.resume is None and kind["checked"]:    # regen's flags are trainer.regen's, checked there
         check_trainer_config(spec, nnodes)
     return LaunchSpec(spec, env)

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 from trainer.controller_view import AUTO, POLICY_CHOICES, TOPOLOGIES   # names only (torch-free)
 
 from orchestrator.errors import FileError, UsageError
+from orchestrator.remote.runs.spec import DEFAULT_TOPOLOGY   # the launch spec's default (stdlib only)
 from orchestrator.inventory import yamlnodes
 
 POLICIES = POLICY_CHOICES     # auto: the probe's choice, resolved by the trainer on the target
@@ -54,7 +55,7 @@ class LaunchOptions:
     built by runs/regen.py); uploads: files sent with the launch into the run's folder (upload())."""
     gpus: int | None = None
     gpu_ids: tuple[int, ...] | None = None
-    topology: str = "threads"
+    topology: str = DEFAULT_TOPOLOGY
     compile_policy: str = AUTO
     workers: int | None = None
     extra: tuple[str, ...] = ()
@@ -73,7 +74,7 @@ class LaunchOptions:
               extra: Sequence[str] = (), name: str | None = None, resume: str | None = None,
               env: Mapping[str, str] | None = None) -> "LaunchOptions":
         """The options checked (UsageError, exit 2); the config file read."""
-        topology = topology or "threads"
+        topology = topology or DEFAULT_TOPOLOGY
         compile_policy = compile_policy or AUTO
         if name is not None and not LABEL_RE.match(name):
             raise UsageError(f"--name {name!r}: one line of at most 64 printable characters")
@@ -143,5 +144,5 @@ def upload(name: str, path: str) -> dict:
     return {"name": name, "path": path, "size": size, "sha256": h.hexdigest()}
 
 
-__all__ = ["LaunchOptions", "upload", "AUTO", "POLICIES", "TOPOLOGIES", "check_run", "RUN_NAME_RE", "BENCH_ID_RE",
-           "LABEL_RE"]
+__all__ = ["LaunchOptions", "upload", "AUTO", "DEFAULT_TOPOLOGY", "POLICIES", "TOPOLOGIES", "check_run", "RUN_NAME_RE",
+           "BENCH_ID_RE", "LABEL_RE"]

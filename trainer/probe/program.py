@@ -207,7 +207,7 @@ def choose_processes(cases: list[dict]) -> tuple[str, str]:
 def save_result(workdir: str, doc: dict) -> str:
     """Write WORKDIR/probe.json atomically (temp file + rename), keeping the last runs' summaries."""
     os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, "probe.json")
+    path = os.path.join(workdir, policies.PROBE_FILE)
     history = []
     prev = call_or_default(lambda: json.loads(Path(path).read_text(encoding="utf-8")))
     if isinstance(prev, dict):
@@ -361,7 +361,7 @@ def run_probe(args) -> dict:
         "saved": None, "precision": args.precision,
     }
     if args.workdir and args.precision == "bf16":
-        doc["saved"] = os.path.join(args.workdir, "probe.json")
+        doc["saved"] = os.path.join(args.workdir, policies.PROBE_FILE)
         save_result(args.workdir, doc)
     return doc
 

@@ -66,12 +66,13 @@ import sys
 import time
 
 from ..common import checked_workdir, dist_version, emit, fail, home_dir, now_iso, read_json, refuse, write_json
-from .common import AUTO_POLICY, LOG, boot, fault, proc_start, resolve, run_ids, run_record, run_state, run_status, runs_dir_of  # noqa: E501
+from .common import LOG, boot, fault, proc_start, resolve, run_ids, run_record, run_state, run_status, runs_dir_of  # noqa: E501
 from ..release.store import live_release
 from .bench import BENCH_FLAGS, BENCH_OPTIONS, cmd_bench
 from .export import cmd_export
 from .follow import cmd_follow, cmd_metrics
 from .kinds import kind_of, run_command
+from .spec import AUTO_POLICY, PROBE_FILE, SpecError, normalize
 from .upload import discard, place, receive
 from .housekeeping import RESUMABLE, cmd_prune, cmd_rm, end_attempt, resume_spec
 from .locks import BENCH, Guard, bench_row, benches, claim, drop, hold_slots
@@ -129,8 +130,9 @@ def _check_probe(workdir):
     """`auto` is the probe's choice, which the trainer reads from WORKDIR/probe.json when it starts
     (trainer.policies.resolve: the one place the rule is written) and records in its run folder
     (CHOSEN_POLICY). Without a probe result there is nothing to read: refused here, before a run starts."""
-    if not os.path.exists(os.path.join(workdir, "probe.json")):
-        refuse("no_probe", "--compile-policy auto needs a probe result and %s/probe.json does not exist" % workdir)
+    if not os.path.exists(os.path.join(workdir, PROBE_FILE)):
+        refuse("no_probe", "--compile-policy auto needs a probe result and %s/%s does not exist"
+               % (workdir, PROBE_FILE))
 
 
 def _visible_gpus():
@@ -152,8 +154,11 @@ def _visible_gpus():
 def cmd_launch(workdir):
     """The spec is stdin's first line; the files it names (`files`) follow it (runs/upload.py)."""
     stdin = sys.stdin.buffer
-    spec = json.loads(stdin.readline().decode("utf-8"))
-    uploads = receive(stdin, runs_dir_of(workdir), spec) if not spec.get("resume") else None
+    try:        # the one place the spec's keys are checked and their defaults filled in (runs/spec.py)
+        spec = normalize(json.loads(stdin.readline().decode("utf-8")))
+    except (SpecError, ValueError) as e:
+        refuse("bad_spec", "the launch spec: %s" % e)
+    uploads = receive(stdin, runs_dir_of(workdir), spec) if not spec["resume"] else None
     try:
         _launch(workdir, dict(spec, upload_dir=uploads))
     finally:
@@ -162,7 +167,7 @@ def cmd_launch(workdir):
 
 def _launch(workdir, spec):
     prev = None
-    if spec.get("resume"):          # continue a stopped or failed run in place, with its settings
+    if spec["resume"]:              # continue a stopped or failed run in place, with its settings
         spec, prev = resume_spec(workdir, spec)
     run = spec["run"]
     release, release_path, commit = _release_info(workdir)
@@ -170,23 +175,23 @@ def _launch(workdir, spec):
         refuse("no_release", "no release deployed in %s" % workdir)
     if dist_version("torch") is None:      # the trainer would die at its first import
         refuse("no_torch", "%s has no torch" % sys.executable, python=sys.executable)
-    if spec.get("cpu_by_default"):
+    if spec["cpu_by_default"]:
         visible = _visible_gpus()
         if visible:
             refuse("has_gpus", "%d GPU(s) here, none in the launch" % visible, gpus=visible)
     kind = kind_of(spec)
     if kind["module"] is None:
-        refuse("bad_kind", "this dflash-ops does not know runs of kind %r" % spec.get("kind"))
-    if spec.get("nodes") and not kind["nodes"]:     # its program takes no rendezvous flags
-        refuse("one_node", "a %s run runs on one node; name one target" % spec.get("kind"))
+        refuse("bad_kind", "this dflash-ops does not know runs of kind %r" % spec["kind"])
+    if spec["nodes"] and not kind["nodes"]:     # its program takes no rendezvous flags
+        refuse("one_node", "a %s run runs on one node; name one target" % spec["kind"])
     # none: a kind without a policy (regen), and no probe either
-    compile_policy = (spec.get("compile_policy") or AUTO_POLICY) if kind["policy"] else None
+    compile_policy = spec["compile_policy"] if kind["policy"] else None
     if compile_policy == AUTO_POLICY:
         _check_probe(workdir)
     # `auto` goes to the trainer as is: it resolves it from DFLASH_OPS_WORKDIR/probe.json, refuses a
     # choice probed under another torch build, and records what it runs (status reads it back).
-    gpus, total = int(spec.get("gpus") or 0), int(spec.get("target_gpus", 0))
-    want = spec.get("gpu_ids")
+    gpus, total = spec["gpus"] or 0, spec["target_gpus"]
+    want = spec["gpu_ids"]
     if want is not None:
         bad = [i for i in want if not 0 <= i < total]
         if bad or not want or len(set(want)) != len(want):
@@ -195,7 +200,7 @@ def _launch(workdir, spec):
         gpus = len(want)
     if gpus > total:
         refuse("too_many_gpus", "--gpus %d is more than the target's %d GPU(s)" % (gpus, total))
-    if spec.get("nodes"):           # one node of several: the interface its ranks advertise (runs/net.py)
+    if spec["nodes"]:               # one node of several: the interface its ranks advertise (runs/net.py)
         spec["node_env"], why = network_env(spec["nodes"], os.environ)
         if why:
             refuse("network", why)
@@ -286,17 +291,17 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, compil
     place(spec.get("upload_dir"), rundir)      # the files sent with the launch (runs/upload.py)
 
     config = None
-    if spec.get("config_text") is not None:
-        name = os.path.basename(spec.get("config_name") or "config.yaml")
+    if spec["config_text"] is not None:
+        name = os.path.basename(spec["config_name"] or "config.yaml")
         config = os.path.join(rundir, name)
         with open(config, "w") as f:
             f.write(spec["config_text"])
-    elif spec.get("config_file"):
+    elif spec["config_file"]:
         config = spec["config_file"]
     python = sys.executable
     command, output = run_command(spec, rundir, gpus, compile_policy, config, prev is not None)
     argv = [python] + command
-    nodes = spec.get("nodes")
+    nodes = spec["nodes"]
     env = dict(os.environ)
     env.update({"HOME": home_dir(), "PYTHONUNBUFFERED": "1",
                 "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in ids),
@@ -305,8 +310,8 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, compil
     env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
     env.setdefault("LANG", "C.UTF-8")
     rec = {
-        "run": run, "kind": spec.get("kind") or "train", "output": output,
-        "target": spec.get("target"), "workdir": workdir, "rundir": rundir,
+        "run": run, "kind": spec["kind"], "output": output,
+        "target": spec["target"], "workdir": workdir, "rundir": rundir,
         "release": release, "release_path": release_path, "commit": commit,
         "command": argv, "cwd": release_path,
         # the release `current` pointed at, so a deploy during the run changes nothing here
@@ -314,18 +319,18 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, compil
                                              " ".join(shlex.quote(a) for a in argv)),
         "env": {k: env[k] for k in ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "HOME") + IFNAME_VARS if k in env},
         "config": prev.get("config") if prev is not None else
-        {"file": config, "source": spec.get("config_source"),
-         "text": spec.get("config_text")} if config else None,
-        "name": spec.get("name"), "attempt": len(attempts) + 1, "attempts": list(attempts),
+        {"file": config, "source": spec["config_source"],
+         "text": spec["config_text"]} if config else None,
+        "name": spec["name"], "attempt": len(attempts) + 1, "attempts": list(attempts),
         "first_started": (prev.get("first_started") or prev.get("started")) if prev else None,
         "compile_policy": compile_policy,
         "gpus": gpus, "gpu_ids": ids,
-        "slots": chosen_slots, "topology": spec.get("topology") or "threads",
-        "workers": spec.get("workers"), "extra_args": list(spec.get("extra") or []),
+        "slots": chosen_slots, "topology": spec["topology"],
+        "workers": spec["workers"], "extra_args": list(spec["extra"]),
         "started": now_iso(), "started_ts": time.time(), "python": python,
         "python_version": platform.python_version(), "hostname": socket.gethostname(),
-        "controller": spec.get("controller"), "pid": None,
-        "user_env": spec.get("user_env") or {},   # hosts.yaml env: + launch --env, secrets masked
+        "controller": spec["controller"], "pid": None,
+        "user_env": spec["user_env"],   # hosts.yaml env: + launch --env, secrets masked
         "nodes": nodes or None,     # {"targets": [...], "index": i, "endpoint", "address"}: a job over several nodes
     }
     rec.update(_launcher())         # the run is starting while this agent lives (runs/common.py run_state)

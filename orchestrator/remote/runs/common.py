@@ -16,7 +16,6 @@ import time
 from ..common import NUMBER, BadRecord, listdir, load_json, now_iso, parse_json, read_json, refuse, typed
 
 LOG = "train.log"
-AUTO_POLICY = "auto"     # trainer/policies.py AUTO: the probe's choice, resolved by the trainer (the agent's side)
 CHOSEN_POLICY = "compile-policy.json"   # trainer/run/config.py CHOSEN_POLICY: the policy the trainer runs
 # What a run id may look like (launch makes `YYYYmmdd-HHMMSS-hex`): no path, never an option.
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")

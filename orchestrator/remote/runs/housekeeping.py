@@ -22,8 +22,9 @@ import os
 import shutil
 
 from ..common import emit, refuse
-from .common import AUTO_POLICY, LOST, UNREADABLE, find, resolve, run_ids, run_record, run_state, runs_dir_of, sweep_dead  # noqa: E501
+from .common import LOST, UNREADABLE, find, resolve, run_ids, run_record, run_state, runs_dir_of, sweep_dead  # noqa: E501
 from .kinds import kind_of
+from .spec import AUTO_POLICY, DEFAULT_TOPOLOGY, normalize
 from .locks import Guard, holds_slots
 
 RESUMABLE = ("stopped", "failed", LOST)
@@ -42,7 +43,8 @@ def resume_spec(workdir, spec):
     new = {"run": rid, "resume": rid, "kind": rec.get("kind") or "train", "target": spec.get("target"),
            "gpus": rec.get("gpus", 0) if spec.get("gpus") is None else spec["gpus"],
            "gpu_ids": spec.get("gpu_ids"), "target_gpus": spec.get("target_gpus", 0),
-           "topology": rec.get("topology") or "threads", "compile_policy": rec.get("compile_policy") or AUTO_POLICY,
+           "topology": rec.get("topology") or DEFAULT_TOPOLOGY,
+           "compile_policy": rec.get("compile_policy") or AUTO_POLICY,
            "workers": rec.get("workers"), "extra": list(rec.get("extra_args") or []),
            "config_file": (rec.get("config") or {}).get("file"),
            "name": spec.get("name") or rec.get("name"), "controller": spec.get("controller"),
@@ -53,7 +55,11 @@ def resume_spec(workdir, spec):
         refuse("not_resumable", "run %s ran on %s; resume it on the same target(s), in the same order"
                % (rid, ",".join(was) or rec.get("target") or "one target"),
                targets=was or [rec.get("target")])
-    return new, rec
+    try:
+        return normalize(new), rec
+    except ValueError as e:     # a run.json whose settings are not a launch's (SpecError)
+        refuse("not_resumable", "run %s: its recorded settings cannot be launched again (%s)" % (rid, e),
+               state=state)
 
 
 def end_attempt(rundir, rec):

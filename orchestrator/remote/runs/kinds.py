@@ -30,23 +30,23 @@ GATE_OUT = "gate.json"              # a gate run's verdict in its folder (traine
 
 
 def trainer_flags(spec, gpus, policy, config=None, resume=False):
-    """The flags `python -m trainer` gets from a launch spec, the user's arguments (spec["extra"])
-    last: the run's GPUs, topology, policy, workers, config file, --resume, and the rendezvous of a
-    job over several nodes (spec["nodes"]: targets, index, endpoint, address)."""
-    argv = ["--gpus", str(gpus), "--topology", spec.get("topology") or "threads", "--compile-policy", policy]
-    if spec.get("workers") is not None:
+    """The flags `python -m trainer` gets from a launch spec (normalized: runs/spec.py), the user's
+    arguments (spec["extra"]) last: the run's GPUs, topology, policy, workers, config file, --resume,
+    and the rendezvous of a job over several nodes (spec["nodes"]: targets, index, endpoint, address)."""
+    argv = ["--gpus", str(gpus), "--topology", spec["topology"], "--compile-policy", policy]
+    if spec["workers"] is not None:
         argv += ["--workers", str(spec["workers"])]
     if config:
         argv += ["--config", config]
     if resume:
         argv += ["--resume"]        # the trainer continues from the last checkpoint in --out
-    nodes = spec.get("nodes")
+    nodes = spec["nodes"]
     if nodes:                       # one node of a job over several: torchrun's c10d rendezvous
         argv += ["--nnodes", str(len(nodes["targets"])), "--rdzv-endpoint", nodes["endpoint"],
                  "--rdzv-id", spec["run"], "--node-address", nodes["address"]]
         if nodes["index"] == 0:
             argv += ["--rdzv-host"]
-    return argv + list(spec.get("extra") or [])
+    return argv + list(spec["extra"])
 
 
 def _train_argv(spec, rundir, gpus, policy, config, resume):
@@ -56,7 +56,7 @@ def _train_argv(spec, rundir, gpus, policy, config, resume):
 def _regen_argv(spec, rundir, gpus, policy, config, resume):
     # it resumes by itself from an output that exists: no --resume
     return (["--prompts", os.path.join(rundir, REGEN_PROMPTS), "--out", os.path.join(rundir, REGEN_OUT),
-             "--gpus", str(gpus)] + list(spec.get("extra") or []))
+             "--gpus", str(gpus)] + list(spec["extra"]))
 
 
 def _gate_argv(spec, rundir, gpus, policy, config, resume):
@@ -66,7 +66,7 @@ def _gate_argv(spec, rundir, gpus, policy, config, resume):
             "--gpus", str(min(gpus, 1))]
     if config:
         argv += ["--config", config]
-    return argv + ["--", "--compile-policy", policy] + list(spec.get("extra") or [])
+    return argv + ["--", "--compile-policy", policy] + list(spec["extra"])
 
 
 KINDS = {

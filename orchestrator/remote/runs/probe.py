@@ -18,6 +18,7 @@ import sys
 
 from ..common import MAX_RECORD_BYTES, dist_version, emit, fail, home_dir, read_json, refuse
 from ..release.store import live_release
+from .spec import PROBE_FILE
 
 
 def cmd_probe(workdir, args, reuse=False):
@@ -25,7 +26,7 @@ def cmd_probe(workdir, args, reuse=False):
     if not path or not os.path.isdir(path):
         refuse("no_release", "no release deployed in %s" % workdir)
     if reuse:
-        saved = read_json(os.path.join(workdir, "probe.json"), MAX_RECORD_BYTES)     # a few KB
+        saved = read_json(os.path.join(workdir, PROBE_FILE), MAX_RECORD_BYTES)     # a few KB
         if isinstance(saved, dict) and isinstance(saved.get("result"), dict) and saved.get("policy") \
                 and saved.get("torch") and saved.get("torch") == dist_version("torch"):
             emit({"ok": True, "probe": dict(saved["result"], reused=saved.get("time"))})
