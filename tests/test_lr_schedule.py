@@ -1,9 +1,9 @@
-"""trainer/train/schedule.py: the learning rate the loop sets at each step."""
+"""trainer/train/lr_schedule.py: the learning rate the loop sets at each step."""
 import math
 
 import pytest
 
-from trainer.train.schedule import lr_at
+from trainer.train.lr_schedule import lr_at
 
 
 def test_warmup_rises_linearly_to_lr_then_the_cosine_falls_towards_min_lr():

@@ -1,12 +1,12 @@
 """The playbook's actions, one function each, dispatched by `ACTIONS` (the names of playbook.ACTIONS):
 (run, options) -> (changed, result, detail). Each calls the library function its command calls
 (deploy.deploy, probe.probe_target, nodes.launch, follow.follow, export.export, exec.run_one,
-runs.status) on the one target of its Run; a failure is an OpsError (or ValueError), which
+runs.status) on the one target of its PlayOnTarget; a failure is an OpsError (or ValueError), which
 run.py records as the step's. The steps that run a command on the target (`exec` and its
 `unless`/`watch` checks, `export`) hold its stdin through the play's Ending (runstate.py), so an
 interrupt ends them there; a `wait-for` stops waiting when the play is interrupted.
 
-Library code: returns data or raises OpsError; never prints (live lines go to `Run.say`).
+Library code: returns data or raises OpsError; never prints (live lines go to `PlayOnTarget.say`).
 """
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ from typing import Any
 from orchestrator.errors import OpsError
 from orchestrator.lines import PIECE, ByteLines, LastLine, LineBuffer
 from orchestrator.play import playbook as pb, templating as tpl
-from orchestrator.play.runstate import Run
+from orchestrator.play.runstate import PlayOnTarget
 from orchestrator.ssh.transport import Kept
 
 WAIT_NOTE_S = 20.0                        # wait-for says it is still waiting this often
 VALUE_BYTES = 64 * 1024                   # an exec step's `value` (its last line) keeps this much of it
 
 
-def _deploy(run: Run, o: dict):
+def _deploy(run: PlayOnTarget, o: dict):
     from orchestrator.deploy import sync as deploy
 
     res = deploy.deploy(run.inv, [run.target.name], source=o.get("source") or None,
@@ -42,7 +42,7 @@ def _deploy(run: Run, o: dict):
     return (not res.unchanged) or bool(installed), res.as_json(), detail
 
 
-def _probe(run: Run, o: dict):
+def _probe(run: PlayOnTarget, o: dict):
     from orchestrator.probe import run as probe
 
     t = run.target
@@ -62,7 +62,7 @@ def _probe(run: Run, o: dict):
     return False, doc, detail
 
 
-def _launch(run: Run, o: dict):
+def _launch(run: PlayOnTarget, o: dict):
     from orchestrator.runs import nodes
     from orchestrator.runs.options import LaunchOptions
 
@@ -85,7 +85,7 @@ def _launch(run: Run, o: dict):
                        + (f", after gate run {verdict.run} passed" if verdict else ""))
 
 
-def _logs(run: Run, o: dict):
+def _logs(run: PlayOnTarget, o: dict):
     from orchestrator.runs.follow import End, Line, Reconnecting, follow
 
     summary = None
@@ -106,7 +106,7 @@ def _logs(run: Run, o: dict):
     return False, summary.as_json(), detail
 
 
-def _export(run: Run, o: dict):
+def _export(run: PlayOnTarget, o: dict):
     from orchestrator.runs import export
 
     with run.ending.hold(run) as hold:      # interrupted, the export ends on the target (its agent watches stdin)
@@ -120,7 +120,7 @@ def _argv(cmd) -> list[str]:
     return ["bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
 
 
-def _quiet(run: Run, cmd, env) -> tuple[int | None, str, str]:
+def _quiet(run: PlayOnTarget, cmd, env) -> tuple[int | None, str, str]:
     """A check command (unless, watch): its exit status, its stdout (the first KEEP_BYTES) and the
     sha256 of all of it (what `watch` compares), nothing shown."""
     from orchestrator.targets.exec import KEEP_BYTES, run_one
@@ -137,7 +137,7 @@ def _quiet(run: Run, cmd, env) -> tuple[int | None, str, str]:
     return r.exit_code, kept.value().decode(errors="replace"), digest.hexdigest()
 
 
-def _exec(run: Run, o: dict):
+def _exec(run: PlayOnTarget, o: dict):
     """The result holds each stream once, bounded: its first KEEP_BYTES (`stdout_truncated`,
     `stdout_bytes`: all it wrote), and `value`, the last line of stdout that is not blank (its first
     VALUE_BYTES, `value_truncated`); the live lines show all of it (a line over lines.PIECE in pieces)."""
@@ -189,7 +189,7 @@ def _exec(run: Run, o: dict):
     return o.get("changes", True), result, result["value"][:120]
 
 
-def _wait_for(run: Run, o: dict):
+def _wait_for(run: PlayOnTarget, o: dict):
     from orchestrator.runs import status as runs
 
     want = o.get("state") or ["succeeded"]
@@ -220,7 +220,7 @@ def _wait_for(run: Run, o: dict):
             raise OpsError(f"{run.target.name}: interrupted while waiting for run {row['run']}")
 
 
-def _assert(run: Run, o: dict):
+def _assert(run: PlayOnTarget, o: dict):
     result = run.ctx.lookup(["steps", o["step"]])
     ok, what = tpl.check_assert(o, result)
     if not ok:

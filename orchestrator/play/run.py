@@ -3,7 +3,7 @@ parallel through the one fan-out (agent.fan_out), one connection per host for th
 
 This module holds the play's options and variables, the record kept for --from with the player's
 lock, and the running of the targets; each step is its action in actions.py (the library function
-its command calls), given the target's Run (runstate.py). A step records a result: its status
+its command calls), given the target's PlayOnTarget (runstate.py). A step records a result: its status
 (`changed`, `ok`: ran and changed nothing, `failed`, `skipped` before --from, `not_run` after a
 failure), a one-line detail and its JSON document, which later steps read through
 `{{ steps.NAME... }}` and `assert`. The first failure stops that target; the others go on.
@@ -42,7 +42,7 @@ from typing import Any, Mapping
 from orchestrator.ssh import agent
 from orchestrator.play import playbook as pb, templating as tpl
 from orchestrator.play.actions import ACTIONS
-from orchestrator.play.runstate import ENDING_WAIT_S, Ending, OnLine, Run
+from orchestrator.play.runstate import ENDING_WAIT_S, Ending, OnLine, PlayOnTarget
 from orchestrator.errors import FileError, Interrupted, OpsError, Terminated
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
@@ -244,11 +244,11 @@ def play(inv: Inventory, book: pb.Playbook, targets: list[Target], *, given: Map
         for t in targets:
             players.enter_context(one_player(book, t.name))
         ending = Ending()
-        runs = {t.name: Run(inv, s, t, tpl.Context(variables(book, t, given)), say, ending) for t in targets}
+        runs = {t.name: PlayOnTarget(inv, s, t, tpl.Context(variables(book, t, given)), say, ending) for t in targets}
         return _each_target(book, runs, first)
 
 
-def _each_target(book: pb.Playbook, runs: dict[str, Run], first: int) -> list[TargetPlay]:
+def _each_target(book: pb.Playbook, runs: dict[str, PlayOnTarget], first: int) -> list[TargetPlay]:
     """_play_target on every target, a daemon thread each (at most agent.MAX_WORKERS at work): an
     interrupted play must not wait for a step that cannot be told to end (exec_command's way)."""
     done = {name: threading.Event() for name in runs}
@@ -256,7 +256,7 @@ def _each_target(book: pb.Playbook, runs: dict[str, Run], first: int) -> list[Ta
     bugs: list[BaseException] = []
     slots = threading.Semaphore(agent.MAX_WORKERS)
 
-    def one(run: Run) -> None:
+    def one(run: PlayOnTarget) -> None:
         try:
             with slots:
                 if run.ending.signal is None:
@@ -279,7 +279,7 @@ def _each_target(book: pb.Playbook, runs: dict[str, Run], first: int) -> list[Ta
     return [plays[name] for name in runs]
 
 
-def _interrupted(signum: signal.Signals, book: pb.Playbook, runs: dict[str, Run],
+def _interrupted(signum: signal.Signals, book: pb.Playbook, runs: dict[str, PlayOnTarget],
                  done: dict[str, threading.Event], plays: dict[str, TargetPlay]) -> Interrupted:
     """Every step's command told to end, up to ENDING_WAIT_S for the targets' threads to stop (a
     second Ctrl-C meanwhile stops the waiting only); the one line saying where each target stopped."""
@@ -319,7 +319,7 @@ def _dry_run(book: pb.Playbook, target: Target, given: Mapping[str, str], first:
                                     for i, s in enumerate(book.steps)])
 
 
-def _play_target(run: Run, book: pb.Playbook, first: int) -> TargetPlay:
+def _play_target(run: PlayOnTarget, book: pb.Playbook, first: int) -> TargetPlay:
     out = TargetPlay(run.target.name, [StepResult(s.name, s.action) for s in book.steps])
     earlier = load_record(book, run.target.name) if first else {}
     results = {name: earlier[name] for name in book.names[:first] if name in earlier}

@@ -1,7 +1,7 @@
-"""What a target's steps run with: `Run`, one target's play (its inventory, connection, target,
+"""What a target's steps run with: `PlayOnTarget`, one target's play under way (its inventory, connection, target,
 templates' context, live lines, and the step it is at), and `Ending`, the play's interrupt that all
 its targets share. run.py makes them and runs the steps; actions.py's steps take their commands'
-held stdin (hold.Hold) through `Run.ending`, so an interrupted play ends them on the target.
+held stdin (hold.Hold) through `PlayOnTarget.ending`, so an interrupted play ends them on the target.
 """
 from __future__ import annotations
 
@@ -27,12 +27,12 @@ class Ending:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.holds: dict[Hold, Run] = {}
+        self.holds: dict[Hold, PlayOnTarget] = {}
         self.signal: str | None = None
         self.event = threading.Event()      # set by end(): a wait-for stops waiting
 
     @contextlib.contextmanager
-    def hold(self, run: Run) -> Iterator[Hold]:
+    def hold(self, run: PlayOnTarget) -> Iterator[Hold]:
         h = Hold()
         with self.lock:
             told = self.signal
@@ -61,7 +61,7 @@ class Ending:
 
 
 @dataclass
-class Run:
+class PlayOnTarget:
     """One target's play: where it runs and what its templates see."""
     inv: Inventory
     session: Session

@@ -37,7 +37,7 @@ from trainer.run.log import RunLog, eval_line, heartbeat, step_line
 from trainer.run.trackers import Trackers, check as trackers_to_use
 from trainer.run.target import Target, load_target
 from trainer.train.batches import Batches
-from trainer.train.schedule import lr_at
+from trainer.train.lr_schedule import lr_at
 
 # Settings that must not change across --resume (they change the model or the data it sees).
 RESUME_FIXED = ("target", "target_layers", "data", "draft_layers", "block_size", "mask_token_id", "seq_len",
