@@ -13,6 +13,8 @@ from agent_parts import top_level_names
 from runs_agent_stub import SOURCE
 
 from orchestrator.ssh import agent
+from orchestrator.ssh import fanout
+from orchestrator.ssh.session import owned_session
 from orchestrator.errors import OpsError, TargetsFailed
 from orchestrator.inventory import Target
 
@@ -33,7 +35,7 @@ def test_fan_out_keeps_a_result_per_target_in_order_and_fails_once_naming_each()
             raise OpsError(f"{t.name}: cannot connect")
         return t.name.upper()
 
-    group = agent.fan_out(targets("a", "bad1", "b", "bad2"), fn)
+    group = fanout.fan_out(targets("a", "bad1", "b", "bad2"), fn)
     assert list(group) == ["a", "bad1", "b", "bad2"]
     assert [o.ok for o in group.values()] == [True, False, True, False]
     assert group["a"].value == "A" and group["bad1"].value is None
@@ -41,13 +43,13 @@ def test_fan_out_keeps_a_result_per_target_in_order_and_fails_once_naming_each()
     with pytest.raises(TargetsFailed) as e:
         group.raise_failures()
     assert str(e.value) == "failed on 2 target(s): bad1, bad2"
-    assert agent.fan_out([], fn) == {}
-    agent.fan_out(targets("x", "y"), lambda t: None).raise_failures()   # nothing failed: no error
+    assert fanout.fan_out([], fn) == {}
+    fanout.fan_out(targets("x", "y"), lambda t: None).raise_failures()   # nothing failed: no error
 
 
 def test_fan_out_lets_a_bug_through():
     with pytest.raises(ZeroDivisionError):
-        agent.fan_out(targets("a"), lambda t: 1 / 0)
+        fanout.fan_out(targets("a"), lambda t: 1 / 0)
 
 
 def test_session_closes_only_the_one_it_opened(monkeypatch):
@@ -60,13 +62,15 @@ def test_session_closes_only_the_one_it_opened(monkeypatch):
         def close(self):
             closed.append(self)
 
-    monkeypatch.setattr(agent, "Session", Fake)
+    from orchestrator.ssh import session as session_mod
+
+    monkeypatch.setattr(session_mod, "Session", Fake)
     given = Fake("inv")
-    with agent.session("inv", given) as s:
+    with owned_session("inv", given) as s:
         assert s is given
     assert closed == []
     with pytest.raises(RuntimeError):
-        with agent.session("inv") as s:
+        with owned_session("inv") as s:
             assert isinstance(s, Fake) and s is not given
             raise RuntimeError("the caller failed")
     assert closed == [s]                    # closed on the way out, error or not

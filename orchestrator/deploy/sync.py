@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Callable
 
 from orchestrator.ssh import agent
+from orchestrator.ssh import fanout
+from orchestrator.ssh.session import owned_session
 from orchestrator.deploy import fileset
 from orchestrator.errors import OpsError, UsageError
 from orchestrator.inventory import Inventory, Target
@@ -291,9 +293,9 @@ def deploy(inventory: Inventory, names: list[str], *, source: str | None = None,
     where = source_root(source)
     # The local files are hashed while the targets connect and read their live manifests (the
     # remote side is mostly waiting); a target waits for the hashes when it needs them.
-    with ThreadPoolExecutor(max_workers=1) as hasher, agent.session(inventory, session) as s:
+    with ThreadPoolExecutor(max_workers=1) as hasher, owned_session(inventory, session) as s:
         src: Future = hasher.submit(scan_source, *where, all_files)
-        group = agent.fan_out(targets, lambda target: deploy_target(
+        group = fanout.fan_out(targets, lambda target: deploy_target(
             s, target, src.result, dry_run=dry_run, install_deps=install_deps, verify=verify,
             progress=progress, on_line=on_line))
     failed = src.exception()

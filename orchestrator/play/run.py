@@ -1,5 +1,5 @@
 """`play`: run a playbook (playbook.py) on targets, steps in order on each target, targets in
-parallel through the one fan-out (agent.fan_out), one connection per host for the whole play.
+parallel through the one fan-out (fanout.fan_out), one connection per host for the whole play.
 
 This module holds the play's options and variables, the record kept for --from with the player's
 lock, and the running of the targets; each step is its action in actions.py (the library function
@@ -39,7 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from orchestrator.ssh import agent
+from orchestrator.ssh import fanout
+from orchestrator.ssh.session import owned_session
 from orchestrator.play import playbook as pb, templating as tpl
 from orchestrator.play.actions import ACTIONS
 from orchestrator.play.runstate import ENDING_WAIT_S, Ending, OnLine, PlayOnTarget
@@ -240,7 +241,7 @@ def play(inv: Inventory, book: pb.Playbook, targets: list[Target], *, given: Map
     say = on_line or (lambda target, text: None)
     if dry_run:
         return [_dry_run(book, t, given, first) for t in targets]
-    with contextlib.ExitStack() as players, agent.session(inv, session) as s:
+    with contextlib.ExitStack() as players, owned_session(inv, session) as s:
         for t in targets:
             players.enter_context(one_player(book, t.name))
         ending = Ending()
@@ -249,12 +250,12 @@ def play(inv: Inventory, book: pb.Playbook, targets: list[Target], *, given: Map
 
 
 def _each_target(book: pb.Playbook, runs: dict[str, PlayOnTarget], first: int) -> list[TargetPlay]:
-    """_play_target on every target, a daemon thread each (at most agent.MAX_WORKERS at work): an
+    """_play_target on every target, a daemon thread each (at most fanout.MAX_WORKERS at work): an
     interrupted play must not wait for a step that cannot be told to end (exec_command's way)."""
     done = {name: threading.Event() for name in runs}
     plays: dict[str, TargetPlay] = {}
     bugs: list[BaseException] = []
-    slots = threading.Semaphore(agent.MAX_WORKERS)
+    slots = threading.Semaphore(fanout.MAX_WORKERS)
 
     def one(run: PlayOnTarget) -> None:
         try:

@@ -14,6 +14,8 @@ from typing import Callable
 from trainer.controller_view import EMULATE_ALONE   # torch-free
 
 from orchestrator.ssh import agent
+from orchestrator.ssh import fanout
+from orchestrator.ssh.session import owned_session
 from orchestrator.errors import OpsError, UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.lines import LineBuffer
@@ -92,8 +94,8 @@ def probe(inventory: Inventory, names: list[str], matrix: Matrix = Matrix(), *, 
           on_line=None, session: Session | None = None) -> dict:
     """{"targets": {NAME: probe document | {"ok": False, "error": ...}}}"""
     targets = inventory.select(names)
-    with agent.session(inventory, session) as s:
-        group = agent.fan_out(targets, lambda target: probe_target(
+    with owned_session(inventory, session) as s:
+        group = fanout.fan_out(targets, lambda target: probe_target(
             s, target, max(2, gpus if gpus is not None else target.gpus), matrix, on_line=on_line))
     return {"targets": {name: o.value if o.ok else
                         {"ok": False, "error": o.error.render(), "cases": [], "policy": None}

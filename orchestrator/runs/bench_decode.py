@@ -28,6 +28,7 @@ from orchestrator.lines import LineBuffer
 from orchestrator.runs.export import refusal as export_refusal
 from orchestrator.runs.regen import check_prompts
 from orchestrator.ssh import agent
+from orchestrator.ssh.session import owned_session
 from orchestrator.ssh.session import Session
 from orchestrator.ssh.hold import Hold
 from trainer.controller_view import agreement, tau_text
@@ -80,7 +81,7 @@ def bench_decode(inv: Inventory, target: Target, run: str = "latest", *, prompts
     args += ["--", run]
     lines, hold = LineBuffer(progress or (lambda line: None)), Hold(data or b"")
     try:
-        with agent.session(inv, session) as s:
+        with owned_session(inv, session) as s:
             doc = agent.call(s.transport(target), target, agent.RUNS, args, what="measure decoding",
                              stdin=hold, stderr=lines, timeout=TIMEOUT_S)
     except agent.Refused as e:

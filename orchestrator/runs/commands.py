@@ -124,7 +124,7 @@ def launch(state: State, args, gpus, gpu_ids, name, resume, config, topology, co
     The run holds its GPUs (a CPU run, --gpus 0, holds the target's one CPU slot) until it ends.
     """
     from orchestrator.runs import nodes
-    from orchestrator.ssh.agent import session as open_session
+    from orchestrator.ssh.session import owned_session as open_session
     from orchestrator.envvars import parse_assignments
     from orchestrator.runs.options import LaunchOptions
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 from orchestrator.ssh import agent
+from orchestrator.ssh.session import owned_session
 from orchestrator.errors import Interrupted, NotFound, OpsError, StepFailed, Terminated, UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
@@ -193,7 +194,7 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
     start = time.monotonic()
     recv, hold = _Receiver(partial, progress, target.name), hold or Hold()
     try:
-        with agent.session(inv, session) as s:
+        with owned_session(inv, session) as s:
             r = agent.stream(s.transport(target), target, agent.RUNS, args, what="export the drafter",
                              stdout=recv, timeout=TIMEOUT_S, stdin=hold)
         recv.close()

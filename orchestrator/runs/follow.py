@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Generator, Iterator, Sequence, Union
 
 from orchestrator.ssh import agent
+from orchestrator.ssh.session import owned_session
 from orchestrator.errors import (ConnectError, ConnectionLost, ContainerError, HostKeyError, NotFound, OpsError,
                      StepFailed, UsageError)
 from orchestrator.inventory import Inventory, Target
@@ -163,7 +164,7 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
     if catalog is None:
         from trainer.controller_view import load_catalog
         catalog = load_catalog()
-    with agent.session(inv, session) as s:
+    with owned_session(inv, session) as s:
         yield from _follow(s, session is None, target, run, follow, tail, catalog, backoff,
                            give_up_s, dead_s)
 

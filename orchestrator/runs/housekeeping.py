@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 from orchestrator.ssh import agent
+from orchestrator.ssh import fanout
+from orchestrator.ssh.session import owned_session
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.runs.options import check_run
@@ -50,7 +52,7 @@ def remove(inv: Inventory, target: Target, runs: Sequence[str], *, dry_run: bool
         raise UsageError("name the runs to remove (see `dflash-ops status`)")
     runs = [check_run(r) for r in runs]
     opts = ["--dry-run"] if dry_run else []
-    with agent.session(inv, session) as s:
+    with owned_session(inv, session) as s:
         doc = agent.call(s.transport(target), target, agent.RUNS, ["status", target.workdir, "--", *runs],
                          what="read the runs", timeout=60)
         elsewhere: dict[str, list[str]] = {}      # other node -> the job runs it holds a half of
@@ -77,14 +79,14 @@ def remove(inv: Inventory, target: Target, runs: Sequence[str], *, dry_run: bool
 
 
 def prune(inv: Inventory, names: Sequence[str], keep: int, *, dry_run: bool = False,
-          session: Session | None = None) -> agent.GroupResult:
+          session: Session | None = None) -> fanout.GroupResult:
     """On each target in parallel, remove every ended run but the newest `keep`: a GroupResult
     of Removal."""
     if keep < 0:
         raise UsageError("--keep must be >= 0")
     args = ["--keep", str(keep)] + (["--dry-run"] if dry_run else [])
-    with agent.session(inv, session) as s:
-        return agent.fan_out(inv.select(list(names)), lambda t: _removal(t, agent.call(
+    with owned_session(inv, session) as s:
+        return fanout.fan_out(inv.select(list(names)), lambda t: _removal(t, agent.call(
             s.transport(t), t, agent.RUNS, ["prune", t.workdir, *args], what="prune runs", timeout=600)))
 
 

@@ -2,7 +2,7 @@
 number of nodes. Over several nodes it is one DDP job, one torchrun per target, joined by
 torchrun's c10d rendezvous (docs/nodes-internals.md).
 
-`launch` starts the same run id on every target at once (agent.fan_out), the first target
+`launch` starts the same run id on every target at once (fanout.fan_out), the first target
 hosting the rendezvous at its `train_address:train_port`; when any target refuses or fails, the
 others are undone (their trainers killed, their slots freed, a new run's folder removed) before
 the error is raised. Each target keeps its own run record and lock; the record names the job's
@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterator, Sequence
 
 from orchestrator.ssh import agent
+from orchestrator.ssh import fanout
+from orchestrator.ssh.session import owned_session
 from orchestrator.errors import Interrupted, OpsError, Terminated, UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.runs.options import LaunchOptions
@@ -88,9 +90,9 @@ def launch(inv: Inventory, targets: Sequence[Target], opts: LaunchOptions, *,
         if several:
             spec.doc["nodes"] = {"targets": names, "index": i, "endpoint": endpoint, "address": t.train_address}
         specs[t.name] = spec
-    with agent.session(inv, session) as s:
+    with owned_session(inv, session) as s:
         try:
-            group = agent.fan_out(targets, lambda t: launch_on(s, t, specs[t.name]), interrupted=s.close)
+            group = fanout.fan_out(targets, lambda t: launch_on(s, t, specs[t.name]), interrupted=s.close)
         except KeyboardInterrupt as e:
             # Its connections closed: an agent still reading the launch (a regen's upload) ends at the
             # short stream and starts nothing; one past it finishes the launch (crash-safe on the target).
@@ -118,7 +120,7 @@ def launch_interrupted(e: KeyboardInterrupt, names: Sequence[str], run: str) -> 
                                f"`dflash-ops stop {names[0]} {run}` stops it")
 
 
-def _undo(s: Session, targets: Sequence[Target], run: str, fresh: bool) -> agent.GroupResult:
+def _undo(s: Session, targets: Sequence[Target], run: str, fresh: bool) -> fanout.GroupResult:
     """Kill the run on these targets and free its slots; a new run's folder goes too (a resumed
     run's folder is the user's: it stays, its attempt recorded as stopped)."""
     def one(t: Target) -> None:
@@ -128,7 +130,7 @@ def _undo(s: Session, targets: Sequence[Target], run: str, fresh: bool) -> agent
         if fresh:
             agent.call(s.transport(t), t, agent.RUNS, ["rm", t.workdir, "--", run], what="undo the launch",
                        timeout=120)
-    return agent.fan_out(targets, one)
+    return fanout.fan_out(targets, one)
 
 
 # --- the nodes of a run -------------------------------------------------------------------------
@@ -168,7 +170,7 @@ def rank0(nodes: list[tuple[Target, dict]]) -> Target:
 
 def rank0_of(inv: Inventory, target: Target, run: str, session: Session | None = None) -> Target:
     """The target whose node ran rank 0 of the run (`target` itself for a run on one node)."""
-    with agent.session(inv, session) as s:
+    with owned_session(inv, session) as s:
         _, nodes = run_nodes(inv, target, run, s)
     return rank0(nodes)
 
@@ -176,10 +178,10 @@ def rank0_of(inv: Inventory, target: Target, run: str, session: Session | None =
 def stop(inv: Inventory, target: Target, run: str, *, force: bool, timeout: float,
          session: Session | None = None) -> list[tuple[str, dict]]:
     """SIGTERM (SIGKILL with force) to the run on every node at once: [(target, stop document)]."""
-    with agent.session(inv, session) as s:
+    with owned_session(inv, session) as s:
         rid, nodes = run_nodes(inv, target, run, s)
         options = ["--timeout", str(timeout)] + (["--force"] if force else []) + ["--", rid]
-        group = agent.fan_out([t for t, _ in nodes], lambda t: agent.call(
+        group = fanout.fan_out([t for t, _ in nodes], lambda t: agent.call(
             s.transport(t), t, agent.RUNS, ["stop", t.workdir, *options], what="stop the run", timeout=timeout + 60))
     group.raise_failures()
     return [(name, dict(o.value, target=name)) for name, o in group.items()]
@@ -233,7 +235,7 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
     every node has ended; a bug in a follower (not an OpsError) is raised as soon as it happens."""
     from orchestrator.runs import follow as follow_mod
 
-    with agent.session(inv, session) as s:
+    with owned_session(inv, session) as s:
         rid, nodes = run_nodes(inv, target, run, s)
         names = [t.name for t, _ in nodes]
         yield Job(rid, names)

@@ -43,7 +43,7 @@ def regen(state: State, args, prompts, model, gpus, gpu_ids, max_new_tokens, bat
     from orchestrator.envvars import parse_assignments
     from orchestrator.runs import nodes
     from orchestrator.runs.regen import regen_options
-    from orchestrator.ssh.agent import session as open_session
+    from orchestrator.ssh.session import owned_session as open_session
 
     targets, extra = _split_launch_args(state, args)
     if len(targets) > 1:

@@ -16,6 +16,8 @@ from orchestrator.inventory import Inventory, Target
 from orchestrator.inventory.names import RUN_ID_RE
 from orchestrator.runs.options import BENCH_ID_RE, check_run
 from orchestrator.ssh import agent
+from orchestrator.ssh import fanout
+from orchestrator.ssh.session import owned_session
 from orchestrator.ssh.session import Session
 
 # `unreadable`: the run's records on the target cannot be used (remote/runs/common.py); how it ended
@@ -55,7 +57,7 @@ def status(inv: Inventory, names: Sequence[str] = (), *, all_targets: bool = Fal
     parallel; a row per run, oldest first per target; errors maps a target that could not be
     read to why."""
     targets = list(inv.targets.values()) if all_targets else inv.select(list(names))
-    with agent.session(inv, session) as s:
+    with owned_session(inv, session) as s:
         group = status_docs(s, targets, {t.name: runs for t in targets}, "read the runs")
         rows, errors = [], group.failures
         for name, outcome in group.items():
@@ -83,10 +85,10 @@ def status(inv: Inventory, names: Sequence[str] = (), *, all_targets: bool = Fal
 
 
 def status_docs(s: Session, targets: Sequence[Target], runs: Mapping[str, Sequence[str]],
-                what: str) -> agent.GroupResult:
+                what: str) -> fanout.GroupResult:
     """The runs agent's status document of each target about the runs `runs[target name]` names
     (every run for []), read in parallel: {target: [runs]} -> GroupResult."""
-    return agent.fan_out(targets, lambda t: agent.call(s.transport(t), t, agent.RUNS,
+    return fanout.fan_out(targets, lambda t: agent.call(s.transport(t), t, agent.RUNS,
                                                        ["status", t.workdir, "--", *runs[t.name]],
                                                        what=what, timeout=60))
 
@@ -147,7 +149,7 @@ def metrics(inv: Inventory, target: Target, run: str = "latest", *,
 def _one_run(inv: Inventory, session: Session | None, target: Target, run: str, args: list[str],
              what: str, timeout: float) -> dict:
     """An agent command about one run: its document with "target" added; NotFound without it."""
-    with agent.session(inv, session) as s:
+    with owned_session(inv, session) as s:
         doc = call_about_run(s, target, run, args, what, timeout)
     doc["target"] = target.name
     return doc

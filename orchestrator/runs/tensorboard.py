@@ -26,6 +26,8 @@ from orchestrator.errors import NotFound, OpsError, StepFailed, UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.runs.status import not_found
 from orchestrator.ssh import agent
+from orchestrator.ssh import fanout
+from orchestrator.ssh.session import owned_session
 from orchestrator.ssh.session import Session
 
 START_TIMEOUT_S = 180.0          # TensorBoard's start on a loaded machine (its first import: seconds)
@@ -182,8 +184,8 @@ def sync(inv: Inventory, targets: Sequence[Target], runs: Sequence[str] = ("late
          session: Session | None = None, fresh: bool = False) -> list[SyncedRun]:
     """One pass over every target (in parallel): each named run found on any of them comes home.
     NotFound (102) for a run found on none; a target that could not be reached is TargetsFailed (1)."""
-    with agent.session(inv, session) as s:
-        group = agent.fan_out(list(targets), lambda t: sync_target(s, t, runs, fresh))
+    with owned_session(inv, session) as s:
+        group = fanout.fan_out(list(targets), lambda t: sync_target(s, t, runs, fresh))
     group.raise_failures()
     found: list[SyncedRun] = []
     missing: dict[str, list[str]] = {}

@@ -56,13 +56,13 @@ def tensorboard(state: State, words, no_serve, port, every, as_json):
     SIGTERM ended the serving (the copies stay).
     """
     from orchestrator.runs import tensorboard as tb
-    from orchestrator.ssh import agent
+    from orchestrator.ssh.session import owned_session
 
     inv = state.inv
     targets, runs = _split(inv, words)
     if not no_serve:
         tb.require_server()     # before anything travels
-    with sigterm_raises("tensorboard"), agent.session(inv) as session:
+    with sigterm_raises("tensorboard"), owned_session(inv) as session:
         got = tb.sync(inv, targets, runs, session=session)
         doc = {"folder": str(tb.home()), "runs": [r.as_json() for r in got], "url": None}
         if no_serve:

@@ -1,5 +1,6 @@
-"""The one way commands reach their targets: the remote agent's source and call, the fan-out over
-targets, session ownership and the agent's typed replies.
+"""The one way commands reach their targets' programs: the remote agent's source, its call and stream,
+and the agent's typed replies. The fan-out over targets is ssh/fanout.py; a Session the caller may
+pass or not, ssh/session.owned_session.
 
 The agent is the package `orchestrator/remote/` (standard library only, Python >= 3.8): a
 program is an entry module there (`release.agent` for deploys, `runs.agent` for runs, probe and
@@ -24,17 +25,15 @@ import base64
 import json
 import re
 import zlib
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
-from typing import Callable, Generic, Iterator, Sequence, TypeVar
+from typing import Callable, Sequence
 
 from orchestrator import waits
-from orchestrator.errors import OpsError, StepFailed, TargetsFailed
-from orchestrator.inventory import Inventory, Target
-from orchestrator.ssh.session import Session
+from orchestrator.errors import OpsError, StepFailed
+from orchestrator.inventory import Target
 from orchestrator.ssh.hold import Hold
 from orchestrator.ssh.transport import Result, Transport
 
@@ -46,7 +45,6 @@ RUNS = "runs.agent"           # launch, status, follow, stop, metrics, export, b
 # needs them: the torch version, install-deps). The runs agent starts trainers and imports
 # their modules: it keeps a plain start.
 OPTIONS = {RELEASE: ("-S",)}
-MAX_WORKERS = 16
 # A part's relative import: one line, `from .X import a, b` / `from ..X import c` at the top level.
 # Read line by line, not by ast.parse: parsing every part would be paid in every command that reaches
 # a target, where the controller's own CPU is what a no-change deploy costs (tests/test_agent.py holds
@@ -281,78 +279,4 @@ def stream(t: Transport, target: Target, program: str, args: Sequence[str], *, w
     return r
 
 
-# --- session ownership --------------------------------------------------------------------------
-
-@contextmanager
-def session(inv: Inventory, given: Session | None = None) -> Iterator[Session]:
-    """The caller's Session, or one opened for this call and closed after it."""
-    if given is not None:
-        yield given
-        return
-    own = Session(inv)
-    try:
-        yield own
-    finally:
-        own.close()
-
-
-# --- fan-out ------------------------------------------------------------------------------------
-
-T = TypeVar("T")
-
-
-@dataclass
-class Outcome(Generic[T]):
-    """One target's result: its value, or the error that stopped it."""
-    target: str
-    value: T | None = None
-    error: OpsError | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-
-class GroupResult(dict):
-    """{target name: Outcome}, in the order the targets were given (Fabric's GroupResult)."""
-
-    @property
-    def failures(self) -> dict[str, str]:
-        return {name: o.error.render() for name, o in self.items() if o.error is not None}
-
-    def raise_failures(self) -> None:
-        """TargetsFailed naming every target that failed, once all have been reported."""
-        if self.failures:
-            raise TargetsFailed(self.failures)
-
-
-def fan_out(targets: Sequence[Target], fn: Callable[[Target], T], *,
-            max_workers: int = MAX_WORKERS, interrupted: Callable[[], None] | None = None) -> GroupResult:
-    """fn(target) for every target in parallel. An OpsError stops only its own target (kept in
-    its Outcome); anything else is a bug and propagates. interrupted: called when the caller's
-    thread is interrupted (Ctrl-C, errors.Terminated) while the targets' calls run, to end them (close
-    their connections) before the interruption goes on: the workers are waited for, and a call left
-    running would hold the controller until its own timeout."""
-
-    def one(target: Target) -> Outcome:
-        try:
-            return Outcome(target.name, value=fn(target))
-        except OpsError as e:
-            return Outcome(target.name, error=e)
-
-    group = GroupResult()
-    if not targets:
-        return group
-    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(targets)))) as pool:
-        try:
-            for outcome in pool.map(one, targets):
-                group[outcome.target] = outcome
-        except KeyboardInterrupt:
-            if interrupted is not None:
-                interrupted()
-            raise
-    return group
-
-
-__all__ = ["RELEASE", "RUNS", "parts", "source", "argv", "call", "stream", "reply", "Refused",
-           "session", "fan_out", "Outcome", "GroupResult"]
+__all__ = ["RELEASE", "RUNS", "parts", "source", "argv", "call", "stream", "reply", "Refused"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Mapping
+from contextlib import contextmanager
+from typing import Iterator, Mapping
 
 from orchestrator.errors import ConnectError
 from orchestrator.inventory import Inventory, Target
@@ -91,3 +92,16 @@ class Session:
         for t in list(self._ssh.values()):
             t.close()
         self._ssh.clear()
+
+
+@contextmanager
+def owned_session(inv: Inventory, given: Session | None = None) -> Iterator[Session]:
+    """The caller's Session, or one opened for this call and closed after it."""
+    if given is not None:
+        yield given
+        return
+    own = Session(inv)
+    try:
+        yield own
+    finally:
+        own.close()

@@ -5,6 +5,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from orchestrator.ssh import agent
+from orchestrator.ssh import fanout
+from orchestrator.ssh.session import owned_session
 from orchestrator.errors import ConnectError, ContainerError, OpsError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
@@ -136,7 +138,7 @@ def check(inv: Inventory, names: list[str] | None = None) -> list[Check]:
     """Every target (or those named) reached in parallel; a Check each, failures included (`ok`
     false; a fact that is not judged, such as local without torch, is a `note`)."""
     targets = inv.select(names) if names else list(inv.targets.values())
-    with agent.session(inv) as session:
-        group = agent.fan_out(targets, lambda t: check_one(session, inv, t, judged(inv, t, names)))
+    with owned_session(inv) as session:
+        group = fanout.fan_out(targets, lambda t: check_one(session, inv, t, judged(inv, t, names)))
     return [o.value if o.ok else Check(name, describe(inv, inv.target(name)), error=o.error.render())
             for name, o in group.items()]

@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from orchestrator.ssh import agent
+from orchestrator.ssh import fanout
+from orchestrator.ssh.session import owned_session
 from orchestrator.errors import Interrupted, OpsError, Terminated, UsageError, terminated_on_sigterm
 from orchestrator.inventory import Inventory, Target
 from orchestrator.lines import Prefixed
@@ -233,15 +234,15 @@ def exec_command(inv: Inventory, targets: list[Target], argv: Sequence[str], *, 
     streamed is kept as run_one keeps it, `keep`). SIGINT or SIGTERM ends the command on every target
     and raises Interrupted (exit 130 / 143), saying so.
 
-    A daemon thread per target (at most agent.MAX_WORKERS at work), not fan_out's pool, whose
+    A daemon thread per target (at most fanout.MAX_WORKERS at work), not fan_out's pool, whose
     threads are joined at exit: an interrupted exec must not wait for a connect still under way."""
     argv = check_command(argv)
     holds = {t.name: Hold() for t in targets}
     finished = {t.name: threading.Event() for t in targets}
     results: dict[str, ExecResult] = {}
     bugs: list[BaseException] = []
-    slots = threading.Semaphore(agent.MAX_WORKERS)
-    with agent.session(inv) as session:
+    slots = threading.Semaphore(fanout.MAX_WORKERS)
+    with owned_session(inv) as session:
         def one(t: Target) -> None:
             try:
                 with slots:
