@@ -88,7 +88,7 @@ def test_no_serve_brings_event_files_home_whose_scalars_match_metrics_jsonl(ct):
     steps = [rec["step"] for rec in records if "loss" in rec and "event" not in rec]
     assert steps == list(range(1, 9))
     assert [s for s, _ in events["train/loss"]] == steps
-    assert [s for s, _ in events["eval/tau"]] == [3, 6, 8]
+    assert [s for s, _ in events["eval/tau"]] == [0, 3, 6, 8]     # the untrained baseline first
     assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "train/peak_memory_gb", "train/accuracy",
             "train/acc_per_position/1", "eval/accept_rate_by_position/1"} <= set(events)
     assert set(events) == set(want)
