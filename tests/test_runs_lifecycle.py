@@ -129,9 +129,10 @@ def test_launch_detaches_then_logs_follow_to_success(ct, tmp_path):
 
     png = tmp_path / "report.png"
     r = ct.cli("report", "ct200", "-o", png)
-    path, each, tau = r.stdout.decode().strip().splitlines()
+    path, each, held, tau = r.stdout.decode().strip().splitlines()
     assert r.returncode == 0 and path == str(png)
     assert each.startswith("tau at each eval: untrained ") and each.endswith(" (step 20)")   # evals on by default
+    assert held.startswith("held-out loss at each eval: untrained ") and held.endswith(" (step 20)")
     assert tau.startswith("tau ") and " rounds), at step 20; acceptance by block position 1..15: " in tau
     assert png.read_bytes()[:4] == b"\x89PNG"
     r = ct.cli("stop", "ct200", run)

@@ -172,7 +172,9 @@ def test_report_gives_the_untrained_baseline_every_evals_tau_and_marks_resumes(t
                 {"event": "resume", "step": 3},               # its checkpoint was step 3: step 4 again
                 {"event": "eval", "step": 3, "acceptance_length": 1.45},
                 {"event": "done", "step": 6, "loss": 4.4, "acceptance_length": 1.9, "rounds": 40}]
-    assert report.evals(metrics) == [{"step": 0, "tau": 1.01}, {"step": 3, "tau": 1.45}, {"step": 6, "tau": 1.9}]
+    assert report.evals(metrics) == [{"step": 0, "tau": 1.01, "heldout_loss": None},
+                                     {"step": 3, "tau": 1.45, "heldout_loss": None},
+                                     {"step": 6, "tau": 1.9, "heldout_loss": None}]
     assert report.resumes(metrics) == [3]
     assert report.summary_lines(metrics) == [
         "tau at each eval: untrained 1.010 -> 1.450 (step 3) -> 1.900 (step 6)",
@@ -184,6 +186,19 @@ def test_report_gives_the_untrained_baseline_every_evals_tau_and_marks_resumes(t
     assert any(t.get_text() == "untrained 1.010" for t in fig.axes[1].texts)
     # a run with one eval and no baseline (an older trainer, or --no-eval-at-start): only the last eval
     assert report.summary_lines([{"event": "done", "step": 3, "acceptance_length": 2.5}]) == ["tau 2.500, at step 3"]
+
+
+def test_report_gives_the_held_out_loss_at_each_eval_beside_the_training_loss():
+    metrics = [{"event": "eval", "step": 0, "acceptance_length": 1.0, "heldout_loss": 5.5}]
+    metrics += [{"step": i, "loss": 5.0 - i / 10} for i in range(1, 5)]
+    metrics += [{"event": "eval", "step": 2, "acceptance_length": 1.3, "heldout_loss": 4.9},
+                {"event": "done", "step": 4, "loss": 4.6, "acceptance_length": 1.6, "heldout_loss": 4.7}]
+    assert report.series(metrics)["heldout_loss"] == [(0, 5.5), (2, 4.9), (4, 4.7)]
+    assert report.summary_lines(metrics)[1] == "held-out loss at each eval: untrained 5.5000 -> 4.9000 (step 2) " \
+                                               "-> 4.7000 (step 4)"
+    loss_panel = report.figure(metrics).axes[0]
+    held = [ln for ln in loss_panel.get_lines() if ln.get_label() == "held-out rows, at each eval"]
+    assert len(held) == 1 and list(held[0].get_ydata()) == [5.5, 4.9, 4.7]
 
 
 def test_report_gives_the_last_evals_tau_rounds_interval_and_a_bar_per_block_position(tmp_path):

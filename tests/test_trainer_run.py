@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import statistics
 import time
 from pathlib import Path
 
@@ -383,6 +384,30 @@ def test_run_summary_gives_tau_with_rounds_interval_and_acceptance_by_position(t
                            f"tau {done['acceptance_length']:.3f} "
                            f"(95% {lo:.3f}-{hi:.3f}, {done['rounds']} rounds, 2 held-out prompts); ")
     assert "acceptance by block position 1..3: " in last
+
+
+def test_each_eval_gives_the_loss_on_the_held_out_rows(tmp_path, capsys):
+    """The loss on the held-out rows the eval prompts come from, at each eval from the untrained
+    baseline on. At a learning rate of 1e-12 the drafter does not move: every eval gives the same held-out loss, and it
+    lies among the losses of the run's training batches (the same untrained drafter on rows of the same
+    kind; the range widened by their spread). Trained, it falls; a loss read from the wrong weights
+    would stay where it started."""
+    still = tmp_path / "still"
+    assert train(still, "--steps", "12", "--eval-every", "6", "--eval-prompts", "4", "--lr", "1e-12") == 0
+    held = [m["heldout_loss"] for m in metrics(still) if m.get("event") in ("eval", "done")]
+    batches = list(step_losses(still).values())
+    spread = statistics.pstdev(batches)
+    assert len(held) == 3 and held[1:] == [pytest.approx(held[0], rel=1e-5)] * 2, held
+    assert min(batches) - spread <= held[0] <= max(batches) + spread, (held[0], batches)
+
+    out = tmp_path / "run"
+    assert train(out, "--steps", "40", "--eval-every", "20", "--eval-prompts", "4") == 0
+    printed = capsys.readouterr().out
+    evals = [m for m in metrics(out) if m.get("event") in ("eval", "done")]
+    assert [m["step"] for m in evals] == [0, 20, 40]       # the last one in `done`
+    held = [m["heldout_loss"] for m in evals]
+    assert held[-1] < 0.9 * held[0], held
+    assert "eval at step 20: " in printed and f"; held-out loss {held[1]:.4f}" in printed
 
 
 def test_step_pause_sleeps_before_each_step_after_its_first_ones(tmp_path, monkeypatch):

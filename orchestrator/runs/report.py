@@ -16,8 +16,9 @@ THROUGHPUT_KEYS = (("tokens_per_s", "tokens/s"), ("samples_per_s", "samples/s"))
 
 
 def series(metrics: Sequence[dict]) -> dict:
-    """Metric records -> {"loss": [(step, v)], "tau": [(step, v)], "throughput": [(step, v)],
-    "throughput_label": str}. Records without a step, and null values, are skipped."""
+    """Metric records -> {"loss": [(step, v)], "heldout_loss": [(step, v)], "tau": [(step, v)],
+    "throughput": [(step, v)], "throughput_label": str}. Records without a step, and null values, are
+    skipped."""
     loss, tau, thr = [], [], []
     key, label = next(((k, lab) for k, lab in THROUGHPUT_KEYS
                        if any(m.get(k) is not None for m in metrics)), (None, "throughput"))
@@ -34,7 +35,8 @@ def series(metrics: Sequence[dict]) -> dict:
     if not loss:   # a log with only summary records still has a last loss
         loss = [(m["step"], m["loss"]) for m in metrics
                 if isinstance(m.get("step"), (int, float)) and isinstance(m.get("loss"), (int, float))]
-    return {"loss": loss, "tau": tau, "throughput": thr, "throughput_label": label}
+    held = [(e["step"], e["heldout_loss"]) for e in evals(metrics) if e.get("heldout_loss") is not None]
+    return {"loss": loss, "heldout_loss": held, "tau": tau, "throughput": thr, "throughput_label": label}
 
 
 def last_eval(metrics: Sequence[dict]) -> dict | None:
@@ -51,12 +53,15 @@ def last_eval(metrics: Sequence[dict]) -> dict | None:
 
 def evals(metrics: Sequence[dict]) -> list[dict]:
     """Every measured tau in step order, a resumed run's re-measured steps once (the later wins):
-    [{"step", "tau"}]; step 0 is the untrained baseline (the trainer's --eval-at-start, on by default)."""
+    [{"step", "tau", "heldout_loss"}] (the loss on the held-out rows, None where the trainer logged
+    none); step 0 is the untrained baseline (the trainer's --eval-at-start, on by default)."""
     by_step: dict = {}
     for m in metrics:
         if isinstance(m.get("step"), (int, float)) and isinstance(m.get("acceptance_length"), (int, float)):
-            by_step[m["step"]] = m["acceptance_length"]
-    return [{"step": s, "tau": t} for s, t in sorted(by_step.items())]
+            held = m.get("heldout_loss")
+            by_step[m["step"]] = {"step": m["step"], "tau": m["acceptance_length"],
+                                  "heldout_loss": held if isinstance(held, (int, float)) else None}
+    return [by_step[s] for s in sorted(by_step)]
 
 
 def resumes(metrics: Sequence[dict]) -> list:
@@ -74,6 +79,12 @@ def summary_lines(metrics: Sequence[dict]) -> list[str]:
         said = ("untrained " if first["step"] == 0 else f"at step {first['step']} ") + f"{first['tau']:.3f}"
         lines.append("tau at each eval: " + said + "".join(f" -> {e['tau']:.3f} (step {e['step']})"
                                                           for e in taus[1:]))
+    held = [e for e in taus if e["heldout_loss"] is not None]
+    if held:
+        first = held[0]
+        said = ("untrained " if first["step"] == 0 else f"at step {first['step']} ") + f"{first['heldout_loss']:.4f}"
+        lines.append("held-out loss at each eval: " + said + "".join(
+            f" -> {e['heldout_loss']:.4f} (step {e['step']})" for e in held[1:]))
     ev = last_eval(metrics)
     if ev:
         lines.append(eval_line(ev))
@@ -121,7 +132,12 @@ def figure(metrics: Sequence[dict], *, title: str = ""):
         if points:
             xs, ys = zip(*points)
             style = "o-" if len(points) < 30 else "-"
-            ax.plot(xs, ys, style, color=colour, markersize=4, linewidth=1.2)
+            ax.plot(xs, ys, style, color=colour, markersize=4, linewidth=1.2,
+                    label="training batches" if key == "loss" and data["heldout_loss"] else None)
+            if key == "loss" and data["heldout_loss"]:
+                hx, hy = zip(*data["heldout_loss"])
+                ax.plot(hx, hy, "s:", color="tab:red", markersize=4, linewidth=1, label="held-out rows, at each eval")
+                ax.legend(loc="best", fontsize=8)
             if key == "tau":
                 if ev and ev["step"] is not None and ev["ci95"]:
                     ci = ev["ci95"]

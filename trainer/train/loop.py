@@ -30,8 +30,8 @@ from trainer.model.objective import Objective
 from trainer.run import checkpoint, provenance, sizing
 from trainer.run.cache import cache_root
 from trainer.run.config import CHOSEN_POLICY, RUN_CONFIG, TrainConfig, chat_template_options, layer_ids, objective_of
-from trainer.run.data import (Loader, check_samples, encode_rows, most_anchors, overlap, read_rows, split_eval,
-                              synthetic)
+from trainer.run.data import (Loader, check_samples, encode_rows, make_batch, most_anchors, overlap, read_rows,
+                              split_eval, synthetic)
 from trainer.run.eval import acceptance_length
 from trainer.run.log import RunLog, eval_line, heartbeat, step_line
 from trainer.run.trackers import Trackers, check as trackers_to_use
@@ -69,6 +69,7 @@ class Prepared:
     muon: MuonSettings | None = None    # --optimizer muon's settings; None: AdamW alone (the recipe)
     steps: int = 0               # the run's length: --steps, or what --epochs makes of the rows (run_length)
     eval_every: int = 0          # --eval-every, or what auto (-1) makes of the length (run_length)
+    held_out: list = dataclasses.field(default_factory=list)   # the held-out rows: the loss at each eval
 
 
 def open_run(cfg: TrainConfig, *, writer: bool) -> tuple[Path, Path | None]:
@@ -136,7 +137,7 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
              f"features from layers {list(target.layer_ids)}")
     if not writer:
         barrier()
-    samples, eval_prompts, eval_overlap = _load_data(cfg, target, out, log, stop)
+    samples, eval_prompts, eval_overlap, held = _load_data(cfg, target, out, log, stop)
     if writer:
         if resume_from is None:
             (out / "eval_prompts.json").write_text(json.dumps(eval_prompts))
@@ -174,7 +175,8 @@ def prepare(cfg: TrainConfig, device: torch.device, log, out: Path, resume_from,
     anchors = _anchors(cfg, device, dcfg, n_params, pad_len, samples, log, agree_min, ck, objective)
     return Prepared(out, ck, target, samples, eval_prompts, pad_len, pos_weights, dcfg, drafter,
                     flops_per_sample(dcfg, pad_len, anchors * cfg.block_size), record, eval_overlap, anchors, objective,
-                    muon, *run_length(cfg, len(samples), bool(eval_prompts), log))
+                    muon, *run_length(cfg, len(samples), bool(eval_prompts), log),
+                    held_out=[s for s in held if len(s.input_ids) <= pad_len])
 
 
 def run_length(cfg: TrainConfig, rows: int, evals: bool, log) -> tuple[int, int]:
@@ -439,8 +441,8 @@ def _load_data(cfg, target, out, log, stop):
         log.info(f"synthetic data (for tests: random-token prompts continued by the target): {path} "
                  + ("(reused: the same target, seed and sizes made it before)" if reused else
                     f"(generated in {time.time() - t:.1f}s; kept for runs with the same target, seed and sizes)"))
-    samples, skipped = _read_samples(path, cfg, target)
-    samples, prompts, held_out = split_eval(samples, cfg.eval_prompts)
+    rows, skipped = _read_samples(path, cfg, target)
+    samples, prompts, held_out = split_eval(rows, cfg.eval_prompts)
     shared = overlap(prompts, samples)
     if shared and not cfg.eval_overlap_ok:
         why = "" if held_out else f" (fewer than {2 * cfg.eval_prompts} usable rows: nothing could be held out)"
@@ -451,7 +453,7 @@ def _load_data(cfg, target, out, log, stop):
              + (f", {skipped} skipped (no room for a block in the loss mask)" if skipped else "")
              + (f"; {shared} of {len(prompts)} eval prompts are training rows' prompts (--eval-overlap-ok)"
                 if shared else f"; {len(prompts)} eval prompts held out" if prompts else ""))
-    return samples, prompts, shared
+    return samples, prompts, shared, rows[len(samples):] if held_out else []
 
 
 def _read_samples(path: str, cfg, target):
@@ -497,16 +499,38 @@ def _eval(cfg: TrainConfig, log, engine: Engine, prep: Prepared, step: int, fina
     r0 = engine.primary
     res = engine.on_primary(acceptance_length, r0.target, r0.drafter, prep.eval_prompts,
                             max_new_tokens=cfg.eval_new_tokens, should_stop=stop.is_set if stop else (lambda: False))
-    log.info(f"eval at step {step}: {eval_line(res, prep.eval_overlap)} ({time.time() - t:.1f}s)")
+    loss = engine.on_primary(_heldout_loss, r0, cfg, prep) if res is not None else None
+    if res is not None and loss is not None:
+        res = {**res, "heldout_loss": loss}
+    log.info(f"eval at step {step}: {eval_line(res, prep.eval_overlap)}"
+             + (f"; held-out loss {loss:.4f}" if loss is not None else "") + f" ({time.time() - t:.1f}s)")
     if not final:
         log.metrics({"event": "eval", "step": step, **_tau_metrics(res)})
     return res
 
 
+@torch.no_grad()
+def _heldout_loss(r, cfg: TrainConfig, prep: Prepared) -> float | None:
+    """The training loss on the held-out rows (those the eval prompts come from), no gradient: the same
+    DraftLoss, uncompiled, on one batch of them with the anchors of a fixed draw, so evals compare."""
+    if not prep.held_out:
+        return None
+    b = make_batch(prep.held_out, pad_len=prep.pad_len, pad_id=0, step=0, seed=cfg.seed, block_size=cfg.block_size,
+                   anchors=prep.anchors, pos_weights=prep.pos_weights)
+    if b.weight_total <= 0:
+        return None
+    d = b.to(r.device)
+    feats = r.target.features(d.input_ids, eager=True)
+    with r.autocast:
+        loss_sum, _, _ = r.loss_module(feats, d.input_ids, d.loss_mask, d.anchors, d.valid)
+    loss = float(loss_sum) / b.weight_total
+    return round(loss, 6) if math.isfinite(loss) else None
+
+
 def _tau_metrics(res: dict | None) -> dict:
     """An eval's numbers in the metric records (what `dflash-ops report` and `status` read)."""
-    keys = ("acceptance_length", "rounds", "tau_ci95", "accept_rate_by_position")
-    return {k: res[k] for k in keys} if res else {"acceptance_length": None}
+    keys = ("acceptance_length", "rounds", "tau_ci95", "accept_rate_by_position", "heldout_loss")
+    return {k: res[k] for k in keys if k in res} if res else {"acceptance_length": None}
 
 
 def _peak_memory_gb(device: torch.device) -> float:
