@@ -512,18 +512,18 @@ def _eval(cfg: TrainConfig, log, engine: Engine, prep: Prepared, step: int, fina
 @torch.no_grad()
 def _heldout_loss(r, cfg: TrainConfig, prep: Prepared) -> float | None:
     """The training loss on the held-out rows (those the eval prompts come from), no gradient: the same
-    DraftLoss, uncompiled, on one batch of them with the anchors of a fixed draw, so evals compare."""
-    if not prep.held_out:
-        return None
-    b = make_batch(prep.held_out, pad_len=prep.pad_len, pad_id=0, step=0, seed=cfg.seed, block_size=cfg.block_size,
-                   anchors=prep.anchors, pos_weights=prep.pos_weights)
-    if b.weight_total <= 0:
-        return None
-    d = b.to(r.device)
-    feats = r.target.features(d.input_ids, eager=True)
-    with r.autocast:
-        loss_sum, _, _ = r.loss_module(feats, d.input_ids, d.loss_mask, d.anchors, d.valid)
-    loss = float(loss_sum) / b.weight_total
+    DraftLoss, uncompiled, on them a training batch's rows at a time, with the anchors of a fixed draw
+    so evals compare; None without held-out rows."""
+    total = weight = 0.0
+    for i in range(0, len(prep.held_out), max(1, cfg.batch_size)):     # a training batch's rows at a time
+        b = make_batch(prep.held_out[i:i + cfg.batch_size], pad_len=prep.pad_len, pad_id=0, step=i, seed=cfg.seed,
+                       block_size=cfg.block_size, anchors=prep.anchors, pos_weights=prep.pos_weights)
+        d = b.to(r.device)
+        feats = r.target.features(d.input_ids, eager=True)
+        with r.autocast:
+            loss_sum, _, _ = r.loss_module(feats, d.input_ids, d.loss_mask, d.anchors, d.valid)
+        total, weight = total + float(loss_sum), weight + b.weight_total
+    loss = total / weight if weight > 0 else math.nan
     return round(loss, 6) if math.isfinite(loss) else None
 
 
