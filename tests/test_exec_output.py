@@ -58,14 +58,13 @@ def test_exec_json_keeps_the_first_mib_and_counts_the_rest_in_bounded_memory(exe
     assert doc["stdout"] == "\0" * KEEP_BYTES
     assert doc["stderr"] == "oops\n" and doc["stderr_bytes"] == 5 and doc["stderr_truncated"] is False
     assert len(out) < 8 * KEEP_BYTES                # \u0000 is 6 characters of JSON
-    assert peak < idle + 60, (peak, idle)           # MB; 60 MB of output, kept whole, was ~1.2 GB
+    assert peak < idle + 60, (peak, idle)           # MB; output kept whole grew with it (benchmarks.md)
 
 
 def test_several_targets_take_time_linear_in_their_output(exec_targets, tmp_path):
-    # Lines without a newline through the `[target] ` writer: before, each chunk re-joined and re-split
-    # the line held so far (two targets of 100 MB: 224 s; of 12.5 MB: 4.7 s). CPU seconds of the CLI,
-    # not wall time: two targets of N MB cost about twice one of N MB; quadratic, it was 5x at 10 MB
-    # and grew with N.
+    # Lines without a newline through the `[target] ` writer: each chunk once re-joined and re-split the
+    # line held so far, so the time grew with the square of the output (docs/benchmarks.md has the
+    # figures). CPU seconds of the CLI, not wall time: two targets of N MB cost about twice one of N MB.
     n = 20 * MB
     cmd = ["--", "sh", "-c", f"head -c {n} /dev/zero"]
     _, _, _, base = cli(exec_targets, "exec", "ct200", "--", "true", home=tmp_path, stdout=subprocess.DEVNULL)

@@ -50,7 +50,7 @@ def ssh(sshd, remote: str | list[str], *, input: bytes | None = None,
 
 @pytest.fixture(scope="module")
 def mux(sshd):
-    """One multiplexed master connection for the module: a new SSH connection costs ~0.4 s here.
+    """One multiplexed master connection for the module: each new SSH connection costs a handshake.
 
     Host-key and connection-drop tests do not use it: they need connections of their own.
     """

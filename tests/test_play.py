@@ -330,8 +330,9 @@ def test_one_player_per_playbook_and_target_and_a_killed_play_resumes_from_its_r
 
 
 def test_a_playbook_of_many_steps_loads_in_time_linear_in_its_steps(tmp_path):
-    """10,000 steps took 31 s to --dry-run (5,000: 5.5 s): every step rebuilt the set of the names before
-    it. A ratio of CPU times, not a wall-clock bound: 10x the steps must cost well under 100x (quadratic)."""
+    """Every step once rebuilt the set of the names before it, so loading grew with the square of the
+    steps (docs/benchmarks.md). A ratio of CPU times, not a wall-clock bound: 10x the steps must cost well
+    under 100x (quadratic)."""
     import time
 
     def book(n: int) -> str:

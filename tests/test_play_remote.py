@@ -49,7 +49,7 @@ def ct(sshd, tmp_path_factory):
         "targets": {"ct210": {"host": "node", "vmid": VMID, "python": "/srv/ct/venv/bin/python",
                               "workdir": "/srv/ct/dflash", "gpus": 0,
                               # pip reads PIP_NO_COMPILE as its `compile` setting: false skips
-                              # byte-compiling torch and transformers, most of installing them (~60 s here)
+                              # byte-compiling torch and transformers, most of the time installing them takes
                               "env": {"PIP_NO_COMPILE": "false"}}}}))
     # The torch wheel of this interpreter, from where pip finds it (a local wheel here, no network).
     wheels = tmp / "wheels"
@@ -77,8 +77,8 @@ def ct(sshd, tmp_path_factory):
         try:
             pct.stop(VMID)
         finally:
-            # ~1 GB written moments ago: deleting it waits ~20 s on the disk here, so a detached rm
-            # does it while the suite goes on.
+            # the container's venv (about a GB) was written moments ago: deleting it waits on the disk,
+            # so a detached rm does it while the suite goes on.
             subprocess.Popen(["rm", "-rf", str(tmp)], start_new_session=True, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
 

@@ -115,9 +115,9 @@ print(time.monotonic() - start, peak)
 """
 
 
-@pytest.mark.slow      # ~25 s on 2 loaded cores: `make test`, not the quick room
+@pytest.mark.slow      # a million rows written and read: `make test`, not the quick room
 def test_a_million_tiny_rows_are_counted_in_bounded_memory_and_a_bad_last_one_named(inv, tmp_path):
-    """24 MB of rows: the controller's check kept every row before (626 MB and 25 s at load 6 on 2 cores);
+    """24 MB of rows: the controller's check once kept every row (hundreds of MB; docs/benchmarks.md);
     streamed, it holds one. The last row bad: named by its line, the million before it read, not kept."""
     p = tmp_path / "million.jsonl"
     with p.open("wb") as f:
@@ -129,7 +129,7 @@ def test_a_million_tiny_rows_are_counted_in_bounded_memory_and_a_bad_last_one_na
     seconds, peak_kib = measured.split()
     assert int(count) == 1_000_000
     assert int(peak_kib) < 120 * 1024, peak_kib      # the interpreter and the reader (~35 MB), not the rows
-    assert float(seconds) < 120, seconds             # linear: ~8 s at load 6 on 2 cores
+    assert float(seconds) < 120, seconds             # linear: a bound far past a loaded machine's, short of a hang
     with p.open("ab") as f:
         f.write(b'{"prompt": ""}\n')
     r = controller_regen(inv, p)

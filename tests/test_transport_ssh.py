@@ -91,8 +91,8 @@ def test_one_connection_for_many_steps(ct):
 
 def test_the_connection_sends_without_nagle_and_acknowledges_what_it_reads_at_once(ct):
     """sshd holds the first channel's confirmation until its post-authentication messages are
-    acknowledged: a delayed ACK made every command's first step ~40 ms slower (docs/benchmarks.md
-    §12 has the figure). After each read the socket asks Linux for an immediate ACK again."""
+    acknowledged: a delayed ACK made every command's first step slower (docs/benchmarks.md §12 has the
+    figure). After each read the socket asks Linux for an immediate ACK again."""
     import socket
 
     session, target = ct
