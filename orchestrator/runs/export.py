@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import os
 import shutil
 import signal
@@ -43,8 +42,7 @@ TIMEOUT_S = 3600.0
 Progress = Callable[[str, int], Callable[[int], None] | None]
 
 
-class TransferError(OpsError):
-    """The folder arrived incomplete or different from what the target sent (exit 1)."""
+TransferError = agent.TransferError     # the folder arrived incomplete or different from what was sent (exit 1)
 
 
 @dataclass
@@ -67,13 +65,12 @@ class ExportResult:
         return asdict(self)
 
 
-class _Receiver:
+class _Receiver(agent.StreamSink):
     """The stdout sink: the header line, then each file's bytes into `folder`, hashed on the way."""
 
     def __init__(self, folder: Path, progress: Progress | None, label: str):
+        super().__init__("export agent")
         self.folder, self.progress, self.label = folder, progress, label
-        self.buf = b""
-        self.header: dict | None = None
         self.files: list[dict] = []
         self.index, self.left = 0, 0
         self.out: BinaryIO | None = None
@@ -82,24 +79,14 @@ class _Receiver:
         self.update: Callable[[int], None] | None = None
         self.extra = 0
 
-    def __call__(self, data: bytes) -> None:
-        if self.header is None:
-            self.buf += data
-            if b"\n" not in self.buf:
-                return
-            line, data = self.buf.split(b"\n", 1)
-            self.buf = b""
-            try:
-                self.header = json.loads(line.decode("utf-8", "replace"))
-            except ValueError:
-                raise TransferError(f"unreadable header from the export agent: {line[:200]!r}") from None
-            if not self.header.get("ok"):
-                return
-            self.files = list(self.header["files"])
-            self.folder.mkdir(parents=True)
-            if self.progress:
-                self.update = self.progress(self.label, sum(f["size"] for f in self.files))
-            self._next()
+    def opened(self, header: dict) -> None:
+        self.files = list(header["files"])
+        self.folder.mkdir(parents=True)
+        if self.progress:
+            self.update = self.progress(self.label, sum(f["size"] for f in self.files))
+        self._next()
+
+    def take(self, data: bytes) -> None:
         while data:
             if self.out is None:
                 self.extra += len(data)   # more than the header announced: checked in finish()

@@ -54,8 +54,7 @@ class SyncedRun:
         return asdict(self)
 
 
-class TransferError(OpsError):
-    """The agent's stream did not hold what its header announced (exit 1)."""
+TransferError = agent.TransferError     # the stream did not hold what its header announced (exit 1)
 
 
 def _have(folder: Path) -> dict[str, dict[str, int]]:
@@ -86,35 +85,24 @@ def _safe_name(name: object) -> str:
     return name
 
 
-class _Receiver:
+class _Receiver(agent.StreamSink):
     """The stdout sink: the header line, then each announced range written into its copy at its offset."""
 
     def __init__(self, folder: Path):
+        super().__init__("runs agent")
         self.folder = folder
-        self.buf = b""
-        self.header: dict | None = None
         self.todo: list[tuple[Path, int, int]] = []     # (copy, offset, bytes left)
         self.extra = 0
 
-    def __call__(self, data: bytes) -> None:
-        if self.header is None:
-            self.buf += data
-            if b"\n" not in self.buf:
-                return
-            line, data = self.buf.split(b"\n", 1)
-            self.buf = b""
-            try:
-                self.header = json.loads(line.decode("utf-8", "replace"))
-            except ValueError:
-                raise TransferError(f"unreadable header from the runs agent: {line[:200]!r}") from None
-            if not isinstance(self.header, dict) or not self.header.get("ok"):
-                return
-            for r in self.header.get("runs", []):
-                run = _safe_name(r["run"])
-                for f in r["files"]:
-                    path = self.folder / run / _safe_name(f["name"])
-                    self.todo.append((path, int(f["offset"]), int(f["size"])))
-            self._open_next()
+    def opened(self, header: dict) -> None:
+        for r in header.get("runs", []):
+            run = _safe_name(r["run"])
+            for f in r["files"]:
+                path = self.folder / run / _safe_name(f["name"])
+                self.todo.append((path, int(f["offset"]), int(f["size"])))
+        self._open_next()
+
+    def take(self, data: bytes) -> None:
         while data:
             if not self.todo:
                 self.extra += len(data)

@@ -279,4 +279,43 @@ def stream(t: Transport, target: Target, program: str, args: Sequence[str], *, w
     return r
 
 
-__all__ = ["RELEASE", "RUNS", "parts", "source", "argv", "call", "stream", "reply", "Refused"]
+class TransferError(OpsError):
+    """A stream did not hold what its header announced, or its header could not be read (exit 1)."""
+
+
+class StreamSink:
+    """The stdout sink of a `stream`: buffers until the header line (one JSON document), keeps it in
+    `header`, calls opened(header) when the header says ok, then hands every later byte to take(data).
+    `who` names the program in the error for an unreadable header."""
+
+    def __init__(self, who: str):
+        self.who = who
+        self.buf = b""
+        self.header: dict | None = None
+
+    def __call__(self, data: bytes) -> None:
+        if self.header is None:
+            self.buf += data
+            if b"\n" not in self.buf:
+                return
+            line, data = self.buf.split(b"\n", 1)
+            self.buf = b""
+            try:
+                self.header = json.loads(line.decode("utf-8", "replace"))
+            except ValueError:
+                raise TransferError(f"unreadable header from the {self.who}: {line[:200]!r}") from None
+            if not isinstance(self.header, dict) or not self.header.get("ok"):
+                return
+            self.opened(self.header)
+        if data:
+            self.take(data)
+
+    def opened(self, header: dict) -> None:
+        """The header said ok: prepare for the bytes it announces."""
+
+    def take(self, data: bytes) -> None:
+        """Bytes after the header."""
+
+
+__all__ = ["RELEASE", "RUNS", "parts", "source", "argv", "call", "stream", "reply", "Refused", "StreamSink",
+           "TransferError"]
