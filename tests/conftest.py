@@ -268,6 +268,32 @@ def _yaml_dump(data: dict) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
+@pytest.fixture(scope="session")
+def trainer_source(tmp_path_factory):
+    """Only the trainer package, copied once per session: what a run needs, quick to deploy."""
+    from trainer_quick import copy_trainer
+
+    return copy_trainer(tmp_path_factory.mktemp("trainer-src"))
+
+
+@pytest.fixture
+def deployed_ct200(fakepct, make_inventory, trainer_source):
+    """Factory: ``deployed_ct200(gpus=0) -> Path`` of a hosts.yaml naming CT 200 (the stand-in pct, this
+    python, /srv/ct/dflash) with the trainer deployed there."""
+    def make(gpus: int = 0) -> Path:
+        from orchestrator import inventory
+        from orchestrator.deploy import sync as deploy
+
+        fakepct.create(200)
+        path = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable,
+                                         "workdir": "/srv/ct/dflash", "gpus": gpus}})
+        res = deploy.deploy(inventory.load(str(path)), ["ct200"], source=str(trainer_source))["ct200"]
+        assert res.ok, res.error
+        return path
+
+    return make
+
+
 @pytest.fixture
 def make_inventory(tmp_path, sshd, fakepct):
     """Factory: ``make_inventory(targets, hosts=None, default=None) -> Path`` of a hosts.yaml.

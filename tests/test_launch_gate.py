@@ -11,32 +11,21 @@ import sys
 from pathlib import Path
 
 import pytest
-from trainer_quick import CLI_MAIN, copy_trainer, tiny_run_config
+from trainer_quick import CLI_MAIN, tiny_run_config
 
-from orchestrator import inventory
-from orchestrator.deploy import sync as deploy
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Target
 from orchestrator.runs.gate import gate_options, verdict_of
 from orchestrator.runs.options import LaunchOptions
 from trainer import faults
 
-WORKDIR = "/srv/ct/dflash"
 RUN = tiny_run_config(block_size=4, steps=6, eval_new_tokens=8)
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    return copy_trainer(tmp_path_factory.mktemp("src"))
-
-
 @pytest.fixture
-def ct(sshd, fakepct, make_inventory, source, tmp_path):
+def ct(fakepct, deployed_ct200, tmp_path):
     """CT 200 (CPU only) with the trainer deployed; cli(*args) is dflash-ops against it."""
-    fakepct.create(200)
-    path = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable, "workdir": WORKDIR,
-                                     "gpus": 0}})
-    assert deploy.deploy(inventory.load(str(path)), ["ct200"], source=str(source))["ct200"].ok
+    path = deployed_ct200()
     cfg = tmp_path / "run.yaml"
     cfg.write_text(RUN)
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from trainer_quick import CLI_MAIN, IDLE_RUN, copy_trainer, tiny_run_config, wait_for
+from trainer_quick import CLI_MAIN, IDLE_RUN, tiny_run_config, wait_for
 
 from orchestrator import inventory
 from orchestrator.deploy import sync as deploy
@@ -22,14 +22,8 @@ TINY = tiny_run_config()
 LONG = [*IDLE_RUN, "--", "--steps", "1000000"]   # runs until the test stops or kills it
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    """Only the trainer package: what a run needs, quick to deploy."""
-    return copy_trainer(tmp_path_factory.mktemp("src"))
-
-
 @pytest.fixture
-def ct(sshd, fakepct, make_inventory, source, tmp_path):
+def ct(sshd, fakepct, make_inventory, trainer_source, tmp_path):
     """A running CT 200 (2 GPUs in the inventory, CPU in fact) with the trainer deployed."""
     fakepct.create(200)
     path = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable,
@@ -37,7 +31,7 @@ def ct(sshd, fakepct, make_inventory, source, tmp_path):
     inv = inventory.load(str(path))
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(TINY)
-    env = Env(inv, path, fakepct, sshd, cfg, source)
+    env = Env(inv, path, fakepct, sshd, cfg, trainer_source)
     return env
 
 

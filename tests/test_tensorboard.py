@@ -14,30 +14,18 @@ from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from trainer_quick import CLI_MAIN, copy_trainer, tiny_run_config, wait_for
+from trainer_quick import CLI_MAIN, tiny_run_config, wait_for
 
-from orchestrator import inventory
-from orchestrator.deploy import sync as deploy
 from trainer.run.trackers import scalars
 
-WORKDIR = "/srv/ct/dflash"
 # Steps logged one by one, an eval every 3 steps (eval/ tags at 3 and 6, the final one at 8 in `done`).
 CONFIG = tiny_run_config(steps=8, eval_every=3)
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    return copy_trainer(tmp_path_factory.mktemp("src"))
-
-
 @pytest.fixture
-def ct(sshd, fakepct, make_inventory, source, tmp_path):
+def ct(fakepct, deployed_ct200, tmp_path):
     """CT 200 with the trainer deployed and one finished run; the CLI's home in tmp_path."""
-    fakepct.create(200)
-    path = make_inventory({"ct200": {"host": "node", "vmid": 200, "python": sys.executable,
-                                     "workdir": WORKDIR, "gpus": 0}})
-    inv = inventory.load(str(path))
-    assert deploy.deploy(inv, ["ct200"], source=str(source))["ct200"].ok
+    path = deployed_ct200()
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(CONFIG)
     env = dict(os.environ, DFLASH_OPS_HOME=str(tmp_path / "home"))
