@@ -1,6 +1,6 @@
 """The run's setup and its step loop, shared by both topologies: the run folder (open_run), the
 devices and compile policy, target + data + model (prepare), the loop (run_loop) with its batches,
-checkpoints and evals, and the SIGTERM handling. trainer/train/main.py drives it with worker threads,
+checkpoints and evals (evals.py), and the SIGTERM handling. trainer/train/main.py drives it with worker threads,
 trainer/train/distributed.py with one torchrun rank per device.
 """
 from __future__ import annotations
@@ -30,13 +30,13 @@ from trainer.model.objective import Objective
 from trainer.run import checkpoint, provenance, sizing
 from trainer.run.cache import cache_root
 from trainer.run.config import CHOSEN_POLICY, RUN_CONFIG, TrainConfig, chat_template_options, layer_ids, objective_of
-from trainer.run.data import (Loader, check_samples, encode_rows, make_batch, most_anchors, overlap, read_rows,
+from trainer.run.data import (Loader, check_samples, encode_rows, most_anchors, overlap, read_rows,
                               split_eval, synthetic)
-from trainer.run.eval import acceptance_length
 from trainer.run.log import RunLog, eval_line, heartbeat, step_line
 from trainer.run.trackers import Trackers, check as trackers_to_use
 from trainer.run.target import Target, load_target
 from trainer.train.batches import Batches
+from trainer.train import evals
 from trainer.train.lr_schedule import lr_at
 
 # Settings that must not change across --resume (they change the model or the data it sees).
@@ -289,7 +289,7 @@ def run_loop(cfg: TrainConfig, engine: Engine, prep: Prepared, log, stop: thread
     peak = _peak_flops(r0.device) if r0.device.type == "cuda" else None
     peak = peak * max(1, cfg.gpus) if peak else None  # workers may share a GPU: count GPUs
     if cfg.eval_at_start and step == 0 and prep.eval_prompts:
-        _eval(cfg, log, engine, prep, step)
+        evals.evaluate(cfg, log, engine, prep, step)
 
     last_loss = None
     t_loop, first = time.perf_counter(), step   # the wall clock of this process's steps (the done event)
@@ -351,7 +351,7 @@ def run_loop(cfg: TrainConfig, engine: Engine, prep: Prepared, log, stop: thread
         if save:
             _save(cfg, log, prep, engine, batches, step)
         if evaluate:
-            _eval(cfg, log, engine, prep, step)
+            evals.evaluate(cfg, log, engine, prep, step)
 
     finish()
     engine.check_replicas(step)
@@ -365,11 +365,11 @@ def run_loop(cfg: TrainConfig, engine: Engine, prep: Prepared, log, stop: thread
         return EXIT_SIGTERM
     if not engine.writer:
         return EXIT_OK
-    tau = _eval(cfg, log, engine, prep, step, final=True, stop=stop) if prep.eval_prompts else None
+    tau = evals.evaluate(cfg, log, engine, prep, step, final=True, stop=stop) if prep.eval_prompts else None
     if stop.is_set():  # SIGTERM during the final eval: the checkpoint above is complete
         log.metrics({"event": "stopped", "step": step})
         return EXIT_SIGTERM
-    log.metrics({"event": "done", "step": step, "loss": last_loss, **trained, **_tau_metrics(tau)})
+    log.metrics({"event": "done", "step": step, "loss": last_loss, **trained, **evals.tau_metrics(tau)})
     log.info(f"done: {step} steps ({trained['steps_trained']} trained in {trained['trained_s']:.1f} s, "
              "warm-up included)" + (f"; {eval_line(tau, prep.eval_overlap)}" if tau else ""))
     return EXIT_OK
@@ -485,52 +485,6 @@ def _stopped(cfg: TrainConfig, log, prep: Prepared, engine: Engine, batches: Bat
     engine.collectives_done()
     log.metrics({"event": "stopped", "step": step})
     return EXIT_SIGTERM
-
-
-def _eval(cfg: TrainConfig, log, engine: Engine, prep: Prepared, step: int, final: bool = False,
-          stop: threading.Event | None = None) -> dict | None:
-    """Acceptance length on the eval prompts, measured by the primary replica (worker 0's thread, or
-    rank 0); its result (None on other ranks)."""
-    if not final:
-        engine.excuse_until_boundary()   # on every rank: the writer works alone, the others wait for it
-    if not engine.writer:
-        return None
-    t = time.time()
-    r0 = engine.primary
-    res = engine.on_primary(acceptance_length, r0.target, r0.drafter, prep.eval_prompts,
-                            max_new_tokens=cfg.eval_new_tokens, should_stop=stop.is_set if stop else (lambda: False))
-    loss = engine.on_primary(_heldout_loss, r0, cfg, prep) if res is not None else None
-    if res is not None and loss is not None:
-        res = {**res, "heldout_loss": loss}
-    log.info(f"eval at step {step}: {eval_line(res, prep.eval_overlap)}"
-             + (f"; held-out loss {loss:.4f}" if loss is not None else "") + f" ({time.time() - t:.1f}s)")
-    if not final:
-        log.metrics({"event": "eval", "step": step, **_tau_metrics(res)})
-    return res
-
-
-@torch.no_grad()
-def _heldout_loss(r, cfg: TrainConfig, prep: Prepared) -> float | None:
-    """The training loss on the held-out rows (those the eval prompts come from), no gradient: the same
-    DraftLoss, uncompiled, on them a training batch's rows at a time, with the anchors of a fixed draw
-    so evals compare; None without held-out rows."""
-    total = weight = 0.0
-    for i in range(0, len(prep.held_out), max(1, cfg.batch_size)):     # a training batch's rows at a time
-        b = make_batch(prep.held_out[i:i + cfg.batch_size], pad_len=prep.pad_len, pad_id=0, step=i, seed=cfg.seed,
-                       block_size=cfg.block_size, anchors=prep.anchors, pos_weights=prep.pos_weights)
-        d = b.to(r.device)
-        feats = r.target.features(d.input_ids, eager=True)
-        with r.autocast:
-            loss_sum, _, _ = r.loss_module(feats, d.input_ids, d.loss_mask, d.anchors, d.valid)
-        total, weight = total + float(loss_sum), weight + b.weight_total
-    loss = total / weight if weight > 0 else math.nan
-    return round(loss, 6) if math.isfinite(loss) else None
-
-
-def _tau_metrics(res: dict | None) -> dict:
-    """An eval's numbers in the metric records (what `dflash-ops report` and `status` read)."""
-    keys = ("acceptance_length", "rounds", "tau_ci95", "accept_rate_by_position", "heldout_loss")
-    return {k: res[k] for k in keys if k in res} if res else {"acceptance_length": None}
 
 
 def _peak_memory_gb(device: torch.device) -> float:
