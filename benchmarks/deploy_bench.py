@@ -152,7 +152,7 @@ def breakdown(inv_path: Path, src: Path, pct: Path, repeat: int) -> list[tuple[s
     from orchestrator import inventory
     from orchestrator.ssh import agent
     from orchestrator.ssh.session import Session
-    from orchestrator.ssh.transport import pct_checked_argv
+    from orchestrator.ssh.pct import pct_checked_argv
 
     inv = inventory.load(str(inv_path))
     target = inv.targets["ct200"]

@@ -11,7 +11,7 @@ import pytest
 from orchestrator import envvars, inventory
 from orchestrator.deploy import sync as deploy
 from orchestrator.errors import UsageError
-from orchestrator.ssh.transport import pct_exec_argv
+from orchestrator.ssh.pct import pct_exec_argv
 
 MAIN = "from orchestrator.cli import main; main()"
 WORKDIR = "/srv/ct/dflash"

@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator import inventory
 from orchestrator.targets import check as targets
-from orchestrator.ssh.transport import node_noise_removed
+from orchestrator.ssh.pct import node_noise_removed
 
 MAIN = "from orchestrator.cli import main; main()"
 REPO = Path(__file__).resolve().parent.parent

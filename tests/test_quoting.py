@@ -5,7 +5,8 @@ import subprocess
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orchestrator.ssh.transport import bash_argv, pct_exec_argv, pct_status_argv, shell_join
+from orchestrator.ssh.pct import pct_exec_argv, pct_status_argv
+from orchestrator.ssh.transport import bash_argv, shell_join
 
 ARG = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
               max_size=40)

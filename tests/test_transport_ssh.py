@@ -8,7 +8,8 @@ from orchestrator import inventory
 from orchestrator.errors import ConnectError, ContainerError, HostKeyError
 from orchestrator.ssh.session import Session
 from orchestrator.ssh.hold import Hold
-from orchestrator.ssh.transport import LocalTransport, PctTransport
+from orchestrator.ssh.pct import PctTransport
+from orchestrator.ssh.transport import LocalTransport
 
 ARG = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
               max_size=30)

@@ -10,7 +10,8 @@ from typing import Iterator, Mapping
 from orchestrator.errors import ConnectError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.connect import tunnel_failure, where
-from orchestrator.ssh.transport import EnvTransport, LocalTransport, PctTransport, SshTransport, Transport
+from orchestrator.ssh.pct import PctTransport
+from orchestrator.ssh.transport import EnvTransport, LocalTransport, SshTransport, Transport
 
 
 class Session:

@@ -10,7 +10,7 @@ from orchestrator.ssh.session import owned_session
 from orchestrator.errors import ConnectError, ContainerError, OpsError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
-from orchestrator.ssh.transport import PctTransport
+from orchestrator.ssh.pct import PctTransport
 
 
 @dataclass

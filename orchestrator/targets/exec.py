@@ -27,7 +27,8 @@ from orchestrator.inventory import Inventory, Target
 from orchestrator.lines import Prefixed
 from orchestrator.ssh.session import Session
 from orchestrator.ssh.hold import Hold, tell_all
-from orchestrator.ssh.transport import Kept, PctTransport
+from orchestrator.ssh.pct import PctTransport
+from orchestrator.ssh.transport import Kept
 
 Write = Callable[[str, bytes], None]    # (target, bytes) -> None
 # What `exec --json` (and a playbook's exec step) keeps of each target's stdout, and of its stderr: the
