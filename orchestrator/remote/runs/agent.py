@@ -72,7 +72,7 @@ from .bench import BENCH_FLAGS, BENCH_OPTIONS, cmd_bench
 from .export import cmd_export
 from .follow import cmd_follow, cmd_metrics
 from .kinds import kind_of, run_command
-from .spec import AUTO_POLICY, PROBE_FILE, SpecError, normalize
+from .spec import AUTO_POLICY, PROBE_FILE, normalize
 from .upload import discard, place, receive
 from .housekeeping import RESUMABLE, cmd_prune, cmd_rm, end_attempt, resume_spec
 from .locks import BENCH, Guard, bench_row, benches, claim, drop, hold_slots
@@ -156,7 +156,7 @@ def cmd_launch(workdir):
     stdin = sys.stdin.buffer
     try:        # the one place the spec's keys are checked and their defaults filled in (runs/spec.py)
         spec = normalize(json.loads(stdin.readline().decode("utf-8")))
-    except (SpecError, ValueError) as e:
+    except ValueError as e:     # not JSON, or not a launch spec (SpecError)
         refuse("bad_spec", "the launch spec: %s" % e)
     uploads = receive(stdin, runs_dir_of(workdir), spec) if not spec["resume"] else None
     try:
