@@ -1,6 +1,6 @@
 """A follow agent killed by a signal mid-stream (the OOM killer, an admin's kill -9) while its run goes
 on: the follow reconnects and resumes at its offset, on a plain-SSH target as on a pct one (both
-report the death as 128+N; over plain SSH the shell also says "Killed" on stderr). The run is a
+report the death as 128+N). The run is a
 stand-in, a log beside a live `sleep` as its trainer, through the real sshd on 127.0.0.1."""
 from __future__ import annotations
 

@@ -70,9 +70,12 @@ def test_a_command_killed_by_a_signal_on_the_node_exits_128_plus_n_as_in_a_conta
     for sig, script in ((15, "echo before; kill -TERM $$"), (9, "kill -KILL $$")):
         r = node.run(["sh", "-c", script])
         assert r.exit_code == 128 + sig, (sig, r)
+        assert r.stderr == b"", r   # the waiting shell's own words (`Killed`) are not the command's output
     r = node.run(["sh", "-c", "echo out; echo err >&2; exit 7"])
     assert (r.exit_code, r.stdout, r.stderr) == (7, b"out\n", b"err\n")
-    assert node.run(["no-such-command-xyz"]).exit_code == 127
+    r = node.run(["no-such-command-xyz"])
+    assert r.exit_code == 127 and b"no-such-command-xyz" in r.stderr, r
+    assert node.run(["sh", "-c", "echo hi >&3"]).exit_code != 0     # the shell's fd 3 is not the command's
 
 
 def test_keep_env_0_environment_only(ct):

@@ -75,10 +75,12 @@ def bash_argv(script: str) -> list[str]:
 def reporting_signals(argv: Sequence[str]) -> list[str]:
     """argv run by a shell that exits 128+N when the command is killed by signal N, as a local
     subprocess (LocalTransport) and lxc-attach in a container report it: sshd reports such a death
-    as an exit-signal, which paramiko drops (the status would read as 255). `; exit $?` keeps the
-    shell from exec'ing the command in its place. `sh`, not the login shell, so that the words the
-    shell may print about the death are its own short ones, never the command's text."""
-    return ["sh", "-c", '"$@"; exit $?', "sh", *argv]
+    as an exit-signal, which paramiko drops (the status would read as 255). The command runs in a
+    subshell (that execs it) and `; exit $?` follows, so the shell waits rather than exec'ing the
+    command in its place. The shell's own stderr is /dev/null (the command gets the channel's, kept on
+    fd 3): its words about the death (`Killed`) are not the command's output, and a pct target, where
+    lxc-attach reports the status, has none."""
+    return ["sh", "-c", 'exec 3>&2 2>/dev/null; (exec "$@" 2>&3 3>&-); exit $?', "sh", *argv]
 
 
 # --- the seam -------------------------------------------------------------------------------
