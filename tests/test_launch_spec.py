@@ -50,3 +50,32 @@ def test_the_names_both_sides_spell_agree_with_the_trainers():
     assert spec.PROBE_FILE == policies.PROBE_FILE
     assert spec.DEFAULT_TOPOLOGY == TOPOLOGIES[0] == LaunchOptions().topology
     assert spec.FIELDS["compile_policy"][1] == LaunchOptions().compile_policy
+
+
+def _launch_reply_keys() -> set[str]:
+    """The keys of the runs agent's launch reply, read from its source (_launch's emit({...}))."""
+    import ast
+    import inspect
+
+    from orchestrator.remote.runs import agent
+    tree = ast.parse(inspect.getsource(agent._launch))
+    emits = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and getattr(c.func, "id", "") == "emit"
+             and c.args and isinstance(c.args[0], ast.Dict)]
+    keys = {k.value for c in emits for k in c.args[0].keys if isinstance(k, ast.Constant)}
+    assert "pid" in keys, keys
+    return keys
+
+
+def test_the_launch_reply_is_read_once_into_the_result_and_every_key_it_sends_is_a_field():
+    from dataclasses import fields
+
+    from orchestrator.errors import OpsError
+    from orchestrator.runs.launch import LaunchResult
+    names = {f.name for f in fields(LaunchResult)}
+    assert _launch_reply_keys() - names == {"ok", "rundir"}     # what the result does not keep
+    r = LaunchResult.from_reply("ct200", {"ok": True, "run": "r1", "pid": 7, "gpu_ids": None, "kind": "regen",
+                                          "attempt": 2, "rundir": "/x"}, seconds=1.5)
+    assert (r.target, r.run, r.pid, r.gpu_ids, r.kind, r.attempt, r.seconds, r.slots) == (
+        "ct200", "r1", 7, [], "regen", 2, 1.5, [])
+    with pytest.raises(OpsError, match="launch reply has no pid"):
+        LaunchResult.from_reply("ct200", {"run": "r1"})

@@ -14,7 +14,7 @@ import json
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from orchestrator.ssh import agent
 from orchestrator.envvars import user_env
@@ -142,6 +142,19 @@ class LaunchResult:
     def as_json(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_reply(cls, target: str, doc: dict, **own) -> "LaunchResult":
+        """The runs agent's launch reply (remote/runs/agent.py _launch; a run's status record after a
+        cut-off) read once: each field from the key of its name, an absent or null key its default;
+        `own` holds what the controller knows itself (the time it took, the variables it set). The
+        keys that are no field (ok, rundir) are not read."""
+        missing = [k for k in ("run", "pid") if doc.get(k) is None]
+        if missing:
+            raise OpsError(f"{target}: the runs agent's launch reply has no {', '.join(missing)}: {doc}")
+        values = {f.name: doc[f.name] for f in fields(cls)
+                  if f.name not in own and f.name != "target" and doc.get(f.name) is not None}
+        return cls(target=target, **values, **own)
+
 
 @dataclass
 class LaunchSpec:
@@ -209,15 +222,10 @@ def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
         # The agent was cut off (killed, the connection dropped): its exit status says nothing of
         # the run, which may run or may never have started. Ask the target.
         doc = _after_cut_off(s, target, spec, e)
-    return LaunchResult(
-        target=target.name, run=doc["run"], pid=doc["pid"], supervisor_pid=doc.get("supervisor_pid"),
-        release=doc.get("release"), commit=doc.get("commit"), compile_policy=doc.get("compile_policy"),
-        gpus=doc.get("gpus", spec["gpus"]), gpu_ids=doc.get("gpu_ids") or [], slots=doc.get("slots") or [],
-        log=doc.get("log"), command_line=doc.get("command_line"), kind=doc.get("kind") or "train",
-        output=doc.get("output"),
-        cleared=doc.get("cleared") or [], name=doc.get("name"), attempt=doc.get("attempt") or 1,
-        resumed_from=doc.get("resumed_from"), seconds=round(time.monotonic() - start, 3),
-        env=spec["user_env"], unsupervised=bool(doc.get("unsupervised")), cut_off=doc.get("cut_off"))
+    own = {"seconds": round(time.monotonic() - start, 3), "env": spec["user_env"]}
+    if doc.get("gpus") is None:
+        own["gpus"] = spec["gpus"] or 0
+    return LaunchResult.from_reply(target.name, doc, **own)
 
 
 def _after_cut_off(s: Session, target: Target, spec: dict, cut: StepFailed) -> dict:
