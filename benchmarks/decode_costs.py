@@ -4,7 +4,7 @@
                                       [--engines graphs,eager]   # and `compiled`: graphs with inductor first
 
 A step's cost depends on the shapes, not the weights: this builds the small real target's architecture
-(trainer/run/small_lm.py's recipe) with random weights and a 3-layer block-16 drafter, and decodes random
+(trainer/run/small_target.py's recipe) with random weights and a 3-layer block-16 drafter, and decodes random
 prompts with both engines (trainer/run/decode_graphs.py and the eager one), timing the target alone per
 token and a round with the drafter by part. A random drafter's drafts are rejected, so every round
 verifies a full block: the round's cost at any tau. The speedup then follows from the model
@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import Qwen3ForCausalLM
 
     from trainer.model.drafter import Drafter
-    from trainer.run import small_lm, specdec
+    from trainer import specdec
+    from trainer.run import small_target as small_lm
     from trainer.run.decode_graphs import GraphDecoder
     from trainer.run.target import Target, default_layer_ids
 

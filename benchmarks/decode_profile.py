@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import Qwen3ForCausalLM
 
     from trainer.model.drafter import Drafter
-    from trainer.run import small_lm
+    from trainer.run import small_target as small_lm
     from trainer.run.decode_graphs import GraphDecoder
     from trainer.run.target import Target, default_layer_ids
 

@@ -150,13 +150,13 @@ def breakdown(inv_path: Path, src: Path, pct: Path, repeat: int) -> list[tuple[s
     """Median ms of each layer of a no-change deploy's round trip, each run alone over one open
     connection, the layers alternating so that a change of load weighs on each alike."""
     from orchestrator import inventory
-    from orchestrator.ssh import agent
+    from orchestrator.ssh import agent_call
     from orchestrator.ssh.session import Session
     from orchestrator.ssh.pct import pct_checked_argv
 
     inv = inventory.load(str(inv_path))
     target = inv.targets["ct200"]
-    deploy_argv = agent.argv(target, agent.RELEASE, ["manifest", target.workdir, "--tidy"])
+    deploy_argv = agent_call.argv(target, agent_call.RELEASE, ["manifest", target.workdir, "--tidy"])
     python, options = deploy_argv[0], deploy_argv[1:deploy_argv.index("-c")]
     in_ct = [
         ("ssh session: `true`", None),

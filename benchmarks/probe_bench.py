@@ -21,7 +21,7 @@ def main() -> None:
     args = ap.parse_args()
     from orchestrator import inventory
     from orchestrator.deploy import sync as deploy
-    from orchestrator.probe import run as probe
+    from orchestrator.probe import prober as probe
 
     names = [f"ct{200 + i}" for i in range(args.targets)]
     with loopback_node({n: 200 + i for i, n in enumerate(names)}, prefix="dflash-probe-bench-") as node:

@@ -11,7 +11,7 @@ import re
 from typing import Iterable, Mapping
 
 from orchestrator.errors import UsageError
-from orchestrator.remote.common import MASKED as MASK   # stdlib only: the agents read run.json with it
+from orchestrator.remote.agent_base import MASKED as MASK   # stdlib only: the agents read run.json with it
 
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # A name containing one of these holds a credential: its value is never printed or recorded.

@@ -39,7 +39,7 @@ if [ "$STAGE" = sanity ]; then  # the engine on the built-in random target: capt
     $PY - <<'PY'
 import time, torch
 from trainer.model.drafter import Drafter
-from trainer.run import specdec
+from trainer import specdec
 from trainer.run.decode_graphs import GraphDecoder
 from trainer.run.target import load_target
 dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")

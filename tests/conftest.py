@@ -356,14 +356,14 @@ def wd(tmp_path):
 
 @pytest.fixture(scope="session")
 def smoke_target(tmp_path_factory):
-    """(DFLASH_OPS_CACHE folder, the small real target at its `smoke` size in it: trainer/run/small_lm.py),
+    """(DFLASH_OPS_CACHE folder, the small real target at its `smoke` size in it: trainer/run/small_target.py),
     built once for the whole session: both xdist workers use one folder beside their own tmp folders,
     and small_lm.ensure's lock makes a second caller wait for the first's build instead of building it
     again (test_small_target and test_regen_remote each built their own before). Built in this process
     on one torch thread, as test_small_target's deterministic-build check builds it."""
     import torch
 
-    from trainer.run import small_lm
+    from trainer.run import small_target as small_lm
 
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "dflash-ops-cache"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from trainer_quick import wait_for
 
-from orchestrator.ssh import agent as agent_mod
+from orchestrator.ssh import agent_call as agent_mod
 
 POLICIES = Path(__file__).resolve().parent.parent / "trainer" / "policies.py"
 SOURCE = agent_mod.command(agent_mod.RUNS)   # what the controller sends: `python -c SOURCE CMD ...`

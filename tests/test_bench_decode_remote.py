@@ -374,7 +374,7 @@ def test_refusals_say_what_the_user_wanted_done():
     from orchestrator.errors import NotFound, OpsError
     from orchestrator.inventory import Target
     from orchestrator.runs import bench_decode, export
-    from orchestrator.ssh.agent import Refused
+    from orchestrator.ssh.agent_call import Refused
 
     t = Target(name="ct200", workdir="/w")
     none = Refused("ct200", {"reason": "not_found", "any_runs": True})

@@ -80,7 +80,7 @@ def test_eval_prompts_of_chat_data_use_the_same_template(tmp_path):
 def test_specdec_renders_its_prompts_with_the_runs_template_options(tok, tmp_path):
     """bench-decode passes a run's --chat-template-kwargs to specdec: its prompts' generation prompt is
     then rendered with the run's options (thinking on here: no empty think block); without them, regen's way."""
-    from trainer.run.specdec import read_prompt_ids
+    from trainer.specdec import read_prompt_ids
 
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"messages": MSGS[:1]}) + "\n")

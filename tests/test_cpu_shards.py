@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer.run import small_lm  # noqa: E402
+from trainer.run import small_target as small_lm  # noqa: E402
 from trainer.run.cpu_shards import ShardedGrads  # noqa: E402
 
 

@@ -208,7 +208,7 @@ def test_the_closing_lines_say_what_tau_2x_needs_where_it_was_not_reached(folder
     ENGINES_1203B): the tau at which these round costs would give 2x; a document at 2x or more says nothing of it."""
     pytest.importorskip("torch")
     from orchestrator.runs.bench_decode import summary
-    from trainer.run.specdec import result_line
+    from trainer.specdec import result_line
 
     doc = json.loads((folder / "specdec-graphs-bf16.json").read_text())
     # bench-decode's document: "model" is the run's --target, specdec's model of the costs "cost_model"

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trainer.model.drafter import Drafter  # noqa: E402
-from trainer.run import specdec  # noqa: E402
+from trainer import specdec  # noqa: E402
 from trainer.run.decode_graphs import GraphDecoder, StaticTarget, unsupported  # noqa: E402
 from trainer.run.target import load_target  # noqa: E402
 

@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator import inventory
 from orchestrator.deploy import sync as deploy
-from orchestrator.ssh.agent import RELEASE, source as agent_source
+from orchestrator.ssh.agent_call import RELEASE, source as agent_source
 from orchestrator.ssh.session import Session
 
 WORKDIR = "/srv/ct/dflash"

@@ -10,7 +10,7 @@ from pathlib import Path
 from orchestrator import inventory
 from orchestrator.deploy import sync as deploy
 from orchestrator.inventory import Target
-from orchestrator.ssh import agent
+from orchestrator.ssh import agent_call
 from orchestrator.ssh.session import Session
 
 WORKDIR = "/srv/ct/dflash"
@@ -18,8 +18,8 @@ WORKDIR = "/srv/ct/dflash"
 
 def test_the_release_agent_starts_without_site_and_the_runs_agent_with_it():
     t = Target(name="t", python="/py")
-    assert agent.argv(t, agent.RELEASE, ["manifest", "/w"])[:3] == ["/py", "-S", "-c"]
-    assert agent.argv(t, agent.RUNS, ["status", "/w"])[:2] == ["/py", "-c"]
+    assert agent_call.argv(t, agent_call.RELEASE, ["manifest", "/w"])[:3] == ["/py", "-S", "-c"]
+    assert agent_call.argv(t, agent_call.RUNS, ["status", "/w"])[:2] == ["/py", "-c"]
 
 
 def _venv(tmp_path: Path) -> tuple[Path, Path]:
@@ -42,12 +42,12 @@ def test_under_S_installed_packages_are_found_without_running_pth_files(tmp_path
     mark = tmp_path / "pth-ran"
     (site_packages / "zz-mark.pth").write_text(f"import os; open({str(mark)!r}, 'a').close()\n")
 
-    source = agent.source(agent.RELEASE)
+    source = agent_call.source(agent_call.RELEASE)
     code = (source[:source.index("def main(")] + "\nout = [dist_version('alpha'), os.path.exists(" + repr(str(mark))
             + "), 'importlib.metadata' in sys.modules]\nout += [dist_version('beta'), os.path.exists("
             + repr(str(mark)) + "), sorted(d for d in dists() if d[:5] in ('alpha', 'beta-'))]\n"
             + "print(json.dumps(out))")
-    r = subprocess.run([str(py), *agent.OPTIONS[agent.RELEASE], "-c", code], capture_output=True, text=True,
+    r = subprocess.run([str(py), *agent_call.OPTIONS[agent_call.RELEASE], "-c", code], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
     # alpha: found with no .pth file run and no importlib.metadata; beta: only once the .pth
@@ -71,7 +71,7 @@ def test_a_no_change_manifest_through_sshd_imports_only_what_it_needs(sshd, fake
 
     # The agent's own argv, with a line after its reply that says what the process imported.
     target = inv.targets["ct200"]
-    argv = agent.argv(target, agent.RELEASE, ["manifest", WORKDIR, "--tidy"])
+    argv = agent_call.argv(target, agent_call.RELEASE, ["manifest", WORKDIR, "--tidy"])
     unwanted = ["platform", "shutil", "tarfile", "hashlib", "importlib.metadata", "subprocess"]
     argv[argv.index("-c") + 1] += (f"\nprint(json.dumps([sys.flags.no_site, [m for m in {unwanted!r} "
                                    "if m in sys.modules]]))")

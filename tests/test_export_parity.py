@@ -24,8 +24,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import hf_target  # noqa: E402
-from trainer.run import eval as trainer_eval  # noqa: E402
-from trainer.run import export  # noqa: E402
+from trainer.run import acceptance as trainer_eval  # noqa: E402
+from trainer import export  # noqa: E402
 from trainer.exits import run  # noqa: E402
 from trainer.run.target import load_target  # noqa: E402
 
@@ -144,7 +144,7 @@ def test_specdec_decodes_round_for_round_as_the_reference(parity):
     and the same tokens per round, every round. A drafter that drops or misplaces a cached
     context position changes some round here (the KV cache's own test compares it to the full
     forward)."""
-    from trainer.run import specdec
+    from trainer import specdec
 
     target = load_target(str(parity.model), device=torch.device("cpu"), dtype=torch.float32)
     drafter = specdec.load_drafter(str(parity.root / "draft"), target, torch.device("cpu"), torch.float32)
@@ -165,7 +165,7 @@ def test_specdec_decodes_round_for_round_as_the_reference(parity):
 def test_the_graphs_engine_decodes_round_for_round_as_the_reference(parity):
     """`trainer.specdec --engine graphs` (static caches, a mask in place of every crop; uncaptured on a
     CPU) against the reference's own speculative generate: the same tokens and tokens per round."""
-    from trainer.run import specdec
+    from trainer import specdec
     from trainer.run.decode_graphs import GraphDecoder
 
     target = load_target(str(parity.model), device=torch.device("cpu"), dtype=torch.float32)

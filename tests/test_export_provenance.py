@@ -24,7 +24,8 @@ import hf_target  # noqa: E402
 from trainer_quick import QUICK, ROOT, subprocess_env, wait_for  # noqa: E402
 
 from trainer.exits import run  # noqa: E402
-from trainer.run import checkpoint, export, provenance  # noqa: E402
+from trainer.run import checkpoint, provenance  # noqa: E402
+from trainer import export  # noqa: E402
 from trainer.run.config import RUN_CONFIG  # noqa: E402
 
 TRAINED_IDS = [1, 2, 3, 4, 5]   # default_layer_ids(8), the HF target's 8 layers
@@ -238,7 +239,7 @@ def test_a_resume_against_a_changed_target_is_refused_unless_target_changed_ok(t
 
 
 def test_eval_measures_with_the_trained_layers_and_refuses_a_changed_target(trained, tmp_path, monkeypatch):
-    from trainer.run import eval as trainer_eval
+    from trainer.run import acceptance as trainer_eval
     from trainer.run import target as target_mod
 
     asked = []

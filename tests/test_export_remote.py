@@ -244,7 +244,7 @@ def test_a_damaged_stream_never_reaches_the_destination(tmp_path):
 
 
 def test_the_joined_runs_agent_with_export_is_python_38():
-    from orchestrator.ssh import agent
+    from orchestrator.ssh import agent_call
 
-    assert "runs.export" in agent.parts(agent.RUNS)
-    ast.parse(agent.source(agent.RUNS), feature_version=(3, 8))
+    assert "runs.export" in agent_call.parts(agent_call.RUNS)
+    ast.parse(agent_call.source(agent_call.RUNS), feature_version=(3, 8))

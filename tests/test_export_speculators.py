@@ -74,7 +74,7 @@ from speculators.models.dflash import DFlashDraftModel  # noqa: E402
 
 from trainer.exits import run  # noqa: E402
 from trainer.model import masks  # noqa: E402
-from trainer.run import export, specdec  # noqa: E402
+from trainer import export, specdec  # noqa: E402
 from trainer.run.target import load_target  # noqa: E402
 
 # A short run: logits are compared, not acceptance, so the drafter needs weights of its own (its own

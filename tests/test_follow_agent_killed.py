@@ -15,7 +15,7 @@ import pytest
 from trainer_quick import wait_for
 
 from orchestrator import inventory
-from orchestrator.remote.runs.common import proc_start
+from orchestrator.remote.runs.records import proc_start
 from orchestrator.runs import follow as follow_mod
 
 

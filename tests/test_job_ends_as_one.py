@@ -1,4 +1,4 @@
-"""A job over several nodes ends as one (trainer/train/watch.py): two "nodes" on this machine, each
+"""A job over several nodes ends as one (trainer/train/job_watch.py): two "nodes" on this machine, each
 `python -m trainer --topology processes --nnodes 2` over loopback gloo (node A at 127.0.0.1 hosts
 the rendezvous and runs rank 0, node B at 127.0.0.2 runs rank 1), one worker each.
 

@@ -1,4 +1,4 @@
-"""trainer/train/watch.py's logic, against a real TCPStore on loopback (in this process) or a stand-in
+"""trainer/train/job_watch.py's logic, against a real TCPStore on loopback (in this process) or a stand-in
 store where a store's timing is the point: which of a node's failures is the job's, what a launcher
 does once rank 0 passed its last collective, when the judge calls a store gone; and SIGTERM's grace
 (trainer/train/grace.py: measured from the steps; work a rank does alone does not run it out, on any rank).
@@ -16,7 +16,8 @@ pytest.importorskip("torch")
 
 from fakeclock import FakeClock  # noqa: E402
 from trainer.signatures import classify  # noqa: E402
-from trainer.train import grace as grace_module, watch  # noqa: E402
+from trainer.train import grace as grace_module  # noqa: E402
+from trainer.train import job_watch as watch
 
 
 def failure(exitcode, message="", error_file=True, timestamp=0):

@@ -24,7 +24,7 @@ targets:
 
 def test_the_policy_is_one_of_the_trainers_names_or_auto():
     assert POLICIES == ("auto", *POLICY_NAMES)
-    from orchestrator.runs.commands import launch
+    from orchestrator.runs.run_commands import launch
 
     choices = {p.name: p.type.choices for p in launch.params if isinstance(p.type, click.Choice)}
     assert tuple(choices["topology"]) == TOPOLOGIES  # the CLI checks the same

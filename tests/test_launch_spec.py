@@ -57,7 +57,7 @@ def _launch_reply_keys() -> set[str]:
     import ast
     import inspect
 
-    from orchestrator.remote.runs import agent
+    from orchestrator.remote.runs import runs_agent as agent
     tree = ast.parse(inspect.getsource(agent._launch))
     emits = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and getattr(c.func, "id", "") == "emit"
              and c.args and isinstance(c.args[0], ast.Dict)]

@@ -182,3 +182,17 @@ def test_the_controller_sees_the_trainer_through_one_module():
                    for m, _ in _imports(name) if _top(m) == "trainer" and not through_view(m))
     assert not stray, "the controller reaches the trainer beside trainer.controller_view:\n" + "\n".join(stray)
     assert any(through_view(m) for name in MODULES if _top(name) == "orchestrator" for m, _ in _imports(name))
+
+
+# One job on two or three sides (controller, agent on the target, trainer program), or Python's own
+# names: the only base names two product files may share (docs/architecture.md, "Names").
+SHARED_NAMES = {"__init__.py", "__main__.py", "export.py", "regen.py", "gate.py", "follow.py", "housekeeping.py",
+                "tensorboard.py", "errors.py"}
+
+
+def test_a_file_name_says_its_job_without_its_folder():
+    by_name: dict[str, list[str]] = {}
+    for path in MODULES.values():
+        by_name.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1 and name not in SHARED_NAMES}
+    assert not shared, f"product files that share a base name (rename one, or say why in SHARED_NAMES): {shared}"

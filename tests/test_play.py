@@ -259,7 +259,7 @@ def test_a_failing_step_stops_its_target_only_is_named_and_from_resumes_there(tm
 
 def test_variables_file_then_target_keys_then_var():
     from orchestrator.inventory import Target
-    from orchestrator.play.run import variables
+    from orchestrator.play.player import variables
 
     book = pb.parse("vars: {gpus: 1, config: a.yaml, out: 'x-{{ target }}'}\nsteps:\n  - name: s\n    deploy: {}\n",
                     "p.yaml", {"config": "b.yaml"})

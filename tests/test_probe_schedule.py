@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.probe import schedule, watch
+from trainer.probe import schedule
+from trainer.probe import case_watch as watch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 # its own (as torchrun starts its ranks) that ticks into NAME-child.ticks.
 FAKE = r"""
 import json, os, subprocess, sys, time
-from trainer.probe.watch import PHASE_MARK, CASE_MARK, wait_for_turn
+from trainer.probe.case_watch import PHASE_MARK, CASE_MARK, wait_for_turn
 name, out, before, child = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4] == "child"
 timed = float(sys.argv[5]) if len(sys.argv) > 5 else 0.6
 

@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from trainer.probe import program, watch  # noqa: E402
+from trainer.probe import program  # noqa: E402
+from trainer.probe import case_watch as watch
 from trainer.signatures import load_catalog  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Prompts files that are not what regen reads (reliability round 5): empty lines, lone surrogates, a 10 MB
 prompt, bytes that are not UTF-8, NUL bytes, a line without end, a million tiny rows. The controller checks
 the file before anything connects (`dflash-ops regen`, trainer/controller_view.py count_prompts) and
-`python -m trainer.regen` reads it with the same reader (trainer/run/regen.py read_prompts) before torch
+`python -m trainer.regen` reads it with the same reader (trainer/regen.py read_prompts) before torch
 loads: a bad file is one line naming FILE:LINE (or the option), exit 2, in bounded time and memory; a
 good one of a million rows is counted in the memory of one row."""
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from trainer_quick import CLI_MAIN
 
-from trainer.run import jsonl, regen
+from trainer.run import jsonl
+from trainer import regen
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20

@@ -48,7 +48,7 @@ def test_scripts_run_under_bash_c():
 
 def test_probe_is_a_runs_agent_command_with_its_arguments_after_double_dash():
     from orchestrator.inventory import Target
-    from orchestrator.probe.run import Matrix, probe_args
+    from orchestrator.probe.prober import Matrix, probe_args
     t = Target(name="t", python="/opt/py thon", workdir="/root/it's here", expect={"torch": ">=2.5"})
     args = probe_args(t, 4, Matrix(policies=("eager", "inductor")))
     assert args[:3] == ["probe", "/root/it's here", "--"]

@@ -268,7 +268,7 @@ def _container_line(run: str, kind: str = "run") -> str:
 
 
 def _boot(ct) -> str:
-    """The container's boot as the runs agent records it (remote/runs/common.py boot): BOOT_ID/PID 1's start."""
+    """The container's boot as the runs agent records it (remote/runs/records.py boot): BOOT_ID/PID 1's start."""
     r = ct.in_ct("sh", "-c", "cat /proc/sys/kernel/random/boot_id; cut -d' ' -f22 /proc/1/stat")
     boot_id, init = r.stdout.decode().split()
     return f"{boot_id}/{init}"

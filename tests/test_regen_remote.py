@@ -44,7 +44,7 @@ def direct(model, tmp_path_factory):
     torch thread as the runs below (OMP_NUM_THREADS=1): (prompts file, rows file)."""
     import torch
 
-    from trainer.run import regen
+    from trainer import regen
 
     folder = tmp_path_factory.mktemp("direct")
     prompts, out = _write_prompts(folder / "prompts.jsonl"), folder / "direct.jsonl"
@@ -177,7 +177,7 @@ def test_a_bad_prompts_file_is_refused_before_anything_starts(ct):
 
 
 def test_progress_is_logged_while_a_batch_takes_longer_than_the_interval(tmp_path):
-    from trainer.run import regen
+    from trainer import regen
 
     results, ready, lines = {}, threading.Condition(), []
 

@@ -256,7 +256,7 @@ def test_status_gives_a_running_runs_pace_and_eta_from_its_last_step_line(wd):
 
 def test_unsupervised_is_one_rule_for_status_and_the_slot_locks():
     """A trainer alive whose supervisor is not, by pid and start time in run.json or a lock."""
-    from orchestrator.remote.runs.common import proc_start, unsupervised
+    from orchestrator.remote.runs.records import proc_start, unsupervised
 
     me = {"pid": os.getpid(), "pid_start": proc_start(os.getpid())}
     dead = {"supervisor_pid": os.getpid(), "supervisor_start": -1}     # a recycled pid: not the supervisor
@@ -361,7 +361,8 @@ def test_a_pid_recorded_under_another_boot_is_never_the_runs(tmp_path):
     under another boot (a container restarted: its PIDs count from 1 again). The run is then `lost`,
     said as ended with its container; its slot lock is stale. tests/test_real_containers.py shows it on a
     restarted container."""
-    from orchestrator.remote.runs import common, locks
+    from orchestrator.remote.runs import locks
+    from orchestrator.remote.runs import records as common
 
     me, start = os.getpid(), common.proc_start(os.getpid())
     assert common.boot().count("/") == 1 and common.boot().split("/")[0]
@@ -391,7 +392,7 @@ def test_a_pid_recorded_under_another_boot_is_never_the_runs(tmp_path):
 def test_a_run_that_filled_the_disk_is_named_disk_full_not_killed(tmp_path, monkeypatch):
     """Every process of the run gone, no exit.json (the supervisor could not write it either): a log
     that says ENOSPC, or a full filesystem under the run's folder, names the cause."""
-    from orchestrator.remote.runs import common
+    from orchestrator.remote.runs import records as common
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -502,7 +503,7 @@ def test_state_files_are_read_in_one_place_with_bounds():
     """remote/common.load_json: a regular file, at most 1 MB of UTF-8, nested at most 32 deep (checked
     before parsing: 100,000 levels are refused, not a RecursionError), one JSON object; typed checks
     each field a reader uses; read_json is the lenient reading (None)."""
-    from orchestrator.remote import common
+    from orchestrator.remote import agent_base as common
 
     ok = {"a": [[[1]]], "s": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}
     assert common.parse_json(json.dumps(ok)) == ok
@@ -516,7 +517,7 @@ def test_state_files_are_read_in_one_place_with_bounds():
     assert common.typed({"t": 1}, {"t": common.NUMBER}) is None and common.typed({"t": None}, {"t": (int,)}) is None
     assert common.typed({"n": {"k": [1, "x"]}}, {"n": {"k": [(int,)]}}) == "n.k: expected a list of an integer"
     # a log line is read with the same bounds: a deep one is no metric, never a RecursionError in `status`
-    from orchestrator.remote.runs import common as runs_common
+    from orchestrator.remote.runs import records as runs_common
 
     deep = b'{"step": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     assert runs_common.metric(deep) is None

@@ -54,7 +54,8 @@ def test_a_run_whose_container_went_down_under_its_follow_is_lost():
     """A follow whose stream was cut and whose container pct then calls stopped ends as the run's end: lost
     (104), one summary line that says so and what to type; status's table says the same of a lost run."""
     from orchestrator.errors import ContainerError
-    from orchestrator.runs import commands, logview
+    from orchestrator.runs import logview
+    from orchestrator.runs import run_commands as commands
 
     t = INV.targets["ct200"]
     e = ContainerError("ct200", 200, "went down under the command ...", state="stopped", under=137)
@@ -253,7 +254,7 @@ def test_node_lines_are_led_by_target_and_rank():
 
 
 def test_torchruns_root_cause_is_read_from_the_log_and_the_error_file(tmp_path):
-    from orchestrator.remote.runs.common import root_cause
+    from orchestrator.remote.runs.records import root_cause
 
     err = tmp_path / "error.json"
     err.write_text(json.dumps({"message": {"message": "RuntimeError: test hook\nmore",
@@ -278,7 +279,7 @@ def test_what_dead_agents_left_is_swept_and_nothing_else(tmp_path):
     export temporaries): a dead PID's goes; a live one's, another prefix's, a name without a PID stay."""
     import os
     import subprocess
-    from orchestrator.remote.runs.common import sweep_dead
+    from orchestrator.remote.runs.records import sweep_dead
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -296,7 +297,7 @@ def test_what_dead_agents_left_is_swept_and_nothing_else(tmp_path):
 
 
 def test_logs_takes_f_for_follow_as_tail_and_kubectl_do():
-    from orchestrator.runs.commands import logs
+    from orchestrator.runs.run_commands import logs
 
     assert logs.make_context("logs", ["-f"]).params["follow"] is True
     assert logs.make_context("logs", ["--no-follow"]).params["follow"] is False

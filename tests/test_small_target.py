@@ -25,8 +25,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trainer import files  # noqa: E402
-from trainer.run import regen, small_lm, specdec  # noqa: E402
-from trainer.run.eval import DraftCache, draft_block, extend_context, interval95  # noqa: E402
+from trainer import regen, specdec  # noqa: E402
+from trainer.run import small_target as small_lm  # noqa: E402
+from trainer.run.acceptance import DraftCache, draft_block, extend_context, interval95  # noqa: E402
 from trainer.run.target import load_target  # noqa: E402
 from trainer.errors import UsageError  # noqa: E402
 from trainer.model.drafter import Drafter  # noqa: E402

@@ -9,10 +9,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from trainer.run import specdec  # noqa: E402
+from trainer import specdec  # noqa: E402
 from trainer.run.decode_model import RoundCosts, predict_prompt  # noqa: E402
 from trainer.run.decode_sample import figures  # noqa: E402
-from trainer.run.eval import Timing  # noqa: E402
+from trainer.run.acceptance import Timing  # noqa: E402
 
 EOS = 9
 

@@ -56,7 +56,7 @@ def test_training_raises_acceptance_length(tmp_path):
     res = json.loads(e.stdout.strip().splitlines()[-1])
     assert res["step"] == 200 and res["acceptance_length"] == pytest.approx(after, abs=1e-6)
 
-    from trainer.run.eval import main as eval_main
+    from trainer.run.acceptance import main as eval_main
 
     import io
     import contextlib

@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trainer.model import masks  # noqa: E402
-from trainer.run.eval import acceptance_length, speculative_generate  # noqa: E402
+from trainer.run.acceptance import acceptance_length, speculative_generate  # noqa: E402
 from trainer.model.drafter import Drafter, DrafterConfig, flops_per_sample  # noqa: E402
 from trainer.engine.step import DraftLoss  # noqa: E402
 from trainer.run.target import default_layer_ids, load_target  # noqa: E402
@@ -138,7 +138,7 @@ def test_a_drafter_that_copies_the_target_is_accepted_fully(tiny, monkeypatch):
 
 
 def test_acceptance_rate_per_block_position_counts_the_rounds_that_drafted_it():
-    from trainer.run.eval import accept_rates, interval95
+    from trainer.run.acceptance import accept_rates, interval95
 
     # (drafts accepted, drafts offered) per round; the last round was cut to the budget (1 draft)
     assert accept_rates([(2, 3), (0, 3), (3, 3), (1, 1)], 5) == [0.75, 0.6667, 0.3333, None]

@@ -60,7 +60,7 @@ def test_specdec_json_has_one_writer_refused_before_it_decodes(tmp_path):
     import io
 
     from trainer.exits import run
-    from trainer.run import specdec
+    from trainer import specdec
 
     out = tmp_path / "specdec.json"
     err = io.StringIO()

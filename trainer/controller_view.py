@@ -25,7 +25,7 @@ from trainer.run.log import TWINNED, tau_text
 # how a decode's outputs compare with the target alone's, as specdec says it (lossless first)
 from trainer.run.decode_sample import agreement
 # regen's reader of a prompts file, so bad rows are refused before a launch (count_prompts: checked, not kept)
-from trainer.run.regen import count_prompts, read_prompts
+from trainer.regen import count_prompts, read_prompts
 # the lock file that names its holder (stdlib only), the one under the trainer's one writer per
 # output: `play`'s one player per playbook and target
 from trainer.lock_file import LockHeld, LockUnopened, lock_file

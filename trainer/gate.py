@@ -73,7 +73,7 @@ def one_row(target, data: str, row: int, new_tokens: int, cfg) -> tuple[list[int
     """(prompt ids, the target's greedy continuation) of row `row` (1-based, among the rows the trainer
     reads; synthetic: the row-th random prompt the run's seed draws, as its synthetic data does)."""
     from trainer.run import data as data_mod
-    from trainer.run.specdec import target_greedy
+    from trainer.specdec import target_greedy
 
     if data == SYNTHETIC:
         low, high, exclude = data_mod.prompt_vocab(target)
@@ -124,8 +124,8 @@ def export(run: Path, folder: Path, target, device) -> object:
     import torch
 
     from trainer.errors import TrainerError
-    from trainer.run import export as export_mod
-    from trainer.run.specdec import load_drafter
+    from trainer import export as export_mod
+    from trainer.specdec import load_drafter
 
     try:
         export_mod.export(str(run), str(folder), dtype="float32")
@@ -138,7 +138,7 @@ def export(run: Path, folder: Path, target, device) -> object:
 def decode(target, drafter, folder: Path, prompt: list[int], cont: list[int]) -> dict:
     """The row decoded by each engine (and the reference where installed): the same tokens, rounds
     that accept the whole block."""
-    from trainer.run.specdec import decoder
+    from trainer.specdec import decoder
 
     B = drafter.cfg.block_size
     got = {}

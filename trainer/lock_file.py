@@ -1,7 +1,7 @@
 """A lock file that names its holder: an exclusive flock on a file whose content says who holds it.
 
 The one mechanism under the trainer's one writer per output (writer_lock.py) and, through
-trainer.controller_view, the controller's one player per playbook and target (orchestrator/play/run.py).
+trainer.controller_view, the controller's one player per playbook and target (orchestrator/play/player.py).
 Each caller names its file, writes what it says of itself, and words its own refusal: this module
 only takes, reads and lets go. The flock is taken without waiting, so a live holder is refused at
 once (LockHeld, with what it wrote); the kernel drops the lock of a process that died however it

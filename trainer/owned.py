@@ -18,11 +18,11 @@ import os
 import stat
 from pathlib import Path
 
-# An exported draft folder (trainer/run/export.py writes it): the weights, their config, and this
+# An exported draft folder (trainer/export.py writes it): the weights, their config, and this
 # provenance record, which names the run and step it came from and marks the folder as ours.
 EXPORT_PROVENANCE = "dflash_ops.json"
 EXPORT_FILES = frozenset({"config.json", "model.safetensors", EXPORT_PROVENANCE})
-# A built small target (trainer/run/small_lm.py): an HF folder with its build report.
+# A built small target (trainer/run/small_target.py): an HF folder with its build report.
 SMALL_LM_REPORT = "small_lm.json"
 SMALL_LM_FILES = frozenset({SMALL_LM_REPORT, "config.json", "model.safetensors", "generation_config.json",
                             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

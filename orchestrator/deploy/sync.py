@@ -21,7 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
-from orchestrator.ssh import agent
+from orchestrator.ssh import agent_call
 from orchestrator.ssh import fanout
 from orchestrator.ssh.session import owned_session
 from orchestrator.deploy import fileset
@@ -220,7 +220,7 @@ def deploy_target(session: Session, target: Target, get_source: Callable[[], Sou
     t = session.transport(target)
     for attempt in (1, 2):
         args = ["manifest", target.workdir] + (["--verify"] if verify else []) + ([] if dry_run else ["--tidy"])
-        live = agent.call(t, target, agent.RELEASE, args, what="read the live release")
+        live = agent_call.call(t, target, agent_call.RELEASE, args, what="read the live release")
         source = get_source()
         res.python, res.torch, res.previous = live["python"], live["torch"], live["release"]
         res.repaired = list(live.get("damaged") or [])
@@ -241,7 +241,7 @@ def deploy_target(session: Session, target: Target, get_source: Callable[[], Sou
                 # build is said as such (ContainerError), not as the agent's exit 137
                 out = _apply(session.transport(target), target, source, changed, live["release"] or "",
                              res.bytes_sent, progress)
-            except agent.Refused as e:
+            except agent_call.Refused as e:
                 if e.reason == "moved" and attempt == 1:
                     continue
                 raise
@@ -250,7 +250,7 @@ def deploy_target(session: Session, target: Target, get_source: Callable[[], Sou
     if install_deps and not dry_run:
         # pip's lines, as they come, to on_line (a minute of installing is not silence)
         lines = LineBuffer(lambda line: on_line(target.name, line)) if on_line else None
-        res.deps = agent.call(t, target, agent.RELEASE, ["install-deps", target.workdir],
+        res.deps = agent_call.call(t, target, agent_call.RELEASE, ["install-deps", target.workdir],
                               what="install requirements", stderr=lines)
         if lines:
             lines.flush()
@@ -266,9 +266,9 @@ def _apply(t: Transport, target: Target, source: Source, changed: list[str], bas
     with spool:
         try:
             args = ["apply", target.workdir, rid, base, f"{need}:{len(changed)}", _who()]   # BYTES:FILES
-            return agent.call(t, target, agent.RELEASE, args, stdin=_Counting(spool, update),
+            return agent_call.call(t, target, agent_call.RELEASE, args, stdin=_Counting(spool, update),
                               what="build the release")
-        except agent.Refused as e:
+        except agent_call.Refused as e:
             if e.reason in ("locked", "no_space"):   # in the agent's own words
                 raise DeployRefused(f"{target.name}: {e.doc.get('message')}") from None
             raise

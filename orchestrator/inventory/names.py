@@ -13,9 +13,9 @@ import posixpath
 import re
 import unicodedata
 
-# The folders a workdir may not be or be inside of: the agents' own lists (remote/common.py, stdlib
+# The folders a workdir may not be or be inside of: the agents' own lists (remote/agent_base.py, stdlib
 # only and safe to import), so the controller and the target refuse the same ones.
-from orchestrator.remote.common import SYSTEM_ROOTS, SYSTEM_TREES
+from orchestrator.remote.agent_base import SYSTEM_ROOTS, SYSTEM_TREES
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 RUN_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]+$")     # launch.new_run_id: 20250101-120000-3fa9c1

@@ -3,7 +3,7 @@
 (deploy.deploy, probe.probe_target, nodes.launch, follow.follow, export.export, exec.run_one,
 runs.status) on the one target of its PlayOnTarget; a failure is an OpsError (or ValueError), which
 run.py records as the step's. The steps that run a command on the target (`exec` and its
-`unless`/`watch` checks, `export`) hold its stdin through the play's Ending (runstate.py), so an
+`unless`/`watch` checks, `export`) hold its stdin through the play's Ending (on_target.py), so an
 interrupt ends them there; a `wait-for` stops waiting when the play is interrupted.
 
 Library code: returns data or raises OpsError; never prints (live lines go to `PlayOnTarget.say`).
@@ -18,7 +18,7 @@ from typing import Any
 from orchestrator.errors import OpsError
 from orchestrator.lines import PIECE, ByteLines, LastLine, LineBuffer
 from orchestrator.play import playbook as pb, templating as tpl
-from orchestrator.play.runstate import PlayOnTarget
+from orchestrator.play.on_target import PlayOnTarget
 from orchestrator.ssh.transport import Kept
 
 WAIT_NOTE_S = 20.0                        # wait-for says it is still waiting this often
@@ -43,7 +43,7 @@ def _deploy(run: PlayOnTarget, o: dict):
 
 
 def _probe(run: PlayOnTarget, o: dict):
-    from orchestrator.probe import run as probe
+    from orchestrator.probe import prober as probe
 
     t = run.target
     lines = LineBuffer(run.say)

@@ -27,7 +27,7 @@ from orchestrator.inventory import Inventory, Target
 from orchestrator.lines import LineBuffer
 from orchestrator.runs.export import refusal as export_refusal
 from orchestrator.runs.regen import check_prompts
-from orchestrator.ssh import agent
+from orchestrator.ssh import agent_call
 from orchestrator.ssh.session import owned_session
 from orchestrator.ssh.session import Session
 from orchestrator.ssh.hold import Hold
@@ -82,9 +82,9 @@ def bench_decode(inv: Inventory, target: Target, run: str = "latest", *, prompts
     lines, hold = LineBuffer(progress or (lambda line: None)), Hold(data or b"")
     try:
         with owned_session(inv, session) as s:
-            doc = agent.call(s.transport(target), target, agent.RUNS, args, what="measure decoding",
+            doc = agent_call.call(s.transport(target), target, agent_call.RUNS, args, what="measure decoding",
                              stdin=hold, stderr=lines, timeout=TIMEOUT_S)
-    except agent.Refused as e:
+    except agent_call.Refused as e:
         raise _refusal(target, run, e) from None
     except ContainerError as e:
         if e.under is None:
@@ -115,7 +115,7 @@ def bench_decode(inv: Inventory, target: Target, run: str = "latest", *, prompts
             "prompts_source": doc["prompts_source"] if prompts is None else str(Path(prompts).expanduser())}
 
 
-def _refusal(target: Target, run: str, refused: agent.Refused) -> OpsError:
+def _refusal(target: Target, run: str, refused: agent_call.Refused) -> OpsError:
     t, head = target.name, refused.doc
     if refused.reason == "not_lossless":
         return NotLossless(f"{t}: run {head.get('run')}: {head.get('message')}")

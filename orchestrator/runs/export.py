@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-from orchestrator.ssh import agent
+from orchestrator.ssh import agent_call
 from orchestrator.ssh.session import owned_session
 from orchestrator.errors import Interrupted, NotFound, OpsError, StepFailed, Terminated, UsageError
 from orchestrator.inventory import Inventory, Target
@@ -42,7 +42,7 @@ TIMEOUT_S = 3600.0
 Progress = Callable[[str, int], Callable[[int], None] | None]
 
 
-TransferError = agent.TransferError     # the folder arrived incomplete or different from what was sent (exit 1)
+TransferError = agent_call.TransferError     # the folder arrived incomplete or different from what was sent (exit 1)
 
 
 @dataclass
@@ -65,7 +65,7 @@ class ExportResult:
         return asdict(self)
 
 
-class _Receiver(agent.StreamSink):
+class _Receiver(agent_call.StreamSink):
     """The stdout sink: the header line, then each file's bytes into `folder`, hashed on the way."""
 
     def __init__(self, folder: Path, progress: Progress | None, label: str):
@@ -182,15 +182,15 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
     recv, hold = _Receiver(partial, progress, target.name), hold or Hold()
     try:
         with owned_session(inv, session) as s:
-            r = agent.stream(s.transport(target), target, agent.RUNS, args, what="export the drafter",
+            r = agent_call.stream(s.transport(target), target, agent_call.RUNS, args, what="export the drafter",
                              stdout=recv, timeout=TIMEOUT_S, stdin=hold)
         recv.close()
         head = recv.header
         if head is None:
             raise StepFailed(target.name, "export the drafter", r.exit_code, "the agent sent no header")
         try:
-            agent.reply(target, head)
-        except agent.Refused as e:
+            agent_call.reply(target, head)
+        except agent_call.Refused as e:
             raise refusal(target, run, e) from None
         recv.check()
         dest = Path(output).expanduser() if output else where / default_output(head["run"], head["step"])
@@ -228,7 +228,7 @@ def export(inv: Inventory, target: Target, run: str = "latest", *, output: str |
                         seconds=round(time.monotonic() - start, 3))
 
 
-def refusal(target: Target, run: str, refused: agent.Refused, verb: str = "export") -> OpsError:
+def refusal(target: Target, run: str, refused: agent_call.Refused, verb: str = "export") -> OpsError:
     """The runs agent's refusal of RUN (export's, or bench-decode's before its own) in the user's
     words; `verb`: what the user wanted done with the run."""
     t, head = target.name, refused.doc

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Generator, Iterator, Sequence, Union
 
-from orchestrator.ssh import agent
+from orchestrator.ssh import agent_call
 from orchestrator.ssh.session import owned_session
 from orchestrator.errors import (ConnectError, ConnectionLost, ContainerError, HostKeyError, NotFound, OpsError,
                      StepFailed, UsageError)
@@ -197,7 +197,7 @@ def _follow(session: Session, own: bool, target: Target, run: str, follow: bool,
                 threading.Thread(target=_watch, args=(stream, conn, dead_s, stopping),
                                  daemon=True).start()
                 try:
-                    r = agent.stream(t, target, agent.RUNS, args, what="follow the log",
+                    r = agent_call.stream(t, target, agent_call.RUNS, args, what="follow the log",
                                      stdout=stream.on_stdout, stderr=stream.on_stderr, check=False)
                 finally:
                     conn["running"] = False

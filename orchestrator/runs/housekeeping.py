@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-from orchestrator.ssh import agent
+from orchestrator.ssh import agent_call
 from orchestrator.ssh import fanout
 from orchestrator.ssh.session import owned_session
 from orchestrator.errors import UsageError
@@ -53,7 +53,7 @@ def remove(inv: Inventory, target: Target, runs: Sequence[str], *, dry_run: bool
     runs = [check_run(r) for r in runs]
     opts = ["--dry-run"] if dry_run else []
     with owned_session(inv, session) as s:
-        doc = agent.call(s.transport(target), target, agent.RUNS, ["status", target.workdir, "--", *runs],
+        doc = agent_call.call(s.transport(target), target, agent_call.RUNS, ["status", target.workdir, "--", *runs],
                          what="read the runs", timeout=60)
         elsewhere: dict[str, list[str]] = {}      # other node -> the job runs it holds a half of
         for r in doc["runs"]:
@@ -64,7 +64,7 @@ def remove(inv: Inventory, target: Target, runs: Sequence[str], *, dry_run: bool
                     raise UsageError(f"run {r['run']} ran on {', '.join(r['nodes'])}; hosts.yaml does not "
                                      f"define {name}, so its half there cannot be removed with the rest")
                 elsewhere.setdefault(name, []).append(r["run"])
-        res = _removal(target, agent.call(s.transport(target), target, agent.RUNS,
+        res = _removal(target, agent_call.call(s.transport(target), target, agent_call.RUNS,
                                           ["rm", target.workdir, *opts, "--", *runs],
                                           what="remove runs", timeout=600))
         gone = {x["run"] for x in res.removed}   # a running job stays whole: its halves are left too
@@ -72,7 +72,7 @@ def remove(inv: Inventory, target: Target, runs: Sequence[str], *, dry_run: bool
             mine = [r for r in job_runs if r in gone]
             if mine:
                 t = inv.targets[name]
-                res.nodes.append(_removal(t, agent.call(s.transport(t), t, agent.RUNS,
+                res.nodes.append(_removal(t, agent_call.call(s.transport(t), t, agent_call.RUNS,
                                                         ["rm", t.workdir, *opts, "--", *mine],
                                                         what="remove the job's half", timeout=600)))
         return res
@@ -86,8 +86,8 @@ def prune(inv: Inventory, names: Sequence[str], keep: int, *, dry_run: bool = Fa
         raise UsageError("--keep must be >= 0")
     args = ["--keep", str(keep)] + (["--dry-run"] if dry_run else [])
     with owned_session(inv, session) as s:
-        return fanout.fan_out(inv.select(list(names)), lambda t: _removal(t, agent.call(
-            s.transport(t), t, agent.RUNS, ["prune", t.workdir, *args], what="prune runs", timeout=600)))
+        return fanout.fan_out(inv.select(list(names)), lambda t: _removal(t, agent_call.call(
+            s.transport(t), t, agent_call.RUNS, ["prune", t.workdir, *args], what="prune runs", timeout=600)))
 
 
 __all__ = ["remove", "prune", "Removal"]

@@ -16,7 +16,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field, fields
 
-from orchestrator.ssh import agent
+from orchestrator.ssh import agent_call
 from orchestrator.envvars import user_env
 from orchestrator.errors import OpsError, StepFailed, UsageError
 from orchestrator.inventory import Inventory, Target
@@ -144,7 +144,7 @@ class LaunchResult:
 
     @classmethod
     def from_reply(cls, target: str, doc: dict, **own) -> "LaunchResult":
-        """The runs agent's launch reply (remote/runs/agent.py _launch; a run's status record after a
+        """The runs agent's launch reply (remote/runs/runs_agent.py _launch; a run's status record after a
         cut-off) read once: each field from the key of its name, an absent or null key its default;
         `own` holds what the controller knows itself (the time it took, the variables it set). The
         keys that are no field (ok, rundir) are not read."""
@@ -209,10 +209,10 @@ def launch_on(s: Session, target: Target, launch: LaunchSpec) -> LaunchResult:
     start = time.monotonic()
     sent = sum(f["size"] for f in spec.get("files") or [])
     try:
-        doc = agent.call(s.transport(target, env=launch.env), target, agent.RUNS, ["launch", target.workdir],
+        doc = agent_call.call(s.transport(target, env=launch.env), target, agent_call.RUNS, ["launch", target.workdir],
                          stdin=_launch_stdin(spec), what="launch the trainer",
                          timeout=120 + sent / UPLOAD_FLOOR_BPS)
-    except agent.Refused as e:
+    except agent_call.Refused as e:
         if e.reason == "spawn":
             raise StepFailed(target.name, "launch the trainer", 1, e.doc.get("message", "")) from None
         if e.reason in IMPOSSIBLE:
@@ -234,7 +234,7 @@ def _after_cut_off(s: Session, target: Target, spec: dict, cut: StepFailed) -> d
     on the target is crash-safe: docs/reliability.md)."""
     run = spec["run"]
     try:
-        found = agent.call(s.transport(target), target, agent.RUNS, ["status", target.workdir, "--", run],
+        found = agent_call.call(s.transport(target), target, agent_call.RUNS, ["status", target.workdir, "--", run],
                            what="read the run", timeout=60)["runs"]
     except OpsError:
         raise cut from None

@@ -20,7 +20,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Sequence
 
-from orchestrator.ssh import agent
+from orchestrator.ssh import agent_call
 from orchestrator.ssh import fanout
 from orchestrator.ssh.session import owned_session
 from orchestrator.errors import Interrupted, OpsError, Terminated, UsageError
@@ -124,11 +124,11 @@ def _undo(s: Session, targets: Sequence[Target], run: str, fresh: bool) -> fanou
     """Kill the run on these targets and free its slots; a new run's folder goes too (a resumed
     run's folder is the user's: it stays, its attempt recorded as stopped)."""
     def one(t: Target) -> None:
-        agent.call(s.transport(t), t, agent.RUNS, ["stop", t.workdir, "--force", "--timeout",
+        agent_call.call(s.transport(t), t, agent_call.RUNS, ["stop", t.workdir, "--force", "--timeout",
                                                    str(UNDO_TIMEOUT_S), "--", run],
                    what="undo the launch", timeout=UNDO_TIMEOUT_S + 60)
         if fresh:
-            agent.call(s.transport(t), t, agent.RUNS, ["rm", t.workdir, "--", run], what="undo the launch",
+            agent_call.call(s.transport(t), t, agent_call.RUNS, ["rm", t.workdir, "--", run], what="undo the launch",
                        timeout=120)
     return fanout.fan_out(targets, one)
 
@@ -181,8 +181,9 @@ def stop(inv: Inventory, target: Target, run: str, *, force: bool, timeout: floa
     with owned_session(inv, session) as s:
         rid, nodes = run_nodes(inv, target, run, s)
         options = ["--timeout", str(timeout)] + (["--force"] if force else []) + ["--", rid]
-        group = fanout.fan_out([t for t, _ in nodes], lambda t: agent.call(
-            s.transport(t), t, agent.RUNS, ["stop", t.workdir, *options], what="stop the run", timeout=timeout + 60))
+        group = fanout.fan_out([t for t, _ in nodes], lambda t: agent_call.call(
+            s.transport(t), t, agent_call.RUNS, ["stop", t.workdir, *options], what="stop the run",
+            timeout=timeout + 60))
     group.raise_failures()
     return [(name, dict(o.value, target=name)) for name, o in group.items()]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from orchestrator.errors import UsageError
-from orchestrator.runs.commands import PassThroughCommand, _devices, _note_cleared, _split_launch_args, follow_launched
+from orchestrator.runs.run_commands import (PassThroughCommand, _devices, _note_cleared, _split_launch_args,
+                                            follow_launched)
 from orchestrator.runs.logview import note
 from orchestrator.ui import State, emit, json_option, sigterm_raises
 

@@ -15,12 +15,12 @@ from orchestrator.errors import (EXIT_FAILED, EXIT_OK, EXIT_RUN_FAILED, EXIT_RUN
 from orchestrator.inventory import Inventory, Target
 from orchestrator.inventory.names import RUN_ID_RE
 from orchestrator.runs.options import BENCH_ID_RE, check_run
-from orchestrator.ssh import agent
+from orchestrator.ssh import agent_call
 from orchestrator.ssh import fanout
 from orchestrator.ssh.session import owned_session
 from orchestrator.ssh.session import Session
 
-# `unreadable`: the run's records on the target cannot be used (remote/runs/common.py); how it ended
+# `unreadable`: the run's records on the target cannot be used (remote/runs/records.py); how it ended
 # is not known, so `logs` exits 1, the exit status of a command that could not tell. `lost`: every
 # process of the run ended with no exit status, with its container (stopped or restarted under it).
 LOST = "lost"
@@ -88,7 +88,7 @@ def status_docs(s: Session, targets: Sequence[Target], runs: Mapping[str, Sequen
                 what: str) -> fanout.GroupResult:
     """The runs agent's status document of each target about the runs `runs[target name]` names
     (every run for []), read in parallel: {target: [runs]} -> GroupResult."""
-    return fanout.fan_out(targets, lambda t: agent.call(s.transport(t), t, agent.RUNS,
+    return fanout.fan_out(targets, lambda t: agent_call.call(s.transport(t), t, agent_call.RUNS,
                                                        ["status", t.workdir, "--", *runs[t.name]],
                                                        what=what, timeout=60))
 
@@ -159,8 +159,8 @@ def call_about_run(s: Session, target: Target, run: str, args: list[str], what: 
     """The runs agent's reply to a command about one run; NotFound (saying where to look) when the
     agent does not find the run."""
     try:
-        return agent.call(s.transport(target), target, agent.RUNS, args, what=what, timeout=timeout)
-    except agent.Refused as e:
+        return agent_call.call(s.transport(target), target, agent_call.RUNS, args, what=what, timeout=timeout)
+    except agent_call.Refused as e:
         if e.reason == "not_found":
             raise not_found(target, run) from None
         raise

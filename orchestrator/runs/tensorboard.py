@@ -25,7 +25,7 @@ from typing import Sequence
 from orchestrator.errors import NotFound, OpsError, StepFailed, UsageError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.runs.status import not_found
-from orchestrator.ssh import agent
+from orchestrator.ssh import agent_call
 from orchestrator.ssh import fanout
 from orchestrator.ssh.session import owned_session
 from orchestrator.ssh.session import Session
@@ -54,7 +54,7 @@ class SyncedRun:
         return asdict(self)
 
 
-TransferError = agent.TransferError     # the stream did not hold what its header announced (exit 1)
+TransferError = agent_call.TransferError     # the stream did not hold what its header announced (exit 1)
 
 
 def _have(folder: Path) -> dict[str, dict[str, int]]:
@@ -85,7 +85,7 @@ def _safe_name(name: object) -> str:
     return name
 
 
-class _Receiver(agent.StreamSink):
+class _Receiver(agent_call.StreamSink):
     """The stdout sink: the header line, then each announced range written into its copy at its offset."""
 
     def __init__(self, folder: Path):
@@ -148,7 +148,7 @@ def sync_target(session: Session, target: Target, runs: Sequence[str],
     stdin = json.dumps({"have": _have(folder)}).encode()
     recv = _Receiver(folder)
     try:
-        agent.stream(session.transport(target, fresh=fresh), target, agent.RUNS,
+        agent_call.stream(session.transport(target, fresh=fresh), target, agent_call.RUNS,
                      ["tensorboard", target.workdir, "--", *runs], what="bring the event files",
                      stdout=recv, stdin=stdin)
     finally:
@@ -156,7 +156,7 @@ def sync_target(session: Session, target: Target, runs: Sequence[str],
             recv.out.close()
     if recv.header is None:
         raise StepFailed(target.name, "bring the event files", 0, "the agent sent no header")
-    agent.reply(target, recv.header)        # a refusal, in the one reply format, is raised as such
+    agent_call.reply(target, recv.header)        # a refusal, in the one reply format, is raised as such
     recv.check()
     done = []
     for r in recv.header["runs"]:

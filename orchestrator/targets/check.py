@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from orchestrator.ssh import agent
+from orchestrator.ssh import agent_call
 from orchestrator.ssh import fanout
 from orchestrator.ssh.session import owned_session
 from orchestrator.errors import ConnectError, ContainerError, OpsError
@@ -63,7 +63,7 @@ def _size(n: float) -> str:
 
 
 def training_warnings(t: Target, facts: dict) -> list[str]:
-    """One line per fact of the target (orchestrator/remote/release/agent.py, machine_facts) that breaks
+    """One line per fact of the target (orchestrator/remote/release/release_agent.py, machine_facts) that breaks
     training there, each with its remedy; GPU facts only for a target with `gpus:`. docs/containers.md."""
     out: list[str] = []
     conf = f"/etc/pve/lxc/{t.vmid}.conf" if t.vmid is not None else None
@@ -108,7 +108,7 @@ def check_one(session: Session, inv: Inventory, t: Target, judge: bool = True) -
             assert isinstance(transport, PctTransport)      # what Session.transport gives a pct target
             transport.check()
             c.container = "running"
-        live = agent.call(transport, t, agent.RELEASE, ["manifest", t.workdir, "--no-files", "--facts"],
+        live = agent_call.call(transport, t, agent_call.RELEASE, ["manifest", t.workdir, "--no-files", "--facts"],
                           what="check python")
         c.python, c.torch, c.release = live["python"], live["torch"], live["release"]
         c.warnings = training_warnings(t, live.get("facts") or {})

@@ -138,7 +138,7 @@ class Attention(nn.Module):
         o = o.transpose(1, 2).reshape(B, Tq, self.nh * self.hd)
         return self.o_proj(predicted_rows(o, predicted) if predicted else o)
 
-    # The pieces the decoders (run/eval.py, run/decode_graphs.py) assemble with their own caches: the
+    # The pieces the decoders (run/acceptance.py, run/decode_graphs.py) assemble with their own caches: the
     # same projections, norms and RoPE as forward, written once here.
 
     def heads(self, t: torch.Tensor, n: int, norm: RMSNorm | None = None, rope=None) -> torch.Tensor:

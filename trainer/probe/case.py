@@ -52,7 +52,7 @@ from trainer.model.drafter import Drafter
 from trainer.engine.numerics import (FP8_NOISE_FACTOR, NOISE_FACTOR, StepCheck, fp8_limit, grad_errors, judge,
                                      snapshot_grads)
 from trainer.engine.step import Replica, apply_update, build_replica, compute_grads, load_weights
-from trainer.probe.watch import CASE_MARK, PHASE_MARK, wait_for_turn  # noqa: F401 - CASE_MARK: the result line's mark
+from trainer.probe.case_watch import CASE_MARK, PHASE_MARK, wait_for_turn  # noqa: F401 - CASE_MARK: the result line's mark
 
 if TYPE_CHECKING:           # the engines are imported where used: the topology picks one
     from trainer.engine.protocol import Engine

@@ -45,7 +45,7 @@ from trainer.probe.build import build_report, call_or_default, check_expect, mod
 from trainer.probe.case import CPU_SHAPE, GPU_SHAPE, case_main
 from trainer.probe import schedule, verdicts
 from trainer.run.config import EMULATE_ALONE, PRECISIONS, TOPOLOGIES
-from trainer.probe.watch import TAIL_LINES, explain, rendezvous_problem, run_isolated  # noqa: F401 - TAIL_LINES: tests
+from trainer.probe.case_watch import TAIL_LINES, explain, rendezvous_problem, run_isolated  # noqa: F401 - TAIL_LINES: tests
 
 WRONG = "compiled-wrong"   # the signature of a case that ran but computes something else
 HISTORY_KEEP = 20

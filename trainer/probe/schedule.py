@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 
-from trainer.probe.watch import GATE_ENV, kill_tree, signal_tree
+from trainer.probe.case_watch import GATE_ENV, kill_tree, signal_tree
 
 SETTLE_S = 0.25        # after stopping the others: their queued GPU kernels finish meanwhile
 MAX_ALONE_S = 120.0    # a timed phase longer than this lets the others go on (then not `alone`)

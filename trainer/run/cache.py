@@ -1,7 +1,7 @@
 """The tool's cache folder where the trainer runs: $DFLASH_OPS_CACHE, else ~/.cache/dflash-ops/.
 
 What is kept there is keyed by everything that makes it, written atomically (trainer/files.py) and made
-again when missing, so any of it may be deleted: the small real target (small_lm.py) and synthetic
+again when missing, so any of it may be deleted: the small real target (small_target.py) and synthetic
 data (data.py, under synthetic/).
 """
 from __future__ import annotations

@@ -27,7 +27,7 @@ from trainer.run import trackers  # torch-free at import
 # Not config.json/config.yaml: `launch` puts the user's own config file in the same folder.
 RUN_CONFIG = "trainer-config.json"
 # the compile policy the run resolved and runs ({"compile_policy", "asked", "why"}), beside RUN_CONFIG in
-# --out; the runs agent reads it for `dflash-ops status` (orchestrator/remote/runs/common.py)
+# --out; the runs agent reads it for `dflash-ops status` (orchestrator/remote/runs/records.py)
 CHOSEN_POLICY = "compile-policy.json"
 # --precision: the default path, or the drafter's matmuls in fp8 (trainer/model/fp8.py RECIPES)
 PRECISIONS = ("bf16", "fp8", "fp8-rowwise", "fp8-lmhead")
@@ -438,7 +438,7 @@ def validate(c: TrainConfig, here: bool = True) -> None:
     check_target_spec(c.target)
 
 
-# Built-in real targets (trainer/run/small_lm.py): a code LM trained here on the standard library,
+# Built-in real targets (trainer/run/small_target.py): a code LM trained here on the standard library,
 # built on first use and cached; the value is its recipe's size.
 SMALL_TARGETS = {"small-code": "cpu", "small-code-gpu": "gpu", "small-code-smoke": "smoke"}
 

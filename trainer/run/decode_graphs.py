@@ -1,7 +1,7 @@
 """Decoding as serving engines decode: a static KV cache and CUDA graphs, for the target and the drafter.
 
 `trainer.specdec --engine graphs` (the default) decodes with these; `--engine eager` keeps the
-transformers-cache path of trainer/run/eval.py. The arithmetic is the same (tests/test_decode_graphs.py
+transformers-cache path of trainer/run/acceptance.py. The arithmetic is the same (tests/test_decode_graphs.py
 compares both token for token, and the target's logits with transformers' own forward); what changes
 is what a step costs on a GPU. In eager code a step is mostly Python and kernel launches, so a 16-token
 verify costs what a 1-token step costs; serving engines (vLLM, SGLang) replay CUDA graphs over a static
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from trainer.errors import UsageError
 from trainer.model.drafter import Drafter, apply_rope, rope_cos_sin
 from trainer.run.decode_model import RoundCosts
-from trainer.run.eval import Timing
+from trainer.run.acceptance import Timing
 
 
 def unsupported(target) -> str | None:

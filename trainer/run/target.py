@@ -409,9 +409,9 @@ def target_folder(spec: str) -> str:
     on first use)."""
     if spec not in SMALL_TARGETS:
         return spec
-    from trainer.run import small_lm
+    from trainer.run import small_target
 
-    return str(small_lm.ensure(SMALL_TARGETS[spec]))
+    return str(small_target.ensure(SMALL_TARGETS[spec]))
 
 
 def _load_folder(path: str, dtype: torch.dtype):

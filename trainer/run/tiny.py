@@ -1,7 +1,7 @@
 """`tiny`: the built-in random target, small enough to train a drafter on 2 CPU cores in seconds.
 
 No download and no folder: the same seed gives the same weights on every machine. It says nothing
-about a real model (the small real target, small_lm.py, does); it is for tests and quick checks.
+about a real model (the small real target, small_target.py, does); it is for tests and quick checks.
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ SIGTERM to the launcher: torchrun forwards it to every rank; the ranks agree at 
 boundary (one tiny all-reduce per step), rank 0 writes a checkpoint, all exit 143, and so does the
 launcher; a rank that reaches no step boundary within its grace exits 143 without one. If the
 launcher dies, the ranks get SIGTERM too (PR_SET_PDEATHSIG). With several nodes the job ends as one:
-the first rank that fails anywhere ends every other within seconds (exit 3; trainer/train/watch.py).
+the first rank that fails anywhere ends every other within seconds (exit 3; trainer/train/job_watch.py).
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ from trainer.engine.ranks import RankEngine, device_barrier, wrap_ddp
 from trainer.engine.step import Replica, build_replica
 from trainer.train import loop
 from trainer.train.grace import StopGrace
-from trainer.train.watch import describe, record_failures, watch_rank
+from trainer.train.job_watch import describe, record_failures, watch_rank
 
 # torchrun waits this long for the ranks to checkpoint and exit after forwarding SIGTERM, then
 # SIGKILLs them (its default is 30 s: too short to save a 1B-parameter drafter's optimizer state).
@@ -218,7 +218,7 @@ def rank_main(cfg: TrainConfig) -> int:
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     mesh = float(os.environ.get("DFLASH_MESH_TIMEOUT_S") or MESH_TIMEOUT_S)
     # With several nodes the job's first failure, wherever it happens, ends this rank from here on
-    # (trainer/train/watch.py); after the mesh, so does a SIGTERM that finds no step boundary in time.
+    # (trainer/train/job_watch.py); after the mesh, so does a SIGTERM that finds no step boundary in time.
     job, restore_signal = watch_rank(cfg, rank), None
     try:
         with _deadline(mesh, f"rank {rank}: the process group's mesh did not form within {mesh:g} s (a rank on "

@@ -15,7 +15,7 @@ import torch
 from trainer.engine.protocol import Engine
 from trainer.run.config import TrainConfig
 from trainer.run.data import make_batch
-from trainer.run.eval import acceptance_length
+from trainer.run.acceptance import acceptance_length
 from trainer.run.log import eval_line
 
 

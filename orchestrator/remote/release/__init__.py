@@ -1,2 +1,2 @@
-"""The release agent (entry `release.agent`): deploy's manifest, apply and install-deps on the
+"""The release agent (entry `release.release_agent`): deploy's manifest, apply and install-deps on the
 target."""

@@ -1,6 +1,6 @@
 """A target's releases on disk: the deploy lock, leftovers, the size/mtime/hash check of a release.
-Used by release/agent.py (the deploy commands) and runs/probe.py (the live release). Standard
-library only, Python >= 3.8, no `from __future__` line (orchestrator/ssh/agent.py joins the parts).
+Used by release/release_agent.py (the deploy commands) and runs/probe.py (the live release). Standard
+library only, Python >= 3.8, no `from __future__` line (orchestrator/ssh/agent_call.py joins the parts).
 
     WORKDIR/current                     symlink to releases/ID, the live release
     WORKDIR/releases/ID/                a release: the files, plus
@@ -14,7 +14,7 @@ library only, Python >= 3.8, no `from __future__` line (orchestrator/ssh/agent.p
 import json
 import os
 
-from ..common import flock, listdir, sha256
+from ..agent_base import flock, listdir, sha256
 
 MANIFEST = ".dflash-manifest.json"
 STATS = ".dflash-stat.json"

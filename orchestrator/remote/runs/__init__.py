@@ -1,2 +1,2 @@
-"""The runs agent (entry `runs.agent`): launch, status, follow, stop, metrics, export, probe, rm,
+"""The runs agent (entry `runs.runs_agent`): launch, status, follow, stop, metrics, export, probe, rm,
 prune on the target."""

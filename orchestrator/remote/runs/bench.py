@@ -1,5 +1,5 @@
 """Runs agent: the `bench` command. Standard library only, Python >= 3.8, no `from __future__`
-line (runs/common.py says why).
+line (runs/records.py says why).
 
     bench WORKDIR [--step N] [--max-new-tokens N] [--limit N] [--gpus N] [--gpu ID] [--running-ok]
           [--target-changed-ok] [--prompts-bytes N] -- RUN
@@ -45,8 +45,8 @@ import signal
 import sys
 import time
 
-from ..common import emit, now_iso, read_json, refuse
-from .common import LOG, proc_start, run_ids, run_state, runs_dir_of
+from ..agent_base import emit, now_iso, read_json, refuse
+from .records import LOG, proc_start, run_ids, run_state, runs_dir_of
 from .export import export_into, hang_up_on_eof, private_tmp, program, run_child, run_cwd, run_env, run_to_export
 from .locks import BENCH, Guard, HOLDERS, claim, hold_slots, release_slots
 

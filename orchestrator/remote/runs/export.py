@@ -1,5 +1,5 @@
 """Runs agent: the `export` command. Standard library only, Python >= 3.8, no `from __future__`
-line (runs/common.py says why).
+line (runs/records.py says why).
 
     export WORKDIR [--step N] [--dtype D] [--running-ok] [--target-changed-ok] -- RUN
 
@@ -32,8 +32,8 @@ import sys
 import tempfile
 import threading
 
-from ..common import MASKED, refuse, sha256
-from .common import not_found, resolve, run_ids, run_record, run_state, runs_dir_of, sweep_dead
+from ..agent_base import MASKED, refuse, sha256
+from .records import not_found, resolve, run_ids, run_record, run_state, runs_dir_of, sweep_dead
 from .kinds import kind_of
 
 CHUNK = 1 << 20

@@ -8,8 +8,8 @@ import json
 import os
 import time
 
-from ..common import emit
-from .common import LOG, TAIL_SCAN, find, metric, run_record, run_state, run_status, runs_dir_of
+from ..agent_base import emit
+from .records import LOG, TAIL_SCAN, find, metric, run_record, run_state, run_status, runs_dir_of
 
 POLL_S = 0.05            # how often an idle log is looked at (latency budget: 0.3 s)
 HEARTBEAT_S = 2.0        # a stderr heartbeat this often, so dead connections are noticed

@@ -1,6 +1,6 @@
 """Runs agent: run housekeeping. A run continued in place (`launch` with "resume" in its spec),
 and the removal of ended runs (`rm`, `prune`). Standard library only, Python >= 3.8, no
-`from __future__` line (runs/common.py says why).
+`from __future__` line (runs/records.py says why).
 
     rm WORKDIR [--dry-run] -- RUN...
                               remove those runs' folders (log, checkpoints, records); a running
@@ -14,15 +14,15 @@ Both reply {"removed": [{"run", "state", "name", "bytes"}], "refused": [{"run", 
 while they judge and remove, so a `launch --resume` of the same run waits for them, and a run is
 renamed to runs/.rm-RUN-PID before its files go: a half-removed run is never listed.
 
-A run whose run.json or exit.json cannot be used (runs/common.py, `unreadable`) is removed by `rm`
+A run whose run.json or exit.json cannot be used (runs/records.py, `unreadable`) is removed by `rm`
 (state `unreadable`, its "reason" added) unless a live process holds a slot in its name; `prune`,
 which cannot tell whether it ended, keeps it and names it in "unreadable": [{"run", "reason"}].
 """
 import os
 import shutil
 
-from ..common import emit, refuse
-from .common import LOST, UNREADABLE, find, resolve, run_ids, run_record, run_state, runs_dir_of, sweep_dead  # noqa: E501
+from ..agent_base import emit, refuse
+from .records import LOST, UNREADABLE, find, resolve, run_ids, run_record, run_state, runs_dir_of, sweep_dead  # noqa: E501
 from .kinds import kind_of
 from .spec import AUTO_POLICY, DEFAULT_TOPOLOGY, normalize
 from .locks import Guard, holds_slots

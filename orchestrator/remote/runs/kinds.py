@@ -20,7 +20,7 @@ runs and how the other verbs treat it; a new kind is one entry of KINDS:
 This part imports no other part, so the controller imports it as is (orchestrator/runs/launch.py
 checks the trainer's flags with the argv the agent starts it with; orchestrator/runs/regen.py
 uploads the prompts under the name read here). Standard library only, Python >= 3.8, no
-`from __future__` line (runs/common.py says why).
+`from __future__` line (runs/records.py says why).
 """
 import os
 

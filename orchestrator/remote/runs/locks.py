@@ -19,8 +19,8 @@ bench-PID` finds the agent there (runs/stop.py). A dead agent's lock is stale li
 import os
 import time
 
-from ..common import MAX_RECORD_BYTES, flock, listdir, read_json, write_json
-from .common import boot, proc_alive, run_record, runs_dir_of, unsupervised
+from ..agent_base import MAX_RECORD_BYTES, flock, listdir, read_json, write_json
+from .records import boot, proc_alive, run_record, runs_dir_of, unsupervised
 
 BENCH = "bench-"        # the prefix of a bench-decode's name in its slot lock: bench-PID
 

@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from ..common import MAX_RECORD_BYTES, dist_version, emit, fail, home_dir, read_json, refuse
+from ..agent_base import MAX_RECORD_BYTES, dist_version, emit, fail, home_dir, read_json, refuse
 from ..release.store import live_release
 from .spec import PROBE_FILE
 

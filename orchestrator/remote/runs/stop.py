@@ -12,8 +12,8 @@ import shutil
 import signal
 import time
 
-from ..common import emit, now_iso, read_json, write_json
-from .common import find, proc_alive, resolve, run_record, run_state, runs_dir_of
+from ..agent_base import emit, now_iso, read_json, write_json
+from .records import find, proc_alive, resolve, run_record, run_state, runs_dir_of
 from .locks import BENCH, benches, release_slots
 from .supervisor import exit_record, signal_name
 

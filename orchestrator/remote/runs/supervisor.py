@@ -21,8 +21,8 @@ import signal
 import sys
 import time
 
-from ..common import now_iso, read_json, write_json
-from .common import LOG, fault, proc_alive, proc_start, root_cause
+from ..agent_base import now_iso, read_json, write_json
+from .records import LOG, fault, proc_alive, proc_start, root_cause
 from .kinds import kind_of
 from .locks import release_slots
 

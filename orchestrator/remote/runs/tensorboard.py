@@ -1,5 +1,5 @@
 """Runs agent: the `tensorboard` command. Standard library only, Python >= 3.8, no `from __future__`
-line (runs/common.py says why).
+line (runs/records.py says why).
 
     tensorboard WORKDIR -- RUN...
 
@@ -22,7 +22,7 @@ import json
 import os
 import sys
 
-from .common import resolve, run_record, run_state, runs_dir_of
+from .records import resolve, run_record, run_state, runs_dir_of
 
 TB_DIR = "tensorboard"        # trainer/run/trackers.py TB_DIR
 PASS_BYTES = 32 << 20

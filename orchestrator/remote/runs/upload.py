@@ -6,15 +6,15 @@ the spec's line on stdin, one file after the other. They are read before the slo
 which the run listing skips), checked against size and sha256, and renamed into the run's folder
 once it exists. Whatever ends the launch before that, the folder goes (the caller's `finally`); one
 whose agent was SIGKILLed (or whose container stopped) mid-upload is swept by the next launch.
-Standard library only, Python >= 3.8, no `from __future__` line (runs/common.py says why).
+Standard library only, Python >= 3.8, no `from __future__` line (runs/records.py says why).
 """
 import errno
 import hashlib
 import os
 import shutil
 
-from ..common import fail, refuse
-from .common import fault, sweep_dead
+from ..agent_base import fail, refuse
+from .records import fault, sweep_dead
 from .kinds import kind_of
 
 UPLOAD = ".upload-"

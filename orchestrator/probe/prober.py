@@ -13,7 +13,7 @@ from typing import Callable
 
 from trainer.controller_view import EMULATE_ALONE   # torch-free
 
-from orchestrator.ssh import agent
+from orchestrator.ssh import agent_call
 from orchestrator.ssh import fanout
 from orchestrator.ssh.session import owned_session
 from orchestrator.errors import OpsError, UsageError
@@ -73,11 +73,11 @@ def probe_target(session: Session, target: Target, threads: int, matrix: Matrix 
     lines = LineBuffer(lambda line: on_line(target.name, line)) if on_line else None
     start = time.monotonic()
     try:
-        doc = agent.call(session.transport(target), target, agent.RUNS,
+        doc = agent_call.call(session.transport(target), target, agent_call.RUNS,
                          probe_args(target, threads, matrix),
                          what="python -m trainer.probe", stderr=lines or (lambda data: None),
                          timeout=TOTAL_TIMEOUT_S)["probe"]
-    except agent.Refused as e:
+    except agent_call.Refused as e:
         if e.reason == "no_release":
             raise OpsError(f"{target.name}: no release deployed in {target.workdir}; "
                            f"run `dflash-ops deploy {target.name}` first") from None

@@ -1,7 +1,7 @@
-"""The runs agent (entry `runs.agent`): the run commands and main().
+"""The runs agent (entry `runs.runs_agent`): the run commands and main().
 
 Runs on the TARGET, under the target's own python, as `python -c SOURCE CMD ...`, SOURCE being
-this module and what it imports, joined by orchestrator/ssh/agent.py. Standard library only,
+this module and what it imports, joined by orchestrator/ssh/agent_call.py. Standard library only,
 Python >= 3.8. Every command prints one JSON document as its last stdout line (a refusal is
 `{"ok": false, "reason": R, ...}`, exit 0), except `follow`, `export` and `tensorboard`, whose stdout
 is a JSON header line followed by raw bytes.
@@ -65,8 +65,8 @@ import socket
 import sys
 import time
 
-from ..common import checked_workdir, dist_version, emit, fail, home_dir, now_iso, read_json, refuse, write_json
-from .common import LOG, boot, fault, proc_start, resolve, run_ids, run_record, run_state, run_status, runs_dir_of  # noqa: E501
+from ..agent_base import checked_workdir, dist_version, emit, fail, home_dir, now_iso, read_json, refuse, write_json
+from .records import LOG, boot, fault, proc_start, resolve, run_ids, run_record, run_state, run_status, runs_dir_of  # noqa: E501
 from ..release.store import live_release
 from .bench import BENCH_FLAGS, BENCH_OPTIONS, cmd_bench
 from .export import cmd_export
@@ -276,7 +276,7 @@ def _launch(workdir, spec):
 
 def _launcher():
     """This agent as the first holder of a run's slots (runs/locks.py) and in its run.json, with the boot
-    every process of the run is recorded under (runs/common.py boot)."""
+    every process of the run is recorded under (runs/records.py boot)."""
     return {"launcher_pid": os.getpid(), "launcher_start": proc_start(os.getpid()), "boot": boot()}
 
 
@@ -333,7 +333,7 @@ def _start_run(workdir, spec, run, rundir, release, release_path, commit, compil
         "user_env": spec["user_env"],   # hosts.yaml env: + launch --env, secrets masked
         "nodes": nodes or None,     # {"targets": [...], "index": i, "endpoint", "address"}: a job over several nodes
     }
-    rec.update(_launcher())         # the run is starting while this agent lives (runs/common.py run_state)
+    rec.update(_launcher())         # the run is starting while this agent lives (runs/records.py run_state)
     write_json(os.path.join(rundir, "run.json"), rec)
     fault("launch.recorded")
 

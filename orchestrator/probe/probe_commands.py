@@ -48,7 +48,7 @@ def _policy_list(ctx, param, value: str | None) -> str | None:
 def probe(state: State, names, gpus, policies, case_timeout, topologies, fresh, reuse, precision, fp8_emulate,
           as_json):
     """Verify the PyTorch build and find, by experiment, the compile policy for threaded training."""
-    from orchestrator.probe import run as probe_mod
+    from orchestrator.probe import prober as probe_mod
 
     def live(target: str, line: str) -> None:
         click.echo(f"[{target}] {line}", err=True)

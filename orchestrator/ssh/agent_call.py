@@ -3,7 +3,7 @@ and the agent's typed replies. The fan-out over targets is ssh/fanout.py; a Sess
 pass or not, ssh/session.owned_session.
 
 The agent is the package `orchestrator/remote/` (standard library only, Python >= 3.8): a
-program is an entry module there (`release.agent` for deploys, `runs.agent` for runs, probe and
+program is an entry module there (`release.release_agent` for deploys, `runs.runs_agent` for runs, probe and
 export) plus everything it imports, each part naming what it takes from another with a relative
 import (`from .common import run_state`, `from ..common import emit`); a name shared between
 parts that way is public in its own module, a part's private helpers keep the underscore. `python -c`
@@ -37,11 +37,11 @@ from orchestrator.inventory import Target
 from orchestrator.ssh.hold import Hold
 from orchestrator.ssh.transport import Result, Transport
 
-RELEASE = "release.agent"     # deploy: manifest, apply, install-deps
-RUNS = "runs.agent"           # launch, status, follow, stop, metrics, export, bench, probe
+RELEASE = "release.release_agent"     # deploy: manifest, apply, install-deps
+RUNS = "runs.runs_agent"           # launch, status, follow, stop, metrics, export, bench, probe
 # The target's python options per program. The release agent needs nothing that `site` sets up
 # at start, and a target's .pth files can cost more than the rest of a no-change deploy's agent:
-# -S skips them (remote/common.py `_site` puts the installed packages on sys.path where it
+# -S skips them (remote/agent_base.py `_site` puts the installed packages on sys.path where it
 # needs them: the torch version, install-deps). The runs agent starts trainers and imports
 # their modules: it keeps a plain start.
 OPTIONS = {RELEASE: ("-S",)}
@@ -55,7 +55,7 @@ _RELATIVE = re.compile(r"from (\.+)([\w.]*) import [\w, ]+")
 # --- the remote program -------------------------------------------------------------------------
 
 def part_file(name: str) -> str:
-    """The file of part `name` inside orchestrator/remote/: `runs.common` is `runs/common.py`."""
+    """The file of part `name` inside orchestrator/remote/: `runs.records` is `runs/records.py`."""
     return name.replace(".", "/") + ".py"
 
 
@@ -90,7 +90,7 @@ def _local_imports(part: str, text: str) -> list[LocalImport]:
 
 def imported_part(part: str, node: LocalImport) -> str:
     """The part that a relative import of `part` names: in `runs.locks`, `.common` is
-    `runs.common` and `..common` is `common`."""
+    `runs.records` and `..common` is `common`."""
     package = part.split(".")[:-1]
     up = node.level - 1
     if node.module is None or up > len(package):

@@ -6,7 +6,7 @@ one pass; the longest prefix of drafts equal to the target's own greedy choices 
 the target's token after it. tau = mean over rounds of (accepted + 1), between 1 and B, with its
 normal 95% interval over rounds (`interval95`), and the acceptance rate of each block position
 (`accept_rates`: of the rounds that drafted position k, the share whose drafts 1..k all matched);
-trainer/run/specdec.py reports the same two. The output is exactly the target's greedy continuation
+trainer/specdec.py reports the same two. The output is exactly the target's greedy continuation
 (lossless), which tests check. The rounds are those of the reference implementation's
 `dflash_generate` (tests/test_export_parity.py runs both).
 

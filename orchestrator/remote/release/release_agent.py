@@ -1,7 +1,7 @@
-"""The release agent (entry `release.agent`): the deploy commands and main().
+"""The release agent (entry `release.release_agent`): the deploy commands and main().
 
 Runs on the TARGET, under the target's own python, as `python -c SOURCE CMD ...`, SOURCE being
-this module and what it imports, joined by orchestrator/ssh/agent.py (`python -c` cannot import
+this module and what it imports, joined by orchestrator/ssh/agent_call.py (`python -c` cannot import
 files on the target). Standard library only, Python >= 3.8, no `from __future__`, no rsync/tar
 binaries needed in the container.
 
@@ -31,14 +31,14 @@ import json
 import os
 import sys
 
-from ..common import dist_version, dists, emit, fail, read_json, refuse, write_json
-from ..common import checked_workdir
+from ..agent_base import dist_version, dists, emit, fail, read_json, refuse, write_json
+from ..agent_base import checked_workdir
 from .store import MANIFEST, STATS, check, clear_leftovers, live_release, lock_holder, read_manifest, stat_key, try_lock
 
 # hashlib, shutil, subprocess, tarfile and tempfile are imported where they are used: the
 # `manifest` command of every deploy needs none of them, and importing them is a good part of its time
 # (platform too: sys.version's first word is its python_version()). The agent runs under `python -S`
-# (orchestrator/ssh/agent.py): common._site puts the installed packages on sys.path when asked.
+# (orchestrator/ssh/agent_call.py): common._site puts the installed packages on sys.path when asked.
 
 KEEP = 5
 

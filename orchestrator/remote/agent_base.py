@@ -3,7 +3,7 @@ exit of a failed command, flocks, hashing. Runs on the TARGET under its own pyth
 library only, Python >= 3.8.
 
 The parts of this package import from each other as any package does
-(`from .common import emit`); orchestrator/ssh/agent.py follows those imports and joins the parts
+(`from .agent_base import emit`); orchestrator/ssh/agent_call.py follows those imports and joins the parts
 into ONE `python -c` source (`python -c` cannot import files on the target), removing those
 import lines, so the names of every part share one namespace at run time. A name that another part
 imports is public (no leading underscore); a part's private helpers keep the underscore.
@@ -23,7 +23,7 @@ def emit(doc):
 
 def refuse(reason, message, **extra):
     """Say no and end the command: the reply `{"ok": false, "reason": R, "message": M, ...extra}`,
-    exit 0 (the controller's agent.call raises agent.Refused). Every refusal of every agent."""
+    exit 0 (the controller's agent_call.call raises agent_call.Refused). Every refusal of every agent."""
     doc = {"ok": False, "reason": reason, "message": message}
     doc.update(extra)
     emit(doc)

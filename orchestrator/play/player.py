@@ -3,7 +3,7 @@ parallel through the one fan-out (fanout.fan_out), one connection per host for t
 
 This module holds the play's options and variables, the record kept for --from with the player's
 lock, and the running of the targets; each step is its action in actions.py (the library function
-its command calls), given the target's PlayOnTarget (runstate.py). A step records a result: its status
+its command calls), given the target's PlayOnTarget (on_target.py). A step records a result: its status
 (`changed`, `ok`: ran and changed nothing, `failed`, `skipped` before --from, `not_run` after a
 failure), a one-line detail and its JSON document, which later steps read through
 `{{ steps.NAME... }}` and `assert`. The first failure stops that target; the others go on.
@@ -43,7 +43,7 @@ from orchestrator.ssh import fanout
 from orchestrator.ssh.session import owned_session
 from orchestrator.play import playbook as pb, templating as tpl
 from orchestrator.play.actions import ACTIONS
-from orchestrator.play.runstate import ENDING_WAIT_S, Ending, OnLine, PlayOnTarget
+from orchestrator.play.on_target import ENDING_WAIT_S, Ending, OnLine, PlayOnTarget
 from orchestrator.errors import FileError, Interrupted, OpsError, Terminated
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session

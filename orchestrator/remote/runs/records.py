@@ -1,11 +1,11 @@
 """Runs agent: run records, processes (pid + start-time liveness), a run's state and metrics.
 
 The runs agent runs on the TARGET under its own python as ONE program, `python -c SOURCE CMD ...`:
-orchestrator/ssh/agent.py joins runs/agent.py and the modules it imports into SOURCE, because
+orchestrator/ssh/agent_call.py joins runs/runs_agent.py and the modules it imports into SOURCE, because
 `python -c` cannot import its parts on the target. So every part is standard library only,
 Python >= 3.8, has no `from __future__` line, and names what it takes from another part with
 `from .PART import NAME` (removed when joined; such a NAME is public in PART, while a part's
-private helpers keep the underscore). The commands: runs/agent.py.
+private helpers keep the underscore). The commands: runs/runs_agent.py.
 """
 import os
 import re
@@ -13,7 +13,7 @@ import shutil
 import signal
 import time
 
-from ..common import NUMBER, BadRecord, listdir, load_json, now_iso, parse_json, read_json, refuse, typed
+from ..agent_base import NUMBER, BadRecord, listdir, load_json, now_iso, parse_json, read_json, refuse, typed
 
 LOG = "train.log"
 CHOSEN_POLICY = "compile-policy.json"   # trainer/run/config.py CHOSEN_POLICY: the policy the trainer runs

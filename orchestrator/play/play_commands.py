@@ -30,7 +30,7 @@ def play(state: State, file, names, start, dry_run, var, as_json):
     playbook, its variables or the inventory (FILE:LINE: KEY: message), 130 / 143 interrupted by
     SIGINT / SIGTERM (the steps' commands ended; one line says where each target stopped).
     """
-    from orchestrator.play import run as play_mod
+    from orchestrator.play import player as play_mod
     from orchestrator.play import playbook
     from orchestrator.envvars import parse_assignments
 
