@@ -29,7 +29,7 @@ def refused(text: str, line: int | None, needle: str, file: str = "inv.yaml") ->
     msg = str(e.value)
     assert msg.startswith(f"{file}:{line}: " if line else f"{file}:"), msg
     assert needle in msg and "\n" not in msg, msg
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 20     # bounded: unbounded work would take minutes, or forever
     return msg
 
 
@@ -159,7 +159,7 @@ def test_the_ssh_config_is_held_to_the_same_bounds(tmp_path, config, needle):
         inventory.parse("hosts:\n  h: {address: h}\n", "inv.yaml", ssh_config=str(cfg))
     msg = str(e.value)
     assert msg.startswith(f"inv.yaml: ssh_config: {cfg}") and needle in msg and "\n" not in msg, msg
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 20     # bounded: unbounded work would take minutes, or forever
 
 
 @pytest.mark.parametrize("jump", ["ops@b.invalid:" + "9" * 5000, "ops@b.invalid:99999", "b.invalid:0"])

@@ -265,4 +265,4 @@ def test_a_node_counted_but_not_yet_written_does_not_block_the_launchers_round(s
     keys.add("nodes", 1)                    # another launcher took index 0, and has not written node/0 yet
     t = time.monotonic()
     node_watch(endpoint).tick(keys)         # (get would wait for node/0: the store's whole timeout)
-    assert time.monotonic() - t < 1.0
+    assert time.monotonic() - t < 4.0       # well short of the store's 5 s, well above a loaded machine's noise

@@ -58,7 +58,7 @@ def test_a_failed_case_says_its_exception_and_the_remedy_and_names_a_missing_mod
     assert rec["exception"].startswith("ModuleNotFoundError") and "setuptools" in rec["remedy"]
 
 
-def test_a_rendezvous_that_cannot_form_skips_the_processes_cases_in_under_a_second(monkeypatch, capsys):
+def test_a_rendezvous_that_cannot_form_skips_the_processes_cases_at_once(monkeypatch, capsys):
     host = socket.gethostname()
 
     def unresolvable(name, *a, **k):   # this container's name is in no resolver (no DNS query is sent)
@@ -67,7 +67,7 @@ def test_a_rendezvous_that_cannot_form_skips_the_processes_cases_in_under_a_seco
     monkeypatch.setattr(socket, "getaddrinfo", unresolvable)
     t = time.monotonic()
     why = watch.rendezvous_problem()
-    assert time.monotonic() - t < 1.0
+    assert time.monotonic() - t < 5.0       # no wait on a resolver or a connect (each would take longer)
     assert why.startswith(f"the hostname {host!r} does not resolve") and "/etc/hosts" in why
 
     ran = []
