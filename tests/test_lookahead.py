@@ -21,7 +21,7 @@ import torch
 
 from tiny_engine import tiny_engine
 from trainer.model import masks
-from trainer.train import loop as train
+from trainer.train.setup import Prepared
 from trainer.train.batches import Batches
 from trainer.engine.adamw import CompiledUpdate
 from trainer.run.config import TrainConfig
@@ -88,7 +88,7 @@ def test_batches_state_has_no_lookahead():
     loop resumed from it draws the batch an uninterrupted loop trains next."""
     samples = [Sample(tuple(range(i, i + 40)), (1,) * 40) for i in range(7)]
     cfg = TrainConfig(steps=6, batch_size=2, seed=3, block_size=16, anchors=2)
-    prep = train.Prepared(None, None, None, samples, [], 40, masks.position_weights(16, 7.0), None, None, 0.0,
+    prep = Prepared(None, None, None, samples, [], 40, masks.position_weights(16, 7.0), None, None, 0.0,
                           anchors=cfg.anchors)
     plain, batches = Loader(len(samples), 3), Batches(cfg, prep, Loader(len(samples), 3))
     seen = []

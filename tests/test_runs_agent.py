@@ -156,7 +156,7 @@ def test_follow_protocol_offsets_tail_and_end(wd):
 
 
 def test_auto_goes_to_the_trainer_as_is_and_status_reads_back_what_it_chose(wd):
-    """`auto` is resolved once, by the trainer when it starts (trainer/train/loop.resolve_policy); the
+    """`auto` is resolved once, by the trainer when it starts (trainer/train/setup.resolve_policy); the
     agent records what was asked, and status shows what the trainer recorded it runs, once it has."""
     (wd / "probe.json").write_text(json.dumps({"policy": "inductor", "processes_policy": "reduce-overhead"}))
     doc = launch(wd, "a-t", compile_policy="auto", extra=["--steps", "2000", "--sleep", "0.02"])

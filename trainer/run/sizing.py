@@ -1,7 +1,7 @@
 """How many of the recipe's anchors a step can use here: a pure rule, and the one line that says so.
 
 The recipe's 512 anchors x block 16 over 3072 tokens (docs/recipe.md) is sized for an 80-141 GB GPU.
-The rule, applied once at start (trainer/train/loop.prepare), never changes a run silently:
+The rule, applied once at start (trainer/train/setup.prepare), never changes a run silently:
 
 1. Anchors past what the rows can hold are padding (computed, with no loss): an anchor is a loss
    position with a whole block after it (masks.anchor_candidates), so no row holds more than

@@ -11,7 +11,7 @@ class Batches:
     next one (the engine makes its target features during this step's gradient sum). Drawing the
     next batch moves the loader, so state() is the loader's position right after the last TAKEN
     batch: a checkpoint at a step boundary resumes exactly where the run left off, look-ahead or not.
-    `prep`: the run's loop.Prepared (its samples, pad_len, anchors and pos_weights)."""
+    `prep`: the run's setup.Prepared (its samples, pad_len, anchors and pos_weights)."""
 
     def __init__(self, cfg: TrainConfig, prep, loader: Loader):
         self.cfg, self.prep, self.loader = cfg, prep, loader

@@ -60,7 +60,7 @@ from trainer.errors import EXIT_PEER_FAILED, UsageError
 from trainer.run.log import QuietLog
 from trainer.engine.ranks import RankEngine, device_barrier, wrap_ddp
 from trainer.engine.step import Replica, build_replica
-from trainer.train import loop
+from trainer.train import loop, setup
 from trainer.train.grace import StopGrace
 from trainer.train.job_watch import describe, record_failures, watch_rank
 
@@ -92,9 +92,9 @@ def main(cfg: TrainConfig) -> int:
 def launch(cfg: TrainConfig) -> int:
     """Run torchrun on `python -m trainer` with cfg's settings; returns the run's exit status."""
     # Cheap checks here, so bad input is one line before any process starts.
-    device = loop.devices_for(cfg)[0]
-    loop.resolve_policy(cfg, device)
-    loop.open_run(cfg, writer=False)
+    device = setup.devices_for(cfg)[0]
+    setup.resolve_policy(cfg, device)
+    setup.open_run(cfg, writer=False)
     nproc = cfg.n_devices
     logs = Path(cfg.out) / "torchelastic"  # torchrun's per-rank error files (@record) land here
     logs.mkdir(parents=True, exist_ok=True)
@@ -267,16 +267,16 @@ def _rank(cfg: TrainConfig, rank: int, world: int, local: int, device: torch.dev
     writer = rank == 0
     # every node's first rank records the settings in its own --out (with its checkpoints, a node's
     # folder is then a complete run for `python -m trainer.export`)
-    with loop.run_folder(cfg, writer=local == 0) as (out, resume_from):  # rank 0 is a first rank too
-        log = loop.open_log(cfg, out) if writer else QuietLog()
+    with setup.run_folder(cfg, writer=local == 0) as (out, resume_from):  # rank 0 is a first rank too
+        log = setup.open_log(cfg, out) if writer else QuietLog()
         try:
-            policy, why = loop.resolve_policy(cfg, device, out if writer else None)
+            policy, why = setup.resolve_policy(cfg, device, out if writer else None)
             log.info(f"torch {torch.__version__} | {world} ranks on {device.type} | topology processes "
                      f"({dist.get_backend()}) | compile policy {policy}"
                      + (" (auto: from probe.json)" if cfg.compile_policy == "auto" else ""))
             if why:
                 log.info(why)
-            prep = loop.prepare(cfg, device, log, out, resume_from, stop, writer=writer,
+            prep = setup.prepare(cfg, device, log, out, resume_from, stop, writer=writer,
                                  barrier=lambda: device_barrier(device),
                                  load_checkpoint=lambda path: _checkpoint_everywhere(path, rank, world),
                                  agree_min=lambda n: _least(n, device))

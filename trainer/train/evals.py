@@ -20,7 +20,7 @@ from trainer.run.log import eval_line
 
 
 class Prepared(Protocol):
-    """What an eval reads of the run's setup (trainer/train/loop.Prepared)."""
+    """What an eval reads of the run's setup (trainer/train/setup.Prepared)."""
     eval_prompts: list
     eval_overlap: int
     held_out: list

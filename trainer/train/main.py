@@ -23,8 +23,8 @@ from trainer.exits import exit_process, report
 from trainer.run import checkpoint
 from trainer.run.config import TrainConfig
 from trainer.run.log import RunLog
-from trainer.train.loop import (devices_for, on_sigterm, open_log, owns_process, prepare, resolve_policy, run_folder,
-                                run_loop)
+from trainer.train.loop import on_sigterm, owns_process, run_loop
+from trainer.train.setup import devices_for, open_log, prepare, resolve_policy, run_folder
 
 def main(cfg: TrainConfig) -> int:
     if cfg.topology == "processes":
