@@ -71,7 +71,7 @@ class Shape:
 
 
 def parser() -> argparse.ArgumentParser:
-    from trainer.run.config import OneLineParser  # torch-free: bad flags are one line, exit 2
+    from trainer.run.flags import OneLineParser  # torch-free: bad flags are one line, exit 2
 
     p = OneLineParser(prog="python benchmarks/decode_shapes.py", description=__doc__.splitlines()[0])
     p.add_argument("--config", metavar="FILE", help="a trainer recipe (YAML): its draft_layers, block_size, "
@@ -104,7 +104,7 @@ def settle(a: argparse.Namespace) -> tuple[Shape, dict, list[float]]:
     """Flags and the recipe -> (the shape, the drafter's recipe, the taus); any problem a UsageError."""
     recipe: dict = {}
     if a.config:
-        from trainer.run.config import load_yaml  # torch-free; checks every key and type
+        from trainer.run.flags import load_yaml  # torch-free; checks every key and type
 
         recipe = load_yaml(a.config)
     given: dict = {k: getattr(a, k) for k in SHAPE_FLAGS if getattr(a, k) is not None}

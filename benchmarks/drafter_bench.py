@@ -379,7 +379,7 @@ def summarize(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    from trainer.run.config import add_trainer_options   # torch-free
+    from trainer.run.flags import add_trainer_options   # torch-free
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CPU-sized shape, CPU device")

@@ -341,7 +341,7 @@ def blocks(args) -> list[list[int]]:
 
 
 def main(argv=None) -> int:
-    from trainer.run.config import add_trainer_options   # torch-free
+    from trainer.run.flags import add_trainer_options   # torch-free
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="the trainer's tiny target on the CPU, end to end")

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch")
 
 import hf_target  # noqa: E402
-from trainer.run import config  # noqa: E402
+from trainer.run import config, flags  # noqa: E402
 from trainer.run.data import encode_chat, think_ids  # noqa: E402
 from trainer.errors import UsageError  # noqa: E402
 
@@ -49,15 +49,15 @@ def test_think_block_is_not_trained_unless_asked(tok):
 
 
 def test_template_options_come_from_flags_or_yaml(tmp_path):
-    cfg = config.parse(["--chat-template-kwargs", '{"enable_thinking": true}', "--train-thinking"])
+    cfg = flags.parse(["--chat-template-kwargs", '{"enable_thinking": true}', "--train-thinking"])
     assert config.chat_template_options(cfg) == {"enable_thinking": True} and cfg.train_thinking
     y = tmp_path / "c.yaml"
     y.write_text("chat_template_kwargs: {enable_thinking: true, foo: 1}\n")
-    cfg = config.parse(["--config", str(y)])
+    cfg = flags.parse(["--config", str(y)])
     assert config.chat_template_options(cfg) == {"enable_thinking": True, "foo": 1}
     for bad in ("[1]", "{nope"):
         with pytest.raises(UsageError, match="chat-template-kwargs"):
-            config.parse(["--chat-template-kwargs", bad])
+            flags.parse(["--chat-template-kwargs", bad])
 
 
 def test_eval_prompts_of_chat_data_use_the_same_template(tmp_path):

@@ -28,7 +28,7 @@ from trainer.model.draft_loss import DraftLoss  # noqa: E402
 from trainer.model.drafter import Drafter, RMSNorm  # noqa: E402
 from trainer.model.linear import predicted_rows  # noqa: E402
 from trainer.model.objective import Objective  # noqa: E402
-from trainer.run.config import check_before_launch, parse  # noqa: E402
+from trainer.run.flags import check_before_launch, parse  # noqa: E402
 from trainer.run.target import load_target  # noqa: E402
 from trainer.train.setup import RESUME_FIXED  # noqa: E402
 from tolerance import eps  # noqa: E402

@@ -26,7 +26,7 @@ from trainer.model.draft_loss import DraftLoss  # noqa: E402
 from trainer.model.drafter import Drafter, RMSNorm  # noqa: E402
 from trainer.model.linear import predicted_rows  # noqa: E402
 from trainer.model.objective import Objective  # noqa: E402
-from trainer.run.config import check_before_launch, parse  # noqa: E402
+from trainer.run.flags import check_before_launch, parse  # noqa: E402
 from trainer.run.data import Sample, make_batch  # noqa: E402
 from trainer.run.target import load_target  # noqa: E402
 from tolerance import assert_close, eps  # noqa: E402

@@ -31,7 +31,7 @@ from trainer.engine import muon  # noqa: E402
 from trainer.engine.muon import MuonAdamW, MuonSettings, newton_schulz5, takes_muon  # noqa: E402
 from trainer.errors import UsageError  # noqa: E402
 from trainer.run import checkpoint  # noqa: E402
-from trainer.run.config import check_before_launch, parse  # noqa: E402
+from trainer.run.flags import check_before_launch, parse  # noqa: E402
 from tolerance import assert_close, eps  # noqa: E402
 from trainer_quick import QUICK, ROOT, metrics, step_losses, subprocess_env, train  # noqa: E402
 

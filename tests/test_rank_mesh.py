@@ -19,7 +19,7 @@ import sys
 from trainer.run import config
 from trainer.train import distributed
 distributed.MESH_TIMEOUT_S = float(sys.argv[2])
-cfg = config.parse(["--out", sys.argv[1], "--gpus", "0", "--workers", "2", "--topology", "processes",
+cfg = flags.parse(["--out", sys.argv[1], "--gpus", "0", "--workers", "2", "--topology", "processes",
                     "--compile-policy", "eager", "--warmup-timeout", "900"])
 sys.exit(distributed.rank_main(cfg))
 """

@@ -7,7 +7,7 @@ from orchestrator.errors import UsageError
 from orchestrator.remote.runs.kinds import KINDS, kind_of, run_command, trainer_flags
 from orchestrator.runs import launch, regen
 from orchestrator.runs.options import LaunchOptions
-from trainer.run.config import check_before_launch
+from trainer.run.flags import check_before_launch
 
 NODES = {"targets": ["a", "b"], "index": 0, "endpoint": "10.0.0.1:29400", "address": "10.0.0.1"}
 

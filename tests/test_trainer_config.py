@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.run.config import TrainConfig, add_trainer_options, build_parser, parse
+from trainer.run.config import TrainConfig
+from trainer.run.flags import add_trainer_options, build_parser, parse
 from trainer.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,14 +71,16 @@ def test_bad_ce_rows_and_gpu_switches_are_a_usage_error():
     with pytest.raises(UsageError, match="--ce-rows"):
         parse(["--steps", "3", "--ce-rows", "lots"])
     for flag in ("--fp32-wgrad", "--ce-kernel"):
-        with pytest.raises(UsageError, match=f"{flag} must be on or off"):
+        with pytest.raises(UsageError, match=f"{flag} 'yes': expected one of on, off"):
             parse(["--steps", "3", flag, "yes"])
+    with pytest.raises(UsageError, match="--topology 'rings': expected one of threads, processes"):
+        parse(["--steps", "3", "--topology", "rings"])
     assert parse(["--steps", "3", "--ce-rows", "2048"]).ce_rows == 2048
 
 
 def test_config_and_package_do_not_import_torch():
-    code = ("import sys, trainer, trainer.run.config, trainer.exits; "
-            "trainer.run.config.parse(['--steps', '3']); assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys, trainer, trainer.run.flags, trainer.exits; "
+            "trainer.run.flags.parse(['--steps', '3']); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 

@@ -215,7 +215,7 @@ def test_a_sigterm_after_the_ranks_stopped_on_their_own_does_not_kill_the_launch
 # ---- settings --------------------------------------------------------------------------------------
 
 def test_workers_may_share_gpus_under_threads_only():
-    from trainer.run.config import parse
+    from trainer.run.flags import parse
     from trainer.errors import UsageError
 
     assert parse(["--gpus", "1", "--workers", "4", "--batch-size", "8"]).n_devices == 4  # 4 threads on one GPU
@@ -227,7 +227,7 @@ def test_workers_may_share_gpus_under_threads_only():
 
 
 def test_the_launcher_hands_the_ranks_the_same_settings(tmp_path):
-    from trainer.run.config import parse
+    from trainer.run.flags import parse
     from trainer.train.distributed import child_exit_code, config_argv
 
     cfg = parse([*QUICK, "--out", str(tmp_path), "--workers", "2", "--topology", "processes", "--eval-at-start",

@@ -19,7 +19,8 @@ from trainer.run.config import TOPOLOGIES
 from trainer.errors import EXIT_PEER_FAILED, UsageError
 # the trainer's flags and config rules: its parser (launch knows its flags), the checks of a launch's
 # argv and YAML before anything starts, the precisions and the one the probe emulates alone
-from trainer.run.config import EMULATE_ALONE, PRECISIONS, build_parser, check_before_launch
+from trainer.run.config import EMULATE_ALONE, PRECISIONS
+from trainer.run.flags import build_parser, check_before_launch
 # the run log: the events also written as text lines, and tau with its interval as the log writes it
 from trainer.run.log import TWINNED, tau_text
 # how a decode's outputs compare with the target alone's, as specdec says it (lossless first)

@@ -137,7 +137,7 @@ def draft_weights(dcfg, weights: dict, target_norm=None) -> dict:
 # --------------------------------------------------------------------------- python -m trainer.export
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.run.config import OneLineParser
+    from trainer.run.flags import OneLineParser
 
     p = OneLineParser(prog="python -m trainer.export",
                       description="Write a run's checkpoint as a DFlash draft-model folder (Hugging Face format).")

@@ -192,7 +192,8 @@ def _reference(target, folder: Path, prompt: list[int], new_tokens: int):
 
 def main(argv: list[str] | None = None) -> int:
     from trainer.errors import UsageError
-    from trainer.run.config import OneLineParser, check_target_spec, parse
+    from trainer.run.config import check_target_spec
+    from trainer.run.flags import OneLineParser, parse
 
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []

@@ -380,7 +380,8 @@ class _Progress:
 
 def main(argv: list[str] | None = None) -> int:
     passive_waits()     # before torch loads OpenMP: this module's imports do not load it, main's do
-    from trainer.run.config import OneLineParser, TrainConfig
+    from trainer.run.config import TrainConfig
+    from trainer.run.flags import OneLineParser
 
     p = OneLineParser(prog="python -m trainer.regen",
                       description="Answer prompts with the target itself: training rows in the DFlash recipe's way.")

@@ -375,7 +375,8 @@ def read_prompt_ids(path: str, tokenizer, *, limit: int | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     from trainer.errors import UsageError
-    from trainer.run.config import OneLineParser, check_target_spec, template_kwargs
+    from trainer.run.config import check_target_spec, template_kwargs
+    from trainer.run.flags import OneLineParser
 
     p = OneLineParser(prog="python -m trainer.specdec",
                       description="Speculative decoding with an exported drafter against the target alone: "

@@ -258,7 +258,8 @@ def accept_rates(drafts: list[tuple[int, int]], block_size: int) -> list[float |
 
 def main(argv: list[str] | None = None) -> int:
     from trainer.run import checkpoint
-    from trainer.run.config import RUN_CONFIG, OneLineParser, TrainConfig, layer_ids
+    from trainer.run.config import RUN_CONFIG, TrainConfig, layer_ids
+    from trainer.run.flags import OneLineParser
     from trainer.run.target import load_target
 
     p = OneLineParser(prog="python -m trainer.eval",

@@ -1,21 +1,15 @@
-"""Trainer settings: one frozen dataclass, filled from defaults < YAML `--config FILE` < flags.
-
-YAML keys are spelled like the flags without the leading dashes (`compile_policy` or
-`compile-policy` for `--compile-policy`). Unknown keys, wrong types and impossible combinations are
-UsageErrors (exit 2, one line) that name the key and the file. No torch here: `--help` and every
-config error stay fast.
+"""A run's settings: one frozen dataclass (TrainConfig, each field a flag and a YAML key, its help beside
+it) and its rules (validate: impossible values and combinations are UsageErrors, exit 2, one line that
+names the flag; a field with choices is checked against them by one rule). flags.py fills it from
+defaults < YAML `--config FILE` < flags. No torch here: `--help` and every config error stay fast.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import difflib
 import json
-import os
-from collections.abc import Iterable
-from dataclasses import Field, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from trainer.errors import UsageError
 from trainer.model.objective import OBJECTIVES, POSITION_WEIGHTS, Objective  # torch-free
@@ -35,7 +29,8 @@ PRECISIONS = ("bf16", "fp8", "fp8-rowwise", "fp8-lmhead")
 # matrices and AdamW over the rest (trainer/engine/muon.py)
 OPTIMIZERS = ("adamw", "muon")
 EMULATE_ALONE = f"--fp8-emulate goes with --precision {'|'.join(PRECISIONS[1:])}"  # the trainer's and the probe's
-# the values of the switches and of --topology (validate checks them; add_trainer_options makes them choices)
+# the values of the switches and of --topology (their fields' choices: validate checks them, add_trainer_options
+# makes them the parser's choices)
 ON_OFF = ("on", "off")
 AUTO_ON_OFF = ("auto", "on", "off")
 TOPOLOGIES = ("threads", "processes")
@@ -45,7 +40,8 @@ _V = TypeVar("_V")
 
 def opt(default: _V, help: str, *, metavar: str | None = None, choices: tuple[str, ...] | None = None) -> _V:
     """A TrainConfig field: its default and, beside it, its flag's help (and metavar, when not N, X or S
-    by its type; choices, for the parsers of add_trainer_options), which build_parser reads."""
+    by its type; choices: the values validate allows, and the parsers of add_trainer_options offer), which
+    flags.build_parser reads."""
     return dataclasses.field(default=default, metadata={"help": help, "metavar": metavar, "choices": choices})
 
 
@@ -212,142 +208,16 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse would print usage and exit; we want one line, exit 2
-        if message.startswith("unrecognized arguments:"):
-            flags = [o for o in self._option_string_actions if o.startswith("--")]
-            for word in message.split()[2:]:
-                near = difflib.get_close_matches(word, flags, n=1) if word.startswith("--") else []
-                if near:
-                    message += f" (did you mean {near[0]}?)"
-                    break
-        raise UsageError(message)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m trainer",
-                      description="Train a DFlash block-diffusion drafter for a frozen target.",
-                      argument_default=argparse.SUPPRESS)
-    p.add_argument("--config", metavar="FILE", help="YAML file; keys spelled like these flags")
-    for f in fields(TrainConfig):
-        _add_option(p, f)
-    return p
-
-
-def add_trainer_options(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
-    """The trainer's options `names` (TrainConfig fields) on another program's parser (a benchmark that
-    runs the trainer's step): the trainer's flag, type, metavar, help and default, and its allowed values
-    as choices, so the two cannot drift apart."""
-    known = {f.name: f for f in fields(TrainConfig)}
-    for name in names:
-        if name not in known:
-            raise ValueError(f"{name}: not a TrainConfig field")
-        _add_option(parser, known[name], default=True)
-
-
-def _add_option(p: argparse.ArgumentParser, f: Field, default: bool = False) -> None:
-    """One field's flag. The trainer's own parser takes no defaults (argument_default=SUPPRESS: the
-    flags override YAML, which overrides the dataclass) and no choices (validate says what is wrong, in
-    its words); another program's gets both (default)."""
-    flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
-    extra: dict[str, Any] = {"default": f.default} if default else {}
-    if f.type in ("bool", bool):    # on by default: --no-NAME turns it off
-        action = argparse.BooleanOptionalAction if f.default is True else "store_true"
-        p.add_argument(flag, dest=f.name, action=action, help=help, **extra)
-        return
-    conv = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-    if default and f.metadata["choices"]:
-        extra["choices"] = f.metadata["choices"]
-    p.add_argument(flag, dest=f.name, type=conv, metavar=f.metadata["metavar"] or {int: "N", float: "X"}.get(conv, "S"),
-                   help=f"{help} (default: {f.default!r})", **extra)
-
-
-def parse(argv: list[str] | None = None) -> TrainConfig:
-    """Flags and optional YAML -> a validated TrainConfig; any problem is a one-line UsageError."""
-    ns = vars(build_parser().parse_args(argv))
-    values = load_yaml(ns.pop("config")) if "config" in ns else {}
-    return _settle(values, ns, here=True)
-
-
-def check_before_launch(argv: list[str], config_text: str | None = None,
-                        config_name: str = "config.yaml") -> TrainConfig:
-    """What `dflash-ops launch` checks on the controller before anything starts: the flags the
-    trainer will get (argv) and the YAML config's text, by the same rules as parse, less what only
-    the target can check (its files and folders, --flex-tiles, which needs torch). A `--config` in
-    argv names a file on the target: it replaces config_text and is left to the trainer."""
-    ns = vars(build_parser().parse_args(argv))
-    values = yaml_settings(config_text, config_name) if config_text is not None and "config" not in ns else {}
-    ns.pop("config", None)
-    return _settle(values, ns, here=False)
-
-
-def _settle(values: dict, flags: dict, here: bool) -> TrainConfig:
-    """YAML values under the flags -> a validated TrainConfig (here: also the files it names)."""
-    values = {**values, **flags}
-    if not values.get("workdir"):
-        values["workdir"] = os.environ.get("DFLASH_OPS_WORKDIR", "")
-    cfg = TrainConfig(**values)
-    validate(cfg, here=here)
-    return cfg
-
-
-def load_yaml(path: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"--config {path}: no such file")
-    return yaml_settings(p.read_text(), path)
-
-
-def yaml_settings(text: str, path: str) -> dict:
-    """A YAML config's text (path: its name in messages) -> {field: value}, each key and type checked."""
-    import yaml
-
-    try:
-        raw = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else path
-        raise UsageError(f"{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
-    if not isinstance(raw, dict):
-        raise UsageError(f"{path}: expected a mapping of settings, got {type(raw).__name__}")
-    types = {f.name: f.type if isinstance(f.type, str) else f.type.__name__ for f in fields(TrainConfig)}
-    out = {}
-    for key, value in raw.items():
-        name = str(key).replace("-", "_")
-        if name not in types:
-            near = difflib.get_close_matches(name, types, n=1)
-            hint = f"did you mean '{near[0]}'?" if near else "keys are the flags of python -m trainer without dashes"
-            raise UsageError(f"{path}:{_line_of(yaml, text, key)}: unknown key '{key}' ({hint})")
-        if name == "chat_template_kwargs" and isinstance(value, dict):
-            value = json.dumps(value)  # a YAML mapping, kept as the flag's JSON text
-        out[name] = _coerce(path, key, value, types[name])
-    return out
-
-
-def _line_of(yaml, text: str, key) -> int:
-    """The line of a top-level key in the YAML text (1-based)."""
-    root = yaml.compose(text)
-    return next((k.start_mark.line + 1 for k, _ in root.value if k.value == str(key)), 1)
-
-
-def _coerce(path: str, key, value, typ: str):
-    ok = {
-        "bool": isinstance(value, bool),
-        "int": isinstance(value, int) and not isinstance(value, bool),
-        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-        "str": isinstance(value, (str, int)) and not isinstance(value, bool),
-    }[typ]
-    if not ok:
-        raise UsageError(f"{path}: key '{key}': expected {typ}, got {value!r}")
-    return {"float": float, "str": str}.get(typ, lambda v: v)(value)
-
-
 def validate(c: TrainConfig, here: bool = True) -> None:
     """Every rule of a TrainConfig; here=False leaves out what needs the target's files or torch."""
     def need(cond: bool, msg: str):
         if not cond:
             raise UsageError(msg)
 
+    for f in fields(c):     # every field with choices (opt(..., choices=)): one rule, one message
+        value, allowed = getattr(c, f.name), f.metadata["choices"]
+        need(not allowed or value in allowed,
+             f"--{f.name.replace('_', '-')} {value!r}: expected one of {', '.join(allowed or ())}")
     need(c.steps >= 0, f"--steps must be >= 0, got {c.steps}")
     need(c.gpus >= 0, f"--gpus must be >= 0, got {c.gpus}")
     need(c.workers >= 1, f"--workers must be >= 1, got {c.workers}")
@@ -356,18 +226,9 @@ def validate(c: TrainConfig, here: bool = True) -> None:
          f"or with --topology threads a multiple of {c.gpus} workers sharing the GPUs")
     need(c.topology == "threads" or c.gpus == 0 or c.workers in (1, c.gpus),
          f"--topology processes runs one process per GPU: drop --workers {c.workers} (or use --topology threads)")
-    need(c.topology in TOPOLOGIES, f"--topology must be threads or processes, got {c.topology!r}")
     need(c.compile_policy in known_policies() + ("auto",),
          f"--compile-policy {c.compile_policy!r}: expected one of {', '.join(POLICY_NAMES)}, auto")
-    need(c.compile_target in AUTO_ON_OFF,
-         f"--compile-target must be auto, on or off, got {c.compile_target!r}")
-    need(c.compile_update in AUTO_ON_OFF,
-         f"--compile-update must be auto, on or off, got {c.compile_update!r}")
-    need(c.graph_target in ON_OFF, f"--graph-target must be on or off, got {c.graph_target!r}")
-    need(c.fp32_wgrad in ON_OFF, f"--fp32-wgrad must be on or off, got {c.fp32_wgrad!r}")
-    need(c.ce_kernel in ON_OFF, f"--ce-kernel must be on or off, got {c.ce_kernel!r}")
     trackers.parse(c.report_to)      # its own UsageError, naming the flag
-    need(c.precision in PRECISIONS, f"--precision {c.precision!r}: expected one of {', '.join(PRECISIONS)}")
     need(not c.fp8_emulate or c.precision != "bf16", EMULATE_ALONE)
     need(c.precision == "bf16" or c.gpus > 0 or c.fp8_emulate,
          f"--precision {c.precision} needs GPUs with FP8 matmuls (sm89+); --fp8-emulate runs its arithmetic "
@@ -400,7 +261,6 @@ def validate(c: TrainConfig, here: bool = True) -> None:
     need(c.lr > 0 and 0 <= c.min_lr <= c.lr, f"need 0 <= --min-lr <= --lr and --lr > 0 (got {c.min_lr}, {c.lr})")
     need(0 <= c.warmup < 1, f"--warmup is a fraction of --steps in [0, 1), got {c.warmup}")
     need(c.grad_clip > 0, f"--grad-clip must be > 0, got {c.grad_clip}")
-    need(c.optimizer in OPTIMIZERS, f"--optimizer {c.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
     need(c.muon_lr >= 0, f"--muon-lr must be >= 0 (0 = --lr), got {c.muon_lr}")
     need(0 <= c.muon_momentum < 1, f"--muon-momentum must be in [0, 1), got {c.muon_momentum}")
     need(c.muon_weight_decay >= 0, f"--muon-weight-decay must be >= 0, got {c.muon_weight_decay}")

@@ -7,7 +7,7 @@ nothing below imports it.
 
 def train_entry(argv: list[str] | None = None) -> int:
     """`python -m trainer`: flags and config are checked before torch is imported (fast, one line)."""
-    from trainer.run.config import parse
+    from trainer.run.flags import parse
 
     cfg = parse(argv)
     from trainer.run.trackers import check

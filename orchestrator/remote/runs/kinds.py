@@ -9,7 +9,7 @@ runs and how the other verbs treat it; a new kind is one entry of KINDS:
     policy      takes a compile policy (and so, for `auto`, needs the probe's result)
     nodes       may run as one job over several nodes (the torchrun rendezvous flags)
     checked     its flags and YAML config are the trainer's, checked on the controller by the
-                trainer's own rules (trainer/run/config.check_before_launch) with trainer_flags
+                trainer's own rules (trainer/run/flags.check_before_launch) with trainer_flags
     drafter     leaves a drafter (what `export` takes; its newest succeeded run is `latest` there)
     pruned      `prune` may remove it (a regen run's rows are data training runs read: `rm` only)
     inputs      files the launch uploads into the run's folder, by name: exactly these (runs/upload.py)
