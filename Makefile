@@ -60,13 +60,10 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
-# `make test`: two pytest workers, one test file each at a time (module fixtures stay within one
+# Lint first, then two pytest workers, one test file each at a time (module fixtures stay within one
 # worker): the suite waits on sshd, subprocesses and torch start-ups more than it computes, but on 2
 # cores a third worker slows the compiling files as much as it gains elsewhere (docs/decisions.md,
-# "The test suite and the demo"; the suite's times are in docs/benchmarks.md). Beside them, in the
-# background, lint and the three apart (fp8, speculators, wandb: one process each, mostly waiting on
-# their installs and torch's start): their output is kept in .scratch/test-beside.log and shown after
-# the suite's, and `make test` fails when either part failed.
+# "The test suite and the demo"; the suite's times are in docs/benchmarks.md).
 # Files go out in collection order, where tests/conftest.py puts the slowest first (SLOW_FILES), not
 # xdist's own (most tests first), which left the long files of few tests to the end.
 # The quick room, before every commit: lint, types, the tests marked `quick` by tests/conftest.py (every
@@ -75,16 +72,11 @@ lint: $(STAMP)
 check: lint
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m quick tests
 
-BESIDE := .scratch/test-beside
-test: $(STAMP)
-	@mkdir -p .scratch; rm -f $(BESIDE).rc
-	@( $(MAKE) --no-print-directory -k lint test-fp8 test-speculators test-wandb >$(BESIDE).log 2>&1; \
-	   echo $$? >$(BESIDE).rc ) & \
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder tests; suite=$$?; \
-	wait; echo "--- beside the suite: lint, test-fp8, test-speculators, test-wandb ($(BESIDE).log)"; \
-	cat $(BESIDE).log; beside=$$(cat $(BESIDE).rc); \
-	echo "suite: exit $$suite; lint and the three apart: exit $$beside"; \
-	test $$suite -eq 0 && test $$beside -eq 0
+test: lint
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(MAKE) --no-print-directory test-fp8
+	$(MAKE) --no-print-directory test-speculators
+	$(MAKE) --no-print-directory test-wandb
 
 # --precision fp8's tests with torchao importable, and nothing else: torchao is installed into an
 # ignored folder on their PYTHONPATH only. Wherever torchao is importable, transformers imports it in

@@ -48,9 +48,8 @@ def test_a_toy_shape_end_to_end(tmp_path, capsys):
     for part in ("step", "verify", "draft", "extend", "round", "prefill_alone", "prefill_spec"):
         assert ms[part] > 0, part
     assert ms["host"] >= 0
-    # A round is its three parts plus a synchronisation; each is a median of batches on a shared CPU,
-    # so the round may come in a little under their sum, never far.
-    assert ms["round"] >= 0.8 * (ms["draft"] + ms["verify"] + ms["extend"])
+    # (how a round compares with its three parts is a measurement, as noisy as a shared CPU's load: the
+    # benchmark reports it, no test asserts it)
     assert doc["verify_over_step"] == pytest.approx(ms["verify"] / ms["step"])
     c = RoundCosts(**{k: v / 1e3 for k, v in ms.items() if k != "host"})
     n = doc["new_tokens"]

@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parent.parent
 RANK = """
 import sys
-from trainer.run import config
+from trainer.run import flags
 from trainer.train import distributed
 distributed.MESH_TIMEOUT_S = float(sys.argv[2])
 cfg = flags.parse(["--out", sys.argv[1], "--gpus", "0", "--workers", "2", "--topology", "processes",
