@@ -129,6 +129,26 @@ def terminated_on_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
 
 
+SIGNAL_POLL_S = 0.2
+
+
+def wait_for_event(event: threading.Event) -> None:
+    """event.wait() for the main thread, in slices of SIGNAL_POLL_S, so that Ctrl-C and SIGTERM still
+    reach it. The kernel hands a process's signal to any of its threads that does not block it; the
+    interpreter then runs the Python handler in the main thread the next time that thread runs Python
+    code. A main thread in one unbounded wait runs none until the event is set: an interrupted exec sat
+    out its command (seen under load, the signal taken by a thread reading the command's output)."""
+    while not event.wait(SIGNAL_POLL_S):
+        pass
+
+
+def join_thread(thread: threading.Thread) -> None:
+    """thread.join() in slices, for the reason wait_for_event gives (a transport's run() may be called
+    from the main thread: bench-decode)."""
+    while thread.is_alive():
+        thread.join(SIGNAL_POLL_S)
+
+
 class TargetsFailed(OpsError):
     """A fan-out where some targets failed; results are still reported."""
 

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -229,3 +230,47 @@ def test_a_target_still_connecting_is_not_started_and_not_waited_for(sshd, fakep
         proc.kill()
         kill_all(members)
         silent.close()
+
+
+@pytest.mark.parametrize("target", ["local", "node"])
+def test_a_signal_that_another_thread_takes_still_ends_the_exec(exec_targets, where, target):
+    """The kernel hands a process's signal to any of its threads that does not block it, and only the
+    main thread runs Python's handlers: here the SIGTERM goes to the thread that reads the command's
+    output (signal.pthread_kill). The main thread, waiting for the targets, must still see it (it waited
+    without a timeout: the exec sat out its command, seen under load)."""
+    from orchestrator.errors import Interrupted
+    from orchestrator.inventory import load
+    from orchestrator.targets import exec as exec_mod
+
+    if threading.current_thread() is not threading.main_thread():    # exec's handler needs the main thread
+        pytest.skip("pytest runs this test outside the main thread")
+    remote, local = where(target)
+    inv = load(str(exec_targets))
+    tripped = threading.Event()
+
+    def out(_target: str, data: bytes) -> None:     # runs in the thread that reads stdout
+        if b"started" in data and not tripped.is_set():
+            tripped.set()
+            signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+    # Without the fix the exec waits for the command (COMMAND_S): a watchdog then signals the main thread
+    # itself, and the test fails saying so rather than hanging.
+    rescued = threading.Event()
+    main = threading.get_ident()
+    watchdog = threading.Timer(ENDS_WITHIN_S / 2, lambda: (rescued.set(), signal.pthread_kill(main, signal.SIGTERM)))
+    watchdog.start()
+    try:
+        with pytest.raises(Interrupted) as e:
+            exec_mod.exec_command(inv, [inv.targets[target]], command(remote), out=out, err=lambda t, d: None)
+        watchdog.cancel()
+        assert not rescued.is_set(), "the exec saw the signal only once its main thread was signalled itself"
+        assert tripped.is_set() and e.value.exit_code == 128 + signal.SIGTERM
+        assert str(e.value) == f"interrupted (SIGTERM): the command was ended on {target}", str(e.value)
+    finally:
+        watchdog.cancel()
+        shell = int(local.read_text()) if local.exists() else None
+        deadline = time.monotonic() + ENDS_WITHIN_S
+        while shell is not None and stat(shell) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if shell is not None and stat(shell) is not None:
+            os.kill(shell, signal.SIGKILL)
+            pytest.fail("the command's shell outlived the interrupted exec")

@@ -44,7 +44,7 @@ from orchestrator.ssh.session import owned_session
 from orchestrator.play import playbook as pb, templating as tpl
 from orchestrator.play.actions import ACTIONS
 from orchestrator.play.on_target import ENDING_WAIT_S, Ending, OnLine, PlayOnTarget
-from orchestrator.errors import FileError, Interrupted, OpsError, Terminated
+from orchestrator.errors import FileError, Interrupted, OpsError, Terminated, wait_for_event
 from orchestrator.inventory import Inventory, Target
 from orchestrator.ssh.session import Session
 from trainer.controller_view import LockHeld, LockUnopened, lock_file   # torch-free, stdlib only
@@ -271,7 +271,7 @@ def _each_target(book: pb.Playbook, runs: dict[str, PlayOnTarget], first: int) -
         for run in runs.values():
             threading.Thread(target=one, args=(run,), name=f"play {run.target.name}", daemon=True).start()
         for event in done.values():
-            event.wait()
+            wait_for_event(event)
     except KeyboardInterrupt as e:      # Ctrl-C, or SIGTERM as errors.Terminated (ui.sigterm_raises)
         signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
         raise _interrupted(signum, book, runs, done, plays) from None

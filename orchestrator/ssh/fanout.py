@@ -3,11 +3,11 @@ value, or the OpsError that stopped only it), in the order the targets were give
 GroupResult)."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Generic, Sequence, TypeVar
 
-from orchestrator.errors import OpsError, TargetsFailed
+from orchestrator.errors import SIGNAL_POLL_S, OpsError, TargetsFailed
 from orchestrator.inventory import Target
 
 MAX_WORKERS = 16
@@ -57,10 +57,18 @@ def fan_out(targets: Sequence[Target], fn: Callable[[Target], T], *,
     if not targets:
         return group
     with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(targets)))) as pool:
+        futures = [pool.submit(one, t) for t in targets]
         try:
-            for outcome in pool.map(one, targets):
+            for future in futures:
+                # in slices: the main thread must run the handler of a signal another thread took
+                # (errors.wait_for_event says why)
+                while not wait([future], timeout=SIGNAL_POLL_S).done:
+                    pass
+                outcome = future.result()
                 group[outcome.target] = outcome
         except KeyboardInterrupt:
+            for future in futures:
+                future.cancel()         # the calls not started yet never start
             if interrupted is not None:
                 interrupted()
             raise

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import IO, Callable, Iterable, Mapping, Sequence, Union
 
 from orchestrator.envvars import env_argv
-from orchestrator.errors import ConnectionLost, OpsError
+from orchestrator.errors import SIGNAL_POLL_S, ConnectionLost, OpsError, join_thread
 from orchestrator.inventory import Host, sshconfig
 from orchestrator.ssh.connect import _reason, open_client, where
 from orchestrator.ssh.hold import Hold, Sink
@@ -99,6 +99,20 @@ class Transport:
 
     def close(self) -> None:
         pass
+
+
+def _wait(proc: subprocess.Popen, timeout: float | None) -> int:
+    """proc.wait(timeout) in slices of SIGNAL_POLL_S: a transport's run() may be called from the main
+    thread, which must still run the handler of a signal another thread took (errors.wait_for_event);
+    subprocess.TimeoutExpired once `timeout` has passed."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = SIGNAL_POLL_S if deadline is None else max(0.0, min(SIGNAL_POLL_S, deadline - time.monotonic()))
+        try:
+            return proc.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
 
 
 def _close(pipe) -> None:
@@ -231,7 +245,7 @@ class LocalTransport(Transport):
                 if hold is None:
                     _close(pipe)
             try:
-                code = proc.wait(timeout=timeout)
+                code = _wait(proc, timeout)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -253,7 +267,7 @@ class LocalTransport(Transport):
                 hold.done()
             _close(pipe)
         for t in readers:
-            t.join()
+            join_thread(t)
         if failures:
             raise failures[0]   # the caller's sink raised (e.g. its reader went away)
         if code < 0:          # match what a shell / lxc-attach reports: 128 + signal
@@ -312,7 +326,7 @@ class SshTransport(Transport):
             except (OSError, EOFError):
                 pass  # remote stopped reading, or the connection broke: the checks below say which
             for t in readers:
-                t.join()
+                join_thread(t)
             if failure:
                 exc = failure[0]
                 if isinstance(exc, socket.timeout):

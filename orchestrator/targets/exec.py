@@ -22,7 +22,8 @@ from typing import Callable, Mapping, Sequence
 
 from orchestrator.ssh import fanout
 from orchestrator.ssh.session import owned_session
-from orchestrator.errors import Interrupted, OpsError, Terminated, UsageError, terminated_on_sigterm
+from orchestrator.errors import (Interrupted, OpsError, Terminated, UsageError, terminated_on_sigterm,
+                                 wait_for_event)
 from orchestrator.inventory import Inventory, Target
 from orchestrator.lines import Prefixed
 from orchestrator.ssh.session import Session
@@ -259,7 +260,7 @@ def exec_command(inv: Inventory, targets: list[Target], argv: Sequence[str], *, 
                 for t in targets:
                     threading.Thread(target=one, args=(t,), name=f"exec {t.name}", daemon=True).start()
                 for event in finished.values():
-                    event.wait()
+                    wait_for_event(event)
             except KeyboardInterrupt as e:      # errors.Terminated for SIGTERM
                 raise ended(signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT,
                             holds, finished, results) from None
