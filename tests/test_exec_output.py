@@ -168,3 +168,19 @@ def test_the_transport_keeps_what_it_is_asked_to_and_counts_the_rest():
     assert (r.stderr, r.stderr_bytes, r.stderr_cut) == (b"\0" * 1000, 5000, True)
     whole = t.run(["sh", "-c", "head -c 300000 /dev/zero"])          # no keep: all of it, as before
     assert whole.stdout == b"\0" * 300_000 and not whole.stdout_cut
+
+
+def test_a_held_command_told_to_end_before_its_data_went_is_ended_not_a_crash():
+    """An interrupted exec's Hold.end can close the command's stdin between its start and the write of the
+    Hold's data (the thread that runs it descheduled, seen under load): the command was told to end, and
+    run() returns its status, where it raised `ValueError: I/O operation on closed file`."""
+    from orchestrator.ssh.hold import Hold
+
+    class EndedAtOnce(Hold):
+        def begin(self, start, send):       # the caller's end() lands right after the start
+            started = super().begin(start, send)
+            self.end("TERM")
+            return started
+
+    r = LocalTransport().run(["cat"], stdin=EndedAtOnce(b"data"))
+    assert (r.exit_code, r.stdout) == (0, b"TERM\n")

@@ -241,6 +241,9 @@ class LocalTransport(Transport):
                     pipe.write(chunk)
             except BrokenPipeError:
                 pass  # the command stopped reading; its exit status says why
+            except ValueError:      # closed: Hold.end (an interrupted caller) came first and told it to end
+                if hold is None or hold.line is None:
+                    raise
             finally:
                 if hold is None:
                     _close(pipe)
