@@ -1,4 +1,5 @@
-"""Shared fixtures: a real sshd on 127.0.0.1, the pct stand-in, and inventories pointing at both.
+"""Shared fixtures: a real sshd on 127.0.0.1, the pct stand-in and real LXC containers (driven through
+tests/fixtures/pcts.py's handles), and inventories pointing at them.
 
     def test_something(sshd, fakepct, make_inventory):
         fakepct.create(200)                      # running CT 200, files under fakepct.private(200)
@@ -16,10 +17,8 @@ import json
 import os
 import signal
 import shutil
-import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -39,6 +38,7 @@ def _load_fixture(name: str):
 
 sshd_module = _load_fixture("sshd")
 lxcnode_module = _load_fixture("lxcnode")     # real LXC containers (tests/fixtures/lxcnode.py, tests/realpct/pct)
+pcts = _load_fixture("pcts")                  # the handles the tests drive them by: FakePct, LxcPct
 
 
 # ---- order: the slowest files first ------------------------------------------------------------
@@ -165,61 +165,7 @@ def sshd():
 
 # ---- pct stand-in ----------------------------------------------------------------------------
 
-@dataclass
-class FakePct:
-    """Handle on one fresh pct stand-in. ``path`` is what an inventory's ``pct:`` names."""
-
-    path: Path          # the pct executable (a copy of tests/fakepct/pct)
-    root: Path          # its state folder: ROOT/<vmid>/{status,name,private/}
-    node: str           # node name used in "Configuration file 'nodes/<node>/lxc/...'" errors
-    mount_point: str = "/srv/ct"
-
-    def _ct(self, vmid: int) -> Path:
-        return self.root / str(int(vmid))
-
-    def create(self, vmid: int, running: bool = True, name: str | None = None) -> Path:
-        """Define container ``vmid``; return the host path of its private folder."""
-        ct = self._ct(vmid)
-        (ct / "private").mkdir(parents=True, exist_ok=True)
-        (ct / "name").write_text((name or f"ct{int(vmid)}") + "\n")
-        (ct / "status").write_text(("running" if running else "stopped") + "\n")
-        return ct / "private"
-
-    def private(self, vmid: int) -> Path:
-        """Host path of the folder the container sees as /srv/ct."""
-        return self._ct(vmid) / "private"
-
-    def status(self, vmid: int) -> str:
-        return (self._ct(vmid) / "status").read_text().strip()
-
-    def start(self, vmid: int) -> None:
-        self._run("start", vmid)
-
-    def stop(self, vmid: int) -> None:
-        """Stop the container: SIGKILLs every process running inside it."""
-        self._run("stop", vmid)
-
-    def destroy(self, vmid: int) -> None:
-        """Forget the container (as if its config were gone); kills its processes first."""
-        if self.status(vmid) == "running":
-            self.stop(vmid)
-        shutil.rmtree(self._ct(vmid))
-
-    def run(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
-        """Run the stand-in locally (no ssh), e.g. ``fakepct.run("exec", "200", "--", "ls")``."""
-        kwargs.setdefault("capture_output", True)
-        return subprocess.run([str(self.path), *map(str, args)], **kwargs)
-
-    def _run(self, *args) -> None:
-        done = self.run(*args)
-        if done.returncode != 0:
-            raise RuntimeError(f"pct {' '.join(map(str, args))} failed: {done.stderr.decode()}")
-
-    def vmids(self) -> list[int]:
-        return sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit())
-
-
-def install_fakepct(dest: Path, node: str = "pve1") -> FakePct:
+def install_fakepct(dest: Path, node: str = "pve1") -> pcts.FakePct:
     """Copy the stand-in into ``dest`` with its pct.json and a shebang for this interpreter."""
     dest.mkdir(parents=True, exist_ok=True)
     state = dest / "state"
@@ -228,7 +174,7 @@ def install_fakepct(dest: Path, node: str = "pve1") -> FakePct:
     lxcnode_module.pinned_script(FAKEPCT_SRC, exe)
     (dest / "pct.json").write_text(json.dumps({"root": str(state), "node": node}))
     os.makedirs("/srv/ct", exist_ok=True)
-    return FakePct(path=exe, root=state, node=node)
+    return pcts.FakePct(path=exe, root=state, node=node)
 
 
 @pytest.fixture
@@ -408,62 +354,11 @@ def lxc_base(request):
     return base
 
 
-@dataclass
-class LxcPct:
-    """FakePct's interface over real LXC containers (``node``: tests/fixtures/lxcnode.py's LxcNode).
-    ``create`` returns the host folder the container sees as /srv/ct (``mount_point``)."""
-
-    node: object
-    mount_point: str = "/srv/ct"
-
-    @property
-    def path(self) -> Path:
-        return self.node.pct_path
-
-    def create(self, vmid: int, running: bool = True, name: str | None = None, extra: str = "") -> Path:
-        """Define container ``vmid`` (``extra``: more lxc.* lines); start it unless ``running`` is False."""
-        share = self.node.define(vmid, name, extra)
-        if running:
-            self.start(vmid)
-        return share
-
-    def private(self, vmid: int) -> Path:
-        return self.node.share(vmid)
-
-    def status(self, vmid: int) -> str:
-        return self.node.status(vmid)
-
-    def start(self, vmid: int) -> None:
-        self._run("start", vmid)
-
-    def stop(self, vmid: int) -> None:
-        """`pct stop`: a hard stop (lxc-stop --kill), every process of the container SIGKILLed."""
-        self._run("stop", vmid)
-
-    def shutdown(self, vmid: int) -> None:
-        """`pct shutdown`: SIGPWR to the container's init, which ends its processes cleanly."""
-        self._run("shutdown", vmid)
-
-    def destroy(self, vmid: int) -> None:
-        self.node.destroy(vmid)
-
-    def run(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
-        return self.node.pct(*args, **kwargs)
-
-    def _run(self, *args) -> None:
-        done = self.run(*args)
-        if done.returncode != 0:
-            raise RuntimeError(f"pct {' '.join(map(str, args))} failed: {done.stderr.decode()}")
-
-    def vmids(self) -> list[int]:
-        return self.node.vmids()
-
-
 def _lxcpct(tmp_path_factory, lxc_base):
     root = Path(tempfile.mkdtemp(prefix="dflash-lxc-"))
     node = lxcnode_module.LxcNode.create(root, lxc_base)
     try:
-        yield LxcPct(node)
+        yield pcts.LxcPct(node)
     finally:
         node.destroy_all()
         shutil.rmtree(root, ignore_errors=True)
