@@ -177,6 +177,7 @@ def test_report_gives_the_untrained_baseline_every_evals_tau_and_marks_resumes(t
                                      {"step": 3, "tau": 1.45, "heldout_loss": None},
                                      {"step": 6, "tau": 1.9, "heldout_loss": None}]
     assert report.resumes(metrics) == [3]
+    assert report.series(metrics)["tau"] == [(0, 1.01), (3, 1.45), (6, 1.9)]     # the curve: step 3 once
     assert report.summary_lines(metrics) == [
         "tau at each eval: untrained 1.010 -> 1.450 (step 3) -> 1.900 (step 6)",
         "tau 1.900 (40 rounds), at step 6",

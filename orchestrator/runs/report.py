@@ -19,7 +19,7 @@ def series(metrics: Sequence[dict]) -> dict:
     """Metric records -> {"loss": [(step, v)], "heldout_loss": [(step, v)], "tau": [(step, v)],
     "throughput": [(step, v)], "throughput_label": str}. Records without a step, and null values, are
     skipped."""
-    loss, tau, thr = [], [], []
+    loss, thr = [], []
     key, label = next(((k, lab) for k, lab in THROUGHPUT_KEYS
                        if any(m.get(k) is not None for m in metrics)), (None, "throughput"))
     for m in metrics:
@@ -28,14 +28,14 @@ def series(metrics: Sequence[dict]) -> dict:
             continue
         if m.get("event") is None and isinstance(m.get("loss"), (int, float)):
             loss.append((step, m["loss"]))
-        if isinstance(m.get("acceptance_length"), (int, float)):
-            tau.append((step, m["acceptance_length"]))
         if key and isinstance(m.get(key), (int, float)):
             thr.append((step, m[key]))
     if not loss:   # a log with only summary records still has a last loss
         loss = [(m["step"], m["loss"]) for m in metrics
                 if isinstance(m.get("step"), (int, float)) and isinstance(m.get("loss"), (int, float))]
-    held = [(e["step"], e["heldout_loss"]) for e in evals(metrics) if e.get("heldout_loss") is not None]
+    measured = evals(metrics)      # each eval's step once, a resume's re-measure the one kept
+    tau = [(e["step"], e["tau"]) for e in measured]
+    held = [(e["step"], e["heldout_loss"]) for e in measured if e.get("heldout_loss") is not None]
     return {"loss": loss, "heldout_loss": held, "tau": tau, "throughput": thr, "throughput_label": label}
 
 
