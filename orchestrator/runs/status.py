@@ -17,13 +17,13 @@ from orchestrator.inventory.names import RUN_ID_RE
 from orchestrator.runs.options import BENCH_ID_RE, check_run
 from orchestrator.ssh import agent_call
 from orchestrator.ssh import fanout
+from orchestrator.remote.runs.records import LOST    # stdlib only: the state the runs agent judges
 from orchestrator.ssh.session import owned_session
 from orchestrator.ssh.session import Session
 
 # `unreadable`: the run's records on the target cannot be used (remote/runs/records.py); how it ended
 # is not known, so `logs` exits 1, the exit status of a command that could not tell. `lost`: every
 # process of the run ended with no exit status, with its container (stopped or restarted under it).
-LOST = "lost"
 STATE_EXIT = {"succeeded": EXIT_OK, "failed": EXIT_RUN_FAILED, "running": EXIT_RUN_RUNNING,
               "stopped": EXIT_RUN_STOPPED, LOST: EXIT_RUN_LOST, "unreadable": EXIT_FAILED}
 

@@ -236,9 +236,6 @@ class Server:
             raise OpsError(f"TensorBoard did not start (it said: {said})")
         return self.url
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
     def stop(self) -> None:
         """End the process this object started (and only it), and wait for it."""
         if self.proc.poll() is None:

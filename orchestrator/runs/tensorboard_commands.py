@@ -14,7 +14,7 @@ from orchestrator.inventory import Inventory, Target
 from orchestrator.inventory.names import RUN_ID_RE
 from orchestrator.runs.logview import note
 from orchestrator.runs.options import check_run
-from orchestrator.ui import State, emit, json_option, sigterm_raises
+from orchestrator.ui import State, emit, json_option, sigterm_raises, size_text
 
 
 def _split(inv: Inventory, words: tuple[str, ...]) -> tuple[list[Target], list[str]]:
@@ -28,13 +28,9 @@ def _split(inv: Inventory, words: tuple[str, ...]) -> tuple[list[Target], list[s
     return targets, [check_run(w) for w in words_left] or ["latest"]
 
 
-def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} bytes"
-
-
 def _lines(runs) -> str:
-    return "\n".join(f"{r.target}/{r.run} ({r.state}): {r.files} event file(s), {_size(r.new_bytes)} new -> {r.folder}"
-                     for r in runs)
+    return "\n".join(f"{r.target}/{r.run} ({r.state}): {r.files} event file(s), {size_text(r.new_bytes)} new "
+                     f"-> {r.folder}" for r in runs)
 
 
 @click.command()

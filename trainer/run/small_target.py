@@ -453,7 +453,3 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"out": str(ensure(a.size, log=say))}))
     return 0
 
-
-if __name__ == "__main__":
-    from trainer.exits import exit_process, run
-    exit_process(run(main))

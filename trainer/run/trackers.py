@@ -36,7 +36,7 @@ def parse(report_to: str) -> tuple[str, ...] | None:
         return ()
     names = tuple(n.strip() for n in value.split(","))
     bad = [n for n in names if n not in TRACKERS]
-    if bad or not names:
+    if bad:
         raise UsageError(f"--report-to {report_to!r}: expected auto, none, or a comma list of "
                          f"{', '.join(TRACKERS)} (e.g. tensorboard,wandb)")
     return tuple(dict.fromkeys(names))
@@ -95,9 +95,8 @@ class Trackers:
     resume's record, whose step TensorBoard then purges from: the curves continue from the
     checkpoint, as metrics.jsonl's readers do); `info` says a line in the run's log."""
 
-    def __init__(self, names: tuple[str, ...], out: Path, info: Callable[[str], None], run_name: str = ""):
+    def __init__(self, names: tuple[str, ...], out: Path, info: Callable[[str], None]):
         self.names, self.out, self.info = names, Path(out), info
-        self.run_name = run_name or self.out.name
         self.tb: Any = None
         self.wandb: Any = None
         self.opened = False
@@ -127,7 +126,7 @@ class Trackers:
             self.tb = SummaryWriter(str(self.out / TB_DIR), purge_step=self.resumed_at)
             self.info(f"TensorBoard event files: {self.out / TB_DIR} (`dflash-ops tensorboard` brings them home)")
         if "wandb" in self.names:
-            self.wandb = _wandb_run(self.out, self.run_name, self.info)
+            self.wandb = _wandb_run(self.out, self.out.name, self.info)
 
     def close(self) -> None:
         if self.tb is not None:

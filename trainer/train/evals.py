@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Protocol
 
 import torch
 
@@ -17,16 +16,7 @@ from trainer.run.config import TrainConfig
 from trainer.run.data import make_batch
 from trainer.run.acceptance import acceptance_length
 from trainer.run.log import eval_line
-
-
-class Prepared(Protocol):
-    """What an eval reads of the run's setup (trainer/train/setup.Prepared)."""
-    eval_prompts: list
-    eval_overlap: int
-    held_out: list
-    pad_len: int
-    anchors: int
-    pos_weights: torch.Tensor
+from trainer.train.setup import Prepared
 
 
 def evaluate(cfg: TrainConfig, log, engine: Engine, prep: Prepared, step: int, final: bool = False,
