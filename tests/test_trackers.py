@@ -95,3 +95,22 @@ def test_a_resumed_run_continues_its_curves_from_the_checkpoint(tmp_path):
     acc = EventAccumulator(str(tmp_path / "out" / trackers.TB_DIR), size_guidance={"scalars": 0})
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_resume_purges_what_the_interrupted_run_logged_after_its_checkpoint(tmp_path):
+    """The interrupted run logged steps 1..4 and its checkpoint was step 2: the resumed run's curves take
+    over from step 3 (purge_step), so steps 3 and 4 are there once, with the resumed run's values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = trackers.Trackers(("tensorboard",), tmp_path, lambda line: None)
+    for step in range(1, 5):
+        first.record({"step": step, "loss": 10.0 + step})
+    first.close()
+    resumed = trackers.Trackers(("tensorboard",), tmp_path, lambda line: None)
+    resumed.record({"event": "resume", "step": 2})
+    for step in (3, 4):
+        resumed.record({"step": step, "loss": 20.0 + step})
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path / trackers.TB_DIR), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 11.0), (2, 12.0), (3, 23.0), (4, 24.0)]
