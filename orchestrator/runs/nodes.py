@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 from orchestrator.ssh import agent_call
 from orchestrator.ssh import fanout
 from orchestrator.ssh.session import owned_session
-from orchestrator.errors import Interrupted, OpsError, Terminated, UsageError
+from orchestrator.errors import Interrupted, OpsError, Terminated, UsageError, get_from
 from orchestrator.inventory import Inventory, Target
 from orchestrator.runs.options import LaunchOptions
 from orchestrator.runs.launch import LaunchResult, launch_on, launch_spec, new_run_id
@@ -259,7 +259,7 @@ def follow(inv: Inventory, target: Target, run: str = "latest", *, follow: bool 
             threading.Thread(target=one, args=(t,), daemon=True).start()  # caps workers) may make one wait
         ended: dict[str, _Ended] = {}
         while len(ended) < len(nodes):
-            ev = events.get()
+            ev = get_from(events)     # in slices: a signal a follower thread takes still ends the follow
             if not isinstance(ev, _Ended):
                 yield ev
                 continue

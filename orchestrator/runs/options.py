@@ -23,7 +23,7 @@ RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")   # what the runs agen
 BENCH_ID_RE = re.compile(r"^bench-\d+$")     # a running bench-decode, as status lists it (remote/runs/locks.py)
 LABEL_RE = re.compile(r"^[^\x00-\x1f\x7f]{1,64}$")            # launch --name: one printable line
 # A config travels in the launch spec and is kept in run.json, which the runs agent reads up to 1 MB
-# (remote/common.MAX_RECORD_BYTES): a config is a few KB.
+# (remote/agent_base.MAX_RECORD_BYTES): a config is a few KB.
 MAX_CONFIG_BYTES = 256 << 10
 
 

@@ -5,7 +5,7 @@ pass or not, ssh/session.owned_session.
 The agent is the package `orchestrator/remote/` (standard library only, Python >= 3.8): a
 program is an entry module there (`release.release_agent` for deploys, `runs.runs_agent` for runs, probe and
 export) plus everything it imports, each part naming what it takes from another with a relative
-import (`from .common import run_state`, `from ..common import emit`); a name shared between
+import (`from .records import run_state`, `from ..agent_base import emit`); a name shared between
 parts that way is public in its own module, a part's private helpers keep the underscore. `python -c`
 cannot import files on the target, so `source()` follows those imports and joins the parts,
 dependencies first, into one source without those lines: one round trip, one namespace.

@@ -67,8 +67,7 @@ def fan_out(targets: Sequence[Target], fn: Callable[[Target], T], *,
                 outcome = future.result()
                 group[outcome.target] = outcome
         except KeyboardInterrupt:
-            for future in futures:
-                future.cancel()         # the calls not started yet never start
+            pool.shutdown(wait=False, cancel_futures=True)      # the calls not started yet never start
             if interrupted is not None:
                 interrupted()
             raise

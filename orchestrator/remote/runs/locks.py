@@ -129,7 +129,7 @@ def claim(workdir, guard, gpus, total, want=None):
 def hold_slots(guard, run, slots, holders, since):
     """Write the lock of each slot for the run: `holders` names the processes that hold it so far
     ({launcher_pid, launcher_start, supervisor_pid, ..., pid, pid_start}), all of this boot
-    (common.boot: a lock read after a restart of the container is of processes that are gone)."""
+    (records.boot: a lock read after a restart of the container is of processes that are gone)."""
     for slot in slots:
         doc = {"run": run, "slot": slot, "since": since, "pid": None, "pid_start": None,
                "supervisor_pid": None, "supervisor_start": None, "boot": boot()}

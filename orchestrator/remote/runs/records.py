@@ -133,8 +133,8 @@ def runs_dir_of(workdir):
 # --- a run's records: each field read, with its type ---------------------------------------------
 #
 # The fields of a run's files that the agents and the controller read, and the type each must have
-# (null is allowed for each; remote/common.typed). A file that is not a bounded JSON object
-# (remote/common.load_json), or has a field of another type, makes its run `unreadable`: listed with
+# (null is allowed for each; remote/agent_base.typed). A file that is not a bounded JSON object
+# (remote/agent_base.load_json), or has a field of another type, makes its run `unreadable`: listed with
 # the reason, never judged from, removable by `rm`; every other run is read as before.
 
 RUN_FIELDS = {

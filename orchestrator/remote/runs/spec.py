@@ -1,6 +1,6 @@
 """The launch spec: the one JSON document a launch sends the runs agent (stdin's first line), declared
 once. Each key's types and default are here; normalize(spec) is called once at the agent's door
-(agent.cmd_launch, and on the spec a resume rebuilds), and the controller's launch_spec writes through
+(runs_agent.cmd_launch, and on the spec a resume rebuilds), and the controller's launch_spec writes through
 it too, so both sides read every key with the same default and nothing downstream spells one again.
 Imported as is by the controller, like kinds.py (stdlib only, Python >= 3.8).
 
