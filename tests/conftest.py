@@ -19,6 +19,8 @@ import signal
 import shutil
 import sys
 import tempfile
+import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -104,6 +106,34 @@ def pytest_configure(config):
                                                              f"dflash-ops-tests-inductor-{os.getuid()}")
     for key, value in COMPILE_CACHE_ENV.items():
         os.environ.setdefault(key, value)
+
+
+# ---- signal dispositions: each test leaves them as it found them ---------------------------------
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@pytest.fixture(autouse=True)
+def _signal_dispositions(request):
+    """A test that runs a program's main in this process (a launcher, an agent's verb) may leave a
+    signal ignored, handled or blocked in it; every program a later test of this worker starts would
+    inherit that (test_exec_signals' commands then never got SIGTERM). Restored after each test, and
+    said as a warning naming the test."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in SIGNALS}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    yield
+    changed = [s.name for s in SIGNALS if signal.getsignal(s) is not saved[s] and saved[s] is not None]
+    if signal.pthread_sigmask(signal.SIG_BLOCK, ()) != mask:
+        changed.append("the signal mask")
+    if changed:
+        for s in SIGNALS:
+            if saved[s] is not None:
+                signal.signal(s, saved[s])
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        warnings.warn(f"{request.node.nodeid} left {', '.join(changed)} changed in the test process (restored)")
 
 
 # ---- the quick room ----------------------------------------------------------------------------
