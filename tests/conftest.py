@@ -117,8 +117,7 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 def _signal_dispositions(request):
     """A test that runs a program's main in this process (a launcher, an agent's verb) may leave a
     signal ignored, handled or blocked in it; every program a later test of this worker starts would
-    inherit that (test_exec_signals' commands then never got SIGTERM). Restored after each test, and
-    said as a warning naming the test."""
+    inherit that. Restored after each test, and said as a warning naming the test."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
