@@ -42,6 +42,7 @@ def figures(doc: dict, n: int | None = None) -> dict:
     else:
         prefill = None
     return {"engine": doc["engine"], "dtype": doc.get("dtype"), "graphed": doc.get("graphed"), "prompts": len(rows),
+            "mode": (doc.get("mode") or {}).get("spec"),
             "target_ms_per_token": 1e3 * alone_s / alone_tok, "alone_tokens_per_s": alone_tok / alone_s,
             "spec_tokens_per_s": spec_tok / spec_s, "speedup": boot["speedup"], "speedup_ci95": boot["speedup_ci95"],
             "speedup_median": boot["speedup_median"], "tau": boot["tau"], "tau_ci95": boot["tau_ci95"],
@@ -68,7 +69,9 @@ def table(rows: dict[str, dict]) -> str:
         # recomputed from the decode's own totals
         said = ((f["model"] or {}).get("predicted") or {}).get("speedup") or (f["model"] or {}).get("speedup")
         model = f"{said:.2f}x, {f['model']['tau_for_2x']:.2f}" if said else ""
-        out.append(f"| {label} | {f['engine']}{' (graphs captured)' if f['graphed'] else ''}, {f['dtype']} "
+        # the mode the document names (graphs+compile since 2026-12-05), else the engine and whether it captured
+        engine = f["mode"] or f"{f['engine']}{' (graphs captured)' if f['graphed'] else ''}"
+        out.append(f"| {label} | {engine}, {f['dtype']} "
                    f"| {f['prompts']} | {f['target_ms_per_token']:.3f} "
                    f"| {f['alone_tokens_per_s']:.1f} -> {f['spec_tokens_per_s']:.1f} "
                    f"| **{f['speedup']:.2f}x** ({ci[0]:.2f}-{ci[1]:.2f}, {f['speedup_median']:.2f}) "

@@ -23,6 +23,7 @@ from decode_engines import bar_scale, figures, main  # noqa: E402
 ENGINES_1203 = REPO / "docs" / "data" / "decode-engines-h200-2026-12-03"
 ENGINES_1203B = REPO / "docs" / "data" / "decode-engines-h200-2026-12-03b"  # the same recipe, prompts warmed
 ENGINES_1205 = REPO / "docs" / "data" / "decode-engines-h200-2026-12-05"   # best against best: both compiled
+ENGINES_1205B = REPO / "docs" / "data" / "decode-engines-h100-2026-12-05b"  # the same, both dtypes whole, an H100
 SHAPES = REPO / "docs" / "data" / "decode-shapes-h200" / "qwen3-8b-bf16.json"
 
 
@@ -174,6 +175,40 @@ def test_the_best_against_best_figures_come_from_the_compiled_run_and_the_8b_sha
     for name, strings in want.items():
         missing = [s for s in strings if s not in _text(name)]
         assert not missing, (name, missing)
+
+
+def test_the_h100_run_gives_both_dtypes_figures_where_they_are_quoted_bf16_always_labelled():
+    """ENGINES_1205B (G10): the three figures of each dtype (all prompts, the headline without one-token prompts,
+    without loops too), recomputed from every prompt's rounds and seconds, are in the documents that quote G10;
+    the table's rows (decode_engines.py) name the compiled mode; every bf16 figure sits beside its "139/240
+    equal" label, and the lossless float32 figure comes first."""
+    from trainer.run.decode_sample import split_figures
+
+    docs = {k: json.loads((ENGINES_1205B / f"specdec-graphs-{k}.json").read_text()) for k in ("fp32", "bf16")}
+    assert all(d["mode"] == {"alone": "graphs+compile", "spec": "graphs+compile"} for d in docs.values())
+    fp, bf = (split_figures(docs[k]["per_prompt"], resamples=10_000, seed=0) for k in docs)
+    assert fp["all"]["lossless"] and fp["all"]["equal_prompts"] == 240
+    assert not bf["all"]["lossless"] and bf["all"]["equal_prompts"] == 139 and bf["all"]["max_margin"] == 0.125
+    quoted = [_x(fp[k]) for k in ("all", "excluding_one_token", "excluding_one_token_and_loops")]
+    bf_quoted = [_x(bf[k]) for k in ("all", "excluding_one_token", "excluding_one_token_and_loops")]
+    assert quoted == ["1.09x (1.04-1.13", "1.09x (1.05-1.13", "1.05x (1.01-1.09"], quoted
+    assert bf_quoted == ["1.51x (1.46-1.57", "1.52x (1.46-1.58", "1.45x (1.40-1.51"], bf_quoted
+    for name in ("benchmarks.md", "decoding.md"):
+        text = _text(name)
+        missing = [x for x in quoted + bf_quoted if x not in text]
+        assert not missing, (name, missing)
+        at = text.index("G10, both compiled under graphs")
+        assert text.index(quoted[1], at) < text.index(bf_quoted[1], at), name
+        for x in bf_quoted:
+            for hit in (i for i in range(len(text)) if text.startswith(x, i)):
+                assert "139/240" in text[max(0, hit - 300): hit + 300], (name, x)
+    fidelity = _text("fidelity.md")
+    assert quoted[1] in fidelity and bf_quoted[1] in fidelity and "139/240 equal" in fidelity
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([str(ENGINES_1205B)]) == 0
+    rows = [line for line in out.getvalue().splitlines() if line.startswith("| graphs-")]
+    assert [r.split(" | ")[1] for r in rows] == ["graphs+compile, bfloat16", "graphs+compile, float32"], rows
 
 
 def test_a_bench_decode_document_reads_as_specdecs(tmp_path, capsys):
