@@ -31,13 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainer.errors import EXIT_USAGE, UsageError  # noqa: E402 (torch-free)
 from trainer.run.decode_model import RoundCosts, speedup_at, tau_for  # noqa: E402 (torch-free)
 
-PARTS = ("step", "draft", "verify", "extend", "round", "prefill_alone", "prefill_spec")
 
 
 def costs(ms: dict, where: str) -> RoundCosts:
     """RoundCosts in seconds from a document's costs in milliseconds."""
     try:
-        c = RoundCosts(**{k: float(ms[k]) / 1e3 for k in PARTS})
+        c = RoundCosts.from_ms(ms)
     except (KeyError, TypeError, ValueError) as e:
         raise UsageError(f"{where}: no costs of each part ({e}); a document of specdec --json since its "
                          f"`model` field, or of decode_shapes.py") from None

@@ -158,11 +158,11 @@ def test_the_best_against_best_figures_come_from_the_compiled_run_and_the_8b_sha
     head, bare = fp["excluding_one_token"], fp["excluding_one_token_and_loops"]
     assert fp["all"]["lossless"] and fp["all"]["equal_prompts"] == 240
     model = doc["model"]
-    need = tau_for(RoundCosts(**{k: v / 1e3 for k, v in model["costs_ms"].items() if k != "host"}), 2.0,
+    need = tau_for(RoundCosts.from_ms(model["costs_ms"]), 2.0,
                    model["new_tokens"])
     assert need == pytest.approx(model["tau_for_2x"])
     shapes = json.loads(SHAPES.read_text())
-    sc = RoundCosts(**{k: v / 1e3 for k, v in shapes["costs_ms"].items() if k != "host"})
+    sc = RoundCosts.from_ms(shapes["costs_ms"])
     at8b = speedup_at(sc, doc["tau"], shapes["new_tokens"])
     need8b = tau_for(sc, 2.0, shapes["new_tokens"])
     x, xb = _x(head), _x(bare)

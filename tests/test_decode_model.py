@@ -2,6 +2,8 @@
 numbers (no torch)."""
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 
 from trainer.run.decode_model import RoundCosts, predict_prompt, speedup_at, tau_for
@@ -62,3 +64,11 @@ def test_none_where_the_prefill_makes_the_speedup_unreachable():
     assert tau_for(slow, 2.0, n) is None and tau_for(slow, 1.0, n) is None
     assert tau_for(slow, 2.0) == pytest.approx(tau_for(C, 2.0))  # long outputs: the prompt does not count
     assert tau_for(C, 2.0, 1) is None                            # one new token: no rounds to speed up
+
+
+def test_costs_come_back_from_their_milliseconds_and_a_missing_part_is_named():
+    back = RoundCosts.from_ms(C.as_ms())     # "host" is in as_ms() and derived again, not read
+    assert asdict(back) == pytest.approx(asdict(C), rel=1e-12) and back.host == pytest.approx(C.host)
+    ms = {k: v for k, v in C.as_ms().items() if k != "verify"}
+    with pytest.raises(KeyError, match="verify"):
+        RoundCosts.from_ms(ms)

@@ -51,7 +51,7 @@ def test_a_toy_shape_end_to_end(tmp_path, capsys):
     # (how a round compares with its three parts is a measurement, as noisy as a shared CPU's load: the
     # benchmark reports it, no test asserts it)
     assert doc["verify_over_step"] == pytest.approx(ms["verify"] / ms["step"])
-    c = RoundCosts(**{k: v / 1e3 for k, v in ms.items() if k != "host"})
+    c = RoundCosts.from_ms(ms)
     n = doc["new_tokens"]
     rows = doc["table"]["tau_for"]
     assert [r["speedup"] for r in rows] == [2.0, 3.0]

@@ -18,7 +18,8 @@ can disagree with the measurement and is worth printing beside it. Pure arithmet
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,12 @@ class RoundCosts:
 
     def as_ms(self) -> dict:
         return {k: 1e3 * v for k, v in {**asdict(self), "host": self.host}.items()}
+
+    @classmethod
+    def from_ms(cls, ms: Mapping) -> RoundCosts:
+        """The inverse of as_ms(): a document's milliseconds back to seconds. Every part must be there
+        (KeyError names a missing one); "host" is derived, so it is not read."""
+        return cls(**{f.name: float(ms[f.name]) / 1e3 for f in fields(cls)})
 
 
 def predict_prompt(c: RoundCosts, new_tokens: int, rounds: float) -> tuple[float, float]:
