@@ -277,6 +277,21 @@ def test_share_cpu_gives_each_worker_its_share_of_the_cores(monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_a_training_run_takes_the_threads_asked_for_else_one_per_cpu_worker_alone_or_a_share(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        assert cores.training_threads(3, 1) is None and torch.get_num_threads() == 3     # asked: on the CPU
+        assert cores.training_threads(2, 0) is None and torch.get_num_threads() == 2     # and on GPUs
+        said = cores.training_threads(0, 1)
+        assert torch.get_num_threads() == 1 and said and "--cpu-threads N asks for more" in said
+        torch.set_num_threads(5)
+        assert cores.training_threads(0, 0) is None and torch.get_num_threads() == 5     # GPUs: torch's default
+        assert cores.training_threads(0, 64) is None and torch.get_num_threads() == 1    # a share of the cores
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_max_autotune_is_probed_only_when_named():
     """Its first compile autotunes for minutes (> 190 s on one H200), longer than every other case
     together: the default cases leave it out, and --policies still takes it."""

@@ -96,3 +96,23 @@ def share_cpu(workers: int) -> int:
     n = max(1, cores() // max(1, int(workers)))
     torch.set_num_threads(n)
     return n
+
+
+def training_threads(asked: int, cpu_workers: int) -> str | None:
+    """Set torch's intra-op threads for a training run, and return the line to log where the rule, not
+    the user, chose one thread. `asked` (--cpu-threads N, 0 for auto) wins wherever the run trains.
+    Auto, with `cpu_workers` worker threads training on the CPU (0: on GPUs, torch's default stays):
+    K > 1 share the cores (share_cpu); one worker gets one thread, since a second intra-op thread's
+    spinning waits lose several-fold on a machine whose cores other work shares (docs/benchmarks.md,
+    "CPU figures"), and more are only used when asked for."""
+    import torch
+
+    if asked:
+        torch.set_num_threads(asked)
+    elif cpu_workers > 1:
+        share_cpu(cpu_workers)
+    elif cpu_workers == 1:
+        torch.set_num_threads(1)
+        return ("torch threads 1 on the CPU (--cpu-threads 0, auto: a busy machine's cores are not this run's "
+                "alone; --cpu-threads N asks for more)")
+    return None

@@ -70,16 +70,9 @@ def _train(cfg: TrainConfig, stop: threading.Event, out, resume_from, log: RunLo
 
     # ---- devices and compile policy -----------------------------------------------------------
     devices = devices_for(cfg)
-    if cfg.cpu_threads:
-        torch.set_num_threads(cfg.cpu_threads)
-    elif devices[0].type == "cpu" and len(devices) > 1:
-        cores.share_cpu(len(devices))      # K CPU workers: cores / K intra-op threads each
-    elif devices[0].type == "cpu":
-        # one CPU worker: a second intra-op thread's spinning waits lose several-fold on a machine whose
-        # cores other work shares (docs/benchmarks.md, "CPU figures"); more only when asked
-        torch.set_num_threads(1)
-        log.info("torch threads 1 on the CPU (--cpu-threads 0, auto: a busy machine's cores are not this run's "
-                 "alone; --cpu-threads N asks for more)")
+    said = cores.training_threads(cfg.cpu_threads, len(devices) if devices[0].type == "cpu" else 0)
+    if said:
+        log.info(said)
     policy, why = resolve_policy(cfg, devices[0], out)
     log.info(f"torch {torch.__version__} | devices {', '.join(map(str, devices))} | topology threads | "
              f"compile policy {policy}" + (" (auto: from probe.json)" if cfg.compile_policy == "auto" else ""))
