@@ -77,11 +77,12 @@ def test_a_launch_uploads_exactly_its_kinds_inputs(tmp_path, capsys):
     import io
     import json
 
+    from orchestrator.remote.runs.spec import normalize
     from orchestrator.remote.runs.upload import receive
 
-    def received(spec):
+    def received(spec):     # as cmd_launch calls it: on the spec normalized at the agent's door
         try:
-            return receive(io.BytesIO(b""), str(tmp_path), dict(spec, run="r1"))
+            return receive(io.BytesIO(b""), str(tmp_path), normalize(dict(spec, run="r1")))
         except SystemExit:
             return json.loads(capsys.readouterr().out)
 

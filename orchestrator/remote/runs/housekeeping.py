@@ -24,7 +24,7 @@ import shutil
 from ..agent_base import emit, refuse
 from .records import LOST, UNREADABLE, find, resolve, run_ids, run_record, run_state, runs_dir_of, sweep_dead  # noqa: E501
 from .kinds import kind_of
-from .spec import AUTO_POLICY, DEFAULT_TOPOLOGY, normalize
+from .spec import normalize
 from .locks import Guard, holds_slots
 
 RESUMABLE = ("stopped", "failed", LOST)
@@ -40,17 +40,19 @@ def resume_spec(workdir, spec):
         refuse("not_resumable", "run %s is unreadable (%s); it cannot be resumed" % (rid, ex["reason"]),
                state=state)
     rec = run_record(os.path.join(runs_dir_of(workdir), rid))
-    new = {"run": rid, "resume": rid, "kind": rec.get("kind") or "train", "target": spec.get("target"),
-           "gpus": rec.get("gpus", 0) if spec.get("gpus") is None else spec["gpus"],
-           "gpu_ids": spec.get("gpu_ids"), "target_gpus": spec.get("target_gpus", 0),
-           "topology": rec.get("topology") or DEFAULT_TOPOLOGY,
-           "compile_policy": rec.get("compile_policy") or AUTO_POLICY,
+    # spec is normalized (every key there); what the run's record lacks is left out, and normalize below
+    # fills in its one default (runs/spec.py)
+    new = {"run": rid, "resume": rid, "kind": rec.get("kind"), "target": spec["target"],
+           "gpus": rec.get("gpus") if spec["gpus"] is None else spec["gpus"],
+           "gpu_ids": spec["gpu_ids"], "target_gpus": spec["target_gpus"],
+           "topology": rec.get("topology"), "compile_policy": rec.get("compile_policy"),
            "workers": rec.get("workers"), "extra": list(rec.get("extra_args") or []),
            "config_file": (rec.get("config") or {}).get("file"),
-           "name": spec.get("name") or rec.get("name"), "controller": spec.get("controller"),
-           "nodes": spec.get("nodes"), "user_env": spec.get("user_env")}
+           "name": spec["name"] or rec.get("name"), "controller": spec["controller"],
+           "nodes": spec["nodes"], "user_env": spec["user_env"]}
+    new = {k: v for k, v in new.items() if v is not None and v != ""}
     was = list((rec.get("nodes") or {}).get("targets") or [])     # a job over several nodes: all of them
-    now = list((spec.get("nodes") or {}).get("targets") or [])
+    now = list((spec["nodes"] or {}).get("targets") or [])
     if was != now:
         refuse("not_resumable", "run %s ran on %s; resume it on the same target(s), in the same order"
                % (rid, ",".join(was) or rec.get("target") or "one target"),

@@ -26,11 +26,11 @@ def receive(stream, runs_dir, spec):
     """Read spec["files"] from `stream` into a new runs/.upload-RUN-PID folder: its path, or None
     without files. Files other than the kind's inputs are refused ("bad_upload") before a byte is
     read; a short stream or a hash that differs fails the launch; a full disk refuses it."""
-    files = spec.get("files") or []
+    files = spec["files"]     # spec is normalized (runs/spec.py): every key is there
     names, inputs = sorted(str(f.get("name")) for f in files), sorted(kind_of(spec)["inputs"])
     if names != inputs:
         refuse("bad_upload", "a %s run takes %s; this launch sent %s" % (
-            spec.get("kind") or "train", ", ".join(inputs) or "no files", ", ".join(names) or "none"))
+            spec["kind"], ", ".join(inputs) or "no files", ", ".join(names) or "none"))
     sweep_dead(runs_dir, UPLOAD)    # uploads of launches whose agent is gone
     if not files:
         return None
