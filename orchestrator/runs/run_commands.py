@@ -309,6 +309,8 @@ def _state_text(r: dict) -> str:
     if r["state"] == "failed" and ex.get("exit_code") is not None:
         return f"failed (exit {ex['exit_code']})"
     if r["state"] == "failed" and ex.get("lost"):
+        # a full disk; "failed (lost)": a record written by an agent from before runs with no exit
+        # status had their own state, `lost` (a release deployed earlier keeps its records)
         return "failed (disk full)" if ex.get("disk_full") else "failed (lost)"
     if r["state"] == "lost":      # gone with no exit status: with its container, when the agent could tell
         return "lost (ended with its container)" if ex.get("container_restarted") else "lost"
