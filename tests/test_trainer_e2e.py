@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--target", "tiny", "--data", "synthetic", "--steps", "200", "--lr", "5e-3", "--batch-size", "8",
        "--block-size", "8", "--anchors", "16", "--synthetic-samples", "768", "--synthetic-new-tokens", "64",
        "--draft-layers", "2", "--cpu-threads", "1", "--eval-prompts", "8", "--eval-new-tokens", "64",
-       "--eval-at-start", "--log-every", "10", "--checkpoint-every", "100", "--adam-beta2", "0.95"]
+       "--eval-at-start", "--log-every", "10", "--checkpoint-every", "100", "--adam-beta2", "0.95",
+       # one eval mid-run, not auto's nine (each ~2 s on a CPU): the run still stops to measure tau and trains on
+       "--eval-every", "100"]
 STEP_KEYS = {"step", "loss", "accuracy", "acc_per_position", "lr", "grad_norm", "tokens_per_s", "samples_per_s"}
 
 
@@ -39,6 +41,7 @@ def test_training_raises_acceptance_length(tmp_path):
     for r in steps:
         assert STEP_KEYS <= r.keys() and len(r["acc_per_position"]) == 7  # block positions 1..7
     before = next(r for r in records if r.get("event") == "eval" and r["step"] == 0)["acceptance_length"]
+    assert [r["step"] for r in records if r.get("event") == "eval"] == [0, 100]     # the baseline, then mid-run
     done = [r for r in records if r.get("event") == "done"]
     assert len(done) == 1 and done[0]["step"] == 200
     after = done[0]["acceptance_length"]
