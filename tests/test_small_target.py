@@ -234,7 +234,8 @@ def test_a_row_the_tokenizer_refuses_is_skipped_not_fatal(target, monkeypatch):
 def test_a_row_longer_than_the_targets_context_is_skipped_counted_and_a_resume_completes(cache, tmp_path):
     """The small target's context is 4096 tokens: a row of ~16k tokens passes the pre-check (1 MB) and is
     skipped where the tokenizer renders it, one line in the file saying why; a regen that failed after
-    its first batch resumes to the file of an uninterrupted run, and the trainer's reader passes over it."""
+    its first batch resumes to the file of an uninterrupted run (that one written in this process, as
+    `uninterrupted` below), saying what it skipped, and the trainer's reader passes over it."""
     from trainer.run import data
 
     prompts = _prompts(tmp_path / "p.jsonl", 4)
@@ -244,17 +245,20 @@ def test_a_row_longer_than_the_targets_context_is_skipped_counted_and_a_resume_c
     prompts.write_text("\n".join(lines) + "\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     whole = tmp_path / "whole.jsonl"
-    r = subprocess.run(_regen_cmd(prompts, whole), env=env, capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
-    assert "regen: warning: input line 3 skipped: its prompt is " in r.stderr and "1 rows skipped" in r.stderr
-    doc = json.loads(r.stdout.splitlines()[-1])
+    said: list[str] = []
+    doc = _regen_here(prompts, whole, said.append)
+    assert any(line.startswith("regen: warning: input line 3 skipped: its prompt is ") for line in said), said
     assert doc["skipped"] == 1 and doc["written"] == 4
     cut = tmp_path / "cut.jsonl"
     r = subprocess.run(_regen_cmd(prompts, cut), env={**env, "DFLASH_TRAINER_FAULTS": "regen_batch=1"},
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 1 and cut.read_bytes().count(b"\n") == 2, r.stderr
     r = subprocess.run(_regen_cmd(prompts, cut), env=env, capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0 and "input line 3 skipped" in r.stderr, r.stderr
+    assert r.returncode == 0, r.stderr
+    # the program says the skipped row (its line is in the resumed batch) and counts it
+    assert "regen: warning: input line 3 skipped: its prompt is " in r.stderr and "1 rows skipped" in r.stderr
+    doc = json.loads(r.stdout.splitlines()[-1])
+    assert (doc["resumed_at"], doc["written"], doc["skipped"]) == (2, 2, 1)
     assert cut.read_bytes() == whole.read_bytes()
     row = json.loads(whole.read_text().splitlines()[2])
     assert set(row) == {"line", "skipped"}
@@ -275,50 +279,36 @@ def _regen_cmd(prompts: Path, out: Path) -> list[str]:
             "--out", str(out), "--max-new-tokens", "8", "--batch-size", "2"]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(cache, tmp_path_factory):
-    """10 prompts and what one regen that ran through wrote for them: the file the interrupted regens
-    below must end with. Written in this process (regen's own function, one thread as the programs
-    below, whose OMP_NUM_THREADS=1 regen keeps): no torch start-up of its own."""
-    folder = tmp_path_factory.mktemp("uninterrupted")
-    prompts = _prompts(folder / "p.jsonl", 10)
-    whole = folder / "whole.jsonl"
-    # One thread, set here: under xdist another module's test may run on this worker between this
-    # module's `cache` fixture and this one, and leave torch's thread count where it found it.
+def _regen_here(prompts: Path, out: Path, log) -> dict:
+    """What `_regen_cmd` writes, by regen's own function in this process (no torch start-up of its own): one
+    thread, as the programs, whose OMP_NUM_THREADS=1 regen keeps. Set here: under xdist another module's
+    test may run on this worker between this module's `cache` fixture and the caller, and leave torch's
+    thread count where it found it."""
     old_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        regen.regen("small-code-smoke", str(prompts), str(whole), max_new_tokens=8, batch_size=2,
-                    log=lambda s: None)
+        return regen.regen("small-code-smoke", str(prompts), str(out), max_new_tokens=8, batch_size=2, log=log)
     finally:
         torch.set_num_threads(old_threads)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cache, tmp_path_factory):
+    """10 prompts and what one regen that ran through wrote for them: the file the interrupted regen
+    below must end with."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    prompts = _prompts(folder / "p.jsonl", 10)
+    whole = folder / "whole.jsonl"
+    _regen_here(prompts, whole, lambda s: None)
     return prompts, whole
 
 
-def test_a_killed_regen_resumes_to_the_same_file(uninterrupted, tmp_path):
-    prompts, whole = uninterrupted
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cut = tmp_path / "cut.jsonl"
-    p = subprocess.Popen(_regen_cmd(prompts, cut), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         cwd=ROOT)
-    deadline = time.time() + 120
-    while time.time() < deadline and (not cut.exists() or cut.read_bytes().count(b"\n") < 2):
-        time.sleep(0.02)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    with cut.open("ab") as f:  # as if killed in the middle of a write
-        f.write(b'{"line": 99, "mess')
-    done = cut.read_bytes().count(b"\n")
-    assert 2 <= done < 10, "the kill should land halfway"
-    r = subprocess.run(_regen_cmd(prompts, cut), env=env, check=True, capture_output=True, text=True, cwd=ROOT)
-    assert json.loads(r.stdout.splitlines()[-1])["resumed_at"] == done - done % 2
-    assert cut.read_bytes() == whole.read_bytes()
-
-
-def test_a_second_regen_of_the_same_out_is_refused_and_the_killed_one_is_taken_over(uninterrupted, tmp_path):
+def test_a_second_regen_of_the_same_out_is_refused_and_a_killed_one_is_taken_over_and_resumed(uninterrupted,
+                                                                                                tmp_path):
     """A regen still writing (its wrapper gone, say) and a resume of the same --out typed by hand: the
-    second is refused in one line naming the first; once the first is killed, the next takes its lock
-    over, says so, and the file holds the rows of one uninterrupted run."""
+    second is refused in one line naming the first. The first is then killed, as if in the middle of a
+    write (a torn last line after its whole batches); the next takes its lock over, says so, cuts the torn
+    line back to whole batches and resumes there, and the file holds the rows of one uninterrupted run."""
     prompts, whole = uninterrupted
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "out.jsonl"
@@ -334,10 +324,15 @@ def test_a_second_regen_of_the_same_out_is_refused_and_the_killed_one_is_taken_o
         assert f"another writer holds it (pid {first.pid})" in r.stderr and f"`kill {first.pid}`" in r.stderr
         assert out.read_bytes().count(b"\n") == 2           # the refused one wrote nothing
     finally:
-        first.kill()
+        first.send_signal(signal.SIGKILL)
         first.wait()
+    with out.open("ab") as f:  # as if killed in the middle of a write
+        f.write(b'{"line": 99, "mess')
+    done = out.read_bytes().count(b"\n")
+    assert 2 <= done < 10, "the kill should land halfway"
     r = subprocess.run(_regen_cmd(prompts, out), env=env, check=True, capture_output=True, text=True, cwd=ROOT)
     assert f"its previous writer (pid {first.pid}) died holding the lock; taken over" in r.stderr
+    assert json.loads(r.stdout.splitlines()[-1])["resumed_at"] == done - done % 2
     assert out.read_bytes() == whole.read_bytes() and not (tmp_path / ".out.jsonl.lock").exists()
 
 
