@@ -30,7 +30,7 @@ def data(tmp_path_factory) -> Path:
     return path
 
 
-def gate(data: Path, out: Path, *extra: str, env: dict | None = None, steps: int = 150):
+def gate(data: Path, out: Path, *extra: str, env: dict | None = None, steps: int = 60):
     r = subprocess.run([sys.executable, "-m", "trainer.gate", "--target", "tiny", "--data", str(data), "--steps",
                         str(steps), "--new-tokens", "24", "--gpus", "0", "--out", str(out), "--", *TRAIN, *extra],
                        cwd=ROOT, env=subprocess_env(**(env or {})), capture_output=True, text=True, timeout=300)
@@ -39,25 +39,22 @@ def gate(data: Path, out: Path, *extra: str, env: dict | None = None, steps: int
 
 
 def test_a_working_pipeline_passes_with_the_whole_block_accepted_by_every_decoder(data, tmp_path):
-    r, doc = gate(data, tmp_path / "g")
+    """Here on a row longer than the run's --seq-len, which keeps the end of its prompt and passes. Cut by
+    --seq-len, the row's last tokens would never be trained and their drafts rejected: a sound pipeline
+    would fail. The prompt gives up its first tokens instead, and says so. (A row that fits is neither cut
+    nor said to be: the next test's run.)"""
+    r, doc = gate(data, tmp_path / "g", "--seq-len", "30")
     assert r.returncode == 0 and doc["passed"], r.stderr[-2000:]
+    assert doc["row_tokens"] == {"prompt": 6, "continuation": 24}
+    assert "[gate] row: its prompt keeps its last 6 of 8 tokens, so that prompt and continuation fit --seq-len 30" \
+        in r.stderr
     d = doc["decode"]
     assert d["decoders"] == ["eager", "graphs", "reference"]
     assert all(n == 4 for n in d["rounds"][:-1]) and d["tau"] > 3.5
     assert doc["train"]["last_loss"] < doc["train"]["first_loss"] / 10
     stages = [line.split(":")[0] for line in r.stderr.splitlines() if line.startswith("[gate] ")]
-    assert stages[:4] == ["[gate] row", "[gate] train", "[gate] train", "[gate] export"]
+    assert stages == ["[gate] row"] * 2 + ["[gate] train"] * 2 + ["[gate] export", "[gate] decode", "[gate] PASSED"]
     assert "PASSED: every round accepted the whole block of 4" in r.stderr
-
-
-def test_a_row_longer_than_the_runs_seq_len_keeps_the_end_of_its_prompt_and_passes(data, tmp_path):
-    """Cut by --seq-len, the row's last tokens would never be trained and their drafts rejected: a sound
-    pipeline would fail. The prompt gives up its first tokens instead, and says so."""
-    r, doc = gate(data, tmp_path / "g", "--seq-len", "28")
-    assert r.returncode == 0 and doc["passed"], r.stderr[-2000:]
-    assert doc["row_tokens"] == {"prompt": 4, "continuation": 24}
-    assert "[gate] row: its prompt keeps its last 4 of 8 tokens, so that prompt and continuation fit --seq-len 28" \
-        in r.stderr
 
 
 def test_an_export_with_the_wrong_mask_token_fails_at_decode(data, tmp_path):
@@ -65,6 +62,10 @@ def test_an_export_with_the_wrong_mask_token_fails_at_decode(data, tmp_path):
     assert r.returncode == 1 and not doc["passed"] and doc["failed"] == "decode", r.stderr[-2000:]
     assert "FAILED at decode:" in r.stderr and "Traceback" not in r.stderr
     assert doc["train"]["last_loss"] < doc["train"]["first_loss"] / 10     # training itself looked fine
+    # the row fits the run's --seq-len: its whole prompt is trained on and decoded, nothing said of a cut
+    assert doc["row_tokens"] == {"prompt": 8, "continuation": 24}
+    stages = [line.split(":")[0] for line in r.stderr.splitlines() if line.startswith("[gate] ")]
+    assert stages[:5] == ["[gate] row", "[gate] train", "[gate] train", "[gate] export", "[gate] decode"]
 
 
 def test_a_run_that_does_not_learn_fails_at_train_and_bad_input_is_one_line(data, tmp_path):
