@@ -1,8 +1,11 @@
 """A compile policy must train the same model as eager: the verdict's pieces, and the trainer's guard.
 
 The wrong policies are the trainer's test-only ones (trainer/policies.py, the fault point test_policies):
-`test-drop-first-grad` is inductor whose first loss carries no gradient (the loss value is right),
+`test-drop-first-grad` is a module whose first loss carries no gradient (the loss value is right),
 the shape of what inductor's non-tree CUDA graphs did on the H200; `test-frozen` drops every gradient.
+They wrap the uncompiled module: the guard checks them because they are not `eager`, and what is
+checked is the wrong gradient, not how it was computed; inductor's own compiled step is the guard's
+passing case below.
 """
 from __future__ import annotations
 
@@ -20,9 +23,10 @@ from trainer_quick import metrics  # noqa: E402
 from test_trainer_topology import STEPS, python_m_trainer  # noqa: E402
 
 TEST_POLICIES = faults.env(test_policies="1")
-# The compiled runs below train at the probe's CPU shape (2 workers or ranks, one row each): the same
-# graphs as the probe's cases, which tests/test_probe_program.py compiles into the session's one inductor
-# cache (tests/conftest.py), so these find them there instead of compiling them cold a second time.
+# The runs below train at the probe's CPU shape (2 workers or ranks, one row each): the inductor run
+# compiles the same graphs as the probe's inductor case, which tests/test_probe_program.py compiles into
+# the session's one inductor cache (tests/conftest.py), so it finds them there instead of compiling them
+# cold a second time.
 _S = CPU_SHAPE
 PROBE_SHAPE = ["--draft-layers", str(_S.draft_layers), "--block-size", str(_S.block_size), "--anchors", str(_S.anchors),
                "--batch-size", str(2 * _S.rows_per_worker), "--synthetic-prompt-len", str(_S.seq_len // 4),
@@ -120,7 +124,7 @@ def test_the_guard_stops_a_wrong_policy_in_ddp_ranks(tmp_path):
 @pytest.mark.slow
 def test_skip_compile_guard_trains_whatever_the_policy_computes(tmp_path):
     out = tmp_path / "skipped"
-    # 2 workers at the probe's shape, as the first test's wrong run: the same graphs, which the cache holds
+    # 2 workers at the probe's shape, as the first test's wrong run
     p = python_m_trainer(out, "--steps", "2", *PROBE_SHAPE, "--workers", "2",
                          "--compile-policy", "test-drop-first-grad",
                          "--skip-compile-guard", env=TEST_POLICIES, timeout=600)

@@ -63,13 +63,16 @@ _RECIPES: dict[str, dict[str, Any]] = {
 # deliberately WRONG compiled paths, so that tests can show the probe's numerics verdict and the
 # trainer's first-step guard reject a policy that runs but computes something else, as inductor's
 # non-tree CUDA graphs did on the H200 (right loss, wrong first gradient; docs/probe-h200.md).
-#   test-drop-first-grad  inductor, but the first call's loss carries no gradient
-#   test-frozen           inductor, but no call's loss carries a gradient (weights never train)
+#   test-drop-first-grad  the first call's loss carries no gradient
+#   test-frozen           no call's loss carries a gradient (weights never train)
+# They wrap the UNCOMPILED module (_DropGrad works from outside, so what it wraps is not what is tested;
+# compiling it only cost the tests a compile per run): the verdict and the guard go by the policy not
+# being eager (Replica.compiled), and the compiled path in threads and ranks is the `inductor` policy's.
 _TEST_RECIPES: dict[str, dict[str, Any]] = {
-    "test-drop-first-grad": {"mode": "default", "options": None, "cuda": False, "drop": "first",
-                             "notes": "test only: inductor whose first gradient is dropped"},
-    "test-frozen": {"mode": "default", "options": None, "cuda": False, "drop": "all",
-                    "notes": "test only: inductor whose gradients are all dropped"},
+    "test-drop-first-grad": {"mode": None, "options": None, "cuda": False, "drop": "first",
+                             "notes": "test only: the eager module, its first gradient dropped"},
+    "test-frozen": {"mode": None, "options": None, "cuda": False, "drop": "all",
+                    "notes": "test only: the eager module, all its gradients dropped"},
 }
 
 # Dynamo's defaults, per device: recompile_limit 8, accumulated_recompile_limit 256.
@@ -240,6 +243,8 @@ def compile_module(module, policy: str, *, n_devices: int = 1):
     recipe = _recipe(policy)
     if policy == "eager":
         return module
+    if recipe.get("drop"):          # the test-only wrong policies: no compile (see _TEST_RECIPES)
+        return _DropGrad(module, recipe["drop"])
     import torch
 
     if recipe["cuda"] and not torch.cuda.is_available():
@@ -250,8 +255,7 @@ def compile_module(module, policy: str, *, n_devices: int = 1):
         # Options, not global config: from 2.12 config set outside the compiling thread is not
         # seen (pytorch#186537), and before 2.12 config.patch is not thread-safe.
         return torch.compile(module, options=dict(recipe["options"]))
-    fn = torch.compile(module) if recipe["mode"] == "default" else torch.compile(module, mode=recipe["mode"])
-    return _DropGrad(fn, recipe["drop"]) if recipe.get("drop") else fn
+    return torch.compile(module) if recipe["mode"] == "default" else torch.compile(module, mode=recipe["mode"])
 
 
 class _DropGrad:
