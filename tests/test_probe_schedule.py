@@ -176,10 +176,10 @@ def test_a_probe_stopped_by_sigterm_kills_its_running_cases_and_reports_what_it_
     p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ, DFLASH_TEST_MARK=mark.decode().split("=", 1)[1]))
     err = []
-    for line in p.stderr:                          # SIGTERM once the second case has started
+    for line in p.stderr:                          # SIGTERM once the second case is running
         err.append(line)
         if "inductor threads x2: starting" in line:
-            time.sleep(2)
+            _wait_for_a_running_case(mark, p.pid)
             p.terminate()
             break
     out, rest = p.communicate(timeout=120)
@@ -190,6 +190,25 @@ def test_a_probe_stopped_by_sigterm_kills_its_running_cases_and_reports_what_it_
     assert (inductor["outcome"], inductor["error"]) == ("timeout", "the probe was stopped during this case")
     assert len(list((tmp_path / "probe-cache").iterdir())) == 1          # eager's verdict kept, not the stopped one
     assert not _marked(mark), "a case process outlived the probe"
+
+
+def _wait_for_a_running_case(mark: bytes, probe: int, cpu_s: float = 0.5, limit_s: float = 120) -> None:
+    """Until a case process (marked, not the probe, `--case` in its command line: past its exec) has
+    used `cpu_s` of CPU: it is running its case, long since registered with the probe."""
+    deadline = time.monotonic() + limit_s
+    tick = os.sysconf("SC_CLK_TCK")
+    while time.monotonic() < deadline:
+        for pid in _marked(mark):
+            try:
+                if pid == probe or b"--case" not in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                    continue
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if (int(stat[11]) + int(stat[12])) / tick >= cpu_s:    # utime + stime
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"no case process ran {cpu_s} s of CPU within {limit_s} s")
 
 
 def _marked(mark: bytes) -> list[int]:
