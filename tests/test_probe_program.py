@@ -167,24 +167,16 @@ def test_save_result_keeps_history(tmp_path):
 
 # ---- the real program, on this machine ------------------------------------------------------
 
-# `python -m trainer.probe` as -m runs it (runpy: its __main__), with the heartbeat every second instead of
-# every 10 s, so test_probe_progress_and_saved_choice sees one on any machine, not only where a case
-# happens to take longer than 10 s (the wrong policy's cases no longer compile, and on a quiet machine
-# none may). Nothing else of the program is touched: the same main, cases, processes and run_isolated.
-BEAT_EVERY_SECOND = ("import functools, runpy\n"
-                     "from trainer.probe import case_watch, program\n"
-                     "program.run_isolated = functools.partial(case_watch.run_isolated, beat_s=1.0)\n"
-                     "runpy.run_module('trainer.probe', run_name='__main__', alter_sys=True)\n")
-
-
 @pytest.fixture(scope="module")
 def probe_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("probe-workdir")
-    cmd = [sys.executable, "-c", BEAT_EVERY_SECOND, "--threads", "2",
+    cmd = [sys.executable, "-m", "trainer.probe", "--threads", "2",
            "--policies", "eager,inductor,test-drop-first-grad,reduce-overhead",
            "--steps", "3", "--workdir", str(workdir), "--expect", json.dumps({"torch": ">=2.5"}),
            "--topologies", "threads,processes"]   # (threads alone is the default on a CPU)
-    env = dict(os.environ, **faults.env(test_policies="1"))
+    # the heartbeat every second, not every 10 s: test_probe_progress_and_saved_choice sees one on any
+    # machine, not only where a case happens to run longer than 10 s
+    env = dict(os.environ, **faults.env(test_policies="1", probe_beat_s="1"))
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     return SimpleNamespace(doc=json.loads(p.stdout), stderr=p.stderr, workdir=workdir)
@@ -243,7 +235,7 @@ def test_probe_runs_the_matrix_for_real(probe_run):
 def test_probe_progress_and_saved_choice(probe_run):
     talk = [ln for ln in probe_run.stderr.splitlines() if ln.startswith("probe: [")]
     lines = [ln for ln in talk if not ln.endswith(": starting") and ": running, " not in ln]
-    # a heartbeat while a case runs, naming its phase (every second here: BEAT_EVERY_SECOND)
+    # a heartbeat while a case runs, naming its phase (every second here: the fixture's probe_beat_s)
     beats = [ln.split(": running, ")[1].split(" (")[0] for ln in talk if ": running, " in ln]
     assert beats and set(beats) <= {"import", "compile", "teacher-forced", "timed", "verdict"}, talk
     # (the cases skipped at once, reduce-overhead's on a CPU, say so before the others have run)
@@ -259,7 +251,7 @@ def test_probe_progress_and_saved_choice(probe_run):
 
 
 def test_probe_refuses_bad_arguments(capsys):
-    # in this process: `python -m trainer.probe` is main() (the fixture above runs it as -m does), and
+    # in this process: `python -m trainer.probe` is main() (the fixture above runs it as a program), and
     # these end in argparse's exit 2 before anything runs
     for argv, said in ((["--policies", "eager,warp"], "unknown warp"), (["--expect", "[1]"], "must be a JSON object")):
         with pytest.raises(SystemExit) as e:

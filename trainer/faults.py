@@ -18,6 +18,8 @@ The points (NAME=VALUE):
   step_pause=AFTER:S      after step AFTER, the training loop sleeps S seconds before each step (a test's run
                           that only has to keep running leaves the cores to the test's other processes)
   test_policies=1         the test-only compile policies are known (trainer/policies.py)
+  probe_beat_s=S          the probe's heartbeat every S seconds, not every 10 (a test sees one however fast
+                          its cases run)
   export_mask_shift=1     the export writes the next token's id as the mask token's (a broken pipeline for the gate)
 
 Torch-free at import (the config and the policy names import it).
@@ -29,7 +31,7 @@ import time
 
 ENV = "DFLASH_TRAINER_FAULTS"
 POINTS = ("fail_worker", "diverge", "pause_in_checkpoint", "test_policies", "regen_batch", "specdec_differ",
-          "step_pause", "export_mask_shift", "export_corrupt")
+          "step_pause", "export_mask_shift", "export_corrupt", "probe_beat_s")
 
 
 def _check(points: dict[str, str]) -> None:

@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Sequence
 
+from trainer import faults
 from trainer.procs import descendants
 
 CASE_MARK = "@@dflash-probe-case@@ "
@@ -41,7 +42,7 @@ _NO_MODULE = re.compile(r"No module named '([\w.]+)'")
 
 
 def run_isolated(cmd: list[str], timeout: float, *, cwd: str | None = None, env: dict | None = None,
-                 on_beat=None, beat_s: float = BEAT_S, control=None) -> dict:
+                 on_beat=None, beat_s: float | None = None, control=None) -> dict:
     """Run `cmd` in its own process group with stdout+stderr merged; on timeout kill it and every
     process under it (the case, its compile workers, torchrun's ranks). Returns the case result
     line (if printed), exit code (negative: killed by that signal; None on timeout), output without
@@ -49,7 +50,11 @@ def run_isolated(cmd: list[str], timeout: float, *, cwd: str | None = None, env:
 
     `control` (schedule.Control, when cases run side by side): told when the process starts, each
     phase and the end; the seconds it held the case (waiting to start while another was timed,
-    stopped while another was timed, or waiting for its own turn) do not count against `timeout`."""
+    stopped while another was timed, or waiting for its own turn) do not count against `timeout`.
+    The heartbeat comes every `beat_s` (BEAT_S; a test's fault point probe_beat_s sets it for the whole
+    program, so that it sees one however fast its cases are)."""
+    if beat_s is None:
+        beat_s = float(faults.value("probe_beat_s") or BEAT_S)
     with control.launch() if control else _nothing() as register:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 cwd=cwd, env=env, start_new_session=True)
