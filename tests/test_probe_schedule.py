@@ -248,3 +248,18 @@ def test_a_hung_timed_phase_lets_the_others_go_on_and_a_queued_case_keeps_its_wh
     assert not results["queued"]["timed_out"] and results["queued"]["result"]["ok"], results["queued"]
     assert _ticks(tmp_path / "queued.ticks")[0] - wall0 < 2.5     # it ran beside the overrun phase, not after it
     assert records["queued"]["alone"] and records["queued"]["timed_at"][0] > 3    # its own turn: after hung's end
+
+
+def test_a_case_whose_process_starts_after_the_probe_was_stopped_is_killed_at_once():
+    """run_all's stop halts every running case; one still in its Popen then has no pid to kill. Its
+    registration kills it instead, so no case runs on past the probe."""
+    ctl = schedule.Control(None, "eager threads x2", "case-0.go")
+    ctl.halt()      # the stop, before the case's process existed
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        with ctl.launch() as register:
+            register(proc.pid)
+        assert proc.wait(timeout=120) == -9 and ctl.halted
+    finally:
+        proc.kill()
+        proc.wait()

@@ -147,7 +147,18 @@ class Control:
             self.turns.running.append(self)
 
     def _register(self, pid: int) -> None:
-        self.pid = pid
+        with self.lock:
+            self.pid, halted = pid, self.halted
+        if halted:      # the probe was stopped while this case's process was being started
+            kill_tree(pid)
+
+    def halt(self) -> None:
+        """The probe was stopped: the case's processes are killed, now or as soon as it has one (a stop
+        between its Popen and its registration would otherwise leave it running)."""
+        with self.lock:
+            self.halted, pid = True, self.pid
+        if pid is not None:
+            kill_tree(pid)
 
     def on_phase(self, phase: str) -> None:
         if self.turns is None:
@@ -290,9 +301,7 @@ def run_all(items: list, jobs: int, run_one, started: float | None = None, name=
     except BaseException:
         stopped = list(running)
         for ctl in list(running.values()):
-            ctl.halted = True
-            if ctl.pid is not None:
-                kill_tree(ctl.pid)
+            ctl.halt()
         for t in threads:
             t.join(timeout=10)
         raise Interrupted(results, stopped) from None
