@@ -14,6 +14,7 @@ soon as its job trains.
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -84,15 +85,21 @@ def _freeze_b(job: Job) -> None:
         os.kill(pid, signal.SIGSTOP)
 
 
-def _freeze_b_rank_then_stop_a(job: Job) -> None:
+def _freeze_b_rank(job: Job) -> None:
     job.frozen = children(job.nodes[1].pid)
     for pid in job.frozen:
         os.kill(pid, signal.SIGSTOP)
-    time.sleep(2)                         # node A's rank is now blocked in a collective with rank 1
+
+
+def _stop_a(job: Job) -> None:
     job.nodes[0].send_signal(signal.SIGTERM)
 
 
-SCENARIOS = {"killed": _kill_b_rank, "frozen": _freeze_b, "stopped": _freeze_b_rank_then_stop_a}
+# Each scenario's fault: its acts, each (seconds after the previous one, act); its time is its last act's.
+# "stopped": 2 s after node B's rank froze, node A's rank is blocked in a collective with rank 1 (the
+# other jobs are watched meanwhile: the wait holds up only its own job).
+SCENARIOS = {"killed": [(0, _kill_b_rank)], "frozen": [(0, _freeze_b)],
+             "stopped": [(0, _freeze_b_rank), (2, _stop_a)]}
 
 
 @pytest.fixture(scope="module")
@@ -100,15 +107,22 @@ def ended(tmp_path_factory):
     """Each scenario's (node A's exit status, seconds from the fault to its end, node A's log)."""
     tmp = tmp_path_factory.mktemp("jobs")
     jobs = {name: Job(tmp, name) for name in SCENARIOS}
-    faulted: dict[str, float] = {}
+    acts = {name: list(acts) for name, acts in SCENARIOS.items()}   # each scenario's acts still to do
+    last_act: dict[str, float] = {}                                 # when each scenario did its last act
+    faulted: dict[str, float] = {}                                  # ... once it has done them all
     results: dict[str, tuple] = {}
     try:
         deadline = time.monotonic() + 180
         while len(results) < len(jobs) and time.monotonic() < deadline:
             for name, job in jobs.items():
-                if name not in faulted and job.training():
-                    SCENARIOS[name](job)
-                    faulted[name] = time.monotonic()
+                if name not in faulted and (name in last_act or job.training()):
+                    after, act = acts[name][0]
+                    if time.monotonic() - last_act.get(name, -math.inf) >= after:
+                        act(job)
+                        acts[name].pop(0)
+                        last_act[name] = time.monotonic()
+                        if not acts[name]:
+                            faulted[name] = last_act[name]
                 elif name in faulted and name not in results:
                     code = job.nodes[0].poll()
                     if code is not None or time.monotonic() - faulted[name] > ENDS_WITHIN_S + 30:
