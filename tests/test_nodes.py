@@ -153,6 +153,11 @@ class Cluster:
         self.launched.append(r.stdout.decode().strip())
         return self.launched[-1]
 
+    def ended(self, run: str) -> None:
+        """`run` is shown to have ended: nothing of it is left to stop (each stop costs a connection
+        to both nodes)."""
+        self.launched.remove(run)
+
     def stop_leftovers(self) -> None:
         """Kill whatever a failed test left running, so that the next test's launch is not refused
         for a busy slot (one failure stays one)."""
@@ -222,6 +227,7 @@ def test_two_nodes_train_one_job_to_the_weights_of_one_node(cluster, tmp_path):
     finally:
         follow.kill()
     assert follow.returncode == 0, err[-3000:]
+    cluster.ended(run)
     # each node's lines, led by the node: the launchers' as [node], the ranks' as [node/rankN]
     # (rank 0's metrics included; which node runs rank 0 is the rendezvous' choice; the other
     # ranks log nothing in a healthy run)
@@ -328,6 +334,7 @@ def test_stop_ends_both_nodes_with_a_checkpoint_the_run_resumes_and_a_killed_nod
     r = cluster.cli("status", "pair", "--json")                    # nothing left running on either node
     row = next(x for x in json.loads(r.stdout)["runs"] if x["run"] == run)
     assert row["state"] == "failed" and {n["state"] for n in row["nodes"]} == {"failed"}
+    cluster.ended(run)
 
 
 def test_a_launch_refused_on_one_node_is_undone_on_the_other(cluster, tmp_path):
@@ -405,5 +412,6 @@ def test_ranks_that_cannot_meet_end_the_job_within_the_mesh_timeout(cluster, tmp
     logs = cluster.cli("logs", "ct200", run, inventory=path, timeout=170)
     out, err = logs.stdout.decode(), logs.stderr.decode()
     assert logs.returncode == 100 and time.monotonic() - start < 150, err[-3000:]
+    cluster.ended(run)
     assert f"run {run}: failed on 2 nodes" in err and "first failure: ct300/rank1: " in err, err[-3000:]
     assert "[ct200/rank0] [trainer] rank 0: ending (exit 3): rank 1 (node 10.213." in out, out[-3000:]
