@@ -58,8 +58,7 @@ def test_an_agent_killed_after_the_run_started_is_a_launch_that_ran(inv_path):
     assert busy.returncode == 1 and f"in use by run {run}" in busy.stderr.decode()
     assert cli(inv_path, "stop", "ct200", run, "--force").returncode == 0
     again = launch(inv_path)
-    assert again.returncode == 0, again.stderr.decode()
-    cli(inv_path, "stop", "ct200", again.stdout.decode().strip(), "--force")
+    assert again.returncode == 0, again.stderr.decode()     # fakepct's teardown stops CT 200: its run with it
 
 
 def test_an_agent_killed_before_the_run_started_says_nothing_runs(inv_path):
@@ -72,8 +71,7 @@ def test_an_agent_killed_before_the_run_started_says_nothing_runs(inv_path):
     assert row["state"] == "failed" and row["exit"]["started"] is False
     assert "failed (never started)" in cli(inv_path, "status", "ct200").stdout.decode()
     ok = launch(inv_path)
-    assert ok.returncode == 0, ok.stderr.decode()
-    cli(inv_path, "stop", "ct200", ok.stdout.decode().strip(), "--force")
+    assert ok.returncode == 0, ok.stderr.decode()     # fakepct's teardown stops CT 200: its run with it
 
 
 def test_a_trainer_without_its_supervisor_is_shown_and_keeps_its_slot(inv_path):
