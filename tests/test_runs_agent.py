@@ -27,14 +27,14 @@ def test_the_joined_program_answers_usage_and_unknown_commands(tmp_path):
 
 def test_launch_returns_at_once_and_records_the_run(wd, tmp_path):
     cfg = tmp_path / "my.yaml"
-    start = time.monotonic()
     # capture_output: if the detached supervisor kept the pipes, this would hang (docs/background.md#pct)
-    # (a launch held by the run's pipes would return when the run ends, after 40 s or more)
+    # (a launch held by the run's pipes would return when the run ends, after 40 s or more): launch
+    # returns while the run it started is still running, before its exit.json.
     doc = launch(wd, "r-a", extra=["--steps", "2000", "--sleep", "0.02"], config_text="steps: 3\n",
                  config_name=cfg.name, target="ct200")
-    assert time.monotonic() - start < 30
-    assert doc["ok"] and doc["pid"] > 0 and doc["slots"] == ["cpu"] and doc["commit"] == "abc1234"
     run = wd / "runs" / "r-a"
+    assert not (run / "exit.json").exists() and not _gone(doc["pid"]), "launch waited for the run to end"
+    assert doc["ok"] and doc["pid"] > 0 and doc["slots"] == ["cpu"] and doc["commit"] == "abc1234"
     rec = _json(run / "run.json")
     assert rec["pid"] == doc["pid"] == int((run / "pid").read_text())
     assert rec["release"] == "r1" and rec["commit"] == "abc1234" and rec["compile_policy"] == "eager"
@@ -451,9 +451,7 @@ def test_a_bad_state_file_makes_its_run_unreadable_and_every_other_run_works(wd)
     launch(wd, "g-a", extra=["--steps", "1"])
     ended(wd, "g-a")
     _bad_runs(wd)
-    start = time.monotonic()
-    doc = json.loads(agent("status", wd).stdout)
-    assert time.monotonic() - start < 20
+    doc = json.loads(agent("status", wd).stdout)    # agent's timeout: a read of the FIFO would never end
     rows = {r["run"]: r for r in doc["runs"]}
     assert set(rows) == {"g-a", *BAD_RECORDS} and rows["g-a"]["state"] == "succeeded"
     for run, (_, _, reason) in BAD_RECORDS.items():
