@@ -95,7 +95,7 @@ def test_a_rendezvous_that_cannot_form_skips_the_processes_cases_at_once(monkeyp
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
     def no_socket(*a, **k):            # a bind or a connect after the name failed: what would wait
-        raise AssertionError("a socket after the hostname did not resolve")
+        raise AssertionError("the rendezvous check opened a socket: it ends at the hostname that does not resolve")
 
     monkeypatch.setattr(socket, "getaddrinfo", unresolvable)
     with monkeypatch.context() as only_here:
