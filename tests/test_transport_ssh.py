@@ -255,40 +255,39 @@ def test_a_held_stdin_stays_open_while_the_command_runs_and_an_interrupt_hangs_u
 
 
 def test_a_host_that_never_speaks_ssh_fails_fast_in_one_line(sshd, fakepct, make_inventory, tmp_path):
+    """Two targets on a host that accepts TCP and never says a word: one connection for the host, not
+    tried again (a silent server stays silent) nor once a target, each target's one line naming why.
+    The connections are counted where the kernel queues them (the listen backlog): none is lost to an
+    accept that had not run yet, and none is left out because the client already gave up on it."""
+    import re
     import socket
     import subprocess
-    import threading
-    import time
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
-    server.listen(16)
-    accepted = []
-
-    def accept():
-        while True:
-            try:
-                accepted.append(server.accept()[0])    # and never say a word
-            except OSError:
-                return
-
-    threading.Thread(target=accept, daemon=True).start()
+    server.listen(16)               # the kernel accepts the TCP handshake; nobody reads or writes
     path = make_inventory({"a": {"host": "silent", "workdir": "/tmp/x"}, "b": {"host": "silent", "workdir": "/tmp/y"}},
                           hosts={"silent": {"address": "127.0.0.1", "port": server.getsockname()[1],
                                             "connect_timeout": 2}})
     src = tmp_path / "src"
     src.mkdir()
     (src / "f.txt").write_text("x")
+    accepted = []
     try:
-        start = time.monotonic()
         r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "-i", str(path), "deploy", "a", "b",
                             "--source", str(src)], capture_output=True, text=True, timeout=60)
-        took = time.monotonic() - start
+        server.setblocking(False)
+        while True:
+            try:
+                accepted.append(server.accept()[0])
+            except BlockingIOError:
+                break
     finally:
         server.close()
         for c in accepted:
             c.close()
-    assert r.returncode == 1 and took < 5, (took, r.stdout, r.stderr)   # one 2 s budget for the host
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert len(accepted) == 1, (len(accepted), r.stdout)     # one 2 s budget for the host: one connection
     out = r.stdout + r.stderr
     assert "Traceback" not in out and "paramiko" not in out.lower() and "Exception" not in out, out
     for name in ("a", "b"):
@@ -296,7 +295,8 @@ def test_a_host_that_never_speaks_ssh_fails_fast_in_one_line(sshd, fakepct, make
         assert len(lines) == 1, r.stdout
         assert ("silent: cannot connect to root@127.0.0.1:" in lines[0]
                 and "accepts connections but no SSH server answers" in lines[0]
-                and "(gave up after 2.0 s, connect_timeout 2 s)" in lines[0]), lines[0]
+                # the seconds it measured: a loaded machine may say 2.1
+                and re.search(r"\(gave up after \d+\.\d s, connect_timeout 2 s\)", lines[0])), lines[0]
 
 
 def test_tell_all_tells_every_hold_once_within_one_deadline_through_a_second_ctrl_c():
