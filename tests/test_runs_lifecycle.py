@@ -13,7 +13,6 @@ from trainer_quick import CLI_MAIN, IDLE_RUN, tiny_run_config, wait_for
 
 from orchestrator import inventory
 from orchestrator.deploy import sync as deploy
-from orchestrator.runs import nodes
 
 REPO = Path(__file__).resolve().parent.parent
 WORKDIR = "/srv/ct/dflash"
@@ -135,7 +134,10 @@ def test_launch_detaches_then_logs_follow_to_success(ct, tmp_path):
     assert r.returncode == 102
 
 
-def test_follow_survives_dropped_connections_byte_for_byte(ct, tmp_path):
+def test_follow_survives_dropped_connections_then_stop_checkpoints_and_logs_exits_103(ct, tmp_path):
+    """A follower outlives three dropped connections, byte for byte; then `stop` (no run named: the running
+    one) ends the run mid-way: SIGTERM, a checkpoint, exit 143, state stopped, and `logs` (the follower and
+    a later one) exit 103. One run for both: the stop's half was a test of its own, with its own run."""
     ct.deploy()
     run = ct.launch(*LONG)
     out, errf = tmp_path / "follow.out", tmp_path / "follow.err"
@@ -159,8 +161,9 @@ def test_follow_survives_dropped_connections_byte_for_byte(ct, tmp_path):
         wait_for(lambda: errf.read_bytes().count(b"reconnected after") >= 3
                  and out.stat().st_size > seen + 200, what="the stream to resume")
         assert drops >= 3
-        [(_, doc)] = nodes.stop(ct.inv, ct.target, run, force=False, timeout=120.0)
-        assert doc["state"] == "stopped"
+        r = ct.cli("stop", "ct200")                      # mid-run: it trains until stopped
+        assert r.returncode == 0, r.stderr
+        assert f"run {run} stopped (SIGTERM -> exit 143".encode() in r.stdout
         code = proc.wait(timeout=180)
     finally:
         if proc.poll() is None:
@@ -170,6 +173,11 @@ def test_follow_survives_dropped_connections_byte_for_byte(ct, tmp_path):
     assert out.read_bytes() == ct.log(run), stderr       # nothing lost, nothing repeated
     assert stderr.count("reconnected after") >= 3, stderr
     assert f"run {run}: stopped" in stderr
+    assert list((ct.rundir(run) / "checkpoints").glob("step-*")), "no checkpoint written"
+    assert json.loads((ct.rundir(run) / "exit.json").read_text())["exit_code"] == 143
+    assert ct.status(run)["state"] == "stopped"
+    r = ct.cli("logs", "ct200", run)
+    assert r.returncode == 103 and f"run {run}: stopped".encode() in r.stderr
 
 
 def test_second_launch_on_busy_slot_is_refused_until_the_first_is_killed(ct):
@@ -187,20 +195,6 @@ def test_second_launch_on_busy_slot_is_refused_until_the_first_is_killed(ct):
     again = r.stdout.decode().strip()
     r = ct.cli("stop", "ct200", again, "--force")
     assert r.returncode == 0 and b"stopped" in r.stdout
-
-
-def test_stop_mid_run_checkpoints_and_logs_exits_103(ct):
-    ct.deploy()
-    run = ct.launch(*LONG)
-    wait_for(lambda: ct.steps_logged(run) >= 3, what="training steps")
-    r = ct.cli("stop", "ct200")
-    assert r.returncode == 0, r.stderr
-    assert f"run {run} stopped (SIGTERM -> exit 143".encode() in r.stdout
-    assert list((ct.rundir(run) / "checkpoints").glob("step-*")), "no checkpoint written"
-    assert json.loads((ct.rundir(run) / "exit.json").read_text())["exit_code"] == 143
-    assert ct.status(run)["state"] == "stopped"
-    r = ct.cli("logs", "ct200", run)
-    assert r.returncode == 103 and f"run {run}: stopped".encode() in r.stderr
 
 
 def test_sigsegv_is_a_failure_named_segfault(ct):
@@ -235,21 +229,6 @@ def test_a_stopped_container_is_a_clear_error_not_a_retry_loop(ct):
         r = ct.cli(*args)
         assert r.returncode == 1 and b"container 200" in r.stderr, (args, r.stderr)
         assert time.monotonic() - start < 30 and b"Traceback" not in r.stderr
-
-
-def test_a_run_id_after_double_dash_is_never_an_option(ct):
-    ct.deploy()
-    run = ct.launch(*LONG)
-    for args in (("stop", "ct200", "--", "--force"), ("logs", "ct200", "--", "--no-follow"),
-                 ("logs", "--", "--no-follow"), ("stop", "ct200", "--", "-9")):
-        r = ct.cli(*args)
-        err = r.stderr.decode()
-        assert r.returncode == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, (args, err)
-    assert ct.status(run)["state"] == "running"        # the run was not killed
-    r = ct.cli("launch", "ct200", "--gpus", "0", "--policy", "eager", "--", b"--x", b"\xff\xfe")
-    assert r.returncode == 2 and b"trainer argument 2 is not UTF-8 text" in r.stderr, r.stderr
-    r = ct.cli("stop", "ct200", run)
-    assert r.returncode == 0 and b"stopped" in r.stdout
 
 
 def test_a_run_that_finishes_after_its_supervisor_was_killed_succeeded(ct):
@@ -292,7 +271,9 @@ def _uninterrupted(ct, run: str, out: Path) -> Path:
 
 def test_resume_of_a_stopped_run_reaches_the_weights_of_an_uninterrupted_run(ct, tmp_path):
     ct.deploy()
-    split = ct.launch("--name", "split", "--", "--steps", "150")
+    # IDLE_RUN: after step 4 it sleeps 0.2 s before each step, so the stop lands mid-run (35 steps, 7 s, to
+    # spare) with the cores left to the test (150 steps at full speed before: the same margin, more CPU)
+    split = ct.launch("--name", "split", *IDLE_RUN, "--", "--steps", "40")
     wait_for(lambda: ct.steps_logged(split) >= 5, what="training steps")
     r = ct.cli("stop", "ct200", split)
     assert r.returncode == 0 and b"stopped" in r.stdout, r.stdout + r.stderr
@@ -310,7 +291,7 @@ def test_resume_of_a_stopped_run_reaches_the_weights_of_an_uninterrupted_run(ct,
     assert rec["attempt"] == 2 and [a["state"] for a in rec["attempts"]] == ["stopped"]
     assert "--resume" in rec["command"] and rec["name"] == "split"
     st = ct.status(split)
-    assert (st["state"], st["step"], st["name"]) == ("succeeded", 150, "split")
+    assert (st["state"], st["step"], st["name"]) == ("succeeded", 40, "split")
     torch, wa = _final_weights(whole)
     _, wb = _final_weights(ct.rundir(split))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -320,7 +301,7 @@ def test_resume_of_a_stopped_run_reaches_the_weights_of_an_uninterrupted_run(ct,
     assert r.returncode == 1 and b"only a stopped, failed or lost run can be resumed" in r.stderr
 
 
-def test_rm_and_prune_refuse_a_running_run_and_say_what_they_free(ct):
+def test_rm_and_prune_refuse_a_running_run_and_say_what_they_free_and_ids_after_dashes_are_no_options(ct):
     ct.deploy()
     done = ct.launch("--", "--steps", "2")
     assert ct.cli("logs", "ct200", done, "--follow").returncode == 0
@@ -328,6 +309,15 @@ def test_rm_and_prune_refuse_a_running_run_and_say_what_they_free(ct):
     wait_for(lambda: ct.steps_logged(running) >= 1, what="training steps")
     r = ct.cli("launch", "ct200", "--gpu-ids", "2", "--policy", "eager")
     assert r.returncode == 2 and b"--gpu-ids 2: ct200 has GPUs 0..1" in r.stderr
+    # a run id after `--` is never an option (this was a test of its own, with a run of its own)
+    for args in (("stop", "ct200", "--", "--force"), ("logs", "ct200", "--", "--no-follow"),
+                 ("logs", "--", "--no-follow"), ("stop", "ct200", "--", "-9")):
+        r = ct.cli(*args)
+        err = r.stderr.decode()
+        assert r.returncode == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, (args, err)
+    assert ct.status(running)["state"] == "running"        # the run was not killed
+    r = ct.cli("launch", "ct200", "--gpus", "0", "--policy", "eager", "--", b"--x", b"\xff\xfe")
+    assert r.returncode == 2 and b"trainer argument 2 is not UTF-8 text" in r.stderr, r.stderr
 
     r = ct.cli("rm", "ct200", running)
     err = r.stderr.decode()
@@ -344,7 +334,8 @@ def test_rm_and_prune_refuse_a_running_run_and_say_what_they_free(ct):
     assert not ct.rundir(done).exists() and ct.status(running)["state"] == "running"
     r = ct.cli("rm", "ct200", done)
     assert r.returncode == 102 and b"no run" in r.stderr
-    assert ct.cli("stop", "ct200", running, "--force").returncode == 0
+    r = ct.cli("stop", "ct200", running, "--force")
+    assert r.returncode == 0 and b"stopped" in r.stdout
     r = ct.cli("rm", "ct200", running)
     assert r.returncode == 0 and f"removed run {running}".encode() in r.stdout and b"freed " in r.stdout
     assert not ct.rundir(running).exists()
