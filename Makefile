@@ -8,7 +8,7 @@ TRAIN_STAMP := $(VENV)/.installed-train
 TORCH  ?= torch==2.13.0
 DFLASH_REF ?= dflash==0.1.0
 
-.PHONY: check test test-fp8 test-speculators test-wandb lint demo venv clean fp8-wheel
+.PHONY: check test bytecode test-fp8 test-speculators test-wandb lint demo venv clean fp8-wheel
 
 venv: $(STAMP)
 
@@ -69,10 +69,10 @@ lint: $(STAMP)
 # The quick room, before every commit: lint, types, the tests marked `quick` by tests/conftest.py (every
 # test that starts no sshd, pct or container and compiles nothing, plus one real-sshd smoke of deploy ->
 # launch -> follow). `make test` runs everything.
-check: lint
+check: lint bytecode
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m quick tests
 
-test: lint
+test: lint bytecode
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder tests
 	$(MAKE) --no-print-directory test-fp8
 	$(MAKE) --no-print-directory test-speculators
@@ -83,6 +83,11 @@ test: lint
 # every process that builds a model (about a second each, and torchao's warnings on stderr), so it is
 # not in the venv the rest of the suite, the demo and the trainer's users run in.
 TORCHAO_DIR := .scratch/torchao
+# The repo's own modules compiled once: under PYTHONDONTWRITEBYTECODE (set in some shells and CI
+# images) each python process the suite starts from this tree would compile what it imports again.
+bytecode: $(STAMP)
+	$(PY) -m compileall -q orchestrator trainer tests benchmarks
+
 test-fp8: $(STAMP)
 	test -d $(TORCHAO_DIR)/torchao || $(PY) -m pip install -q --disable-pip-version-check --no-deps \
 		--target $(TORCHAO_DIR) torchao==$(TORCHAO_VERSION)
