@@ -74,9 +74,9 @@ check: lint bytecode
 
 test: lint bytecode
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder tests
-	$(MAKE) --no-print-directory test-fp8
-	$(MAKE) --no-print-directory test-speculators
-	$(MAKE) --no-print-directory test-wandb
+	# the three suites that need a package the venv lacks, each with its own PYTHONPATH, side by side
+	# (after the main suite, never beside it: docs/decisions.md), each one's output kept together
+	$(MAKE) --no-print-directory -j3 -Otarget test-fp8 test-speculators test-wandb
 
 # --precision fp8's tests with torchao importable, and nothing else: torchao is installed into an
 # ignored folder on their PYTHONPATH only. Wherever torchao is importable, transformers imports it in
