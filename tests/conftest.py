@@ -52,31 +52,38 @@ pcts = _load_fixture("pcts")                  # the handles the tests drive them
 # the current figures; this list's earlier ones are in this file's git history): re-measure and
 # reorder when a file's cost changes much. Each line says what makes the file long.
 SLOW_FILES = (
-    "test_controller_signals.py",   # launch/regen/follow interrupted, a private sshd killed and restarted
     "test_real_containers.py",      # real LXC containers (longer on a loaded machine; building the base, once)
     "test_probe_program.py",        # the probe's policy x topology matrix, inductor compiled cold
-    "test_runs_lifecycle.py",       # runs launched, resumed, stopped and removed through the real sshd
-    "test_numerics.py",             # compiled steps against eager (faster with a warm inductor cache)
     "test_bench_decode_remote.py",  # bench-decode through the agent, and its kill sequence
-    "test_probe_remote.py",         # the probe through the runs agent
-    "test_play_remote.py",          # playbooks against the real sshd
+    "test_runs_lifecycle.py",       # runs launched, resumed, stopped and removed through the real sshd
+    "test_play_remote.py",          # playbooks against the real sshd, torch installed into a venv
     "test_nodes.py",                # one job over two namespaced nodes, each with its sshd
+    "test_probe_schedule.py",       # timed stand-in cases side by side
+    "test_export_remote.py",        # export streamed from a trained run
+    "test_launch_gate.py",          # the pipeline gate's runs, then the run, through the real sshd
+    "test_controller_signals.py",   # launch/regen/follow interrupted, a private sshd killed and restarted
     "test_trainer_topology.py",     # threads against torchrun ranks
+    "test_launch_safety.py",        # launches whose agent is killed; reconnects
+    "test_gate.py",                 # the pipeline gate: trainer, export and three decoders, for real
+    "test_job_ends_as_one.py",      # two-node jobs over loopback gloo, each failure ended
+    "test_probe_remote.py",         # the probe through the runs agent
+    "test_numerics.py",             # compiled steps against eager (after the probe: its inductor graphs)
+    "test_trainer_e2e.py",          # the trainer end to end
+    "test_export_signals.py",       # exports interrupted at each side
+    "test_small_target.py",         # the small real target, regen and specdec
+    "test_trainer_run.py",          # trainer runs in this process and as programs
+    "test_tensorboard.py",          # a run's event files brought home, a real TensorBoard serving them
+    "test_regen_remote.py",         # regen launched as a run
+    "test_train_step_bench.py",     # the train-step benchmark
+    "test_transport_ssh.py",        # the ssh transport against the real sshd, silent hosts included
+    "test_export_parity.py",        # an export against the reference implementation
     "test_distill.py",              # two trainer runs, a trace
     "test_muon.py",                 # torchrun against threads, two runs
-    "test_dpace.py",                # a trainer run, a trace
-    "test_export_remote.py",        # export streamed from a trained run
-    "test_regen_remote.py",         # regen launched as a run
-    "test_probe_schedule.py",       # timed stand-in cases side by side
-    "test_job_ends_as_one.py",      # two-node jobs over loopback gloo, each failure ended
-    "test_train_step_bench.py",     # the train-step benchmark
-    "test_trainer_e2e.py",          # the trainer end to end
-    "test_small_target.py",         # the small real target, regen and specdec
-    "test_launch_safety.py",        # launches whose agent is killed; reconnects
-    "test_trainer_kernels.py",      # FlexAttention compiles
     "test_deploy_reliability.py",   # deploy under concurrency, damage and full disks
-    "test_deploy.py",               # deploys through the real sshd
     "test_logs_terminal.py",        # logs followed on a terminal
+    "test_dpace.py",                # a trainer run, a trace
+    "test_trainer_kernels.py",      # FlexAttention compiles
+    "test_deploy.py",               # deploys through the real sshd
 )
 
 
@@ -148,12 +155,14 @@ HEAVY_FILES = ("test_trainer_run.py", "test_heartbeat.py", "test_cpu_shards.py",
                "test_gemm_bench.py", "test_gate.py")
 HEAVY_NAMES = ("compile", "inductor")     # a test that compiles: too long for the quick room
 QUICK_SMOKE = "test_runs_lifecycle.py::test_launch_detaches_then_logs_follow_to_success"
+# Early in SLOW_FILES for their long tests, whose short ones (no sshd, no container) stay in the quick room.
+QUICK_TOO = ("test_launch_gate.py", "test_transport_ssh.py")
 
 
 def quick(item) -> bool:
     if item.nodeid.endswith(QUICK_SMOKE):
         return True
-    return (item.path.name not in SLOW_FILES and item.path.name not in HEAVY_FILES
+    return ((item.path.name not in SLOW_FILES or item.path.name in QUICK_TOO) and item.path.name not in HEAVY_FILES
             and not any(word in item.name for word in HEAVY_NAMES)
             and not HEAVY_FIXTURES & set(getattr(item, "fixturenames", ()))
             and item.get_closest_marker("slow") is None and item.get_closest_marker("lxc") is None)

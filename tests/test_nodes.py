@@ -395,8 +395,6 @@ def test_ranks_that_cannot_meet_end_the_job_within_the_mesh_timeout(cluster, tmp
     rank, waiting for ct300 to connect, is not ended by gloo's own timeout (it waited on for minutes).
     It ends as soon as ct300's failure is recorded in the job's store (at the latest at the mesh
     timeout), naming it, and `logs` ends with the first failure named."""
-    import time
-
     import yaml
 
     quick = {"DFLASH_MESH_TIMEOUT_S": "15"}
@@ -408,10 +406,10 @@ def test_ranks_that_cannot_meet_end_the_job_within_the_mesh_timeout(cluster, tmp
     assert r.returncode == 0, r.stderr.decode()
     run = r.stdout.decode().strip()
     cluster.launched.append(run)
-    start = time.monotonic()
+    # before, gloo's own timeout held ct200's rank for many minutes: the call's timeout would end the test
     logs = cluster.cli("logs", "ct200", run, inventory=path, timeout=170)
     out, err = logs.stdout.decode(), logs.stderr.decode()
-    assert logs.returncode == 100 and time.monotonic() - start < 150, err[-3000:]
+    assert logs.returncode == 100, err[-3000:]
     cluster.ended(run)
     assert f"run {run}: failed on 2 nodes" in err and "first failure: ct300/rank1: " in err, err[-3000:]
     assert "[ct200/rank0] [trainer] rank 0: ending (exit 3): rank 1 (node 10.213." in out, out[-3000:]

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -125,12 +126,25 @@ def test_a_failing_worker_fails_the_case_without_hanging(monkeypatch):
         probe_case.run_case("eager", "threads", 2, steps=1, device_kind="cpu")
 
 
-def test_run_isolated_reports_signals_and_kills_hangs():
+@pytest.mark.timeout(120)     # a run_isolated that waited for the hung case (or its child holding the pipe) hangs
+def test_run_isolated_reports_signals_and_kills_hangs(tmp_path):
     seg = probe.run_isolated([sys.executable, "-X", "faulthandler", "-c",
                               "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"], 30)
     assert seg["exit_code"] == -11 and "Fatal Python error: Segmentation fault" in seg["output"]
-    hang = probe.run_isolated(["bash", "-c", "sleep 60 & sleep 60"], 1.5)
-    assert hang["timed_out"] and hang["exit_code"] is None and hang["seconds"] < 10
+    pids = tmp_path / "pids"
+    hang = probe.run_isolated(["bash", "-c", f"sleep 600 & echo $! >{pids}; echo $$ >>{pids}; sleep 600"], 1.5)
+    assert hang["timed_out"] and hang["exit_code"] is None
+    for pid in map(int, pids.read_text().split()):      # the case and the child it left, both killed
+        while not _gone(pid):
+            time.sleep(0.05)
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie its parent has not reaped yet counts)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 # ---- build expectations, modes, the saved result --------------------------------------------

@@ -66,7 +66,7 @@ def test_probe_through_ssh_and_pct_matches_the_documented_shape_and_its_verdict_
     assert len(list(shared.glob("*.json"))) == 1
     second, err = probe("ct202")
     assert second["reused_cases"] == ["eager threads"] and "reused: the verdict of" in err
-    assert second["cases"][0]["step_ms"] == cases[("eager", "threads")]["step_ms"] and second["seconds"] < 30
+    assert second["cases"][0]["step_ms"] == cases[("eager", "threads")]["step_ms"]    # the saved verdict, not run again
     assert second["policy"] == "eager"
     fresh, err = probe("ct202", "--fresh")
     assert fresh["reused_cases"] == [] and "reused" not in err

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -286,16 +285,14 @@ def test_a_hard_stopped_container_ends_the_follow_and_the_run_is_lost(ct):
     assert rec["boot"] == _boot(ct), rec
     follow, out = _follow(ct, run)
     try:
-        stopped = time.monotonic()
         ct.pct.stop(VMID)
-        _, err = follow.communicate(timeout=120)
-        took = time.monotonic() - stopped
+        _, err = follow.communicate(timeout=120)     # a retry loop would run into this, or say its retries
     finally:
         follow.kill()
     # The stream's agent died with the container (lxc-attach: 137); pct status says it is stopped: the run
     # ended with it. One line, exit 104 (README "Exit codes"), no retry loop, no note before it.
     lines = err.decode().strip().splitlines()
-    assert follow.returncode == 104 and took < 30, (follow.returncode, took, err)
+    assert follow.returncode == 104, (follow.returncode, err)
     assert len(lines) == 1 and lines[0].startswith(_container_line(run)), lines
     assert "steps " in lines[0] and "steps -" not in lines[0], lines    # where it was, from the log it streamed
 
@@ -520,11 +517,14 @@ def test_realpct_has_pcts_semantics(lxcpct, make_lxc_inventory, tmp_path):
     r = lxcpct.run("exec", 232, "--", "sh", "-c", "echo $SSL_CERT_FILE; echo $X", env=env)
     assert r.stdout == b"\nkept\n"                       # keep-env 1 by default; SSL_CERT_FILE removed
 
-    # `stop` is hard: a process that ignores SIGTERM and SIGPWR is gone at once
-    lxcpct.run("exec", 232, "--", "sh", "-c", "trap '' TERM PWR; sleep 600 >/dev/null 2>&1 & echo $!")
-    started = time.monotonic()
+    # `stop` is hard: no process is asked first (a trap of SIGTERM or SIGPWR never runs), all are SIGKILLed;
+    # `shutdown` below, clean, sends SIGTERM first (the same trap runs there)
+    r = lxcpct.run("exec", 232, "--", "sh", "-c",
+                   "(trap 'echo asked > /srv/ct/stop-asked; exit 0' TERM PWR; while :; do sleep 0.1; done) "
+                   ">/dev/null 2>&1 & echo started")
+    assert r.stdout == b"started\n"
     lxcpct.stop(232)
-    assert lxcpct.status(232) == "stopped" and time.monotonic() - started < 30     # a clean one waits 60 s
+    assert lxcpct.status(232) == "stopped" and not (share / "stop-asked").exists()
     r = lxcpct.run("exec", 232, "--", "true")
     assert r.returncode == 255 and r.stderr == b"container '232' not running!\n"
     r = lxcpct.run("push", 232, src, "/root/x")

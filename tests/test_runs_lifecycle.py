@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -97,11 +96,9 @@ def test_launch_refusals_say_what_to_do(ct):
 
 def test_launch_detaches_then_logs_follow_to_success(ct, tmp_path):
     ct.deploy()
-    start = time.monotonic()
     run = ct.launch("--", "--steps", "20")
-    launched_in = time.monotonic() - start
     # The SSH session that launched has ended (the CLI returned) while the run goes on.
-    assert launched_in < 60 and ct.status(run)["state"] == "running"
+    assert ct.status(run)["state"] == "running"
     rec = ct.record(run)
     assert rec["release"] and rec["command"][1:3] == ["-m", "trainer"] and rec["gpus"] == 0
     assert rec["config"]["file"].endswith("/tiny.yaml")
@@ -225,10 +222,9 @@ def test_a_stopped_container_is_a_clear_error_not_a_retry_loop(ct):
     ct.deploy()
     ct.pct.stop(200)
     for args in (("logs", "ct200"), ("status", "ct200"), ("stop", "ct200")):
-        start = time.monotonic()
-        r = ct.cli(*args)
+        r = ct.cli(*args)      # a retry loop would run into the call's timeout, or say its retries
         assert r.returncode == 1 and b"container 200" in r.stderr, (args, r.stderr)
-        assert time.monotonic() - start < 30 and b"Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and b"Traceback" not in r.stderr, (args, r.stderr)
 
 
 def test_a_run_that_finishes_after_its_supervisor_was_killed_succeeded(ct):

@@ -123,9 +123,7 @@ def test_the_target_is_an_hf_folder_built_once(cache, target):
     assert target.tokenizer.mask_token == small_lm.MASK and target.mask_token_id() == target.tokenizer.mask_token_id
     assert target.tokenizer.chat_template == small_lm.CHAT_TEMPLATE
     assert target.eos_ids() == {target.tokenizer.convert_tokens_to_ids(small_lm.EOT)}
-    t0 = time.time()
-    assert small_lm.ensure("smoke", log=lambda s: pytest.fail(s)) == folder  # cached: no rebuild
-    assert time.time() - t0 < 5
+    assert small_lm.ensure("smoke", log=lambda s: pytest.fail(s)) == folder  # cached: no rebuild (a build logs)
     assert not [p for p in root.iterdir() if p.name.startswith(".tmp-") and p.is_dir()]  # no temp left
 
 

@@ -6,7 +6,6 @@ bootstrap that resamples rounds instead of prompts (the mistake it replaces) is 
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pytest
@@ -114,9 +113,10 @@ def test_timings_must_come_in_pairs_with_one_value_per_prompt():
         cluster_bootstrap([[1], [2]], alone_s=[1.0, 0.0], spec_s=[1.0, 2.0])
 
 
-def test_ten_thousand_resamples_of_300_prompts_are_fast():
+# about 0.1 s vectorised; resampling prompt by prompt in Python (120 M additions) would take minutes
+@pytest.mark.timeout(60)
+def test_ten_thousand_resamples_of_300_prompts_are_vectorised():
     rng = np.random.default_rng(0)
     data = [list(rng.integers(1, 9, size=40)) for _ in range(300)]
-    t0 = time.perf_counter()
-    cluster_bootstrap(data, alone_s=rng.uniform(1, 2, 300), spec_s=rng.uniform(0.3, 1, 300))
-    assert time.perf_counter() - t0 < 2  # about 0.1 s; generous for a loaded machine
+    out = cluster_bootstrap(data, alone_s=rng.uniform(1, 2, 300), spec_s=rng.uniform(0.3, 1, 300))
+    assert out["speedup_ci95"][0] < out["speedup"] < out["speedup_ci95"][1]

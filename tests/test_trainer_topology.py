@@ -107,12 +107,11 @@ def test_flat_gradients_stay_in_place_and_the_reduce_sums_bit_identically():
         assert float((p.grad - e).abs().max()) <= bound(torch.float32, 3 * 4, float(e.abs().max()))
 
 
+@pytest.mark.timeout(120)      # a run that waited on its failed worker would hang here
 def test_a_worker_that_fails_in_warm_up_ends_the_run_with_its_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(*faults.setting(fail_worker="1"))
     out = tmp_path / "run"
-    t = time.monotonic()
     assert train(out, *STEPS, "--workers", "2") == 1
-    assert time.monotonic() - t < 60
     err = capsys.readouterr().err
     assert "Traceback" in err and "RuntimeError: test hook" in err  # the worker's own traceback, in the log
     assert err.strip().splitlines()[-1].startswith("trainer: error: worker 1 (cpu) failed during warm-up: RuntimeError")
@@ -123,11 +122,10 @@ def test_a_worker_that_fails_in_warm_up_ends_the_run_with_its_error(tmp_path, mo
 
 
 def test_a_worker_that_hangs_in_warm_up_ends_the_run_at_the_timeout(tmp_path):
-    t = time.monotonic()
+    # the worker hangs for an hour: ended by the 2 s warm-up timeout (its words below), or by the call's
     p = python_m_trainer(tmp_path / "run", *STEPS, "--workers", "2", "--warmup-timeout", "2",
                          env=faults.env(fail_worker="1:hang"), timeout=120)
     assert p.returncode == 1, p.stderr[-2000:]
-    assert time.monotonic() - t < 90
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("trainer: error: worker 1 (cpu) did not become ready within 2 s"), p.stderr[-2000:]
     assert "time.sleep(3600)" in p.stderr  # where the hung worker was
