@@ -72,8 +72,8 @@ lint: $(STAMP)
 check: lint bytecode
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m quick tests
 
-# Three workers on 2 cores: a third of the suite's time its processes wait (on a trainer, an sshd, a
-# container), and no test times anything a loaded machine can move (docs/decisions.md).
+# Three workers on 2 cores: the suite's processes often wait (on a trainer, an sshd, a container), and
+# no test times anything a loaded machine can move (docs/decisions.md has the figures).
 test: lint bytecode
 	$(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder tests
 	# the three suites that need a package the venv lacks, each with its own PYTHONPATH, side by side

@@ -269,8 +269,8 @@ def _uninterrupted(ct, run: str, out: Path) -> Path:
 
 def test_resume_of_a_stopped_run_reaches_the_weights_of_an_uninterrupted_run(ct, tmp_path):
     ct.deploy()
-    # IDLE_RUN: after step 4 it sleeps 0.2 s before each step, so the stop lands mid-run (35 steps, 7 s, to
-    # spare) with the cores left to the test (150 steps at full speed before: the same margin, more CPU)
+    # IDLE_RUN: after step 4 it sleeps 0.2 s before each step, so the stop lands mid-run (35 steps of them
+    # to spare) with the cores left to the test (150 steps at full speed before: the same margin, more CPU)
     split = ct.launch("--name", "split", *IDLE_RUN, "--", "--steps", "40")
     wait_for(lambda: ct.steps_logged(split) >= 5, what="training steps")
     r = ct.cli("stop", "ct200", split)

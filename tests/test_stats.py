@@ -113,7 +113,7 @@ def test_timings_must_come_in_pairs_with_one_value_per_prompt():
         cluster_bootstrap([[1], [2]], alone_s=[1.0, 0.0], spec_s=[1.0, 2.0])
 
 
-# about 0.1 s vectorised; resampling prompt by prompt in Python (120 M additions) would take minutes
+# vectorised, a moment; resampling prompt by prompt in Python would take minutes
 @pytest.mark.timeout(60)
 def test_ten_thousand_resamples_of_300_prompts_are_vectorised():
     rng = np.random.default_rng(0)

@@ -20,7 +20,8 @@ RUN = ["--target", "tiny", "--data", "synthetic", "--steps", "200", "--lr", "5e-
        "--block-size", "8", "--anchors", "16", "--synthetic-samples", "768", "--synthetic-new-tokens", "64",
        "--draft-layers", "2", "--cpu-threads", "1", "--eval-prompts", "8", "--eval-new-tokens", "64",
        "--eval-at-start", "--log-every", "10", "--checkpoint-every", "100", "--adam-beta2", "0.95",
-       # one eval mid-run, not auto's nine (each ~2 s on a CPU): the run still stops to measure tau and trains on
+       # one eval mid-run, not auto's nine (each decodes every eval prompt): the run still stops to measure tau
+       # and trains on
        "--eval-every", "100"]
 STEP_KEYS = {"step", "loss", "accuracy", "acc_per_position", "lr", "grad_norm", "tokens_per_s", "samples_per_s"}
 
