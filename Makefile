@@ -8,7 +8,7 @@ TRAIN_STAMP := $(VENV)/.installed-train
 TORCH  ?= torch==2.13.0
 DFLASH_REF ?= dflash==0.1.0
 
-.PHONY: check test bytecode test-fp8 test-speculators test-wandb lint demo venv clean fp8-wheel
+.PHONY: check test suite bytecode test-fp8 test-speculators test-wandb lint demo venv clean fp8-wheel
 
 venv: $(STAMP)
 
@@ -60,25 +60,26 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
-# Lint first, then two pytest workers, one test file each at a time (module fixtures stay within one
-# worker): the suite waits on sshd, subprocesses and torch start-ups more than it computes, but on 2
-# cores a third worker slows the compiling files as much as it gains elsewhere (docs/decisions.md,
-# "The test suite and the demo"; the suite's times are in docs/benchmarks.md).
-# Files go out in collection order, where tests/conftest.py puts the slowest first (SLOW_FILES), not
-# xdist's own (most tests first), which left the long files of few tests to the end.
 # The quick room, before every commit: lint, types, the tests marked `quick` by tests/conftest.py (every
 # test that starts no sshd, pct or container and compiles nothing, plus one real-sshd smoke of deploy ->
 # launch -> follow). `make test` runs everything.
 check: lint bytecode
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m quick tests
 
-# Three workers on 2 cores: the suite's processes often wait (on a trainer, an sshd, a container), and
-# no test times anything a loaded machine can move (docs/decisions.md has the figures).
-test: lint bytecode
-	$(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder tests
-	# the three suites that need a package the venv lacks, each with its own PYTHONPATH, side by side
-	# (after the main suite, never beside it: docs/decisions.md), each one's output kept together
+# Everything: lint and types beside the start of the main suite, then the three suites that need a
+# package the venv lacks, each with its own PYTHONPATH, side by side (after the main suite, never beside
+# it: docs/decisions.md), each one's output kept together.
+test: bytecode
+	$(MAKE) --no-print-directory -j2 lint suite
 	$(MAKE) --no-print-directory -j3 -Otarget test-fp8 test-speculators test-wandb
+
+# The main suite: three pytest workers, one test file each at a time (module fixtures stay within one
+# worker), handed out in collection order, where tests/conftest.py puts the slowest first (SLOW_FILES),
+# not xdist's own (most tests first), which left the long files of few tests to the end. Three on 2
+# cores: the suite's processes often wait (on a trainer, an sshd, a container), and no test times
+# anything a loaded machine can move (docs/decisions.md has the figures; docs/benchmarks.md the times).
+suite: bytecode
+	$(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder tests
 
 # --precision fp8's tests with torchao importable, and nothing else: torchao is installed into an
 # ignored folder on their PYTHONPATH only. Wherever torchao is importable, transformers imports it in
