@@ -232,7 +232,6 @@ def test_a_held_stdin_stays_open_while_the_command_runs_and_an_interrupt_hangs_u
     for the command's end."""
     import os
     import signal
-    import threading
 
     session, target = ct
     t = LocalTransport() if where == "local" else session.transport(target)
@@ -243,15 +242,19 @@ def test_a_held_stdin_stays_open_while_the_command_runs_and_an_interrupt_hangs_u
     assert t.run(probe, stdin=Hold(b"abc")).stdout == b"open\n"
 
     hold, seen = Hold(b"abc", grace_s=30), []
-    ends = [sys.executable, "-c", "import os, time; os.read(0, 3); os.read(0, 1); time.sleep(0.3); print('ended')"]
-    ctrl_c = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
-    ctrl_c.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            t.run(ends, stdin=hold, stdout=seen.append)
-    finally:
-        ctrl_c.cancel()
-    assert hold.ended is True and b"".join(seen) == b"ended\n"
+    ends = [sys.executable, "-c", "import os, time; os.read(0, 3); print('ready', flush=True); os.read(0, 1); "
+            "time.sleep(0.3); print('ended')"]
+
+    def out(data: bytes) -> None:
+        """The command's output; Ctrl-C once it runs and has read its data (not after a guessed delay: a
+        loaded machine may not have started it yet, and a hold ended first never starts it)."""
+        seen.append(data)
+        if b"".join(seen) == b"ready\n":
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        t.run(ends, stdin=hold, stdout=out)
+    assert hold.ended is True and b"".join(seen) == b"ready\nended\n"
 
 
 def test_a_host_that_never_speaks_ssh_fails_fast_in_one_line(sshd, fakepct, make_inventory, tmp_path):
