@@ -2,8 +2,7 @@
 
 UsageError and policy errors (bad input) -> one line on stderr, exit 2, no traceback.
 TrainerError -> one line, exit 1. Anything else -> its traceback (the log is scanned for failure
-signatures, so tracebacks of real crashes are kept), exit 1: raised on to Python's top level, or in a
-torchrun rank printed here and ended at once, unfinalized.
+signatures, so tracebacks of real crashes are kept), exit 1.
 
 `exit_process` ends the process with a status; a torchrun rank ends without interpreter
 finalization (flush, then os._exit, as every path of the trainer that must skip it).
@@ -41,17 +40,6 @@ def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) 
         return 130
     except BrokenPipeError:
         return EXIT_FAILED
-    except Exception:
-        if not in_rank():
-            raise       # Python's own top level: the traceback, exit 1
-        # A rank ends here, while this frame still holds the failed step's objects: unwinding would free
-        # DDP's process group in this thread while gloo's threads still work on it, and finalizing the
-        # interpreter the same (exit_process says why); either can abort the rank (SIGABRT) after its
-        # error is recorded, and the run's status is then the signal's, not its error's.
-        import traceback
-
-        traceback.print_exc()
-        exit_process(EXIT_FAILED, finalize=False)
 
 
 def report(e: TrainerError, where: str = "") -> None:
