@@ -99,10 +99,3 @@ def ended(wd, run, timeout=30):
     return wait_for(lambda: (wd / "runs" / run / "exit.json").exists(), timeout, f"{run} to end")
 
 
-def _gone(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")

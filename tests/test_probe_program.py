@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +15,7 @@ import torch
 from trainer import faults, policies
 from trainer.probe import program as probe, build as probe_build, case as probe_case
 from trainer.signatures import load_catalog
+from trainer_quick import gone, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = Path(__file__).resolve().parent / "data" / "signatures"
@@ -135,16 +135,7 @@ def test_run_isolated_reports_signals_and_kills_hangs(tmp_path):
     hang = probe.run_isolated(["bash", "-c", f"sleep 600 & echo $! >{pids}; echo $$ >>{pids}; sleep 600"], 1.5)
     assert hang["timed_out"] and hang["exit_code"] is None
     for pid in map(int, pids.read_text().split()):      # the case and the child it left, both killed
-        while not _gone(pid):
-            time.sleep(0.05)
-
-
-def _gone(pid: int) -> bool:
-    """The process has exited (a zombie its parent has not reaped yet counts)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+        wait_for(lambda: gone(pid), what=f"process {pid} to be killed")
 
 
 # ---- build expectations, modes, the saved result --------------------------------------------

@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
-from runs_agent_stub import SOURCE, _gone, _json, agent, ended, launch, state
-from trainer_quick import wait_for
+from runs_agent_stub import SOURCE, _json, agent, ended, launch, state
+from trainer_quick import gone, wait_for
 
 
 def test_the_joined_program_answers_usage_and_unknown_commands(tmp_path):
@@ -33,7 +33,7 @@ def test_launch_returns_at_once_and_records_the_run(wd, tmp_path):
     doc = launch(wd, "r-a", extra=["--steps", "2000", "--sleep", "0.02"], config_text="steps: 3\n",
                  config_name=cfg.name, target="ct200")
     run = wd / "runs" / "r-a"
-    assert not (run / "exit.json").exists() and not _gone(doc["pid"]), "launch waited for the run to end"
+    assert not (run / "exit.json").exists() and not gone(doc["pid"]), "launch waited for the run to end"
     assert doc["ok"] and doc["pid"] > 0 and doc["slots"] == ["cpu"] and doc["commit"] == "abc1234"
     rec = _json(run / "run.json")
     assert rec["pid"] == doc["pid"] == int((run / "pid").read_text())
@@ -222,7 +222,7 @@ def _kill_supervisor(wd, run):
 
 def test_a_run_outlives_its_killed_supervisor_and_is_judged_by_its_log(wd):
     rec = _kill_supervisor(wd, launch(wd, "k-a", extra=["--steps", "60", "--sleep", "0.01"])["run"])
-    wait_for(lambda: _gone(rec["pid"]), what="the trainer to finish")
+    wait_for(lambda: gone(rec["pid"]), what="the trainer to finish")
     st = state(wd, "k-a")
     assert (st["state"], st["step"], st["exit"]["lost"], st["exit"]["exit_code"]) == ("succeeded", 60, False, 0)
     assert "`done` event" in st["exit"]["reason"]
@@ -230,12 +230,12 @@ def test_a_run_outlives_its_killed_supervisor_and_is_judged_by_its_log(wd):
     rec = _kill_supervisor(wd, launch(wd, "k-b", extra=["--steps", "5000"])["run"])
     wait_for(lambda: b'"step": 2' in (wd / "runs" / "k-b" / "train.log").read_bytes())
     os.killpg(rec["pid"], signal.SIGTERM)                # it checkpoints and logs `stopped`
-    wait_for(lambda: _gone(rec["pid"]), what="the trainer to stop")
+    wait_for(lambda: gone(rec["pid"]), what="the trainer to stop")
     assert state(wd, "k-b")["state"] == "stopped"
 
     rec = _kill_supervisor(wd, launch(wd, "k-c", extra=["--steps", "5000"])["run"])
     os.killpg(rec["pid"], signal.SIGKILL)                # lost for real
-    wait_for(lambda: _gone(rec["pid"]), what="the trainer to die")
+    wait_for(lambda: gone(rec["pid"]), what="the trainer to die")
     first = state(wd, "k-c")
     assert first["state"] == "lost" and first["exit"]["lost"]
     time.sleep(1.2)
@@ -490,9 +490,9 @@ def test_an_unreadable_run_whose_slot_a_live_process_holds_is_not_removed(wd):
     assert doc["removed"] == [] and doc["refused"] == [{"run": "l-a", "state": "running", "name": None}]
     lock = json.loads((wd / "locks" / "cpu.json").read_text())
     os.kill(lock["pid"], signal.SIGKILL)
-    wait_for(lambda: _gone(lock["pid"]), 10, "the trainer to die")
+    wait_for(lambda: gone(lock["pid"]), 10, "the trainer to die")
     os.kill(lock["supervisor_pid"], signal.SIGKILL)
-    wait_for(lambda: _gone(lock["supervisor_pid"]), 10, "the supervisor to die")
+    wait_for(lambda: gone(lock["supervisor_pid"]), 10, "the supervisor to die")
     doc = json.loads(agent("rm", wd, "--", "l-a").stdout)
     assert [r["run"] for r in doc["removed"]] == ["l-a"]
 

@@ -93,6 +93,11 @@ def copy_trainer(root: Path) -> Path:
     return root
 
 
+def gone(pid: int) -> bool:
+    """The process has ended: no such process, or a zombie its parent has not reaped yet."""
+    return procs.table().get(pid, (0, "Z"))[1] in ("Z", "X")
+
+
 def wait_for(pred, timeout: float = 120, what: str = "condition", every: float = 0.05):
     """pred()'s first truthy value, polled every `every` s; AssertionError after `timeout` s."""
     import time
