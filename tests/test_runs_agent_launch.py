@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from runs_agent_stub import SOURCE, _gone, _json, agent, ended, launch, state
-from trainer_quick import wait_for
+from runs_agent_stub import SOURCE, _json, agent, ended, launch, state
+from trainer_quick import gone, wait_for
 
 
 # ---- the launch sequence, killed at each of its points ------------------------------------------
@@ -33,7 +33,7 @@ def _procs_of(run):
             argv = (p / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"DFLASH_OPS_RUN={run}".encode() in env and argv[0] and not _gone(int(p.name)):
+        if f"DFLASH_OPS_RUN={run}".encode() in env and argv[0] and not gone(int(p.name)):
             found[int(p.name)] = [a.decode() for a in argv if a]
     return found
 
